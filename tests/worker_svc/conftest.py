@@ -1,0 +1,25 @@
+"""Tiny DeepSeek-V3 checkpoints, written once per session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker_svc.tiny_model import write_tiny_checkpoint, write_variant_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny checkpoint: 2 layers, n_group 2, plain RoPE."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The second config: 3 layers, YaRN, n_group 4 / topk_group 2, q_lora_rank null."""
+    return write_variant_checkpoint(tmp_path_factory.mktemp("variant"))
+
+
+@pytest.fixture(params=["tiny", "variant"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_dir")

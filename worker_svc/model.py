@@ -1,0 +1,386 @@
+"""DeepSeek-V3 (model_type deepseek_v3) forward pass in plain PyTorch.
+
+MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
+output, DeepSeek's "absorb" mode), sigmoid-scored group-limited MoE with shared experts,
+YaRN RoPE. Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
+so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    """Hyper-parameters of a DeepSeek-V3 model, built from config.json by `from_config`.
+
+    dim/inter_dim/moe_inter_dim: hidden, dense-MLP and per-expert MLP widths.
+    n_layers: decoder layers (MTP layers stored past them are not part of the model).
+    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace).
+    q_lora_rank: rank of the query compression; 0 means a plain q_proj.
+    kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by heads.
+    n_expert_groups/n_limited_groups: experts are chosen only inside the top `n_limited_groups`
+    groups (n_group/topk_group); route_scale multiplies the normalised routing weights.
+    rope_factor/original_seq_len/beta_*/mscale*: YaRN; rope_factor 1 means plain RoPE.
+    """
+
+    vocab_size: int = 129280
+    dim: int = 7168
+    inter_dim: int = 18432
+    n_layers: int = 61
+    n_heads: int = 128
+    max_seq_len: int = 4096
+    rms_norm_eps: float = 1e-6
+    # mla
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # moe
+    moe_inter_dim: int = 2048
+    n_dense_layers: int = 3
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 8
+    n_expert_groups: int = 8
+    n_limited_groups: int = 4
+    norm_topk_prob: bool = True
+    route_scale: float = 2.5
+    # yarn
+    rope_theta: float = 10000.0
+    rope_factor: float = 1.0
+    original_seq_len: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        assert self.n_routed_experts % self.n_expert_groups == 0, f"n_group={self.n_expert_groups}"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """Map HF config.json keys onto ModelArgs; unknown keys are ignored."""
+        rope = config.get("rope_scaling") or {}
+        rope_type = rope.get("type", rope.get("rope_type", "default"))
+        if rope_type not in ("yarn", "default"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only yarn)")
+        yarn = rope_type == "yarn"
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            inter_dim=config["intermediate_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            max_seq_len=config["max_position_embeddings"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            q_lora_rank=config.get("q_lora_rank") or 0,
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            moe_inter_dim=config["moe_intermediate_size"],
+            n_dense_layers=config.get("first_k_dense_replace", 0),
+            n_routed_experts=config["n_routed_experts"],
+            n_shared_experts=config.get("n_shared_experts", 0),
+            n_activated_experts=config["num_experts_per_tok"],
+            n_expert_groups=config.get("n_group") or 1,
+            n_limited_groups=config.get("topk_group") or 1,
+            norm_topk_prob=config.get("norm_topk_prob", True),
+            route_scale=config.get("routed_scaling_factor", 1.0),
+            rope_theta=config.get("rope_theta", 10000.0),
+            rope_factor=rope.get("factor", 1.0) if yarn else 1.0,
+            original_seq_len=rope.get("original_max_position_embeddings", config["max_position_embeddings"]),
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            mscale=rope.get("mscale") or 0.0,
+            mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
+        )
+
+
+# ---------------------------------------------------------------------------------------- rope
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
+    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2].
+
+    YaRN blends interpolated and extrapolated frequencies across the correction range and
+    scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), as HF does.
+    """
+    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    attention_factor = 1.0
+    if factor > 1:
+
+        def correction_dim(num_rotations: float) -> float:
+            return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(args.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001), 0, 1)
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+        if args.mscale and args.mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, attention_factor), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [B, S, H, rope_dim]; freqs_cis: [B, S, rope_dim/2].
+
+    HF's `apply_rotary_pos_emb_interleave` returns the same pairs de-interleaved ([evens, odds]);
+    both q and k get one layout, so every q.k dot product is identical.
+    """
+    dtype = x.dtype
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    y = torch.view_as_real(xc * freqs_cis.unsqueeze(2)).flatten(3)
+    return y.to(dtype)
+
+
+# ------------------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class KVCache:
+    """The MLA cache of a batch of sequences: only the compressed latent per token per layer.
+
+    latent: [n_layers, B, max_seq_len, kv_lora_rank] (after kv_a_layernorm);
+    k_pe:   [n_layers, B, max_seq_len, qk_rope_head_dim] (after RoPE).
+    Allocated by `Transformer.setup_cache`; a scheduler owns one per sequence (or per batch).
+    """
+
+    def __init__(self, args: ModelArgs, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
+        assert max_seq_len <= args.max_seq_len, f"max_seq_len={max_seq_len} > {args.max_seq_len}"
+        shape = (args.n_layers, batch_size, max_seq_len)
+        self.latent = torch.zeros(*shape, args.kv_lora_rank, dtype=dtype, device=device)
+        self.k_pe = torch.zeros(*shape, args.qk_rope_head_dim, dtype=dtype, device=device)
+        self.max_seq_len = max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes + self.k_pe.nbytes
+
+
+class MLA(nn.Module):
+    """Multi-head Latent Attention; decode attends over the latent cache without expanding it."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.n_heads = args.n_heads
+        if args.q_lora_rank:
+            self.q_a_proj = _linear(args.dim, args.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = _linear(args.q_lora_rank, args.n_heads * args.qk_head_dim)
+        else:
+            self.q_proj = _linear(args.dim, args.n_heads * args.qk_head_dim)
+        self.kv_a_proj_with_mqa = _linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
+        self.kv_b_proj = _linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim))
+        self.o_proj = _linear(args.n_heads * args.v_head_dim, args.dim)
+        self.softmax_scale = args.qk_head_dim**-0.5
+        if args.rope_factor > 1 and args.mscale_all_dim:
+            self.softmax_scale *= yarn_get_mscale(args.rope_factor, args.mscale_all_dim) ** 2
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.args.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def forward(
+        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None, cache: KVCache
+    ) -> torch.Tensor:
+        a = self.args
+        bsz, seqlen, _ = x.shape  # x: [B, S, dim]
+        end_pos = start_pos + seqlen
+        q = self._query(x).view(bsz, seqlen, self.n_heads, a.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [B, S, H, r]
+        kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)  # [B, S, r]
+        latent_cache, pe_cache = cache.latent[self.layer_id, :bsz], cache.k_pe[self.layer_id, :bsz]
+        latent_cache[:, start_pos:end_pos] = self.kv_a_layernorm(kv)
+        pe_cache[:, start_pos:end_pos] = k_pe
+        latent, pe = latent_cache[:, :end_pos], pe_cache[:, :end_pos]  # [B, T, c], [B, T, r]
+
+        # absorb kv_b_proj: q_nope -> latent space, attention output latent -> v
+        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
+        q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
+        scores = torch.einsum("bshc,btc->bsht", q_nope, latent) + torch.einsum("bshr,btr->bsht", q_pe, pe)
+        scores = scores * self.softmax_scale
+        if mask is not None:
+            scores = scores + mask.unsqueeze(1)  # mask: [S, T]
+        scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        out = torch.einsum("bsht,btc->bshc", scores, latent)
+        out = torch.einsum("bshc,hdc->bshd", out, wkv_b[:, a.qk_nope_head_dim :])  # [B, S, H, d_v]
+        return self.o_proj(out.flatten(2))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense layers, each routed expert and the shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = _linear(dim, inter_dim)
+        self.up_proj = _linear(dim, inter_dim)
+        self.down_proj = _linear(inter_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+Expert = MLP
+
+
+class Gate(nn.Module):
+    """Router: sigmoid scores; the bias only steers selection; group-limited top-k (noaux_tc)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
+        a = self.args
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        if a.n_expert_groups > 1:
+            grouped = biased.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            top_groups = group_scores.topk(a.n_limited_groups, dim=-1)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = biased.topk(a.n_activated_experts, dim=-1)[1]
+        weights = scores.gather(1, indices)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * a.route_scale).type_as(x), indices
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Gate(args)
+        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim) for _ in range(args.n_routed_experts))
+        self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # [T, dim]
+        weights, indices = self.gate(x)  # [T, k]
+        # group the (token, slot) pairs by expert: one batched call per expert that got tokens
+        order = indices.flatten().argsort(stable=True)
+        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
+        token_idx = order // indices.size(1)
+        xs = x[token_idx]
+        outs, start = [], 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                outs.append(expert(xs[start : start + n]))
+                start += n
+        routed = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
+        y = torch.zeros_like(x).index_add_(0, token_idx, routed)
+        return (y + self.shared_experts(x)).view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.self_attn = MLA(args, layer_id)
+        self.mlp = MLP(args.dim, args.inter_dim) if layer_id < args.n_dense_layers else MoE(args)
+        self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None, cache: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start_pos, freqs_cis, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids in, last-position logits out; state lives in the KVCache passed to forward."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.lm_head = _linear(args.dim, args.vocab_size)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute non-persistent buffers (after building on the meta device and loading weights)."""
+        self.freqs_cis = precompute_freqs_cis(self.args).to(device)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        """Allocate the latent cache for `batch_size` sequences of up to `max_seq_len` tokens."""
+        return KVCache(self.args, batch_size, max_seq_len, self.lm_head.weight.dtype, self.lm_head.weight.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
+        """tokens: [B, S] at positions start_pos..start_pos+S-1 -> logits of the last position [B, vocab] (fp32).
+
+        Positions before start_pos must already be in `cache` (prefill in chunks or decode one token).
+        """
+        seqlen = tokens.size(1)
+        end_pos = start_pos + seqlen
+        assert end_pos <= cache.max_seq_len, f"end_pos={end_pos} > cache {cache.max_seq_len}"
+        h = self.embed_tokens(tokens)  # [B, S, dim]
+        freqs_cis = self.freqs_cis[start_pos:end_pos].unsqueeze(0)  # [1, S, r/2]
+        mask = None
+        if seqlen > 1:  # query i (position start_pos+i) sees keys 0..start_pos+i
+            mask = torch.full((seqlen, end_pos), float("-inf"), device=tokens.device).triu_(start_pos + 1)
+        for layer in self.layers:
+            h = layer(h, start_pos, freqs_cis, mask, cache)
+        return self.lm_head(self.norm(h[:, -1])).float()
+
+
+def smoke_run() -> torch.Tensor:
+    """A forward pass of a tiny random model: `python -m worker_svc.model`, repeated as a CPU test."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=512, dim=256, inter_dim=512, n_layers=2, n_heads=4, max_seq_len=64,
+                     q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                     moe_inter_dim=64, n_dense_layers=1, n_routed_experts=8, n_activated_experts=2,
+                     n_expert_groups=2, n_limited_groups=1)  # fmt: skip
+    model = Transformer(args)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    cache = model.setup_cache(1, 64)
+    return model(torch.randint(0, 512, (1, 8)), 0, cache)
+
+
+if __name__ == "__main__":
+    print(smoke_run().shape)

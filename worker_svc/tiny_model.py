@@ -1,0 +1,256 @@
+"""Write a tiny random DeepSeek-V3 checkpoint in exactly the real on-disk format.
+
+    python -m worker_svc.tiny_model OUT_DIR
+
+config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
+linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
+e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE tokenizer with
+DeepSeek's special tokens and chat template, and generation_config.json. Reproducible: the same
+call writes byte-identical files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from worker_svc.checkpoint import is_fp8_linear, weight_quant
+from worker_svc.model import ModelArgs, Transformer
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT, PAD = "<｜User｜>", "<｜Assistant｜>", "<｜▁pad▁｜>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT]  # ids 0..4: bos 0, eos 1 as in DeepSeek-V3
+_SEED = 1234
+_BPE_VOCAB_SIZE = 1024
+
+# DeepSeek-V3's template, reduced to system/user/assistant turns (no tool calls).
+CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A language model predicts the next token.
+Mixture-of-experts layers route every token to a few experts; the router scores each expert.
+Multi-head latent attention caches a compressed latent vector instead of full keys and values.
+FP8 weights keep one byte per parameter; a float32 scale per 128x128 block restores the range.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+def forward(self, x): return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : ' " / \\ | _ ~
+深度求索的模型使用混合专家架构。你好，世界！今天天气很好。我们一起学习机器学习和自然语言处理。
+日本語のテキストも少し含めます。こんにちは、お元気ですか。한국어 문장도 있습니다. 안녕하세요.
+Émojis and accents: café, naïve, résumé, façade, Straße, Ωμέγα, Привет мир! 🙂🚀🎉👍🏽❤️🔥
+"""
+
+
+def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
+    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null."""
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 320,  # 2.5 blocks of 128: full and partial FP8 blocks
+        "initializer_range": 0.02,
+        "intermediate_size": 704,
+        "kv_lora_rank": 160,
+        "max_position_embeddings": 2048,
+        "moe_intermediate_size": 192,
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 192,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": 32,
+        "vocab_size": vocab_size,
+    }
+    if variant:
+        config.update(
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=None,
+            rope_scaling={
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "original_max_position_embeddings": 512,
+                "type": "yarn",
+            },
+        )
+    return config
+
+
+# ----------------------------------------------------------------------------------- tokenizer
+
+
+def _corpus_lines() -> list[str]:
+    """The embedded corpus, its upper/title-cased copies and number runs: about 1k merges' worth."""
+    lines = _CORPUS.splitlines()
+    numbers = [" ".join(str(i) for i in range(j, j + 40)) for j in range(0, 1200, 40)]
+    return (lines + [x.upper() for x in lines] + [x.title() for x in lines]) * 4 + numbers
+
+
+def train_tokenizer() -> Tokenizer:
+    """Byte-level BPE over the embedded corpus: every UTF-8 string encodes."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]
+    )
+    return tok
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "model_max_length": 2048,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+# -------------------------------------------------------------------------------------- weights
+
+
+def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights; linear std 1/sqrt(fan_in) so activations stay O(1) and outputs vary."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    state = {}
+    for key, shape in shapes.items():
+        if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif key.endswith("e_score_correction_bias"):
+            t = 0.05 * torch.randn(shape, generator=generator)
+        elif key == "embed_tokens.weight":
+            t = torch.randn(shape, generator=generator)
+        else:
+            t = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+        state["lm_head.weight" if key == "lm_head.weight" else f"model.{key}"] = t
+    return state
+
+
+def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A few tensors of the multi-token-prediction layer that real checkpoints store past the last layer."""
+    prefix = f"model.layers.{args.n_layers}"
+    return {
+        f"{prefix}.enorm.weight": torch.ones(args.dim),
+        f"{prefix}.hnorm.weight": torch.ones(args.dim),
+        f"{prefix}.eh_proj.weight": torch.randn(args.dim, 2 * args.dim, generator=generator) / math.sqrt(2 * args.dim),
+        f"{prefix}.shared_head.norm.weight": torch.ones(args.dim),
+    }
+
+
+def _to_checkpoint_format(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 + scale_inv for the layers' linear weights, float32 routing bias, BF16 for the rest."""
+    out = {}
+    for name, t in state.items():
+        if is_fp8_linear(name):
+            out[name], out[name + "_scale_inv"] = weight_quant(t)
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = t.float()
+        else:
+            out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, seed: int = _SEED) -> Path:
+    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`) to out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    config = tiny_config(tok.get_vocab_size(), variant=variant)
+    args = ModelArgs.from_config(config)
+    generator = torch.Generator().manual_seed(seed + variant)
+    state = _random_state(args, generator) | _mtp_state(args, generator)
+    tensors = _to_checkpoint_format(state)
+    save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # save_file creates it owner-only
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
+                                                 "temperature": 0.6, "top_p": 0.95})  # fmt: skip
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    return out
+
+
+def write_variant_checkpoint(out_dir: str | Path) -> Path:
+    """The second test config: YaRN rope_scaling, n_group 4 / topk_group 2, 3 layers, q_lora_rank null."""
+    return write_tiny_checkpoint(out_dir, variant=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null")
+    ns = parser.parse_args(argv)
+    print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant))
+
+
+if __name__ == "__main__":
+    main()
