@@ -59,9 +59,12 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
             self._proc.terminate()
             self._proc.wait(timeout=10)
+        self._proc.stderr.close()
         self._proc = None
 
     def __enter__(self) -> RedisServer:

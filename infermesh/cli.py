@@ -1,0 +1,53 @@
+"""The entry point every service's ``__main__`` shares: arguments, logging,
+config, tracing and a clean stop on SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import telemetry
+from infermesh.config import ConfigError
+
+C = TypeVar("C")
+
+
+def service_main(name: str, load: Callable[[str | None], C],
+                 serve: Callable[[C], Awaitable[None]], argv: list[str]) -> int:
+    """Runs ``serve(config)`` until a signal; returns the process exit code.
+
+    The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``;
+    a config error is printed (naming file and key) with exit code 2."""
+    parser = argparse.ArgumentParser(prog=f"python -m {name}")
+    parser.add_argument("--config", default=os.environ.get(f"INFERMESH_{name.upper()}_CONFIG"),
+                        help="TOML config file (defaults are built in)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("INFERMESH_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load(args.config)
+    except ConfigError as e:
+        print(f"{name}: config error: {e}", file=sys.stderr)
+        return 2
+    telemetry.setup_tracing(f"infermesh-{name}")
+    try:
+        asyncio.run(_until_signal(serve(config)))
+    finally:
+        telemetry.shutdown_tracing()
+    return 0
+
+
+async def _until_signal(main: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

@@ -1,0 +1,1 @@
+"""The router: worker registry, worker choice and stream relay over gRPC."""

@@ -1,0 +1,10 @@
+"""``python -m worker_svc [--config worker.toml]``"""
+from __future__ import annotations
+
+import sys
+
+from infermesh.cli import service_main
+from worker_svc import config, server
+
+if __name__ == "__main__":
+    sys.exit(service_main("worker", config.load, server.serve, sys.argv[1:]))
