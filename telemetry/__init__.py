@@ -9,10 +9,11 @@ instrumentations, never by hand.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.instrumentation.aiohttp_server import create_aiohttp_middleware
+import opentelemetry.instrumentation.aiohttp_server as otel_aiohttp
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.instrumentation.redis import RedisInstrumentor
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -52,7 +53,16 @@ def grpc_client_interceptors() -> list:
 
 def aiohttp_middleware():
     """Server-span middleware for an aiohttp app; honours an incoming traceparent."""
-    return create_aiohttp_middleware()
+    if otel_aiohttp.tracer is None:
+        # The middleware reads module state (tracer, meters, excluded URLs)
+        # that only instrument() sets. Set it, then undo the patching of
+        # web.Application: the app adds this middleware itself, in its place.
+        instrumentor = otel_aiohttp.AioHttpServerInstrumentor()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the web.Application subclass
+            instrumentor.instrument()
+        instrumentor.uninstrument()
+    return otel_aiohttp.create_aiohttp_middleware()
 
 
 def instrument_redis() -> None:

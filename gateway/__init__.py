@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: ``python -m gateway [--config PATH]``."""

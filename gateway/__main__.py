@@ -1,0 +1,55 @@
+"""``python -m gateway [--config PATH]``: runs the gateway until SIGINT/SIGTERM.
+
+The config file may also be named by ``INFERMESH_GATEWAY_CONFIG``; every key
+can be overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from aiohttp import web
+
+import telemetry
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.middleware import AccessLogger
+from infermesh.cli import service_main
+from infermesh.config import load_config
+
+logger = logging.getLogger("gateway")
+
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def load(path: str | None) -> GatewayConfig:
+    return load_config(GatewayConfig, path, "infermesh_gateway")
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Serves until cancelled, then drains requests for up to ``_SHUTDOWN_TIMEOUT_S``."""
+    telemetry.instrument_redis()
+    runner = web.AppRunner(create_app(config), access_log_class=AccessLogger,
+                           handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, config.server.host, config.server.port).start()
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
+            raise
+        host, port = runner.addresses[0][:2]
+        logger.info("gateway listening on http://%s:%d/v1 (router %s)", host, port,
+                    config.router.address)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main("gateway", load, serve, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

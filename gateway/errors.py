@@ -1,0 +1,137 @@
+"""Errors a client gets, and the one place they become OpenAI-shaped JSON.
+
+Handlers raise a ``GatewayError`` subclass; the error middleware turns it into
+``{"error": {"message", "type", "param", "code"}}`` with its status (and
+``Retry-After`` when retrying later can succeed). gRPC failures from the router
+and aiohttp's own HTTP exceptions are mapped here too. Messages never carry
+key material.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+
+class GatewayError(Exception):
+    """An error answered to the client; ``retry_after_s`` set when it is recoverable."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class InvalidRequestError(GatewayError):
+    status, type, code = 400, "invalid_request_error", None
+
+
+class AuthenticationError(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class NotFoundError(GatewayError):
+    status, type, code = 404, "invalid_request_error", "unknown_url"
+
+
+class ModelNotFoundError(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class MethodNotAllowedError(GatewayError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTooLargeError(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimitError(GatewayError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    status, type, code = 502, "server_error", "upstream_error"
+
+
+class ServiceUnavailableError(GatewayError):
+    status, type, code = 503, "server_error", "service_unavailable"
+
+
+class UpstreamTimeoutError(GatewayError):
+    status, type, code = 504, "server_error", "timeout"
+
+
+def error_response(error: GatewayError) -> web.Response:
+    headers = dict(error.headers)
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def base_url(request: web.Request) -> str:
+    scheme = request.headers.get("X-Forwarded-Proto", request.scheme)
+    return f"{scheme}://{request.host}/v1"
+
+
+_KNOWN_SUFFIXES = ("/chat/completions", "/models")
+
+
+def from_http_exception(exc: web.HTTPException, request: web.Request) -> GatewayError:
+    """Maps aiohttp's routing and body-size exceptions to gateway errors."""
+    where = f"{request.method} {request.path}"
+    if exc.status == 404:
+        hint = ""
+        for suffix in _KNOWN_SUFFIXES:
+            if suffix in request.path and not request.path.startswith(f"/v1{suffix}"):
+                hint = f" Did you mean /v1{suffix}?"
+        return NotFoundError(
+            f"Unknown URL ({where}). The base URL of this API is {base_url(request)}; "
+            f"clients append paths such as /chat/completions to it.{hint}")
+    if exc.status == 405:
+        allow = exc.headers.get("Allow", "")
+        return MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}; "
+                                     f"allowed: {allow}", headers={"Allow": allow})
+    if exc.status == 413:
+        return RequestTooLargeError("Request body is too large")
+    if exc.status < 500:
+        return InvalidRequestError(exc.reason, code=None)
+    return GatewayError(exc.reason)
+
+
+def from_grpc(error: grpc.aio.AioRpcError, *, router_reachable: bool,
+              retry_after_s: int) -> GatewayError:
+    """Maps a router call's status; ``router_reachable`` tells a router's own
+    UNAVAILABLE (no worker now) from a connection that failed."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ModelNotFoundError(details, param="model")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:  # the router's: no worker in that precision
+        return InvalidRequestError(details, param="precision")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RateLimitError(details, retry_after_s=retry_after_s)
+    if code == grpc.StatusCode.UNAVAILABLE and not router_reachable:
+        return ServiceUnavailableError("The inference router is unreachable; try again shortly",
+                                       code="router_unavailable", retry_after_s=retry_after_s)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ServiceUnavailableError(details or "No worker can take the request now",
+                                       retry_after_s=retry_after_s)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError("The request took longer than the gateway's deadline")
+    return UpstreamError(f"The inference router failed ({code.name})")

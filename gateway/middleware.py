@@ -1,0 +1,119 @@
+"""The gateway's middlewares: errors to JSON, API key authentication, request ids.
+
+Order in the app: ``redact_query_keys`` (so no span records a key sent in the
+URL), telemetry's server span, ``error_middleware`` (so every answer the span
+sees is already JSON), then ``auth_middleware``.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+
+import redis
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.typedefs import Handler
+
+from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
+                            ServiceUnavailableError, error_response, from_http_exception)
+from gateway.keys import ApiKey, KeyStore
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID = web.RequestKey("request_id", str)
+API_KEY = web.RequestKey("api_key", ApiKey)
+KEY_STORE = web.AppKey("key_store", KeyStore)
+REDIS_RETRY_AFTER_S = web.AppKey("redis_retry_after_s", int)
+
+# Query parameters clients use for keys; refused so keys stay out of URLs and logs.
+_QUERY_KEY_NAMES = {"api_key", "api-key", "apikey", "key", "access_token", "token"}
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_AUTH_PREFIX = "/v1/"
+
+
+@web.middleware
+async def redact_query_keys(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: blanks key-like query values before the trace span records the URL.
+
+    ``auth_middleware`` still sees the parameter and refuses the request."""
+    names = {name for name in request.query if name.lower() in _QUERY_KEY_NAMES}
+    if names:
+        redacted = request.rel_url.update_query({name: "REDACTED" for name in names})
+        request = request.clone(rel_url=redacted)
+    return await handler(request)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-shaped JSON error; never HTML, never a bare 500."""
+    client_id = request.headers.get("x-request-id", "")
+    request[REQUEST_ID] = (client_id if _CLIENT_REQUEST_ID.fullmatch(client_id)
+                           else f"req-{uuid.uuid4().hex}")
+    try:
+        return await handler(request)
+    except GatewayError as e:
+        error = e
+    except web.HTTPException as e:
+        if e.status < 400:  # redirects are answers, not errors
+            raise
+        error = from_http_exception(e, request)
+    except Exception:
+        logger.exception("unhandled error in %s %s (request %s)", request.method, request.path,
+                         request[REQUEST_ID])
+        error = GatewayError("The gateway failed to handle the request")
+    if error.status >= 500:
+        logger.warning("%s %s -> %d %s (request %s)", request.method, request.path, error.status,
+                       error.message, request[REQUEST_ID])
+    return error_response(error)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuses keys in the URL anywhere; requires a valid Bearer key on known /v1 routes."""
+    if _QUERY_KEY_NAMES & {name.lower() for name in request.query}:
+        raise InvalidRequestError(
+            "API keys are not accepted in the URL query string (URLs end up in logs); "
+            "send the key in the Authorization header: 'Authorization: Bearer sk-...'",
+            code="api_key_in_query")
+    if request.path.startswith(_AUTH_PREFIX) and request.match_info.http_exception is None:
+        request[API_KEY] = await _authenticate(request)
+    return await handler(request)
+
+
+async def _authenticate(request: web.Request) -> ApiKey:
+    header = request.headers.get("Authorization")
+    if not header:
+        raise AuthenticationError(
+            "You didn't provide an API key. Send it in the Authorization header "
+            "('Authorization: Bearer sk-...').")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        raise AuthenticationError(
+            "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
+    try:
+        key = await request.app[KEY_STORE].authenticate(presented.strip())
+    except redis.RedisError as e:
+        # Fail closed: without the key store nobody is admitted, and nobody is told
+        # their key is wrong.
+        logger.warning("key store unavailable: %s", type(e).__name__)
+        raise ServiceUnavailableError(
+            "The gateway cannot check API keys right now; try again shortly",
+            code="auth_unavailable", retry_after_s=request.app[REDIS_RETRY_AFTER_S]) from None
+    if key is None:
+        raise AuthenticationError("Incorrect API key provided, or the key is disabled or expired.")
+    return key
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: every answer carries ``x-request-id``."""
+    if REQUEST_ID in request:
+        response.headers["x-request-id"] = request[REQUEST_ID]
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request, with the path only: a query string may hold secrets."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info("%s %s %s %d %.1fms", request.remote, request.method, request.path,
+                         response.status, time * 1000)

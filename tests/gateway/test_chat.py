@@ -1,0 +1,166 @@
+"""Chat completions through the real gateway app, a real router and a real
+worker on the tiny model (in-process, on loopback ports)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from gateway.errors import from_grpc
+from tests.gateway.conftest import auth, make_config, sdk, start_gateway
+from tests.inprocess import MODEL, running_router, running_worker
+
+_MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+_GREEDY = {"model": MODEL, "messages": _MESSAGES, "temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture
+async def router():
+    async with running_router() as router:
+        yield router
+
+
+@pytest.fixture
+async def worker(tiny_engine, router):
+    async with running_worker(tiny_engine, router) as worker:
+        yield worker
+
+
+@pytest.fixture
+async def gateway(redis_server, router, worker):
+    client = await start_gateway(make_config(redis_server.url, router.address))
+    yield client
+    await client.close()
+
+
+async def test_completion_in_openai_format(gateway, worker, api_key):
+    async with sdk(gateway, api_key) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            **_GREEDY, extra_headers={"x-infermesh-precision": "fp32"})
+        completion = raw.parse()
+        parts = await client.chat.completions.create(**{**_GREEDY, "messages": [
+            _MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]}]})
+    choice = completion.choices[0]
+    assert completion.object == "chat.completion" and completion.model == MODEL
+    assert completion.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and completion.usage.completion_tokens == 8
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
+    assert raw.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
+    assert raw.headers["x-infermesh-precision"] == "fp32"
+    assert raw.headers["x-request-id"]
+    # text parts are joined with newlines: the same prompt, so the same greedy answer
+    assert parts.choices[0].message.content == choice.message.content
+
+
+async def test_stop_string_and_seed(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        full = (await client.chat.completions.create(**{**_GREEDY, "max_tokens": 24})
+                ).choices[0].message.content
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        stopped = await client.chat.completions.create(**{**_GREEDY, "max_tokens": 24, "stop": stop})
+        sampled = [(await client.chat.completions.create(
+            **{**_GREEDY, "temperature": 1.0, "seed": 7})).choices[0].message.content
+            for _ in range(2)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == full[:full.index(stop)]
+    assert sampled[0] == sampled[1]
+
+
+async def test_stream_with_usage(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        expected = (await client.chat.completions.create(**_GREEDY)).choices[0].message.content
+    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
+        **_GREEDY, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = (await response.text()).split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == expected
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert len({c["id"] for c in chunks}) == 1
+
+
+async def test_stream_through_the_sdk(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        stream = await client.chat.completions.create(**_GREEDY, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+@pytest.mark.parametrize("body, status, code, param", [
+    ({**_GREEDY, "model": "nope"}, 404, "model_not_found", "model"),
+    ({**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, None, None),
+    ({**_GREEDY, "precision": "fp8"}, 400, None, "precision"),
+])
+async def test_router_and_worker_refusals_are_http_errors(gateway, api_key, body, status, code, param):
+    for stream in (False, True):
+        response = await gateway.post("/v1/chat/completions", headers=auth(api_key),
+                                      json={**body, "stream": stream})
+        assert response.status == status
+        error = (await response.json())["error"]
+        assert (error["code"], error["param"]) == (code, param) and error["message"]
+
+
+async def test_no_worker_is_503_with_retry_after(redis_server, router, api_key):
+    client = await start_gateway(make_config(redis_server.url, router.address))
+    try:
+        response = await client.post("/v1/chat/completions", headers=auth(api_key), json=_GREEDY)
+        assert response.status == 503 and response.headers["Retry-After"]
+        assert "no worker" in (await response.json())["error"]["message"]
+    finally:
+        await client.close()
+
+
+async def test_worker_lost_mid_stream_ends_with_an_error_event(gateway, worker, api_key):
+    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
+        "model": MODEL, "messages": _MESSAGES, "stream": True})  # runs to the context end
+    assert response.status == 200
+    await response.content.readline()
+    await worker.server.stop(grace=None)
+    events = (await response.text()).split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[-3].removeprefix("data: "))["error"]["message"]
+
+
+async def test_client_disconnect_frees_the_sequence(gateway, worker, api_key):
+    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
+        "model": MODEL, "messages": _MESSAGES, "stream": True})
+    await response.content.readline()
+    assert worker.servicer.load().running == 1
+    response.close()
+    for _ in range(100):
+        if worker.servicer.load().running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert worker.servicer.load().running == 0
+
+
+async def test_models(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        models = [m async for m in client.models.list()]
+        assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "infermesh")]
+        assert (await client.models.retrieve(MODEL)).id == MODEL
+    response = await gateway.get("/v1/models/nope", headers=auth(api_key))
+    assert response.status == 404
+    error = (await response.json())["error"]
+    assert error["code"] == "model_not_found" and MODEL in error["message"]
+
+
+@pytest.mark.parametrize("code, status, retry", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
+    (grpc.StatusCode.INTERNAL, 502, False),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, False),
+])
+def test_other_router_statuses_map_to_http(code, status, retry):
+    error = from_grpc(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x"),
+                      router_reachable=True, retry_after_s=1)
+    assert error.status == status and (error.retry_after_s is not None) == retry

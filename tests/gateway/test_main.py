@@ -1,0 +1,56 @@
+"""``python -m gateway`` as the mesh runs it: a process configured by environment."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from infermesh.redis_server import free_port
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=_REPO, text=True,
+                            env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_serves_on_the_configured_port_and_stops_on_sigterm(redis_server):
+    port = free_port()
+    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": str(port),
+                 "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+                 "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}"})
+    try:
+        line = proc.stdout.readline()
+        while line and "listening" not in line:
+            line = proc.stdout.readline()
+        assert f"gateway listening on http://127.0.0.1:{port}/v1" in line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_config_errors_exit_2_naming_the_key(tmp_path):
+    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": "eighty"})
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "INFERMESH_GATEWAY_SERVER_PORT" in out
+
+    config = tmp_path / "gateway.toml"
+    config.write_text("[router]\nadress = 'x'\n")
+    proc = _run({"INFERMESH_GATEWAY_CONFIG": str(config)})
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "adress: unknown key" in out
+
+    proc = _run({}, "--config", str(tmp_path / "missing.toml"))
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "config file not found" in out
