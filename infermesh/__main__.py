@@ -1,0 +1,112 @@
+"""Developer CLI.
+
+``python -m infermesh run``           the whole mesh in the foreground (``make run``)
+``python -m infermesh keys create N`` a new API key named N, printed once
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+
+from gateway.keys import create_key
+from infermesh.mesh import Mesh, MeshSpec, ServiceExited
+from infermesh.redis_server import RedisServer, redis_reachable
+from worker_svc.config import DEFAULT_MODEL_PATH
+
+logger = logging.getLogger("infermesh")
+
+_DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infermesh")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="start Redis (if needed), router, worker and gateway")
+    run.add_argument("--model", default=DEFAULT_MODEL_PATH, help="checkpoint directory")
+    run.add_argument("--gateway-port", type=int, default=8000)
+    run.add_argument("--router-port", type=int, default=50051)
+    run.add_argument("--worker-port", type=int, default=50061)
+    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="action", required=True)
+    create = keys.add_parser("create", help="create a key; it is printed once, only its hash is kept")
+    create.add_argument("name")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
+    redis_url = os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL)
+    if args.command == "keys":
+        print(asyncio.run(_create_key(redis_url, args.name)))
+        return 0
+    return run_mesh(args, redis_url)
+
+
+def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
+    for port in (args.gateway_port, args.router_port, args.worker_port):
+        if not _port_free(port):
+            print(f"port {port} is in use (another `make run`?); choose others with "
+                  f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
+                  file=sys.stderr)
+            return 1
+    redis_server = None
+    if not redis_reachable(redis_url):
+        redis_server = _start_redis(redis_url)
+        redis_url = redis_server.url
+    spec = MeshSpec(redis_url=redis_url, model_path=args.model, gateway_port=args.gateway_port,
+                    router_port=args.router_port, worker_ports=(args.worker_port,))
+    try:
+        with Mesh(spec) as mesh:
+            key = asyncio.run(_create_key(redis_url, "make-run development key"))
+            print(f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
+                  f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n",
+                  flush=True)
+            while True:
+                mesh.check_alive()
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    except (ServiceExited, TimeoutError) as e:
+        print(f"mesh stopped: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _start_redis(url: str) -> RedisServer:
+    parsed = urlparse(url)
+    port = parsed.port or 6379
+    if parsed.hostname not in _LOOPBACK or not _port_free(port):
+        port = 0
+    server = RedisServer(port=port or None, workdir=Path(".run").resolve())
+    Path(".run").mkdir(exist_ok=True)
+    logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
+    return server.start()
+
+
+async def _create_key(redis_url: str, name: str) -> str:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return await create_key(client, name)
+    finally:
+        await client.aclose()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

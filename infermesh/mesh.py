@@ -1,0 +1,153 @@
+"""Starts the services of a mesh as child processes on loopback ports: the
+router, the workers and the gateway. ``make run`` uses it in the
+foreground; the end-to-end tests use it to test the real processes."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infermesh.pb import router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_STOP_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    redis_url: str
+    model_path: str
+    gateway_port: int
+    router_port: int
+    worker_ports: tuple[int, ...]  # one worker per port; empty: no worker
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra, for every child
+    log_dir: Path | None = None  # None: children write to this process's output
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
+
+
+class ServiceExited(RuntimeError):
+    """A child process ended while the mesh was expected to run."""
+
+
+class Mesh:
+    """The running child processes of one :class:`MeshSpec`."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, timeout_s: float = 120.0) -> Mesh:
+        """Starts router, workers, gateway; returns once each answers and every
+        worker is registered."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._spawn("router", "router_svc", {"INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port)})
+            self._wait(deadline, "router", self._router_serving)
+            for i, port in enumerate(self.spec.worker_ports):
+                self._spawn(f"worker{i}", "worker_svc", {
+                    "INFERMESH_WORKER_SERVER_PORT": str(port),
+                    "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
+                    "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path})
+            self._spawn("gateway", "gateway", {
+                "INFERMESH_GATEWAY_SERVER_PORT": str(self.spec.gateway_port),
+                "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
+                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address})
+            self._wait(deadline, "gateway", self._gateway_healthy)
+            self._wait(deadline, "workers", self._workers_registered)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def check_alive(self) -> None:
+        for name, proc in self._procs:
+            if proc.poll() is not None:
+                raise ServiceExited(f"{name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        for _, proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in reversed(self._procs):
+            try:
+                proc.wait(timeout=_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0f s; killing it", name, _STOP_TIMEOUT_S)
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def log(self, name: str) -> str:
+        """What a child wrote so far (only with a log_dir)."""
+        assert self.spec.log_dir is not None, "the mesh was started without a log_dir"
+        return (self.spec.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module: str, env: Mapping[str, str]) -> None:
+        output: IO[bytes] | None = None
+        if self.spec.log_dir is not None:
+            output = (self.spec.log_dir / f"{name}.log").open("wb")
+            self._logs.append(output)
+        child_env = {**os.environ, **self.spec.env, **env}
+        proc = subprocess.Popen([sys.executable, "-m", module], env=child_env,
+                                stdout=output, stderr=subprocess.STDOUT if output else None)
+        self._procs.append((name, proc))
+
+    def _wait(self, deadline: float, what: str, ready) -> None:
+        while not ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready in time")
+            time.sleep(_POLL_S)
+
+    def _router_serving(self) -> bool:
+        with grpc.insecure_channel(self.spec.router_address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _workers_registered(self) -> bool:
+        with grpc.insecure_channel(self.spec.router_address) as channel:
+            reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=1)
+        return len(reply.workers) >= len(self.spec.worker_ports)
+
+    def _gateway_healthy(self) -> bool:
+        url = f"http://127.0.0.1:{self.spec.gateway_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False

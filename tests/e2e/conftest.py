@@ -1,0 +1,104 @@
+"""A real mesh for end-to-end tests: Redis, router, worker and gateway as
+processes on free loopback ports, exporting traces to a test OTLP receiver."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from gateway.keys import create_key
+from infermesh.mesh import Mesh, MeshSpec
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
+
+MODEL = "tiny-deepseek-v3"
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """The OTLP/gRPC trace endpoint a collector or Jaeger serves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: list[tuple[str, trace_pb2.Span]] = []
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
+               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                service = next(a.value.string_value for a in resource_spans.resource.attributes
+                               if a.key == "service.name")
+                for scope_spans in resource_spans.scope_spans:
+                    self._spans.extend((service, span) for span in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def spans(self, trace_id: bytes | None = None) -> list[tuple[str, trace_pb2.Span]]:
+        with self._lock:
+            return [(s, span) for s, span in self._spans
+                    if trace_id is None or span.trace_id == trace_id]
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[tuple[OtlpReceiver, int]]:
+    receiver = OtlpReceiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield receiver, port
+    server.stop(grace=None)
+
+
+@pytest.fixture(scope="session")
+def e2e_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    with RedisServer(workdir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int) -> Mesh:
+    spec = MeshSpec(
+        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
+        router_port=free_port(), worker_ports=tuple(free_port() for _ in range(workers)),
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+             "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        log_dir=log_dir)
+    mesh = Mesh(spec)
+    try:
+        return mesh.start()
+    except Exception as e:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(log_dir.glob("*.log")))
+        raise RuntimeError(f"mesh did not start: {e}\n{logs}") from e
+
+
+@pytest.fixture(scope="session")
+def mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
+    """One router, one worker on the tiny model, one gateway."""
+    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("mesh"), workers=1)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def workerless_mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
+    """A router and a gateway with no worker registered."""
+    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"), workers=0)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def api_key(e2e_redis) -> str:
+    async def create() -> str:
+        client = aioredis.Redis.from_url(e2e_redis.url)
+        try:
+            return await create_key(client, "e2e")
+        finally:
+            await client.aclose()
+    return asyncio.run(create())
