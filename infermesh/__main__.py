@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -55,6 +56,10 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
                   f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
                   file=sys.stderr)
             return 1
+    # SIGTERM (a supervisor, `timeout`) stops the mesh as Ctrl-C does; SIGINT
+    # is set explicitly since a shell may start background jobs ignoring it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     redis_server = None
     if not redis_reachable(redis_url):
         redis_server = _start_redis(redis_url)

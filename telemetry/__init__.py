@@ -9,6 +9,7 @@ instrumentations, never by hand.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 
 from opentelemetry import trace
@@ -22,10 +23,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 logger = logging.getLogger(__name__)
 
+_SHUTDOWN_TIMEOUT_S = 2.0
+
 
 def setup_tracing(service_name: str) -> TracerProvider:
     """Installs the global tracer provider for this process; call once at start."""
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    # shutdown_tracing() flushes with a bound; the SDK's own exit hook has none.
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}),
+                              shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     # An absent collector is an operator's choice in development, not an
@@ -34,11 +39,14 @@ def setup_tracing(service_name: str) -> TracerProvider:
     return provider
 
 
-def shutdown_tracing() -> None:
-    """Flushes pending spans; call at exit."""
+def shutdown_tracing(timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
+    """Flushes pending spans; call at exit. Waits at most ``timeout_s``: with no
+    collector listening the exporter would retry for its whole export timeout."""
     provider = trace.get_tracer_provider()
     if isinstance(provider, TracerProvider):
-        provider.shutdown()
+        flush = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
 
 
 def grpc_server_interceptors() -> list:
