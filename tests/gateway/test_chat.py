@@ -126,9 +126,10 @@ async def test_worker_lost_mid_stream_ends_with_an_error_event(gateway, worker, 
     assert response.status == 200
     await response.content.readline()
     await worker.server.stop(grace=None)
-    events = (await response.text()).split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""]
-    assert json.loads(events[-3].removeprefix("data: "))["error"]["message"]
+    text = await response.text()
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], text
+    assert json.loads(events[-3].strip().removeprefix("data: "))["error"]["message"], text
 
 
 async def test_client_disconnect_frees_the_sequence(gateway, worker, api_key):
