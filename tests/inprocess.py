@@ -72,3 +72,11 @@ async def wait_for_workers(router: RunningRouter, ready, timeout_s: float = 5.0)
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"registered workers {sorted(ids)} never became ready")
         await asyncio.sleep(0.05)
+
+
+async def eventually(condition, timeout_s: float = 5.0) -> None:
+    """Waits until ``condition()`` holds, failing after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.05)

@@ -2,7 +2,6 @@
 worker on the tiny model (in-process, on loopback ports)."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -10,7 +9,7 @@ import pytest
 
 from gateway.errors import from_grpc
 from tests.gateway.conftest import auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, running_router, running_worker
+from tests.inprocess import MODEL, eventually, running_router, running_worker
 
 _MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
 _GREEDY = {"model": MODEL, "messages": _MESSAGES, "temperature": 0, "max_tokens": 8}
@@ -138,11 +137,7 @@ async def test_client_disconnect_frees_the_sequence(gateway, worker, api_key):
     await response.content.readline()
     assert worker.servicer.load().running == 1
     response.close()
-    for _ in range(100):
-        if worker.servicer.load().running == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert worker.servicer.load().running == 0
+    await eventually(lambda: worker.servicer.load().running == 0)
 
 
 async def test_models(gateway, api_key):

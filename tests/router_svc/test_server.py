@@ -1,14 +1,13 @@
 """The router over real gRPC on loopback, with real in-process workers on the tiny model."""
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import pytest
 
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.redis_server import free_port
-from tests.inprocess import MODEL, running_router, running_worker, wait_for_workers
+from tests.inprocess import MODEL, eventually, running_router, running_worker, wait_for_workers
 
 
 def request() -> common_pb2.GenerateRequest:
@@ -76,8 +75,4 @@ async def test_cancelled_call_frees_the_sequence(tiny_engine):
         await call.read()
         assert worker.servicer.load().running == 1
         call.cancel()
-        for _ in range(100):
-            if worker.servicer.load().running == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert worker.servicer.load().running == 0
+        await eventually(lambda: worker.servicer.load().running == 0)
