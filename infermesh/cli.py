@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import telemetry
+from telemetry.logs import setup_logging
 from infermesh.config import ConfigError
 
 C = TypeVar("C")
@@ -27,8 +27,7 @@ def service_main(name: str, load: Callable[[str | None], C],
     parser.add_argument("--config", default=os.environ.get(f"INFERMESH_{name.upper()}_CONFIG"),
                         help="TOML config file (defaults are built in)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("INFERMESH_LOG_LEVEL", "INFO").upper(),
-                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    setup_logging(name)
     try:
         config = load(args.config)
     except ConfigError as e:

@@ -50,6 +50,13 @@ def load_config(cls: type[T], path: str | Path | None, env_prefix: str,
     return cls(**built)
 
 
+def env_names(cls: type, env_prefix: str) -> set[str]:
+    """Every environment variable that overrides a key of ``cls``."""
+    return {f"{env_prefix}_{name}_{key}".upper()
+            for name, section_cls in typing.get_type_hints(cls).items()
+            for key in typing.get_type_hints(section_cls)}
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:

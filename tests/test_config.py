@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from infermesh.config import ConfigError, load_config, section
+from infermesh.config import ConfigError, env_names, load_config, section
 
 
 @section
@@ -56,3 +56,8 @@ def test_environment_errors_name_variable():
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(_Config, tmp_path / "nope.toml", "svc", environ={})
+
+
+def test_env_names_cover_every_key():
+    assert env_names(_Config, "svc") == {f"SVC_SERVER_{k}" for k in
+                                         ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH")}
