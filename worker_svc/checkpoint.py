@@ -2,7 +2,8 @@
 
 A directory holds config.json and model.safetensors, or shards listed by
 model.safetensors.index.json. Linear weights may be FP8 E4M3 with a float32
-`<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype.
+`<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype, or
+kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
 """
 from __future__ import annotations
@@ -16,69 +17,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from worker_svc.model import ModelArgs, Transformer
+from worker_svc.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
+from worker_svc.model import Linear, ModelArgs, Transformer
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SIZE = 128
 _SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8 = torch.float8_e4m3fn
-_FP8_MAX = 448.0
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory the worker cannot load; the message names the file and tensor."""
-
-
-# ------------------------------------------------------------------------------------- kernels
-
-
-def weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """w[i, j] = fp8[i, j] * scale_inv[i // block, j // block], in float32.
-
-    weight: [M, N] float8_e4m3fn; scale_inv: [ceil(M / block), ceil(N / block)] float32.
-    """
-    assert weight.dim() == 2 and scale_inv.dim() == 2, f"shapes {tuple(weight.shape)}, {tuple(scale_inv.shape)}"
-    m, n = weight.shape
-    assert scale_inv.shape == block_scale_shape(weight.shape, block_size), f"scale {tuple(scale_inv.shape)}"
-    scale = scale_inv.repeat_interleave(block_size, 0)[:m].repeat_interleave(block_size, 1)[:, :n]
-    return weight.float() * scale
-
-
-def weight_quant(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of weight_dequant: per-block scale = amax / 448 -> (fp8 weight, float32 scale_inv)."""
-    assert weight.dim() == 2, f"weight must be 2-D, got {tuple(weight.shape)}"
-    m, n = weight.shape
-    sm, sn = block_scale_shape(weight.shape, block_size)
-    padded = torch.zeros(sm * block_size, sn * block_size, dtype=torch.float32)
-    padded[:m, :n] = weight.float()
-    blocks = padded.view(sm, block_size, sn, block_size)
-    scale = (blocks.abs().amax(dim=(1, 3)) / _FP8_MAX).clamp(min=1e-12)  # [sm, sn]
-    q = (blocks / scale[:, None, :, None]).view_as(padded)[:m, :n].to(_FP8)
-    return q.contiguous(), scale.contiguous()
-
-
-def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token 1x128 activation quantization: x [..., K] -> (fp8 [..., K], float32 scale [..., K/128])."""
-    assert x.is_contiguous() and x.size(-1) % block_size == 0, f"last dim {x.size(-1)} % {block_size}"
-    groups = x.float().unflatten(-1, (-1, block_size))
-    scale = (groups.abs().amax(dim=-1) / _FP8_MAX).clamp(min=1e-12)
-    return (groups / scale.unsqueeze(-1)).flatten(-2).to(_FP8), scale
-
-
-def fp8_gemm_reference(
-    x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_size: int = BLOCK_SIZE
-) -> torch.Tensor:
-    """Block-scaled FP8 GEMM on CPU, FP32 accumulation: y = dequant(x) @ dequant(w).T, for checking kernels."""
-    xd = (x.float().unflatten(-1, (-1, block_size)) * x_scale.unsqueeze(-1)).flatten(-2)
-    return xd @ weight_dequant(w, w_scale, block_size).T
-
-
-def block_scale_shape(shape: torch.Size | tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, int]:
-    return (-(-shape[0] // block_size), -(-shape[1] // block_size))
 
 
 # -------------------------------------------------------------------------------------- config
@@ -139,6 +90,11 @@ def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_ope
 # -------------------------------------------------------------------------------------- weights
 
 
+# MLA reads kv_b_proj's weight directly to absorb it into the query and output (no GEMM through
+# Linear), so it is always dequantized: about 1B of DeepSeek-V3's 671B parameters.
+_ABSORBED_WEIGHT = ".self_attn.kv_b_proj.weight"
+
+
 def is_fp8_linear(name: str) -> bool:
     """Linear weights a DeepSeek-V3 checkpoint stores in FP8 (not embed, lm_head, norms, gate)."""
     return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
@@ -168,12 +124,13 @@ class _ShardReader:
         self._handles.clear()
 
 
-def _load_tensor(reader: _ShardReader, name: str, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checked tensor as stored -> (tensor, its float32 block scale_inv if it is an FP8 linear weight)."""
     tensor, file = reader.get(name)
     where = f"{reader.model_dir / file}: tensor {name}"
     if tensor.shape != expected.shape:
         raise CheckpointError(f"{where} has shape {tuple(tensor.shape)}, expected {tuple(expected.shape)}")
-    if tensor.dtype == _FP8 and is_fp8_linear(name):
+    if tensor.dtype == FP8 and is_fp8_linear(name):
         scale, scale_file = reader.get(name + "_scale_inv")
         want = block_scale_shape(tensor.shape)
         if scale.dtype != torch.float32 or tuple(scale.shape) != want:
@@ -181,20 +138,31 @@ def _load_tensor(reader: _ShardReader, name: str, expected: torch.Tensor, dtype:
                 f"{reader.model_dir / scale_file}: tensor {name}_scale_inv has {scale.dtype} "
                 f"{tuple(scale.shape)}, expected torch.float32 {want}"
             )
-        tensor = weight_dequant(tensor, scale)
-    elif tensor.dtype not in _FLOAT_DTYPES:
+        return tensor, scale
+    if tensor.dtype not in _FLOAT_DTYPES:
         raise CheckpointError(f"{where} has dtype {tensor.dtype}, expected FP8 E4M3 (linear) or bf16/fp16/fp32")
+    return tensor, None
+
+
+def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     # the router stays in float32 (as HF keeps it): expert choice must not flip with the serving dtype
-    return tensor.to(torch.float32 if ".mlp.gate." in name else dtype)
+    return torch.float32 if ".mlp.gate." in name else dtype
 
 
 def load_checkpoint(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, dict[str, Any]]:
-    """Build the model on the meta device and fill it from the checkpoint -> (model in eval mode, config)."""
+    """Build the model on the meta device and fill it from the checkpoint -> (model in eval mode, config).
+
+    dtype: the serving dtype. torch.float8_e4m3fn keeps the checkpoint's FP8 linear weights with
+    their block scales (run by kernel.fp8_linear) and serves everything else in bfloat16; any
+    other dtype dequantizes FP8 weights at load.
+    """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     args = ModelArgs.from_config(config)
+    keep_fp8 = dtype == FP8
+    compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
         model = Transformer(args)
     expected = model.state_dict()
@@ -203,7 +171,14 @@ def load_checkpoint(
     try:
         for key in tqdm(expected, desc="Loading weights", unit="tensor", disable=None):
             name = "lm_head.weight" if key == "lm_head.weight" else f"model.{key}"
-            state[key] = _load_tensor(reader, name, expected[key], dtype).to(device)
+            tensor, scale_inv = _read_tensor(reader, name, expected[key])
+            if scale_inv is not None and keep_fp8 and not key.endswith(_ABSORBED_WEIGHT):
+                model.get_submodule(key.removesuffix(".weight")).hold_fp8()
+                state[key], state[key + "_scale_inv"] = pad_to_blocks(tensor).to(device), scale_inv.to(device)
+                continue
+            if scale_inv is not None:
+                tensor = weight_dequant(tensor, scale_inv)
+            state[key] = tensor.to(_serving_dtype(name, compute_dtype)).to(device)
     finally:
         reader.close()
     used = {"lm_head.weight"} | {f"model.{k}" for k in expected}
@@ -212,4 +187,13 @@ def load_checkpoint(
         logger.info("skipped %d checkpoint tensors not used for decoding, e.g. %s", len(skipped), skipped[0])
     model.load_state_dict(state, assign=True, strict=True)
     model.reset_buffers(device)
+    _log_weight_memory(model)
     return model.eval(), config
+
+
+def _log_weight_memory(model: Transformer) -> None:
+    fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale_inv is not None]
+    fp8_bytes = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in fp8)
+    total = sum(t.nbytes for t in model.state_dict().values())
+    logger.info("weights: %.1f MiB, of which %d FP8 linear weights with block scales %.1f MiB",
+                total / 2**20, len(fp8), fp8_bytes / 2**20)  # fmt: skip

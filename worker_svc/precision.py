@@ -1,26 +1,30 @@
 """Device detection and the precision policy (SPEC.md "Precision policy").
 
-Hopper (sm90) keeps FP8 weights; other GPUs dequantize to BF16 (FP16 where BF16 is missing);
-CPUs run BF16 only with AVX512-BF16/AMX, else FP32. `choose_precision` is pure so the policy is
-testable without a GPU; `detect_capabilities` feeds it with what this machine has.
+- CUDA sm90 (H100/H200/H800) with torch's block-wise scaled matmul: FP8 weights, 1x128 activation
+  quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).
+- sm89 (L40S) and sm100: BF16 -- their FP8 needs a kernel tested here, and cuBLASLt's DeepSeek-style
+  block scaling is sm90-only. sm80 and ROCm: BF16. sm70 (V100, no BF16): FP16.
+- CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py on an AVX2
+  EPYC (docs/BENCHMARKS.md, "Engine precision"): BF16 GEMMs were 1.5-7x slower than FP32 at
+  M = 16 and 64 tokens on the tiny and the 73M shapes (fp32/bf16 time 0.15-0.66); BF16 won only at
+  M = 1 through a weight too big for the cache (73M lm_head 32000x512: 2.7x). So FP32 unless the
+  CPU has BF16 dot-product instructions (none here to measure; the bench says whether the rule
+  agrees on the machine it runs on).
+`[model] dtype` and `[quantization] use_native_fp8` override the choice. `choose_precision` is pure
+so the policy is testable without a GPU; `detect_capabilities` feeds it with what this machine has.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
+from worker_svc.engine_api import DeviceCapabilities, DeviceKind, Precision
+from worker_svc.kernel import FP8, native_fp8_gemm_available
+
 logger = logging.getLogger(__name__)
-
-Precision = Literal["fp8", "bf16", "fp16", "fp32"]
-DeviceKind = Literal["cuda", "rocm", "cpu"]
-
-# Issue #7 brings the block-scaled FP8 GEMM; until then a chosen fp8 runs as bf16.
-NATIVE_FP8_GEMM_AVAILABLE = False
 
 _DTYPE_ALIASES: dict[str, Precision] = {
     "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8",
@@ -29,23 +33,11 @@ _DTYPE_ALIASES: dict[str, Precision] = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
 }  # fmt: skip
 TORCH_DTYPES: dict[Precision, torch.dtype] = {
-    "fp8": torch.bfloat16,  # compute dtype of the non-FP8 parts
+    "fp8": FP8,  # load_checkpoint keeps FP8 linear weights and serves the rest in bfloat16
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-
-
-@dataclass(frozen=True)
-class DeviceCapabilities:
-    """What the worker runs on and with, as reported to the router."""
-
-    device: DeviceKind
-    device_name: str
-    compute_capability: str  # "9.0"; "" on CPU
-    precision: Precision  # what actually runs
-    memory_total_bytes: int
-    weight_bytes: int
 
 
 def _major(compute_capability: str) -> int:
@@ -56,25 +48,30 @@ def choose_precision(
     device: DeviceKind,
     compute_capability: str = "",
     *,
+    fp8_gemm: bool = False,
     cpu_has_bf16: bool = False,
     dtype: str = "auto",
     use_native_fp8: bool | None = None,
 ) -> Precision:
     """The policy: what this hardware should run, given the operator's overrides.
 
+    fp8_gemm: a tested block-scaled FP8 GEMM runs on this device (kernel.native_fp8_gemm_available);
     dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch spellings);
-    use_native_fp8: None = FP8 where the hardware has it (sm90), False = never, True = required.
+    use_native_fp8: None = FP8 where the device runs it, False = never, True = required.
     Raises ValueError for an override the hardware cannot honour.
     """
-    fp8_capable = device == "cuda" and _major(compute_capability) >= 9
+    fp8_capable = device == "cuda" and fp8_gemm
+    where = f"{device} {compute_capability}".strip()
     if use_native_fp8 and not fp8_capable:
-        raise ValueError(f"use_native_fp8=true needs an sm90 GPU, this is {device} {compute_capability or ''}".strip())
+        raise ValueError(f"use_native_fp8=true needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}")
     if dtype != "auto":
         if dtype.lower() not in _DTYPE_ALIASES:
             raise ValueError(f"dtype={dtype!r}: expected auto, {', '.join(sorted(set(_DTYPE_ALIASES.values())))}")
         forced = _DTYPE_ALIASES[dtype.lower()]
         if forced == "fp8" and not fp8_capable:
-            raise ValueError(f"dtype=fp8 needs an sm90 GPU, this is {device}")
+            raise ValueError(f"dtype=fp8 needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}")
+        if use_native_fp8 and forced != "fp8":
+            raise ValueError(f"use_native_fp8=true contradicts dtype={dtype!r}")
         return forced
     if fp8_capable and use_native_fp8 is not False:
         return "fp8"
@@ -83,14 +80,6 @@ def choose_precision(
     if device == "rocm":
         return "bf16"
     return "bf16" if cpu_has_bf16 else "fp32"
-
-
-def runnable_precision(chosen: Precision) -> Precision:
-    """What runs for a chosen precision: fp8 falls back to bf16 until the FP8 GEMM exists."""
-    if chosen == "fp8" and not NATIVE_FP8_GEMM_AVAILABLE:
-        logger.warning("FP8 chosen for this GPU but no FP8 GEMM is implemented yet (issue #7): running BF16")
-        return "bf16"
-    return chosen
 
 
 def cpu_has_native_bf16() -> bool:
@@ -115,18 +104,20 @@ def detect_capabilities(
     device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None
 ) -> DeviceCapabilities:
     """Probe the device and apply the policy; weight_bytes is filled in after the load."""
+    fp8_gemm = native_fp8_gemm_available(device)  # False off CUDA sm90
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         kind: DeviceKind = "rocm" if torch.version.hip else "cuda"
         cc = f"{props.major}.{props.minor}" if kind == "cuda" else getattr(props, "gcnArchName", "")
         name, memory = props.name, props.total_memory
-        chosen = choose_precision(kind, cc, dtype=dtype, use_native_fp8=use_native_fp8)
+        precision = choose_precision(kind, cc, fp8_gemm=fp8_gemm, dtype=dtype, use_native_fp8=use_native_fp8)
     else:
         kind, cc, name = "cpu", "", _cpu_name()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        chosen = choose_precision("cpu", cpu_has_bf16=cpu_has_native_bf16(), dtype=dtype, use_native_fp8=use_native_fp8)
-    precision = runnable_precision(chosen)
-    logger.info("device %s (%s, cc %s): policy %s, running %s", kind, name, cc or "-", chosen, precision)
+        precision = choose_precision("cpu", cpu_has_bf16=cpu_has_native_bf16(), dtype=dtype,
+                                     use_native_fp8=use_native_fp8)  # fmt: skip
+    logger.info("device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
+                kind, name, cc or "-", "yes" if fp8_gemm else "no", precision, dtype, use_native_fp8)  # fmt: skip
     return DeviceCapabilities(kind, name, cc, precision, memory, 0)
 
 

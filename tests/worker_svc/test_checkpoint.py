@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from worker_svc.checkpoint import CheckpointError, load_checkpoint, weight_dequant, weight_quant
+from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.tiny_model import write_tiny_checkpoint
 
 _FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -62,18 +63,6 @@ def test_safetensors_dtypes_shapes_and_names(tiny_dir: Path):
     assert f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in dtypes  # MTP layer, skipped at load
 
 
-def test_weight_dequant_formula():
-    w = torch.randn(130, 260)
-    q, scale = weight_quant(w)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
-    expected = torch.empty(130, 260)
-    for i in range(130):
-        for j in range(260):
-            expected[i, j] = q[i, j].float() * scale[i // 128, j // 128]
-    assert torch.equal(weight_dequant(q, scale), expected)
-    assert (weight_dequant(q, scale) - w).abs().max() < 0.1 * w.abs().max()  # e4m3 keeps ~2 significant bits
-
-
 def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Path):
     shutil.copytree(tiny_dir, tmp_path, dirs_exist_ok=True)
     tensors = load_file(tmp_path / "model.safetensors")
@@ -92,6 +81,15 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Pat
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: shard missing \(needed for tensor"):
         load_checkpoint(tmp_path)
+
+
+def test_mtp_layer_is_skipped_at_load(tiny_dir: Path, caplog: pytest.LogCaptureFixture):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoint"):
+        model, _ = load_checkpoint(tiny_dir)
+    assert len(model.layers) == config["num_hidden_layers"]
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    assert f"skipped 4 checkpoint tensors not used for decoding, e.g. {mtp}" in caplog.text
 
 
 @pytest.fixture

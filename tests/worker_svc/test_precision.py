@@ -6,46 +6,59 @@ import logging
 import pytest
 import torch
 
-from worker_svc.precision import choose_precision, detect_capabilities, runnable_precision
+from worker_svc.kernel import FP8
+from worker_svc.precision import TORCH_DTYPES, choose_precision, cpu_has_native_bf16, detect_capabilities
 
 
 @pytest.mark.parametrize(
-    ("device", "cc", "cpu_bf16", "expected"),
+    ("device", "cc", "fp8_gemm", "cpu_bf16", "expected"),
     [
-        ("cuda", "9.0", False, "fp8"),  # H100/H200/H800
-        ("cuda", "8.0", False, "bf16"),  # A100
-        ("cuda", "8.9", False, "bf16"),  # L40S: FP8 is Hopper-only in this policy
-        ("cuda", "7.0", False, "fp16"),  # V100: no BF16
-        ("rocm", "gfx908", False, "bf16"),  # MI100
-        ("cpu", "", True, "bf16"),  # AVX512-BF16 / AMX
-        ("cpu", "", False, "fp32"),  # AVX2
+        ("cuda", "9.0", True, False, "fp8"),  # H100/H200/H800 with torch's block-wise scaled_mm
+        ("cuda", "9.0", False, False, "bf16"),  # Hopper, but a torch/CUDA without the block-wise GEMM
+        ("cuda", "10.0", False, False, "bf16"),  # B200: cuBLASLt's DeepSeek-style scaling is sm90-only
+        ("cuda", "8.9", False, False, "bf16"),  # L40S: FP8 only with a tested kernel, none here
+        ("cuda", "8.0", False, False, "bf16"),  # A100
+        ("cuda", "7.0", False, False, "fp16"),  # V100: no BF16
+        ("rocm", "gfx908", False, False, "bf16"),  # MI100
+        ("cpu", "", False, True, "bf16"),  # AVX512-BF16 / AMX
+        ("cpu", "", False, False, "fp32"),  # AVX2: bf16 GEMMs measured slower (bench/cpu_dtype.py)
     ],
 )
-def test_auto_policy(device, cc, cpu_bf16, expected):
-    assert choose_precision(device, cc, cpu_has_bf16=cpu_bf16) == expected
+def test_auto_policy(device, cc, fp8_gemm, cpu_bf16, expected):
+    assert choose_precision(device, cc, fp8_gemm=fp8_gemm, cpu_has_bf16=cpu_bf16) == expected
 
 
 def test_overrides():
-    assert choose_precision("cuda", "9.0", use_native_fp8=False) == "bf16"
-    assert choose_precision("cuda", "9.0", dtype="bfloat16") == "bf16"
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, use_native_fp8=False) == "bf16"
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, use_native_fp8=True) == "fp8"
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, dtype="bfloat16") == "bf16"
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, dtype="float32") == "fp32"
     assert choose_precision("cpu", dtype="fp32", cpu_has_bf16=True) == "fp32"
+    assert choose_precision("cpu", dtype="bfloat16") == "bf16"
     assert choose_precision("cuda", "8.0", dtype="float16") == "fp16"
-    with pytest.raises(ValueError, match="use_native_fp8"):
+    with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU .* this is cuda 8.0"):
         choose_precision("cuda", "8.0", use_native_fp8=True)
-    with pytest.raises(ValueError, match="dtype=fp8 needs an sm90"):
+    with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU"):
+        choose_precision("cuda", "9.0", fp8_gemm=False, use_native_fp8=True)
+    with pytest.raises(ValueError, match="use_native_fp8=true contradicts dtype='bfloat16'"):
+        choose_precision("cuda", "9.0", fp8_gemm=True, use_native_fp8=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype=fp8 needs an sm90 GPU"):
         choose_precision("cpu", dtype="fp8")
     with pytest.raises(ValueError, match="dtype='int4'"):
         choose_precision("cpu", dtype="int4")
 
 
-def test_fp8_runs_as_bf16_until_the_fp8_gemm_exists(caplog):
-    with caplog.at_level(logging.WARNING, logger="worker_svc.precision"):
-        assert runnable_precision("fp8") == "bf16"
-    assert "issue #7" in caplog.text
-    assert runnable_precision("fp32") == "fp32"
+def test_fp8_loads_fp8_weights():
+    assert TORCH_DTYPES["fp8"] == FP8 and TORCH_DTYPES["bf16"] == torch.bfloat16
 
 
-def test_detect_cpu():
-    caps = detect_capabilities(torch.device("cpu"), dtype="fp32")
-    assert (caps.device, caps.compute_capability, caps.precision) == ("cpu", "", "fp32")
+def test_detect_cpu(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.INFO, logger="worker_svc.precision"):
+        caps = detect_capabilities(torch.device("cpu"))
+    assert (caps.device, caps.compute_capability) == ("cpu", "")
+    assert caps.precision == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert f"running {caps.precision}" in caplog.text and "block-wise FP8 GEMM no" in caplog.text
     assert caps.memory_total_bytes > 0
+    assert detect_capabilities(torch.device("cpu"), dtype="bfloat16").precision == "bf16"
+    with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU"):
+        detect_capabilities(torch.device("cpu"), use_native_fp8=True)
