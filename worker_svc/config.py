@@ -1,5 +1,5 @@
 """Worker configuration, in the sections used in the field (``[server]``,
-``[model]``, ``[attention]``, ``[quantization]``, ``[parallel]``) plus
+``[model]``, ``[attention]``, ``[quantization]``, ``[parallel]``, ``[cache]``) plus
 ``[router]``, the registry the worker reports to."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 
 from infermesh.config import load_config, section
+from telemetry.metrics import MetricsSection
+from worker_svc.gpu_profiles import gpu_profiles
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -51,13 +53,84 @@ class QuantizationSection:
     use_native_fp8: bool | None = None  # None: FP8 where the hardware runs it
 
 
+# SPEC.md "Per-GPU batching knobs": (max_parallel, dynamic_batch_timeout_ms) by a name in the device name
+_GPU_BATCHING_DEFAULTS = {"V100": (4, 200), "A100": (8, 150), "MI100": (4, 250)}
+_OTHER_GPU_BATCHING_DEFAULTS = (8, 150)  # a GPU the table does not name: as the A100
+_CPU_BATCHING_DEFAULTS = (32, 0)  # development: a batch as large as the benchmark's concurrency, no holding
+
+
 @section
 class ParallelSection:
-    max_parallel: int = 8  # sequences generated at once; more wait in a queue
+    """Continuous batching: how many sequences run together and how requests wait for a place."""
+
+    max_parallel: int | None = None  # most running sequences; None: the device's default (SPEC.md table)
+    # how long a waiting request may be held to form a larger batch; None: the device's default
+    dynamic_batch_timeout_ms: int | None = None
+    max_waiting: int = 256  # requests queued past the running batch; more get RESOURCE_EXHAUSTED
+    prefill_chunk_size: int = 256  # prompt tokens computed per step in all, so running decodes never stall long
 
     def __post_init__(self) -> None:
-        if self.max_parallel < 1:
+        if self.max_parallel is not None and self.max_parallel < 1:
             raise ValueError(f"max_parallel: must be at least 1, got {self.max_parallel}")
+        if self.dynamic_batch_timeout_ms is not None and self.dynamic_batch_timeout_ms < 0:
+            raise ValueError(f"dynamic_batch_timeout_ms: must be >= 0, got {self.dynamic_batch_timeout_ms}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}")
+
+    def resolved(self, device: str, device_name: str) -> ParallelSection:
+        """This section with the unset knobs taken from the defaults for the device ("cuda"/"rocm"/"cpu")."""
+        defaults = _CPU_BATCHING_DEFAULTS if device == "cpu" else next(
+            (v for k, v in _GPU_BATCHING_DEFAULTS.items() if k in device_name), _OTHER_GPU_BATCHING_DEFAULTS)
+        return dataclasses.replace(
+            self,
+            max_parallel=defaults[0] if self.max_parallel is None else self.max_parallel,
+            dynamic_batch_timeout_ms=defaults[1] if self.dynamic_batch_timeout_ms is None
+            else self.dynamic_batch_timeout_ms)
+
+
+@section
+class CacheSection:
+    """The paged MLA latent cache."""
+
+    block_size: int = 16  # tokens per block
+    gpu_memory_utilization: float = 0.9  # share of device memory for weights, activations and the cache
+    cpu_cache_bytes: int = 64 * 2**20  # the cache's size on a CPU
+    enable_prefix_caching: bool = True  # reuse the cache of a prompt prefix already computed
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be at least 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_cache_bytes < 1:
+            raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
+
+
+@section
+class EngineSection:
+    """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
+
+    kind: str = "checkpoint"  # checkpoint or sim
+    # sim only: a profile of gpu_profiles.toml, how many of them, and the model's size.
+    gpu: str = "H100"
+    gpu_count: int = 1
+    total_params_b: float = 8.0   # billions of weights held in memory
+    active_params_b: float = 8.0  # billions read per token (MoE: the active experts)
+    kv_bytes_per_token: int = 131072
+    zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("checkpoint", "sim"):
+            raise ValueError(f"kind: expected checkpoint or sim, got {self.kind!r}")
+        if self.gpu not in gpu_profiles():
+            raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
+        if self.gpu_count < 1 or self.kv_bytes_per_token < 1:
+            raise ValueError("need gpu_count >= 1 and kv_bytes_per_token >= 1")
+        if not 0 < self.active_params_b <= self.total_params_b:
+            raise ValueError(f"need 0 < active_params_b ({self.active_params_b}) "
+                             f"<= total_params_b ({self.total_params_b})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +141,9 @@ class WorkerConfig:
     attention: AttentionSection = dataclasses.field(default_factory=AttentionSection)
     quantization: QuantizationSection = dataclasses.field(default_factory=QuantizationSection)
     parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
+    cache: CacheSection = dataclasses.field(default_factory=CacheSection)
+    engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
 
 
 def load(path: str | None) -> WorkerConfig:

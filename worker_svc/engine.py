@@ -1,13 +1,19 @@
 """The async engine the gRPC server calls: requests in, streamed text chunks out.
 
-Model compute runs in one background thread (`Scheduler`); each `generate()` call owns a
-`Sequence` and reads its chunks from an asyncio queue the thread fills. The scheduler interleaves
-sequences one step at a time; issue #3 replaces it with batched continuous batching.
+`generate()` validates a request, turns it into a scheduler `Sequence` and reads its chunks from
+an asyncio queue. Model compute runs in one background thread (`_StepLoop`): each iteration is
+one scheduling step and one batched forward pass over every running sequence (worker_svc.scheduler,
+worker_svc.model_runner), then sampling, detokenization and stop checks for the sequences that got
+a token. Request lifecycle: waiting -> running -> finished, or aborted when the consumer goes
+away (its blocks are freed at the next step).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import secrets
@@ -15,158 +21,110 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from worker_svc.checkpoint import load_checkpoint
-from worker_svc.model import KVCache, Transformer
+from worker_svc.config import CacheSection, ParallelSection
+from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
+                                   GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
+                                   drain_chunks)
+from worker_svc.kv_cache import BlockManager, bytes_per_token, cache_budget_bytes
+from worker_svc.model import Transformer
+from worker_svc.model_runner import ModelRunner
 from worker_svc.precision import TORCH_DTYPES, DeviceCapabilities, detect_capabilities, resolve_device
+from worker_svc.sampling import sample_batch, token_logprobs
+from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_PREFILL_CHUNK_TOKENS = 256  # prompt tokens per step, so a long prompt does not stall other streams
 _RATE_WINDOW_S = 10.0
+_MAX_STOP_SEQUENCES = 16
+_MAX_STOP_TOKEN_IDS = 64
+_MAX_TOP_LOGPROBS = 20
+_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_tokens: int | None = None  # None: up to the context length
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    messages: list[dict[str, str]] | None  # chat, rendered with the checkpoint's chat template
-    prompt: str | None  # raw text; exactly one of messages/prompt
-    sampling: SamplingParams
+FinishReason = Literal["stop", "length"]
 
 
 @dataclass
-class GenerationChunk:
-    text: str  # new text, whole UTF-8 characters, stop text never included
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length"] | None  # set on the last chunk only
-    prompt_tokens: int
-    completion_tokens: int
+class _Stream:
+    """The engine's side of one request: how it samples and stops, and where its chunks go."""
 
-
-@dataclass(frozen=True)
-class EngineLoad:
-    running: int
-    waiting: int
-    tokens_per_second: float  # recent decode rate
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before any chunk."""
-
-
-class EngineClosedError(RuntimeError):
-    """generate() on, or interrupted by, a closed engine."""
-
-
-# -------------------------------------------------------------------------------------- sampling
-
-
-def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= logits.size(-1):
-        return logits
-    kth = logits.topk(k).values[-1]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cum - sorted_logits.softmax(-1) >= p  # the mass before this token already reaches p
-    return logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits: [vocab] float32 -> one token id."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-
-
-# ------------------------------------------------------------------------------------- sequences
-
-
-@dataclass
-class Sequence:
-    """One request inside the scheduler. Touched by the scheduler thread only, except `aborted`."""
-
+    seq: Sequence
     request_id: str
-    prompt_ids: list[int]
     params: SamplingParams
     max_len: int  # prompt + completion limit
     stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator
     emit: Callable[[GenerationChunk | BaseException], None]  # thread-safe: hands an item to the consumer
-    cache: KVCache | None = None
-    num_computed: int = 0  # tokens whose latents are in the cache
-    output_ids: list[int] = field(default_factory=list)
-    next_logits: torch.Tensor | None = None
-    aborted: bool = False
 
-    def chunk(self, text: str, ids: list[int], finish: Literal["stop", "length"] | None) -> GenerationChunk:
-        return GenerationChunk(text, ids, finish, len(self.prompt_ids), len(self.output_ids))
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq.token_ids[self.seq.num_prompt_tokens :]
+
+    def finish_reason(self, token: int) -> FinishReason | None:
+        if token in self.stop_token_ids:
+            return "stop"
+        if len(self.seq.token_ids) >= self.max_len:
+            return "length"
+        return None
 
 
-class Scheduler:
-    """Owns the model and the step loop thread; each step advances every running sequence once.
+class _StepLoop:
+    """The thread that owns the scheduler and the model runner: one forward pass per iteration.
 
-    add_request()/abort_request() are called from the event loop; step() runs on the thread:
-    a prefill chunk for a sequence still reading its prompt, else one sampled token.
+    submit()/abort()/load()/close() are called from the event loop; everything else runs on the thread.
     """
 
-    def __init__(self, model: Transformer, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int):
+        self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
+        self._max_waiting = max_waiting
         self._lock = threading.Condition()
-        self._incoming: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
+        self._incoming: list[_Stream] = []
+        self._aborts: list[int] = []
         self._closed = False
-        self._decode_times: deque[float] = deque()
-        self._thread = threading.Thread(target=self._loop, name="worker-step-loop", daemon=True)
+        self._streams: dict[int, _Stream] = {}  # seq_id -> stream, thread only
+        self._live = 0  # submitted and not ended: what the waiting bound counts
+        self._load = EngineLoad(0, 0, 0.0)
+        self._decode_times: deque[tuple[float, int]] = deque()  # (when, tokens sampled in that step)
+        self._thread = threading.Thread(target=self._run, name="worker-step-loop", daemon=True)
         self._thread.start()
 
-    def add_request(self, seq: Sequence) -> None:
+    def submit(self, stream: _Stream) -> None:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
-            self._incoming.append(seq)
+            if self._live >= self._scheduler.max_parallel + self._max_waiting:
+                raise EngineOverloadedError(
+                    f"the worker is full: {self._live} requests for {self._scheduler.max_parallel} places "
+                    f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
+                )
+            self._live += 1
+            self._incoming.append(stream)
             self._lock.notify()
 
-    def abort_request(self, seq: Sequence) -> None:
-        """The consumer went away: the sequence is dropped, and its cache freed, at the next step."""
-        seq.aborted = True
+    def abort(self, seq_id: int) -> None:
+        """The consumer went away: the sequence is dropped, and its blocks freed, at the next step."""
         with self._lock:
+            self._aborts.append(seq_id)
             self._lock.notify()
 
     def load(self) -> EngineLoad:
         with self._lock:
-            running, waiting = len(self._running), len(self._incoming)
             now = time.monotonic()
-            while self._decode_times and self._decode_times[0] < now - _RATE_WINDOW_S:
+            while self._decode_times and self._decode_times[0][0] < now - _RATE_WINDOW_S:
                 self._decode_times.popleft()
-            n = len(self._decode_times)
-            span = now - self._decode_times[0] if n else 0.0
-        return EngineLoad(running, waiting, n / max(span, 1.0) if n else 0.0)
+            tokens = sum(n for _, n in self._decode_times)
+            span = now - self._decode_times[0][0] if self._decode_times else 0.0
+            rate = tokens / max(span, 1.0)
+            return dataclasses.replace(self._load, waiting=self._load.waiting + len(self._incoming),
+                                       tokens_per_second=rate)  # fmt: skip
 
     def close(self) -> None:
         with self._lock:
@@ -174,77 +132,108 @@ class Scheduler:
             self._lock.notify()
         self._thread.join()
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._closed or self._incoming or self._running):
-                    self._lock.wait()
-                if self._closed:
-                    pending = [*self._incoming, *self._running]
-                    self._incoming.clear()
-                    self._running.clear()
-                    break
-                self._running.extend(self._incoming)
-                self._incoming.clear()
-            self.step()
-        for seq in pending:
-            seq.cache = None
-            seq.emit(EngineClosedError("engine closed during generation"))
+    # ------------------------------------------------------------------------------ the thread
 
-    def step(self) -> None:
-        for seq in list(self._running):
-            finished = seq.aborted
-            if not finished:
-                try:
-                    finished = self._advance(seq)
-                except Exception as e:  # a model/runtime failure ends this request, not the engine
-                    logger.exception("request %s failed", seq.request_id)
-                    seq.emit(e)
-                    finished = True
-            if finished:
-                seq.cache = None
-                with self._lock:
-                    self._running.remove(seq)
+    def _run(self) -> None:
+        while self._take_requests():
+            output = self._scheduler.schedule()
+            self._publish_load()  # before a chunk of this step reaches a consumer
+            if output.scheduled:
+                self._step(output)
+                self._publish_load()
+            else:
+                self._idle()
+        error = EngineClosedError("engine closed during generation")
+        for seq_id in list(self._streams):
+            self._end(seq_id, error)
+        self._publish_load()
 
-    def _advance(self, seq: Sequence) -> bool:
-        """One step of one sequence; True when it finished."""
-        if seq.cache is None:
-            seq.cache = self.model.setup_cache(1, seq.max_len)
-        if seq.num_computed < len(seq.prompt_ids):
-            chunk = seq.prompt_ids[seq.num_computed : seq.num_computed + _PREFILL_CHUNK_TOKENS]
-            seq.next_logits = self._forward(chunk, seq)
-            return False
-        token = sample(seq.next_logits, seq.params, seq.generator)
-        seq.output_ids.append(token)
+    def _take_requests(self) -> bool:
+        """Hand new and aborted requests to the scheduler; False once the engine is closed."""
         with self._lock:
-            self._decode_times.append(time.monotonic())
-        finish = self._finish_reason(seq, token)
-        if token in seq.stop_token_ids:
-            text = seq.detokenizer.flush()
+            incoming, aborts = self._incoming, self._aborts
+            self._incoming, self._aborts = [], []
+            closed = self._closed
+        for stream in incoming:
+            self._streams[stream.seq.seq_id] = stream
+            self._scheduler.add_request(stream.seq)
+        for seq_id in aborts:
+            if self._forget(seq_id) is not None:
+                self._scheduler.abort_request(seq_id)
+        return not closed
+
+    def _idle(self) -> None:
+        """Nothing to compute: sleep until a request arrives, or a held one may be admitted."""
+        with self._lock:
+            if not (self._incoming or self._aborts or self._closed):
+                self._lock.wait(self._scheduler.seconds_until_admission())
+
+    def _publish_load(self) -> None:
+        s = self._scheduler
+        with self._lock:
+            self._load = EngineLoad(len(s.running), len(s.waiting), 0.0, s.blocks.usage)
+
+    def _step(self, output: SchedulerOutput) -> None:
+        try:
+            logits = self._runner.execute(output)
+        except Exception as e:  # a model/runtime failure ends this step's requests, not the engine
+            logger.exception("forward pass over %d sequences failed", len(output.scheduled))
+            for s in output.scheduled:
+                self._end(s.seq.seq_id, e)
+            return
+        streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
+        self._scheduler.complete_step(output)
+        tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
+                              [st.output_ids if st.params.has_penalties else [] for st in streams])  # fmt: skip
+        with self._lock:
+            self._decode_times.append((time.monotonic(), len(tokens)))
+        for stream, token, row in zip(streams, tokens, logits):
+            try:
+                self._append(stream, token, row)
+            except Exception as e:
+                logger.exception("request %s failed", stream.request_id)
+                self._end(stream.seq.seq_id, e)
+
+    def _append(self, stream: _Stream, token: int, logits: torch.Tensor) -> None:
+        """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
+        stream.seq.token_ids.append(token)
+        finish = stream.finish_reason(token)
+        detok = stream.detokenizer
+        if token in stream.stop_token_ids:
+            text = detok.flush()
         else:
-            text = seq.detokenizer.add(token)
-            if seq.detokenizer.stopped:
+            text = detok.add(token)
+            if detok.stopped:
                 finish = "stop"
             elif finish is not None:
-                text += seq.detokenizer.flush()
-        seq.emit(seq.chunk(text, [token], finish))
-        if finish is None:
-            seq.next_logits = self._forward([token], seq)
-        return finish is not None
+                text += detok.flush()
+        logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
+        seq = stream.seq
+        stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
+                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs))  # fmt: skip
+        if finish is not None:
+            self._forget(seq.seq_id)
+            self._scheduler.finish_request(seq)
 
-    @staticmethod
-    def _finish_reason(seq: Sequence, token: int) -> Literal["stop", "length"] | None:
-        if token in seq.stop_token_ids:
-            return "stop"
-        if len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
-            return "length"
-        return None
+    def _logprobs(self, logits: torch.Tensor, token: int, params: SamplingParams) -> list[TokenLogprob]:
+        logprob, top = token_logprobs(logits, token, params.top_logprobs)
+        decode = self._tokenizer.decode
+        alternatives = tuple(TokenLogprob(decode([i]), lp) for i, lp in top)
+        return [TokenLogprob(decode([token]), logprob, alternatives)]
 
-    def _forward(self, ids: list[int], seq: Sequence) -> torch.Tensor:
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = self.model(tokens, seq.num_computed, seq.cache)[0]  # [vocab]
-        seq.num_computed += len(ids)
-        return logits.cpu()
+    def _end(self, seq_id: int, error: BaseException) -> None:
+        """A failed sequence leaves the batch now and frees its blocks; the error ends its stream."""
+        stream = self._forget(seq_id)
+        if stream is not None:
+            self._scheduler.abort_request(seq_id)
+            stream.emit(error)
+
+    def _forget(self, seq_id: int) -> _Stream | None:
+        stream = self._streams.pop(seq_id, None)
+        if stream is not None:
+            with self._lock:
+                self._live -= 1
+        return stream
 
 
 # ----------------------------------------------------------------------------------------- engine
@@ -255,12 +244,21 @@ class Engine:
 
     def __init__(
         self, model: Transformer, tokenizer: Tokenizer, capabilities: DeviceCapabilities, device: torch.device,
-        max_model_len: int, eos_token_ids: frozenset[int],
+        max_model_len: int, eos_token_ids: frozenset[int], parallel: ParallelSection, cache: CacheSection,
     ):  # fmt: skip
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
         self.max_model_len = max_model_len
+        self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids
-        self._scheduler = Scheduler(model, device)
+        self._seq_ids = itertools.count()
+        blocks = _block_manager(model, device, max_model_len, cache)
+        kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
+        logger.info("latent cache: %d blocks of %d tokens (%.1f MB); max_parallel %d, batch timeout %d ms",
+                    blocks.num_blocks, blocks.block_size, kv_cache.nbytes / 2**20, self.parallel.max_parallel,
+                    self.parallel.dynamic_batch_timeout_ms)  # fmt: skip
+        scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
+        runner = ModelRunner(model, kv_cache, device)
+        self._loop = _StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
 
     @classmethod
     def from_checkpoint(
@@ -271,8 +269,10 @@ class Engine:
         use_native_fp8: bool | None = None,
         max_model_len: int | None = None,
         device: str = "auto",
+        parallel: ParallelSection | None = None,
+        cache: CacheSection | None = None,
     ) -> Engine:
-        """Load weights and tokenizer (blocking: call it before serving, or in a thread)."""
+        """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or in a thread)."""
         torch_device = resolve_device(device)
         caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
@@ -284,59 +284,48 @@ class Engine:
         tokenizer = Tokenizer(model_dir)
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
         logger.info("loaded %s: %.1f MB of weights as %s", model_dir, weight_bytes / 2**20, caps.precision)
-        return cls(model, tokenizer, caps, torch_device, max_model_len or context, eos)
+        return cls(model, tokenizer, caps, torch_device, max_model_len or context, eos,
+                   parallel or ParallelSection(), cache or CacheSection())  # fmt: skip
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts it."""
+        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts it.
+
+        Raises InvalidRequestError or EngineOverloadedError before any chunk.
+        """
+        stream, queue = self._stream(request)
+        self._loop.submit(stream)
+        abort = functools.partial(self._loop.abort, stream.seq.seq_id)
+        async with contextlib.aclosing(drain_chunks(queue, abort)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def load(self) -> EngineLoad:
+        return self._loop.load()
+
+    async def close(self) -> None:
+        """Stop the step loop; streams still running end with EngineClosedError."""
+        await asyncio.to_thread(self._loop.close)
+
+    def _stream(self, request: GenerationRequest) -> tuple[_Stream, asyncio.Queue]:
         prompt_ids = self._prompt_ids(request)
         params = request.sampling
-        _check_sampling(params)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} (the prompt and at "
-                "least one generated token must fit)"
-            )
-        max_len = self.max_model_len
-        if params.max_tokens is not None:
-            if len(prompt_ids) + params.max_tokens > self.max_model_len:
-                raise InvalidRequestError(
-                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                    f"length {self.max_model_len}"
-                )
-            max_len = len(prompt_ids) + params.max_tokens
-        loop = asyncio.get_running_loop()
+        self._check_sampling(params)
+        max_len = self._max_len(len(prompt_ids), params.max_tokens)
+        max_parallel, timeout_ms = self._batching(request)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(
+        seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids), max_parallel, timeout_ms / 1000)
+        stream = _Stream(
+            seq=seq,
             request_id=request.request_id,
-            prompt_ids=prompt_ids,
             params=params,
             max_len=max_len,
             stop_token_ids=self._eos_token_ids | frozenset(params.stop_token_ids),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=torch.Generator().manual_seed(seed),
-            emit=_emitter(loop, queue),
+            emit=_emitter(asyncio.get_running_loop(), queue),
         )
-        self._scheduler.add_request(seq)
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-        finally:
-            if not finished:
-                self._scheduler.abort_request(seq)
-
-    def load(self) -> EngineLoad:
-        return self._scheduler.load()
-
-    async def close(self) -> None:
-        """Stop the step loop; streams still running end with EngineClosedError."""
-        await asyncio.to_thread(self._scheduler.close)
+        return stream, queue
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if (request.messages is None) == (request.prompt is None):
@@ -352,6 +341,77 @@ class Engine:
             raise InvalidRequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt)
 
+    def _max_len(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Where the sequence stops with `length`: max_tokens past the prompt, or the context."""
+        if prompt_len >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} (the prompt and at "
+                "least one generated token must fit)"
+            )
+        if max_tokens is None:
+            return self.max_model_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {self.max_model_len}"
+            )
+        return prompt_len + max_tokens
+
+    def _check_sampling(self, p: SamplingParams) -> None:
+        if p.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
+        if p.max_tokens is not None and p.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        low, high = _PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(p, name) <= high:
+                raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
+        if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+        if len(p.stop) > _MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed")
+        if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {_MAX_STOP_TOKEN_IDS} are allowed"
+            )
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in p.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab - 1}")
+
+    def _batching(self, request: GenerationRequest) -> tuple[int, int]:
+        """The request's (max_parallel, dynamic_batch_timeout_ms) hints, bounded by this worker's limits."""
+        limits = self.parallel
+        assert limits.max_parallel is not None and limits.dynamic_batch_timeout_ms is not None, "unresolved limits"
+        if request.max_parallel is not None and request.max_parallel < 1:
+            raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
+        if request.dynamic_batch_timeout_ms is not None and request.dynamic_batch_timeout_ms < 0:
+            raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {request.dynamic_batch_timeout_ms}")
+        max_parallel = min(request.max_parallel or limits.max_parallel, limits.max_parallel)
+        timeout_ms = limits.dynamic_batch_timeout_ms
+        if request.dynamic_batch_timeout_ms is not None:
+            timeout_ms = min(request.dynamic_batch_timeout_ms, timeout_ms)
+        return max_parallel, timeout_ms
+
+
+def _block_manager(model: Transformer, device: torch.device, max_model_len: int, cache: CacheSection) -> BlockManager:
+    """As many blocks as the memory budget holds; at least one whole context, so any request can finish."""
+    per_block = bytes_per_token(model.args, model.lm_head.weight.dtype) * cache.block_size
+    budget = cache_budget_bytes(device, cache.gpu_memory_utilization, cache.cpu_cache_bytes)
+    num_blocks = budget // per_block
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
+        raise ValueError(
+            f"[cache] {knob}: the latent cache would hold {max(num_blocks, 0) * cache.block_size} tokens, fewer "
+            f"than one context of max_model_len={max_model_len} ({needed * per_block} bytes); raise {knob} or "
+            "lower [attention] max_model_len"
+        )
+    return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
 
 def _emitter(
     loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
@@ -363,17 +423,6 @@ def _emitter(
             pass
 
     return emit
-
-
-def _check_sampling(p: SamplingParams) -> None:
-    if p.temperature < 0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
-    if p.max_tokens is not None and p.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
 
 
 def _eos_token_ids(model_dir: Path, config: dict, tokenizer: Tokenizer) -> frozenset[int]:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
+
 
 @dataclass
 class ModelArgs:
@@ -140,14 +142,14 @@ def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [B, S, H, rope_dim]; freqs_cis: [B, S, rope_dim/2].
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T, rope_dim/2].
 
     HF's `apply_rotary_pos_emb_interleave` returns the same pairs de-interleaved ([evens, odds]);
     both q and k get one layout, so every q.k dot product is identical.
     """
     dtype = x.dtype
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    y = torch.view_as_real(xc * freqs_cis.unsqueeze(2)).flatten(3)
+    y = torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).flatten(-2)
     return y.to(dtype)
 
 
@@ -166,28 +168,103 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False)
+class Linear(nn.Linear):
+    """A bias-free linear layer; its weight is in the compute dtype, or FP8 E4M3 as the checkpoint stores it.
+
+    In FP8 (after `hold_fp8`) it keeps a float32 `weight_scale_inv` per 128x128 block and runs
+    act_quant -> fp8_gemm (kernel.fp8_linear): about one byte per weight instead of two or four.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.register_buffer("weight_scale_inv", None)
+
+    def hold_fp8(self) -> None:
+        """Before loading: this layer will hold an FP8 weight (K padded to whole blocks) and its block scales."""
+        out_features, k_padded = self.out_features, -(-self.in_features // BLOCK_SIZE) * BLOCK_SIZE
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_features, k_padded, dtype=FP8, device=device), requires_grad=False)
+        scale_shape = block_scale_shape((out_features, k_padded))
+        self.weight_scale_inv = torch.empty(scale_shape, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.weight_scale_inv)
+
+
+def _linear(in_features: int, out_features: int) -> Linear:
+    return Linear(in_features, out_features)
 
 
 class KVCache:
-    """The MLA cache of a batch of sequences: only the compressed latent per token per layer.
+    """The paged MLA cache: per layer and token slot, only the compressed latent and the rope'd key.
 
-    latent: [n_layers, B, max_seq_len, kv_lora_rank] (after kv_a_layernorm);
-    k_pe:   [n_layers, B, max_seq_len, qk_rope_head_dim] (after RoPE).
-    Allocated by `Transformer.setup_cache`; a scheduler owns one per sequence (or per batch).
+    kv: [n_layers, num_blocks * block_size, kv_lora_rank + qk_rope_head_dim], the latent (after
+    kv_a_layernorm) then k_pe (after RoPE); token slot = block * block_size + offset in the block.
+    Allocated by `Transformer.setup_cache`; which blocks a sequence holds is the caller's business
+    (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
 
-    def __init__(self, args: ModelArgs, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
-        assert max_seq_len <= args.max_seq_len, f"max_seq_len={max_seq_len} > {args.max_seq_len}"
-        shape = (args.n_layers, batch_size, max_seq_len)
-        self.latent = torch.zeros(*shape, args.kv_lora_rank, dtype=dtype, device=device)
-        self.k_pe = torch.zeros(*shape, args.qk_rope_head_dim, dtype=dtype, device=device)
-        self.max_seq_len = max_seq_len
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        self.kv = torch.zeros(args.n_layers, num_blocks * block_size, width, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
-        return self.latent.nbytes + self.k_pe.nbytes
+        return self.kv.nbytes
+
+
+@dataclass
+class AttentionGroup:
+    """`batch` sequences with `seqlen` new tokens each, packed consecutively from `token_start`.
+
+    key_slots: [batch, L] cache slots of each sequence's keys in position order (padded with slot 0);
+    mask: [batch, seqlen, L] additive, -inf where a key lies after the query (future or padding).
+    """
+
+    token_start: int
+    batch: int
+    seqlen: int
+    key_slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, token_start: int, query_positions: torch.Tensor, key_slots: torch.Tensor) -> AttentionGroup:
+        """query_positions: [b, s] positions of the new tokens; key_slots: [b, L] slots of positions 0..L-1."""
+        batch, seqlen = query_positions.shape
+        key_positions = torch.arange(key_slots.size(1), device=key_slots.device)
+        future = key_positions > query_positions.unsqueeze(-1)  # [b, s, L]
+        mask = torch.zeros(future.shape, device=key_slots.device).masked_fill_(future, float("-inf"))
+        return cls(token_start, batch, seqlen, key_slots, mask)
+
+
+@dataclass
+class BatchLayout:
+    """Where the T packed tokens of one forward pass sit (built each step by the model runner).
+
+    positions: [T] position of each token in its sequence; write_slots: [T] cache slot its latent goes to;
+    groups: cover the T tokens in order; logits_index: [N] packed indices whose logits are returned.
+    """
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    groups: list[AttentionGroup]
+    logits_index: torch.Tensor
+
+    @classmethod
+    def contiguous(cls, batch: int, seqlen: int, start_pos: int, block_size: int, device: torch.device) -> BatchLayout:
+        """`batch` sequences at the same positions, sequence i in block i; logits of each last token."""
+        positions = torch.arange(start_pos, start_pos + seqlen, device=device).expand(batch, seqlen)  # [B, S]
+        base = torch.arange(batch, device=device).unsqueeze(1) * block_size  # [B, 1]
+        key_slots = base + torch.arange(start_pos + seqlen, device=device)  # [B, L]
+        return cls(
+            positions=positions.flatten(),
+            write_slots=(base + positions).flatten(),
+            groups=[AttentionGroup.build(0, positions, key_slots)],
+            logits_index=torch.arange(1, batch + 1, device=device) * seqlen - 1,
+        )
 
 
 class MLA(nn.Module):
@@ -216,33 +293,34 @@ class MLA(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def forward(
-        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None, cache: KVCache
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their positions."""
         a = self.args
-        bsz, seqlen, _ = x.shape  # x: [B, S, dim]
-        end_pos = start_pos + seqlen
-        q = self._query(x).view(bsz, seqlen, self.n_heads, a.qk_head_dim)
+        q = self._query(x).view(x.size(0), self.n_heads, a.qk_head_dim)
         q_nope, q_pe = torch.split(q, [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [B, S, H, r]
+        q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
         kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)  # [B, S, r]
-        latent_cache, pe_cache = cache.latent[self.layer_id, :bsz], cache.k_pe[self.layer_id, :bsz]
-        latent_cache[:, start_pos:end_pos] = self.kv_a_layernorm(kv)
-        pe_cache[:, start_pos:end_pos] = k_pe
-        latent, pe = latent_cache[:, :end_pos], pe_cache[:, :end_pos]  # [B, T, c], [B, T, r]
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(1), freqs_cis).squeeze(1)  # [T, r]
+        layer_cache = cache.kv[self.layer_id]  # [slots, c + r]
+        layer_cache.index_copy_(0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1))
 
-        # absorb kv_b_proj: q_nope -> latent space, attention output latent -> v
+        # absorb kv_b_proj: q_nope -> latent space (one dot product with [latent, k_pe] scores both parts),
+        # attention output latent -> v
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
-        q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
-        scores = torch.einsum("bshc,btc->bsht", q_nope, latent) + torch.einsum("bshr,btr->bsht", q_pe, pe)
-        scores = scores * self.softmax_scale
-        if mask is not None:
-            scores = scores + mask.unsqueeze(1)  # mask: [S, T]
-        scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
-        out = torch.einsum("bsht,btc->bshc", scores, latent)
-        out = torch.einsum("bshc,hdc->bshd", out, wkv_b[:, a.qk_nope_head_dim :])  # [B, S, H, d_v]
-        return self.o_proj(out.flatten(2))
+        q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
+        query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
+        out = torch.cat([self._attend(query, group, layer_cache) for group in layout.groups])  # [T, H, c]
+        out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
+        return self.o_proj(out.flatten(1))
+
+    def _attend(self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor) -> torch.Tensor:
+        """The group's queries over its sequences' cached keys -> latent outputs [b * s, H, c]."""
+        end = group.token_start + group.batch * group.seqlen
+        q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))  # [b, s, H, c + r]
+        keys = layer_cache[group.key_slots]  # [b, L, c + r]
+        scores = torch.einsum("bshc,btc->bsht", q, keys) * self.softmax_scale + group.mask.unsqueeze(2)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+        return torch.einsum("bsht,btc->bshc", probs, keys[..., : self.args.kv_lora_rank]).flatten(0, 1)
 
 
 class MLP(nn.Module):
@@ -322,10 +400,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor, mask: torch.Tensor | None, cache: KVCache
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start_pos, freqs_cis, mask, cache)
+    def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layout, freqs_cis, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -345,27 +421,39 @@ class Transformer(nn.Module):
         """Recompute non-persistent buffers (after building on the meta device and loading weights)."""
         self.freqs_cis = precompute_freqs_cis(self.args).to(device)
 
-    def setup_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
-        """Allocate the latent cache for `batch_size` sequences of up to `max_seq_len` tokens."""
-        return KVCache(self.args, batch_size, max_seq_len, self.lm_head.weight.dtype, self.lm_head.weight.device)
+    def setup_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """Allocate the latent cache in the weights' dtype and device.
+
+        `setup_cache(B, max_seq_len)` gives each of B sequences one block holding its whole context:
+        the layout `forward(tokens, start_pos, cache)` uses.
+        """
+        return KVCache(self.args, num_blocks, block_size, self.lm_head.weight.dtype, self.lm_head.weight.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
         """tokens: [B, S] at positions start_pos..start_pos+S-1 -> logits of the last position [B, vocab] (fp32).
 
-        Positions before start_pos must already be in `cache` (prefill in chunks or decode one token).
+        Positions before start_pos must already be in `cache` (prefill in chunks or decode one token);
+        sequence i lives in block i of a cache from `setup_cache(B, max_seq_len)`.
         """
-        seqlen = tokens.size(1)
-        end_pos = start_pos + seqlen
-        assert end_pos <= cache.max_seq_len, f"end_pos={end_pos} > cache {cache.max_seq_len}"
-        h = self.embed_tokens(tokens)  # [B, S, dim]
-        freqs_cis = self.freqs_cis[start_pos:end_pos].unsqueeze(0)  # [1, S, r/2]
-        mask = None
-        if seqlen > 1:  # query i (position start_pos+i) sees keys 0..start_pos+i
-            mask = torch.full((seqlen, end_pos), float("-inf"), device=tokens.device).triu_(start_pos + 1)
+        bsz, seqlen = tokens.shape
+        assert start_pos + seqlen <= cache.block_size, f"end_pos={start_pos + seqlen} > block {cache.block_size}"
+        assert bsz <= cache.num_blocks, f"batch {bsz} > {cache.num_blocks} blocks"
+        layout = BatchLayout.contiguous(bsz, seqlen, start_pos, cache.block_size, tokens.device)
+        return self.forward_batch(tokens.flatten(), layout, cache)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache) -> torch.Tensor:
+        """tokens: [T] of many sequences packed as `layout` says -> logits [N, vocab] (fp32) at layout.logits_index.
+
+        One pass for a whole scheduling step: decode tokens and prefill chunks of different sequences,
+        each attending over its own cached positions.
+        """
+        h = self.embed_tokens(tokens)  # [T, dim]
+        freqs_cis = self.freqs_cis[layout.positions]  # [T, r/2]
         for layer in self.layers:
-            h = layer(h, start_pos, freqs_cis, mask, cache)
-        return self.lm_head(self.norm(h[:, -1])).float()
+            h = layer(h, layout, freqs_cis, cache)
+        return self.lm_head(self.norm(h[layout.logits_index])).float()
 
 
 def smoke_run() -> torch.Tensor:

@@ -4,17 +4,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 import telemetry
+from telemetry import metrics
 from infermesh.grpc_server import create_grpc_server
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
-from worker_svc.engine import (Engine, GenerationChunk, GenerationRequest, InvalidRequestError,
-                               SamplingParams)
+from worker_svc.engine_api import (EngineOverloadedError, GenerationChunk, GenerationRequest,
+                                   InferenceEngine, InvalidRequestError, SamplingParams,
+                                   TokenLogprob)
+from worker_svc.sim_engine import SimEngine
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +31,17 @@ _REGISTER_RETRY_S = 1.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Admits at most ``max_parallel`` streams into the engine; the rest wait."""
+    """Streams the engine's generations. The engine batches and queues; past its bounded
+    waiting queue a request fails with RESOURCE_EXHAUSTED (the gateway's 429)."""
 
-    def __init__(self, engine: Engine, info: common_pb2.WorkerInfo, max_parallel: int) -> None:
+    def __init__(self, engine: InferenceEngine, info: common_pb2.WorkerInfo) -> None:
         self._engine = engine
         self.info = info
-        self._slots = asyncio.Semaphore(max_parallel)
-        self._waiting = 0
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
-        return common_pb2.Load(running=engine_load.running,
-                               waiting=engine_load.waiting + self._waiting,
+        return common_pb2.Load(running=engine_load.running, waiting=engine_load.waiting,
+                               kv_cache_usage=engine_load.kv_cache_usage,
                                tokens_per_second=engine_load.tokens_per_second)
 
     async def Info(self, request: worker_pb2.InfoRequest,
@@ -53,23 +57,98 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if bool(request.messages) == bool(request.prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "exactly one of messages and prompt must be given")
-        span = trace.get_current_span()
-        span.set_attribute("infermesh.worker_id", self.info.worker_id)
-        span.set_attribute("infermesh.precision",
-                           common_pb2.Precision.Name(self.info.capabilities.precision))
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
+        caps = self.info.capabilities
+        trace.get_current_span().set_attributes({
+            "infermesh.worker_id": self.info.worker_id, "infermesh.device": caps.device,
+            "infermesh.device_name": caps.device_name,
+            "infermesh.precision": common_pb2.Precision.Name(caps.precision)})
+        timing = _Timing(request.model)
         try:
             async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
                 async for chunk in chunks:
+                    timing.saw(chunk, self._engine.load().running)
                     yield _to_proto(chunk)
         except InvalidRequestError as e:
+            timing.status = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineOverloadedError as e:
+            timing.status = "RESOURCE_EXHAUSTED"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
-            self._slots.release()
+            timing.end()
+
+
+class _Timing:
+    """One generation's phases, as child spans of the RPC's span (``prefill``: from
+    arrival to the first token, queue wait included; ``decode``: the rest) and as
+    metrics."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+        self._started_ns = time.time_ns()
+        self._first_ns: int | None = None
+        self._batch_size = 0
+        self._tokens = 0
+        self._prompt_tokens = 0
+        self.status = "CANCELLED"  # until the last chunk says otherwise
+
+    def saw(self, chunk: GenerationChunk, running: int) -> None:
+        self._tokens += len(chunk.token_ids)
+        if self._first_ns is None and chunk.token_ids:
+            self._first_ns = time.time_ns()
+            self._batch_size = running
+            trace.get_current_span().add_event("first_token", timestamp=self._first_ns)
+        if chunk.finish_reason is not None:
+            self.status = "OK"
+            self._prompt_tokens = chunk.prompt_tokens
+
+    def end(self) -> None:
+        ended_ns = time.time_ns()
+        metrics.REQUESTS.labels("worker", self._model, self.status).inc()
+        if self._first_ns is None:
+            return
+        tracer = trace.get_tracer(__name__)
+        attributes = {"infermesh.batch_size": self._batch_size}
+        tracer.start_span("prefill", start_time=self._started_ns,
+                          attributes={**attributes, "gen_ai.usage.input_tokens": self._prompt_tokens}
+                          ).end(end_time=self._first_ns)
+        tracer.start_span("decode", start_time=self._first_ns,
+                          attributes={**attributes, "gen_ai.usage.output_tokens": self._tokens}
+                          ).end(end_time=ended_ns)
+        first_s, total_s = (self._first_ns - self._started_ns) / 1e9, (ended_ns - self._started_ns) / 1e9
+        metrics.TIME_TO_FIRST_TOKEN.labels("worker", self._model).observe(first_s)
+        metrics.REQUEST_DURATION.labels("worker", self._model).observe(total_s)
+        if self._tokens > 1:
+            metrics.TIME_PER_OUTPUT_TOKEN.labels("worker", self._model).observe(
+                (total_s - first_s) / (self._tokens - 1))
+        metrics.TOKENS.labels("worker", self._model, "input").inc(self._prompt_tokens)
+        metrics.TOKENS.labels("worker", self._model, "output").inc(self._tokens)
+
+
+def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    """The generated add_WorkerServicer_to_server, except that Generate parses its own request:
+    one that does not parse (a string that is not UTF-8) fails with INVALID_ARGUMENT, where
+    grpc's deserializer would answer UNKNOWN."""
+    async def generate(data: bytes, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        try:
+            request = common_pb2.GenerateRequest.FromString(data)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"malformed GenerateRequest ({e}); strings must be UTF-8")
+        async for response in servicer.Generate(request, context):
+            yield response
+
+    service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, response_serializer=common_pb2.GenerateResponse.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info, request_deserializer=worker_pb2.InfoRequest.FromString,
+            response_serializer=worker_pb2.InfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
 
 
 def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
@@ -80,10 +159,17 @@ def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
         top_k=s.top_k if s.HasField("top_k") else 0,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids))
+        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs)
     messages = [{"role": m.role, "content": m.content} for m in request.messages]
-    return GenerationRequest(request_id=request.request_id, messages=messages or None,
-                             prompt=request.prompt or None, sampling=sampling)
+    hints = request.batching
+    return GenerationRequest(
+        request_id=request.request_id, messages=messages or None,
+        prompt=request.prompt or None, sampling=sampling,
+        max_parallel=hints.max_parallel if hints.HasField("max_parallel") else None,
+        dynamic_batch_timeout_ms=(hints.dynamic_batch_timeout_ms
+                                  if hints.HasField("dynamic_batch_timeout_ms") else None))
 
 
 def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
@@ -91,13 +177,22 @@ def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
         text=chunk.text, token_ids=chunk.token_ids,
         finish_reason=_FINISH_REASONS[chunk.finish_reason])
     if chunk.finish_reason is not None:
-        response.usage.CopyFrom(common_pb2.Usage(prompt_tokens=chunk.prompt_tokens,
-                                                 completion_tokens=chunk.completion_tokens))
+        response.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+            cached_prompt_tokens=chunk.cached_prompt_tokens))
+    if chunk.logprobs is not None:
+        response.logprobs.extend(_logprob_to_proto(lp) for lp in chunk.logprobs)
     return response
 
 
-def worker_info(config: WorkerConfig, engine: Engine, address: str) -> common_pb2.WorkerInfo:
+def _logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, bytes=lp.token.encode(),
+                                   top=[_logprob_to_proto(alt) for alt in lp.top])
+
+
+def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> common_pb2.WorkerInfo:
     caps = engine.capabilities
+    parallel = config.parallel.resolved(caps.device, caps.device_name)
     return common_pb2.WorkerInfo(
         worker_id=config.server.worker_id or f"worker-{address}",
         address=address,
@@ -106,7 +201,9 @@ def worker_info(config: WorkerConfig, engine: Engine, address: str) -> common_pb
             device=caps.device, device_name=caps.device_name,
             compute_capability=caps.compute_capability, precision=_PRECISIONS[caps.precision],
             memory_total_bytes=caps.memory_total_bytes, weight_bytes=caps.weight_bytes,
-            max_parallel=config.parallel.max_parallel))
+            max_parallel=parallel.max_parallel,
+            decode_tokens_per_second=caps.decode_tokens_per_second,
+            prefill_tokens_per_second=caps.prefill_tokens_per_second))
 
 
 async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:
@@ -141,16 +238,15 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
                 await asyncio.sleep(interval_s)
 
 
-async def create_server(config: WorkerConfig, engine: Engine) -> tuple[grpc.aio.Server, WorkerServicer]:
+async def create_server(config: WorkerConfig, engine: InferenceEngine) -> tuple[grpc.aio.Server, WorkerServicer]:
     """Starts the Worker service for ``engine`` (port 0: a free port)."""
     servicer: WorkerServicer | None = None
 
     def add(server: grpc.aio.Server, port: int) -> None:
         nonlocal servicer
         address = config.server.advertise_address or f"{config.server.host}:{port}"
-        servicer = WorkerServicer(engine, worker_info(config, engine, address),
-                                  config.parallel.max_parallel)
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        servicer = WorkerServicer(engine, worker_info(config, engine, address))
+        _add_worker_servicer(servicer, server)
 
     server, _, _ = await create_grpc_server(
         f"{config.server.host}:{config.server.port}", add,
@@ -159,15 +255,26 @@ async def create_server(config: WorkerConfig, engine: Engine) -> tuple[grpc.aio.
     return server, servicer
 
 
-async def serve(config: WorkerConfig) -> None:
-    engine = await asyncio.to_thread(
+async def load_engine(config: WorkerConfig) -> InferenceEngine:
+    """The engine ``[engine] kind`` names. Only the checkpoint engine imports torch, so a
+    simulated worker process stays small."""
+    if config.engine.kind == "sim":
+        return SimEngine.from_config(config)
+    from worker_svc.engine import Engine
+    return await asyncio.to_thread(
         Engine.from_checkpoint, config.model.path, dtype=config.model.dtype,
         use_native_fp8=config.quantization.use_native_fp8,
-        max_model_len=config.attention.max_model_len)
+        max_model_len=config.attention.max_model_len, parallel=config.parallel, cache=config.cache)
+
+
+async def serve(config: WorkerConfig) -> None:
+    engine = await load_engine(config)
     server, servicer = await create_server(config, engine)
     info = servicer.info
     logger.info("worker %s listening on %s serving %s on %s in %s", info.worker_id, info.address,
                 config.model.served_name, engine.capabilities.device, engine.capabilities.precision)
+    metrics.watch_worker_load(servicer.load)
+    metrics.serve_metrics(config.metrics)
     reporter = asyncio.create_task(report_to_router(config.router.address, servicer))
     try:
         await server.wait_for_termination()

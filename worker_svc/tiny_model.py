@@ -1,6 +1,6 @@
 """Write a tiny random DeepSeek-V3 checkpoint in exactly the real on-disk format.
 
-    python -m worker_svc.tiny_model OUT_DIR
+    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from worker_svc.checkpoint import is_fp8_linear, weight_quant
+from worker_svc.checkpoint import is_fp8_linear
+from worker_svc.kernel import weight_quant
 from worker_svc.model import ModelArgs, Transformer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -43,7 +44,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
-_CORPUS = """\
+CORPUS = """\
 The quick brown fox jumps over the lazy dog. A language model predicts the next token.
 Mixture-of-experts layers route every token to a few experts; the router scores each expert.
 Multi-head latent attention caches a compressed latent vector instead of full keys and values.
@@ -131,7 +132,7 @@ def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
 
 def _corpus_lines() -> list[str]:
     """The embedded corpus, its upper/title-cased copies and number runs: about 1k merges' worth."""
-    lines = _CORPUS.splitlines()
+    lines = CORPUS.splitlines()
     numbers = [" ".join(str(i) for i in range(j, j + 40)) for j in range(0, 1200, 40)]
     return (lines + [x.upper() for x in lines] + [x.title() for x in lines]) * 4 + numbers
 
@@ -221,12 +222,32 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, seed: int = _SEED) -> Path:
     """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`) to out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    config = tiny_config(tok.get_vocab_size(), variant=variant)
+    return _write_checkpoint(Path(out_dir), tok, tiny_config(tok.get_vocab_size(), variant=variant), seed + variant)
+
+
+def bench_config() -> dict[str, Any]:
+    """config.json of the scheduler benchmark's model (issue #3): about 73M parameters, vocab 32000
+    (past the tokenizer's 1024 ids, as real checkpoints pad their embeddings)."""
+    config = tiny_config(32000)
+    config.update(
+        hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1,
+    )  # fmt: skip
+    return config
+
+
+def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
+    """Write the benchmark checkpoint (`bench_config`) to out_dir; reproducible like the tiny one."""
+    return _write_checkpoint(Path(out_dir), train_tokenizer(), bench_config(), seed)
+
+
+def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     args = ModelArgs.from_config(config)
-    generator = torch.Generator().manual_seed(seed + variant)
+    generator = torch.Generator().manual_seed(seed)
     state = _random_state(args, generator) | _mtp_state(args, generator)
     tensors = _to_checkpoint_format(state)
     save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
@@ -247,9 +268,14 @@ def write_variant_checkpoint(out_dir: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null")
+    kind.add_argument("--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model")
     ns = parser.parse_args(argv)
-    print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant))
+    if ns.bench:
+        print(write_bench_checkpoint(ns.out_dir))
+    else:
+        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant))
 
 
 if __name__ == "__main__":

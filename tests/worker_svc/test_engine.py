@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from tests.inprocess import eventually
+from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine_api import EngineOverloadedError
+from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
 
@@ -150,3 +155,141 @@ async def test_invalid_requests(engine: Engine, request_: GenerationRequest, mat
     with pytest.raises(InvalidRequestError, match=match):
         await anext(engine.generate(request_))
     assert engine.load().running == 0
+
+
+# ------------------------------------------------------------------------- continuous batching
+
+
+def _prompt(i: int) -> str:
+    return f"Request {i}: the quick brown fox jumps over the lazy dog {i * 7}."
+
+
+async def _greedy_texts(engine: Engine, n: int, max_tokens: int = 20) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    runs = [_run(engine, _request(params, prompt=_prompt(i), request_id=str(i))) for i in range(n)]
+    return [_ids(chunks) for chunks in await asyncio.gather(*runs)]
+
+
+async def test_a_batch_generates_what_each_sequence_generates_alone(engine: Engine):
+    together = await _greedy_texts(engine, 5)
+    alone = [(await _greedy_texts(engine, 1))[0]] + [
+        _ids(await _run(engine, _request(SamplingParams(temperature=0, max_tokens=20), prompt=_prompt(i))))
+        for i in range(1, 5)
+    ]
+    assert together == alone and len({tuple(t) for t in together}) == 5
+
+
+async def test_chunked_prefill_and_preemption_do_not_change_the_output(
+    tiny_dir: Path, engine: Engine, caplog: pytest.LogCaptureFixture
+):
+    expected = await _greedy_texts(engine, 4, max_tokens=30)
+    # prompts computed 16 tokens per step; a cache of 2 contexts of 64 tokens for 4 sequences of ~59:
+    # the newest are preempted and recomputed
+    small = Engine.from_checkpoint(
+        tiny_dir, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
+        cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(engine)),
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
+            assert await _greedy_texts(small, 4, max_tokens=30) == expected
+        assert "preempting" in caplog.text
+        await eventually(lambda: small.load().kv_cache_usage == 0)
+    finally:
+        await small.close()
+
+
+def _bytes_per_token(engine: Engine) -> int:
+    return bytes_per_token(engine.model.args, engine.model.lm_head.weight.dtype)
+
+
+async def test_a_repeated_prefix_is_reported_as_cached_prompt_tokens(engine: Engine):
+    system = {"role": "system", "content": "You are a helpful assistant. " * 8}
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def request(question: str) -> GenerationRequest:
+        return GenerationRequest("r", [system, {"role": "user", "content": question}], None, params)
+
+    first = await _run(engine, request("What is MLA?"))
+    again = await _run(engine, request("What is MLA?"))
+    other = await _run(engine, request("And MoE?"))
+    assert first[-1].cached_prompt_tokens == 0
+    assert _ids(again) == _ids(first) and 0 < again[-1].cached_prompt_tokens < again[-1].prompt_tokens
+    assert other[-1].cached_prompt_tokens >= len(engine.tokenizer.encode_chat([system])) // 16 * 16 - 16
+
+
+async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
+    streams = [engine.generate(_request(SamplingParams(temperature=0), prompt=_prompt(i))) for i in range(4)]
+    for stream in streams:
+        await anext(stream)
+    await eventually(lambda: engine.load().running == 4)
+    assert engine.load().kv_cache_usage > 0
+    for stream in streams:
+        await stream.aclose()
+    await _wait_idle(engine)
+    assert engine.load().kv_cache_usage == 0
+
+
+async def test_penalties_and_logprobs(engine: Engine):
+    plain = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40)))
+    penalized = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40, frequency_penalty=2.0,
+                                                           presence_penalty=2.0)))  # fmt: skip
+    repeats = len(_ids(plain)) - len(set(_ids(plain)))
+    assert _ids(penalized) != _ids(plain) and len(_ids(penalized)) - len(set(_ids(penalized))) < repeats
+
+    chunks = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=5, logprobs=True, top_logprobs=3)))
+    assert all(c.logprobs is not None and len(c.logprobs) == 1 for c in chunks)
+    for c in chunks:
+        lp = c.logprobs[0]
+        assert len(lp.top) == 3 and lp.logprob <= 0
+        assert lp.logprob == pytest.approx(lp.top[0].logprob)  # greedy took the most likely token
+        assert lp.token == engine.tokenizer.decode(c.token_ids)
+    assert (await _run(engine, _request(SamplingParams(temperature=0, max_tokens=2))))[0].logprobs is None
+
+
+async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path):
+    engine = Engine.from_checkpoint(tiny_dir, parallel=ParallelSection(max_parallel=1, max_waiting=1))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        first, second = (engine.generate(_request(params, prompt=_prompt(i))) for i in range(2))
+        first_chunk = await anext(first)
+        second_task = asyncio.create_task(anext(second))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineOverloadedError, match="max_waiting 1"):
+            await anext(engine.generate(_request(params)))
+        rest = [c async for c in first]
+        assert first_chunk.completion_tokens + len(rest) == 10
+        assert (await second_task).completion_tokens == 1
+        assert len([c async for c in second]) == 9
+    finally:
+        await engine.close()
+
+
+async def test_bad_requests_fail_alone_while_good_ones_stream(engine: Engine):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    good = [asyncio.create_task(_run(engine, _request(params, prompt=_prompt(i)))) for i in range(3)]
+    bad = [
+        _request(SamplingParams(stop=tuple(str(i) for i in range(17))), prompt="hi"),
+        _request(SamplingParams(stop_token_ids=(10**6,)), prompt="hi"),
+        _request(SamplingParams(presence_penalty=3.0), prompt="hi"),
+        _request(SamplingParams(top_logprobs=21), prompt="hi"),
+        GenerationRequest("r", None, "hi", SamplingParams(), max_parallel=0),
+        GenerationRequest("r", None, "word " * 3000, SamplingParams()),
+        GenerationRequest("r", [], None, SamplingParams()),
+    ]
+    for request in bad:
+        with pytest.raises(InvalidRequestError):
+            await anext(engine.generate(request))
+    assert [len(_ids(chunks)) for chunks in await asyncio.gather(*good)] == [12, 12, 12]
+
+
+async def test_per_request_batch_limit_runs_a_request_alone(engine: Engine):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    alone = GenerationRequest("alone", None, _prompt(1), params, max_parallel=1)
+    seen: list[int] = []
+
+    async def watch(request: GenerationRequest) -> None:
+        async for _ in engine.generate(request):
+            seen.append(engine.load().running)
+
+    await asyncio.gather(watch(alone), watch(_request(params, prompt=_prompt(2))))
+    assert len(seen) == 12 and max(seen) == 1

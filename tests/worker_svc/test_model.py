@@ -1,42 +1,30 @@
 """Our DeepSeek-V3 forward pass against transformers' DeepseekV3ForCausalLM on the same weights."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM
 
 from worker_svc.checkpoint import load_checkpoint
-from worker_svc.model import Transformer, smoke_run
+from worker_svc.hf_reference import transformers_model
+from worker_svc.kernel import FP8
+from worker_svc.model import Linear, Transformer, smoke_run
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
 GREEDY_STEPS = 32
-
-
-def _hf_model(ours: Transformer, config: dict) -> DeepseekV3ForCausalLM:
-    """transformers' model from the same config, holding our dequantized FP32 weights."""
-    hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k != "quantization_config"})
-    hf_config._attn_implementation = "eager"
-    hf = DeepseekV3ForCausalLM(hf_config).float().eval()
-    state = ours.state_dict()
-    hf_state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items() if ".experts." not in k}
-    for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
-        p = f"layers.{i}.mlp.experts"
-        experts = range(config["n_routed_experts"])
-        hf_state[f"model.{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([state[f"{p}.{e}.gate_proj.weight"], state[f"{p}.{e}.up_proj.weight"]]) for e in experts]
-        )
-        hf_state[f"model.{p}.down_proj"] = torch.stack([state[f"{p}.{e}.down_proj.weight"] for e in experts])
-    hf.load_state_dict(hf_state, strict=True)
-    return hf
+# FP8 weights on both sides, bf16 compute on both; the FP8 path adds 1x128 activation quantization
+# (~2^-4 relative rounding per element): observed max |diff| 4-6% of max |logit| on the tiny checkpoint.
+FP8_LOGITS_RTOL = 0.1
 
 
 @pytest.fixture
 def models(model_dir: Path) -> tuple[Transformer, DeepseekV3ForCausalLM, dict]:
     ours, config = load_checkpoint(model_dir, torch.float32)
-    return ours, _hf_model(ours, config), config
+    return ours, transformers_model(ours, config), config
 
 
 def _prompt(config: dict, length: int = 40, seed: int = 0) -> torch.Tensor:
@@ -100,3 +88,39 @@ def test_bf16_load_runs(tiny_dir: Path):
 def test_model_smoke_run():
     logits = smoke_run()
     assert logits.shape == (1, 512) and torch.isfinite(logits).all()
+
+
+def test_fp8_weights_match_the_dequantized_path(tiny_dir: Path, caplog: pytest.LogCaptureFixture):
+    """The sm90 arithmetic (reference implementation on CPU): FP8 weights + act_quant -> fp8_gemm."""
+    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoint"):
+        fp8, config = load_checkpoint(tiny_dir, FP8)
+    assert "FP8 linear weights" in caplog.text
+    dequantized, _ = load_checkpoint(tiny_dir, torch.bfloat16)
+    linears = {name: m for name, m in fp8.named_modules() if isinstance(m, Linear)}
+    held = {name for name, m in linears.items() if m.weight_scale_inv is not None}
+    # every layer projection except kv_b_proj (absorbed into attention); not lm_head
+    assert held == {name for name in linears if name.startswith("layers.") and not name.endswith("kv_b_proj")}
+    for name in held:
+        weight = linears[name].weight
+        assert weight.dtype == FP8 and weight.nbytes == weight.numel(), name  # one byte per weight
+    assert fp8.lm_head.weight.dtype == torch.bfloat16 and fp8.layers[1].mlp.gate.weight.dtype == torch.float32
+    fp8_bytes, bf16_bytes = (sum(t.nbytes for t in m.state_dict().values()) for m in (fp8, dequantized))
+    assert fp8_bytes < 0.75 * bf16_bytes  # embeddings and lm_head stay bf16
+    for length in (1, 17, 64):
+        tokens = _prompt(config, length, seed=length)
+        got = fp8(tokens, 0, fp8.setup_cache(1, length))
+        expected = dequantized(tokens, 0, dequantized.setup_cache(1, length))
+        assert (got - expected).abs().max() <= FP8_LOGITS_RTOL * expected.abs().max(), length
+        assert not torch.equal(got, expected)  # the FP8 path really ran
+
+
+def test_experts_run_once_per_forward_on_their_grouped_tokens(tiny_dir: Path):
+    """Tokens are grouped per expert: one call per expert that got tokens, never one per token."""
+    model, config = load_checkpoint(tiny_dir)
+    rows_per_call: list[int] = []
+    for expert in model.layers[config["first_k_dense_replace"]].mlp.experts:
+        expert.register_forward_hook(lambda module, args, out: rows_per_call.append(args[0].size(0)))
+    length = 40
+    model(_prompt(config, length), 0, model.setup_cache(1, length))
+    assert len(rows_per_call) <= config["n_routed_experts"]
+    assert sum(rows_per_call) == length * config["num_experts_per_tok"]

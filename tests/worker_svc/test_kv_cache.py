@@ -1,0 +1,84 @@
+"""Cache blocks: allocation, release, prefix caching by block hash, eviction, and the cache's size."""
+from __future__ import annotations
+
+import torch
+
+from worker_svc.kv_cache import (BlockManager, BlockTable, block_hash, bytes_per_token, cache_budget_bytes,
+                                 unabsorbed_bytes_per_token)
+from worker_svc.model import ModelArgs
+
+
+def _computed(manager: BlockManager, tokens: list[int]) -> BlockTable:
+    """A table holding `tokens`, all computed (as after their prefill)."""
+    table = BlockTable()
+    manager.match_prefix(table, tokens)
+    assert manager.allocate(table, len(tokens))
+    manager.cache_full_blocks(table, tokens, len(tokens))
+    return table
+
+
+def test_allocate_and_free_return_usage_to_zero():
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a, b = BlockTable(), BlockTable()
+    assert manager.allocate(a, 9) and len(a.blocks) == 3
+    assert manager.allocate(a, 12) and len(a.blocks) == 3  # still fits
+    assert manager.allocate(b, 20) and len(b.blocks) == 5
+    assert manager.usage == 1.0 and set(a.blocks).isdisjoint(b.blocks)
+    assert not manager.allocate(a, 13) and len(a.blocks) == 3  # nothing taken when it does not fit
+    manager.free(a)
+    manager.free(b)
+    assert manager.usage == 0.0 and manager.num_free_blocks == 8 and a.blocks == []
+
+
+def test_prefix_match_reuses_full_blocks_but_never_the_last_tokens_block():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 111))  # 11 tokens: 2 full blocks
+    first = _computed(manager, prompt)
+    second = BlockTable()
+    assert manager.match_prefix(second, prompt + [7, 8]) == 8
+    assert second.blocks == first.blocks[:2]
+    exact = BlockTable()
+    assert manager.match_prefix(exact, prompt[:8]) == 4  # the block holding token 8 must be computed
+    other = BlockTable()
+    assert manager.match_prefix(other, [1] + prompt[1:]) == 0  # a different first token changes every hash
+
+
+def test_freed_blocks_stay_cached_until_needed():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    prompt = list(range(9))
+    manager.free(_computed(manager, prompt))
+    assert manager.usage == 0.0
+    again = BlockTable()
+    assert manager.match_prefix(again, prompt) == 8
+    manager.free(again)
+    hog = BlockTable()
+    assert manager.allocate(hog, 16)  # takes the free block, then evicts the cached ones
+    manager.free(hog)
+    assert manager.match_prefix(BlockTable(), prompt) == 0
+
+
+def test_a_held_cached_block_is_not_evicted():
+    manager = BlockManager(num_blocks=3, block_size=4)
+    prompt = list(range(9))
+    holder = _computed(manager, prompt)
+    assert not manager.allocate(BlockTable(), 4)
+    manager.free(holder)
+    reader = BlockTable()
+    assert manager.match_prefix(reader, prompt) == 8
+    assert manager.allocate(BlockTable(), 4) and not manager.allocate(BlockTable(), 4)
+
+
+def test_block_hash_chains_through_the_parent():
+    assert block_hash(b"", [1, 2]) != block_hash(block_hash(b"", [0]), [1, 2])
+    assert block_hash(b"", [1, 2]) == block_hash(b"", [1, 2]) != block_hash(b"", [2, 1])
+
+
+def test_latent_cache_bytes_per_token_against_a_per_head_cache():
+    args = ModelArgs(n_layers=6, n_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                     v_head_dim=64)  # fmt: skip
+    assert bytes_per_token(args, torch.float32) == 6 * (128 + 32) * 4
+    assert unabsorbed_bytes_per_token(args, torch.float32) == 6 * 8 * (64 + 32 + 64) * 4
+
+
+def test_cpu_budget_is_the_configured_bytes():
+    assert cache_budget_bytes(torch.device("cpu"), 0.9, 12345) == 12345

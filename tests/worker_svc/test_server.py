@@ -1,0 +1,124 @@
+"""The Worker gRPC service on loopback: admission, cancellation, malformed input, usage and logprobs."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.inprocess import eventually
+from worker_svc import server as worker_server
+from worker_svc.config import ParallelSection, ServerSection, WorkerConfig
+from worker_svc.engine import Engine
+
+_MODEL = "tiny-deepseek-v3"
+
+
+@contextlib.asynccontextmanager
+async def _worker(engine: Engine) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
+    config = WorkerConfig(server=ServerSection(port=0))
+    server, servicer = await worker_server.create_server(config, engine)
+    try:
+        async with grpc.aio.insecure_channel(servicer.info.address) as channel:
+            yield worker_pb2_grpc.WorkerStub(channel), channel
+    finally:
+        await server.stop(grace=None)
+
+
+def _request(prompt: str = "Hello there", **sampling) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(request_id="r", model=_MODEL, prompt=prompt,
+                                      sampling=common_pb2.SamplingParams(temperature=0, **sampling))
+
+
+async def _load(stub: worker_pb2_grpc.WorkerStub) -> common_pb2.Load:
+    return (await stub.Info(worker_pb2.InfoRequest())).load
+
+
+async def test_usage_logprobs_and_cached_prompt_tokens_reach_the_proto(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        prompt = "A long shared system prompt about latent attention. " * 6
+        responses = [r async for r in stub.Generate(_request(prompt, max_tokens=4, logprobs=True, top_logprobs=2))]
+        again = [r async for r in stub.Generate(_request(prompt, max_tokens=4))]
+    assert [len(r.logprobs) for r in responses] == [1, 1, 1, 1]
+    assert all(len(r.logprobs[0].top) == 2 and r.logprobs[0].logprob <= 0 for r in responses)
+    assert responses[0].logprobs[0].bytes == responses[0].logprobs[0].token.encode()
+    assert responses[-1].usage.completion_tokens == 4 and responses[-1].usage.cached_prompt_tokens == 0
+    assert again[-1].usage.cached_prompt_tokens > 0 and not again[0].logprobs
+    assert [r.token_ids for r in again] == [r.token_ids for r in responses]
+
+
+async def test_grpc_cancellation_frees_the_cache(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        calls = [stub.Generate(_request(f"stream {i}")) for i in range(3)]
+        for call in calls:
+            await anext(call.__aiter__())
+        load = await _load(stub)
+        assert load.running == 3 and load.kv_cache_usage > 0
+        for call in calls:
+            call.cancel()
+        await eventually(lambda: tiny_engine.load().running == 0)
+        load = await _load(stub)
+        assert load.running == 0 and load.kv_cache_usage == 0
+
+
+async def test_invalid_utf8_is_invalid_argument_and_the_worker_keeps_serving(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, channel):
+        raw = _request("hi").SerializeToString().replace(b"hi", b"\xff\xfe")
+        generate = channel.unary_stream("/infermesh.v1.Worker/Generate", request_serializer=lambda b: b,
+                                        response_deserializer=common_pb2.GenerateResponse.FromString)  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in generate(raw)]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+        assert len([r async for r in stub.Generate(_request(max_tokens=3))]) == 3
+
+
+async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        good = stub.Generate(_request(max_tokens=8))
+        first = await anext(good.__aiter__())
+        for request, detail in [
+            (_request(stop=[str(i) for i in range(17)]), "at most 16"),
+            (_request("word " * 3000), "max_model_len"),
+            (_request(max_tokens=5000), "exceeds the context"),
+            (common_pb2.GenerateRequest(request_id="r", model=_MODEL, prompt="hi",
+                                        batching=common_pb2.BatchingHints(max_parallel=0)), "max_parallel"),
+        ]:  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in stub.Generate(request)]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in err.value.details()
+        assert len(first.token_ids) + sum([len(r.token_ids) async for r in good]) == 8
+
+
+async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny_dir: Path):
+    engine = Engine.from_checkpoint(tiny_dir, parallel=ParallelSection(max_parallel=1, max_waiting=0))
+    try:
+        async with _worker(engine) as (stub, _):
+            running = stub.Generate(_request())
+            await anext(running.__aiter__())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in stub.Generate(_request(max_tokens=2))]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in err.value.details()
+            running.cancel()
+            await eventually(lambda: engine.load().running == 0)
+            assert len([r async for r in stub.Generate(_request(max_tokens=2))]) == 2
+    finally:
+        await engine.close()
+
+
+async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        alone = common_pb2.GenerateRequest(
+            request_id="alone", model=_MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
+            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))  # fmt: skip
+        running: list[int] = []
+
+        async def watch(request: common_pb2.GenerateRequest) -> None:
+            async for _ in stub.Generate(request):
+                running.append(tiny_engine.load().running)
+
+        await asyncio.gather(watch(alone), watch(_request("two", max_tokens=6)))
+    assert len(running) == 12 and max(running) == 1

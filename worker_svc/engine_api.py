@@ -1,0 +1,136 @@
+"""The engine's public surface as the gRPC server sees it, without torch.
+
+Both engines speak it: the DeepSeek-V3 `Engine` (engine.py, torch) and the simulated
+`SimEngine` (sim_engine.py, no model). Keeping these types here lets a simulated worker start
+without importing torch, so one machine can host dozens of them.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+Precision = Literal["fp8", "bf16", "fp16", "fp32"]
+DeviceKind = Literal["cuda", "rocm", "cpu"]
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """What the worker runs on and with, as reported to the router."""
+
+    device: DeviceKind
+    device_name: str
+    compute_capability: str  # "9.0"; "" on CPU
+    precision: Precision  # what actually runs
+    memory_total_bytes: int
+    weight_bytes: int
+    # The engine's own estimate for one sequence (0: unknown); the router's hardware fitness.
+    decode_tokens_per_second: float = 0.0
+    prefill_tokens_per_second: float = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int | None = None  # None: up to the context length
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per earlier occurrence of a generated token
+    logprobs: bool = False  # report each sampled token's logprob
+    top_logprobs: int = 0  # and this many alternatives
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    messages: list[dict[str, str]] | None  # chat, rendered with the checkpoint's chat template
+    prompt: str | None  # raw text; exactly one of messages/prompt
+    sampling: SamplingParams
+    # batching hints, bounded by the worker's limits: run in a batch of at most max_parallel sequences;
+    # wait at most dynamic_batch_timeout_ms for others to form a larger batch
+    max_parallel: int | None = None
+    dynamic_batch_timeout_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str  # the token's text on its own
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()  # the most likely alternatives, best first (one level)
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # new text, whole UTF-8 characters, stop text never included
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"] | None  # set on the last chunk only
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose cache came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    tokens_per_second: float  # recent decode rate
+    kv_cache_usage: float = 0.0  # 0..1 of the KV cache in use
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before any chunk."""
+
+
+class EngineClosedError(RuntimeError):
+    """generate() on, or interrupted by, a closed engine."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full; raised by generate() before any chunk (RESOURCE_EXHAUSTED)."""
+
+
+async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
+                       abort: Callable[[], None]) -> AsyncIterator[GenerationChunk]:
+    """Yields what an engine puts on ``chunks`` up to the last chunk (finish_reason set),
+    raising an exception put there; calls ``abort()`` if the consumer stops before the end."""
+    finished = False
+    try:
+        while not finished:
+            item = await chunks.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finish_reason is not None
+            yield item
+    finally:
+        if not finished:
+            abort()
+
+
+class InferenceEngine(Protocol):
+    """What the worker's gRPC server calls; one engine per worker process."""
+
+    capabilities: DeviceCapabilities
+    max_model_len: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts it."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Running and waiting sequences now; called for every heartbeat."""
+        ...
+
+    async def close(self) -> None:
+        """Stops the engine; streams still running end with EngineClosedError."""
+        ...

@@ -1,0 +1,29 @@
+"""transformers' DeepseekV3ForCausalLM holding our weights: the reference the
+correctness tests and the throughput benchmark compare the engine against."""
+from __future__ import annotations
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from worker_svc.model import Transformer
+
+
+def transformers_model(ours: Transformer, config: dict) -> DeepseekV3ForCausalLM:
+    """transformers' model from the same config, holding our dequantized FP32 weights."""
+    hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k != "quantization_config"})
+    hf_config._attn_implementation = "eager"
+    hf = DeepseekV3ForCausalLM(hf_config).float().eval()
+    state = ours.state_dict()
+    hf_state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()
+                if ".experts." not in k}
+    # transformers stacks each MoE layer's experts into two tensors
+    for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        p = f"layers.{i}.mlp.experts"
+        experts = range(config["n_routed_experts"])
+        hf_state[f"model.{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{p}.{e}.gate_proj.weight"], state[f"{p}.{e}.up_proj.weight"]])
+             for e in experts])
+        hf_state[f"model.{p}.down_proj"] = torch.stack(
+            [state[f"{p}.{e}.down_proj.weight"] for e in experts])
+    hf.load_state_dict(hf_state, strict=True)
+    return hf
