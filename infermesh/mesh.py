@@ -10,15 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.probe import grpc_serving, http_ok
 from infermesh.processes import stop_with_parent
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,11 @@ class Mesh:
         worker is registered."""
         deadline = time.monotonic() + timeout_s
         try:
-            self._spawn("router", "router_svc", {"INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port)})
+            self._spawn("router", "router_svc", {"INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
+                                                 "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
+                                                 # a registry of its own, should meshes share a Redis
+                                                 "INFERMESH_ROUTER_REDIS_KEY_PREFIX":
+                                                     f"infermesh:router:{self.spec.router_port}:"})
             self._wait(deadline, "router", self._router_serving)
             for i, port in enumerate(self.spec.worker_ports):
                 self._spawn(f"worker{i}", "worker_svc", {
@@ -134,13 +137,7 @@ class Mesh:
             time.sleep(_POLL_S)
 
     def _router_serving(self) -> bool:
-        with grpc.insecure_channel(self.spec.router_address) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return grpc_serving(self.spec.router_address)
 
     def _workers_registered(self) -> bool:
         with grpc.insecure_channel(self.spec.router_address) as channel:
@@ -149,9 +146,4 @@ class Mesh:
         return len(reply.workers) >= len(self.spec.worker_ports)
 
     def _gateway_healthy(self) -> bool:
-        url = f"http://127.0.0.1:{self.spec.gateway_port}/health"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return http_ok(f"http://127.0.0.1:{self.spec.gateway_port}/health")

@@ -1,12 +1,13 @@
-"""Router configuration: ``[server]``, ``[registry]`` and ``[routing]`` sections."""
+"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]`` and ``[metrics]`` sections."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from infermesh.config import load_config, section
+from telemetry.metrics import MetricsSection
 
-Policy = Literal["least_load", "round_robin"]
+Policy = Literal["balanced", "least_load", "round_robin"]
 
 
 @section
@@ -16,31 +17,76 @@ class ServerSection:
 
 
 @section
+class RedisSection:
+    """Where the shared worker registry lives; every router of a mesh points at the same one."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    timeout_ms: int = 500  # per Redis call; past it the registry counts as unreachable
+    # Namespace of the registry's keys: the routers of one mesh share it; separate meshes on
+    # one Redis use different ones.
+    key_prefix: str = "infermesh:router:"
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url: expected redis://, rediss:// or unix://, got {self.url.split(':')[0]!r}")
+        if self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms: must be positive, got {self.timeout_ms}")
+
+
+@section
 class RegistrySection:
     heartbeat_interval_ms: int = 1000
     ttl_ms: int = 3000  # a worker silent this long is dropped
+    # How often this router re-reads the registry from Redis into its local view, which is
+    # what every routing decision reads.
+    refresh_ms: int = 250
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms <= 0 or self.ttl_ms <= self.heartbeat_interval_ms:
             raise ValueError("need 0 < heartbeat_interval_ms < ttl_ms")
+        if not 0 < self.refresh_ms < self.ttl_ms:
+            raise ValueError("need 0 < refresh_ms < ttl_ms")
 
 
 @section
 class RoutingSection:
-    policy: str = "least_load"
+    """The worker choice. ``balanced`` ranks by a weighted cost (lower is better):
+    ``load_weight`` x (busy + 1) / max_parallel + ``kv_weight`` x KV cache use
+    + ``hardware_weight`` x (1 - decode speed / fastest candidate's)
+    - ``affinity_weight`` if the worker is the prompt prefix's home."""
+
+    policy: str = "balanced"
     # Before the first token, a failed worker call is retried once elsewhere.
     retry_before_first_token: bool = True
+    load_weight: float = 1.0
+    kv_weight: float = 0.5
+    hardware_weight: float = 0.5
+    affinity_weight: float = 0.5
+    prefix_bytes: int = 256  # leading prompt bytes whose hash is the prefix affinity key
+    # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
+    affinity_load_factor: float = 1.25
+    failures_to_eject: int = 3  # consecutive failed calls that eject a worker
+    eject_cooldown_ms: int = 10000  # how long an ejected worker gets no traffic
 
     def __post_init__(self) -> None:
-        if self.policy not in ("least_load", "round_robin"):
-            raise ValueError(f"policy: expected least_load or round_robin, got {self.policy!r}")
+        if self.policy not in get_args(Policy):
+            raise ValueError(f"policy: expected one of {', '.join(get_args(Policy))}, got {self.policy!r}")
+        weights = (self.load_weight, self.kv_weight, self.hardware_weight, self.affinity_weight)
+        if any(w < 0 for w in weights):
+            raise ValueError("the *_weight keys must be >= 0")
+        if self.prefix_bytes < 1 or self.affinity_load_factor < 1:
+            raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
+        if self.failures_to_eject < 1 or self.eject_cooldown_ms < 0:
+            raise ValueError("need failures_to_eject >= 1 and eject_cooldown_ms >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     registry: RegistrySection = dataclasses.field(default_factory=RegistrySection)
     routing: RoutingSection = dataclasses.field(default_factory=RoutingSection)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
 
 
 def load(path: str | None) -> RouterConfig:

@@ -1,92 +1,202 @@
-"""The live workers: registered, kept alive by heartbeats, dropped after a TTL."""
+"""The shared worker registry in Redis: workers registered with their capabilities, kept
+alive by heartbeats, gone when their key's TTL runs out.
+
+Every router of a mesh reads and writes the same keys, so they share one view:
+
+- ``<key_prefix>worker:<id>``: a hash {info, load (serialized protos), registered_at},
+  with a TTL of ``[registry] ttl_ms`` that each heartbeat renews;
+- ``<key_prefix>workers``: the set of ids, pruned of those whose key expired
+  (``[redis] key_prefix``, by default ``infermesh:router:``).
+
+Routing decisions never read Redis: each router copies the registry into its local
+:class:`~router_svc.fleet.Fleet` every ``refresh_ms`` (one pipelined round trip) and applies
+the Register/Heartbeat calls it handles itself at once. When Redis cannot be reached the
+registry says so (:class:`RegistryUnavailableError`), the router answers UNAVAILABLE, and the
+refresh loop keeps trying until Redis is back.
+"""
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from infermesh.pb import common_pb2
+from router_svc.config import RedisSection, RegistrySection
+from router_svc.fleet import Fleet
 
 logger = logging.getLogger(__name__)
+
+# Renews a worker's hash only while it exists: a heartbeat never resurrects an expired worker.
+_HEARTBEAT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'load', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 class RegistrationError(ValueError):
     """A registration or heartbeat the registry refuses (the caller's fault)."""
 
 
-@dataclasses.dataclass
-class WorkerEntry:
-    info: common_pb2.WorkerInfo
-    load: common_pb2.Load
-    registered_at: float  # unix seconds
-    last_seen: float      # monotonic seconds
-    in_flight: int = 0    # streams this router is relaying to the worker now
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
+class RegistryUnavailableError(RuntimeError):
+    """Redis, where the registry lives, cannot be reached now."""
 
 
-class Registry:
-    """In-memory view of the fleet. Called from the router's event loop only."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._ttl_s = ttl_s
-        self._clock = clock
-        self._workers: dict[str, WorkerEntry] = {}
-
-    def register(self, info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
-        if not info.worker_id:
-            raise RegistrationError("worker_id is empty")
-        if not info.address or ":" not in info.address:
-            raise RegistrationError(f"address {info.address!r} is not host:port")
-        if not info.models:
-            raise RegistrationError("a worker must serve at least one model")
-        _check_load(load)
-        previous = self._workers.get(info.worker_id)
-        if previous is not None and previous.info.address != info.address:
-            logger.warning("worker %s re-registered from %s (was %s)",
-                           info.worker_id, info.address, previous.info.address)
-        elif previous is None:
-            logger.info("worker %s registered at %s serving %s (%s, %s)", info.worker_id,
-                        info.address, ", ".join(info.models), info.capabilities.device,
-                        common_pb2.Precision.Name(info.capabilities.precision))
-        self._workers[info.worker_id] = WorkerEntry(
-            info=info, load=load, last_seen=self._clock(),
-            registered_at=previous.registered_at if previous else time.time(),
-            in_flight=previous.in_flight if previous else 0)
-
-    def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
-        """Refreshes a worker; False when it is unknown and must register again."""
-        _check_load(load)
-        entry = self.live().get(worker_id)
-        if entry is None:
-            return False
-        entry.load = load
-        entry.last_seen = self._clock()
-        return True
-
-    def remove(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
-
-    def live(self) -> dict[str, WorkerEntry]:
-        """The workers heard from within the TTL; expired ones are dropped here."""
-        now = self._clock()
-        for worker_id in [w for w, e in self._workers.items() if now - e.last_seen > self._ttl_s]:
-            logger.warning("worker %s expired: no heartbeat for %.1f s", worker_id, self._ttl_s)
-            del self._workers[worker_id]
-        return self._workers
-
-    def age_s(self, entry: WorkerEntry) -> float:
-        return self._clock() - entry.last_seen
+def check_registration(info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
+    """Raises RegistrationError for a WorkerInfo or Load the router cannot use."""
+    if not info.worker_id:
+        raise RegistrationError("worker_id is empty")
+    if not info.address or ":" not in info.address:
+        raise RegistrationError(f"address {info.address!r} is not host:port")
+    if not info.models:
+        raise RegistrationError("a worker must serve at least one model")
+    caps = info.capabilities
+    for name in ("decode_tokens_per_second", "prefill_tokens_per_second"):
+        value = getattr(caps, name)
+        if not math.isfinite(value) or value < 0:
+            raise RegistrationError(f"capabilities.{name} = {value} is not a finite non-negative number")
+    check_load(load)
 
 
-def _check_load(load: common_pb2.Load) -> None:
+def check_load(load: common_pb2.Load) -> None:
     for name in ("kv_cache_usage", "tokens_per_second"):
         value = getattr(load, name)
         if not math.isfinite(value) or value < 0:
             raise RegistrationError(f"load.{name} = {value} is not a finite non-negative number")
     if load.kv_cache_usage > 1:
         raise RegistrationError(f"load.kv_cache_usage = {load.kv_cache_usage} is above 1")
+
+
+class Registry:
+    """The Redis registry and this router's local copy of it (``fleet``)."""
+
+    def __init__(self, redis_config: RedisSection, config: RegistrySection, fleet: Fleet) -> None:
+        timeout_s = redis_config.timeout_ms / 1000
+        # No client-side retries: a failed call is reported now, the refresh loop retries.
+        self._redis = aioredis.Redis.from_url(
+            redis_config.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
+        self._where = _redacted(redis_config.url)
+        self._worker_key = f"{redis_config.key_prefix}worker:"
+        self._index_key = f"{redis_config.key_prefix}workers"
+        self._ttl_ms = config.ttl_ms
+        self._refresh_s = config.refresh_ms / 1000
+        self.fleet = fleet
+        self._failure: str | None = "the worker registry has not been read from Redis yet"
+        self._info_bytes: dict[str, bytes] = {}  # as last read, to parse only what changed
+
+    @property
+    def available(self) -> bool:
+        return self._failure is None
+
+    def check_available(self) -> None:
+        """Raises RegistryUnavailableError while the last Redis call failed."""
+        if self._failure is not None:
+            raise RegistryUnavailableError(self._failure)
+
+    async def register(self, info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
+        check_registration(info, load)
+        key = self._worker_key + info.worker_id
+        now = time.time()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"info": info.SerializeToString(), "load": load.SerializeToString()})
+            pipe.hsetnx(key, "registered_at", repr(now))
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.sadd(self._index_key, info.worker_id)
+            pipe.hget(key, "registered_at")
+            replies = await self._call(pipe.execute())
+        self.fleet.upsert(info, load, float(replies[-1]), self._ttl_ms / 1000)
+
+    async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
+        """Refreshes a worker; False when it is unknown and must register again."""
+        check_load(load)
+        known = await self._call(self._heartbeat(
+            keys=[self._worker_key + worker_id], args=[load.SerializeToString(), self._ttl_ms]))
+        if known:
+            self.fleet.heartbeat(worker_id, load, self._ttl_ms / 1000)
+        else:
+            self.fleet.remove(worker_id)
+        return bool(known)
+
+    async def refresh(self) -> None:
+        """Copies the registry from Redis into the fleet (one round trip for the index, one
+        for the workers); drops the workers whose key expired."""
+        taken_at = self.fleet.clock()
+        ids = sorted(i.decode() for i in await self._call(self._redis.smembers(self._index_key)))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hmget(self._worker_key + worker_id, "info", "load", "registered_at")
+                pipe.pttl(self._worker_key + worker_id)
+            replies = await self._call(pipe.execute()) if ids else []
+        gone = []
+        for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2]):
+            if info is None or ttl_ms < 0:
+                gone.append(worker_id)
+                continue
+            entry = self.fleet.get(worker_id)
+            if entry is not None and entry.updated_at > taken_at:
+                continue  # this router changed it while the snapshot was read
+            self._apply(worker_id, info, load, float(registered_at), ttl_ms / 1000)
+        if gone:
+            await self._call(self._redis.srem(self._index_key, *gone))
+        listed = set(ids) - set(gone)
+        for entry in self.fleet.entries():
+            if entry.worker_id not in listed and entry.updated_at <= taken_at:
+                logger.warning("worker %s gone: no heartbeat within the TTL", entry.worker_id)
+                self.fleet.remove(entry.worker_id)
+                self._info_bytes.pop(entry.worker_id, None)
+
+    async def run(self) -> AsyncIterator[bool]:
+        """Refreshes the local view every refresh_ms, yielding after each try whether Redis
+        answered. Survives Redis outages; ends only when cancelled."""
+        while True:
+            try:
+                await self.refresh()
+            except RegistryUnavailableError:
+                pass  # _call logged it and noted the failure
+            yield self.available
+            await asyncio.sleep(self._refresh_s)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    def _apply(self, worker_id: str, info_bytes: bytes, load_bytes: bytes, registered_at: float,
+               expires_in_s: float) -> None:
+        entry = self.fleet.get(worker_id)
+        if entry is not None and self._info_bytes.get(worker_id) == info_bytes:
+            info = entry.info
+        else:
+            info = common_pb2.WorkerInfo.FromString(info_bytes)
+            self._info_bytes[worker_id] = info_bytes
+        self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
+
+    async def _call(self, awaitable):
+        """Awaits a Redis call, turning a failure into RegistryUnavailableError and noting
+        when Redis is back."""
+        try:
+            result = await awaitable
+        except (RedisError, OSError) as e:
+            message = f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
+            if self._failure is None:
+                logger.error("%s; answering UNAVAILABLE until it is back", message)
+            self._failure = message
+            raise RegistryUnavailableError(message) from None
+        if self._failure is not None:
+            logger.info("worker registry (Redis at %s) reachable", self._where)
+            self._failure = None
+        return result
+
+
+def _redacted(url: str) -> str:
+    """host:port/db of a Redis URL, never its password."""
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        return parsed.path
+    return f"{parsed.hostname}:{parsed.port or 6379}{parsed.path}"

@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# grpc's fork handlers kill a child forked while grpc threads run (a redis-server started by a
+# fixture after earlier tests' servers) before it can exec. No test forks a process that keeps
+# using grpc; set before grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from infermesh.redis_server import RedisServer
 from worker_svc.config import DEFAULT_MODEL_PATH

@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import tempfile
 from collections.abc import AsyncIterator
 
 import grpc
 
 from infermesh.pb import router_pb2, router_pb2_grpc
-from router_svc.config import RegistrySection, RouterConfig, ServerSection
+from infermesh.redis_server import RedisServer
+from router_svc.config import RedisSection, RegistrySection, RouterConfig, RoutingSection, ServerSection
+from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
 from worker_svc import server as worker_server
-from worker_svc.config import RouterSection, WorkerConfig
+from worker_svc.config import EngineSection, ParallelSection, RouterSection, WorkerConfig
 from worker_svc.config import ServerSection as WorkerServerSection
-from worker_svc.engine import Engine
+from worker_svc.engine_api import InferenceEngine
+from worker_svc.sim_engine import SimEngine
 
 MODEL = "tiny-deepseek-v3"
 
 
 class RunningRouter:
-    def __init__(self, port: int, stub: router_pb2_grpc.RouterStub) -> None:
+    def __init__(self, port: int, stub: router_pb2_grpc.RouterStub, resources: RouterResources) -> None:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self.stub = stub
+        self.resources = resources  # its registry and local fleet view
 
 
 class RunningWorker:
@@ -33,24 +39,35 @@ class RunningWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_router(ttl_ms: int = 3000) -> AsyncIterator[RunningRouter]:
-    config = RouterConfig(server=ServerSection(port=0),
-                          registry=RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms))
-    server, port, channels = await create_router(config)
+async def running_router(ttl_ms: int = 3000, redis_url: str | None = None,
+                         routing: RoutingSection | None = None) -> AsyncIterator[RunningRouter]:
+    """A router on a free port with its registry in Redis at ``redis_url`` (None: a
+    throwaway Redis of its own). Routers given the same URL share one registry."""
+    if redis_url is None:
+        with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
+            async with running_router(ttl_ms, redis_server.url, routing) as router:
+                yield router
+        return
+    config = RouterConfig(server=ServerSection(port=0), redis=RedisSection(url=redis_url),
+                          registry=RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
+                          routing=routing or RoutingSection())
+    server, port, resources = await create_router(config)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield RunningRouter(port, router_pb2_grpc.RouterStub(channel))
+            yield RunningRouter(port, router_pb2_grpc.RouterStub(channel), resources)
     finally:
         await server.stop(grace=None)
-        await channels.close()
+        await resources.close()
 
 
 @contextlib.asynccontextmanager
-async def running_worker(engine: Engine, router: RunningRouter,
-                         worker_id: str = "") -> AsyncIterator[RunningWorker]:
-    """A worker registered with ``router`` (the context waits for it)."""
+async def running_worker(engine: InferenceEngine, router: RunningRouter, worker_id: str = "",
+                         max_parallel: int | None = None) -> AsyncIterator[RunningWorker]:
+    """A worker registered with ``router`` (the context waits for it); ``max_parallel`` is
+    what it reports (None: its device's default), give the engine's."""
     config = WorkerConfig(server=WorkerServerSection(port=0, worker_id=worker_id),
-                          router=RouterSection(address=router.address))
+                          router=RouterSection(address=router.address),
+                          parallel=ParallelSection(max_parallel=max_parallel))
     server, servicer = await worker_server.create_server(config, engine)
     reporter = asyncio.create_task(worker_server.report_to_router(router.address, servicer))
     try:
@@ -59,6 +76,15 @@ async def running_worker(engine: Engine, router: RunningRouter,
     finally:
         reporter.cancel()
         await server.stop(grace=None)
+
+
+def sim_engine(gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64,
+               **engine: object) -> SimEngine:
+    """A simulated engine on a GPU profile (max_parallel None: the GPU's default);
+    ``engine`` overrides [engine] keys."""
+    return SimEngine.from_config(WorkerConfig(
+        parallel=ParallelSection(max_parallel=max_parallel, max_waiting=max_waiting),
+        engine=dataclasses.replace(EngineSection(kind="sim", gpu=gpu), **engine)))
 
 
 async def wait_for_workers(router: RunningRouter, ready, timeout_s: float = 5.0) -> None:

@@ -1,94 +1,134 @@
+"""The shared registry on a real Redis: two routers' registries see one fleet."""
 from __future__ import annotations
 
+import asyncio
 import math
 
-import grpc
 import pytest
 
 from infermesh.pb import common_pb2
-from router_svc.registry import Registry, RegistrationError
-from router_svc.routing import Chooser, RouteError, candidates
+from infermesh.redis_server import RedisServer
+from router_svc.config import RedisSection, RegistrySection
+from router_svc.fleet import Fleet
+from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
+from tests.router_svc.test_routing import info
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def registry(url: str, ttl_ms: int = 3000) -> Registry:
+    return Registry(RedisSection(url=url, timeout_ms=300),
+                    RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
+                    Fleet(ttl_s=ttl_ms / 1000))
 
 
-def worker(worker_id: str, models=("m",), precision=common_pb2.PRECISION_BF16,
-           max_parallel: int = 4) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
-        worker_id=worker_id, address=f"127.0.0.1:{abs(hash(worker_id)) % 50000 + 1000}",
-        models=list(models), capabilities=common_pb2.Capabilities(
-            device="cuda", precision=precision, max_parallel=max_parallel))
+def ids(r: Registry) -> list[str]:
+    return sorted(e.worker_id for e in r.fleet.entries())
 
 
-def test_worker_expires_after_ttl_and_heartbeat_keeps_it():
-    clock = _Clock()
-    registry = Registry(ttl_s=3, clock=clock)
-    registry.register(worker("a"), common_pb2.Load())
-    clock.now += 2
-    assert registry.heartbeat("a", common_pb2.Load(running=1))
-    clock.now += 2.5
-    assert list(registry.live()) == ["a"]
-    clock.now += 1
-    assert registry.live() == {}
-    assert not registry.heartbeat("a", common_pb2.Load())
+async def test_two_routers_share_registrations_and_heartbeats(redis_server):
+    a, b = registry(redis_server.url), registry(redis_server.url)
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        assert ids(a) == ["w1"] and ids(b) == []  # b has not refreshed yet
+        await b.refresh()
+        assert ids(b) == ["w1"]
+        assert await b.heartbeat("w1", common_pb2.Load(running=3, kv_cache_usage=0.5))
+        await a.refresh()
+        entry = a.fleet.get("w1")
+        assert entry.load.running == 3 and a.fleet.busy[entry.slot] == 3
+        assert a.fleet.kv_usage[entry.slot] == 0.5
+    finally:
+        await a.close()
+        await b.close()
 
 
-@pytest.mark.parametrize("info, load, message", [
+async def test_worker_is_gone_soon_after_its_heartbeats_stop(redis_server):
+    a, b = registry(redis_server.url, ttl_ms=400), registry(redis_server.url, ttl_ms=400)
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        await a.register(info("w2"), common_pb2.Load())
+        for _ in range(4):  # w1 keeps heartbeating through router b, w2 falls silent
+            await asyncio.sleep(0.15)
+            assert await b.heartbeat("w1", common_pb2.Load())
+        await a.refresh()
+        await b.refresh()
+        assert ids(a) == ids(b) == ["w1"]
+        assert not await a.heartbeat("w2", common_pb2.Load()), "an expired worker must register again"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_registering_twice_keeps_one_entry_and_the_first_time(redis_server):
+    a = registry(redis_server.url)
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        first = a.fleet.get("w1").registered_at
+        moved = info("w1")
+        moved.address = "127.0.0.1:9"
+        await a.register(moved, common_pb2.Load(running=2))
+        await a.refresh()
+        assert ids(a) == ["w1"]
+        entry = a.fleet.get("w1")
+        assert entry.info.address == "127.0.0.1:9" and entry.load.running == 2
+        assert entry.registered_at == first
+    finally:
+        await a.close()
+
+
+@pytest.mark.parametrize("worker, load, message", [
     (common_pb2.WorkerInfo(address="h:1", models=["m"]), common_pb2.Load(), "worker_id is empty"),
     (common_pb2.WorkerInfo(worker_id="w", address="nohost", models=["m"]), common_pb2.Load(),
      "is not host:port"),
     (common_pb2.WorkerInfo(worker_id="w", address="h:1"), common_pb2.Load(), "at least one model"),
-    (worker("w"), common_pb2.Load(kv_cache_usage=math.nan), "kv_cache_usage"),
-    (worker("w"), common_pb2.Load(kv_cache_usage=3), "above 1"),
-    (worker("w"), common_pb2.Load(tokens_per_second=-1), "tokens_per_second"),
+    (info("w"), common_pb2.Load(kv_cache_usage=math.nan), "kv_cache_usage"),
+    (info("w"), common_pb2.Load(kv_cache_usage=3), "above 1"),
+    (info("w"), common_pb2.Load(tokens_per_second=-1), "tokens_per_second"),
+    (info("w", speed=math.inf), common_pb2.Load(), "decode_tokens_per_second"),
 ])
-def test_nonsense_registration_is_refused(info, load, message):
-    with pytest.raises(RegistrationError, match=message):
-        Registry(ttl_s=3).register(info, load)
+async def test_nonsense_registration_is_refused(redis_server, worker, load, message):
+    a = registry(redis_server.url)
+    try:
+        with pytest.raises(RegistrationError, match=message):
+            await a.register(worker, load)
+        await a.register(info("ok"), common_pb2.Load())
+        with pytest.raises(RegistrationError, match="kv_cache_usage"):
+            await a.heartbeat("ok", common_pb2.Load(kv_cache_usage=-0.5))
+        assert ids(a) == ["ok"] and a.fleet.get("ok").load == common_pb2.Load()
+    finally:
+        await a.close()
 
 
-def test_registering_twice_keeps_one_entry():
-    registry = Registry(ttl_s=3)
-    registry.register(worker("a"), common_pb2.Load())
-    registry.register(worker("a"), common_pb2.Load(running=2))
-    assert len(registry.live()) == 1 and registry.live()["a"].load.running == 2
+async def test_redis_outage_is_reported_and_recovered_from(tmp_path):
+    server = RedisServer(workdir=tmp_path).start()
+    a = registry(server.url)
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        server.stop()
+        with pytest.raises(RegistryUnavailableError, match=f"Redis at 127.0.0.1:{server.port}/0"):
+            await a.refresh()
+        assert not a.available
+        with pytest.raises(RegistryUnavailableError):
+            a.check_available()
+        with pytest.raises(RegistryUnavailableError):
+            await a.register(info("w2"), common_pb2.Load())
+        server.start()  # same port, empty: workers register again on their next heartbeat
+        await a.refresh()
+        assert a.available and ids(a) == []
+        assert not await a.heartbeat("w1", common_pb2.Load())
+        await a.register(info("w1"), common_pb2.Load())
+        assert ids(a) == ["w1"]
+    finally:
+        await a.close()
+        server.stop()
 
 
-def _entries(*infos):
-    registry = Registry(ttl_s=3)
-    for info in infos:
-        registry.register(info, common_pb2.Load())
-    return list(registry.live().values())
-
-
-def test_candidates_filter_by_model_and_precision():
-    entries = _entries(worker("a", precision=common_pb2.PRECISION_FP8),
-                       worker("b"), worker("c", models=["other"]))
-    assert [w.worker_id for w in candidates(entries, "m", common_pb2.PRECISION_UNSPECIFIED)] == ["a", "b"]
-    assert [w.worker_id for w in candidates(entries, "m", common_pb2.PRECISION_FP8)] == ["a"]
-    with pytest.raises(RouteError) as e:
-        candidates(entries, "nope", common_pb2.PRECISION_UNSPECIFIED)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND and "served models: m, other" in str(e.value)
-    with pytest.raises(RouteError) as e:
-        candidates(entries, "m", common_pb2.PRECISION_FP16)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "available: bf16, fp8" in str(e.value)
-    with pytest.raises(RouteError) as e:
-        candidates([], "m", common_pb2.PRECISION_UNSPECIFIED)
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
-
-
-def test_least_load_prefers_free_slots_and_round_robin_rotates():
-    entries = _entries(worker("a", max_parallel=4), worker("b", max_parallel=4))
-    entries[0].load = common_pb2.Load(running=3)
-    chooser = Chooser("least_load")
-    assert [chooser.rank(entries)[0].worker_id for _ in range(3)] == ["b", "b", "b"]
-    entries[1].in_flight = 4  # the router's own count outranks a stale heartbeat
-    assert chooser.rank(entries)[0].worker_id == "a"
-    rr = Chooser("round_robin")
-    assert [rr.rank(entries)[0].worker_id for _ in range(4)] == ["a", "b", "a", "b"]
+async def test_meshes_sharing_a_redis_keep_apart_by_key_prefix(redis_server):
+    a = Registry(RedisSection(url=redis_server.url, key_prefix="mesh-a:"), RegistrySection(), Fleet(ttl_s=3))
+    b = Registry(RedisSection(url=redis_server.url, key_prefix="mesh-b:"), RegistrySection(), Fleet(ttl_s=3))
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        await b.refresh()
+        assert ids(b) == [] and not await b.heartbeat("w1", common_pb2.Load())
+    finally:
+        await a.close()
+        await b.close()

@@ -1,0 +1,230 @@
+"""This router's local view of the live workers: what every routing decision reads.
+
+The shared registry lives in Redis (registry.py); each router copies it here every
+``[registry] refresh_ms`` and applies its own Register/Heartbeat calls at once, so a decision
+never waits on Redis. The figures a decision scores (load, KV use, in-flight streams, speed,
+ejection) are kept in numpy arrays indexed by a slot per worker, so that scoring a thousand
+workers is a handful of vector operations. Called from the router's event loop only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from infermesh.pb import common_pb2
+
+logger = logging.getLogger(__name__)
+
+_INITIAL_SLOTS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The workers that can serve one (model, precision), with the figures of theirs that
+    change only with the membership, gathered once for vectorized scoring."""
+
+    slots: np.ndarray         # into the Fleet's arrays
+    inverse_capacity: np.ndarray  # 1 / max_parallel
+    capacity_share: np.ndarray  # max_parallel / the group's total
+    slowness: np.ndarray      # 1 - decode speed / the fastest's (all 0 when none is known)
+    salt: np.ndarray          # rendezvous hashing identities
+    # (i mod n) x 1e-9 for i < 2n: ramp[n - k: 2n - k] rotates tie-breaks by k
+    ramp: np.ndarray
+
+    @classmethod
+    def of(cls, fleet: Fleet, slots: np.ndarray) -> Group:
+        capacity = fleet.capacity[slots]
+        speed = fleet.speed[slots]
+        fastest = speed.max(initial=0.0)
+        return cls(slots=slots, inverse_capacity=1 / capacity,
+                   capacity_share=capacity / max(capacity.sum(), 1),
+                   slowness=1 - speed / fastest if fastest > 0 else np.zeros(len(slots)),
+                   salt=fleet.salt[slots], ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerEntry:
+    info: common_pb2.WorkerInfo
+    slot: int  # index into the Fleet's arrays
+    salt: int  # the worker's 64-bit identity for rendezvous hashing (stable across routers)
+    load: common_pb2.Load
+    registered_at: float  # unix seconds
+    expires_at: float     # monotonic seconds: the registry drops it then without a heartbeat
+    updated_at: float     # monotonic seconds of the last change this router saw
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class Fleet:
+    """Live workers by id, with their numbers in slot-indexed arrays."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: dict[str, WorkerEntry] = {}
+        self._by_slot: list[WorkerEntry | None] = []
+        self._free: list[int] = []
+        self._groups: dict[tuple[str, int], Group] = {}  # (model, precision) -> its workers
+        self.ejected_until_max = 0.0       # the latest ejection's end: none are ejected after it
+        self.busy = np.zeros(0)            # running + waiting, as last reported
+        self.kv_usage = np.zeros(0)
+        self.capacity = np.ones(0)         # max_parallel
+        self.speed = np.zeros(0)           # decode tokens/s the worker estimates (0: unknown)
+        self.salt = np.zeros(0, dtype=np.uint64)
+        self.in_flight = np.zeros(0)       # streams this router relays to the worker now
+        # max(busy, in_flight): the router's own count is fresher than the last heartbeat
+        self.busy_now = np.zeros(0)
+        self.failures = np.zeros(0)        # consecutive failed calls
+        self.ejected_until = np.zeros(0)   # monotonic seconds
+        self._grow(_INITIAL_SLOTS)
+
+    # ------------------------------------------------------------------ membership
+
+    def upsert(self, info: common_pb2.WorkerInfo, load: common_pb2.Load, registered_at: float,
+               expires_in_s: float) -> WorkerEntry:
+        """Adds or refreshes a worker; a changed WorkerInfo (a re-registration) replaces the old."""
+        now = self.clock()
+        entry = self._entries.get(info.worker_id)
+        if entry is not None and entry.info != info:
+            if entry.info.address != info.address:
+                logger.warning("worker %s re-registered from %s (was %s)",
+                               info.worker_id, info.address, entry.info.address)
+            entry.info = info
+            self._groups.clear()
+            self._set_static(entry)
+        elif entry is None:
+            entry = self._add(info, registered_at, now)
+        entry.expires_at = now + expires_in_s
+        entry.updated_at = now
+        self.set_load(entry, load)
+        return entry
+
+    def set_load(self, entry: WorkerEntry, load: common_pb2.Load) -> None:
+        entry.load = load
+        self.busy[entry.slot] = load.running + load.waiting
+        self.kv_usage[entry.slot] = load.kv_cache_usage
+        self._update_busy_now(entry.slot)
+
+    def heartbeat(self, worker_id: str, load: common_pb2.Load, expires_in_s: float) -> None:
+        """A heartbeat this router handled: new load, TTL renewed (unknown ids are ignored)."""
+        entry = self._entries.get(worker_id)
+        if entry is not None:
+            entry.updated_at = self.clock()
+            entry.expires_at = entry.updated_at + expires_in_s
+            self.set_load(entry, load)
+
+    def remove(self, worker_id: str) -> None:
+        entry = self._entries.pop(worker_id, None)
+        if entry is None:
+            return
+        self._by_slot[entry.slot] = None
+        self._free.append(entry.slot)
+        self._groups.clear()
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._entries.get(worker_id)
+
+    def entries(self) -> list[WorkerEntry]:
+        return list(self._entries.values())
+
+    def age_s(self, entry: WorkerEntry) -> float:
+        """Seconds since the worker's last heartbeat, as far as this router knows."""
+        return max(0.0, self.ttl_s - (entry.expires_at - self.clock()))
+
+    def entry_at(self, slot: int) -> WorkerEntry:
+        entry = self._by_slot[slot]
+        assert entry is not None, f"slot {slot} is free"
+        return entry
+
+    def group(self, model: str, precision: common_pb2.Precision.ValueType) -> Group:
+        """The workers serving ``model`` in ``precision`` (UNSPECIFIED: any); cached until
+        the membership changes."""
+        key = (model, precision)
+        group = self._groups.get(key)
+        if group is None:
+            slots = np.array([e.slot for e in self._entries.values()
+                              if model in e.info.models and precision in (
+                                  common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)],
+                             dtype=np.intp)
+            group = self._groups[key] = Group.of(self, slots)
+        return group
+
+    # ------------------------------------------------------------------ outcomes of calls
+
+    def started(self, entry: WorkerEntry) -> None:
+        if self._by_slot[entry.slot] is entry:
+            self.in_flight[entry.slot] += 1
+            self._update_busy_now(entry.slot)
+
+    def ended(self, entry: WorkerEntry) -> None:
+        if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
+            self.in_flight[entry.slot] -= 1
+            self._update_busy_now(entry.slot)
+
+    def succeeded(self, entry: WorkerEntry) -> None:
+        if self._by_slot[entry.slot] is entry:
+            self.failures[entry.slot] = 0
+
+    def failed(self, entry: WorkerEntry, failures_to_eject: int, cooldown_s: float) -> bool:
+        """Counts a failed call; True when it ejects the worker for ``cooldown_s``."""
+        if self._by_slot[entry.slot] is not entry:
+            return False
+        self.failures[entry.slot] += 1
+        if self.failures[entry.slot] < failures_to_eject:
+            return False
+        self.failures[entry.slot] = 0
+        self.ejected_until[entry.slot] = self.clock() + cooldown_s
+        self.ejected_until_max = max(self.ejected_until_max, self.ejected_until[entry.slot])
+        logger.warning("worker %s ejected for %.1f s after %d failed calls in a row",
+                       entry.worker_id, cooldown_s, failures_to_eject)
+        return True
+
+    # ------------------------------------------------------------------ slots
+
+    def _add(self, info: common_pb2.WorkerInfo, registered_at: float, now: float) -> WorkerEntry:
+        if not self._free:
+            self._grow(len(self._by_slot) * 2)
+        slot = self._free.pop()
+        salt = int.from_bytes(hashlib.blake2b(info.worker_id.encode(), digest_size=8).digest(), "little")
+        entry = WorkerEntry(info=info, slot=slot, salt=salt, load=common_pb2.Load(),
+                            registered_at=registered_at, expires_at=now, updated_at=now)
+        self._entries[info.worker_id] = entry
+        self._by_slot[slot] = entry
+        for array in (self.in_flight, self.failures, self.ejected_until, self.busy, self.busy_now):
+            array[slot] = 0
+        self._set_static(entry)
+        self._groups.clear()
+        logger.info("worker %s at %s serving %s (%s %s, %s)", info.worker_id, info.address,
+                    ", ".join(info.models), info.capabilities.device, info.capabilities.device_name,
+                    common_pb2.Precision.Name(info.capabilities.precision))
+        return entry
+
+    def _set_static(self, entry: WorkerEntry) -> None:
+        caps = entry.info.capabilities
+        self.capacity[entry.slot] = max(caps.max_parallel, 1)
+        self.speed[entry.slot] = caps.decode_tokens_per_second
+        self.salt[entry.slot] = entry.salt
+
+    def _update_busy_now(self, slot: int) -> None:
+        self.busy_now[slot] = max(self.busy[slot], self.in_flight[slot])
+
+    def _grow(self, size: int) -> None:
+        old = len(self._by_slot)
+        for name in ("busy", "kv_usage", "capacity", "speed", "salt", "in_flight", "busy_now",
+                     "failures", "ejected_until"):
+            array = getattr(self, name)
+            grown = np.zeros(size, dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self._by_slot.extend([None] * (size - old))
+        self._free.extend(reversed(range(old, size)))

@@ -1,0 +1,182 @@
+"""Worker choice on a local fleet view: filters, the three policies, affinity, ejection."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from infermesh.pb import common_pb2
+from router_svc.config import RoutingSection
+from router_svc.fleet import Fleet
+from router_svc.routing import Chooser, RouteError, RouteRequest, prefix_key
+
+FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
+ANY = common_pb2.PRECISION_UNSPECIFIED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def info(worker_id: str, models=("m",), precision=BF16, max_parallel: int = 4,
+         speed: float = 100.0) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(
+        worker_id=worker_id, address=f"127.0.0.1:{1000 + len(worker_id)}", models=list(models),
+        capabilities=common_pb2.Capabilities(device="cuda", precision=precision,
+                                             max_parallel=max_parallel,
+                                             decode_tokens_per_second=speed))
+
+
+def fleet_of(*infos: common_pb2.WorkerInfo, clock: Clock | None = None) -> Fleet:
+    fleet = Fleet(ttl_s=3, clock=clock or Clock())
+    for i in infos:
+        fleet.upsert(i, common_pb2.Load(), registered_at=0, expires_in_s=3)
+    return fleet
+
+
+def route(model: str = "m", precision=ANY, prompt: str = "hello") -> RouteRequest:
+    return RouteRequest.of(common_pb2.GenerateRequest(model=model, precision=precision, prompt=prompt), 256)
+
+
+def first_choice(chooser: Chooser, fleet: Fleet, request: RouteRequest | None = None) -> str:
+    return chooser.choose(fleet, request or route()).workers[0].worker_id
+
+
+def test_filter_by_model_and_precision_with_clear_errors():
+    fleet = fleet_of(info("a", precision=FP8), info("b"), info("c", models=["other"]))
+    chooser = Chooser(RoutingSection(policy="round_robin"))
+    assert {first_choice(chooser, fleet, route(precision=FP8)) for _ in range(4)} == {"a"}
+    assert {first_choice(chooser, fleet) for _ in range(4)} == {"a", "b"}
+    with pytest.raises(RouteError) as e:
+        chooser.choose(fleet, route(model="nope"))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and "served models: m, other" in str(e.value)
+    with pytest.raises(RouteError) as e:
+        chooser.choose(fleet, route(precision=common_pb2.PRECISION_FP16))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "available: bf16, fp8" in str(e.value)
+    with pytest.raises(RouteError) as e:
+        chooser.choose(fleet_of(), route())
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_least_load_prefers_free_slots_and_round_robin_rotates():
+    fleet = fleet_of(info("a"), info("b"))
+    fleet.set_load(fleet.get("a"), common_pb2.Load(running=3))
+    least = Chooser(RoutingSection(policy="least_load"))
+    assert [first_choice(least, fleet) for _ in range(3)] == ["b", "b", "b"]
+    for _ in range(4):  # the router's own in-flight count outranks a stale heartbeat
+        fleet.started(fleet.get("b"))
+    assert first_choice(least, fleet) == "a"
+    rr = Chooser(RoutingSection(policy="round_robin"))
+    assert [first_choice(rr, fleet) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_decision_names_a_fallback_on_another_worker():
+    fleet = fleet_of(info("a"), info("b"), info("c"))
+    for policy in ("round_robin", "least_load", "balanced"):
+        workers = Chooser(RoutingSection(policy=policy)).choose(fleet, route()).workers
+        assert len(workers) == 2 and workers[0] is not workers[1]
+
+
+def test_balanced_prefers_fast_hardware_until_it_is_busy():
+    fleet = fleet_of(info("v100", speed=56, max_parallel=4), info("h100", precision=FP8, speed=417, max_parallel=8))
+    chooser = Chooser(RoutingSection(affinity_weight=0))
+    assert [first_choice(chooser, fleet) for _ in range(3)] == ["h100"] * 3
+    fleet.set_load(fleet.get("h100"), common_pb2.Load(running=8, waiting=4))
+    decision = chooser.choose(fleet, route())
+    assert decision.workers[0].worker_id == "v100"
+    assert decision.reasons["policy"] == "balanced" and decision.reasons["hardware"] > 0.8
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_worker_and_spreads_prefixes():
+    fleet = fleet_of(*(info(f"w{i}") for i in range(8)))
+    chooser = Chooser(RoutingSection(hardware_weight=0))
+    system = "You are a helpful assistant. " * 20
+    homes = {first_choice(chooser, fleet, route(prompt=system + f"question {i}")) for i in range(10)}
+    assert len(homes) == 1, "the same leading bytes go to the same worker"
+    assert chooser.choose(fleet, route(prompt=system)).reasons["prefix_home"] is True
+    spread = {first_choice(chooser, fleet, route(prompt=f"{i} different prompt")) for i in range(40)}
+    assert len(spread) >= 5, f"distinct prefixes should spread over the fleet, got {spread}"
+
+
+def test_prefix_home_passes_load_beyond_its_bound_to_others():
+    fleet = fleet_of(*(info(f"w{i}") for i in range(4)))
+    chooser = Chooser(RoutingSection(hardware_weight=0, load_weight=0.1, affinity_weight=1.0))
+    request = route(prompt="shared system prompt " * 20)
+    placed = collections.Counter()
+    for _ in range(12):  # each choice starts a stream that stays open
+        worker = chooser.choose(fleet, request).workers[0]
+        fleet.started(worker)
+        placed[worker.worker_id] += 1
+    # fair share of 12 streams on 4 equal workers is 3; the bound is 1.25x that, rounded up
+    assert max(placed.values()) <= 4 and len(placed) >= 3, placed
+
+
+def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leading_bytes():
+    a = common_pb2.GenerateRequest(prompt="x" * 300 + "tail one")
+    b = common_pb2.GenerateRequest(prompt="x" * 300 + "tail two")
+    assert prefix_key(a, 256) == prefix_key(b, 256)
+    other_process = subprocess.run(
+        [sys.executable, "-c", "from infermesh.pb import common_pb2; from router_svc.routing import prefix_key; "
+         "print(prefix_key(common_pb2.GenerateRequest(prompt='x' * 300), 256))"],
+        env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, text=True, check=True)
+    assert int(other_process.stdout) == prefix_key(a, 256)
+    assert prefix_key(a, 512) != prefix_key(b, 512)
+    chat = common_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="system", content="hi")])
+    assert prefix_key(chat, 256) != prefix_key(common_pb2.GenerateRequest(prompt="hi"), 256)
+
+
+def test_failing_worker_is_ejected_for_the_cooldown():
+    clock = Clock()
+    fleet = fleet_of(info("bad"), info("good"), clock=clock)
+    chooser = Chooser(RoutingSection(policy="round_robin"))
+    bad = fleet.get("bad")
+    assert not fleet.failed(bad, failures_to_eject=2, cooldown_s=10)
+    fleet.succeeded(bad)  # a success resets the count
+    assert not fleet.failed(bad, failures_to_eject=2, cooldown_s=10)
+    assert fleet.failed(bad, failures_to_eject=2, cooldown_s=10)
+    assert {first_choice(chooser, fleet) for _ in range(4)} == {"good"}
+    clock.now += 11
+    assert {first_choice(chooser, fleet) for _ in range(4)} == {"bad", "good"}
+    fleet.failed(fleet.get("good"), failures_to_eject=1, cooldown_s=10)
+    fleet.failed(bad, failures_to_eject=1, cooldown_s=10)
+    assert first_choice(chooser, fleet) in ("bad", "good"), "all ejected: still tried"
+
+
+def test_slots_are_reused_without_carrying_counts_over():
+    fleet = fleet_of(info("a"), info("b"))
+    old = fleet.get("a")
+    fleet.started(old)
+    fleet.remove("a")
+    fleet.upsert(info("c"), common_pb2.Load(), registered_at=0, expires_in_s=3)
+    new = fleet.get("c")
+    assert new.slot == old.slot and fleet.in_flight[new.slot] == 0
+    fleet.ended(old)  # the stream to the removed worker ends: c's count is untouched
+    assert fleet.in_flight[new.slot] == 0
+
+
+def test_reregistration_with_new_capabilities_regroups():
+    fleet = fleet_of(info("a"))
+    chooser = Chooser(RoutingSection())
+    assert first_choice(chooser, fleet, route(precision=BF16)) == "a"
+    fleet.upsert(info("a", precision=FP8), common_pb2.Load(), registered_at=0, expires_in_s=3)
+    assert len(fleet.entries()) == 1
+    assert first_choice(chooser, fleet, route(precision=FP8)) == "a"
+    with pytest.raises(RouteError):
+        chooser.choose(fleet, route(precision=BF16))
+
+
+def test_a_thousand_workers_grow_the_arrays():
+    fleet = fleet_of(*(info(f"w{i}", max_parallel=1 + i % 8) for i in range(1000)))
+    chooser = Chooser(RoutingSection())
+    decision = chooser.choose(fleet, route())
+    assert decision.reasons["candidates"] == 1000
+    assert dataclasses.asdict(RoutingSection())["policy"] == "balanced"
