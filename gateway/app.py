@@ -1,22 +1,30 @@
 """``create_app(config)``: the gateway's routes, middlewares and shared objects."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
+import prometheus_client
 import redis.asyncio as redis
 from aiohttp import web
 
 import telemetry
-from gateway.chat import MAX_BODY_BYTES, create_chat_completion
+from gateway.admin import create_admin_app
+from gateway.chat import create_chat_completion
+from gateway.completions import create_completion
 from gateway.config import GatewayConfig
-from gateway.keys import KeyStore
-from gateway.middleware import (KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id, auth_middleware,
-                                error_middleware, redact_query_keys)
+from gateway.generation import COMPLETION_RESERVE
+from gateway.keys import REDIS, KeyStore
+from gateway.limits import LIMITER, Limiter
+from gateway.messages import create_message
+from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id,
+                                auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
 from gateway.router_client import ROUTER, RouterClient
+from gateway.validation import MAX_BODY_BYTES
 
 CONFIG = web.AppKey("config", GatewayConfig)
-REDIS = web.AppKey("redis", redis.Redis)
 
 
 def create_app(config: GatewayConfig) -> web.Application:
@@ -27,13 +35,23 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[CONFIG] = config
     app[MAX_BODY_BYTES] = config.server.max_body_bytes
     app[REDIS_RETRY_AFTER_S] = config.redis.retry_after_s
+    app[COMPLETION_RESERVE] = config.limits.default_completion_reserve
+    alias = config.server.alias_base
+    app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_router_ctx)
     app.on_response_prepare.append(add_request_id)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # ids may hold slashes
+    for base in ("/v1", alias) if alias else ("/v1",):
+        app.router.add_post(f"{base}/chat/completions", create_chat_completion)
+        app.router.add_post(f"{base}/completions", create_completion)
+        app.router.add_get(f"{base}/models", list_models)
+        app.router.add_get(f"{base}/models/{{model:.+}}", retrieve_model)  # ids may hold slashes
+    # Anthropic clients append /v1/messages to their base URL, the alias included.
+    for base in ("", alias) if alias else ("",):
+        app.router.add_post(f"{base}/v1/messages", create_message)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
 
 
@@ -41,13 +59,26 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of this process's metrics."""
+    return web.Response(body=prometheus_client.generate_latest(),
+                        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[CONFIG].redis
-    client = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s,
-                                  socket_connect_timeout=config.timeout_s)
+    config = app[CONFIG]
+    client = redis.Redis.from_url(config.redis.url, socket_timeout=config.redis.timeout_s,
+                                  socket_connect_timeout=config.redis.timeout_s)
     app[REDIS] = client
-    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.key_cache_ttl_ms / 1000)
+    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
+    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)
+    app[LIMITER] = limiter
+    renewal = asyncio.create_task(limiter.renew_leases())
     yield
+    renewal.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await renewal
+    await limiter.drain()
     await client.aclose()
 
 

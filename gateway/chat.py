@@ -1,149 +1,77 @@
-"""Serving ``POST /v1/chat/completions``: validate, call the router, answer.
+"""Serving ``POST /v1/chat/completions``: validate, generate, answer in OpenAI's format.
 
-The router's stream is read up to its first chunk before anything is sent, so
-a failure before the first token (unknown model, no worker, router down) is a
-plain HTTP error. After that, a streamed answer reports a failure as a last
-``data: {"error": ...}`` event. A client that goes away cancels the router call.
+``n`` choices are ``n`` router calls (choice ``i`` seeded ``seed + i``); streamed,
+their chunks interleave as they arrive, each tagged with its choice index.
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, InvalidRequestError, RequestTooLargeError, UpstreamError
+from gateway import sse
+from gateway.generation import Generation, Plan, finish_reason, serve
 from gateway.middleware import REQUEST_ID
-from gateway.protocol import (ChatCompletionRequest, FinishReason, chat_chunk, chat_completion,
-                              completion_id, now_s, parse_chat_request, usage, usage_chunk)
-from gateway.router_client import PRECISION_NAMES, ROUTER, build_generate_request
-from infermesh.pb import common_pb2
-
-logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
-
-_FINISH_REASONS: dict[int, FinishReason] = {
-    common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-}
-_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
+from gateway.protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
+                              chat_completion, completion_id, joined_text, now_s,
+                              parse_chat_request, token_logprobs, usage, usage_chunk)
+from gateway.validation import estimate_tokens, read_json
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse_chat_request(await read_json(request), request.headers)
-    generate = build_generate_request(body, request[REQUEST_ID])
-    stream = request.app[ROUTER].generate(generate)
-    async with contextlib.aclosing(stream):
-        first = await anext(stream, None)
-        if first is None:
-            raise UpstreamError("The router ended the stream before its first chunk")
-        headers = _route_headers(first)
+    messages = body.router_messages()
+    plan = Plan(model=body.model,
+                requests=[body.generate_request(request[REQUEST_ID], i, messages=messages)
+                          for i in range(body.n)],
+                prompt_estimates=[estimate_tokens(
+                    "".join(joined_text(m.content) for m in body.messages))],
+                prompt_of=[0] * body.n, max_tokens=body.token_limit())
+
+    async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
         if body.stream:
-            return await _stream(request, body, first, stream, headers)
-        return await _collect(body, first, stream, headers)
+            return await sse.stream(request, headers, _events(body, generation),
+                                    lambda e: sse.openai_event(e.body()), sse.OPENAI_DONE)
+        return await _collect(body, generation, headers)
+
+    return await serve(request, plan, respond)
 
 
-async def read_json(request: web.Request) -> Any:
-    """The decoded body; 413 past the size limit, 400 when it is not JSON."""
-    limit = request.app[MAX_BODY_BYTES]
-    too_large = RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes")
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
-    try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _route_headers(first: common_pb2.GenerateResponse) -> dict[str, str]:
-    if not first.HasField("route"):
-        return {}
-    headers = {"x-infermesh-worker": first.route.worker_id}
-    if first.route.precision in PRECISION_NAMES:
-        headers["x-infermesh-precision"] = PRECISION_NAMES[first.route.precision]
-    return headers
-
-
-def _finish_reason(last: common_pb2.GenerateResponse) -> FinishReason:
-    if last.finish_reason not in _FINISH_REASONS:
-        raise UpstreamError("The router's stream ended without a finish reason")
-    return _FINISH_REASONS[last.finish_reason]
-
-
-def _usage(last: common_pb2.GenerateResponse) -> dict[str, Any]:
-    u = last.usage
-    return usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-
-
-async def _collect(body: ChatCompletionRequest, first: common_pb2.GenerateResponse,
-                   stream: AsyncIterator[common_pb2.GenerateResponse],
+async def _collect(body: ChatCompletionRequest, generation: Generation,
                    headers: dict[str, str]) -> web.Response:
-    texts, last = [first.text], first
-    async for chunk in stream:
-        texts.append(chunk.text)
-        last = chunk
-    completion = chat_completion(completion_id(), now_s(), body.model, "".join(texts),
-                                 _finish_reason(last), _usage(last))
+    texts: list[list[str]] = [[] for _ in range(generation.choices)]
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
+    finishes: list[FinishReason | None] = [None] * generation.choices
+    async for i, chunk in generation.chunks():
+        texts[i].append(chunk.text)
+        logprobs[i].extend(token_logprobs(chunk.logprobs))
+        finishes[i] = finish_reason(chunk) or finishes[i]
+    choices = [chat_choice(i, "".join(texts[i]), finishes[i],  # type: ignore[arg-type]
+                           logprobs[i] if body.logprobs and logprobs[i] else None)
+               for i in range(generation.choices)]
+    completion = chat_completion(completion_id(), now_s(), body.model, choices,
+                                 usage(generation.usage()))
     return web.json_response(completion, headers=headers)
 
 
-async def _stream(request: web.Request, body: ChatCompletionRequest,
-                  first: common_pb2.GenerateResponse,
-                  stream: AsyncIterator[common_pb2.GenerateResponse],
-                  headers: dict[str, str]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-    await response.prepare(request)
-    try:
-        try:
-            async for event in _events(body, first, stream):
-                await response.write(_sse(event))
-        except ConnectionResetError:
-            raise
-        except GatewayError as e:
-            await response.write(_sse(e.body()))
-        except Exception:
-            logger.exception("stream of request %s failed", request[REQUEST_ID])
-            await response.write(_sse(GatewayError("The stream failed").body()))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except ConnectionResetError:
-        logger.info("client closed the stream of request %s", request[REQUEST_ID])
-    return response
+async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
+    """The stream's chunks: role, text deltas, finish reason per choice, then usage if asked for."""
+    cid, created, with_usage = completion_id(), now_s(), body.include_usage
 
+    def chunk(i: int, delta: dict[str, Any], finish: FinishReason | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> bytes:
+        return sse.openai_event(chat_chunk(cid, created, body.model, i, delta, finish, logprobs,
+                                           with_usage_field=with_usage))
 
-async def _events(body: ChatCompletionRequest, first: common_pb2.GenerateResponse,
-                  stream: AsyncIterator[common_pb2.GenerateResponse],
-                  ) -> AsyncIterator[dict[str, Any]]:
-    """The stream's chunks: role, text deltas, finish reason, then usage if asked for."""
-    cid, created, usage_field = completion_id(), now_s(), body.include_usage
-
-    def chunk(delta: dict[str, Any], finish: FinishReason | None = None) -> dict[str, Any]:
-        return chat_chunk(cid, created, body.model, delta, finish, with_usage_field=usage_field)
-
-    yield chunk({"role": "assistant", "content": ""})
-    last = first
-    if first.text:
-        yield chunk({"content": first.text})
-    async for item in stream:
-        if item.text:
-            yield chunk({"content": item.text})
-        last = item
-    yield chunk({}, _finish_reason(last))
-    if usage_field:
-        yield usage_chunk(cid, created, body.model, _usage(last))
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    for i in range(generation.choices):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for i, item in generation.chunks():
+        if item.text or item.logprobs:
+            logprobs = token_logprobs(item.logprobs) if body.logprobs and item.logprobs else None
+            yield chunk(i, {"content": item.text}, logprobs=logprobs)
+        finish = finish_reason(item)
+        if finish is not None:
+            yield chunk(i, {}, finish)
+    if with_usage:
+        yield sse.openai_event(usage_chunk(cid, created, body.model, usage(generation.usage())))

@@ -1,4 +1,5 @@
-"""The gateway's one config object: ``[server]``, ``[redis]`` and ``[router]``.
+"""The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``
+and ``[admin]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -7,6 +8,8 @@ overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 
 from infermesh.config import section
 
@@ -16,12 +19,18 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
+    # A second base path serving the same API as /v1, e.g. "/api"; empty: none.
+    alias_base: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.alias_base and (not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
+                                or self.alias_base in ("/v1", "/admin")):
+            raise ValueError(f"alias_base must be a path such as /api (not /v1 or /admin), "
+                             f"got {self.alias_base!r}")
 
 
 @section
@@ -35,8 +44,8 @@ class RedisSection:
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:
-        if self.key_cache_ttl_ms < 0:
-            raise ValueError(f"key_cache_ttl_ms must be >= 0, got {self.key_cache_ttl_ms}")
+        if not 0 <= self.key_cache_ttl_ms <= 1000:  # revocation must reach every process in 1 s
+            raise ValueError(f"key_cache_ttl_ms must be 0..1000, got {self.key_cache_ttl_ms}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
@@ -58,8 +67,49 @@ class RouterSection:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+@section
+class LimitsSection:
+    # Tokens reserved for the completion of a request without max_tokens; the
+    # reservation is settled to the real usage when the request ends.
+    default_completion_reserve: int = 256
+    # A concurrency slot of a gateway that died is freed after this long; live
+    # gateways renew theirs every third of it.
+    lease_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.default_completion_reserve < 0:
+            raise ValueError(f"default_completion_reserve must be >= 0, "
+                             f"got {self.default_completion_reserve}")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+
+
+@section
+class AdminSection:
+    """The admin API (/admin/keys) credential: the token itself, or better its SHA-256 hex.
+    With neither set the admin API refuses every call."""
+    token: str = ""
+    token_sha256: str = ""
+
+    def __post_init__(self) -> None:
+        if self.token and self.token_sha256:
+            raise ValueError("set token or token_sha256, not both")
+        if self.token and len(self.token) < 16:
+            raise ValueError("token must be at least 16 characters")
+        if self.token_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.token_sha256):
+            raise ValueError("token_sha256 must be 64 lowercase hex digits")
+
+    def digest(self) -> str | None:
+        """SHA-256 hex of the admin token; None when the admin API is off."""
+        if self.token:
+            return hashlib.sha256(self.token.encode()).hexdigest()
+        return self.token_sha256 or None
+
+
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
+    limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
+    admin: AdminSection = dataclasses.field(default_factory=AdminSection)

@@ -2,16 +2,25 @@
 
 Handlers raise a ``GatewayError`` subclass; the error middleware turns it into
 ``{"error": {"message", "type", "param", "code"}}`` with its status (and
-``Retry-After`` when retrying later can succeed). gRPC failures from the router
-and aiohttp's own HTTP exceptions are mapped here too. Messages never carry
-key material.
+``Retry-After`` when retrying later can succeed), or into Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes. gRPC
+failures from the router, Redis failures and aiohttp's own HTTP exceptions are
+mapped here too. Messages never carry key material.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from aiohttp import web
+
+Dialect = Literal["openai", "anthropic"]
+
+# Anthropic names its error types by status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    504: "timeout_error"}
 
 
 class GatewayError(Exception):
@@ -22,18 +31,28 @@ class GatewayError(Exception):
     code: str | None = "internal_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None, headers: dict[str, str] | None = None) -> None:
+                 type: str | None = None, retry_after_s: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if type is not None:
+            self.type = type
         self.retry_after_s = retry_after_s
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def dialect_body(self, dialect: Dialect) -> dict[str, Any]:
+        return self.anthropic_body() if dialect == "anthropic" else self.body()
 
 
 class InvalidRequestError(GatewayError):
@@ -42,6 +61,10 @@ class InvalidRequestError(GatewayError):
 
 class AuthenticationError(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class PermissionDeniedError(GatewayError):
+    status, type, code = 403, "invalid_request_error", "model_not_allowed"
 
 
 class NotFoundError(GatewayError):
@@ -76,11 +99,19 @@ class UpstreamTimeoutError(GatewayError):
     status, type, code = 504, "server_error", "timeout"
 
 
-def error_response(error: GatewayError) -> web.Response:
+def error_response(error: GatewayError, dialect: Dialect = "openai") -> web.Response:
     headers = dict(error.headers)
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    return web.json_response(error.dialect_body(dialect), status=error.status, headers=headers)
+
+
+def store_unavailable(retry_after_s: int) -> GatewayError:
+    """A Redis failure: without the key and limit store nobody is admitted, and
+    nobody is told their key is wrong."""
+    return ServiceUnavailableError(
+        "The gateway cannot check API keys and limits right now; try again shortly",
+        code="auth_unavailable", retry_after_s=retry_after_s)
 
 
 def base_url(request: web.Request) -> str:
@@ -88,7 +119,7 @@ def base_url(request: web.Request) -> str:
     return f"{scheme}://{request.host}/v1"
 
 
-_KNOWN_SUFFIXES = ("/chat/completions", "/models")
+_KNOWN_SUFFIXES = ("/chat/completions", "/completions", "/models", "/messages")
 
 
 def from_http_exception(exc: web.HTTPException, request: web.Request) -> GatewayError:
@@ -99,6 +130,7 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> Gateway
         for suffix in _KNOWN_SUFFIXES:
             if suffix in request.path and not request.path.startswith(f"/v1{suffix}"):
                 hint = f" Did you mean /v1{suffix}?"
+                break
         return NotFoundError(
             f"Unknown URL ({where}). The base URL of this API is {base_url(request)}; "
             f"clients append paths such as /chat/completions to it.{hint}")

@@ -1,9 +1,18 @@
-"""API keys: created once, stored in Redis only as a SHA-256 hash.
+"""API keys: created once, stored in Redis only as a SHA-256 hash, with their limits.
 
-Redis layout: one hash per key, ``infermesh:key:<sha256 hex of the key>`` with
-fields ``name``, ``created`` (unix seconds), ``disabled`` ("0"/"1") and
-optionally ``expires`` (unix seconds). The hex digest doubles as the key's id
-for operators; the plaintext exists only in the answer to ``create_key``.
+Redis layout (limit state and usage counters: see ``gateway.limits``):
+
+- ``infermesh:key:<id>``: a hash per key, ``<id>`` = SHA-256 hex of the plaintext.
+  Fields: ``name``; ``created`` (unix s); ``disabled`` and ``revoked`` ("0"/"1");
+  optional ``expires_at`` (unix s); ``models`` (comma-separated allow-list, absent:
+  every model); optional limits ``rpm``, ``tpm``, ``max_concurrent``, ``quota_tokens``
+  (lifetime), ``quota_period_tokens`` per ``quota_period_s`` (periods aligned to the
+  Unix epoch, so 86400 means UTC days); ``rotated_to`` / ``rotated_from`` (ids). A
+  limit that is absent is no limit.
+- ``infermesh:keys``: the set of every id, so listing needs no SCAN.
+
+The hex digest doubles as the key's id for operators; the plaintext exists only in
+the answer to ``create_key``/``rotate_key``. Revoking is final; disabling is not.
 """
 from __future__ import annotations
 
@@ -11,14 +20,24 @@ import dataclasses
 import hashlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import redis.asyncio as redis
+from aiohttp import web
 
-_KEY_PREFIX = "infermesh:key:"
+REDIS = web.AppKey("redis", redis.Redis)
+
+KEY_PREFIX = "infermesh:key:"
+_INDEX = "infermesh:keys"
 _PLAINTEXT_PREFIX = "sk-"
 _RANDOM_BYTES = 32  # 256 bits
 _CACHE_MAX_ENTRIES = 10_000
+
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "quota_tokens", "quota_period_tokens",
+                "quota_period_s")
+# Fields an operator may change after creation.
+UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS)
 
 
 def key_id(plaintext: str) -> str:
@@ -26,26 +45,163 @@ def key_id(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode()).hexdigest()
 
 
-def _redis_key(kid: str) -> str:
-    return f"{_KEY_PREFIX}{kid}"
+def redis_key(kid: str) -> str:
+    return f"{KEY_PREFIX}{kid}"
 
 
-async def create_key(redis: redis.Redis, name: str, *, expires: float | None = None) -> str:
-    """Stores a new key's hash under ``name`` and returns the plaintext, the only time it exists."""
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    """A key's metadata as an operator sees it: never the plaintext."""
+    id: str
+    name: str
+    created: int
+    disabled: bool
+    revoked: bool
+    expires_at: int | None
+    models: tuple[str, ...]  # empty: every model
+    limits: dict[str, int]  # only the limits that are set
+    rotated_to: str | None = None
+    rotated_from: str | None = None
+
+    def usable(self, now_s: float) -> bool:
+        return (not self.disabled and not self.revoked
+                and (self.expires_at is None or self.expires_at > now_s))
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["models"] = list(self.models)
+        return out
+
+
+def _fields(name: str, values: Mapping[str, Any]) -> dict[str, str]:
+    """Redis fields for a new key; ``values`` holds the optional fields to set."""
+    fields = {"name": name, "created": str(int(time.time())), "disabled": "0", "revoked": "0"}
+    for field, value in values.items():
+        if value is not None:
+            fields[field] = _encode(field, value)
+    return fields
+
+
+def _encode(field: str, value: Any) -> str:
+    if field == "models":
+        return ",".join(value)
+    if field == "disabled":
+        return "1" if value else "0"
+    return str(value)
+
+
+async def create_key(client: redis.Redis, name: str, **values: Any) -> str:
+    """Stores a new key's hash under ``name`` and returns the plaintext, the only time it exists.
+
+    ``values``: optional fields of the layout above (``expires_at``, ``models``, limits)."""
     plaintext = _PLAINTEXT_PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
-    fields = {"name": name, "created": str(int(time.time())), "disabled": "0"}
-    if expires is not None:
-        fields["expires"] = str(int(expires))
-    await redis.hset(_redis_key(key_id(plaintext)), mapping=fields)
+    kid = key_id(plaintext)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hset(redis_key(kid), mapping=_fields(name, values))
+        pipe.sadd(_INDEX, kid)
+        await pipe.execute()
     return plaintext
 
 
-async def disable_key(redis: redis.Redis, kid: str) -> bool:
+async def get_key(client: redis.Redis, kid: str) -> KeyRecord | None:
+    return _record(kid, await client.hgetall(redis_key(kid)))
+
+
+async def list_keys(client: redis.Redis) -> list[KeyRecord]:
+    """Every key, oldest first."""
+    ids = sorted(_text(k) for k in await client.smembers(_INDEX))
+    async with client.pipeline(transaction=False) as pipe:
+        for kid in ids:
+            pipe.hgetall(redis_key(kid))
+        rows = await pipe.execute()
+    records = [r for r in (_record(kid, row) for kid, row in zip(ids, rows, strict=True)) if r is not None]
+    return sorted(records, key=lambda r: (r.created, r.id))
+
+
+async def update_key(client: redis.Redis, kid: str, changes: Mapping[str, Any]) -> KeyRecord | None:
+    """Sets (or with None, clears) the ``changes`` fields; None when no such key exists.
+
+    A revoked key cannot be enabled again."""
+    assert set(changes) <= set(UPDATABLE_FIELDS), f"not updatable: {set(changes)}"
+    key = redis_key(kid)
+    async with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(key)
+                record = _record(kid, await pipe.hgetall(key))
+                if record is None:
+                    return None
+                if record.revoked and changes.get("disabled") is False:
+                    raise ValueError("a revoked key cannot be enabled again")
+                pipe.multi()
+                cleared = [f for f, v in changes.items() if v is None or v == []]
+                kept = {f: _encode(f, v) for f, v in changes.items() if f not in cleared}
+                if cleared:
+                    pipe.hdel(key, *cleared)
+                if kept:
+                    pipe.hset(key, mapping=kept)
+                await pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+    return await get_key(client, kid)
+
+
+async def disable_key(client: redis.Redis, kid: str) -> bool:
     """Marks the key with id ``kid`` disabled; False when no such key exists."""
-    if not await redis.exists(_redis_key(kid)):
+    return await update_key(client, kid, {"disabled": True}) is not None
+
+
+async def revoke_key(client: redis.Redis, kid: str) -> bool:
+    """Revokes the key for good (its record and usage stay); False when no such key exists."""
+    if not await client.exists(redis_key(kid)):
         return False
-    await redis.hset(_redis_key(kid), "disabled", "1")
+    await client.hset(redis_key(kid), mapping={"revoked": "1", "disabled": "1"})
     return True
+
+
+async def rotate_key(client: redis.Redis, kid: str) -> str | None:
+    """A new key with the old one's name, expiry, models and limits; the old key is
+    revoked in the same transaction. Returns the new plaintext; None when ``kid``
+    does not name a usable key."""
+    plaintext = _PLAINTEXT_PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
+    new_id = key_id(plaintext)
+    async with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(redis_key(kid))  # two rotations race: one wins
+                old = _record(kid, await pipe.hgetall(redis_key(kid)))
+                if old is None or not old.usable(time.time()):
+                    return None
+                values = {"expires_at": old.expires_at, "models": old.models or None,
+                          **old.limits, "rotated_from": kid}
+                pipe.multi()
+                pipe.hset(redis_key(new_id), mapping=_fields(old.name, values))
+                pipe.sadd(_INDEX, new_id)
+                pipe.hset(redis_key(kid),
+                          mapping={"revoked": "1", "disabled": "1", "rotated_to": new_id})
+                await pipe.execute()
+                return plaintext
+            except redis.WatchError:
+                continue
+
+
+def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | None:
+    # Decoded either way: the client may or may not use decode_responses.
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    if not fields:
+        return None
+    return KeyRecord(
+        id=kid, name=fields.get("name", ""), created=int(fields.get("created", "0")),
+        disabled=fields.get("disabled", "0") != "0", revoked=fields.get("revoked", "0") == "1",
+        expires_at=int(float(fields["expires_at"])) if "expires_at" in fields else None,
+        models=tuple(m for m in fields.get("models", "").split(",") if m),
+        limits={f: int(fields[f]) for f in LIMIT_FIELDS if f in fields},
+        rotated_to=fields.get("rotated_to"), rotated_from=fields.get("rotated_from"))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,35 +209,41 @@ class ApiKey:
     """An authenticated key, as handlers see it: never the plaintext."""
     id: str
     name: str
+    models: tuple[str, ...] = ()  # empty: every model
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
 
 
 class KeyStore:
     """Authenticates presented keys against Redis, once per request.
 
-    Only successes are cached, for ``cache_ttl_s``, so a new key works at once
-    and a revoked one stops within the TTL. Redis errors propagate: the caller
-    answers 503, never 401 and never admits.
+    Only successes are cached, for ``cache_ttl_s`` (at most 1 s), so a new key
+    works at once and a revoked one stops within the TTL; the admission script of
+    ``gateway.limits`` checks the key again in Redis for every request it admits.
+    Redis errors propagate: the caller answers 503, never 401 and never admits.
     """
 
-    def __init__(self, redis: redis.Redis, cache_ttl_s: float,
+    def __init__(self, client: redis.Redis, cache_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._redis = redis
+        self._redis = client
         self._cache_ttl_s = cache_ttl_s
         self._clock = clock
         self._cache: dict[str, tuple[ApiKey, float]] = {}
 
     async def authenticate(self, presented: str) -> ApiKey | None:
-        """The key's record when ``presented`` is a known, enabled, unexpired key, else None."""
+        """The key when ``presented`` is a known, enabled, unexpired key, else None."""
         kid = key_id(presented)
         now = self._clock()
         cached = self._cache.get(kid)
         if cached is not None and cached[1] > now:
             return cached[0]
-        fields = await self._redis.hgetall(_redis_key(kid))
-        key = _valid_key(kid, fields)
-        if key is None:
+        record = _record(kid, await self._redis.hgetall(redis_key(kid)))
+        if record is None or not record.usable(time.time()):
             self._cache.pop(kid, None)
-        elif self._cache_ttl_s > 0:
+            return None
+        key = ApiKey(id=kid, name=record.name, models=record.models)
+        if self._cache_ttl_s > 0:
             if len(self._cache) >= _CACHE_MAX_ENTRIES:
                 self._cache = {k: v for k, v in self._cache.items() if v[1] > now}
             self._cache[kid] = (key, now + self._cache_ttl_s)
@@ -90,18 +252,3 @@ class KeyStore:
     def forget(self, kid: str) -> None:
         """Drops a cached success, e.g. right after this process revoked the key."""
         self._cache.pop(kid, None)
-
-
-def _valid_key(kid: str, raw: dict[bytes | str, bytes | str]) -> ApiKey | None:
-    # Decoded either way: the client may or may not use decode_responses.
-    fields = {_text(k): _text(v) for k, v in raw.items()}
-    if not fields or fields.get("disabled", "0") != "0":
-        return None
-    expires = fields.get("expires")
-    if expires is not None and float(expires) <= time.time():
-        return None
-    return ApiKey(id=kid, name=fields.get("name", ""))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -2,7 +2,8 @@
 
 Order in the app: ``redact_query_keys`` (so no span records a key sent in the
 URL), telemetry's server span, ``error_middleware`` (so every answer the span
-sees is already JSON), then ``auth_middleware``.
+sees is already JSON), then ``auth_middleware``. The admin API (``gateway.admin``)
+is a sub-application with its own credential.
 """
 from __future__ import annotations
 
@@ -14,22 +15,27 @@ import redis
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
+from opentelemetry import trace
 
-from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
-                            ServiceUnavailableError, error_response, from_http_exception)
+from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
+                            error_response, from_http_exception, store_unavailable)
 from gateway.keys import ApiKey, KeyStore
+from telemetry.metrics import REQUESTS
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 API_KEY = web.RequestKey("api_key", ApiKey)
+TRACE_ID = web.RequestKey("trace_id", str)
+MODEL = web.RequestKey("model", str)  # the model asked for, once the body is read
 KEY_STORE = web.AppKey("key_store", KeyStore)
 REDIS_RETRY_AFTER_S = web.AppKey("redis_retry_after_s", int)
+# Path prefixes of the API bases ("/v1/" and the configured alias) that need a key.
+API_PREFIXES = web.AppKey("api_prefixes", tuple[str, ...])
 
 # Query parameters clients use for keys; refused so keys stay out of URLs and logs.
 _QUERY_KEY_NAMES = {"api_key", "api-key", "apikey", "key", "access_token", "token"}
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_AUTH_PREFIX = "/v1/"
 
 
 @web.middleware
@@ -50,10 +56,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     client_id = request.headers.get("x-request-id", "")
     request[REQUEST_ID] = (client_id if _CLIENT_REQUEST_ID.fullmatch(client_id)
                            else f"req-{uuid.uuid4().hex}")
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        request[TRACE_ID] = format(context.trace_id, "032x")
     try:
-        return await handler(request)
+        response = await handler(request)
+        _count(request, response.status)
+        return response
     except GatewayError as e:
         error = e
+    except redis.RedisError as e:
+        logger.warning("key and limit store unavailable: %s", type(e).__name__)
+        error = store_unavailable(request.config_dict[REDIS_RETRY_AFTER_S])
     except web.HTTPException as e:
         if e.status < 400:  # redirects are answers, not errors
             raise
@@ -65,50 +79,63 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if error.status >= 500:
         logger.warning("%s %s -> %d %s (request %s)", request.method, request.path, error.status,
                        error.message, request[REQUEST_ID])
-    return error_response(error)
+    _count(request, error.status)
+    return error_response(error, _dialect(request))
+
+
+def _count(request: web.Request, status: int) -> None:
+    if request.path.startswith(request.config_dict[API_PREFIXES]) or request.path.endswith(
+            "/messages"):
+        REQUESTS.labels("gateway", request.get(MODEL, ""), str(status)).inc()
+
+
+def _dialect(request: web.Request) -> Dialect:
+    """Anthropic's routes answer errors in Anthropic's shape."""
+    return "anthropic" if "/v1/messages" in request.path else "openai"
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuses keys in the URL anywhere; requires a valid Bearer key on known /v1 routes."""
+    """Refuses keys in the URL anywhere; requires a valid key on the API's known routes."""
     if _QUERY_KEY_NAMES & {name.lower() for name in request.query}:
         raise InvalidRequestError(
             "API keys are not accepted in the URL query string (URLs end up in logs); "
             "send the key in the Authorization header: 'Authorization: Bearer sk-...'",
             code="api_key_in_query")
-    if request.path.startswith(_AUTH_PREFIX) and request.match_info.http_exception is None:
+    if (request.path.startswith(request.config_dict[API_PREFIXES])
+            and request.match_info.http_exception is None):
         request[API_KEY] = await _authenticate(request)
     return await handler(request)
 
 
 async def _authenticate(request: web.Request) -> ApiKey:
+    """The key from ``Authorization: Bearer`` or (Anthropic's clients) ``x-api-key``.
+    A Redis failure propagates: the error middleware answers 503, never 401."""
     header = request.headers.get("Authorization")
-    if not header:
-        raise AuthenticationError(
-            "You didn't provide an API key. Send it in the Authorization header "
-            "('Authorization: Bearer sk-...').")
-    scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        raise AuthenticationError(
-            "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
-    try:
-        key = await request.app[KEY_STORE].authenticate(presented.strip())
-    except redis.RedisError as e:
-        # Fail closed: without the key store nobody is admitted, and nobody is told
-        # their key is wrong.
-        logger.warning("key store unavailable: %s", type(e).__name__)
-        raise ServiceUnavailableError(
-            "The gateway cannot check API keys right now; try again shortly",
-            code="auth_unavailable", retry_after_s=request.app[REDIS_RETRY_AFTER_S]) from None
+    if header:
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise AuthenticationError(
+                "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
+    else:
+        presented = request.headers.get("x-api-key", "")
+        if not presented.strip():
+            raise AuthenticationError(
+                "You didn't provide an API key. Send it in the Authorization header "
+                "('Authorization: Bearer sk-...').")
+    key = await request.config_dict[KEY_STORE].authenticate(presented.strip())
     if key is None:
         raise AuthenticationError("Incorrect API key provided, or the key is disabled or expired.")
     return key
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: every answer carries ``x-request-id``."""
+    """``on_response_prepare`` hook: every answer carries ``x-request-id``, and
+    ``x-trace-id``: the id to paste into Jaeger's search."""
     if REQUEST_ID in request:
         response.headers["x-request-id"] = request[REQUEST_ID]
+    if TRACE_ID in request:
+        response.headers["x-trace-id"] = request[TRACE_ID]
 
 
 class AccessLogger(AbstractAccessLogger):

@@ -1,24 +1,42 @@
-"""Serving ``GET /v1/models`` and ``GET /v1/models/{id}`` from the router's ListModels."""
+"""Serving ``GET /v1/models`` and ``GET /v1/models/{id}`` from the router's ListModels.
+
+Both count as requests against the key's limits; a key restricted to some models
+sees only those."""
 from __future__ import annotations
 
 from aiohttp import web
 
 from gateway.errors import ModelNotFoundError
+from gateway.generation import admit
+from gateway.limits import LIMITER, TokenUsage
+from gateway.middleware import API_KEY
 from gateway.protocol import model_list, model_object
 from gateway.router_client import ROUTER
+from infermesh.pb import router_pb2
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = await request.app[ROUTER].list_models()
-    return web.json_response(model_list([model_object(m.id, m.created) for m in models]))
+    models, headers = await _visible_models(request)
+    return web.json_response(model_list([model_object(m.id, m.created) for m in models]),
+                             headers=headers)
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     wanted = request.match_info["model"]
-    models = await request.app[ROUTER].list_models()
+    models, headers = await _visible_models(request)
     for m in models:
         if m.id == wanted:
-            return web.json_response(model_object(m.id, m.created))
+            return web.json_response(model_object(m.id, m.created), headers=headers)
     served = ", ".join(sorted(m.id for m in models)) or "none"
     raise ModelNotFoundError(f"model '{wanted}' is not served; served models: {served}",
-                             param="model")
+                             param="model", headers=headers)
+
+
+async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model], dict[str, str]]:
+    admission = await admit(request, None, 0)
+    try:
+        models = await request.app[ROUTER].list_models()
+    finally:
+        request.app[LIMITER].settle_soon(admission, TokenUsage())
+    key = request[API_KEY]
+    return [m for m in models if key.allows(m.id)], admission.headers

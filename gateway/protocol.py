@@ -1,171 +1,238 @@
-"""Chat completions on the wire: request models and OpenAI-format response builders.
+"""OpenAI chat completions on the wire: request models and response builders.
 
-Requests are validated strictly (a string where a number belongs is a 400, not
-a conversion); unknown top-level fields are ignored, as OpenAI clients send
-fields this gateway does not use. Responses are plain dicts in exactly the
-shape the OpenAI API returns.
+``OpenAIGeneration`` holds the fields chat and legacy completions share, and how
+they become the router's ``SamplingParams`` and ``BatchingHints``. Responses are
+plain dicts in exactly the shape the OpenAI API returns.
 """
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from gateway.errors import InvalidRequestError
+from gateway.limits import TokenUsage
+from gateway.validation import STRICT, parse_body
+from infermesh.pb import common_pb2
 
 Precision = Literal["fp8", "bf16", "fp16", "fp32"]
 FinishReason = Literal["stop", "length"]
 PRECISION_HEADER = "x-infermesh-precision"
+PRECISIONS: dict[Precision, int] = {
+    "fp8": common_pb2.PRECISION_FP8, "bf16": common_pb2.PRECISION_BF16,
+    "fp16": common_pb2.PRECISION_FP16, "fp32": common_pb2.PRECISION_FP32,
+}
+PRECISION_NAMES: dict[int, str] = {v: k for k, v in PRECISIONS.items()}
+FINISH_REASONS: dict[int, FinishReason] = {
+    common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+}
 
-_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+UInt32 = Annotated[int, Field(ge=1, le=2**32 - 1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
+def joined_text(content: str | list[TextPart]) -> str:
+    """A message's text: text parts are joined with newlines."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions``."""
-    model_config = _STRICT
+class BatchingFields(BaseModel):
+    """Per-request batching hints (SPEC: integers, else 400), top level or in ``extra_body``."""
+    model_config = STRICT
+    max_parallel: UInt32 | None = None
+    dynamic_batch_timeout_ms: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+
+
+class OpenAIGeneration(BatchingFields):
+    """The fields chat and legacy completions share."""
     model: Annotated[str, Field(min_length=1)]
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=2**32 - 1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=2**32 - 1)] | None = None
+    max_tokens: UInt32 | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     precision: Precision | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    extra_body: BatchingFields | None = None  # a client that sent the SDK's extra_body literally
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def sampling(self, choice: int) -> common_pb2.SamplingParams:
+        """The router's sampling parameters for choice ``choice`` of ``n``: each choice
+        gets its own seed, so n seeded choices differ yet repeat."""
+        sampling = common_pb2.SamplingParams(
+            stop=self.stop_list(), presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0)
+        if self.temperature is not None:
+            sampling.temperature = self.temperature
+        if self.top_p is not None:
+            sampling.top_p = self.top_p
+        if self.token_limit() is not None:
+            sampling.max_tokens = self.token_limit()
+        if self.seed is not None:
+            # OpenAI seeds are signed; the proto's are not
+            sampling.seed = (self.seed + choice) % 2**64
+        return sampling
 
-def parse_chat_request(body: Any, headers: dict[str, str] | Any) -> ChatCompletionRequest:
-    """Validates a decoded JSON body; the precision header applies when the body names none."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The request body must be a JSON object")
-    try:
-        request = ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        raise _invalid(e, body) from None
+    def batching(self) -> common_pb2.BatchingHints | None:
+        hints = common_pb2.BatchingHints()
+        for source in (self.extra_body, self):
+            if source is None:
+                continue
+            if source.max_parallel is not None:
+                hints.max_parallel = source.max_parallel
+            if source.dynamic_batch_timeout_ms is not None:
+                hints.dynamic_batch_timeout_ms = source.dynamic_batch_timeout_ms
+        return hints if hints.ListFields() else None
+
+    def generate_request(self, request_id: str, choice: int, *,
+                         messages: Iterable[common_pb2.ChatMessage] = (),
+                         prompt: str = "") -> common_pb2.GenerateRequest:
+        request = common_pb2.GenerateRequest(
+            request_id=request_id if choice == 0 else f"{request_id}-{choice}",
+            model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
+            precision=PRECISIONS[self.precision] if self.precision else 0)
+        batching = self.batching()
+        if batching is not None:
+            request.batching.CopyFrom(batching)
+        return request
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(OpenAIGeneration):
+    """The body of ``POST /v1/chat/completions``."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: UInt32 | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling(self, choice: int) -> common_pb2.SamplingParams:
+        sampling = super().sampling(choice)
+        sampling.logprobs = self.logprobs
+        sampling.top_logprobs = self.top_logprobs or 0
+        return sampling
+
+    def router_messages(self) -> list[common_pb2.ChatMessage]:
+        return [common_pb2.ChatMessage(role=m.role, content=joined_text(m.content))
+                for m in self.messages]
+
+
+def with_precision_header(body: OpenAIGeneration | Any, headers: Mapping[str, str]) -> Any:
+    """The precision header applies when the body names none."""
     header = headers.get(PRECISION_HEADER)
-    if request.precision is None and header is not None:
-        if header not in ("fp8", "bf16", "fp16", "fp32"):
-            raise InvalidRequestError(
-                f"Invalid header {PRECISION_HEADER}: expected fp8, bf16, fp16 or fp32",
-                param=PRECISION_HEADER)
-        request = request.model_copy(update={"precision": header})
-    return request
+    if body.precision is not None or header is None:
+        return body
+    if header not in PRECISIONS:
+        raise InvalidRequestError(
+            f"Invalid header {PRECISION_HEADER}: expected fp8, bf16, fp16 or fp32",
+            param=PRECISION_HEADER)
+    return body.model_copy(update={"precision": header})
 
 
-def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestError:
-    # For a union (content, stop) pydantic reports one error per member; the
-    # member that matched the input's shape went deepest or failed on more
-    # than the type.
-    errors = error.errors(include_url=False)
-    first = _param(errors[0]["loc"], body)
-    chosen = max((e for e in errors if _param(e["loc"], body).startswith(first)),
-                 key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")))
-    param = _param(chosen["loc"], body)
-    message = chosen["msg"].removeprefix("Value error, ")
-    if chosen["type"] == "missing":
-        return InvalidRequestError(f"Missing required parameter '{param}'", param=param)
-    return InvalidRequestError(f"Invalid value for '{param}': {message}", param=param or None)
+def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatCompletionRequest:
+    return with_precision_header(parse_body(ChatCompletionRequest, body), headers)
 
 
-def _param(loc: tuple[int | str, ...], body: Any) -> str:
-    """The loc as a path in the input ("messages.0.role"), without union member tags."""
-    parts: list[str] = []
-    node = body
-    for item in loc:
-        if isinstance(node, dict) and isinstance(item, str):
-            parts.append(item)
-            node = node.get(item)
-        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
-            parts.append(str(item))
-            node = node[item]
-        # else: a union member's tag such as 'str' or 'list[TextPart]'
-    return ".".join(parts)
-
-
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def completion_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(tokens: TokenUsage) -> dict[str, Any]:
+    return {"prompt_tokens": tokens.prompt_tokens, "completion_tokens": tokens.completion_tokens,
+            "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens}}
 
 
-def chat_completion(cid: str, created: int, model: str, text: str,
-                    finish_reason: FinishReason, usage: dict[str, Any]) -> dict[str, Any]:
+def token_logprobs(items: Iterable[common_pb2.TokenLogprob]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries."""
+    def entry(t: common_pb2.TokenLogprob) -> dict[str, Any]:
+        return {"token": t.token, "logprob": t.logprob,
+                "bytes": list(t.bytes or t.token.encode())}
+    return [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in items]
+
+
+def chat_choice(index: int, text: str, finish_reason: FinishReason,
+                logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+            "finish_reason": finish_reason}
+
+
+def chat_completion(cid: str, created: int, model: str, choices: list[dict[str, Any]],
+                    usage: dict[str, Any]) -> dict[str, Any]:
     """A whole ``chat.completion`` object."""
-    return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage, "system_fingerprint": None,
-    }
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
-def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any],
+def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: FinishReason | None = None,
+               logprobs: list[dict[str, Any]] | None = None,
                with_usage_field: bool = False) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``usage: null`` when the stream ends with a usage chunk."""
     chunk: dict[str, Any] = {
         "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        "choices": [{"index": index, "delta": delta,
+                     "logprobs": None if logprobs is None else {"content": logprobs,
+                                                                "refusal": None},
                      "finish_reason": finish_reason}],
     }
     if with_usage_field:
@@ -173,9 +240,10 @@ def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any],
     return chunk
 
 
-def usage_chunk(cid: str, created: int, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(cid: str, created: int, model: str, usage: dict[str, Any],
+                kind: str = "chat.completion.chunk") -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+    return {"id": cid, "object": kind, "created": created, "model": model,
             "system_fingerprint": None, "choices": [], "usage": usage}
 
 
@@ -185,3 +253,4 @@ def model_object(model_id: str, created: int) -> dict[str, Any]:
 
 def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": models}
+

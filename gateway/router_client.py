@@ -17,16 +17,9 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
-from gateway.protocol import ChatCompletionRequest, Precision
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-PRECISIONS: dict[Precision, int] = {
-    "fp8": common_pb2.PRECISION_FP8, "bf16": common_pb2.PRECISION_BF16,
-    "fp16": common_pb2.PRECISION_FP16, "fp32": common_pb2.PRECISION_FP32,
-}
-PRECISION_NAMES: dict[int, str] = {v: k for k, v in PRECISIONS.items()}
 
 # Reconnect soon after the router comes back, rather than grpc's default of
 # backing off for up to two minutes.
@@ -34,27 +27,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-
-def build_generate_request(body: ChatCompletionRequest,
-                           request_id: str) -> common_pb2.GenerateRequest:
-    """The router request for a validated chat completion body."""
-    sampling = common_pb2.SamplingParams(stop=body.stop_list())
-    if body.temperature is not None:
-        sampling.temperature = body.temperature
-    if body.top_p is not None:
-        sampling.top_p = body.top_p
-    if body.token_limit() is not None:
-        sampling.max_tokens = body.token_limit()
-    if body.seed is not None:
-        sampling.seed = body.seed % 2**64  # OpenAI seeds are signed; the proto's are not
-    precision = PRECISIONS[body.precision] if body.precision else common_pb2.PRECISION_UNSPECIFIED
-    return common_pb2.GenerateRequest(
-        request_id=request_id, model=body.model,
-        messages=[common_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages],
-        sampling=sampling,
-        precision=precision,
-    )
 
 
 class RouterClient:

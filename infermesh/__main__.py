@@ -1,7 +1,8 @@
 """Developer CLI.
 
-``python -m infermesh run``           the whole mesh in the foreground (``make run``)
-``python -m infermesh keys create N`` a new API key named N, printed once
+``python -m infermesh run``        the whole mesh in the foreground (``make run``)
+``python -m infermesh keys ...``   manage API keys over the gateway's admin API
+                                   (create, list, get, update, disable, revoke, rotate, usage)
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -18,6 +20,7 @@ from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 
+from gateway import admin_cli
 from gateway.keys import create_key
 from infermesh.mesh import Mesh, MeshSpec, ServiceExited
 from infermesh.redis_server import RedisServer, redis_reachable
@@ -37,16 +40,12 @@ def main(argv: list[str]) -> int:
     run.add_argument("--gateway-port", type=int, default=8000)
     run.add_argument("--router-port", type=int, default=50051)
     run.add_argument("--worker-port", type=int, default=50061)
-    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="action", required=True)
-    create = keys.add_parser("create", help="create a key; it is printed once, only its hash is kept")
-    create.add_argument("name")
+    admin_cli.add_parser(commands)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
-    redis_url = os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL)
     if args.command == "keys":
-        print(asyncio.run(_create_key(redis_url, args.name)))
-        return 0
-    return run_mesh(args, redis_url)
+        return admin_cli.run(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
+    return run_mesh(args, os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL))
 
 
 def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
@@ -64,14 +63,20 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
     if not redis_reachable(redis_url):
         redis_server = _start_redis(redis_url)
         redis_url = redis_server.url
+    admin_token = secrets.token_urlsafe(32)
     spec = MeshSpec(redis_url=redis_url, model_path=args.model, gateway_port=args.gateway_port,
-                    router_port=args.router_port, worker_ports=(args.worker_port,))
+                    router_port=args.router_port, worker_ports=(args.worker_port,),
+                    env={"INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
+                         # the admin API's token for this run, printed below
+                         "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token})
     try:
         with Mesh(spec) as mesh:
             key = asyncio.run(_create_key(redis_url, "make-run development key"))
             print(f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
-                  f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n",
-                  flush=True)
+                  f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
+                  f"For `python -m infermesh keys ...`:\n"
+                  f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
+                  f"INFERMESH_ADMIN_TOKEN={admin_token}\n", flush=True)
             while True:
                 mesh.check_alive()
                 time.sleep(0.5)

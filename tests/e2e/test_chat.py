@@ -5,6 +5,7 @@ import json
 import time
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 
@@ -84,8 +85,9 @@ def test_unknown_model_is_404_listing_served_models(client):
     assert MODEL in e.value.message
 
 
-def test_no_worker_is_503_without_hanging(workerless_mesh, api_key):
-    client = openai.OpenAI(base_url=workerless_mesh.spec.base_url, api_key=api_key,
+def test_no_worker_is_503_without_hanging(workerless_mesh):
+    mesh, api_key = workerless_mesh
+    client = openai.OpenAI(base_url=mesh.spec.base_url, api_key=api_key,
                            max_retries=0, timeout=30)
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as e:
@@ -93,3 +95,24 @@ def test_no_worker_is_503_without_hanging(workerless_mesh, api_key):
     assert e.value.status_code == 503
     assert e.value.response.headers.get("retry-after")
     assert time.monotonic() - started < 5
+
+
+def test_legacy_completion_through_the_mesh(client):
+    completion = client.completions.create(model=MODEL, prompt="Hello mesh", temperature=0,
+                                           max_tokens=5)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello mesh", temperature=0,
+                                            max_tokens=5, stream=True))
+    assert completion.object == "text_completion" and completion.usage.completion_tokens == 5
+    assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
+
+
+def test_anthropic_messages_through_the_mesh(mesh, api_key):
+    request = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}],
+                   extra_body={"temperature": 0})
+    with anthropic.Anthropic(base_url=mesh.spec.base_url.removesuffix("/v1"), api_key=api_key,
+                             max_retries=0, timeout=60) as client:
+        message = client.messages.create(**request)
+        with client.messages.stream(**request) as stream:
+            streamed = stream.get_final_message()
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 6
+    assert streamed.content[0].text == message.content[0].text

@@ -1,9 +1,11 @@
 """The real gateway app on a loopback port, with a real Redis; the router
-address is a closed port unless a test starts a router of its own."""
+address is a closed port unless a test starts a router of its own (the
+``router`` and ``worker`` fixtures: real services in-process)."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -11,16 +13,21 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, RedisSection, RouterSection, ServerSection
+from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
 from gateway.keys import create_key
 from infermesh.redis_server import free_port
+from tests.inprocess import running_router, running_worker
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
-def make_config(redis_url: str, router_address: str | None = None, **server: int) -> GatewayConfig:
+def make_config(redis_url: str, router_address: str | None = None, **server: Any) -> GatewayConfig:
     return GatewayConfig(
         server=ServerSection(**server),
-        redis=RedisSection(url=redis_url, timeout_s=0.5),
+        # generous: 200 concurrent requests share this one event loop in the limit tests
+        redis=RedisSection(url=redis_url, timeout_s=3.0),
         router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
+        admin=AdminSection(token=ADMIN_TOKEN),
     )
 
 
@@ -54,8 +61,42 @@ async def api_key(redis_client) -> str:
     return await create_key(redis_client, "test")
 
 
+@pytest.fixture
+async def router():
+    async with running_router() as router:
+        yield router
+
+
+@pytest.fixture
+async def worker(tiny_engine, router):
+    async with running_worker(tiny_engine, router) as worker:
+        yield worker
+
+
+@pytest.fixture
+async def served(redis_server, router, worker) -> AsyncIterator[TestClient]:
+    """A gateway in front of a real router and worker on the tiny model."""
+    client = await start_gateway(make_config(redis_server.url, router.address))
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def gateways(redis_server, router) -> AsyncIterator[list[TestClient]]:
+    """Two gateway apps on separate ports sharing Redis and the router: two
+    processes' worth of local state."""
+    clients = [await start_gateway(make_config(redis_server.url, router.address))
+               for _ in range(2)]
+    yield clients
+    for client in clients:
+        await client.close()
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def sdk(gateway: TestClient, key: str, base_path: str = "/v1") -> openai.AsyncOpenAI:

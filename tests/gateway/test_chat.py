@@ -9,22 +9,10 @@ import pytest
 
 from gateway.errors import from_grpc
 from tests.gateway.conftest import auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, eventually, running_router, running_worker
+from tests.inprocess import MODEL, eventually
 
 _MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
 _GREEDY = {"model": MODEL, "messages": _MESSAGES, "temperature": 0, "max_tokens": 8}
-
-
-@pytest.fixture
-async def router():
-    async with running_router() as router:
-        yield router
-
-
-@pytest.fixture
-async def worker(tiny_engine, router):
-    async with running_worker(tiny_engine, router) as worker:
-        yield worker
 
 
 @pytest.fixture
@@ -160,3 +148,52 @@ def test_other_router_statuses_map_to_http(code, status, retry):
     error = from_grpc(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x"),
                       router_reachable=True, retry_after_s=1)
     assert error.status == status and (error.retry_after_s is not None) == retry
+
+
+async def test_n_choices_streamed_and_not(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        completion = await client.chat.completions.create(**_GREEDY, n=3)
+        chunks = [c async for c in await client.chat.completions.create(
+            **_GREEDY, n=2, stream=True, stream_options={"include_usage": True})]
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    texts = {c.message.content for c in completion.choices}
+    assert len(texts) == 1  # greedy: the same answer three times
+    assert completion.usage.completion_tokens == 3 * 8
+    streamed = ["", ""]
+    for chunk in chunks[:-1]:
+        streamed[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert streamed == [texts.pop()] * 2
+    finishes = [c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 2 * 8
+    assert chunks[-1].usage.prompt_tokens == completion.usage.prompt_tokens  # counted once
+
+
+async def test_sampling_fields_are_accepted_end_to_end(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        completion = await client.chat.completions.create(
+            **{**_GREEDY, "max_tokens": 20}, max_completion_tokens=3, presence_penalty=0.5,
+            frequency_penalty=0.5, user="someone", response_format={"type": "text"},
+            logprobs=True, top_logprobs=2,
+            extra_body={"max_parallel": 4, "dynamic_batch_timeout_ms": 150})
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length" and completion.usage.completion_tokens == 3
+    if choice.logprobs is not None:  # when the worker reports them
+        assert len(choice.logprobs.content) == 3
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+async def test_alias_base_serves_the_same_api(redis_server, router, worker, api_key):
+    client = await start_gateway(make_config(redis_server.url, router.address,
+                                             alias_base="/api"))
+    try:
+        async with sdk(client, api_key, base_path="/api") as openai_client:
+            completion = await openai_client.chat.completions.create(**_GREEDY)
+            assert [m.id async for m in openai_client.models.list()] == [MODEL]
+        assert completion.choices[0].message.content
+        response = await client.post("/api/v1/chat/completions", headers=auth(api_key),
+                                     json=_GREEDY)
+        assert response.status == 404
+        assert "base URL of this API is" in (await response.json())["error"]["message"]
+    finally:
+        await client.close()

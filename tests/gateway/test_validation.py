@@ -3,6 +3,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from gateway.protocol import parse_chat_request
+from infermesh.pb import common_pb2
 from tests.gateway.conftest import CHAT, auth, sdk, start_gateway, with_server
 
 _USER = [{"role": "user", "content": "hi"}]
@@ -14,7 +16,21 @@ _USER = [{"role": "user", "content": "hi"}]
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "max_tokens": True}, "max_tokens"),
-    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "n": 129}, "n"),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": "high"}, "frequency_penalty"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({**CHAT, "max_parallel": "4"}, "max_parallel"),
+    ({**CHAT, "max_parallel": 4.0}, "max_parallel"),
+    ({**CHAT, "max_parallel": 0}, "max_parallel"),
+    ({**CHAT, "dynamic_batch_timeout_ms": True}, "dynamic_batch_timeout_ms"),
+    ({**CHAT, "extra_body": {"dynamic_batch_timeout_ms": "150"}},
+     "extra_body.dynamic_batch_timeout_ms"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({**CHAT, "stop": [1]}, "stop.0"),
     ({**CHAT, "stream": "yes"}, "stream"),
@@ -84,3 +100,34 @@ async def test_body_over_the_limit_is_413(config, api_key):
         assert (await response.json())["error"]["code"] == "request_too_large"
     finally:
         await gateway.close()
+
+
+async def test_sdk_extra_body_batching_hints_must_be_integers(gateway, api_key):
+    async with sdk(gateway, api_key) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="tiny", messages=_USER,
+                                                 extra_body={"max_parallel": "4"})
+    assert caught.value.param == "max_parallel"
+
+
+def test_fields_reach_the_router_request():
+    body = parse_chat_request({
+        **CHAT, "n": 2, "seed": -1, "temperature": 0.5, "top_p": 0.9, "presence_penalty": 0.5,
+        "frequency_penalty": -1.0, "logprobs": True, "top_logprobs": 3, "stop": "END",
+        "max_tokens": 9, "max_completion_tokens": 7, "max_parallel": 4, "user": "u-1",
+        "extra_body": {"dynamic_batch_timeout_ms": 150}, "some_future_field": {"x": 1},
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]}]},
+        {"x-infermesh-precision": "bf16"})
+    requests = [body.generate_request("req-1", i, messages=body.router_messages())
+                for i in range(body.n)]
+    first, second = requests
+    assert (first.request_id, second.request_id) == ("req-1", "req-1-1")
+    assert first.messages[0].role == "developer" and first.messages[0].content == "a\nb"
+    s = first.sampling
+    assert (s.max_tokens, list(s.stop), s.top_logprobs, s.logprobs) == (7, ["END"], 3, True)
+    assert s.presence_penalty == 0.5 and s.frequency_penalty == -1.0
+    assert abs(s.temperature - 0.5) < 1e-6 and abs(s.top_p - 0.9) < 1e-6
+    assert (s.seed, second.sampling.seed) == (2**64 - 1, 0)  # each choice its own seed
+    assert (first.batching.max_parallel, first.batching.dynamic_batch_timeout_ms) == (4, 150)
+    assert first.precision == common_pb2.PRECISION_BF16

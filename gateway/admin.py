@@ -1,0 +1,181 @@
+"""The admin API for keys, mounted at ``/admin`` behind its own credential.
+
+``Authorization: Bearer <admin token>``, compared by SHA-256 digest with
+``[admin] token`` / ``token_sha256`` (``INFERMESH_GATEWAY_ADMIN_TOKEN[_SHA256]``);
+with neither configured every call is refused. API keys are not admin
+credentials, and the admin token is not an API key.
+
+    POST   /admin/keys                 create: {name, expires_at?, models?, limits...}
+                                       -> 201 {key (the plaintext, shown once), ...record}
+    GET    /admin/keys                 list
+    GET    /admin/keys/{id}            get
+    PATCH  /admin/keys/{id}            update: fields present are set, null clears
+    POST   /admin/keys/{id}/disable    disable (PATCH {"disabled": false} enables again)
+    POST   /admin/keys/{id}/revoke     revoke for good
+    POST   /admin/keys/{id}/rotate     a new key with the same settings; the old one revoked
+    GET    /admin/keys/{id}/usage?days=N  usage: lifetime, per UTC day, quota counters
+"""
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import redis.asyncio as redis
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from pydantic import BaseModel, Field
+
+from gateway import keys
+from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
+                            NotFoundError)
+from gateway.limits import read_usage
+from gateway.middleware import KEY_STORE
+from gateway.validation import STRICT, parse_body, read_json
+
+ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
+
+_MAX_USAGE_DAYS = 400
+
+Limit = Annotated[int, Field(ge=1, le=2**53)] | None
+
+
+class _KeyFields(BaseModel):
+    model_config = STRICT
+    expires_at: Annotated[int, Field(ge=0)] | None = None
+    models: list[Annotated[str, Field(min_length=1, pattern=r"^[^,]+$")]] | None = None
+    rpm: Limit = None
+    tpm: Limit = None
+    max_concurrent: Limit = None
+    quota_tokens: Limit = None
+    quota_period_tokens: Limit = None
+    quota_period_s: Limit = None
+
+
+class KeyCreate(_KeyFields):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class KeyUpdate(_KeyFields):
+    name: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    disabled: bool | None = None
+
+
+class AdminDisabledError(GatewayError):
+    status, type, code = 403, "invalid_request_error", "admin_disabled"
+
+
+def create_admin_app(token_sha256: str | None) -> web.Application:
+    app = web.Application(middlewares=[_require_admin])
+    app[ADMIN_TOKEN_SHA256] = token_sha256 or ""
+    app.router.add_post("/keys", create)
+    app.router.add_get("/keys", list_all)
+    app.router.add_get("/keys/{id}", get)
+    app.router.add_patch("/keys/{id}", update)
+    app.router.add_post("/keys/{id}/disable", disable)
+    app.router.add_post("/keys/{id}/revoke", revoke)
+    app.router.add_post("/keys/{id}/rotate", rotate)
+    app.router.add_get("/keys/{id}/usage", usage)
+    return app
+
+
+@web.middleware
+async def _require_admin(request: web.Request, handler: Handler) -> web.StreamResponse:
+    expected = request.app[ADMIN_TOKEN_SHA256]
+    if not expected:
+        raise AdminDisabledError("The admin API is disabled: configure [admin] token_sha256 "
+                            "(INFERMESH_GATEWAY_ADMIN_TOKEN_SHA256)")
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    digest = keys.key_id(presented.strip())
+    if scheme.lower() != "bearer" or not hmac.compare_digest(digest, expected):
+        raise AuthenticationError("Missing or wrong admin token ('Authorization: Bearer ...')",
+                                  code="invalid_admin_token")
+    return await handler(request)
+
+
+def _redis(request: web.Request) -> redis.Redis:
+    return request.config_dict[keys.REDIS]
+
+
+async def create(request: web.Request) -> web.Response:
+    body = parse_body(KeyCreate, await read_json(request))
+    values = body.model_dump(exclude={"name"}, exclude_none=True)
+    plaintext = await keys.create_key(_redis(request), body.name, **values)
+    record = await _record(request, keys.key_id(plaintext))
+    return web.json_response({"key": plaintext, **record.to_json()}, status=201)
+
+
+async def list_all(request: web.Request) -> web.Response:
+    records = await keys.list_keys(_redis(request))
+    return web.json_response({"object": "list", "data": [r.to_json() for r in records]})
+
+
+async def get(request: web.Request) -> web.Response:
+    return web.json_response((await _record(request, request.match_info["id"])).to_json())
+
+
+async def update(request: web.Request) -> web.Response:
+    body = parse_body(KeyUpdate, await read_json(request))
+    changes = {f: getattr(body, f) for f in body.model_fields_set}
+    if changes.get("name", "") is None or changes.get("disabled", False) is None:
+        raise InvalidRequestError("name and disabled cannot be cleared")
+    if not changes:
+        raise InvalidRequestError(f"Nothing to update; fields: {', '.join(keys.UPDATABLE_FIELDS)}")
+    try:
+        record = await keys.update_key(_redis(request), request.match_info["id"], changes)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="disabled") from None
+    return web.json_response(_found(record, request).to_json())
+
+
+async def disable(request: web.Request) -> web.Response:
+    return await _stop(request, keys.disable_key)
+
+
+async def revoke(request: web.Request) -> web.Response:
+    return await _stop(request, keys.revoke_key)
+
+
+async def _stop(request: web.Request,
+                stop: Callable[[redis.Redis, str], Awaitable[bool]]) -> web.Response:
+    kid = request.match_info["id"]
+    if not await stop(_redis(request), kid):
+        raise _not_found(kid)
+    request.config_dict[KEY_STORE].forget(kid)  # this process at once; the others at admission
+    return web.json_response((await _record(request, kid)).to_json())
+
+
+async def rotate(request: web.Request) -> web.Response:
+    kid = request.match_info["id"]
+    plaintext = await keys.rotate_key(_redis(request), kid)
+    if plaintext is None:
+        await _record(request, kid)  # 404 when it does not exist
+        raise InvalidRequestError("Only an enabled, unexpired, unrevoked key can be rotated")
+    request.config_dict[KEY_STORE].forget(kid)
+    record = await _record(request, keys.key_id(plaintext))
+    return web.json_response({"key": plaintext, **record.to_json()}, status=201)
+
+
+async def usage(request: web.Request) -> web.Response:
+    kid = request.match_info["id"]
+    record = await _record(request, kid)
+    raw_days = request.query.get("days", "7")
+    if not raw_days.isdigit() or not 1 <= int(raw_days) <= _MAX_USAGE_DAYS:
+        raise InvalidRequestError(f"days must be an integer 1..{_MAX_USAGE_DAYS}", param="days")
+    counts: dict[str, Any] = await read_usage(_redis(request), kid, int(raw_days))
+    return web.json_response({"name": record.name, **counts})
+
+
+async def _record(request: web.Request, kid: str) -> keys.KeyRecord:
+    return _found(await keys.get_key(_redis(request), kid), request, kid)
+
+
+def _found(record: keys.KeyRecord | None, request: web.Request,
+           kid: str | None = None) -> keys.KeyRecord:
+    if record is None:
+        raise _not_found(kid or request.match_info["id"])
+    return record
+
+
+def _not_found(kid: str) -> NotFoundError:
+    return NotFoundError(f"No API key with id '{kid[:64]}'", code="key_not_found", param="id")

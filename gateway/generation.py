@@ -1,0 +1,226 @@
+"""One request's generation, for every endpoint: admission against the key's
+limits, the router streams of its choices, and settlement however it ends.
+
+Each choice (``n``, or one per prompt of a batched legacy completion) is one
+router call. Every stream is read up to its first chunk before anything is
+answered, so a failure before the first token (unknown model, no worker, router
+down) is a plain HTTP error. Tokens are counted as they pass, so a stream the
+client abandoned is still settled with what it consumed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
+from gateway.limits import LIMITER, Admission, TokenUsage
+from gateway.middleware import API_KEY, MODEL, REQUEST_ID
+from gateway.protocol import FINISH_REASONS, PRECISION_HEADER, PRECISION_NAMES, FinishReason
+from gateway.router_client import ROUTER, RouterClient
+from infermesh.pb import common_pb2
+from telemetry import genai, metrics
+
+COMPLETION_RESERVE = web.AppKey("completion_reserve", int)
+
+Chunk = common_pb2.GenerateResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one HTTP request asks of the router: one ``GenerateRequest`` per choice."""
+    model: str
+    requests: list[common_pb2.GenerateRequest]
+    prompt_estimates: list[int]  # per distinct prompt
+    prompt_of: list[int]  # per request: its index into prompt_estimates
+    max_tokens: int | None  # per choice; None: up to the model's context
+
+    def reserve(self, default_completion_tokens: int) -> int:
+        """Tokens admission reserves: prompts plus the most each choice may write."""
+        per_choice = self.max_tokens if self.max_tokens is not None else default_completion_tokens
+        return sum(self.prompt_estimates) + per_choice * len(self.requests)
+
+
+def finish_reason(chunk: Chunk) -> FinishReason | None:
+    return FINISH_REASONS.get(chunk.finish_reason)
+
+
+class Generation:
+    """The router streams of one plan, read together; tracks the usage they report."""
+
+    def __init__(self, router: RouterClient, plan: Plan) -> None:
+        self._plan = plan
+        self._streams = [router.generate(r) for r in plan.requests]
+        self._firsts: list[Chunk] = []
+        self._counted = [0] * len(plan.requests)
+        self._reported: list[common_pb2.Usage | None] = [None] * len(plan.requests)
+        self._finish_reasons: list[FinishReason | None] = [None] * len(plan.requests)
+
+    @property
+    def choices(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        """Reads each stream's first chunk; the first failure is raised as a GatewayError."""
+        if len(self._streams) == 1:
+            firsts: list[Chunk | BaseException | None] = [await anext(self._streams[0], None)]
+        else:
+            firsts = await asyncio.gather(*(anext(s, None) for s in self._streams),
+                                          return_exceptions=True)
+        for first in firsts:
+            if isinstance(first, BaseException):
+                raise first
+            if first is None:
+                raise UpstreamError("The router ended the stream before its first chunk")
+        self._firsts = firsts  # type: ignore[assignment]
+
+    def route_headers(self) -> dict[str, str]:
+        first = self._firsts[0]
+        if not first.HasField("route"):
+            return {}
+        headers = {"x-infermesh-worker": first.route.worker_id}
+        if first.route.precision in PRECISION_NAMES:
+            headers[PRECISION_HEADER] = PRECISION_NAMES[first.route.precision]
+        return headers
+
+    async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """(choice, chunk) pairs, first chunks first, then in arrival order; raises
+        ``UpstreamError`` when a stream ends without a finish reason."""
+        for i, first in enumerate(self._firsts):
+            yield i, self._seen(i, first)
+        if len(self._streams) == 1:
+            async for chunk in self._streams[0]:
+                yield 0, self._seen(0, chunk)
+        else:
+            async for i, chunk in _merged(self._streams):
+                yield i, self._seen(i, chunk)
+        if None in self._finish_reasons:
+            raise UpstreamError("The router's stream ended without a finish reason")
+
+    def _seen(self, i: int, chunk: Chunk) -> Chunk:
+        self._counted[i] += len(chunk.token_ids)
+        if chunk.HasField("usage"):
+            self._reported[i] = chunk.usage
+        if chunk.finish_reason:
+            self._finish_reasons[i] = finish_reason(chunk)
+        return chunk
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """How the choices ended so far ("unfinished" for one still running)."""
+        return [reason or "unfinished" for reason in self._finish_reasons]
+
+    def usage(self) -> TokenUsage:
+        """Usage so far: as the worker reported it, else counted from the tokens seen
+        (the prompt then estimated), so an abandoned stream is charged what it used.
+        A prompt counts once however many choices it had, as OpenAI counts it."""
+        prompts = [0] * len(self._plan.prompt_estimates)
+        cached = [0] * len(self._plan.prompt_estimates)
+        completion = 0
+        for i, reported in enumerate(self._reported):
+            group = self._plan.prompt_of[i]
+            if reported is not None:
+                prompts[group] = max(prompts[group], reported.prompt_tokens)
+                cached[group] = max(cached[group], reported.cached_prompt_tokens)
+                completion += reported.completion_tokens
+            else:
+                if self._counted[i]:
+                    prompts[group] = max(prompts[group], self._plan.prompt_estimates[group])
+                completion += self._counted[i]
+        return TokenUsage(sum(prompts), completion, sum(cached))
+
+    async def aclose(self) -> None:
+        for stream in self._streams:
+            await stream.aclose()  # cancels the router call if it still runs
+
+
+async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """The remaining chunks of several streams, as they arrive."""
+    queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk, None))
+            await queue.put((i, None, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                remaining -= 1
+            else:
+                yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+Respond = Callable[[Generation, dict[str, str]], Awaitable[web.StreamResponse]]
+
+
+async def admit(request: web.Request, model: str | None, reserve_tokens: int) -> Admission:
+    """Admits the request against its key's model list and limits (403, 401, 429)."""
+    key = request[API_KEY]
+    if model is not None and not key.allows(model):
+        raise PermissionDeniedError(f"This API key may not use model '{model}'", param="model")
+    return await request.app[LIMITER].admit(key.id, reserve_tokens)
+
+
+async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.StreamResponse:
+    """Admits, runs ``plan`` and answers with ``respond(generation, headers)``;
+    settles the key's usage however the request ends. The ``{operation} {model}``
+    span and the latency metrics cover the whole generation."""
+    request[MODEL] = plan.model
+    sampling = plan.requests[0].sampling
+    started = time.monotonic()
+    with genai.model_call_span(
+            _operation(request), plan.model, max_tokens=plan.max_tokens,
+            temperature=sampling.temperature if sampling.HasField("temperature") else None,
+            top_p=sampling.top_p if sampling.HasField("top_p") else None) as span:
+        admission = await admit(request, plan.model,
+                                plan.reserve(request.app[COMPLETION_RESERVE]))
+        generation = Generation(request.app[ROUTER], plan)
+        try:
+            await generation.start()
+            first_token_s = time.monotonic() - started
+            response = await respond(generation, {**admission.headers,
+                                                  **generation.route_headers()})
+        finally:
+            usage = generation.usage()
+            request.app[LIMITER].settle_soon(admission, usage)
+            with contextlib.suppress(GatewayError):
+                await generation.aclose()
+            genai.record_response(span, response_id=request[REQUEST_ID], model=plan.model,
+                                  finish_reasons=generation.finish_reasons,
+                                  input_tokens=usage.prompt_tokens,
+                                  output_tokens=usage.completion_tokens)
+        _observe(plan.model, started, first_token_s, usage)
+        return response
+
+
+def _operation(request: web.Request) -> str:
+    """The GenAI operation name of the endpoint."""
+    return "text_completion" if request.path.endswith("/v1/completions") else "chat"
+
+
+def _observe(model: str, started: float, first_token_s: float, usage: TokenUsage) -> None:
+    total_s = time.monotonic() - started
+    metrics.REQUEST_DURATION.labels("gateway", model).observe(total_s)
+    metrics.TIME_TO_FIRST_TOKEN.labels("gateway", model).observe(first_token_s)
+    if usage.completion_tokens > 1:
+        metrics.TIME_PER_OUTPUT_TOKEN.labels("gateway", model).observe(
+            (total_s - first_token_s) / (usage.completion_tokens - 1))
+    metrics.TOKENS.labels("gateway", model, "input").inc(usage.prompt_tokens)
+    metrics.TOKENS.labels("gateway", model, "output").inc(usage.completion_tokens)

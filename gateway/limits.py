@@ -1,0 +1,379 @@
+"""Per-key limits and usage, atomic in Redis: two Lua scripts, one per concern.
+
+``admit`` (once per request, before the router is called) checks the key again
+(so revoking or disabling it, or changing its limits, applies to the next request
+on every gateway process), then requests per minute, tokens per minute, concurrent
+requests and the token quotas, and either refuses or records the request in one
+atomic step. ``settle`` (once per admitted request, however it ended) turns the
+token reservation into the real usage, frees the concurrency slot and adds the
+usage to the key's counters. Both use Redis' clock, so gateways with skewed clocks
+agree. Scripts are registered once per process and run by EVALSHA (re-sent after a
+Redis restart).
+
+Windows: requests and tokens per minute count in one-second buckets over a sliding
+60 s window: a request admitted at second ``s`` counts until ``s + 60``. Exact at
+the edges (a fixed minute window would admit twice the limit around a boundary),
+and bounded in memory (at most 60 buckets), unlike a log of every request.
+
+Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
+
+- ``infermesh:rl:<id>:rpm``, ``infermesh:rl:<id>:tpm``: hash second -> requests or
+  tokens admitted in that second; only while the key has that limit.
+- ``infermesh:rl:<id>:inflight``: sorted set of lease ids, scored by expiry in ms;
+  only while the key has ``max_concurrent``. Gateways renew their leases every third
+  of ``lease_ttl_s``, so a dead gateway's slots free themselves.
+- ``infermesh:quota:<id>``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
+  consumed (settled usage plus reservations in flight), for the quotas.
+- ``infermesh:usage:<id>`` (lifetime) and ``infermesh:usage:<id>:d:<YYYY-MM-DD>``
+  (UTC day, kept ``_USAGE_DAY_TTL_S``): hash requests, prompt_tokens,
+  completion_tokens, cached_tokens.
+
+Tokens are reserved at admission (prompt estimate plus max_tokens, see
+``gateway.generation``) so that concurrent requests cannot overrun a tokens-per-minute
+limit or a quota; settling replaces the reservation with the real usage.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import math
+import secrets
+
+import redis.asyncio as redis
+from aiohttp import web
+
+from gateway.errors import AuthenticationError, RateLimitError
+from telemetry.metrics import RATE_LIMITED
+from gateway.keys import redis_key
+
+logger = logging.getLogger(__name__)
+
+_USAGE_DAY_TTL_S = 400 * 86400
+_USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+
+_ADMIT = """
+local WINDOW_S = 60
+local f = redis.call('HMGET', KEYS[1], 'disabled', 'revoked', 'expires_at', 'rpm', 'tpm',
+  'max_concurrent', 'quota_tokens', 'quota_period_tokens', 'quota_period_s')
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
+if f[1] ~= '0' or f[2] == '1' or (f[3] and tonumber(f[3]) <= now_s) then
+  return {1}
+end
+local reserve, lease, lease_ttl_ms = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local rpm, tpm, max_concurrent = tonumber(f[4]), tonumber(f[5]), tonumber(f[6])
+local quota, period_quota, period_s = tonumber(f[7]), tonumber(f[8]), tonumber(f[9]) or 86400
+
+-- used units in the window, its bucket seconds (oldest first) and their counts
+local function window(key)
+  local raw = redis.call('HGETALL', key)
+  local used, seconds, counts, stale = 0, {}, {}, {}
+  for i = 1, #raw, 2 do
+    local s, n = tonumber(raw[i]), tonumber(raw[i + 1])
+    if s <= now_s - WINDOW_S then
+      stale[#stale + 1] = raw[i]
+    else
+      used = used + n
+      seconds[#seconds + 1] = s
+      counts[s] = n
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  table.sort(seconds)
+  return {used = used, seconds = seconds, counts = counts}
+end
+-- ms until cost more units fit under limit; -1: never
+local function wait_ms(w, cost, limit)
+  if cost > limit then return -1 end
+  local used = w.used
+  for _, s in ipairs(w.seconds) do
+    used = used - w.counts[s]
+    if used + cost <= limit then return (s + WINDOW_S) * 1000 - now_ms end
+  end
+  return 0
+end
+local function reset_ms(w, newest)
+  if newest == nil then newest = w.seconds[#w.seconds] end
+  if newest == nil then return 0 end
+  return (newest + WINDOW_S) * 1000 - now_ms
+end
+
+local refusal, retry = nil, 0
+local function refuse(which, ms)
+  if refusal == nil then refusal, retry = which, ms end
+end
+local rw, tw
+if rpm then
+  rw = window(KEYS[2])
+  if rw.used + 1 > rpm then refuse('requests', wait_ms(rw, 1, rpm)) end
+end
+if tpm then
+  tw = window(KEYS[3])
+  if reserve > 0 and tw.used + reserve > tpm then refuse('tokens', wait_ms(tw, reserve, tpm)) end
+end
+if max_concurrent then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
+  if redis.call('ZCARD', KEYS[4]) >= max_concurrent then refuse('concurrency', 1000) end
+end
+local period_field = 'p:' .. period_s .. ':' .. math.floor(now_s / period_s)
+if reserve > 0 and (quota or period_quota) then
+  local q = redis.call('HMGET', KEYS[5], 'total', period_field)
+  if quota and (tonumber(q[1]) or 0) + reserve > quota then refuse('quota', -1) end
+  if period_quota and (tonumber(q[2]) or 0) + reserve > period_quota then
+    refuse('quota_period', (math.floor(now_s / period_s) + 1) * period_s * 1000 - now_ms)
+  end
+end
+
+local admitted = refusal == nil
+local out = {admitted and 0 or 2, refusal or '', retry, -1, 0, 0, -1, 0, 0, now_s, 0, '', 0}
+if rpm then
+  local used, newest = rw.used, nil
+  if admitted then
+    redis.call('HINCRBY', KEYS[2], now_s, 1)
+    redis.call('PEXPIRE', KEYS[2], (WINDOW_S + 1) * 1000)
+    used, newest = used + 1, now_s
+  end
+  out[4], out[5], out[6] = rpm, math.max(rpm - used, 0), reset_ms(rw, newest)
+end
+if tpm then
+  local used, newest = tw.used, nil
+  if admitted and reserve > 0 then
+    redis.call('HINCRBY', KEYS[3], now_s, reserve)
+    redis.call('PEXPIRE', KEYS[3], (WINDOW_S + 1) * 1000)
+    used, newest, out[11] = used + reserve, now_s, 1
+  end
+  out[7], out[8], out[9] = tpm, math.max(tpm - used, 0), reset_ms(tw, newest)
+end
+if admitted and max_concurrent then
+  redis.call('ZADD', KEYS[4], now_ms + lease_ttl_ms, lease)
+  redis.call('PEXPIRE', KEYS[4], lease_ttl_ms)
+  out[13] = 1
+end
+if admitted and reserve > 0 then
+  -- kept whether or not a quota is set, so a quota set later sees past usage
+  redis.call('HINCRBY', KEYS[5], 'total', reserve)
+  if redis.call('HINCRBY', KEYS[5], period_field, reserve) == reserve then
+    for _, field in ipairs(redis.call('HKEYS', KEYS[5])) do
+      if field ~= 'total' and field ~= period_field then redis.call('HDEL', KEYS[5], field) end
+    end
+  end
+  out[12] = period_field
+end
+return out
+"""
+
+_SETTLE = """
+local prompt, completion, cached = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local delta = prompt + completion - tonumber(ARGV[2])
+if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], delta)
+end
+if ARGV[4] ~= '' then
+  redis.call('HINCRBY', KEYS[3], 'total', delta)
+  if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
+    redis.call('HINCRBY', KEYS[3], ARGV[4], delta)
+  end
+end
+if ARGV[8] ~= '' then redis.call('ZREM', KEYS[2], ARGV[8]) end
+for i = 4, 5 do
+  redis.call('HINCRBY', KEYS[i], 'requests', 1)
+  redis.call('HINCRBY', KEYS[i], 'prompt_tokens', prompt)
+  redis.call('HINCRBY', KEYS[i], 'completion_tokens', completion)
+  redis.call('HINCRBY', KEYS[i], 'cached_tokens', cached)
+end
+redis.call('EXPIRE', KEYS[5], ARGV[9])
+return 1
+"""
+
+_ADMITTED, _UNAUTHORIZED = 0, 1
+_LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute",
+                "concurrency": "concurrent requests", "quota": "token quota",
+                "quota_period": "token quota of this period"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenUsage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """An admitted request's claim on its key's limits, released by ``Limiter.settle``."""
+    key_id: str
+    second: int
+    reserve: int
+    tokens_windowed: bool
+    quota_field: str
+    lease: str
+    headers: dict[str, str]  # x-ratelimit-* for the response
+
+
+def _keys(kid: str) -> dict[str, str]:
+    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{kid}:rpm",
+            "tpm": f"infermesh:rl:{kid}:tpm", "inflight": f"infermesh:rl:{kid}:inflight",
+            "quota": f"infermesh:quota:{kid}", "usage": f"infermesh:usage:{kid}"}
+
+
+def _day(offset: int = 0) -> str:
+    today = datetime.datetime.now(datetime.UTC).date()
+    return (today - datetime.timedelta(days=offset)).isoformat()
+
+
+class Limiter:
+    """Admits and settles requests against their key's limits; one per gateway process."""
+
+    def __init__(self, client: redis.Redis, lease_ttl_s: float) -> None:
+        self._redis = client
+        self._lease_ttl_ms = int(lease_ttl_s * 1000)
+        self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
+        self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
+        self._settling: set[asyncio.Task[None]] = set()
+
+    async def admit(self, kid: str, reserve_tokens: int) -> Admission:
+        """Admits one request reserving ``reserve_tokens``; raises ``RateLimitError``
+        (429) over a limit, ``AuthenticationError`` when the key stopped being valid.
+        Redis errors propagate: the caller answers 503 and admits nothing."""
+        keys = _keys(kid)
+        lease = secrets.token_hex(8)
+        out = await self._admit(
+            keys=[keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
+            args=[reserve_tokens, lease, self._lease_ttl_ms])
+        if out[0] == _UNAUTHORIZED:
+            raise AuthenticationError(
+                "Incorrect API key provided, or the key is disabled or expired.")
+        headers = _rate_headers(out)
+        if out[0] != _ADMITTED:
+            RATE_LIMITED.labels(limit=_text(out[1])).inc()
+            raise _limit_error(_text(out[1]), int(out[2]), reserve_tokens, headers)
+        held = bool(out[12])
+        if held:
+            self._leases[lease] = keys["inflight"]
+        return Admission(key_id=kid, second=int(out[9]), reserve=reserve_tokens,
+                         tokens_windowed=bool(out[10]), quota_field=_text(out[11]),
+                         lease=lease if held else "", headers=headers)
+
+    async def settle(self, admission: Admission, usage: TokenUsage) -> None:
+        """Replaces the reservation with ``usage``, frees the slot, counts the usage."""
+        self._leases.pop(admission.lease, None)
+        keys = _keys(admission.key_id)
+        await self._settle(
+            keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
+                  f"{keys['usage']}:d:{_day()}"],
+            args=[admission.second, admission.reserve, int(admission.tokens_windowed),
+                  admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
+                  usage.cached_tokens, admission.lease, _USAGE_DAY_TTL_S])
+
+    def settle_soon(self, admission: Admission, usage: TokenUsage) -> None:
+        """Settles in the background: also when the request's task is being cancelled
+        (a client that went away), and without delaying the response."""
+        task = asyncio.get_running_loop().create_task(self._settle_logged(admission, usage))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_logged(self, admission: Admission, usage: TokenUsage) -> None:
+        try:
+            await self.settle(admission, usage)
+        except redis.RedisError as e:
+            logger.warning("could not record the usage of key %s: %s", admission.key_id[:12],
+                           type(e).__name__)
+
+    async def drain(self) -> None:
+        """Waits for the settlements in flight, at shutdown."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    async def renew_leases(self) -> None:
+        """Runs until cancelled: pushes back the expiry of this process's concurrency slots."""
+        interval_s = self._lease_ttl_ms / 3000
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self._leases:
+                continue
+            try:
+                now = await self._redis.time()
+                score = now[0] * 1000 + now[1] // 1000 + self._lease_ttl_ms
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for lease, key in list(self._leases.items()):
+                        pipe.zadd(key, {lease: score}, xx=True)
+                        pipe.pexpire(key, self._lease_ttl_ms)
+                    await pipe.execute()
+            except redis.RedisError as e:
+                logger.warning("could not renew concurrency leases: %s", type(e).__name__)
+
+
+LIMITER = web.AppKey("limiter", Limiter)
+
+
+async def read_usage(client: redis.Redis, kid: str, days: int) -> dict[str, object]:
+    """A key's lifetime usage, per UTC day for the last ``days`` days, and its quota counters."""
+    keys = _keys(kid)
+    day_names = [_day(i) for i in range(days)]
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys["usage"])
+        for day in day_names:
+            pipe.hgetall(f"{keys['usage']}:d:{day}")
+        pipe.hgetall(keys["quota"])
+        pipe.zcard(keys["inflight"])
+        rows = await pipe.execute()
+    quota = {_text(k): int(v) for k, v in rows[-2].items()}
+    period = {k: v for k, v in quota.items() if k.startswith("p:")}
+    return {"id": kid, **_counts(rows[0]),
+            "daily": [{"date": d, **_counts(r)} for d, r in zip(day_names, rows[1:-2], strict=True)],
+            "quota_consumed_tokens": quota.get("total", 0),
+            "quota_period_consumed_tokens": next(iter(period.values()), 0),
+            "in_flight": rows[-1]}
+
+
+def _counts(raw: dict[bytes, bytes]) -> dict[str, int]:
+    values = {_text(k): int(v) for k, v in raw.items()}
+    counts = {f: values.get(f, 0) for f in _USAGE_FIELDS}
+    counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
+    return counts
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _rate_headers(out: list) -> dict[str, str]:
+    headers = {}
+    for kind, at in (("requests", 3), ("tokens", 6)):
+        if int(out[at]) >= 0:
+            headers[f"x-ratelimit-limit-{kind}"] = str(out[at])
+            headers[f"x-ratelimit-remaining-{kind}"] = str(out[at + 1])
+            headers[f"x-ratelimit-reset-{kind}"] = duration(int(out[at + 2]))
+    return headers
+
+
+def duration(ms: int) -> str:
+    """A wait as OpenAI writes it in x-ratelimit-reset-*: "20ms", "1.5s", "6m0s"."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    minutes, seconds = divmod(ms / 1000, 60)
+    text = f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def _limit_error(which: str, retry_ms: int, reserve: int,
+                 headers: dict[str, str]) -> RateLimitError:
+    limit = _LIMIT_NAMES[which]
+    if retry_ms < 0:
+        if which == "quota":
+            message = "You exceeded the token quota of this API key."
+        else:
+            message = (f"This request reserves {reserve} tokens, more than the key's {limit} "
+                       f"allows; lower max_tokens or the prompt.")
+        return RateLimitError(message, code="insufficient_quota", type="insufficient_quota",
+                              headers={**headers, "x-should-retry": "false"})
+    retry_s = max(1, math.ceil(retry_ms / 1000))
+    kind = "tokens" if which in ("tokens", "quota_period") else "requests"
+    code = "insufficient_quota" if which == "quota_period" else "rate_limit_exceeded"
+    return RateLimitError(f"Rate limit reached: {limit} of this API key. "
+                          f"Please try again in {duration(retry_ms)}.",
+                          code=code, type=kind, retry_after_s=retry_s, headers=headers)

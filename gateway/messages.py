@@ -1,0 +1,55 @@
+"""Serving ``POST /v1/messages``: Anthropic's Messages API over the same mesh,
+keys and limits, so Claude-style clients work with the gateway's keys
+(``x-api-key`` or Bearer). Errors use Anthropic's shape (see ``gateway.errors``)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway import anthropic_protocol as wire
+from gateway import sse
+from gateway.errors import UpstreamError
+from gateway.generation import Generation, Plan, serve
+from gateway.middleware import REQUEST_ID
+from gateway.validation import estimate_tokens, parse_body, read_json
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    body = parse_body(wire.MessagesRequest, await read_json(request))
+    prompt = "".join(m.content for m in body.router_messages())
+    plan = Plan(model=body.model, requests=[body.generate_request(request[REQUEST_ID])],
+                prompt_estimates=[estimate_tokens(prompt)], prompt_of=[0],
+                max_tokens=body.max_tokens)
+
+    async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
+        if body.stream:
+            return await sse.stream(request, headers, _events(body, generation),
+                                    lambda e: sse.anthropic_event(e.anthropic_body()))
+        texts, stop = [], None
+        async for _, chunk in generation.chunks():
+            texts.append(chunk.text)
+            stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
+        return web.json_response(wire.message(wire.message_id(), body.model, "".join(texts),
+                                              _stop_reason(stop), generation.usage()),
+                                 headers=headers)
+
+    return await serve(request, plan, respond)
+
+
+def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:
+    if stop is None:
+        raise UpstreamError("The router's stream ended without a finish reason")
+    return stop
+
+
+async def _events(body: wire.MessagesRequest, generation: Generation) -> AsyncIterator[bytes]:
+    for event in wire.stream_start(wire.message_id(), body.model):
+        yield sse.anthropic_event(event)
+    stop = None
+    async for _, chunk in generation.chunks():
+        if chunk.text:
+            yield sse.anthropic_event(wire.text_delta(chunk.text))
+        stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
+    for event in wire.stream_end(_stop_reason(stop), generation.usage()):
+        yield sse.anthropic_event(event)

@@ -1,0 +1,60 @@
+"""Server-sent events: encoding and the streaming response every endpoint uses.
+
+A failure after the stream began cannot change the status any more: it becomes a
+last error event (then the endpoint's end marker, OpenAI's ``[DONE]``), never a
+cut connection. A client that goes away ends the response quietly; the handler's
+cancellation closes the router calls.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import GatewayError
+from gateway.middleware import REQUEST_ID
+
+logger = logging.getLogger(__name__)
+
+_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"}
+OPENAI_DONE = b"data: [DONE]\n\n"
+
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def openai_event(data: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(data).encode() + b"\n\n"
+
+
+def anthropic_event(data: dict[str, Any]) -> bytes:
+    """An event named by its ``type``, as Anthropic frames them."""
+    return b"event: " + data["type"].encode() + b"\ndata: " + _encode(data).encode() + b"\n\n"
+
+
+async def stream(request: web.Request, headers: dict[str, str], events: AsyncIterator[bytes],
+                 error_event: Callable[[GatewayError], bytes], end: bytes = b"",
+                 ) -> web.StreamResponse:
+    """Sends ``events``; a failure midway becomes ``error_event(error)``; then ``end``."""
+    response = web.StreamResponse(headers={**_HEADERS, **headers})
+    await response.prepare(request)
+    try:
+        try:
+            async for event in events:
+                await response.write(event)
+        except ConnectionResetError:
+            raise
+        except GatewayError as e:
+            await response.write(error_event(e))
+        except Exception:
+            logger.exception("stream of request %s failed", request[REQUEST_ID])
+            await response.write(error_event(GatewayError("The stream failed")))
+        if end:
+            await response.write(end)
+        await response.write_eof()
+    except ConnectionResetError:
+        logger.info("client closed the stream of request %s", request[REQUEST_ID])
+    return response

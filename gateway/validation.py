@@ -1,0 +1,87 @@
+"""Reading and validating request bodies, shared by every endpoint.
+
+Bodies are validated strictly (a string where a number belongs is a 400, not a
+conversion); unknown top-level fields are ignored, as clients send fields this
+gateway does not use. Every error names the offending field as a path into the
+input (``messages.0.role``).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gateway.errors import InvalidRequestError, RequestTooLargeError
+
+STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The decoded body; 413 past the size limit, 400 when it is not JSON."""
+    limit = request.config_dict[MAX_BODY_BYTES]
+    too_large = RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    """``body`` validated as ``model``; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _invalid(e, body) from None
+
+
+def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestError:
+    # For a union (content, stop) pydantic reports one error per member; the
+    # member that matched the input's shape went deepest or failed on more
+    # than the type.
+    errors = error.errors(include_url=False)
+    first = _param(errors[0]["loc"], body)
+    chosen = max((e for e in errors if _param(e["loc"], body).startswith(first)),
+                 key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")))
+    param = _param(chosen["loc"], body)
+    message = chosen["msg"].removeprefix("Value error, ")
+    if chosen["type"] == "missing":
+        return InvalidRequestError(f"Missing required parameter '{param}'", param=param)
+    return InvalidRequestError(f"Invalid value for '{param}': {message}", param=param or None)
+
+
+def _param(loc: tuple[int | str, ...], body: Any) -> str:
+    """The loc as a path in the input ("messages.0.role"), without union member tags."""
+    parts: list[str] = []
+    node = body
+    for item in loc:
+        if isinstance(node, dict) and isinstance(item, str):
+            parts.append(item)
+            node = node.get(item)
+        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
+            parts.append(str(item))
+            node = node[item]
+        # else: a union member's tag such as 'str' or 'list[TextPart]'
+    return ".".join(parts)
+
+
+def estimate_tokens(text: str) -> int:
+    """A prompt's token count before the worker tokenizes it (about 4 characters a
+    token): what admission reserves, settled to the real count later."""
+    return len(text) // 4 + 1

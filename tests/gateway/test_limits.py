@@ -1,0 +1,190 @@
+"""Per-key limits and usage, through real gateways sharing one real Redis, with a
+real router (and a real worker on the tiny model where tokens matter)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.errors import RateLimitError
+from gateway.keys import create_key, key_id
+from gateway.limits import Limiter, TokenUsage, duration, read_usage
+from infermesh.redis_server import RedisServer
+from tests.gateway.conftest import auth, sdk
+from tests.inprocess import MODEL
+
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+async def _settled(redis_client, key: str, requests: int) -> dict:
+    """The key's usage once ``requests`` requests have been settled."""
+    deadline = time.monotonic() + 5
+    while (usage := await read_usage(redis_client, key_id(key), 1))["requests"] < requests:
+        assert time.monotonic() < deadline, usage
+        await asyncio.sleep(0.02)
+    return usage
+
+
+async def test_rpm_admits_exactly_the_limit_across_two_gateways(gateways, redis_client):
+    key = await create_key(redis_client, "load", rpm=50)
+
+    async def call(i: int):
+        response = await gateways[i % 2].get("/v1/models", headers=auth(key))
+        await response.read()
+        return response
+
+    responses = await asyncio.gather(*(call(i) for i in range(200)))
+    by_status = collections.Counter(r.status for r in responses)
+    assert by_status == {200: 50, 429: 150}
+    admitted = [r for r in responses if r.status == 200]
+    assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in admitted) == list(
+        range(50))
+    assert {r.headers["x-ratelimit-limit-requests"] for r in responses} == {"50"}
+    refused = next(r for r in responses if r.status == 429)
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
+    error = (await refused.json())["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
+    assert "requests per minute" in error["message"]
+    assert (await _settled(redis_client, key, 50))["requests"] == 50
+
+
+async def test_tokens_are_reserved_then_settled_to_the_real_usage(served, redis_client):
+    key = await create_key(redis_client, "tpm", tpm=1000)
+    async with sdk(served, key) as client:
+        first = await client.chat.completions.with_raw_response.create(**_CHAT, max_tokens=8)
+        reserve = 1 + 8  # "hi": one estimated prompt token, plus max_tokens
+        assert first.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert int(first.headers["x-ratelimit-remaining-tokens"]) == 1000 - reserve
+        used = first.parse().usage.total_tokens
+        await _settled(redis_client, key, 1)
+        second = await client.chat.completions.with_raw_response.create(**_CHAT, max_tokens=8)
+        assert int(second.headers["x-ratelimit-remaining-tokens"]) == 1000 - used - reserve
+
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(**_CHAT, max_tokens=2000)
+    assert caught.value.code == "insufficient_quota"  # more than the limit: never admitted
+    assert "max_tokens" in caught.value.message
+    await _settled(redis_client, key, 2)
+    async with sdk(served, key) as client:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(**_CHAT, max_tokens=990)
+    response = caught.value.response
+    assert caught.value.code == "rate_limit_exceeded" and caught.value.body["type"] == "tokens"
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    assert response.headers["x-ratelimit-limit-tokens"] == "1000"
+
+
+async def test_concurrent_requests_are_limited_and_freed(served, redis_client):
+    key = await create_key(redis_client, "one-at-a-time", max_concurrent=1)
+    stream = await served.post("/v1/chat/completions", headers=auth(key),
+                               json={**_CHAT, "stream": True, "max_tokens": 2000})
+    await stream.content.readline()
+    refused = await served.post("/v1/chat/completions", headers=auth(key), json=_CHAT)
+    assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+    assert "concurrent requests" in (await refused.json())["error"]["message"]
+    stream.close()
+    await _settled(redis_client, key, 1)
+    admitted = await served.post("/v1/chat/completions", headers=auth(key),
+                                 json={**_CHAT, "max_tokens": 2})
+    assert admitted.status == 200
+
+
+async def test_token_quota_total_and_per_period(served, redis_client):
+    total = await create_key(redis_client, "total", quota_tokens=60)
+    async with sdk(served, total) as client:
+        used = (await client.chat.completions.create(**_CHAT, max_tokens=4)).usage.total_tokens
+        await _settled(redis_client, total, 1)
+        assert (await read_usage(redis_client, key_id(total), 1))[
+            "quota_consumed_tokens"] == used
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(**_CHAT, max_tokens=60 - used)
+    assert caught.value.code == "insufficient_quota" and caught.value.type == "insufficient_quota"
+    assert "retry-after" not in caught.value.response.headers
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+    period = await create_key(redis_client, "hourly", quota_period_tokens=30,
+                              quota_period_s=3600)
+    async with sdk(served, period) as client:
+        await client.chat.completions.create(**_CHAT, max_tokens=10)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(**_CHAT, max_tokens=25)
+    assert caught.value.code == "insufficient_quota"
+    assert 1 <= int(caught.value.response.headers["retry-after"]) <= 3600
+
+
+async def test_usage_counts_finished_and_abandoned_streams(served, redis_client):
+    key = await create_key(redis_client, "usage")
+    async with sdk(served, key) as client:
+        completion = await client.chat.completions.create(**_CHAT, max_tokens=5)
+    usage = await _settled(redis_client, key, 1)
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        completion.usage.prompt_tokens, completion.usage.completion_tokens)
+
+    stream = await served.post("/v1/chat/completions", headers=auth(key),
+                               json={**_CHAT, "stream": True, "max_tokens": 2000})
+    for _ in range(3):  # the role chunk, then tokens
+        await stream.content.readline()
+        await stream.content.readline()
+    stream.close()
+    usage = await _settled(redis_client, key, 2)
+    assert usage["completion_tokens"] >= completion.usage.completion_tokens + 2
+    assert usage["prompt_tokens"] > completion.usage.prompt_tokens
+    assert usage["daily"][0]["requests"] == 2
+
+
+async def test_redis_down_on_the_limit_path_is_503_then_recovers(served, redis_server,
+                                                                 redis_client, tmp_path):
+    key = await create_key(redis_client, "cached", rpm=100)
+    assert (await served.get("/v1/models", headers=auth(key))).status == 200  # now cached
+    redis_server.stop()
+    for method, path, body in [("GET", "/v1/models", None),
+                               ("POST", "/v1/chat/completions", {**_CHAT, "max_tokens": 2})]:
+        response = await served.request(method, path, json=body, headers=auth(key))
+        assert response.status == 503, await response.text()
+        assert (await response.json())["error"]["code"] == "auth_unavailable"
+        assert response.headers["Retry-After"] == "1"
+
+    with RedisServer(port=redis_server.port, workdir=tmp_path):
+        fresh = aioredis.Redis.from_url(redis_server.url)
+        try:
+            new_key = await create_key(fresh, "after", rpm=100)
+        finally:
+            await fresh.aclose()
+        response = await served.post("/v1/chat/completions", headers=auth(new_key),
+                                     json={**_CHAT, "max_tokens": 2})
+        assert response.status == 200
+        assert response.headers["x-ratelimit-remaining-requests"] == "99"
+        # the old key is gone with Redis' data: refused, even while still cached
+        assert (await served.get("/v1/models", headers=auth(key))).status == 401
+
+
+async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
+    key = await create_key(redis_client, "lease", max_concurrent=1)
+    dead = Limiter(redis_client, lease_ttl_s=1)
+    await dead.admit(key_id(key), 0)  # never settled, never renewed
+    live = Limiter(redis_client, lease_ttl_s=1)
+    with pytest.raises(RateLimitError):
+        await live.admit(key_id(key), 0)
+    await asyncio.sleep(1.1)
+    held = await live.admit(key_id(key), 0)
+    renewal = asyncio.create_task(live.renew_leases())
+    try:
+        await asyncio.sleep(1.5)
+        with pytest.raises(RateLimitError):
+            await dead.admit(key_id(key), 0)
+    finally:
+        renewal.cancel()
+    await live.settle(held, TokenUsage())
+    await dead.admit(key_id(key), 0)  # the slot is free again
+
+
+@pytest.mark.parametrize("ms, text", [(0, "0ms"), (20, "20ms"), (1000, "1s"), (1500, "1.5s"),
+                                      (59_999, "59.999s"), (60_000, "1m0s"), (361_000, "6m1s")])
+def test_reset_durations_are_written_as_openai_does(ms, text):
+    assert duration(ms) == text
