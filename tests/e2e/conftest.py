@@ -66,7 +66,9 @@ def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int) -> Mesh:
         redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
         router_port=free_port(), worker_ports=tuple(free_port() for _ in range(workers)),
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-             "OTEL_BSP_SCHEDULE_DELAY": "100"},
+             "OTEL_BSP_SCHEDULE_DELAY": "100",
+             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+             "INFERMESH_WORKER_METRICS_PORT": str(free_port())},
         log_dir=log_dir)
     mesh = Mesh(spec)
     try:
@@ -86,17 +88,26 @@ def mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="session")
-def workerless_mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
-    """A router and a gateway with no worker registered."""
-    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"), workers=0)
-    yield mesh
-    mesh.stop()
+def workerless_mesh(otlp_receiver, tmp_path_factory) -> Iterator[tuple[Mesh, str]]:
+    """A router and a gateway with no worker registered, and a key for it. Its own
+    Redis: routers sharing one see each other's workers through the registry."""
+    with RedisServer(workdir=tmp_path_factory.mktemp("bare-redis")) as redis_server:
+        mesh = _start_mesh(redis_server.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"),
+                           workers=0)
+        try:
+            yield mesh, _create_key(redis_server.url)
+        finally:
+            mesh.stop()
 
 
 @pytest.fixture(scope="session")
 def api_key(e2e_redis) -> str:
+    return _create_key(e2e_redis.url)
+
+
+def _create_key(redis_url: str) -> str:
     async def create() -> str:
-        client = aioredis.Redis.from_url(e2e_redis.url)
+        client = aioredis.Redis.from_url(redis_url)
         try:
             return await create_key(client, "e2e")
         finally:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL
 
@@ -19,6 +21,8 @@ async def chat(mesh, api_key: str, headers: dict[str, str] | None = None, **body
             json={"model": MODEL, "messages": [{"role": "user", "content": "trace me"}],
                   **body}) as response:
         assert response.status == 200
+        if headers and "traceparent" in headers:
+            assert response.headers["x-trace-id"] == headers["traceparent"].split("-")[1]
         return await response.text()
 
 
@@ -52,9 +56,61 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
     assert "infermesh-router" in service_chain(worker_server)
     assert service_chain(worker_server)[-1] == "infermesh-gateway"
 
+    call = next(span for service, span in spans if span.name == f"chat {MODEL}")
+    attributes = {a.key: a.value for a in call.attributes}
+    assert attributes["gen_ai.operation.name"].string_value == "chat"
+    assert attributes["gen_ai.request.model"].string_value == MODEL
+    assert attributes["gen_ai.request.max_tokens"].int_value == 4
+    assert attributes["gen_ai.usage.output_tokens"].int_value == 4
+    assert attributes["gen_ai.usage.input_tokens"].int_value > 0
+    assert attributes["gen_ai.response.id"].string_value
+    assert [v.string_value for v in attributes["gen_ai.response.finish_reasons"].array_value.values
+            ] == ["length"]
+    phases = {span.name: span for service, span in spans if service == "infermesh-worker"}
+    assert phases["prefill"].parent_span_id == worker_server.span_id
+    assert phases["decode"].start_time_unix_nano == phases["prefill"].end_time_unix_nano
+    assert [e.name for e in worker_server.events] == ["first_token"]
+
 
 async def test_no_key_material_in_spans(mesh, api_key, otlp_receiver):
     await chat(mesh, api_key, max_tokens=2)
     await asyncio.sleep(0.5)
     exported = "".join(str(span) for _, span in otlp_receiver[0].spans())
     assert exported and api_key not in exported and api_key[3:15] not in exported
+
+
+async def scrape(port: int | str) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(
+            f"http://127.0.0.1:{port}/metrics") as response:
+        assert response.status == 200
+        return {f.name: f for f in text_string_to_metric_families(await response.text())}
+
+
+async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key):
+    async def requests_served() -> float:
+        families = await scrape(mesh.spec.gateway_port)
+        ttft = families["gen_ai_server_time_to_first_token_seconds"]
+        assert any(s.name.endswith("_count") and s.value > 0 for s in ttft.samples)
+        return sum(s.value for s in families["infermesh_requests"].samples
+                   if s.name == "infermesh_requests_total" and s.labels["model"] == MODEL
+                   and s.labels["status"] == "200")
+
+    await chat(mesh, api_key, max_tokens=1)
+    before = await requests_served()
+    await chat(mesh, api_key, max_tokens=1)
+    assert await requests_served() == before + 1
+
+    router = await scrape(mesh.spec.env["INFERMESH_ROUTER_METRICS_PORT"])
+    assert [(s.labels["precision"], s.value) for s in router["infermesh_router_workers"].samples
+            ] == [("fp32", 1)]
+    worker = await scrape(mesh.spec.env["INFERMESH_WORKER_METRICS_PORT"])
+    assert worker["infermesh_worker_running_sequences"].samples[0].value == 0
+    assert any(s.value > 0 for s in worker["gen_ai_server_time_to_first_token_seconds"].samples
+               if s.name.endswith("_count"))
+
+    for service in ("gateway", "router", "worker0"):
+        for line in mesh.log(service).splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                assert record["level"] and record["message"]
+            assert api_key not in line and api_key[3:15] not in line

@@ -1,0 +1,84 @@
+"""The mesh's Prometheus metrics, defined once for every service.
+
+Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
+(``gen_ai.server.time_to_first_token`` → ``gen_ai_server_time_to_first_token_seconds``);
+the rest are ``infermesh_*``. The gateway serves them at ``/metrics``; the
+router and each worker on an HTTP side port (``[metrics] port``)."""
+from __future__ import annotations
+
+import logging
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from infermesh.config import section
+
+logger = logging.getLogger(__name__)
+
+# Latency buckets spanning a sub-millisecond relay to a long CPU prefill.
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                      10, 30, 60)
+_TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
+                    1, 2.5)
+
+REQUESTS = Counter("infermesh_requests", "Requests answered, by service, model and status",
+                   ["service", "model", "status"])
+REQUEST_DURATION = Histogram("gen_ai_server_request_duration_seconds",
+                             "Time from request to last token", ["service", "model"],
+                             buckets=_LATENCY_BUCKETS_S)
+TIME_TO_FIRST_TOKEN = Histogram("gen_ai_server_time_to_first_token_seconds",
+                                "Time from request to the first output token",
+                                ["service", "model"], buckets=_LATENCY_BUCKETS_S)
+TIME_PER_OUTPUT_TOKEN = Histogram("gen_ai_server_time_per_output_token_seconds",
+                                  "Time between output tokens after the first",
+                                  ["service", "model"], buckets=_TOKEN_BUCKETS_S)
+TOKENS = Counter("infermesh_tokens", "Tokens processed, by type (input or output)",
+                 ["service", "model", "type"])
+TOKENS_PER_SECOND = Gauge("infermesh_worker_tokens_per_second", "Recent decode rate")
+QUEUE_DEPTH = Gauge("infermesh_worker_queue_depth", "Requests waiting for a batch slot")
+RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being generated")
+KV_CACHE_USAGE = Gauge("infermesh_worker_kv_cache_usage_ratio", "Fraction of KV cache in use")
+RATE_LIMITED = Counter("infermesh_rate_limit_rejections",
+                       "Requests refused by a key's limit, by limit", ["limit"])
+
+
+@section
+class MetricsSection:
+    """``[metrics]`` of the router and the worker: the HTTP side port of /metrics."""
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: no side port (several workers on one host would collide)
+
+
+def serve_metrics(config: MetricsSection) -> None:
+    """Serves /metrics on the configured side port, from a thread."""
+    if config.port:
+        start_http_server(config.port, addr=config.host)
+        logger.info("metrics on http://%s:%d/metrics", config.host, config.port)
+
+
+class _FleetCollector:
+    def __init__(self, workers: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("infermesh_router_workers",
+                                   "Live workers by GPU kind and precision", labels=["gpu", "precision"])
+        for (gpu, precision), count in Tally(self._workers()).items():
+            family.add_metric([gpu, precision], count)
+        yield family
+
+
+def watch_fleet(workers: Callable[[], Iterable[tuple[str, str]]]) -> None:
+    """Exports the router's live workers, read at scrape time as (gpu, precision) pairs."""
+    REGISTRY.register(_FleetCollector(workers))
+
+
+def watch_worker_load(load: Callable[[], object]) -> None:
+    """Exports a worker's load gauges, read at scrape time from ``load()`` (a common_pb2.Load)."""
+    QUEUE_DEPTH.set_function(lambda: load().waiting)
+    RUNNING_SEQUENCES.set_function(lambda: load().running)
+    KV_CACHE_USAGE.set_function(lambda: load().kv_cache_usage)
+    TOKENS_PER_SECOND.set_function(lambda: load().tokens_per_second)

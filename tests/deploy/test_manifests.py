@@ -1,0 +1,130 @@
+"""deploy/ cannot run here (no container engine): check that what the
+manifests tell the services (commands, environment, config files, ports)
+is what the code reads."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.config import GatewayConfig
+from infermesh.config import env_names, load_config
+from router_svc.config import RouterConfig
+from worker_svc.config import WorkerConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+# module → (config class, env prefix); the probe is the health-check helper.
+SERVICES = {"gateway": (GatewayConfig, "infermesh_gateway"),
+            "router_svc": (RouterConfig, "infermesh_router"),
+            "worker_svc": (WorkerConfig, "infermesh_worker")}
+SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_IP"}
+OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
+
+
+def _module(command: list[str]) -> str:
+    assert command[:2] == ["python", "-m"], command
+    assert command[2] in SERVICES, f"{command[2]} is not a service module"
+    return command[2]
+
+
+def _check_env(module: str, env: dict[str, str]) -> object:
+    """Every variable is one the service reads; the values load without error."""
+    cls, prefix = SERVICES[module]
+    known = env_names(cls, prefix) | {f"{prefix}_CONFIG".upper()} | SHARED_ENV | OTEL_ENV
+    unknown = set(env) - known
+    assert not unknown, f"{module}: variables no code reads: {sorted(unknown)}"
+    overrides = {k: v for k, v in env.items() if "$" not in v}
+    return load_config(cls, None, prefix, environ=overrides)
+
+
+def _compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def _k8s() -> list[dict]:
+    return [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_compose_services_read_the_environment_they_are_given():
+    services = {name: s for name, s in _compose()["services"].items()
+                if s.get("command", [""])[0] == "python"}
+    envs = {name: {k: str(v) for k, v in s["environment"].items()} for name, s in services.items()}
+    ports = {name: _check_env(_module(s["command"]), envs[name]).server.port
+             for name, s in services.items()}
+    for name, service in services.items():
+        assert str(ports[name]) in " ".join(service["healthcheck"]["test"]), name
+        for mapping in service.get("ports", []):
+            assert mapping.split(":")[-1] == str(ports[name]), f"{name} publishes {mapping}"
+        # every host:port naming another service dials the port that service serves
+        for target, port in re.findall(r"\b([a-z-]+):(\d+)\b", " ".join(envs[name].values())):
+            if target in ports:
+                assert int(port) == ports[target], f"{name} dials {target}:{port}"
+
+
+def test_compose_gpu_worker_reserves_gpus():
+    worker = _compose()["services"]["worker-gpu"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+@pytest.mark.parametrize("module, key", [("router_svc", "router.toml"),
+                                         ("gateway", "gateway.toml"),
+                                         ("worker_svc", "worker.toml")])
+def test_configmap_files_load(tmp_path, module, key):
+    configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
+    path = tmp_path / key
+    path.write_text(configmap["data"][key])
+    cls, prefix = SERVICES[module]
+    load_config(cls, path, prefix, environ={})
+
+
+def test_deployments_match_their_services():
+    docs = _k8s()
+    configmap = next(d for d in docs if d["kind"] == "ConfigMap")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    for deployment in deployments:
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        if "command" not in container:
+            continue
+        module = _module(container["command"])
+        env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+        for e in container.get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in secrets[ref["name"]]["stringData"]
+        _check_env(module, env)
+        config_file = env[f"{SERVICES[module][1]}_CONFIG".upper()]
+        assert config_file.startswith("/etc/infermesh/")
+        config = load_config(SERVICES[module][0], None, SERVICES[module][1], environ={})
+        toml_ports = re.findall(r"port = (\d+)", configmap["data"][Path(config_file).name])
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert {int(p) for p in toml_ports} <= ports, deployment["metadata"]["name"]
+        probe = container["readinessProbe"]
+        probe_port = (probe.get("grpc") or probe.get("httpGet"))["port"]
+        assert probe_port in ports
+        assert config is not None
+        if module == "worker_svc":
+            assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+            assert "nvidia.com/gpu.product" in deployment["spec"]["template"]["spec"]["nodeSelector"]
+
+
+def test_gateway_autoscales_and_services_select_pods():
+    docs = _k8s()
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "gateway"
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"]
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        assert any(selector.items() <= l.items() for l in labels), service["metadata"]["name"]
+
+
+def test_dockerfile_builds_with_the_makefile_targets():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    makefile = (DEPLOY.parent / "Makefile").read_text()
+    for target in re.findall(r"RUN make ([\w ]+)", dockerfile):
+        for name in target.split():
+            assert re.search(rf"^{name}:", makefile, re.M), f"Makefile has no target {name}"
