@@ -210,7 +210,8 @@ class _StepLoop:
         logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
         seq = stream.seq
         stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
-                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs))  # fmt: skip
+                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
+                                    seq.queue_s))  # fmt: skip
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)

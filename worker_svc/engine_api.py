@@ -77,6 +77,7 @@ class GenerationChunk:
     completion_tokens: int
     cached_prompt_tokens: int = 0  # prompt tokens whose cache came from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    queue_s: float = 0.0  # how long the request waited before joining the batch
 
 
 @dataclass(frozen=True)

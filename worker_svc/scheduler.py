@@ -36,6 +36,8 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose latents are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     admit_deadline: float = 0.0  # set by add_request
+    arrived_at: float = 0.0  # set by add_request
+    queue_s: float = 0.0  # from arrival to first admission into the batch
     was_admitted: bool = False
 
     @property
@@ -94,7 +96,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
 
     def add_request(self, seq: Sequence) -> None:
-        seq.admit_deadline = self._clock() + seq.batch_timeout_s
+        seq.arrived_at = self._clock()
+        seq.admit_deadline = seq.arrived_at + seq.batch_timeout_s
         self.waiting.append(seq)
 
     def abort_request(self, seq_id: int) -> Sequence | None:
@@ -186,6 +189,7 @@ class Scheduler:
             self.blocks.allocate(seq.block_table, cached + n)
             if not seq.was_admitted:
                 seq.num_cached_prompt_tokens, seq.was_admitted = cached, True
+                seq.queue_s = self._clock() - seq.arrived_at
             seq.num_computed = cached
             self.waiting.popleft()
             self.running.append(seq)

@@ -79,14 +79,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class _Timing:
-    """One generation's phases, as child spans of the RPC's span (``prefill``: from
-    arrival to the first token, queue wait included; ``decode``: the rest) and as
+    """One generation's phases as child spans of the RPC's span (``queue``: waiting
+    to join the batch; ``prefill``: to the first token; ``decode``: the rest) and as
     metrics."""
 
     def __init__(self, model: str) -> None:
         self._model = model
         self._started_ns = time.time_ns()
         self._first_ns: int | None = None
+        self._queue_ns = 0
         self._batch_size = 0
         self._tokens = 0
         self._prompt_tokens = 0
@@ -96,6 +97,7 @@ class _Timing:
         self._tokens += len(chunk.token_ids)
         if self._first_ns is None and chunk.token_ids:
             self._first_ns = time.time_ns()
+            self._queue_ns = min(int(chunk.queue_s * 1e9), self._first_ns - self._started_ns)
             self._batch_size = running
             trace.get_current_span().add_event("first_token", timestamp=self._first_ns)
         if chunk.finish_reason is not None:
@@ -109,7 +111,9 @@ class _Timing:
             return
         tracer = trace.get_tracer(__name__)
         attributes = {"infermesh.batch_size": self._batch_size}
-        tracer.start_span("prefill", start_time=self._started_ns,
+        admitted_ns = self._started_ns + self._queue_ns
+        tracer.start_span("queue", start_time=self._started_ns).end(end_time=admitted_ns)
+        tracer.start_span("prefill", start_time=admitted_ns,
                           attributes={**attributes, "gen_ai.usage.input_tokens": self._prompt_tokens}
                           ).end(end_time=self._first_ns)
         tracer.start_span("decode", start_time=self._first_ns,

@@ -91,6 +91,8 @@ class _Sequence:
     generated: int = 0
     prefilled: bool = False
     text: str = ""
+    arrived_at: float = field(default_factory=time.monotonic)
+    queue_s: float = 0.0  # from arrival to joining the batch
 
     @property
     def kv_tokens(self) -> int:
@@ -223,6 +225,7 @@ class SimEngine:
                 and self._kv_used + seq.kv_tokens <= self.roofline.kv_capacity_tokens)
 
     def _start(self, seq: _Sequence) -> None:
+        seq.queue_s = time.monotonic() - seq.arrived_at
         self._running.append(seq)
         self._kv_used += seq.kv_tokens
 
@@ -305,7 +308,8 @@ class SimEngine:
         seq.text += text
         seq.chunks.put_nowait(GenerationChunk(
             text=text, token_ids=ids, finish_reason=finish, prompt_tokens=seq.prompt_tokens,
-            completion_tokens=seq.generated, cached_prompt_tokens=seq.cached_tokens))
+            completion_tokens=seq.generated, cached_prompt_tokens=seq.cached_tokens,
+            queue_s=seq.queue_s))
         if finish is not None:
             self._finish(seq)
 

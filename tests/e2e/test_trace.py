@@ -67,8 +67,10 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
     assert [v.string_value for v in attributes["gen_ai.response.finish_reasons"].array_value.values
             ] == ["length"]
     phases = {span.name: span for service, span in spans if service == "infermesh-worker"}
-    assert phases["prefill"].parent_span_id == worker_server.span_id
-    assert phases["decode"].start_time_unix_nano == phases["prefill"].end_time_unix_nano
+    assert {phases[p].parent_span_id for p in ("queue", "prefill", "decode")} == {
+        worker_server.span_id}
+    assert phases["queue"].end_time_unix_nano == phases["prefill"].start_time_unix_nano
+    assert phases["prefill"].end_time_unix_nano == phases["decode"].start_time_unix_nano
     assert [e.name for e in worker_server.events] == ["first_token"]
 
 
