@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 import opentelemetry.instrumentation.aiohttp_server as otel_aiohttp
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import filters as grpc_filters
 from opentelemetry.instrumentation.redis import RedisInstrumentor
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -49,14 +50,20 @@ def shutdown_tracing(timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
         flush.join(timeout_s)
 
 
+# Calls made every second or so by every worker or probe: traced, they would
+# bury the requests in Jaeger under one trace per heartbeat.
+_UNTRACED = grpc_filters.negate(grpc_filters.any_of(
+    grpc_filters.method_name("Heartbeat"), grpc_filters.health_check()))
+
+
 def grpc_server_interceptors() -> list:
     """Interceptors for ``grpc.aio.server``: continue the caller's trace."""
-    return [aio_server_interceptor()]
+    return [aio_server_interceptor(filter_=_UNTRACED)]
 
 
 def grpc_client_interceptors() -> list:
     """Interceptors for ``grpc.aio`` channels: carry the trace in metadata."""
-    return aio_client_interceptors()
+    return aio_client_interceptors(filter_=_UNTRACED)
 
 
 def aiohttp_middleware():

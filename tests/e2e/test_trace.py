@@ -56,6 +56,13 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
     assert "infermesh-router" in service_chain(worker_server)
     assert service_chain(worker_server)[-1] == "infermesh-gateway"
 
+    router_server = next(span for service, span in spans if service == "infermesh-router"
+                         and span.name.endswith("Router/Generate"))
+    route = {a.key: a.value for a in router_server.attributes}
+    assert route["infermesh.route.worker_id"].string_value.startswith("worker-")
+    assert route["infermesh.route.policy"].string_value == "balanced"
+    assert len(route["infermesh.route.order"].array_value.values) >= 1
+
     call = next(span for service, span in spans if span.name == f"chat {MODEL}")
     attributes = {a.key: a.value for a in call.attributes}
     assert attributes["gen_ai.operation.name"].string_value == "chat"
@@ -116,3 +123,8 @@ async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key):
                 record = json.loads(line)
                 assert record["level"] and record["message"]
             assert api_key not in line and api_key[3:15] not in line
+
+
+def test_heartbeats_and_health_checks_are_not_traced(mesh, otlp_receiver):
+    names = {span.name for _, span in otlp_receiver[0].spans()}
+    assert not any(name.endswith(("/Heartbeat", "/Check")) for name in names), names
