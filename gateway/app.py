@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import prometheus_client
@@ -23,6 +22,7 @@ from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, ad
 from gateway.models import list_models, retrieve_model
 from gateway.router_client import ROUTER, RouterClient
 from gateway.validation import MAX_BODY_BYTES
+from infermesh.tasks import cancel_and_wait
 
 CONFIG = web.AppKey("config", GatewayConfig)
 
@@ -75,9 +75,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[LIMITER] = limiter
     renewal = asyncio.create_task(limiter.renew_leases())
     yield
-    renewal.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await renewal
+    await cancel_and_wait(renewal)
     await limiter.drain()
     await client.aclose()
 

@@ -12,6 +12,7 @@ from opentelemetry import trace
 
 import telemetry
 from infermesh.grpc_server import create_grpc_server
+from infermesh.tasks import cancel_and_wait
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
@@ -205,8 +206,7 @@ class RunningRouter:
         self._refresher = refresher
 
     async def close(self) -> None:
-        self._refresher.cancel()
-        await asyncio.gather(self._refresher, return_exceptions=True)
+        await cancel_and_wait(self._refresher)
         await self._channels.close()
         await self.registry.close()
 
