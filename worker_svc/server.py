@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -62,11 +62,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             "infermesh.worker_id": self.info.worker_id, "infermesh.device": caps.device,
             "infermesh.device_name": caps.device_name,
             "infermesh.precision": common_pb2.Precision.Name(caps.precision)})
-        timing = _Timing(request.model)
+        timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
             async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
                 async for chunk in chunks:
-                    timing.saw(chunk, self._engine.load().running)
+                    timing.saw(chunk)
                     yield _to_proto(chunk)
         except InvalidRequestError as e:
             timing.status = "INVALID_ARGUMENT"
@@ -83,8 +83,9 @@ class _Timing:
     to join the batch; ``prefill``: to the first token; ``decode``: the rest) and as
     metrics."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, batch_size: Callable[[], int]) -> None:
         self._model = model
+        self._batch_size_now = batch_size  # read once, at the first token
         self._started_ns = time.time_ns()
         self._first_ns: int | None = None
         self._queue_ns = 0
@@ -93,12 +94,12 @@ class _Timing:
         self._prompt_tokens = 0
         self.status = "CANCELLED"  # until the last chunk says otherwise
 
-    def saw(self, chunk: GenerationChunk, running: int) -> None:
+    def saw(self, chunk: GenerationChunk) -> None:
         self._tokens += len(chunk.token_ids)
         if self._first_ns is None and chunk.token_ids:
             self._first_ns = time.time_ns()
             self._queue_ns = min(int(chunk.queue_s * 1e9), self._first_ns - self._started_ns)
-            self._batch_size = running
+            self._batch_size = self._batch_size_now()
             trace.get_current_span().add_event("first_token", timestamp=self._first_ns)
         if chunk.finish_reason is not None:
             self.status = "OK"
