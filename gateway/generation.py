@@ -20,7 +20,8 @@ from aiohttp import web
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
 from gateway.limits import LIMITER, Admission, TokenUsage
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
-from gateway.protocol import FINISH_REASONS, PRECISION_HEADER, PRECISION_NAMES, FinishReason
+from gateway.protocol import PRECISION_HEADER
+from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from gateway.router_client import ROUTER, RouterClient
 from infermesh.pb import common_pb2
 from telemetry import genai, metrics
@@ -46,7 +47,7 @@ class Plan:
 
 
 def finish_reason(chunk: Chunk) -> FinishReason | None:
-    return FINISH_REASONS.get(chunk.finish_reason)
+    return FINISH_REASON_NAMES.get(chunk.finish_reason)
 
 
 class Generation:

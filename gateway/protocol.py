@@ -16,19 +16,10 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from gateway.errors import InvalidRequestError
 from gateway.limits import TokenUsage
 from gateway.validation import STRICT, parse_body
+from infermesh.names import PRECISIONS, FinishReason, Precision
 from infermesh.pb import common_pb2
 
-Precision = Literal["fp8", "bf16", "fp16", "fp32"]
-FinishReason = Literal["stop", "length"]
 PRECISION_HEADER = "x-infermesh-precision"
-PRECISIONS: dict[Precision, int] = {
-    "fp8": common_pb2.PRECISION_FP8, "bf16": common_pb2.PRECISION_BF16,
-    "fp16": common_pb2.PRECISION_FP16, "fp32": common_pb2.PRECISION_FP32,
-}
-PRECISION_NAMES: dict[int, str] = {v: k for k, v in PRECISIONS.items()}
-FINISH_REASONS: dict[int, FinishReason] = {
-    common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 UInt32 = Annotated[int, Field(ge=1, le=2**32 - 1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]

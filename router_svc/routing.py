@@ -21,6 +21,7 @@ from typing import NamedTuple
 import grpc
 import numpy as np
 
+from infermesh.names import precision_name
 from infermesh.pb import common_pb2
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
@@ -161,6 +162,3 @@ def _explain_empty(fleet: Fleet, request: RouteRequest) -> None:
                      f"no worker serves {request.model!r} in precision "
                      f"{precision_name(request.precision)}; available: {', '.join(available)}")
 
-
-def precision_name(precision: common_pb2.Precision.ValueType) -> str:
-    return common_pb2.Precision.Name(precision).removeprefix("PRECISION_").lower()

@@ -17,7 +17,8 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grp
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
-from router_svc.routing import Chooser, Decision, RouteError, RouteRequest, precision_name
+from infermesh.names import precision_name
+from router_svc.routing import Chooser, Decision, RouteError, RouteRequest
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
+from infermesh.names import FinishReason
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
@@ -48,7 +48,6 @@ _MAX_STOP_TOKEN_IDS = 64
 _MAX_TOP_LOGPROBS = 20
 _PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
 
-FinishReason = Literal["stop", "length"]
 
 
 @dataclass

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-Precision = Literal["fp8", "bf16", "fp16", "fp32"]
+from infermesh.names import FinishReason, Precision
+
 DeviceKind = Literal["cuda", "rocm", "cpu"]
 
 
@@ -72,7 +73,7 @@ class TokenLogprob:
 class GenerationChunk:
     text: str  # new text, whole UTF-8 characters, stop text never included
     token_ids: list[int]
-    finish_reason: Literal["stop", "length"] | None  # set on the last chunk only
+    finish_reason: FinishReason | None  # set on the last chunk only
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # prompt tokens whose cache came from the prefix cache

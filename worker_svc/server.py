@@ -14,6 +14,7 @@ from opentelemetry import trace
 import telemetry
 from telemetry import metrics
 from infermesh.grpc_server import create_grpc_server
+from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (EngineOverloadedError, GenerationChunk, GenerationRequest,
@@ -23,10 +24,6 @@ from worker_svc.sim_engine import SimEngine
 
 logger = logging.getLogger(__name__)
 
-_PRECISIONS = {"fp8": common_pb2.PRECISION_FP8, "bf16": common_pb2.PRECISION_BF16,
-               "fp16": common_pb2.PRECISION_FP16, "fp32": common_pb2.PRECISION_FP32}
-_FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
-                   "length": common_pb2.FINISH_REASON_LENGTH}
 _REGISTER_RETRY_S = 1.0
 
 
@@ -180,7 +177,7 @@ def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
 def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
     response = common_pb2.GenerateResponse(
         text=chunk.text, token_ids=chunk.token_ids,
-        finish_reason=_FINISH_REASONS[chunk.finish_reason])
+        finish_reason=FINISH_REASONS.get(chunk.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED))
     if chunk.finish_reason is not None:
         response.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
@@ -204,7 +201,7 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
         models=[config.model.served_name],
         capabilities=common_pb2.Capabilities(
             device=caps.device, device_name=caps.device_name,
-            compute_capability=caps.compute_capability, precision=_PRECISIONS[caps.precision],
+            compute_capability=caps.compute_capability, precision=PRECISIONS[caps.precision],
             memory_total_bytes=caps.memory_total_bytes, weight_bytes=caps.weight_bytes,
             max_parallel=parallel.max_parallel,
             decode_tokens_per_second=caps.decode_tokens_per_second,
