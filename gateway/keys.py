@@ -103,6 +103,15 @@ async def create_key(client: redis.Redis, name: str, **values: Any) -> str:
     return plaintext
 
 
+async def create_key_at(redis_url: str, name: str) -> str:
+    """``create_key`` on a Redis named by URL, for command-line tools and tests."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return await create_key(client, name)
+    finally:
+        await client.aclose()
+
+
 async def get_key(client: redis.Redis, kid: str) -> KeyRecord | None:
     return _record(kid, await client.hgetall(redis_key(kid)))
 

@@ -18,10 +18,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import redis.asyncio as aioredis
-
 from gateway import admin_cli
-from gateway.keys import create_key
+from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec, ServiceExited
 from infermesh.redis_server import RedisServer, redis_reachable
 from worker_svc.config import DEFAULT_MODEL_PATH
@@ -71,7 +69,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
                          "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token})
     try:
         with Mesh(spec) as mesh:
-            key = asyncio.run(_create_key(redis_url, "make-run development key"))
+            key = asyncio.run(create_key_at(redis_url, "make-run development key"))
             print(f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
                   f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
                   f"For `python -m infermesh keys ...`:\n"
@@ -99,14 +97,6 @@ def _start_redis(url: str) -> RedisServer:
     Path(".run").mkdir(exist_ok=True)
     logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
     return server.start()
-
-
-async def _create_key(redis_url: str, name: str) -> str:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        return await create_key(client, name)
-    finally:
-        await client.aclose()
 
 
 def _port_free(port: int) -> bool:

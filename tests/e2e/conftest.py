@@ -9,11 +9,10 @@ from concurrent import futures
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from gateway.keys import create_key
+from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec
 from infermesh.redis_server import RedisServer, free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
@@ -106,10 +105,4 @@ def api_key(e2e_redis) -> str:
 
 
 def _create_key(redis_url: str) -> str:
-    async def create() -> str:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            return await create_key(client, "e2e")
-        finally:
-            await client.aclose()
-    return asyncio.run(create())
+    return asyncio.run(create_key_at(redis_url, "e2e"))
