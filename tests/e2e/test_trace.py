@@ -33,8 +33,15 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
                       max_tokens=4, stream=True)
     assert text.endswith("data: [DONE]\n\n")
 
+    def complete(spans) -> bool:
+        """Every service reported and every parent arrived: each service exports in its
+        own batches, so the gateway's root can come after the worker's spans."""
+        ids = {span.span_id for _, span in spans}
+        return ({service for service, _ in spans} == _SERVICES
+                and all(span.parent_span_id in ids | {parent_id} for _, span in spans))
+
     deadline = time.monotonic() + 10
-    while {s for s, _ in receiver.spans(trace_id)} != _SERVICES and time.monotonic() < deadline:
+    while not complete(receiver.spans(trace_id)) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     spans = receiver.spans(trace_id)
     assert {service for service, _ in spans} == _SERVICES
