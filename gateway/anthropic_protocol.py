@@ -57,7 +57,8 @@ class MessagesRequest(BaseModel):
         if self.top_k is not None:
             sampling.top_k = self.top_k
         return common_pb2.GenerateRequest(request_id=request_id, model=self.model,
-                                          messages=self.router_messages(), sampling=sampling)
+                                          messages=self.router_messages(), sampling=sampling,
+                                          collect=not self.stream)
 
 
 def message_id() -> str:

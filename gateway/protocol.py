@@ -120,7 +120,8 @@ class OpenAIGeneration(BatchingFields):
         request = common_pb2.GenerateRequest(
             request_id=request_id if choice == 0 else f"{request_id}-{choice}",
             model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
-            precision=PRECISIONS[self.precision] if self.precision else 0)
+            precision=PRECISIONS[self.precision] if self.precision else 0,
+            collect=not self.stream)
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)

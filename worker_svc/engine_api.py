@@ -101,19 +101,42 @@ class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; raised by generate() before any chunk (RESOURCE_EXHAUSTED)."""
 
 
+def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
+    """One chunk for several consecutive ones of a stream: their text and tokens in order,
+    the counts and finish reason of the last, the queue wait of the first."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+    return GenerationChunk(
+        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens, cached_prompt_tokens=last.cached_prompt_tokens,
+        logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None,
+        queue_s=chunks[0].queue_s)
+
+
 async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
                        abort: Callable[[], None]) -> AsyncIterator[GenerationChunk]:
     """Yields what an engine puts on ``chunks`` up to the last chunk (finish_reason set),
-    raising an exception put there; calls ``abort()`` if the consumer stops before the end."""
+    raising an exception put there; calls ``abort()`` if the consumer stops before the end.
+    Chunks that queued up while the consumer was busy come out merged into one: a slow
+    reader gets fewer, larger messages instead of falling further behind."""
     finished = False
     try:
         while not finished:
-            item = await chunks.get()
-            if isinstance(item, BaseException):
+            ready = [await chunks.get()]
+            while (not isinstance(ready[-1], BaseException) and ready[-1].finish_reason is None
+                   and not chunks.empty()):
+                ready.append(chunks.get_nowait())
+            error = ready.pop() if isinstance(ready[-1], BaseException) else None
+            if ready:
+                merged = merge_chunks(ready)  # type: ignore[arg-type]  # exceptions popped above
+                finished = merged.finish_reason is not None
+                yield merged
+            if error is not None:
                 finished = True
-                raise item
-            finished = item.finish_reason is not None
-            yield item
+                raise error
     finally:
         if not finished:
             abort()

@@ -19,7 +19,7 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (EngineOverloadedError, GenerationChunk, GenerationRequest,
                                    InferenceEngine, InvalidRequestError, SamplingParams,
-                                   TokenLogprob)
+                                   TokenLogprob, merge_chunks)
 from worker_svc.sim_engine import SimEngine
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
             async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
+                collected: list[GenerationChunk] = []
                 async for chunk in chunks:
                     timing.saw(chunk)
-                    yield _to_proto(chunk)
+                    if request.collect:
+                        collected.append(chunk)
+                    else:
+                        yield _to_proto(chunk)
+                if collected:
+                    yield _to_proto(merge_chunks(collected))
         except InvalidRequestError as e:
             timing.status = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

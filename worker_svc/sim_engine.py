@@ -132,6 +132,7 @@ class SimEngine:
         self._block_tokens = prefix_block_tokens  # 0: no prefix caching
         self._prefix_cache_blocks = roofline.kv_capacity_tokens // max(prefix_block_tokens, 1)
         self._emitted: collections.deque[tuple[float, int]] = collections.deque()
+        self._emitted_in_window = 0  # the sum of _emitted's counts, kept as it changes
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -162,10 +163,9 @@ class SimEngine:
     def load(self) -> EngineLoad:
         now = time.monotonic()
         while self._emitted and now - self._emitted[0][0] > _RATE_WINDOW_S:
-            self._emitted.popleft()
-        tokens = sum(n for _, n in self._emitted)
+            self._emitted_in_window -= self._emitted.popleft()[1]
         return EngineLoad(running=len(self._running), waiting=len(self._waiting),
-                          tokens_per_second=tokens / _RATE_WINDOW_S,
+                          tokens_per_second=self._emitted_in_window / _RATE_WINDOW_S,
                           kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens)
 
     async def close(self) -> None:
@@ -280,6 +280,7 @@ class SimEngine:
                     self._advance(seq)
                     emitted += 1
             self._emitted.append((time.monotonic(), emitted))
+            self._emitted_in_window += emitted
 
     def _step_s(self, batch: list[_Sequence]) -> float:
         prefill = sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled)

@@ -122,3 +122,17 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
 
         await asyncio.gather(watch(alone), watch(_request("two", max_tokens=6)))
     assert len(running) == 12 and max(running) == 1
+
+
+async def test_collect_answers_one_message_equal_to_the_stream(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        streamed = [r async for r in stub.Generate(_request(max_tokens=6, logprobs=True))]
+        request = _request(max_tokens=6, logprobs=True)
+        request.collect = True
+        collected = [r async for r in stub.Generate(request)]
+    assert len(collected) == 1
+    whole = collected[0]
+    assert whole.text == "".join(r.text for r in streamed)
+    assert list(whole.token_ids) == [t for r in streamed for t in r.token_ids]
+    assert [lp.token for lp in whole.logprobs] == [lp.token for r in streamed for lp in r.logprobs]
+    assert whole.finish_reason == streamed[-1].finish_reason and whole.usage == streamed[-1].usage
