@@ -57,9 +57,14 @@ class RouterSection:
     request_timeout_s: float = 600.0
     # How long a request waits for a connection to the router before a 503.
     connect_timeout_s: float = 2.0
-    # Deadline of the small calls (ListModels).
+    # Deadline of the small calls (ListModels, Route).
     control_timeout_s: float = 5.0
     retry_after_s: int = 1
+    # false: the router only chooses (Router.Route) and the gateway streams from the
+    # worker itself; true: the router relays every chunk (Router.Generate), for networks
+    # where gateways cannot reach the workers. Relaying costs the router two message
+    # hops per chunk (docs/BENCHMARKS.md).
+    relay: bool = False
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s"):

@@ -145,11 +145,10 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> Gateway
     return GatewayError(exc.reason)
 
 
-def from_grpc(error: grpc.aio.AioRpcError, *, router_reachable: bool,
+def from_grpc(code: grpc.StatusCode, details: str, *, router_reachable: bool,
               retry_after_s: int) -> GatewayError:
-    """Maps a router call's status; ``router_reachable`` tells a router's own
+    """Maps a generation's gRPC status; ``router_reachable`` tells a router's own
     UNAVAILABLE (no worker now) from a connection that failed."""
-    code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFoundError(details, param="model")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):

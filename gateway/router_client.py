@@ -1,9 +1,13 @@
-"""The gateway's gRPC client of the router (infermesh.v1.Router).
+"""The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
+chose, of the workers.
 
-One channel per process, opened in the app's cleanup context. Calls never wait
-for a router that is not there: a request first waits at most
-``connect_timeout_s`` for a connection, and RPCs run with
-``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
+By default the router only chooses (``Route``) and the gateway streams from the chosen
+worker, trying the fallback worker when the first fails before its first chunk and
+reporting that failure to the router; with ``[router] relay = true`` the router relays
+the stream (``Generate``). One channel to the router per process, one per worker, opened
+lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
+there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
+with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
 """
 from __future__ import annotations
 
@@ -17,44 +21,46 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
+from infermesh.channels import RECONNECT_OPTIONS, WorkerChannels
+from infermesh.failover import StreamFailedError, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# Reconnect soon after the router comes back, rather than grpc's default of
-# backing off for up to two minutes.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-
 
 class RouterClient:
-    """Calls the router for the gateway's handlers; safe to share across requests."""
+    """Calls the router (and the workers it chooses) for the gateway's handlers; safe to
+    share across requests."""
 
     def __init__(self, config: RouterSection) -> None:
         self._config = config
         self._channel = grpc.aio.insecure_channel(
-            config.address, options=_CHANNEL_OPTIONS,
+            config.address, options=RECONNECT_OPTIONS,
             interceptors=telemetry.grpc_client_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._workers = WorkerChannels()
+        self._reports: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        await asyncio.gather(*self._reports, return_exceptions=True)
+        await self._workers.close()
         await self._channel.close()
 
     async def generate(self, request: common_pb2.GenerateRequest,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """The router's stream for ``request``; closing the iterator cancels the call."""
+        """The generation's chunks, the first stamped with its route; closing the iterator
+        cancels the call."""
         await self._wait_connected()
-        call = self._stub.Generate(request, timeout=self._config.request_timeout_s,
-                                   wait_for_ready=False)
+        chunks = self._relayed(request) if self._config.relay else self._direct(request)
         try:
-            async for chunk in call:
+            async for chunk in chunks:
                 yield chunk
         except grpc.aio.AioRpcError as e:
-            raise self._error(e) from None
+            raise self._error(e.code(), e.details()) from None
+        except StreamFailedError as e:
+            raise self._error(e.code, e.details, from_router=False) from None
         finally:
-            call.cancel()
+            await chunks.aclose()
 
     async def list_models(self) -> list[router_pb2.Model]:
         await self._wait_connected()
@@ -63,8 +69,62 @@ class RouterClient:
                                                 timeout=self._config.control_timeout_s,
                                                 wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
-            raise self._error(e) from None
+            raise self._error(e.code(), e.details()) from None
         return list(reply.models)
+
+    async def _relayed(self, request: common_pb2.GenerateRequest,
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        call = self._stub.Generate(request, timeout=self._config.request_timeout_s,
+                                   wait_for_ready=False)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
+
+    async def _direct(self, request: common_pb2.GenerateRequest,
+                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
+                                       wait_for_ready=False)
+        deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
+        async for chunk in stream_from_first(
+                reply.workers, lambda route: self._from_worker(route, request, deadline),
+                self._report_failure, lambda route: route.worker_id):
+            yield chunk
+
+    async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,
+                           deadline: float) -> AsyncIterator[common_pb2.GenerateResponse]:
+        timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        call = self._workers.stub(route.address).Generate(request, timeout=timeout,
+                                                          wait_for_ready=False)
+        try:
+            first = True
+            async for chunk in call:
+                if first:
+                    chunk.route.CopyFrom(route)
+                    chunk.route.ClearField("address")
+                    first = False
+                yield chunk
+        finally:
+            call.cancel()
+
+    def _report_failure(self, route: common_pb2.Route, code: grpc.StatusCode, details: str,
+                        started: bool) -> None:
+        """Tells the router, in the background, so it ejects a worker that keeps failing."""
+        logger.warning("worker %s failed %s the first token (%s: %s)", route.worker_id,
+                       "after" if started else "before", code.name, details)
+        report = asyncio.create_task(self._report(router_pb2.ReportFailureRequest(
+            worker_id=route.worker_id, code=code.name, details=details)))
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
+
+    async def _report(self, failure: router_pb2.ReportFailureRequest) -> None:
+        try:
+            await self._stub.ReportFailure(failure, timeout=self._config.control_timeout_s,
+                                           wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("could not report worker %s's failure to the router: %s",
+                           failure.worker_id, e.code().name)
 
     async def _wait_connected(self) -> None:
         """Returns once the channel is READY; a 503 when it fails or takes too long."""
@@ -86,12 +146,15 @@ class RouterClient:
                                        code="router_unavailable",
                                        retry_after_s=self._config.retry_after_s)
 
-    def _error(self, error: grpc.aio.AioRpcError) -> GatewayError:
-        reachable = (self._channel.get_state() == grpc.ChannelConnectivity.READY)
-        mapped = from_grpc(error, router_reachable=reachable,
+    def _error(self, code: grpc.StatusCode, details: str | None, *,
+               from_router: bool = True) -> GatewayError:
+        """``from_router``: the router's own status, where UNAVAILABLE may mean the router
+        itself is gone; otherwise the outcome of the workers it chose."""
+        reachable = not from_router or self._channel.get_state() == grpc.ChannelConnectivity.READY
+        mapped = from_grpc(code, details or "", router_reachable=reachable,
                            retry_after_s=self._config.retry_after_s)
         if mapped.status >= 500:
-            logger.warning("router call failed: %s %s", error.code().name, error.details())
+            logger.warning("generation failed: %s %s", code.name, details)
         return mapped
 
 

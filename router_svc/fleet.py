@@ -82,8 +82,10 @@ class Fleet:
         self.speed = np.zeros(0)           # decode tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
         self.in_flight = np.zeros(0)       # streams this router relays to the worker now
-        # max(busy, in_flight): the router's own count is fresher than the last heartbeat
-        self.busy_now = np.zeros(0)
+        # Requests this router routed (without relaying) since the worker's last load report,
+        # which will count them: the router's own count is fresher than the last heartbeat.
+        self.routed = np.zeros(0)
+        self.busy_now = np.zeros(0)        # max(busy + routed, in_flight)
         self.failures = np.zeros(0)        # consecutive failed calls
         self.ejected_until = np.zeros(0)   # monotonic seconds
         self._grow(_INITIAL_SLOTS)
@@ -110,6 +112,8 @@ class Fleet:
         return entry
 
     def set_load(self, entry: WorkerEntry, load: common_pb2.Load) -> None:
+        if load != entry.load:  # a new report: it counts what was routed before it
+            self.routed[entry.slot] = 0
         entry.load = load
         self.busy[entry.slot] = load.running + load.waiting
         self.kv_usage[entry.slot] = load.kv_cache_usage
@@ -166,6 +170,12 @@ class Fleet:
             self.in_flight[entry.slot] += 1
             self._update_busy_now(entry.slot)
 
+    def routed_to(self, entry: WorkerEntry) -> None:
+        """A request routed to the worker that its caller streams from directly."""
+        if self._by_slot[entry.slot] is entry:
+            self.routed[entry.slot] += 1
+            self._update_busy_now(entry.slot)
+
     def ended(self, entry: WorkerEntry) -> None:
         if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
             self.in_flight[entry.slot] -= 1
@@ -200,7 +210,8 @@ class Fleet:
                             registered_at=registered_at, expires_at=now, updated_at=now)
         self._entries[info.worker_id] = entry
         self._by_slot[slot] = entry
-        for array in (self.in_flight, self.failures, self.ejected_until, self.busy, self.busy_now):
+        for array in (self.in_flight, self.routed, self.failures, self.ejected_until, self.busy,
+                      self.busy_now):
             array[slot] = 0
         self._set_static(entry)
         self._groups.clear()
@@ -216,11 +227,11 @@ class Fleet:
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
-        self.busy_now[slot] = max(self.busy[slot], self.in_flight[slot])
+        self.busy_now[slot] = max(self.busy[slot] + self.routed[slot], self.in_flight[slot])
 
     def _grow(self, size: int) -> None:
         old = len(self._by_slot)
-        for name in ("busy", "kv_usage", "capacity", "speed", "salt", "in_flight", "busy_now",
+        for name in ("busy", "kv_usage", "capacity", "speed", "salt", "in_flight", "routed", "busy_now",
                      "failures", "ejected_until"):
             array = getattr(self, name)
             grown = np.zeros(size, dtype=array.dtype)

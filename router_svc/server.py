@@ -1,4 +1,5 @@
-"""The Router gRPC service: registry RPCs and the relayed Generate stream with failover."""
+"""The Router gRPC service: registry RPCs, worker choice (Route) and the relayed Generate
+stream with failover."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,11 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-import telemetry
+from infermesh.channels import WorkerChannels
+from infermesh.failover import StreamFailedError, stream_from_first
 from infermesh.grpc_server import create_grpc_server
 from infermesh.tasks import cancel_and_wait
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
@@ -23,35 +25,7 @@ from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
-# Errors that say the request itself is wrong, or the caller's deadline passed: another
-# worker would not do better. (A caller that cancels ends this handler with CancelledError; a
-# CANCELLED status from a worker means the worker went away.)
-_CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                  grpc.StatusCode.DEADLINE_EXCEEDED}
 _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-
-
-class IncompleteStreamError(Exception):
-    """A worker ended its stream without a last chunk (finish_reason)."""
-
-
-class WorkerChannels:
-    """One gRPC channel per worker address, reused across requests."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(
-                address, interceptors=telemetry.grpc_client_interceptors())
-            self._channels[address] = channel
-        return worker_pb2_grpc.WorkerStub(channel)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
-        self._channels.clear()
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -106,40 +80,45 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: common_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
-        span = trace.get_current_span()
+        attempts = await self._decide(request, context)
+        try:
+            async for chunk in stream_from_first(
+                    attempts, lambda worker: self._relay(worker, request, context),
+                    self._failed, lambda worker: worker.worker_id):
+                yield chunk
+        except StreamFailedError as e:
+            await context.abort(e.code, e.details)
+
+    async def Route(self, request: common_pb2.GenerateRequest,
+                    context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
+        attempts = await self._decide(request, context)
+        trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
+        for worker in attempts:
+            self._fleet.routed_to(worker)
+        return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
+
+    async def ReportFailure(self, request: router_pb2.ReportFailureRequest,
+                            context: grpc.aio.ServicerContext) -> router_pb2.ReportFailureResponse:
+        code = getattr(grpc.StatusCode, request.code, None)
+        if not isinstance(code, grpc.StatusCode):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"code must be a gRPC status name, got {request.code!r}")
+        worker = self._fleet.get(request.worker_id)
+        if worker is not None:
+            self._failed(worker, code, request.details, started=False)
+        return router_pb2.ReportFailureResponse()
+
+    async def _decide(self, request: common_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> list[WorkerEntry]:
+        """The workers to try, best first, with the reasons on the span."""
         await self._check_registry(context)
         try:
             decision = self._chooser.choose(
                 self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes))
         except RouteError as e:
             await context.abort(e.code, str(e))
-        _record_decision(span, decision)
-        attempts = decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
-        failures: list[tuple[WorkerEntry, grpc.StatusCode, str]] = []
-        for worker in attempts:
-            started = False
-            try:
-                async for chunk in self._relay(worker, request, context):
-                    started = True
-                    yield chunk
-                return
-            except grpc.aio.AioRpcError as e:
-                code, details = e.code(), e.details() or e.code().name
-                if code == grpc.StatusCode.CANCELLED:  # the worker's side: it went away
-                    code = grpc.StatusCode.UNAVAILABLE
-            except IncompleteStreamError as e:
-                code, details = grpc.StatusCode.UNAVAILABLE, str(e)
-            if code in _CALLER_ERRORS:
-                await context.abort(code, details)
-            self._count_failure(worker, code)
-            if started:  # tokens were sent: a clean error end, never a second stream
-                await context.abort(code, f"worker {worker.worker_id} failed mid-stream: {details}")
-            failures.append((worker, code, details))
-            span.add_event("infermesh.route.failover", {
-                "worker_id": worker.worker_id, "code": code.name, "details": details})
-            logger.warning("worker %s failed before the first token (%s: %s)",
-                           worker.worker_id, code.name, details)
-        await context.abort(*_give_up_status(failures))
+        _record_decision(trace.get_current_span(), decision)
+        return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -154,32 +133,40 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request, timeout=context.time_remaining())
         self._fleet.started(worker)
         try:
-            first, finished = True, False
+            first = True
             async for chunk in call:
                 if first:
-                    chunk.route.CopyFrom(common_pb2.Route(
-                        worker_id=worker.worker_id, precision=caps.precision, device=caps.device))
+                    chunk.route.CopyFrom(_route(worker, with_address=False))
                     self._fleet.succeeded(worker)
                     first = False
-                finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield chunk
-            if not finished:
-                raise IncompleteStreamError(f"worker {worker.worker_id} ended its stream unfinished")
         finally:
             self._fleet.ended(worker)
             call.cancel()
 
-    def _count_failure(self, worker: WorkerEntry, code: grpc.StatusCode) -> None:
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy, not broken
-            return
-        routing = self._config.routing
-        self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_ms / 1000)
+    def _failed(self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool) -> None:
+        """Counts a worker's failure toward its ejection (a busy worker is not broken)."""
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            routing = self._config.routing
+            self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_ms / 1000)
+        if not started:
+            trace.get_current_span().add_event("infermesh.route.failover", {
+                "worker_id": worker.worker_id, "code": code.name, "details": details})
+            logger.warning("worker %s failed before the first token (%s: %s)",
+                           worker.worker_id, code.name, details)
 
     async def _check_registry(self, context: grpc.aio.ServicerContext) -> None:
         try:
             self._registry.check_available()
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
+
+
+def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:
+    caps = worker.info.capabilities
+    return common_pb2.Route(worker_id=worker.worker_id, precision=caps.precision, device=caps.device,
+                            device_name=caps.device_name,
+                            address=worker.info.address if with_address else "")
 
 
 def _record_decision(span: trace.Span, decision: Decision) -> None:
@@ -189,13 +176,6 @@ def _record_decision(span: trace.Span, decision: Decision) -> None:
     span.set_attribute("infermesh.route.order", [w.worker_id for w in decision.workers])
     for name, value in decision.reasons.items():
         span.set_attribute(f"infermesh.route.{name}", value)
-
-
-def _give_up_status(failures: list[tuple[WorkerEntry, grpc.StatusCode, str]]) -> tuple[grpc.StatusCode, str]:
-    summary = "; ".join(f"worker {w.worker_id}: {code.name} {details}" for w, code, details in failures)
-    if failures and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for _, code, _ in failures):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no worker has capacity now; retry later ({summary})"
-    return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
 
 
 class RunningRouter:

@@ -145,8 +145,7 @@ async def test_models(gateway, api_key):
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504, False),
 ])
 def test_other_router_statuses_map_to_http(code, status, retry):
-    error = from_grpc(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x"),
-                      router_reachable=True, retry_after_s=1)
+    error = from_grpc(code, "x", router_reachable=True, retry_after_s=1)
     assert error.status == status and (error.retry_after_s is not None) == retry
 
 

@@ -7,7 +7,9 @@ import pytest
 
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.redis_server import free_port
-from tests.inprocess import MODEL, eventually, running_router, running_worker, wait_for_workers
+from router_svc.config import RoutingSection
+from tests.inprocess import (MODEL, eventually, running_router, running_worker, sim_engine,
+                             wait_for_workers)
 
 
 def request() -> common_pb2.GenerateRequest:
@@ -76,3 +78,40 @@ async def test_cancelled_call_frees_the_sequence(tiny_engine):
         assert worker.servicer.load().running == 1
         call.cancel()
         await eventually(lambda: worker.servicer.load().running == 0)
+
+
+async def test_route_chooses_without_relaying_and_counts_what_it_routed():
+    async with running_router(routing=RoutingSection(policy="least_load")) as router, \
+            running_worker(sim_engine(), router, "a") as a, running_worker(sim_engine(), router, "b") as b:
+        addresses = {"a": a.servicer.info.address, "b": b.servicer.info.address}
+        replies = [await router.stub.Route(request()) for _ in range(4)]
+    for reply in replies:
+        assert [w.worker_id for w in reply.workers] in (["a", "b"], ["b", "a"])
+        assert all(w.address == addresses[w.worker_id] for w in reply.workers)
+        assert reply.workers[0].precision == a.servicer.info.capabilities.precision
+    # The idle simulated workers' heartbeats report the same load throughout, so the
+    # router's own count of what it routed is what spreads the requests.
+    firsts = [reply.workers[0].worker_id for reply in replies]
+    assert firsts.count("a") == firsts.count("b") == 2
+
+
+async def test_reported_failures_eject_the_worker(tiny_engine):
+    routing = RoutingSection(policy="round_robin", failures_to_eject=2)
+    async with running_router(routing=routing) as router, running_worker(tiny_engine, router, "live"):
+        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
+                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
+        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        firsts = [(await router.stub.Route(request())).workers[0].worker_id for _ in range(4)]
+        assert set(firsts) == {"live", "dead"}  # round robin over both
+        for _ in range(2):
+            await router.stub.ReportFailure(router_pb2.ReportFailureRequest(
+                worker_id="dead", code="UNAVAILABLE", details="connection refused"))
+        firsts = [(await router.stub.Route(request())).workers[0].worker_id for _ in range(4)]
+        assert firsts == ["live"] * 4
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await router.stub.ReportFailure(router_pb2.ReportFailureRequest(worker_id="live",
+                                                                            code="BROKEN"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "BROKEN" in e.value.details()
+        # an unknown worker (gone meanwhile) is no error
+        await router.stub.ReportFailure(router_pb2.ReportFailureRequest(worker_id="gone",
+                                                                        code="UNAVAILABLE"))

@@ -1,0 +1,39 @@
+"""One gRPC channel per worker address, reused across requests: the router's relay and
+the gateway's direct calls both dial workers through a pool."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+import telemetry
+from infermesh.pb import worker_pb2_grpc
+
+# Reconnect soon after a peer comes back, rather than grpc's default of backing off for
+# up to two minutes.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class WorkerChannels:
+    """Channels to workers by address, opened on first use and closed together."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(
+                address, options=RECONNECT_OPTIONS, interceptors=telemetry.grpc_client_interceptors())
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        self._channels.clear()
+        self._stubs.clear()

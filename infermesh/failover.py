@@ -1,0 +1,74 @@
+"""Streaming a generation from the first of the routed workers that can serve it.
+
+Shared by the router's relay (Router.Generate) and the gateway's direct calls after
+Router.Route: a worker that fails before its first chunk hands the request to the next
+one; a failure after tokens were sent ends the stream with a clean error, never a second
+stream; an error that says the request itself is wrong ends it at once.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from infermesh.pb import common_pb2
+
+# Errors that say the request itself is wrong, or the caller's deadline passed: another
+# worker would not do better. (A caller that cancels ends its own task with CancelledError;
+# a CANCELLED status from a worker means the worker went away.)
+CALLER_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                           grpc.StatusCode.DEADLINE_EXCEEDED})
+
+Worker = TypeVar("Worker")
+
+
+class StreamFailedError(Exception):
+    """The generation failed on every worker tried; carries the status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+async def stream_from_first(
+    workers: Sequence[Worker],
+    open_stream: Callable[[Worker], AsyncIterator[common_pb2.GenerateResponse]],
+    on_failure: Callable[[Worker, grpc.StatusCode, str, bool], None],
+    worker_id: Callable[[Worker], str],
+) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """The chunks of ``open_stream(worker)`` for the first of ``workers`` that serves the
+    request. ``on_failure(worker, code, details, started)`` hears of each worker that
+    failed (not of requests the caller got wrong). Raises StreamFailedError."""
+    failures: list[tuple[str, grpc.StatusCode, str]] = []
+    for worker in workers:
+        started = finished = False
+        try:
+            async with contextlib.aclosing(open_stream(worker)) as chunks:
+                async for chunk in chunks:
+                    started = True
+                    finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    yield chunk
+            if finished:
+                return
+            code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended its stream unfinished"
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details() or e.code().name
+            if code == grpc.StatusCode.CANCELLED:  # the worker's side: it went away
+                code = grpc.StatusCode.UNAVAILABLE
+        if code in CALLER_ERRORS:
+            raise StreamFailedError(code, details)
+        on_failure(worker, code, details, started)
+        if started:
+            raise StreamFailedError(code, f"worker {worker_id(worker)} failed mid-stream: {details}")
+        failures.append((worker_id(worker), code, details))
+    raise StreamFailedError(*_give_up_status(failures))
+
+
+def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[grpc.StatusCode, str]:
+    summary = "; ".join(f"worker {w}: {code.name} {details}" for w, code, details in failures)
+    if failures and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for _, code, _ in failures):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no worker has capacity now; retry later ({summary})"
+    return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"

@@ -1,0 +1,79 @@
+"""How the gateway reaches workers: by default the router only chooses and the gateway
+streams from the worker (falling back to the second choice, reporting the failure); with
+``[router] relay = true`` the router relays the stream. Real router, workers and Redis."""
+from __future__ import annotations
+
+import dataclasses
+
+from gateway.config import RouterSection
+from infermesh.pb import common_pb2, router_pb2
+from infermesh.redis_server import free_port
+from router_svc.config import RoutingSection
+from tests.gateway.conftest import CHAT, auth, make_config, sdk, start_gateway
+from tests.inprocess import MODEL, eventually, running_router, running_worker
+
+_GREEDY = {**CHAT, "model": MODEL, "temperature": 0, "max_tokens": 6}
+
+
+async def test_relayed_and_direct_streams_answer_alike(redis_server, router, worker, api_key):
+    answers = {}
+    for relay in (False, True):
+        config = make_config(redis_server.url, router.address)
+        gateway = await start_gateway(dataclasses.replace(
+            config, router=dataclasses.replace(config.router, relay=relay)))
+        try:
+            response = await gateway.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))
+            assert response.status == 200
+            assert response.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
+            async with sdk(gateway, api_key) as client:
+                stream = await client.chat.completions.create(
+                    **_GREEDY, stream=True, stream_options={"include_usage": True})
+                chunks = [c async for c in stream]
+            answers[relay] = ((await response.json())["choices"][0]["message"]["content"],
+                              "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                              chunks[-1].usage.completion_tokens)
+        finally:
+            await gateway.close()
+    assert answers[False] == answers[True]
+    assert answers[False][0] == answers[False][1] and answers[False][2] == 6
+
+
+async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, tiny_engine, api_key):
+    routing = RoutingSection(policy="round_robin", failures_to_eject=2)
+    async with running_router(redis_url=redis_server.url, routing=routing) as router, \
+            running_worker(tiny_engine, router, "live"):
+        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
+                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
+        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        gateway = await start_gateway(make_config(redis_server.url, router.address))
+        try:
+            for _ in range(4):  # round robin puts the dead worker first half of the time
+                response = await gateway.post("/v1/chat/completions", json=_GREEDY,
+                                              headers=auth(api_key))
+                assert response.status == 200, await response.text()
+                assert response.headers["x-infermesh-worker"] == "live"
+        finally:
+            await gateway.close()
+        fleet = router.resources.registry.fleet
+        entry = fleet.get("dead")
+        # the gateway's reports (sent in the background) ejected it
+        await eventually(lambda: fleet.ejected_until[entry.slot] > fleet.clock())
+
+
+async def test_unreachable_workers_answer_503_naming_them(redis_server, api_key):
+    async with running_router(redis_url=redis_server.url) as router:
+        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
+                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
+        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        gateway = await start_gateway(make_config(redis_server.url, router.address))
+        try:
+            response = await gateway.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))
+            error = (await response.json())["error"]
+        finally:
+            await gateway.close()
+    assert response.status == 503 and "Retry-After" in response.headers
+    assert "dead" in error["message"] and error["type"]
+
+
+def test_relay_is_off_by_default():
+    assert RouterSection().relay is False
