@@ -11,22 +11,27 @@ off (OTEL_SDK_DISABLED) and the API key has no limits, but its admission and set
 scripts run as for any key.
 
 For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by
-three paths: ``direct`` (gRPC Worker.Generate), ``router`` (gRPC Router.Generate) and
-``mesh`` (HTTP chat completions through gateway, router and worker); non-streamed with
-16 tokens and streamed with 64 tokens. Prints requests/s, p50/p99 latency and what the
-path adds to direct, streamed tokens/s, and CPU seconds per request of the gateway and
-router processes.
+four paths: ``direct`` (gRPC Worker.Generate), ``router`` (gRPC Router.Generate, the router
+relaying), ``mesh`` (HTTP chat completions through the gateway, which asks the router to
+choose and streams from the worker: the default) and ``relay`` (the same through a second
+gateway with ``[router] relay = true``, the router relaying); non-streamed with 16 tokens
+(one message per hop: GenerateRequest.collect, as the gateway asks for a non-streamed
+request) and streamed with 64 tokens. Prints requests/s, p50/p99 latency and what the
+path adds to direct, streamed tokens/s, and CPU milliseconds per request of the gateway
+that served the path and of the router.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.keys import create_key  # noqa: E402
 from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
+from infermesh.probe import http_ok  # noqa: E402
 from infermesh.redis_server import RedisServer, free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
@@ -69,14 +75,33 @@ def _pin(pid: int, core: int) -> None:
             pass
 
 
-def _service_pids() -> dict[str, int]:
-    """The mesh's child processes by service module."""
+def _service_pids(relay_gateway: subprocess.Popen) -> dict[str, int]:
+    """The mesh's child processes by service module, and the relaying gateway."""
     pids = {}
     for child in psutil.Process().children():
         for name in ("gateway", "router_svc", "worker_svc"):
-            if name in child.cmdline():
+            if name in child.cmdline() and child.pid != relay_gateway.pid:
                 pids[name] = child.pid
-    return pids
+    return {**pids, "relay_gateway": relay_gateway.pid}
+
+
+@contextlib.contextmanager
+def _relay_gateway(spec: MeshSpec, port: int) -> Iterator[subprocess.Popen]:
+    """A second gateway, the router relaying its streams."""
+    env = {**os.environ, **spec.env, "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+           "INFERMESH_GATEWAY_REDIS_URL": spec.redis_url,
+           "INFERMESH_GATEWAY_ROUTER_ADDRESS": spec.router_address,
+           "INFERMESH_GATEWAY_ROUTER_RELAY": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway"], env=env)
+    try:
+        while not http_ok(f"http://127.0.0.1:{port}/health"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the relaying gateway exited with {proc.returncode}")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -109,10 +134,11 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
                {name: cpu_after[name] - cpu_before[name] for name in pids})
 
 
-def _grpc_one(stub, model: str, max_tokens: int) -> Callable[[], Awaitable[int]]:
+def _grpc_one(stub, model: str, max_tokens: int, stream: bool) -> Callable[[], Awaitable[int]]:
     request = common_pb2.GenerateRequest(
         model=model, messages=[common_pb2.ChatMessage(**m) for m in _MESSAGES],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+        collect=not stream)
 
     async def one() -> int:
         tokens = 0
@@ -143,7 +169,8 @@ def _http_one(session: aiohttp.ClientSession, url: str, key: str, model: str, ma
     return one
 
 
-async def _bench(args: argparse.Namespace, mesh: Mesh, key: str, pids: dict[str, int]) -> None:
+async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
+                 pids: dict[str, int]) -> None:
     spec = mesh.spec
     os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
@@ -159,21 +186,25 @@ async def _bench(args: argparse.Namespace, mesh: Mesh, key: str, pids: dict[str,
         print(f"{'mode':<10} {'c':>3} {'path':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'gw ms CPU/req':>14} "
               f"{'rt ms CPU/req':>14}", flush=True)
+        gateway_of = {"mesh": "gateway", "relay": "relay_gateway"}
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
-                paths = {"direct": _grpc_one(worker, model, max_tokens),
-                         "router": _grpc_one(router, model, max_tokens),
-                         "mesh": _http_one(session, url, key, model, max_tokens, stream)}
+                paths = {"direct": _grpc_one(worker, model, max_tokens, stream),
+                         "router": _grpc_one(router, model, max_tokens, stream),
+                         "mesh": _http_one(session, url, key, model, max_tokens, stream),
+                         "relay": _http_one(session, f"{relay_url}/chat/completions", key, model,
+                                            max_tokens, stream)}
                 direct: Run | None = None
                 for path, one in paths.items():
                     run = await _measure(concurrency, args.duration, one, pids)
                     direct = direct or run
+                    gateway_cpu_s = run.cpu_s[gateway_of[path]] if path in gateway_of else 0.0
                     print(f"{mode:<10} {concurrency:>3} {path:<7} "
                           f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
                           f"{run.pct(0.99):>8.2f} {run.pct(0.5) - direct.pct(0.5):>8.2f} "
                           f"{run.pct(0.99) - direct.pct(0.99):>8.2f} "
                           f"{run.tokens / run.elapsed_s:>9.0f} "
-                          f"{run.cpu_s['gateway'] * 1000 / run.requests:>14.3f} "
+                          f"{gateway_cpu_s * 1000 / run.requests:>14.3f} "
                           f"{run.cpu_s['router_svc'] * 1000 / run.requests:>14.3f}", flush=True)
 
 
@@ -195,13 +226,14 @@ def main() -> int:
                  "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
                  "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
                  "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024"})
-        with Mesh(spec) as mesh:
+        relay_port = free_port()
+        with Mesh(spec) as mesh, _relay_gateway(spec, relay_port) as relay_gateway:
             key = asyncio.run(_create_key(redis_server.url))
-            pids = _service_pids()
+            pids = _service_pids(relay_gateway)
             print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
                   f"{args.duration:.0f} s per point; gateway+router on core {_MESH_CORE}, "
                   f"worker+load on core {_LOAD_CORE}", flush=True)
-            asyncio.run(_bench(args, mesh, key, pids))
+            asyncio.run(_bench(args, mesh, f"http://127.0.0.1:{relay_port}/v1", key, pids))
     return 0
 
 
