@@ -30,7 +30,7 @@ CONFIG = web.AppKey("config", GatewayConfig)
 def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[redact_query_keys, telemetry.aiohttp_middleware(), error_middleware,
+        middlewares=[redact_query_keys, *telemetry.aiohttp_middlewares(), error_middleware,
                      auth_middleware])
     app[CONFIG] = config
     app[MAX_BODY_BYTES] = config.server.max_body_bytes
