@@ -1,0 +1,115 @@
+"""What one gRPC call costs in grpc.aio on this machine, before any of our code runs.
+
+    .venv/bin/python bench/grpc_floor.py [--duration 3] [--concurrency 1 64]
+
+A server process on core 0 answers infermesh.v1.Worker with no work at all (Info: a unary
+reply; Generate: one streamed message of 16 tokens, as a collected non-streamed answer);
+a client process on core 1 calls it closed-loop. Prints calls/s and the CPU microseconds
+per call of each side, on asyncio's default loop and on uvloop. These are floors for the
+mesh: a request through the gateway makes two such calls (Router.Route, Worker.Generate)
+and the router serves one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from infermesh.redis_server import free_port  # noqa: E402
+
+_SERVER_CORE, _CLIENT_CORE = 0, 1
+
+
+class _Idle(worker_pb2_grpc.WorkerServicer):
+    async def Generate(self, request, context):
+        yield common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
+                                          finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    async def Info(self, request, context):
+        return worker_pb2.InfoResponse()
+
+
+async def _serve(port: int) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(_Idle(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _call(address: str, rpc: str, concurrency: int, duration_s: float,
+                server: psutil.Process) -> tuple[float, float, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = common_pb2.GenerateRequest(model="m", prompt="hello", collect=True)
+        calls = 0
+
+        async def client(until: float) -> None:
+            nonlocal calls
+            while time.perf_counter() < until:
+                if rpc == "unary":
+                    await stub.Info(worker_pb2.InfoRequest())
+                else:
+                    async for _ in stub.Generate(request):
+                        pass
+                calls += 1
+
+        warm_until = time.perf_counter() + 1.0
+        await asyncio.gather(*(client(warm_until) for _ in range(concurrency)))
+        calls = 0
+        server_before, client_before = sum(server.cpu_times()[:2]), time.process_time()
+        started = time.perf_counter()
+        await asyncio.gather(*(client(started + duration_s) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        return (calls / elapsed, (time.process_time() - client_before) / calls * 1e6,
+                (sum(server.cpu_times()[:2]) - server_before) / calls * 1e6)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=3.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server child's port
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    run = uvloop.run if args.loop == "uvloop" else asyncio.run
+    if args.serve:
+        os.sched_setaffinity(0, {_SERVER_CORE})
+        run(_serve(args.serve))
+        return 0
+    os.sched_setaffinity(0, {_CLIENT_CORE})
+    print(f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, uvloop {uvloop.__version__}; "
+          f"server on core {_SERVER_CORE}, client on core {_CLIENT_CORE}, {args.duration:.0f} s per point")
+    print(f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} {'client us/call':>15} {'server us/call':>15}")
+    for loop in ("asyncio", "uvloop"):
+        port = free_port()
+        child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--loop", loop])
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=30)
+            server = psutil.Process(child.pid)
+            for rpc in ("unary", "stream"):
+                for concurrency in args.concurrency:
+                    rate, client_us, server_us = (uvloop.run if loop == "uvloop" else asyncio.run)(
+                        _call(f"127.0.0.1:{port}", rpc, concurrency, args.duration, server))
+                    print(f"{loop:<8} {rpc:<7} {concurrency:>3} {rate:>8.0f} {client_us:>15.0f} "
+                          f"{server_us:>15.0f}", flush=True)
+        finally:
+            child.terminate()
+            child.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
