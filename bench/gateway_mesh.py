@@ -15,8 +15,8 @@ four paths: ``direct`` (gRPC Worker.Generate), ``router`` (gRPC Router.Generate,
 relaying), ``mesh`` (HTTP chat completions through the gateway, which asks the router to
 choose and streams from the worker: the default) and ``relay`` (the same through a second
 gateway with ``[router] relay = true``, the router relaying); non-streamed with 16 tokens
-(one message per hop: GenerateRequest.collect, as the gateway asks for a non-streamed
-request) and streamed with 64 tokens. Prints requests/s, p50/p99 latency and what the
+(``direct`` then calls Worker.Complete, as the gateway does for a non-streamed request) and
+streamed with 64 tokens. Prints requests/s, p50/p99 latency and what the
 path adds to direct, streamed tokens/s, and CPU milliseconds per request of the gateway
 that served the path and of the router.
 """
@@ -134,11 +134,14 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
                {name: cpu_after[name] - cpu_before[name] for name in pids})
 
 
-def _grpc_one(stub, model: str, max_tokens: int, stream: bool) -> Callable[[], Awaitable[int]]:
+def _grpc_one(stub, model: str, max_tokens: int, unary: bool) -> Callable[[], Awaitable[int]]:
     request = common_pb2.GenerateRequest(
         model=model, messages=[common_pb2.ChatMessage(**m) for m in _MESSAGES],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
-        collect=not stream)
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    if unary:
+        async def complete() -> int:
+            return len((await stub.Complete(request)).token_ids)
+        return complete
 
     async def one() -> int:
         tokens = 0
@@ -189,8 +192,8 @@ async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
         gateway_of = {"mesh": "gateway", "relay": "relay_gateway"}
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
-                paths = {"direct": _grpc_one(worker, model, max_tokens, stream),
-                         "router": _grpc_one(router, model, max_tokens, stream),
+                paths = {"direct": _grpc_one(worker, model, max_tokens, unary=not stream),
+                         "router": _grpc_one(router, model, max_tokens, unary=False),
                          "mesh": _http_one(session, url, key, model, max_tokens, stream),
                          "relay": _http_one(session, f"{relay_url}/chat/completions", key, model,
                                             max_tokens, stream)}

@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/grpc_floor.py [--duration 3] [--concurrency 1 64]
 
-A server process on core 0 answers infermesh.v1.Worker with no work at all (Info: a unary
-reply; Generate: one streamed message of 16 tokens, as a collected non-streamed answer);
+A server process on core 0 answers infermesh.v1.Worker with no work at all (Complete: a
+unary reply of 16 tokens; Generate: the same as one streamed message);
 a client process on core 1 calls it closed-loop. Prints calls/s and the CPU microseconds
 per call of each side, on asyncio's default loop and on uvloop. These are floors for the
-mesh: a request through the gateway makes two such calls (Router.Route, Worker.Generate)
-and the router serves one.
+mesh: a request through the gateway makes two such calls (Router.Route, then
+Worker.Complete or Worker.Generate) and the router serves one.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from infermesh.pb import common_pb2, worker_pb2_grpc  # noqa: E402
 from infermesh.redis_server import free_port  # noqa: E402
 
 _SERVER_CORE, _CLIENT_CORE = 0, 1
@@ -36,8 +36,9 @@ class _Idle(worker_pb2_grpc.WorkerServicer):
         yield common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
-    async def Info(self, request, context):
-        return worker_pb2.InfoResponse()
+    async def Complete(self, request, context):
+        return common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
+                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
 
 async def _serve(port: int) -> None:
@@ -52,14 +53,14 @@ async def _call(address: str, rpc: str, concurrency: int, duration_s: float,
                 server: psutil.Process) -> tuple[float, float, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        request = common_pb2.GenerateRequest(model="m", prompt="hello", collect=True)
+        request = common_pb2.GenerateRequest(model="m", prompt="hello")
         calls = 0
 
         async def client(until: float) -> None:
             nonlocal calls
             while time.perf_counter() < until:
                 if rpc == "unary":
-                    await stub.Info(worker_pb2.InfoRequest())
+                    await stub.Complete(request)
                 else:
                     async for _ in stub.Generate(request):
                         pass

@@ -57,8 +57,7 @@ class MessagesRequest(BaseModel):
         if self.top_k is not None:
             sampling.top_k = self.top_k
         return common_pb2.GenerateRequest(request_id=request_id, model=self.model,
-                                          messages=self.router_messages(), sampling=sampling,
-                                          collect=not self.stream)
+                                          messages=self.router_messages(), sampling=sampling)
 
 
 def message_id() -> str:

@@ -27,7 +27,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                           for i in range(body.n)],
                 prompt_estimates=[estimate_tokens(
                     "".join(joined_text(m.content) for m in body.messages))],
-                prompt_of=[0] * body.n, max_tokens=body.token_limit())
+                prompt_of=[0] * body.n, max_tokens=body.token_limit(), stream=body.stream)
 
     async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
         if body.stream:

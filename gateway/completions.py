@@ -28,7 +28,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 requests=[body.generate_request(request[REQUEST_ID], i, prompt=prompts[p])
                           for i, (p, _) in enumerate(choices)],
                 prompt_estimates=[estimate_tokens(p) for p in prompts],
-                prompt_of=[p for p, _ in choices], max_tokens=body.token_limit())
+                prompt_of=[p for p, _ in choices], max_tokens=body.token_limit(),
+                stream=body.stream)
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 
     async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:

@@ -39,6 +39,7 @@ class Plan:
     prompt_estimates: list[int]  # per distinct prompt
     prompt_of: list[int]  # per request: its index into prompt_estimates
     max_tokens: int | None  # per choice; None: up to the model's context
+    stream: bool  # the client reads tokens as they come (else only the whole answer)
 
     def reserve(self, default_completion_tokens: int) -> int:
         """Tokens admission reserves: prompts plus the most each choice may write."""
@@ -55,7 +56,7 @@ class Generation:
 
     def __init__(self, router: RouterClient, plan: Plan) -> None:
         self._plan = plan
-        self._streams = [router.generate(r) for r in plan.requests]
+        self._streams = [router.generate(r, stream=plan.stream) for r in plan.requests]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)
         self._reported: list[common_pb2.Usage | None] = [None] * len(plan.requests)

@@ -20,7 +20,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompt = "".join(m.content for m in body.router_messages())
     plan = Plan(model=body.model, requests=[body.generate_request(request[REQUEST_ID])],
                 prompt_estimates=[estimate_tokens(prompt)], prompt_of=[0],
-                max_tokens=body.max_tokens)
+                max_tokens=body.max_tokens, stream=body.stream)
 
     async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
         if body.stream:

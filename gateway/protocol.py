@@ -120,8 +120,7 @@ class OpenAIGeneration(BatchingFields):
         request = common_pb2.GenerateRequest(
             request_id=request_id if choice == 0 else f"{request_id}-{choice}",
             model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
-            precision=PRECISIONS[self.precision] if self.precision else 0,
-            collect=not self.stream)
+            precision=PRECISIONS[self.precision] if self.precision else 0)
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)

@@ -1,10 +1,11 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses (``Route``) and the gateway streams from the chosen
-worker, trying the fallback worker when the first fails before its first chunk and
-reporting that failure to the router; with ``[router] relay = true`` the router relays
-the stream (``Generate``). One channel to the router per process, one per worker, opened
+By default the router only chooses (``Route``) and the gateway calls the chosen worker
+(``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
+trying the fallback worker when the first fails before its first chunk and reporting that
+failure to the router; with ``[router] relay = true`` the router relays the stream
+(``Router.Generate``). One channel to the router per process, one per worker, opened
 lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 from aiohttp import web
@@ -46,12 +47,13 @@ class RouterClient:
         await self._workers.close()
         await self._channel.close()
 
-    async def generate(self, request: common_pb2.GenerateRequest,
+    async def generate(self, request: common_pb2.GenerateRequest, *, stream: bool,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """The generation's chunks, the first stamped with its route; closing the iterator
-        cancels the call."""
+        cancels the call. Not ``stream``: the caller needs only the whole answer (which
+        may then come as one chunk)."""
         await self._wait_connected()
-        chunks = self._relayed(request) if self._config.relay else self._direct(request)
+        chunks = self._relayed(request) if self._config.relay else self._direct(request, stream)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -82,24 +84,26 @@ class RouterClient:
         finally:
             call.cancel()
 
-    async def _direct(self, request: common_pb2.GenerateRequest,
+    async def _direct(self, request: common_pb2.GenerateRequest, stream: bool,
                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
         reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
                                        wait_for_ready=False)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
-                reply.workers, lambda route: self._from_worker(route, request, deadline),
+                reply.workers, lambda route: self._from_worker(route, request, stream, deadline),
                 self._report_failure, lambda route: route.worker_id):
             yield chunk
 
     async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,
-                           deadline: float) -> AsyncIterator[common_pb2.GenerateResponse]:
+                           stream: bool, deadline: float,
+                           ) -> AsyncIterator[common_pb2.GenerateResponse]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        call = self._workers.stub(route.address).Generate(request, timeout=timeout,
-                                                          wait_for_ready=False)
+        worker = self._workers.stub(route.address)
+        rpc = worker.Generate if stream else worker.Complete
+        call = rpc(request, timeout=timeout, wait_for_ready=False)
         try:
             first = True
-            async for chunk in call:
+            async for chunk in (call if stream else _one(call)):
                 if first:
                     chunk.route.CopyFrom(route)
                     chunk.route.ClearField("address")
@@ -156,6 +160,10 @@ class RouterClient:
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
         return mapped
+
+
+async def _one(reply: Awaitable[common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
+    yield await reply
 
 
 ROUTER = web.AppKey("router", RouterClient)

@@ -47,6 +47,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: common_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+            async for chunk in chunks:
+                yield _to_proto(chunk)
+
+    async def Complete(self, request: common_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+            return _to_proto(merge_chunks([chunk async for chunk in chunks]))
+
+    async def _chunks(self, request: common_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationChunk]:
+        """The engine's chunks for ``request``, timed; bad requests abort the call."""
         if request.model not in self.info.models:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} is not served here; "
@@ -62,15 +74,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
             async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
-                collected: list[GenerationChunk] = []
                 async for chunk in chunks:
                     timing.saw(chunk)
-                    if request.collect:
-                        collected.append(chunk)
-                    else:
-                        yield _to_proto(chunk)
-                if collected:
-                    yield _to_proto(merge_chunks(collected))
+                    yield chunk
         except InvalidRequestError as e:
             timing.status = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -134,23 +140,29 @@ class _Timing:
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
-    """The generated add_WorkerServicer_to_server, except that Generate parses its own request:
-    one that does not parse (a string that is not UTF-8) fails with INVALID_ARGUMENT, where
-    grpc's deserializer would answer UNKNOWN."""
-    async def generate(data: bytes, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """The generated add_WorkerServicer_to_server, except that Generate and Complete parse
+    their own request: one that does not parse (a string that is not UTF-8) fails with
+    INVALID_ARGUMENT, where grpc's deserializer would answer UNKNOWN."""
+    async def parse(data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.GenerateRequest:
         try:
-            request = common_pb2.GenerateRequest.FromString(data)
+            return common_pb2.GenerateRequest.FromString(data)
         except DecodeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"malformed GenerateRequest ({e}); strings must be UTF-8")
-        async for response in servicer.Generate(request, context):
+
+    async def generate(data: bytes, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        async for response in servicer.Generate(await parse(data, context), context):
             yield response
 
+    async def complete(data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+        return await servicer.Complete(await parse(data, context), context)
+
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    serialize = common_pb2.GenerateResponse.SerializeToString
     handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            generate, response_serializer=common_pb2.GenerateResponse.SerializeToString),
+        "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=serialize),
+        "Complete": grpc.unary_unary_rpc_method_handler(complete, response_serializer=serialize),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info, request_deserializer=worker_pb2.InfoRequest.FromString,
             response_serializer=worker_pb2.InfoResponse.SerializeToString),

@@ -124,15 +124,23 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
     assert len(running) == 12 and max(running) == 1
 
 
-async def test_collect_answers_one_message_equal_to_the_stream(tiny_engine: Engine):
+async def test_complete_answers_one_message_equal_to_the_stream(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         streamed = [r async for r in stub.Generate(_request(max_tokens=6, logprobs=True))]
-        request = _request(max_tokens=6, logprobs=True)
-        request.collect = True
-        collected = [r async for r in stub.Generate(request)]
-    assert len(collected) == 1
-    whole = collected[0]
+        whole = await stub.Complete(_request(max_tokens=6, logprobs=True))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Complete(_request(prompt="x", max_tokens=tiny_engine.max_model_len + 1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (await _load(stub)).running == 0
     assert whole.text == "".join(r.text for r in streamed)
     assert list(whole.token_ids) == [t for r in streamed for t in r.token_ids]
     assert [lp.token for lp in whole.logprobs] == [lp.token for r in streamed for lp in r.logprobs]
     assert whole.finish_reason == streamed[-1].finish_reason and whole.usage == streamed[-1].usage
+
+
+async def test_cancelled_complete_frees_the_sequence(tiny_engine: Engine):
+    async with _worker(tiny_engine) as (stub, _):
+        call = stub.Complete(_request(prompt="go on"))  # no max_tokens: to the context's end
+        await eventually(lambda: tiny_engine.load().running == 1)
+        call.cancel()
+        await eventually(lambda: tiny_engine.load().running == 0)
