@@ -11,14 +11,14 @@ off (OTEL_SDK_DISABLED) and the API key has no limits, but its admission and set
 scripts run as for any key.
 
 For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by
-four paths: ``direct`` (gRPC Worker.Generate), ``router`` (gRPC Router.Generate, the router
-relaying), ``mesh`` (HTTP chat completions through the gateway, which asks the router to
-choose and streams from the worker: the default) and ``relay`` (the same through a second
-gateway with ``[router] relay = true``, the router relaying); non-streamed with 16 tokens
-(``direct`` then calls Worker.Complete, as the gateway does for a non-streamed request) and
-streamed with 64 tokens. Prints requests/s, p50/p99 latency and what the
-path adds to direct, streamed tokens/s, and CPU milliseconds per request of the gateway
-that served the path and of the router.
+four paths: ``direct`` (gRPC to the worker), ``router`` (gRPC to the router, which relays),
+``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
+calls the worker itself: the default) and ``relay`` (the same through a second gateway with
+``[router] relay = true``); non-streamed with 16 tokens (the gRPC paths then call the unary
+Complete RPCs, as the gateway does for a non-streamed request) and streamed with 64 tokens
+(Generate). Prints requests/s, p50/p99 latency and what the path adds to direct, streamed
+tokens/s, and CPU milliseconds per request of the gateway that served the path and of the
+router.
 """
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
                 paths = {"direct": _grpc_one(worker, model, max_tokens, unary=not stream),
-                         "router": _grpc_one(router, model, max_tokens, unary=False),
+                         "router": _grpc_one(router, model, max_tokens, unary=not stream),
                          "mesh": _http_one(session, url, key, model, max_tokens, stream),
                          "relay": _http_one(session, f"{relay_url}/chat/completions", key, model,
                                             max_tokens, stream)}

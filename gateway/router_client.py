@@ -4,8 +4,8 @@ chose, of the workers.
 By default the router only chooses (``Route``) and the gateway calls the chosen worker
 (``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
-failure to the router; with ``[router] relay = true`` the router relays the stream
-(``Router.Generate``). One channel to the router per process, one per worker, opened
+failure to the router; with ``[router] relay = true`` the router relays the call
+(``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker, opened
 lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 import grpc
 from aiohttp import web
@@ -23,7 +23,7 @@ import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
 from infermesh.channels import RECONNECT_OPTIONS, WorkerChannels
-from infermesh.failover import StreamFailedError, stream_from_first
+from infermesh.failover import StreamFailedError, one_reply, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class RouterClient:
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
         may then come as one chunk)."""
         await self._wait_connected()
-        chunks = self._relayed(request) if self._config.relay else self._direct(request, stream)
+        chunks = (self._relayed(request, stream) if self._config.relay
+                  else self._direct(request, stream))
         try:
             async for chunk in chunks:
                 yield chunk
@@ -74,12 +75,12 @@ class RouterClient:
             raise self._error(e.code(), e.details()) from None
         return list(reply.models)
 
-    async def _relayed(self, request: common_pb2.GenerateRequest,
+    async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        call = self._stub.Generate(request, timeout=self._config.request_timeout_s,
-                                   wait_for_ready=False)
+        rpc = self._stub.Generate if stream else self._stub.Complete
+        call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
         try:
-            async for chunk in call:
+            async for chunk in (call if stream else one_reply(call)):
                 yield chunk
         finally:
             call.cancel()
@@ -103,7 +104,7 @@ class RouterClient:
         call = rpc(request, timeout=timeout, wait_for_ready=False)
         try:
             first = True
-            async for chunk in (call if stream else _one(call)):
+            async for chunk in (call if stream else one_reply(call)):
                 if first:
                     chunk.route.CopyFrom(route)
                     chunk.route.ClearField("address")
@@ -160,10 +161,6 @@ class RouterClient:
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
         return mapped
-
-
-async def _one(reply: Awaitable[common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
-    yield await reply
 
 
 ROUTER = web.AppKey("router", RouterClient)

@@ -8,7 +8,7 @@ stream; an error that says the request itself is wrong ends it at once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -72,3 +72,9 @@ def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[g
     if failures and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for _, code, _ in failures):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no worker has capacity now; retry later ({summary})"
     return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
+
+
+async def one_reply(reply: Awaitable[common_pb2.GenerateResponse],
+                    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """A unary Complete call's reply as a stream of one chunk, for stream_from_first."""
+    yield await reply

@@ -3,6 +3,7 @@ stream with failover."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.channels import WorkerChannels
-from infermesh.failover import StreamFailedError, stream_from_first
+from infermesh.failover import StreamFailedError, one_reply, stream_from_first
 from infermesh.grpc_server import create_grpc_server
 from infermesh.tasks import cancel_and_wait
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -83,9 +84,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         attempts = await self._decide(request, context)
         try:
             async for chunk in stream_from_first(
-                    attempts, lambda worker: self._relay(worker, request, context),
+                    attempts, lambda worker: self._relay(worker, request, context, stream=True),
                     self._failed, lambda worker: worker.worker_id):
                 yield chunk
+        except StreamFailedError as e:
+            await context.abort(e.code, e.details)
+
+    async def Complete(self, request: common_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+        attempts = await self._decide(request, context)
+        try:
+            async with contextlib.aclosing(stream_from_first(
+                    attempts, lambda worker: self._relay(worker, request, context, stream=False),
+                    self._failed, lambda worker: worker.worker_id)) as replies:
+                return await anext(replies)
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
 
@@ -121,20 +133,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """The worker's stream, its first chunk stamped with the route. The worker call
-        carries the caller's remaining deadline; closing this iterator cancels it."""
+                     context: grpc.aio.ServicerContext, *, stream: bool,
+                     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """The worker's stream (or, not ``stream``, its Complete reply), the first chunk
+        stamped with the route. The worker call carries the caller's remaining deadline;
+        closing this iterator cancels it."""
         caps = worker.info.capabilities
         span = trace.get_current_span()
         span.set_attribute("infermesh.route.worker_id", worker.worker_id)
         span.set_attribute("infermesh.route.precision", common_pb2.Precision.Name(caps.precision))
         span.set_attribute("infermesh.route.device_name", caps.device_name)
-        call = self._channels.stub(worker.info.address).Generate(
-            request, timeout=context.time_remaining())
+        stub = self._channels.stub(worker.info.address)
+        call = (stub.Generate if stream else stub.Complete)(request, timeout=context.time_remaining())
         self._fleet.started(worker)
         try:
             first = True
-            async for chunk in call:
+            async for chunk in (call if stream else one_reply(call)):
                 if first:
                     chunk.route.CopyFrom(_route(worker, with_address=False))
                     self._fleet.succeeded(worker)

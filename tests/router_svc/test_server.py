@@ -115,3 +115,20 @@ async def test_reported_failures_eject_the_worker(tiny_engine):
         # an unknown worker (gone meanwhile) is no error
         await router.stub.ReportFailure(router_pb2.ReportFailureRequest(worker_id="gone",
                                                                         code="UNAVAILABLE"))
+
+
+async def test_complete_relays_the_whole_answer_with_its_route_and_fails_over(tiny_engine):
+    async with running_router() as router, running_worker(tiny_engine, router, "live") as worker:
+        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
+                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
+        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        chunks = [c async for c in router.stub.Generate(request())]
+        replies = [await router.stub.Complete(request()) for _ in range(4)]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await router.stub.Complete(common_pb2.GenerateRequest(model="nope", prompt="x"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    for reply in replies:  # whichever the router tries first, the answer comes from the live one
+        assert reply.route.worker_id == "live"
+        assert reply.route.precision == worker.servicer.info.capabilities.precision
+        assert reply.text == "".join(c.text for c in chunks)
+        assert reply.usage == chunks[-1].usage and reply.finish_reason == chunks[-1].finish_reason
