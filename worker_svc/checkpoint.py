@@ -186,7 +186,9 @@ def load_checkpoint(
     if skipped:  # the MTP layers past num_hidden_layers
         logger.info("skipped %d checkpoint tensors not used for decoding, e.g. %s", len(skipped), skipped[0])
     model.load_state_dict(state, assign=True, strict=True)
+    del state  # pack_weights replaces some of these tensors: let each go as it does
     model.reset_buffers(device)
+    model.pack_weights()
     _log_weight_memory(model)
     return model.eval(), config
 

@@ -10,6 +10,7 @@ away (its blocks are freed at the next step).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -273,6 +274,20 @@ class Engine:
         cache: CacheSection | None = None,
     ) -> Engine:
         """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or in a thread)."""
+        # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more pooled
+        # threads than cores it stops spinning between ops, and each op of the step loop then waits for a
+        # futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a thread that ends
+        # takes its pool along: the step loop's is the process's only one.
+        load = functools.partial(cls._load, model_dir, dtype=dtype, use_native_fp8=use_native_fp8,
+                                 max_model_len=max_model_len, device=device, parallel=parallel, cache=cache)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
+            return loader.submit(load).result()
+
+    @classmethod
+    def _load(
+        cls, model_dir: str | Path, *, dtype: str, use_native_fp8: bool | None, max_model_len: int | None,
+        device: str, parallel: ParallelSection | None, cache: CacheSection | None,
+    ) -> Engine:  # fmt: skip
         torch_device = resolve_device(device)
         caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)

@@ -163,9 +163,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -189,12 +187,48 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale_inv)
+
+
+_WEIGHT_LEFT_UNDER_ROWS = 64  # dense_linear on a CPU: the weight-left GEMM under this many tokens (decode)
+_OUT_CHUNK = 4096  # output features per GEMM there: each chunk's transposing copy stays in cache
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T; x: [T, in], weight: [out, in].
+
+    In float32 on a CPU, for fewer than 64 tokens it runs as weight @ x.T over at least two columns:
+    MKL streams a weight fastest as the left operand of a GEMM, while its GEMV (one token) and its
+    x @ W.T at a few tokens read it 1.5-3x slower (docs/BENCHMARKS.md). From 64 tokens on (prefill)
+    x @ W.T is as fast or faster.
+    """
+    rows = x.size(0)
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or rows >= _WEIGHT_LEFT_UNDER_ROWS:
+        return F.linear(x, weight)
+    columns = (x if rows > 1 else torch.cat((x, x))).t()  # [in, max(T, 2)]
+    out = x.new_empty(rows, weight.size(0))
+    for start in range(0, weight.size(0), _OUT_CHUNK):
+        part = weight[start : start + _OUT_CHUNK]
+        out[:, start : start + part.size(0)] = torch.mm(part, columns)[:, :rows].t()
+    return out
 
 
 def _linear(in_features: int, out_features: int) -> Linear:
     return Linear(in_features, out_features)
+
+
+def pack_linears(linears: list[Linear]) -> torch.Tensor | None:
+    """One [sum of out_features, in_features] weight for Linears that read the same input, or None if one holds FP8.
+
+    Each Linear keeps a view into it, so its own forward, state_dict() and the checkpoint names are unchanged.
+    """
+    if any(linear.weight_scale_inv is not None for linear in linears):
+        return None
+    packed = torch.cat([linear.weight for linear in linears])
+    for linear, weight in zip(linears, packed.split([linear.out_features for linear in linears])):
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+    return packed
 
 
 class KVCache:
@@ -287,19 +321,34 @@ class MLA(nn.Module):
         self.softmax_scale = args.qk_head_dim**-0.5
         if args.rope_factor > 1 and args.mscale_all_dim:
             self.softmax_scale *= yarn_get_mscale(args.rope_factor, args.mscale_all_dim) ** 2
+        self.wq_kv_a: torch.Tensor | None = None  # set by pack(): the two projections of x as one GEMM
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def pack(self) -> None:
+        self.wq_kv_a = pack_linears([self._first_q_proj, self.kv_a_proj_with_mqa])
+
+    @property
+    def _first_q_proj(self) -> Linear:
+        return self.q_a_proj if self.args.q_lora_rank else self.q_proj
+
+    def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim])."""
+        q_proj, kv_proj = self._first_q_proj, self.kv_a_proj_with_mqa
+        if self.wq_kv_a is None:
+            q, kv = q_proj(x), kv_proj(x)
+        else:
+            q, kv = dense_linear(x, self.wq_kv_a).split([q_proj.out_features, kv_proj.out_features], dim=-1)
         if self.args.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their positions."""
         a = self.args
-        q = self._query(x).view(x.size(0), self.n_heads, a.qk_head_dim)
-        q_nope, q_pe = torch.split(q, [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q, kv = self._query_and_latent(x)
+        q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
+                                   a.qk_rope_head_dim], dim=-1)  # fmt: skip
         q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
-        kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv, k_pe = torch.split(kv, [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(1), freqs_cis).squeeze(1)  # [T, r]
         layer_cache = cache.kv[self.layer_id]  # [slots, c + r]
         layer_cache.index_copy_(0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1))
@@ -331,9 +380,16 @@ class MLP(nn.Module):
         self.gate_proj = _linear(dim, inter_dim)
         self.up_proj = _linear(dim, inter_dim)
         self.down_proj = _linear(inter_dim, dim)
+        self.gate_up: torch.Tensor | None = None  # set by pack(): gate_proj and up_proj as one GEMM
+
+    def pack(self) -> None:
+        self.gate_up = pack_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = dense_linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 Expert = MLP
@@ -381,14 +437,9 @@ class MoE(nn.Module):
         order = indices.flatten().argsort(stable=True)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         token_idx = order // indices.size(1)
-        xs = x[token_idx]
-        outs, start = [], 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                outs.append(expert(xs[start : start + n]))
-                start += n
-        routed = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
-        y = torch.zeros_like(x).index_add_(0, token_idx, routed)
+        rows = x[token_idx].split(counts)
+        routed = torch.cat([expert(r) for expert, r in zip(self.experts, rows) if r.size(0)])
+        y = torch.zeros_like(x).index_add_(0, token_idx, routed * weights.flatten()[order].unsqueeze(-1))
         return (y + self.shared_experts(x)).view(shape)
 
 
@@ -420,6 +471,18 @@ class Transformer(nn.Module):
     def reset_buffers(self, device: torch.device | str) -> None:
         """Recompute non-persistent buffers (after building on the meta device and loading weights)."""
         self.freqs_cis = precompute_freqs_cis(self.args).to(device)
+
+    @torch.no_grad()  # the packed tensors must not hold the replaced weights through an autograd graph
+    def pack_weights(self) -> None:
+        """After loading: projections that read the same input become one GEMM (q_a|kv_a, each MLP's gate|up).
+
+        Modules keep views into the packed weights, so state_dict() is unchanged; FP8 weights stay apart.
+        """
+        for layer in self.layers:
+            layer.self_attn.pack()
+            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [layer.mlp.shared_experts, *layer.mlp.experts]
+            for mlp in mlps:
+                mlp.pack()
 
     def setup_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate the latent cache in the weights' dtype and device.

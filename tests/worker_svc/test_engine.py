@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.inprocess import eventually
+from worker_svc.checkpoint import CheckpointError
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.engine_api import EngineOverloadedError
@@ -84,6 +86,18 @@ async def test_stop_string_and_stop_token(engine: Engine):
     stop_id = ids[5]
     chunks = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=32, stop_token_ids=(stop_id,))))
     assert chunks[-1].finish_reason == "stop" and _ids(chunks) == ids[: ids.index(stop_id) + 1]
+
+
+async def test_loading_leaves_the_step_loop_as_the_only_engine_thread(engine: Engine):
+    """Weights load in a thread that ends (its OpenMP pool goes with it), so the step loop computes alone."""
+    names = [t.name for t in threading.enumerate()]
+    assert "worker-step-loop" in names
+    assert not [n for n in names if n.startswith("worker-load")]
+
+
+def test_a_loading_error_reaches_the_caller(tmp_path: Path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        Engine.from_checkpoint(tmp_path)
 
 
 async def test_context_end_finishes_with_length(tiny_dir: Path):

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DeepseekV3ForCausalLM
 
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
-from worker_svc.model import Linear, Transformer, smoke_run
+from worker_svc.model import Linear, Transformer, dense_linear, smoke_run
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
@@ -124,3 +125,24 @@ def test_experts_run_once_per_forward_on_their_grouped_tokens(tiny_dir: Path):
     model(_prompt(config, length), 0, model.setup_cache(1, length))
     assert len(rows_per_call) <= config["n_routed_experts"]
     assert sum(rows_per_call) == length * config["num_experts_per_tok"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_dense_linear_matches_f_linear(rows: int):
+    """Decode sizes take the weight-left GEMM on a CPU, in output chunks; prefill sizes F.linear."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    weight = torch.randn(5000, 96, generator=generator)  # more output features than one chunk
+    torch.testing.assert_close(dense_linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
+    """q_a|kv_a and each MLP's gate|up are one GEMM; the Linears hold views, so the state dict is unchanged."""
+    model, _ = load_checkpoint(tiny_dir)
+    attn, mlp = model.layers[0].self_attn, model.layers[1].mlp.experts[0]
+    assert attn.wq_kv_a.data_ptr() == attn.q_a_proj.weight.data_ptr()
+    assert torch.equal(attn.wq_kv_a[attn.q_a_proj.out_features :], attn.kv_a_proj_with_mqa.weight)
+    assert torch.equal(mlp.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.out_features :].data_ptr()
+    assert mlp.gate_up.grad_fn is None  # no autograd graph keeping the unpacked weights alive
+    assert set(model.state_dict()) == set(Transformer(model.args).state_dict())
