@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import resource
 import statistics
 import sys
@@ -104,7 +105,8 @@ def main() -> None:
     config = read_config(ns.model_dir)
     engine = Engine.from_checkpoint(ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency)))
     dtype = engine.model.lm_head.weight.dtype
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.capabilities.device_name}, "
+    print(f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {engine.capabilities.device_name}, "
           f"precision {engine.capabilities.precision}, "
           f"{sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M parameters")  # fmt: skip
     texts = prompts(engine, max(ns.concurrency), ns.prompt_tokens)
@@ -113,6 +115,7 @@ def main() -> None:
     for c in ns.concurrency:
         ours[c] = asyncio.run(run_ours(engine, texts[:c], ns.new_tokens))
     rss_ours = peak_rss_mib()
+    asyncio.run(engine.close())  # its step-loop thread ends: transformers computes alone (Engine.from_checkpoint)
 
     hf = transformers_model(engine.model, config).to(dtype)  # the same dequantized weights, in our dtype
     hf.set_attn_implementation("sdpa")  # transformers' default attention (the test pins eager)
@@ -120,7 +123,6 @@ def main() -> None:
     run_hf(hf, ids[:1], 4)  # warm-up
     theirs = {c: run_hf(hf, ids[:c], ns.new_tokens) for c in ns.concurrency}
     rss_all = peak_rss_mib()
-    asyncio.run(engine.close())
 
     print(f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} new tokens, greedy; aggregate tokens/s = "
           "completion tokens / wall time from the start to the last token")  # fmt: skip
@@ -132,6 +134,7 @@ def main() -> None:
         rate, hf_rate = tokens / wall, hf_tokens / hf_wall
         print(f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} {rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
               f"{percentile(ttfts, 99):>10.3f} {tokens:>11}")  # fmt: skip
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end (1 minute)")
     args = engine.model.args
     ours_kv, per_head_kv = bytes_per_token(args, dtype), unabsorbed_bytes_per_token(args, dtype)
     print(f"\npeak RSS: {rss_ours:.0f} MiB after our runs, {rss_all:.0f} MiB with transformers' model too")
