@@ -67,8 +67,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    client = redis.Redis.from_url(config.redis.url, socket_timeout=config.redis.timeout_s,
-                                  socket_connect_timeout=config.redis.timeout_s)
+    # Blocking: with every connection busy a request waits its turn (up to timeout_s) where
+    # redis-py's default pool fails it at once, which would answer 503 under load.
+    client = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
+        config.redis.url, max_connections=config.redis.max_connections,
+        timeout=config.redis.timeout_s, socket_timeout=config.redis.timeout_s,
+        socket_connect_timeout=config.redis.timeout_s))
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
     limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)

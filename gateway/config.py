@@ -39,15 +39,20 @@ class RedisSection:
     # Positive authentications are cached this long; a revoked key keeps
     # working in this process for at most this time.
     key_cache_ttl_ms: int = 1000
-    # Bounds every Redis call so an unreachable Redis answers 503 quickly.
+    # Bounds every Redis call so an unreachable Redis answers 503 quickly; also how long a
+    # request waits for a free connection when all max_connections are busy.
     timeout_s: float = 1.0
     retry_after_s: int = 1
+    # Connections to Redis per gateway process; a request past them waits (timeout_s).
+    max_connections: int = 100
 
     def __post_init__(self) -> None:
         if not 0 <= self.key_cache_ttl_ms <= 1000:  # revocation must reach every process in 1 s
             raise ValueError(f"key_cache_ttl_ms must be 0..1000, got {self.key_cache_ttl_ms}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 @section

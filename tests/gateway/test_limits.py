@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 
 import openai
@@ -14,7 +15,7 @@ from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
 from gateway.limits import Limiter, TokenUsage, duration, read_usage
 from infermesh.redis_server import RedisServer
-from tests.gateway.conftest import auth, sdk
+from tests.gateway.conftest import auth, make_config, sdk, start_gateway
 from tests.inprocess import MODEL
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -188,3 +189,19 @@ async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
                                       (59_999, "59.999s"), (60_000, "1m0s"), (361_000, "6m1s")])
 def test_reset_durations_are_written_as_openai_does(ms, text):
     assert duration(ms) == text
+
+
+async def test_requests_beyond_the_redis_connections_wait_for_one(redis_server, router, worker,
+                                                                  redis_client):
+    config = make_config(redis_server.url, router.address)
+    gateway = await start_gateway(dataclasses.replace(
+        config, redis=dataclasses.replace(config.redis, max_connections=2)))
+    key = await create_key(redis_client, "narrow")
+    try:
+        responses = await asyncio.gather(*(
+            gateway.post("/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=auth(key))
+            for _ in range(12)))
+        assert [r.status for r in responses] == [200] * 12, [await r.text() for r in responses]
+        assert (await _settled(redis_client, key, 12))["requests"] == 12
+    finally:
+        await gateway.close()
