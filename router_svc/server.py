@@ -83,9 +83,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
         attempts = await self._decide(request, context)
         try:
-            async for chunk in stream_from_first(
-                    attempts, lambda worker: self._relay(worker, request, context, stream=True),
-                    self._failed, lambda worker: worker.worker_id):
+            async for chunk in self._relayed(attempts, request, context, stream=True):
                 yield chunk
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
@@ -94,9 +92,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
         attempts = await self._decide(request, context)
         try:
-            async with contextlib.aclosing(stream_from_first(
-                    attempts, lambda worker: self._relay(worker, request, context, stream=False),
-                    self._failed, lambda worker: worker.worker_id)) as replies:
+            async with contextlib.aclosing(
+                    self._relayed(attempts, request, context, stream=False)) as replies:
                 return await anext(replies)
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
@@ -131,6 +128,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(e.code, str(e))
         _record_decision(trace.get_current_span(), decision)
         return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
+
+    def _relayed(self, attempts: list[WorkerEntry], request: common_pb2.GenerateRequest,
+                 context: grpc.aio.ServicerContext, *, stream: bool,
+                 ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """The first of ``attempts`` that serves the request, relayed; StreamFailedError
+        when none does."""
+        return stream_from_first(
+            attempts, lambda worker: self._relay(worker, request, context, stream=stream),
+            self._failed, lambda worker: worker.worker_id)
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext, *, stream: bool,
