@@ -32,7 +32,7 @@ from worker_svc.checkpoint import load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
                                    GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
-                                   drain_chunks)
+                                   check_sampling, drain_chunks)
 from worker_svc.kv_cache import BlockManager, bytes_per_token, cache_budget_bytes
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
@@ -44,10 +44,6 @@ from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
-_MAX_STOP_SEQUENCES = 16
-_MAX_STOP_TOKEN_IDS = 64
-_MAX_TOP_LOGPROBS = 20
-_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
 
 
 
@@ -324,7 +320,7 @@ class Engine:
     def _stream(self, request: GenerationRequest) -> tuple[_Stream, asyncio.Queue]:
         prompt_ids = self._prompt_ids(request)
         params = request.sampling
-        self._check_sampling(params)
+        check_sampling(params, self.model.args.vocab_size)
         max_len = self._max_len(len(prompt_ids), params.max_tokens)
         max_parallel, timeout_ms = self._batching(request)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
@@ -371,31 +367,6 @@ class Engine:
                 f"length {self.max_model_len}"
             )
         return prompt_len + max_tokens
-
-    def _check_sampling(self, p: SamplingParams) -> None:
-        if p.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
-        if p.max_tokens is not None and p.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        low, high = _PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not low <= getattr(p, name) <= high:
-                raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
-        if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
-        if len(p.stop) > _MAX_STOP_SEQUENCES:
-            raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed")
-        if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {_MAX_STOP_TOKEN_IDS} are allowed"
-            )
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in p.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab - 1}")
 
     def _batching(self, request: GenerationRequest) -> tuple[int, int]:
         """The request's (max_parallel, dynamic_batch_timeout_ms) hints, bounded by this worker's limits."""

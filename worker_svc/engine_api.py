@@ -101,6 +101,38 @@ class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; raised by generate() before any chunk (RESOURCE_EXHAUSTED)."""
 
 
+_MAX_STOP_SEQUENCES = 16
+_MAX_STOP_TOKEN_IDS = 64
+_MAX_TOP_LOGPROBS = 20
+_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
+
+
+def check_sampling(p: SamplingParams, vocab_size: int) -> None:
+    """Raises InvalidRequestError for parameters no engine serves: every engine checks
+    the same bounds, so a caller gets the same answer from any worker."""
+    if p.temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
+    low, high = _PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not low <= getattr(p, name) <= high:
+            raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
+    if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+    if len(p.stop) > _MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed")
+    if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {_MAX_STOP_TOKEN_IDS} are allowed")
+    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
+
+
 def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
     """One chunk for several consecutive ones of a stream: their text and tokens in order,
     the counts and finish reason of the last, the queue wait of the first."""

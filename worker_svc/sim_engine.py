@@ -31,7 +31,7 @@ from typing import Literal
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (DeviceCapabilities, EngineClosedError, EngineLoad,
                                    EngineOverloadedError, GenerationChunk, GenerationRequest,
-                                   InvalidRequestError, drain_chunks)
+                                   InvalidRequestError, check_sampling, drain_chunks)
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
 
 logger = logging.getLogger(__name__)
@@ -189,9 +189,10 @@ class SimEngine:
                 f"prompt has {prompt_tokens} tokens; max_model_len is {self.max_model_len} (the prompt "
                 "and at least one generated token must fit)")
         params = request.sampling
+        check_sampling(params, len(_WORDS))
         budget = self.max_model_len - prompt_tokens
         if params.max_tokens is not None:
-            if params.max_tokens < 1 or prompt_tokens + params.max_tokens > self.max_model_len:
+            if prompt_tokens + params.max_tokens > self.max_model_len:
                 raise InvalidRequestError(
                     f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) must be within "
                     f"the context length {self.max_model_len}")

@@ -161,9 +161,11 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
         (GenerationRequest("r", None, "hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (GenerationRequest("r", None, "word " * 3000, SamplingParams()), "max_model_len is 2048"),
         (GenerationRequest("r", None, "hi", SamplingParams(max_tokens=2048)), r"\+ max_tokens \(2048\) exceeds"),
+        (GenerationRequest("r", None, "hi", SamplingParams(stop=("x",) * 17)), "stop has 17 strings; at most 16"),
+        (GenerationRequest("r", None, "hi", SamplingParams(stop_token_ids=(1,) * 65)), "stop_token_ids has 65 ids"),
     ],
     ids=["both", "neither", "empty-messages", "empty-prompt", "bad-message", "temperature", "top_p", "max_tokens",
-         "prompt-too-long", "beyond-context"],  # fmt: skip
+         "prompt-too-long", "beyond-context", "stop-list-too-long", "stop-ids-too-many"],  # fmt: skip
 )
 async def test_invalid_requests(engine: Engine, request_: GenerationRequest, match: str):
     with pytest.raises(InvalidRequestError, match=match):

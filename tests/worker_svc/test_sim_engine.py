@@ -126,6 +126,14 @@ async def test_bad_requests_get_clear_errors():
             await collect(engine, request(max_tokens=100))
         with pytest.raises(InvalidRequestError, match="exactly one of messages and prompt"):
             await collect(engine, GenerationRequest("r", None, None, SamplingParams()))
+        # the sampling bounds a real engine checks, in the same words
+        with pytest.raises(InvalidRequestError, match="stop has 17 strings; at most 16"):
+            await collect(engine, request(stop=("x",) * 17))
+        with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
+            await collect(engine, request(temperature=-1))
+        with pytest.raises(InvalidRequestError, match=r"stop_token_ids must be token ids in 0\.\.31"):
+            await collect(engine, request(stop_token_ids=(32,)))
+        assert engine.load().running == engine.load().waiting == 0
     finally:
         await engine.close()
 
