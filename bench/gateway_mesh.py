@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gateway.keys import create_key  # noqa: E402
 from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
-from infermesh.probe import http_ok  # noqa: E402
 from infermesh.redis_server import RedisServer, free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
@@ -75,35 +72,6 @@ def _pin(pid: int, core: int) -> None:
             pass
 
 
-def _service_pids(relay_gateway: subprocess.Popen) -> dict[str, int]:
-    """The mesh's child processes by service module, and the relaying gateway."""
-    pids = {}
-    for child in psutil.Process().children():
-        for name in ("gateway", "router_svc", "worker_svc"):
-            if name in child.cmdline() and child.pid != relay_gateway.pid:
-                pids[name] = child.pid
-    return {**pids, "relay_gateway": relay_gateway.pid}
-
-
-@contextlib.contextmanager
-def _relay_gateway(spec: MeshSpec, port: int) -> Iterator[subprocess.Popen]:
-    """A second gateway, the router relaying its streams."""
-    env = {**os.environ, **spec.env, "INFERMESH_GATEWAY_SERVER_PORT": str(port),
-           "INFERMESH_GATEWAY_REDIS_URL": spec.redis_url,
-           "INFERMESH_GATEWAY_ROUTER_ADDRESS": spec.router_address,
-           "INFERMESH_GATEWAY_ROUTER_RELAY": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway"], env=env)
-    try:
-        while not http_ok(f"http://127.0.0.1:{port}/health"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the relaying gateway exited with {proc.returncode}")
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
 
@@ -123,7 +91,7 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
 
     await clients(loop.time() + _WARMUP_S, [], [])
     for name, pid in pids.items():
-        _pin(pid, _LOAD_CORE if name == "worker_svc" else _MESH_CORE)
+        _pin(pid, _LOAD_CORE if name == "worker0" else _MESH_CORE)
     cpu_before, started = _cpu(pids), time.perf_counter()
     latencies: list[float] = []
     tokens: list[int] = []
@@ -189,7 +157,7 @@ async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
         print(f"{'mode':<10} {'c':>3} {'path':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'gw ms CPU/req':>14} "
               f"{'rt ms CPU/req':>14}", flush=True)
-        gateway_of = {"mesh": "gateway", "relay": "relay_gateway"}
+        gateway_of = {"mesh": "gateway", "relay": "relay-gateway"}
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
                 paths = {"direct": _grpc_one(worker, model, max_tokens, unary=not stream),
@@ -208,7 +176,7 @@ async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
                           f"{run.pct(0.99) - direct.pct(0.99):>8.2f} "
                           f"{run.tokens / run.elapsed_s:>9.0f} "
                           f"{gateway_cpu_s * 1000 / run.requests:>14.3f} "
-                          f"{run.cpu_s['router_svc'] * 1000 / run.requests:>14.3f}", flush=True)
+                          f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}", flush=True)
 
 
 def main() -> int:
@@ -230,9 +198,10 @@ def main() -> int:
                  "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
                  "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024"})
         relay_port = free_port()
-        with Mesh(spec) as mesh, _relay_gateway(spec, relay_port) as relay_gateway:
+        with Mesh(spec) as mesh:
+            mesh.add_gateway("relay-gateway", relay_port, {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"})
             key = asyncio.run(_create_key(redis_server.url))
-            pids = _service_pids(relay_gateway)
+            pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway", "relay-gateway")}
             print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
                   f"{args.duration:.0f} s per point; gateway+router on core {_MESH_CORE}, "
                   f"worker+load on core {_LOAD_CORE}", flush=True)

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1
 _STOP_TIMEOUT_S = 10.0
+_START_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Mesh:
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
 
-    def start(self, timeout_s: float = 120.0) -> Mesh:
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> Mesh:
         """Starts router, workers, gateway; returns once each answers and every
         worker is registered."""
         deadline = time.monotonic() + timeout_s
@@ -73,16 +74,27 @@ class Mesh:
                     "INFERMESH_WORKER_SERVER_PORT": str(port),
                     "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
                     "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path})
-            self._spawn("gateway", "gateway", {
-                "INFERMESH_GATEWAY_SERVER_PORT": str(self.spec.gateway_port),
-                "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
-                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address})
-            self._wait(deadline, "gateway", self._gateway_healthy)
+            self.add_gateway("gateway", self.spec.gateway_port, deadline=deadline)
             self._wait(deadline, "workers", self._workers_registered)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_gateway(self, name: str, port: int, env: Mapping[str, str] | None = None, *,
+                    deadline: float | None = None) -> None:
+        """Starts a gateway on ``port`` in front of this mesh's router and Redis (``env``: its
+        own extra variables, e.g. another config); returns once it answers."""
+        self._spawn(name, "gateway", {"INFERMESH_GATEWAY_SERVER_PORT": str(port),
+                                      "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
+                                      "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
+                                      **(env or {})})
+        self._wait(time.monotonic() + _START_TIMEOUT_S if deadline is None else deadline, name,
+                   lambda: http_ok(f"http://127.0.0.1:{port}/health"))
+
+    def pid(self, name: str) -> int:
+        """The process id of a service by its name ("router", "worker0", "gateway", ...)."""
+        return next(proc.pid for service, proc in self._procs if service == name)
 
     def check_alive(self) -> None:
         for name, proc in self._procs:
@@ -145,5 +157,3 @@ class Mesh:
                 router_pb2.ListWorkersRequest(), timeout=1)
         return len(reply.workers) >= len(self.spec.worker_ports)
 
-    def _gateway_healthy(self) -> bool:
-        return http_ok(f"http://127.0.0.1:{self.spec.gateway_port}/health")
