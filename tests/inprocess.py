@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from infermesh.pb import router_pb2, router_pb2_grpc
-from infermesh.redis_server import RedisServer
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.redis_server import RedisServer, free_port
 from router_svc.config import RedisSection, RegistrySection, RouterConfig, RoutingSection, ServerSection
 from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
@@ -76,6 +76,13 @@ async def running_worker(engine: InferenceEngine, router: RunningRouter, worker_
     finally:
         reporter.cancel()
         await server.stop(grace=None)
+
+
+async def register_unreachable_worker(router: RunningRouter, worker_id: str = "dead") -> None:
+    """Registers a worker serving MODEL at a port nobody listens on: every call to it fails."""
+    await router.stub.Register(router_pb2.RegisterRequest(worker=common_pb2.WorkerInfo(
+        worker_id=worker_id, address=f"127.0.0.1:{free_port()}", models=[MODEL],
+        capabilities=common_pb2.Capabilities(max_parallel=1))))
 
 
 def sim_engine(gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64,

@@ -6,11 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.config import RouterSection
-from infermesh.pb import common_pb2, router_pb2
-from infermesh.redis_server import free_port
 from router_svc.config import RoutingSection
 from tests.gateway.conftest import CHAT, auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, eventually, running_router, running_worker
+from tests.inprocess import MODEL, eventually, register_unreachable_worker, running_router, running_worker
 
 _GREEDY = {**CHAT, "model": MODEL, "temperature": 0, "max_tokens": 6}
 
@@ -42,9 +40,7 @@ async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, 
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
     async with running_router(redis_url=redis_server.url, routing=routing) as router, \
             running_worker(tiny_engine, router, "live"):
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
-                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         try:
             for _ in range(4):  # round robin puts the dead worker first half of the time
@@ -62,9 +58,7 @@ async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, 
 
 async def test_unreachable_workers_answer_503_naming_them(redis_server, api_key):
     async with running_router(redis_url=redis_server.url) as router:
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
-                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         try:
             response = await gateway.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))

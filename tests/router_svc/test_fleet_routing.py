@@ -10,9 +10,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from infermesh.pb import common_pb2, router_pb2
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.redis_server import RedisServer
 from router_svc.config import RoutingSection
-from tests.inprocess import MODEL, eventually, running_router, running_worker, sim_engine, wait_for_workers
+from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
+                             sim_engine, wait_for_workers)
 
 FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
 
@@ -101,9 +102,7 @@ async def test_failing_worker_is_skipped_then_ejected(redis_server):
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
     async with (running_router(redis_url=redis_server.url, routing=routing) as router,
                 running_worker(sim_engine("A100", zero_latency=True), router, "live")):
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}", models=[MODEL],
-                                     capabilities=common_pb2.Capabilities(max_parallel=4))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         fleet = router.resources.registry.fleet
         for _ in range(4):  # whichever is tried first, the stream comes from the live one
             assert (await served_by(router, generate())).worker_id == "live"

@@ -6,10 +6,9 @@ import grpc
 import pytest
 
 from infermesh.pb import common_pb2, router_pb2
-from infermesh.redis_server import free_port
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, eventually, running_router, running_worker, sim_engine,
-                             wait_for_workers)
+from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
+                             sim_engine, wait_for_workers)
 
 
 def request() -> common_pb2.GenerateRequest:
@@ -42,9 +41,7 @@ async def test_models_listed_and_worker_gone_after_silence(tiny_engine):
 
 async def test_dead_worker_is_skipped_before_the_first_token(tiny_engine):
     async with running_router() as router, running_worker(tiny_engine, router, "live"):
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
-                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         for _ in range(4):  # whichever the router tries first, the stream comes from the live one
             chunks = [c async for c in router.stub.Generate(request())]
             assert chunks[0].route.worker_id == "live"
@@ -85,6 +82,9 @@ async def test_route_chooses_without_relaying_and_counts_what_it_routed():
             running_worker(sim_engine(), router, "a") as a, running_worker(sim_engine(), router, "b") as b:
         addresses = {"a": a.servicer.info.address, "b": b.servicer.info.address}
         replies = [await router.stub.Route(request()) for _ in range(4)]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await router.stub.Route(common_pb2.GenerateRequest(model="nope", prompt="x"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and MODEL in e.value.details()
     for reply in replies:
         assert [w.worker_id for w in reply.workers] in (["a", "b"], ["b", "a"])
         assert all(w.address == addresses[w.worker_id] for w in reply.workers)
@@ -98,9 +98,7 @@ async def test_route_chooses_without_relaying_and_counts_what_it_routed():
 async def test_reported_failures_eject_the_worker(tiny_engine):
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
     async with running_router(routing=routing) as router, running_worker(tiny_engine, router, "live"):
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
-                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         firsts = [(await router.stub.Route(request())).workers[0].worker_id for _ in range(4)]
         assert set(firsts) == {"live", "dead"}  # round robin over both
         for _ in range(2):
@@ -119,9 +117,7 @@ async def test_reported_failures_eject_the_worker(tiny_engine):
 
 async def test_complete_relays_the_whole_answer_with_its_route_and_fails_over(tiny_engine):
     async with running_router() as router, running_worker(tiny_engine, router, "live") as worker:
-        dead = common_pb2.WorkerInfo(worker_id="dead", address=f"127.0.0.1:{free_port()}",
-                                     models=[MODEL], capabilities=common_pb2.Capabilities(max_parallel=1))
-        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        await register_unreachable_worker(router)
         chunks = [c async for c in router.stub.Generate(request())]
         replies = [await router.stub.Complete(request()) for _ in range(4)]
         with pytest.raises(grpc.aio.AioRpcError) as e:
