@@ -12,7 +12,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from urllib.parse import urlparse
 from gateway import admin_cli
 from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec, ServiceExited
+from infermesh.ports import port_in_use
 from infermesh.redis_server import RedisServer, redis_reachable
 from worker_svc.config import DEFAULT_MODEL_PATH
 
@@ -48,8 +48,9 @@ def main(argv: list[str]) -> int:
 
 def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
     for port in (args.gateway_port, args.router_port, args.worker_port):
-        if not _port_free(port):
-            print(f"port {port} is in use (another `make run`?); choose others with "
+        holder = port_in_use(port)
+        if holder is not None:
+            print(f"port {port} is in use by {holder}; stop it or choose other ports with "
                   f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
                   file=sys.stderr)
             return 1
@@ -91,21 +92,12 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
 def _start_redis(url: str) -> RedisServer:
     parsed = urlparse(url)
     port = parsed.port or 6379
-    if parsed.hostname not in _LOOPBACK or not _port_free(port):
+    if parsed.hostname not in _LOOPBACK or port_in_use(port) is not None:
         port = 0
     server = RedisServer(port=port or None, workdir=Path(".run").resolve())
     Path(".run").mkdir(exist_ok=True)
     logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
     return server.start()
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 if __name__ == "__main__":

@@ -105,14 +105,26 @@ class Mesh:
         for _, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for name, proc in reversed(self._procs):
-            try:
-                proc.wait(timeout=_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", name, _STOP_TIMEOUT_S)
+        try:
+            for name, proc in reversed(self._procs):
+                try:
+                    proc.wait(timeout=_STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0f s; killing it", name, _STOP_TIMEOUT_S)
+                    proc.kill()
+                    proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: no waiting for a clean stop
+            logger.warning("interrupted again: killing %s",
+                           ", ".join(name for name, proc in self._procs if proc.poll() is None))
+            for _, proc in self._procs:
                 proc.kill()
                 proc.wait()
-        self._procs.clear()
+            raise
+        finally:
+            self._procs.clear()
+            self._close_logs()
+
+    def _close_logs(self) -> None:
         for log in self._logs:
             log.close()
         self._logs.clear()

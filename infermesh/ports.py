@@ -1,0 +1,39 @@
+"""Whether a loopback port is free for a service to listen on, and who holds it if not."""
+from __future__ import annotations
+
+import socket
+
+import psutil
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
+    """None when a server could listen on ``host:port`` now; else what holds it.
+
+    Binds with SO_REUSEADDR, as aiohttp and gRPC servers do: connections of a finished run
+    waiting out TIME-WAIT do not stop a new listener, so they must not make the port look
+    taken. Only another socket bound to the port does."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return _holder(port)
+    return None
+
+
+def _holder(port: int) -> str:
+    """"pid 123 (python -m gateway)" of the process listening on ``port``, when this user may
+    see it."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        connections = []
+    pids = {c.pid for c in connections
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+    for pid in sorted(pids):
+        try:
+            command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        return f"pid {pid} ({command[:120]})"
+    return "a process this user cannot see"
