@@ -3,6 +3,7 @@
 ``python -m infermesh run``        the whole mesh in the foreground (``make run``)
 ``python -m infermesh keys ...``   manage API keys over the gateway's admin API
                                    (create, list, get, update, disable, revoke, rotate, usage)
+``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from gateway import admin_cli
+from infermesh import plan
 from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec, ServiceExited
 from infermesh.ports import port_in_use
@@ -39,9 +41,12 @@ def main(argv: list[str]) -> int:
     run.add_argument("--router-port", type=int, default=50051)
     run.add_argument("--worker-port", type=int, default=50061)
     admin_cli.add_parser(commands)
+    plan.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "keys":
         return admin_cli.run(args)
+    if args.command == "plan":
+        return plan.run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
     return run_mesh(args, os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL))
 

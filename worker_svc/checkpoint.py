@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from worker_svc.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model import Linear, ModelArgs, Transformer
+from worker_svc.sizing import is_fp8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,6 @@ def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_ope
 # MLA reads kv_b_proj's weight directly to absorb it into the query and output (no GEMM through
 # Linear), so it is always dequantized: about 1B of DeepSeek-V3's 671B parameters.
 _ABSORBED_WEIGHT = ".self_attn.kv_b_proj.weight"
-
-
-def is_fp8_linear(name: str) -> bool:
-    """Linear weights a DeepSeek-V3 checkpoint stores in FP8 (not embed, lm_head, norms, gate)."""
-    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 class _ShardReader:

@@ -1,0 +1,81 @@
+"""worker_svc/sizing.py and ``python -m infermesh plan``: against the tiny checkpoint's real
+tensors, hand-computed figures, and DeepSeek-V3's published sizes."""
+from __future__ import annotations
+
+import pytest
+from safetensors import safe_open
+
+from infermesh.__main__ import main
+from worker_svc.config import DEFAULT_MODEL_PATH
+from worker_svc.sizing import (checkpoint_tensors, fewest_gpus, load_config, model_size,
+                               sequences_that_fit)
+
+V3_CONFIG = "worker_svc/model_configs/deepseek-v3.json"
+_V3_INDEX_TOTAL_SIZE = 688_586_727_753  # model.safetensors.index.json "total_size", as published
+
+
+def test_the_tiny_checkpoints_tensors_and_bytes_are_the_arithmetics():
+    config = load_config(DEFAULT_MODEL_PATH)
+    layers = config["num_hidden_layers"]
+    with safe_open(f"{DEFAULT_MODEL_PATH}/model.safetensors", "pt") as f:
+        real = {k: f.get_slice(k) for k in f.keys()
+                if not k.startswith(f"model.layers.{layers}.")}  # the MTP layer is not served
+        shapes = {k: tuple(s.get_shape()) for k, s in real.items() if not k.endswith("_scale_inv")}
+        stored = sum(s.get_shape()[0] * (s.get_shape()[1] if len(s.get_shape()) > 1 else 1)
+                     * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()] for s in real.values())
+    assert {t.name: t.shape for t in checkpoint_tensors(config, layers)} == shapes
+    size = model_size(config)
+    assert size.fp8_bytes == stored
+
+
+def test_the_tiny_models_sizes_by_hand():
+    size = model_size(load_config(DEFAULT_MODEL_PATH))
+    embed_and_head, final_norm = 2 * 1024 * 320, 320
+    attention = (320 * 192 + 192 + 192 * 4 * (32 + 16)  # q_a, its norm, q_b
+                 + 320 * (160 + 16) + 160 + 160 * 4 * (32 + 32) + 4 * 32 * 320)  # kv_a, norm, kv_b, o
+    dense_layer = 2 * 320 + attention + 3 * 320 * 704
+    expert = 3 * 320 * 192
+    moe_layer = 2 * 320 + attention + 8 * 320 + 8 + 8 * expert + expert  # gate, bias, routed, shared
+    assert size.params == embed_and_head + final_norm + dense_layer + moe_layer == 3_468_040
+    assert size.active_params == size.params - (8 - 2) * expert
+    assert size.kv_bytes_per_token("fp8") == size.kv_bytes_per_token("bf16") == 2 * (160 + 16) * 2
+    assert size.kv_bytes_per_token("fp32") == 2 * (160 + 16) * 4
+    assert size.weight_bytes("bf16") == size.weight_bytes("fp16") == 2 * size.params
+    assert size.params < size.weight_bytes("fp8") < 1.2 * size.params  # BF16 embeddings, scales
+
+
+def test_deepseek_v3_published_sizes():
+    size = model_size(load_config(V3_CONFIG))
+    assert round(size.params / 1e9) == 671
+    assert round(size.active_params / 1e9) == 38  # "37B activated": 37.55B
+    assert abs(size.checkpoint_params / 685e9 - 1) < 0.005
+    assert abs(size.checkpoint_bytes / _V3_INDEX_TOTAL_SIZE - 1) < 0.001
+    assert size.kv_bytes_per_token("fp8") == 61 * (512 + 64) * 2
+    assert size.weight_bytes("bf16") == 2 * size.params  # dequantized off Hopper: twice the bytes
+    assert 1 < size.weight_bytes("bf16") / size.weight_bytes("fp8") < 2.01
+
+
+def test_deepseek_v3_needs_many_gpus():
+    size = model_size(load_config(V3_CONFIG))
+    fp8, bf16 = size.weight_bytes("fp8"), size.weight_bytes("bf16")
+    assert fewest_gpus(fp8, 0, 80 * 10**9) == 10  # 673 GB / 72 GB usable per H100
+    assert sequences_that_fit(bf16, 4096 * 70272, 4, 24 * 10**9) == 0  # 4 x 24 GB do not load it
+    assert sequences_that_fit(fp8, 4096 * 70272, 8, 141 * 10**9) == (8 * 126.9e9 - fp8) // (4096 * 70272)
+
+
+def test_plan_prints_every_kind_and_refuses_bad_input(capsys):
+    assert main(["plan", "deepseek-v3", "--context", "4096", "--concurrency", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "GPU" not in line}
+    assert set(rows) == {"V100", "A100", "H100", "H200", "H800", "L40S", "MI100"}
+    assert rows["H100"][:4] == ["fp8", "673.2", "70272", "10"]
+    assert rows["A100"][:4] == ["bf16", "1342.1", "70272", "19"]
+    assert main(["plan", "deepseek-v3", "--gpu", "L40S", "--count", "4"]) == 0
+    assert "4 x 48 GB do not load the weights" in capsys.readouterr().out
+    for bad in (["--gpu", "RTX9090"], ["--concurrency", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "deepseek-v3", *bad])
+        assert exit_.value.code != 0 and "plan:" in str(exit_.value.code)
+    with pytest.raises(SystemExit, match="not found"):
+        main(["plan", "/nonexistent"])
