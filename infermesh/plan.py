@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
-from worker_svc.sizing import (DEFAULT_UTILIZATION, ConfigError, ModelSize, fewest_gpus, load_config,
-                               model_size, sequences_that_fit)
+from worker_svc.sizing import (DEFAULT_UTILIZATION, ConfigError, ModelSize, bundled_models, fewest_gpus,
+                               load_config, model_size, sequences_that_fit)
 
-_BUNDLED = Path(__file__).resolve().parents[1] / "worker_svc" / "model_configs"
 _GB = 1e9
 
 
@@ -29,10 +28,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       help="GPUs per worker for the 'sequences that fit' column (default: the fewest)")
     plan.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
                       help="share of GPU memory for weights and KV cache")
-
-
-def bundled_models() -> list[str]:
-    return sorted(p.stem for p in _BUNDLED.glob("*.json"))
 
 
 @dataclass(frozen=True)
@@ -67,9 +62,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [k for k in kinds if k not in profiles]
     if unknown:
         raise SystemExit(f"plan: unknown GPU kind {unknown[0]!r}; known: {', '.join(profiles)}")
-    source = _BUNDLED / f"{args.model}.json" if args.model in bundled_models() else Path(args.model)
     try:
-        size = model_size(load_config(source), name=Path(args.model).name)
+        size = model_size(load_config(args.model), name=Path(args.model).name)
     except ConfigError as e:
         raise SystemExit(f"plan: {e}") from None
     print(render(size, [plan_kind(size, profiles[k], args.context, args.concurrency, args.count,

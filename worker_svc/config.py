@@ -9,6 +9,7 @@ from pathlib import Path
 from infermesh.config import load_config, section
 from telemetry.metrics import MetricsSection
 from worker_svc.gpu_profiles import gpu_profiles
+from worker_svc.sizing import load_config as load_model_config, model_size
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -115,7 +116,13 @@ class EngineSection:
     kind: str = "checkpoint"  # checkpoint or sim
     # sim only: a profile of gpu_profiles.toml, how many of them, and the model's size.
     gpu: str = "H100"
-    gpu_count: int = 1
+    # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
+    # [parallel] max_parallel sequences of kv_budget_tokens (worker_svc/sizing.py)
+    gpu_count: int = 0
+    kv_budget_tokens: int = 4096
+    # The model's sizes: from a config.json (a checkpoint directory, the file, or a bundled
+    # name such as "deepseek-v3"), else the three keys below.
+    model_config: str = ""
     total_params_b: float = 8.0   # billions of weights held in memory
     active_params_b: float = 8.0  # billions read per token (MoE: the active experts)
     kv_bytes_per_token: int = 131072
@@ -126,8 +133,13 @@ class EngineSection:
             raise ValueError(f"kind: expected checkpoint or sim, got {self.kind!r}")
         if self.gpu not in gpu_profiles():
             raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
-        if self.gpu_count < 1 or self.kv_bytes_per_token < 1:
-            raise ValueError("need gpu_count >= 1 and kv_bytes_per_token >= 1")
+        if self.gpu_count < 0 or self.kv_bytes_per_token < 1 or self.kv_budget_tokens < 1:
+            raise ValueError("need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1")
+        if self.model_config:
+            try:
+                model_size(load_model_config(self.model_config))
+            except ValueError as e:
+                raise ValueError(f"model_config: {e}") from None
         if not 0 < self.active_params_b <= self.total_params_b:
             raise ValueError(f"need 0 < active_params_b ({self.active_params_b}) "
                              f"<= total_params_b ({self.total_params_b})")

@@ -250,6 +250,7 @@ class Engine:
         self._seq_ids = itertools.count()
         blocks = _block_manager(model, device, max_model_len, cache)
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
+        self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
         logger.info("latent cache: %d blocks of %d tokens (%.1f MB); max_parallel %d, batch timeout %d ms",
                     blocks.num_blocks, blocks.block_size, kv_cache.nbytes / 2**20, self.parallel.max_parallel,
                     self.parallel.dynamic_batch_timeout_ms)  # fmt: skip

@@ -29,6 +29,8 @@ class DeviceCapabilities:
     # The engine's own estimate for one sequence (0: unknown); the router's hardware fitness.
     decode_tokens_per_second: float = 0.0
     prefill_tokens_per_second: float = 0.0
+    gpu_count: int = 1  # memory_total_bytes is theirs together
+    kv_cache_bytes: int = 0  # the KV cache's memory when full
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,14 @@ class GpuProfile:
         return self.flops[self.precision]
 
 
+def gpu_kind(device: str, device_name: str) -> str:
+    """The GPU kind requests pin: the profile whose name the device's name contains ("A100" for
+    "NVIDIA A100-SXM4-80GB"), else the device's name; "cpu" on a CPU."""
+    if device == "cpu":
+        return "cpu"
+    return next((name for name in gpu_profiles() if name in device_name), device_name)
+
+
 @functools.cache
 def gpu_profiles() -> dict[str, GpuProfile]:
     """Every profile in gpu_profiles.toml, by name."""

@@ -17,6 +17,7 @@ from infermesh.grpc_server import create_grpc_server
 from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
+from worker_svc.gpu_profiles import gpu_kind
 from worker_svc.engine_api import (EngineOverloadedError, GenerationChunk, GenerationRequest,
                                    InferenceEngine, InvalidRequestError, SamplingParams,
                                    TokenLogprob, merge_chunks)
@@ -37,9 +38,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
+        caps = self._engine.capabilities
         return common_pb2.Load(running=engine_load.running, waiting=engine_load.waiting,
                                kv_cache_usage=engine_load.kv_cache_usage,
-                               tokens_per_second=engine_load.tokens_per_second)
+                               tokens_per_second=engine_load.tokens_per_second,
+                               memory_used_bytes=caps.weight_bytes
+                               + round(engine_load.kv_cache_usage * caps.kv_cache_bytes))
 
     async def Info(self, request: worker_pb2.InfoRequest,
                    context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
@@ -223,7 +227,8 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
             memory_total_bytes=caps.memory_total_bytes, weight_bytes=caps.weight_bytes,
             max_parallel=parallel.max_parallel,
             decode_tokens_per_second=caps.decode_tokens_per_second,
-            prefill_tokens_per_second=caps.prefill_tokens_per_second))
+            prefill_tokens_per_second=caps.prefill_tokens_per_second,
+            gpu_kind=gpu_kind(caps.device, caps.device_name), gpu_count=caps.gpu_count))
 
 
 async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:

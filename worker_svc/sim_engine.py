@@ -33,6 +33,7 @@ from worker_svc.engine_api import (DeviceCapabilities, EngineClosedError, Engine
                                    EngineOverloadedError, GenerationChunk, GenerationRequest,
                                    InvalidRequestError, check_sampling, drain_chunks)
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
+from worker_svc.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, load_config, model_size
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +48,25 @@ _WORDS = ("the", "mesh", "routes", "each", "request", "to", "a", "worker", "that
 
 @dataclass(frozen=True)
 class Roofline:
-    """Step times of a model of ``active_params`` on ``gpu_count`` GPUs of ``profile``."""
+    """Step times of a model of ``size`` on ``gpu_count`` GPUs of ``profile``, in the precision
+    the profile runs (weights and KV cache as worker_svc/sizing.py counts them)."""
 
     profile: GpuProfile
     gpu_count: int
-    total_params: float
-    active_params: float
-    kv_bytes_per_token: int
-    memory_utilization: float = 0.9  # of device memory for weights and the KV cache
+    size: ModelSize
+    memory_utilization: float = DEFAULT_UTILIZATION  # of device memory for weights and the KV cache
+
+    @property
+    def active_params(self) -> int:
+        return self.size.active_params
 
     @property
     def weight_bytes(self) -> int:
-        return int(self.total_params * self.profile.bytes_per_weight)
+        return self.size.weight_bytes(self.profile.precision)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.size.kv_bytes_per_token(self.profile.precision)
 
     @property
     def memory_bytes(self) -> int:
@@ -120,7 +128,8 @@ class SimEngine:
             compute_capability=profile.compute_capability, precision=profile.precision,
             memory_total_bytes=roofline.memory_bytes, weight_bytes=roofline.weight_bytes,
             decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
-            prefill_tokens_per_second=1 / roofline.prefill_s(1))
+            prefill_tokens_per_second=1 / roofline.prefill_s(1), gpu_count=roofline.gpu_count,
+            kv_cache_bytes=roofline.kv_capacity_tokens * roofline.kv_bytes_per_token)
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._max_waiting = max_waiting
@@ -139,12 +148,18 @@ class SimEngine:
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
-        """The [engine] section's GPU and model; [parallel], [cache] and [attention] as for a real engine."""
+        """The [engine] section's GPU and model; [parallel], [cache] and [attention] as for a real
+        engine. Raises sizing.ConfigError for a model_config that cannot be read."""
         e, cache = config.engine, config.cache
         profile = gpu_profiles()[e.gpu]
-        roofline = Roofline(profile, e.gpu_count, e.total_params_b * 1e9, e.active_params_b * 1e9,
-                            e.kv_bytes_per_token, cache.gpu_memory_utilization)
+        size = (model_size(load_config(e.model_config), name=e.model_config) if e.model_config else
+                ModelSize.of_params("sim", e.total_params_b * 1e9, e.active_params_b * 1e9,
+                                    e.kv_bytes_per_token))
         parallel = config.parallel.resolved(profile.device, profile.device_name)
+        kv_budget = parallel.max_parallel * e.kv_budget_tokens * size.kv_bytes_per_token(profile.precision)
+        gpu_count = e.gpu_count or fewest_gpus(size.weight_bytes(profile.precision), kv_budget,
+                                               profile.memory_bytes, cache.gpu_memory_utilization)
+        roofline = Roofline(profile, gpu_count, size, cache.gpu_memory_utilization)
         return cls(roofline, max_parallel=parallel.max_parallel, max_waiting=parallel.max_waiting,
                    max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
                    prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,

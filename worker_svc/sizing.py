@@ -24,6 +24,7 @@ from worker_svc.engine_api import Precision
 _BLOCK = 128  # weight_block_size of DeepSeek's FP8 checkpoints
 _VALUE_BYTES: dict[Precision, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 _KV_VALUE_BYTES: dict[Precision, int] = {"fp8": 2, "bf16": 2, "fp16": 2, "fp32": 4}
+_BUNDLED = Path(__file__).with_name("model_configs")
 DEFAULT_UTILIZATION = 0.9  # of each GPU's memory for weights and the KV cache ([cache])
 Stored = Literal["fp8", "bf16", "fp32"]
 
@@ -84,9 +85,14 @@ class ModelSize:
         return cls(name, total, active, total, total, total, math.ceil(kv_bytes_per_token / 2))
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
-    """config.json of a checkpoint directory (or the file itself)."""
-    path = Path(path)
+def bundled_models() -> list[str]:
+    """The configs shipped in worker_svc/model_configs/, by name."""
+    return sorted(p.stem for p in _BUNDLED.glob("*.json"))
+
+
+def load_config(source: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory, the file itself, or a bundled config by name."""
+    path = _BUNDLED / f"{source}.json" if str(source) in bundled_models() else Path(source)
     file = path / "config.json" if path.is_dir() else path
     try:
         return json.loads(file.read_text())

@@ -63,7 +63,24 @@ def test_capabilities_report_the_profile():
 
 def test_a_model_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="leave no KV cache"):
-        sim_engine("V100", total_params_b=70, active_params_b=70)
+        sim_engine("V100", total_params_b=70, active_params_b=70, gpu_count=1)
+
+
+def test_a_model_that_does_not_fit_one_gpu_runs_on_the_fewest_that_hold_it():
+    # 70B in FP16: 140 GB + 4 x 4096 tokens of 128 KiB (2.1 GB), 28.8 GB usable per V100
+    engine = sim_engine("V100", total_params_b=70, active_params_b=70)
+    assert engine.roofline.gpu_count == engine.capabilities.gpu_count == 5
+    assert engine.capabilities.memory_total_bytes == 5 * 32e9
+    # DeepSeek-V3: 673 GB in FP8 on H100s, twice that dequantized on A100s
+    h100, a100 = sim_engine("H100", model_config="deepseek-v3"), sim_engine("A100", model_config="deepseek-v3")
+    assert (h100.roofline.gpu_count, a100.roofline.gpu_count) == (10, 19)
+    assert h100.capabilities.weight_bytes * 2 > a100.capabilities.weight_bytes > h100.capabilities.weight_bytes
+    assert sim_engine("H100").roofline.gpu_count == 1  # the default 8B model fits one
+
+
+def test_a_model_config_that_cannot_be_read_names_the_key():
+    with pytest.raises(ConfigError, match="model_config.*not found"):
+        load_worker_config_with({"INFERMESH_WORKER_ENGINE_MODEL_CONFIG": "/nonexistent"})
 
 
 def test_engine_config_section_errors_name_the_key():
@@ -193,7 +210,7 @@ async def test_max_parallel_and_the_bounded_queue_are_enforced_and_cancellation_
 
 async def test_kv_capacity_bounds_the_running_batch():
     # 8B FP16 weights on a 32 GB V100 leave 12.8 GB: 12,800 tokens of 1 MB
-    engine = sim_engine("V100", max_parallel=8, max_waiting=8, kv_bytes_per_token=1_000_000)
+    engine = sim_engine("V100", max_parallel=8, max_waiting=8, kv_bytes_per_token=1_000_000, gpu_count=1)
     capacity = engine.roofline.kv_capacity_tokens
     assert capacity == 12_800
     streams = [engine.generate(request(max_tokens=capacity // 3)) for _ in range(4)]
