@@ -14,6 +14,8 @@ credentials, and the admin token is not an API key.
     POST   /admin/keys/{id}/revoke     revoke for good
     POST   /admin/keys/{id}/rotate     a new key with the same settings; the old one revoked
     GET    /admin/keys/{id}/usage?days=N  usage: lifetime, per UTC day, quota counters
+    GET    /admin/fleet                the router's workers: models, GPU kind and count,
+                                       precision, memory, max_parallel, load
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestErr
                             NotFoundError)
 from gateway.limits import read_usage
 from gateway.middleware import KEY_STORE
+from gateway.router_client import ROUTER
+from infermesh.names import precision_name
+from infermesh.pb import router_pb2
 from gateway.validation import STRICT, parse_body, read_json
 
 ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
@@ -76,6 +81,7 @@ def create_admin_app(token_sha256: str | None) -> web.Application:
     app.router.add_post("/keys/{id}/revoke", revoke)
     app.router.add_post("/keys/{id}/rotate", rotate)
     app.router.add_get("/keys/{id}/usage", usage)
+    app.router.add_get("/fleet", fleet)
     return app
 
 
@@ -164,6 +170,23 @@ async def usage(request: web.Request) -> web.Response:
         raise InvalidRequestError(f"days must be an integer 1..{_MAX_USAGE_DAYS}", param="days")
     counts: dict[str, Any] = await read_usage(_redis(request), kid, int(raw_days))
     return web.json_response({"name": record.name, **counts})
+
+
+async def fleet(request: web.Request) -> web.Response:
+    workers = await request.config_dict[ROUTER].list_workers()
+    return web.json_response({"object": "list", "data": [
+        _worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)]})
+
+
+def _worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
+    info, caps, load = status.worker, status.worker.capabilities, status.load
+    return {"worker_id": info.worker_id, "models": list(info.models), "gpu_kind": caps.gpu_kind,
+            "gpu_count": caps.gpu_count, "device_name": caps.device_name,
+            "precision": precision_name(caps.precision), "memory_total_bytes": caps.memory_total_bytes,
+            "memory_used_bytes": load.memory_used_bytes, "weight_bytes": caps.weight_bytes,
+            "max_parallel": caps.max_parallel, "running": load.running, "waiting": load.waiting,
+            "kv_cache_usage": load.kv_cache_usage,
+            "last_heartbeat_age_s": round(status.last_heartbeat_age_s, 3)}
 
 
 async def _record(request: web.Request, kid: str) -> keys.KeyRecord:

@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
 from gateway.limits import LIMITER, Admission, TokenUsage
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
-from gateway.protocol import PRECISION_HEADER
+from gateway.protocol import GPU_HEADER, PRECISION_HEADER
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from gateway.router_client import ROUTER, RouterClient
 from infermesh.pb import common_pb2
@@ -87,6 +87,8 @@ class Generation:
         headers = {"x-infermesh-worker": first.route.worker_id}
         if first.route.precision in PRECISION_NAMES:
             headers[PRECISION_HEADER] = PRECISION_NAMES[first.route.precision]
+        if first.route.gpu_kind:
+            headers[GPU_HEADER] = first.route.gpu_kind
         return headers
 
     async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:

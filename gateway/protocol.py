@@ -6,6 +6,7 @@ plain dicts in exactly the shape the OpenAI API returns.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -20,9 +21,12 @@ from infermesh.names import PRECISIONS, FinishReason, Precision
 from infermesh.pb import common_pb2
 
 PRECISION_HEADER = "x-infermesh-precision"
+GPU_HEADER = "x-infermesh-gpu"
 
 UInt32 = Annotated[int, Field(ge=1, le=2**32 - 1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+_GPU_KIND = r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$"  # "A100", "NVIDIA A100-SXM4-80GB"
+GpuKind = Annotated[str, Field(pattern=_GPU_KIND)]
 
 
 class TextPart(BaseModel):
@@ -72,6 +76,7 @@ class OpenAIGeneration(BatchingFields):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     precision: Precision | None = None
+    gpu: GpuKind | None = None  # only workers of this GPU kind (a Capabilities.gpu_kind)
     extra_body: BatchingFields | None = None  # a client that sent the SDK's extra_body literally
 
     @property
@@ -120,7 +125,7 @@ class OpenAIGeneration(BatchingFields):
         request = common_pb2.GenerateRequest(
             request_id=request_id if choice == 0 else f"{request_id}-{choice}",
             model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
-            precision=PRECISIONS[self.precision] if self.precision else 0)
+            precision=PRECISIONS[self.precision] if self.precision else 0, gpu=self.gpu or "")
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)
@@ -162,15 +167,21 @@ class ChatCompletionRequest(OpenAIGeneration):
 
 
 def with_precision_header(body: OpenAIGeneration | Any, headers: Mapping[str, str]) -> Any:
-    """The precision header applies when the body names none."""
+    """The precision and GPU kind headers apply when the body names none."""
     header = headers.get(PRECISION_HEADER)
-    if body.precision is not None or header is None:
-        return body
-    if header not in PRECISIONS:
-        raise InvalidRequestError(
-            f"Invalid header {PRECISION_HEADER}: expected fp8, bf16, fp16 or fp32",
-            param=PRECISION_HEADER)
-    return body.model_copy(update={"precision": header})
+    if body.precision is None and header is not None:
+        if header not in PRECISIONS:
+            raise InvalidRequestError(
+                f"Invalid header {PRECISION_HEADER}: expected fp8, bf16, fp16 or fp32",
+                param=PRECISION_HEADER)
+        body = body.model_copy(update={"precision": header})
+    gpu = headers.get(GPU_HEADER)
+    if body.gpu is None and gpu is not None:
+        if not re.match(_GPU_KIND, gpu):
+            raise InvalidRequestError(f"Invalid header {GPU_HEADER}: expected a GPU kind such as A100",
+                                      param=GPU_HEADER)
+        body = body.model_copy(update={"gpu": gpu})
+    return body
 
 
 def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatCompletionRequest:

@@ -75,6 +75,16 @@ class RouterClient:
             raise self._error(e.code(), e.details()) from None
         return list(reply.models)
 
+    async def list_workers(self) -> list[router_pb2.WorkerStatus]:
+        await self._wait_connected()
+        try:
+            reply = await self._stub.ListWorkers(router_pb2.ListWorkersRequest(),
+                                                 timeout=self._config.control_timeout_s,
+                                                 wait_for_ready=False)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e.code(), e.details()) from None
+        return list(reply.workers)
+
     async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         rpc = self._stub.Generate if stream else self._stub.Complete

@@ -74,7 +74,7 @@ class Fleet:
         self._entries: dict[str, WorkerEntry] = {}
         self._by_slot: list[WorkerEntry | None] = []
         self._free: list[int] = []
-        self._groups: dict[tuple[str, int], Group] = {}  # (model, precision) -> its workers
+        self._groups: dict[tuple[str, int, str], Group] = {}  # (model, precision, gpu) -> its workers
         self.ejected_until_max = 0.0       # the latest ejection's end: none are ejected after it
         self.busy = np.zeros(0)            # running + waiting, as last reported
         self.kv_usage = np.zeros(0)
@@ -150,15 +150,16 @@ class Fleet:
         assert entry is not None, f"slot {slot} is free"
         return entry
 
-    def group(self, model: str, precision: common_pb2.Precision.ValueType) -> Group:
-        """The workers serving ``model`` in ``precision`` (UNSPECIFIED: any); cached until
-        the membership changes."""
-        key = (model, precision)
+    def group(self, model: str, precision: common_pb2.Precision.ValueType, gpu: str = "") -> Group:
+        """The workers serving ``model`` in ``precision`` (UNSPECIFIED: any) on GPU kind ``gpu``
+        ("": any); cached until the membership changes."""
+        key = (model, precision, gpu)
         group = self._groups.get(key)
         if group is None:
             slots = np.array([e.slot for e in self._entries.values()
-                              if model in e.info.models and precision in (
-                                  common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)],
+                              if model in e.info.models
+                              and precision in (common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)
+                              and gpu in ("", e.info.capabilities.gpu_kind)],
                              dtype=np.intp)
             group = self._groups[key] = Group.of(self, slots)
         return group

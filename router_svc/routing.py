@@ -1,4 +1,4 @@
-"""Worker choice: filter the fleet (model, precision, not ejected), then rank by a policy.
+"""Worker choice: filter the fleet (model, precision, GPU kind, not ejected), then rank by a policy.
 
 ``round_robin`` rotates; ``least_load`` takes the lowest share of busy slots; ``balanced``
 (the default) adds KV cache use, hardware fitness (the worker's own decode speed estimate,
@@ -46,11 +46,13 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     # How much of the hashed window the prompt fills, 0..1: a short prompt has little
     # cache to reuse, so its affinity counts for less.
     prefix_weight: float = 1.0
+    gpu: str = ""  # a GPU kind the worker must be of; "": any
 
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
         head = _prompt_head(request, prefix_bytes)
-        return cls(request.model, request.precision, _hash64(head), len(head) / prefix_bytes)
+        return cls(request.model, request.precision, _hash64(head), len(head) / prefix_bytes,
+                   request.gpu)
 
 
 @dataclasses.dataclass
@@ -138,7 +140,7 @@ class Chooser:
 def _usable(fleet: Fleet, request: RouteRequest) -> Group:
     """The workers that serve the model in the wished precision and are not ejected (all of
     them when every one is ejected: a cool-down is a preference, not a refusal)."""
-    group = fleet.group(request.model, request.precision)
+    group = fleet.group(request.model, request.precision, request.gpu)
     if len(group) == 0:
         _explain_empty(fleet, request)
     now = fleet.clock()
@@ -157,8 +159,15 @@ def _explain_empty(fleet: Fleet, request: RouteRequest) -> None:
         served = sorted({m for e in entries for m in e.info.models})
         raise RouteError(grpc.StatusCode.NOT_FOUND,
                          f"model {request.model!r} is not served; served models: {', '.join(served)}")
+    kinds = sorted({e.info.capabilities.gpu_kind for e in serving})
+    if request.gpu and request.gpu not in kinds:
+        raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"no worker serves {request.model!r} on GPU kind {request.gpu!r}; "
+                         f"available kinds: {', '.join(kinds)}")
+    serving = [e for e in serving if request.gpu in ("", e.info.capabilities.gpu_kind)]
     available = sorted({precision_name(e.info.capabilities.precision) for e in serving})
+    on_kind = f" on GPU kind {request.gpu!r}" if request.gpu else ""
     raise RouteError(grpc.StatusCode.FAILED_PRECONDITION,
-                     f"no worker serves {request.model!r} in precision "
+                     f"no worker serves {request.model!r}{on_kind} in precision "
                      f"{precision_name(request.precision)}; available: {', '.join(available)}")
 

@@ -185,7 +185,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:
     caps = worker.info.capabilities
     return common_pb2.Route(worker_id=worker.worker_id, precision=caps.precision, device=caps.device,
-                            device_name=caps.device_name,
+                            device_name=caps.device_name, gpu_kind=caps.gpu_kind,
                             address=worker.info.address if with_address else "")
 
 
