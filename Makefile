@@ -38,5 +38,10 @@ run: proto model
 test: proto model
 	$(PY) -m pytest
 
+# The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
+# simulated fleet on this machine.
+bench: proto model
+	$(PY) -m infermesh bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) infermesh/pb $(MODEL_DIR)

@@ -4,6 +4,7 @@
 ``python -m infermesh keys ...``   manage API keys over the gateway's admin API
                                    (create, list, get, update, disable, revoke, rotate, usage)
 ``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
+``python -m infermesh bench``       measure every GPU kind of a fleet (or, --sim, a simulated one)
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import urlparse
 
 from gateway import admin_cli
 from infermesh import plan
+from infermesh.hwbench import cli as bench_cli
 from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec, ServiceExited
 from infermesh.ports import port_in_use
@@ -42,11 +44,14 @@ def main(argv: list[str]) -> int:
     run.add_argument("--worker-port", type=int, default=50061)
     admin_cli.add_parser(commands)
     plan.add_parser(commands)
+    bench_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "keys":
         return admin_cli.run(args)
     if args.command == "plan":
         return plan.run(args)
+    if args.command == "bench":
+        return bench_cli.run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
     return run_mesh(args, os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL))
 

@@ -35,6 +35,8 @@ class MeshSpec:
     router_port: int
     worker_ports: tuple[int, ...]  # one worker per port; empty: no worker
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra, for every child
+    # extra for worker i only (e.g. a simulated GPU kind); fewer than the workers: none
+    worker_env: tuple[Mapping[str, str], ...] = ()
     log_dir: Path | None = None  # None: children write to this process's output
 
     @property
@@ -73,7 +75,8 @@ class Mesh:
                 self._spawn(f"worker{i}", "worker_svc", {
                     "INFERMESH_WORKER_SERVER_PORT": str(port),
                     "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
-                    "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path})
+                    "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
+                    **(self.spec.worker_env[i] if i < len(self.spec.worker_env) else {})})
             self.add_gateway("gateway", self.spec.gateway_port, deadline=deadline)
             self._wait(deadline, "workers", self._workers_registered)
         except BaseException:
