@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C keeps what was measured; set explicitly, since a shell may start background
+    # jobs ignoring SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.sim:
             unknown = [k for k in args.gpus if k not in gpu_profiles()]
