@@ -11,7 +11,7 @@ from pathlib import Path
 
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.sizing import (DEFAULT_UTILIZATION, ConfigError, ModelSize, bundled_models, fewest_gpus,
-                               load_config, model_size, sequences_that_fit)
+                               index_total_size, load_config, model_size, sequences_that_fit)
 
 _GB = 1e9
 
@@ -68,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"plan: {e}") from None
     print(render(size, [plan_kind(size, profiles[k], args.context, args.concurrency, args.count,
                                   args.utilization) for k in kinds], args))
+    stated = index_total_size(args.model)
+    if stated is not None:
+        print(f"\nThe checkpoint's index states {_gb(stated)} GB; the arithmetic above counts "
+              f"{_gb(size.checkpoint_bytes)} GB ({size.checkpoint_bytes / stated - 1:+.2%}).")
     return 0
 
 

@@ -102,6 +102,15 @@ def load_config(source: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: not JSON: {e}") from None
 
 
+def index_total_size(checkpoint: str | Path) -> int | None:
+    """The ``total_size`` a checkpoint's model.safetensors.index.json states (None: no index)."""
+    index = Path(checkpoint) / "model.safetensors.index.json"
+    try:
+        return int(json.loads(index.read_text())["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def model_size(config: dict[str, Any], name: str = "") -> ModelSize:
     """The sizes of the model ``config`` (a DeepSeek-V3 config.json) describes."""
     try:

@@ -2,6 +2,8 @@
 tensors, hand-computed figures, and DeepSeek-V3's published sizes."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from safetensors import safe_open
 
@@ -79,3 +81,11 @@ def test_plan_prints_every_kind_and_refuses_bad_input(capsys):
         assert exit_.value.code != 0 and "plan:" in str(exit_.value.code)
     with pytest.raises(SystemExit, match="not found"):
         main(["plan", "/nonexistent"])
+
+
+def test_plan_compares_with_the_size_a_checkpoints_index_states(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(Path(V3_CONFIG).read_text())
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"metadata": {"total_size": %d}, "weight_map": {}}' % _V3_INDEX_TOTAL_SIZE)
+    assert main(["plan", str(tmp_path), "--gpu", "H200"]) == 0
+    assert "index states 688.6 GB; the arithmetic above counts 688.5 GB (-0.02%)" in capsys.readouterr().out
