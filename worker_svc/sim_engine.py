@@ -2,7 +2,9 @@
 
 It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
 so routing can be tested and benchmarked on hardware that is not there. Time follows the
-roofline of a profile in gpu_profiles.toml for a configured model size:
+roofline of a profile in gpu_profiles.toml for a configured model (its sizes, or a config.json),
+on the fewest GPUs that hold its weights in the profile's precision and a KV budget
+(sizing.py; [engine] gpu_count overrides):
 
 - prefill: uncached prompt tokens x 2 x active params / FLOP/s (prefix-cache hits are free);
 - each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
