@@ -14,6 +14,8 @@ import pytest
 
 from gateway.keys import create_key_at
 from infermesh.__main__ import main
+from infermesh.hwbench import report
+from infermesh.hwbench.load import Sample
 from infermesh.hwbench.plots import SIZE_PX
 from infermesh.hwbench.results import Point, dominates
 from infermesh.redis_server import free_port
@@ -138,3 +140,15 @@ async def _bench(*argv: str) -> tuple[int, str]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await child.communicate()
     return child.returncode, err.decode().strip()
+
+
+def test_an_interrupted_study_says_so_in_every_file(study, tmp_path):
+    data = json.loads((study / "results.json").read_text())
+    points = [Point(**p) for p in data["points"][:2]]
+    samples = [Sample(**s) for s in data["requests"][:3]]
+    report.write(tmp_path, {**data["meta"], "complete": False}, points, samples)
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["complete"] is False
+    assert "**INTERRUPTED: partial results**" in (tmp_path / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cost_frontier.png", "latency_p99.png", "report.md", "requests.csv", "results.csv",
+        "results.json", "throughput.png"]
