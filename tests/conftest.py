@@ -19,6 +19,14 @@ from worker_svc.engine import Engine
 from worker_svc.precision import detect_capabilities, resolve_device
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test that serves in worker_dtype (through any fixture): `.ci/run` reruns them with
+    `-m dtype_sensitive` and the other CPU dtype forced."""
+    for item in items:
+        if "worker_dtype" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dtype_sensitive)
+
+
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator[RedisServer]:
     """A throwaway redis-server on a free port; never a Redis the test did not start."""
