@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_svc.model import ModelArgs  # noqa: E402
+from worker_svc.model_config import model_args  # noqa: E402
 from worker_svc.precision import cpu_has_native_bf16  # noqa: E402
 from worker_svc.tiny_model import write_tiny_checkpoint  # noqa: E402
 
@@ -96,7 +97,7 @@ def tiny_args() -> ModelArgs:
     config = _TINY_DIR / "config.json"
     if not config.exists():
         config = write_tiny_checkpoint(tempfile.mkdtemp()) / "config.json"
-    return ModelArgs.from_config(json.loads(config.read_text()))
+    return model_args(json.loads(config.read_text()))
 
 
 def main() -> None:
@@ -108,7 +109,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
     models = {"tiny checkpoint": tiny_args(), "bench 73M": BENCH_73M}
-    models |= {str(p): ModelArgs.from_config(json.loads(p.read_text())) for p in ns.config}
+    models |= {str(p): model_args(json.loads(p.read_text())) for p in ns.config}
     ratios = [r for name, args in models.items() for m, r in bench_model(name, args, ns.repeats).items() if m >= 16]
     # M >= 16 decides: batched decode and prefill chunks, where a busy worker spends its GEMM time
     measured = "bf16" if min(ratios) > 1 else "fp32" if max(ratios) < 1 else "mixed"

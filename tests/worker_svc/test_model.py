@@ -1,7 +1,10 @@
 """Our DeepSeek-V3 forward pass against transformers' DeepseekV3ForCausalLM on the same weights."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from transformers import DeepseekV3ForCausalLM
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
-from worker_svc.model import Linear, Transformer, dense_linear, smoke_run
+from worker_svc.model import Linear, Transformer, dense_linear, precompute_freqs_cis, smoke_run
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
@@ -75,6 +78,35 @@ def test_greedy_generation_matches_transformers(models, chunks):
     got = _greedy(ours, prompt, GREEDY_STEPS, chunks)
     assert got == expected
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
+
+
+def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
+    shutil.copytree(model_dir, out)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
+                         ids=["yarn", "yarn-attention_factor-untruncated"])  # fmt: skip
+def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict):
+    """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files rope_scaling (type)
+    with rope_theta beside it. Either way the engine serves YaRN, as transformers does."""
+    config = json.loads((variant_dir / "config.json").read_text())
+    yarn = {k: v for k, v in config.pop("rope_scaling").items() if k != "type"} | extra
+    del config["rope_theta"]
+    legacy = config | {"rope_scaling": {"type": "yarn", **yarn}, "rope_theta": 50000.0}
+    modern = config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **yarn}}
+    old, _ = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "legacy", legacy), torch.float32)
+    new, new_config = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "modern", modern), torch.float32)
+    tokens = _prompt(new_config, 64)
+    got = new(tokens, 0, new.setup_cache(1, 64))
+    assert torch.equal(got, old(tokens, 0, old.setup_cache(1, 64)))
+    with torch.no_grad():
+        expected = transformers_model(new, new_config)(tokens).logits[:, -1]
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+    # without YaRN and that theta the same weights give other logits: what a misread file would serve
+    new.freqs_cis = precompute_freqs_cis(dataclasses.replace(new.args, rope_type="default", rope_theta=10000.0))
+    assert (new(tokens, 0, new.setup_cache(1, 64)) - expected).abs().max() > 100 * LOGITS_ATOL
 
 
 def test_cache_holds_only_the_latent(tiny_dir: Path):
