@@ -102,7 +102,7 @@ def main() -> None:
     if not (ns.model_dir / "config.json").exists():
         print(f"writing the benchmark checkpoint to {ns.model_dir}")
         write_bench_checkpoint(ns.model_dir)
-    config = read_config(ns.model_dir)
+    config, _ = read_config(ns.model_dir)
     engine = Engine.from_checkpoint(ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency)))
     dtype = engine.model.lm_head.weight.dtype
     print(f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 from worker_svc.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model import Linear, ModelArgs, Transformer
+from worker_svc.model_config import ConfigError, model_args
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -35,8 +35,8 @@ class CheckpointError(ValueError):
 # -------------------------------------------------------------------------------------- config
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """Read config.json and check that this engine can serve it."""
+def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
+    """Read config.json and check that this engine can serve it -> (the parsed file, the model's hyper-parameters)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
@@ -47,19 +47,15 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: config.json is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    model_type = config.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine (need deepseek_v3)")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
     quant = config.get("quantization_config")
     if quant is not None and (quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]):
         raise CheckpointError(f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)")
     try:
-        ModelArgs.from_config(config)
-    except KeyError as e:
-        raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
-    except (ValueError, AssertionError) as e:
+        return config, model_args(config)
+    except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return config
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
@@ -159,8 +155,7 @@ def load_checkpoint(
     other dtype dequantizes FP8 weights at load.
     """
     model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    args = ModelArgs.from_config(config)
+    config, args = read_config(model_dir)
     keep_fp8 = dtype == FP8
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
 @dataclass
 class ModelArgs:
-    """Hyper-parameters of a DeepSeek-V3 model, built from config.json by `from_config`.
+    """Hyper-parameters of a DeepSeek-V3 model, built from config.json by `model_config.model_args`.
 
     dim/inter_dim/moe_inter_dim: hidden, dense-MLP and per-expert MLP widths.
     n_layers: decoder layers (MTP layers stored past them are not part of the model).
@@ -29,7 +28,7 @@ class ModelArgs:
     kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by heads.
     n_expert_groups/n_limited_groups: experts are chosen only inside the top `n_limited_groups`
     groups (n_group/topk_group); route_scale multiplies the normalised routing weights.
-    rope_factor/original_seq_len/beta_*/mscale*: YaRN; rope_factor 1 means plain RoPE.
+    rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type "yarn").
     """
 
     vocab_size: int = 129280
@@ -55,7 +54,8 @@ class ModelArgs:
     n_limited_groups: int = 4
     norm_topk_prob: bool = True
     route_scale: float = 2.5
-    # yarn
+    # rope: "default" or "yarn"
+    rope_type: str = "default"
     rope_theta: float = 10000.0
     rope_factor: float = 1.0
     original_seq_len: int = 4096
@@ -63,49 +63,12 @@ class ModelArgs:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    rope_attention_factor: float | None = None  # None: from the mscales
+    rope_truncate: bool = True  # round the correction range to whole dimensions
 
     def __post_init__(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         assert self.n_routed_experts % self.n_expert_groups == 0, f"n_group={self.n_expert_groups}"
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        """Map HF config.json keys onto ModelArgs; unknown keys are ignored."""
-        rope = config.get("rope_scaling") or {}
-        rope_type = rope.get("type", rope.get("rope_type", "default"))
-        if rope_type not in ("yarn", "default"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only yarn)")
-        yarn = rope_type == "yarn"
-        return cls(
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            inter_dim=config["intermediate_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            max_seq_len=config["max_position_embeddings"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            q_lora_rank=config.get("q_lora_rank") or 0,
-            kv_lora_rank=config["kv_lora_rank"],
-            qk_nope_head_dim=config["qk_nope_head_dim"],
-            qk_rope_head_dim=config["qk_rope_head_dim"],
-            v_head_dim=config["v_head_dim"],
-            moe_inter_dim=config["moe_intermediate_size"],
-            n_dense_layers=config.get("first_k_dense_replace", 0),
-            n_routed_experts=config["n_routed_experts"],
-            n_shared_experts=config.get("n_shared_experts", 0),
-            n_activated_experts=config["num_experts_per_tok"],
-            n_expert_groups=config.get("n_group") or 1,
-            n_limited_groups=config.get("topk_group") or 1,
-            norm_topk_prob=config.get("norm_topk_prob", True),
-            route_scale=config.get("routed_scaling_factor", 1.0),
-            rope_theta=config.get("rope_theta", 10000.0),
-            rope_factor=rope.get("factor", 1.0) if yarn else 1.0,
-            original_seq_len=rope.get("original_max_position_embeddings", config["max_position_embeddings"]),
-            beta_fast=rope.get("beta_fast") or 32.0,
-            beta_slow=rope.get("beta_slow") or 1.0,
-            mscale=rope.get("mscale") or 0.0,
-            mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
-        )
 
 
 # ---------------------------------------------------------------------------------------- rope
@@ -116,29 +79,38 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
-    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2].
-
-    YaRN blends interpolated and extrapolated frequencies across the correction range and
-    scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), as HF does.
-    """
-    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
+    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2], scaled by the attention factor."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
-    if factor > 1:
-
-        def correction_dim(num_rotations: float) -> float:
-            return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(correction_dim(args.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001), 0, 1)
-        freqs = freqs / factor * ramp + freqs * (1 - ramp)
-        if args.mscale and args.mscale_all_dim:
-            attention_factor = yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
-        else:
-            attention_factor = yarn_get_mscale(factor)
+    if args.rope_type == "yarn":
+        freqs, attention_factor = yarn_freqs(args, freqs)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
     return torch.polar(torch.full_like(angles, attention_factor), angles)
+
+
+def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it: interpolated frequencies (divided by the factor) blended into the
+    original ones across the correction range, and the cos/sin scale: rope_attention_factor if given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(args.beta_fast), correction_dim(args.beta_slow)
+    if args.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    if args.rope_attention_factor is not None:
+        return freqs, args.rope_attention_factor
+    if args.mscale and args.mscale_all_dim:
+        return freqs, yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
+    return freqs, yarn_get_mscale(factor)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

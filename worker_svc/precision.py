@@ -4,12 +4,10 @@
   quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).
 - sm89 (L40S) and sm100: BF16 -- their FP8 needs a kernel tested here, and cuBLASLt's DeepSeek-style
   block scaling is sm90-only. sm80 and ROCm: BF16. sm70 (V100, no BF16): FP16.
-- CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py on an AVX2
-  EPYC (docs/BENCHMARKS.md, "Engine precision"): BF16 GEMMs were 1.5-7x slower than FP32 at
-  M = 16 and 64 tokens on the tiny and the 73M shapes (fp32/bf16 time 0.15-0.66); BF16 won only at
-  M = 1 through a weight too big for the cache (73M lm_head 32000x512: 2.7x). So FP32 unless the
-  CPU has BF16 dot-product instructions (none here to measure; the bench says whether the rule
-  agrees on the machine it runs on).
+- CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
+  (docs/BENCHMARKS.md, "Engine precision"): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
+  at 16 and 64 tokens (oneDNN converts); on an AVX512-BF16 EPYC a serving mix of decode batches
+  1..64 and prefill chunks ran 1.48x faster in BF16, BF16 winning at every batch size.
 `[model] dtype` and `[quantization] use_native_fp8` override the choice. `choose_precision` is pure
 so the policy is testable without a GPU; `detect_capabilities` feeds it with what this machine has.
 """

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from worker_svc.checkpoint import is_fp8_linear
 from worker_svc.kernel import weight_quant
 from worker_svc.model import ModelArgs, Transformer
+from worker_svc.model_config import model_args
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, PAD = "<｜User｜>", "<｜Assistant｜>", "<｜▁pad▁｜>"
@@ -246,7 +247,7 @@ def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
 
 def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    args = ModelArgs.from_config(config)
+    args = model_args(config)
     generator = torch.Generator().manual_seed(seed)
     state = _random_state(args, generator) | _mtp_state(args, generator)
     tensors = _to_checkpoint_format(state)

@@ -114,7 +114,7 @@ def test_missing_dir_and_config(tmp_path: Path):
 def test_unsupported_model_type_names_the_key(ckpt_copy: Path):
     config = json.loads((ckpt_copy / "config.json").read_text())
     (ckpt_copy / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match=r"config.json: model_type='llama' is not served"):
+    with pytest.raises(CheckpointError, match=r"config.json: model_type: 'llama' is not served"):
         load_checkpoint(ckpt_copy)
 
 
