@@ -37,8 +37,8 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def worker_dtype() -> str:
     """The [model] dtype of every engine a test starts without pinning one: "auto" (what the policy picks
-    for this machine) unless INFERMESH_WORKER_MODEL_DTYPE forces one. The e2e workers read the same
-    variable; .ci/run reruns the precision-sensitive tests with the CPU dtype the policy does not pick."""
+    for this machine) unless INFERMESH_WORKER_MODEL_DTYPE forces one (the e2e mesh hands it to its worker
+    processes); .ci/run reruns the tests that use it with the CPU dtype the policy does not pick."""
     return load_worker_config(None).model.dtype
 
 

@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassError
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 
 from worker_svc.model import ModelArgs
 
@@ -84,7 +84,7 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
     )
 
 
-def _normalised(config: dict[str, Any]) -> PretrainedConfig:
+def _normalised(config: dict[str, Any]) -> PreTrainedConfig:
     spelling = _rope_spelling(config)
     _check_rope_numbers(config.get(spelling) or {}, spelling)  # transformers' own checks would crash on a str
     try:  # a copy: transformers fills the rope dict in place
@@ -104,7 +104,7 @@ def _rope_spelling(config: dict[str, Any]) -> str:
     return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
 
 
-def _check_choices(hf: PretrainedConfig, supported: dict[str, tuple[Any, ...]]) -> None:
+def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) -> None:
     for field, values in supported.items():
         value = hf.rope_parameters.get("rope_type") if field == "rope_type" else getattr(hf, field, values[0])
         # type-strict: True == 1 and 0 == False must not pass for each other
@@ -113,7 +113,7 @@ def _check_choices(hf: PretrainedConfig, supported: dict[str, tuple[Any, ...]]) 
                               f"{', '.join(repr(v) for v in values)})")  # fmt: skip
 
 
-def _check_sizes(hf: PretrainedConfig) -> None:
+def _check_sizes(hf: PreTrainedConfig) -> None:
     for field in _POSITIVE_INTS:
         _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) > 0, field, "is not a positive integer")
     for field in _NON_NEGATIVE_INTS:
@@ -127,7 +127,7 @@ def _check_sizes(hf: PretrainedConfig) -> None:
     _check_routing(hf)
 
 
-def _check_routing(hf: PretrainedConfig) -> None:
+def _check_routing(hf: PreTrainedConfig) -> None:
     """Group-limited top-k: experts split evenly into n_group groups, each group scored by its best two."""
     experts, groups = hf.n_routed_experts, hf.n_group
     _require(hf, experts % groups == 0, "n_group", f"does not divide n_routed_experts ({experts})")
@@ -138,7 +138,7 @@ def _check_routing(hf: PretrainedConfig) -> None:
              f"exceeds the {hf.topk_group * per_group} experts in the topk_group groups a token may use")
 
 
-def _require(hf: PretrainedConfig, ok: bool, field: str, what: str) -> None:
+def _require(hf: PreTrainedConfig, ok: bool, field: str, what: str) -> None:
     if not ok:
         raise ConfigError(f"{field}: {getattr(hf, field)!r} {what}")
 
@@ -152,14 +152,17 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_rope_numbers(rope: dict[str, Any], spelling: str) -> None:
-    for key in ("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+    theta = rope.get("rope_theta")
+    if theta is not None and not (_is_number(theta) and theta > 1):  # the base of a logarithm
+        raise ConfigError(f"{spelling}.rope_theta: {theta!r} is not a number > 1")
+    for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
         if rope.get(key) is not None and not (_is_number(rope[key]) and rope[key] >= 0):
             raise ConfigError(f"{spelling}.{key}: {rope[key]!r} is not a number >= 0")
     if type(rope.get("truncate", True)) is not bool:
         raise ConfigError(f"{spelling}.truncate: {rope['truncate']!r} is not true or false")
 
 
-def _rope_args(hf: PretrainedConfig, spelling: str) -> dict[str, Any]:
+def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
     """ModelArgs' rope fields from transformers' normalised rope dict; unknown keys are refused."""
     rope = hf.rope_parameters
     rope_type = rope["rope_type"]

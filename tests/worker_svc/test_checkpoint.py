@@ -111,6 +111,12 @@ def test_missing_dir_and_config(tmp_path: Path):
         load_checkpoint(tmp_path)
 
 
+def test_a_config_that_is_not_an_object_is_refused(ckpt_copy: Path):
+    (ckpt_copy / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json: not a JSON object"):
+        load_checkpoint(ckpt_copy)
+
+
 def test_unsupported_model_type_names_the_key(ckpt_copy: Path):
     config = json.loads((ckpt_copy / "config.json").read_text())
     (ckpt_copy / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))

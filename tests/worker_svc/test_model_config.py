@@ -93,7 +93,7 @@ def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, e
          "rope_scaling: Missing required keys .*'factor'"),
         ({"rope_scaling": {**_YARN, "beta_fast": "32"}}, "rope_scaling.beta_fast: '32' is not a number"),
         ({"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
-         "rope_parameters.rope_theta: -1.0 is not a number >= 0"),
+         "rope_parameters.rope_theta: -1.0 is not a number > 1"),
         ({"rope_scaling": {**_YARN, "truncate": "no"}}, "rope_scaling.truncate: 'no' is not true or false"),
     ],
     ids=["hidden_size-type", "kv_lora_rank", "qk_rope_head_dim-odd", "attention_bias", "topk_method",
