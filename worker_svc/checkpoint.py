@@ -1,7 +1,8 @@
-"""Load a DeepSeek-V3 HF-format checkpoint directory into a `Transformer`.
+"""Load a DeepSeek-V3 or DeepSeek-V2 HF-format checkpoint directory into a `Transformer`.
 
 A directory holds config.json and model.safetensors, or shards listed by
-model.safetensors.index.json. Linear weights may be FP8 E4M3 with a float32
+model.safetensors.index.json. Weights are BF16/FP16/FP32 as stored (DeepSeek-V2), or linear weights
+are FP8 E4M3 with a float32
 `<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype, or
 kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
@@ -22,7 +23,7 @@ from worker_svc.model import Linear, ModelArgs, Transformer
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
+_SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -49,7 +50,8 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     model_type = config.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine (need deepseek_v3)")
+        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine "
+                              f"(one of {', '.join(_SUPPORTED_MODEL_TYPES)})")
     quant = config.get("quantization_config")
     if quant is not None and (quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]):
         raise CheckpointError(f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)")
@@ -110,7 +112,8 @@ class _ShardReader:
     def get(self, name: str) -> tuple[torch.Tensor, str]:
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+            listing = _INDEX_FILE if (self.model_dir / _INDEX_FILE).exists() else _SINGLE_FILE
+            raise CheckpointError(f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint")
         if file not in self._handles:
             self._handles[file] = _open(self.model_dir / file, name).__enter__()
         try:
