@@ -62,6 +62,16 @@ def test_last_token_logits_match_transformers(models):
         torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
 
 
+def test_a_batch_of_prompts_matches_transformers(models):
+    """Three sequences in one forward pass (each in its own cache block) give transformers' batched logits."""
+    ours, hf, config = models
+    tokens = torch.cat([_prompt(config, 24, seed=seed) for seed in (1, 2, 3)])
+    with torch.no_grad():
+        expected = hf(tokens).logits[:, -1]
+    got = ours(tokens, 0, ours.setup_cache(3, 24))
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("chunks", [[], [7, 13]], ids=["one-prefill", "chunked-prefill"])
 def test_greedy_generation_matches_transformers(models, chunks):
     ours, hf, config = models
