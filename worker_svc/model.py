@@ -3,8 +3,8 @@
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
 output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
 (V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
-group-limited greedy top-k), YaRN RoPE. Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
-so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
+group-limited greedy top-k), YaRN RoPE. Module and parameter names follow the HF checkpoint
+(`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
 
@@ -448,6 +448,8 @@ class Gate(nn.Module):
     """Router: scores each expert (sigmoid or softmax), keeps the top-k, optionally only inside the best groups.
 
     noaux_tc (V3) holds `e_score_correction_bias`: it steers the choice, the weights are the unbiased scores.
+    norm_topk_prob rescales the chosen weights to sum to 1 before route_scale, as vLLM does for both
+    families; transformers' DeepseekV2 ignores the key, and every DeepSeek-V2 checkpoint sets it false.
     """
 
     def __init__(self, args: ModelArgs):

@@ -26,7 +26,8 @@ class ModelSizes:
 
 
 def _attention_params(c: dict[str, Any]) -> int:
-    dim, heads, q_rank, kv_rank = c["hidden_size"], c["num_attention_heads"], c.get("q_lora_rank") or 0, c["kv_lora_rank"]
+    dim, heads, kv_rank = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"]
+    q_rank = c.get("q_lora_rank") or 0
     qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     query = dim * q_rank + q_rank + q_rank * heads * qk_head if q_rank else dim * heads * qk_head
     latent = dim * (kv_rank + c["qk_rope_head_dim"]) + kv_rank  # kv_a_proj_with_mqa, kv_a_layernorm

@@ -112,7 +112,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 def detect_capabilities(
     device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None, fp8_weights: bool = True
 ) -> DeviceCapabilities:
-    """Probe the device and apply the policy (fp8_weights: the checkpoint's); weight_bytes is filled in after the load."""
+    """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is filled
+    in after the load."""
     fp8_gemm = native_fp8_gemm_available(device)  # False off CUDA sm90
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -2,7 +2,8 @@
 
 It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
 so routing can be tested and benchmarked on hardware that is not there. Time follows the
-roofline of a profile in gpu_profiles.toml for a configured model size (or a model of model_profiles.toml):
+roofline of a profile in gpu_profiles.toml for a configured model size (or a model of
+model_profiles.toml):
 
 - prefill: uncached prompt tokens x 2 x active params / FLOP/s (prefix-cache hits are free);
 - each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
@@ -139,7 +140,8 @@ class SimEngine:
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
-        """The [engine] section's GPU and model (its sizes, or a model of model_profiles.toml); [parallel], [cache] and [attention] as for a real engine."""
+        """The [engine] section's GPU and model (its sizes, or a model of model_profiles.toml); [parallel],
+        [cache] and [attention] as for a real engine."""
         e, cache = config.engine, config.cache
         sizes = e.sizes()
         profile = gpu_profiles()[e.gpu] if sizes.fp8_weights else gpu_profiles()[e.gpu].without_fp8()
