@@ -1,10 +1,9 @@
 """Load a DeepSeek-V3 or DeepSeek-V2 HF-format checkpoint directory into a `Transformer`.
 
 A directory holds config.json and model.safetensors, or shards listed by
-model.safetensors.index.json. Weights are BF16/FP16/FP32 as stored (DeepSeek-V2), or linear weights
-are FP8 E4M3 with a float32
-`<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype, or
-kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
+model.safetensors.index.json. Weights are BF16/FP16/FP32 (DeepSeek-V2 ships BF16), or linear
+weights are FP8 E4M3 with a float32 `<name>_scale_inv` per 128x128 block; those are dequantized at
+load to the serving dtype, or kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
 """
 from __future__ import annotations
