@@ -7,7 +7,7 @@ PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
 
-.PHONY: all venv proto model run test bench clean
+.PHONY: all venv proto model model-v2 run test bench clean
 
 all: proto model
 
@@ -32,6 +32,17 @@ $(MODEL_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
 
 model: $(MODEL_DIR)/config.json
 
+# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
+V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
+
+models/tiny-deepseek-v2/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2 --v2
+
+models/tiny-deepseek-v2-lite/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2-lite --v2-lite
+
+model-v2: $(addsuffix /config.json,$(V2_MODEL_DIRS))
+
 run: proto model
 	$(PY) -m infermesh run
 
@@ -39,4 +50,4 @@ test: proto model
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS)

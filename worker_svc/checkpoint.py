@@ -1,9 +1,9 @@
-"""Load a DeepSeek-V3 HF-format checkpoint directory into a `Transformer`.
+"""Load a DeepSeek-V3 or DeepSeek-V2 HF-format checkpoint directory into a `Transformer`.
 
 A directory holds config.json and model.safetensors, or shards listed by
-model.safetensors.index.json. Linear weights may be FP8 E4M3 with a float32
-`<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype, or
-kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
+model.safetensors.index.json. Weights are BF16/FP16/FP32 (DeepSeek-V2 ships BF16), or linear
+weights are FP8 E4M3 with a float32 `<name>_scale_inv` per 128x128 block; those are dequantized at
+load to the serving dtype, or kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
 """
 from __future__ import annotations
@@ -106,7 +106,8 @@ class _ShardReader:
     def get(self, name: str) -> tuple[torch.Tensor, str]:
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+            listing = _INDEX_FILE if (self.model_dir / _INDEX_FILE).exists() else _SINGLE_FILE
+            raise CheckpointError(f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint")
         if file not in self._handles:
             self._handles[file] = _open(self.model_dir / file, name).__enter__()
         try:

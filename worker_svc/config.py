@@ -9,6 +9,7 @@ from pathlib import Path
 from infermesh.config import load_config, section
 from telemetry.metrics import MetricsSection
 from worker_svc.gpu_profiles import gpu_profiles
+from worker_svc.model_sizes import ModelSizes, model_profiles
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -108,17 +109,23 @@ class CacheSection:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
 
 
+_SIZE_KEYS = ("total_params_b", "active_params_b", "kv_bytes_per_token")
+_SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_token": 131072}
+
+
 @section
 class EngineSection:
     """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
 
     kind: str = "checkpoint"  # checkpoint or sim
-    # sim only: a profile of gpu_profiles.toml, how many of them, and the model's size.
+    # sim only: a profile of gpu_profiles.toml, how many of them, and the model's size: a model of
+    # model_profiles.toml ("DeepSeek-V2-Lite", ...), or the three sizes (unset: 8.0, 8.0, 131072).
     gpu: str = "H100"
     gpu_count: int = 1
-    total_params_b: float = 8.0   # billions of weights held in memory
-    active_params_b: float = 8.0  # billions read per token (MoE: the active experts)
-    kv_bytes_per_token: int = 131072
+    model: str = ""
+    total_params_b: float | None = None   # billions of weights held in memory
+    active_params_b: float | None = None  # billions read per token (MoE: the active experts)
+    kv_bytes_per_token: int | None = None
     zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
 
     def __post_init__(self) -> None:
@@ -126,11 +133,25 @@ class EngineSection:
             raise ValueError(f"kind: expected checkpoint or sim, got {self.kind!r}")
         if self.gpu not in gpu_profiles():
             raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
-        if self.gpu_count < 1 or self.kv_bytes_per_token < 1:
+        if self.model and self.model not in model_profiles():
+            raise ValueError(f"model: unknown profile {self.model!r}; known: {', '.join(model_profiles())}")
+        given = [key for key in _SIZE_KEYS if getattr(self, key) is not None]
+        if self.model and given:
+            raise ValueError(f"model: {self.model!r} sets the sizes; {', '.join(given)} must be left unset")
+        sizes = self.sizes()
+        if self.gpu_count < 1 or sizes.kv_bytes_per_token < 1:
             raise ValueError("need gpu_count >= 1 and kv_bytes_per_token >= 1")
-        if not 0 < self.active_params_b <= self.total_params_b:
-            raise ValueError(f"need 0 < active_params_b ({self.active_params_b}) "
-                             f"<= total_params_b ({self.total_params_b})")
+        if not 0 < sizes.active_params <= sizes.total_params:
+            raise ValueError(f"need 0 < active_params_b ({sizes.active_params / 1e9}) "
+                             f"<= total_params_b ({sizes.total_params / 1e9})")
+
+    def sizes(self) -> ModelSizes:
+        """The simulated model's sizes: the `model` profile's, or the three keys' (defaults where unset)."""
+        if self.model:
+            return model_profiles()[self.model]
+        total, active, kv = (_SIZE_DEFAULTS[key] if getattr(self, key) is None else getattr(self, key)
+                             for key in _SIZE_KEYS)
+        return ModelSizes(total * 1e9, active * 1e9, int(kv))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from infermesh.names import FinishReason
-from worker_svc.checkpoint import load_checkpoint
+from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
                                    GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
@@ -285,7 +285,8 @@ class Engine:
         device: str, parallel: ParallelSection | None, cache: CacheSection | None,
     ) -> Engine:  # fmt: skip
         torch_device = resolve_device(device)
-        caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8)
+        fp8_weights = "quantization_config" in read_config(model_dir)  # DeepSeek-V2 ships BF16
+        caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(caps, weight_bytes=weight_bytes)

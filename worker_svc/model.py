@@ -1,12 +1,14 @@
-"""DeepSeek-V3 (model_type deepseek_v3) forward pass in plain PyTorch.
+"""DeepSeek-V3 and DeepSeek-V2 (model_type deepseek_v3, deepseek_v2) forward pass in plain PyTorch.
 
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
-output, DeepSeek's "absorb" mode), sigmoid-scored group-limited MoE with shared experts,
-YaRN RoPE. Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
-so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
+output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
+(V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
+group-limited greedy top-k), YaRN RoPE. Module and parameter names follow the HF checkpoint
+(`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,17 +19,26 @@ from torch import nn
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
 
+# The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores with a
+# selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all experts
+# ("greedy") or within the best groups by their best expert ("group_limited_greedy").
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
 @dataclass
 class ModelArgs:
-    """Hyper-parameters of a DeepSeek-V3 model, built from config.json by `model_config.model_args`.
+    """Hyper-parameters of a DeepSeek-V3 or V2 model, built from config.json by `model_config.model_args`.
 
     dim/inter_dim/moe_inter_dim: hidden, dense-MLP and per-expert MLP widths.
     n_layers: decoder layers (MTP layers stored past them are not part of the model).
-    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace).
+    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace); past them
+    every moe_layer_freq-th layer is MoE, the others dense.
     q_lora_rank: rank of the query compression; 0 means a plain q_proj.
     kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by heads.
     n_expert_groups/n_limited_groups: experts are chosen only inside the top `n_limited_groups`
-    groups (n_group/topk_group); route_scale multiplies the normalised routing weights.
+    groups (n_group/topk_group); route_scale multiplies the (normalised if norm_topk_prob) routing weights.
+    scoring_func/topk_method: the router's scores and expert choice, one of SCORING_FUNCS / TOPK_METHODS.
     rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type "yarn").
     """
 
@@ -54,6 +65,9 @@ class ModelArgs:
     n_limited_groups: int = 4
     norm_topk_prob: bool = True
     route_scale: float = 2.5
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    moe_layer_freq: int = 1
     # rope: "default" or "yarn"
     rope_type: str = "default"
     rope_theta: float = 10000.0
@@ -69,6 +83,11 @@ class ModelArgs:
     def __post_init__(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         assert self.n_routed_experts % self.n_expert_groups == 0, f"n_group={self.n_expert_groups}"
+        assert self.scoring_func in SCORING_FUNCS and self.topk_method in TOPK_METHODS, (self.scoring_func, self.topk_method)
+        assert self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq}"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers and layer_id % self.moe_layer_freq == 0
 
 
 # ---------------------------------------------------------------------------------------- rope
@@ -367,27 +386,45 @@ class MLP(nn.Module):
 Expert = MLP
 
 
+def _top2_sum(grouped: torch.Tensor) -> torch.Tensor:
+    return grouped.topk(2, dim=-1)[0].sum(dim=-1)
+
+
+def _best(grouped: torch.Tensor) -> torch.Tensor:
+    return grouped.amax(dim=-1)
+
+
+_SCORES = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
+# how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score); greedy: no groups
+_GROUP_SCORES = {"noaux_tc": _top2_sum, "group_limited_greedy": _best}
+
+
 class Gate(nn.Module):
-    """Router: sigmoid scores; the bias only steers selection; group-limited top-k (noaux_tc)."""
+    """Router: scores each expert (sigmoid or softmax), keeps the top-k, optionally only inside the best groups.
+
+    noaux_tc (V3) holds `e_score_correction_bias`: it steers the choice, the weights are the unbiased scores.
+    norm_topk_prob rescales the chosen weights to sum to 1 before route_scale, as vLLM does for both
+    families; transformers' DeepseekV2 ignores the key, and every DeepSeek-V2 checkpoint sets it false.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        bias = torch.zeros(args.n_routed_experts, dtype=torch.float32) if args.topk_method == "noaux_tc" else None
+        self.register_buffer("e_score_correction_bias", bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
         a = self.args
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        biased = scores + self.e_score_correction_bias
-        if a.n_expert_groups > 1:
-            grouped = biased.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            top_groups = group_scores.topk(a.n_limited_groups, dim=-1)[1]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        indices = biased.topk(a.n_activated_experts, dim=-1)[1]
+        scores = _SCORES[a.scoring_func](F.linear(x.float(), self.weight.float()))  # [T, E]
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if a.topk_method in _GROUP_SCORES and a.n_expert_groups > 1:
+            grouped = choice.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
+            top_groups = _GROUP_SCORES[a.topk_method](grouped).topk(a.n_limited_groups, dim=-1)[1]  # [T, g]
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(a.n_activated_experts, dim=-1)[1]
         weights = scores.gather(1, indices)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -419,7 +456,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.self_attn = MLA(args, layer_id)
-        self.mlp = MLP(args.dim, args.inter_dim) if layer_id < args.n_dense_layers else MoE(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.dim, args.inter_dim)
         self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
 

@@ -33,6 +33,17 @@ SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
         "tie_word_embeddings": (False,),  # lm_head is a weight of its own
         "rope_type": ("default", "yarn"),
     },
+    # DeepseekV2Config has no scoring_func (its model is softmax) and reads n_group/topk_group only for
+    # group_limited_greedy; moe_layer_freq is any positive integer (model.ModelArgs.is_moe_layer).
+    "deepseek_v2": {
+        "topk_method": ("greedy", "group_limited_greedy"),
+        "scoring_func": ("softmax",),
+        "hidden_act": ("silu",),
+        "attention_bias": (False,),
+        "rope_interleave": (True,),
+        "tie_word_embeddings": (False,),
+        "rope_type": ("default", "yarn"),
+    },
 }
 # The rope keys model.precompute_freqs_cis implements, per rope type (transformers' names).
 ROPE_KEYS: dict[str, frozenset[str]] = {
@@ -42,7 +53,7 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
 }  # fmt: skip
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")  # fmt: skip
+                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")  # fmt: skip
 _NON_NEGATIVE_INTS = ("first_k_dense_replace", "n_shared_experts")
 
 
@@ -56,8 +67,8 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
     if model_type not in SUPPORTED:
         raise ConfigError(f"model_type: {model_type!r} is not served by this engine (need one of {list(SUPPORTED)})")
     hf = _normalised(config)
-    _check_choices(hf, SUPPORTED[model_type])
-    _check_sizes(hf)
+    chosen = _check_choices(hf, SUPPORTED[model_type])
+    _check_sizes(hf, chosen["topk_method"])
     return ModelArgs(
         vocab_size=hf.vocab_size,
         dim=hf.hidden_size,
@@ -76,10 +87,13 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
         n_routed_experts=hf.n_routed_experts,
         n_shared_experts=hf.n_shared_experts,
         n_activated_experts=hf.num_experts_per_tok,
-        n_expert_groups=hf.n_group,
-        n_limited_groups=hf.topk_group,
+        n_expert_groups=_groups(hf, chosen["topk_method"])[0],
+        n_limited_groups=_groups(hf, chosen["topk_method"])[1],
         norm_topk_prob=hf.norm_topk_prob,
         route_scale=float(hf.routed_scaling_factor),
+        scoring_func=chosen["scoring_func"],
+        topk_method=chosen["topk_method"],
+        moe_layer_freq=getattr(hf, "moe_layer_freq", 1),
         **_rope_args(hf, _rope_spelling(config)),
     )
 
@@ -104,16 +118,20 @@ def _rope_spelling(config: dict[str, Any]) -> str:
     return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
 
 
-def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) -> None:
+def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """field -> the value in effect (an absent key means the first supported value); refuses the rest."""
+    chosen = {}
     for field, values in supported.items():
         value = hf.rope_parameters.get("rope_type") if field == "rope_type" else getattr(hf, field, values[0])
         # type-strict: True == 1 and 0 == False must not pass for each other
         if not any(type(value) is type(v) and value == v for v in values):
             raise ConfigError(f"{field}: {value!r} is not implemented by this engine (supported: "
                               f"{', '.join(repr(v) for v in values)})")  # fmt: skip
+        chosen[field] = value
+    return chosen
 
 
-def _check_sizes(hf: PreTrainedConfig) -> None:
+def _check_sizes(hf: PreTrainedConfig, topk_method: str) -> None:
     for field in _POSITIVE_INTS:
         _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) > 0, field, "is not a positive integer")
     for field in _NON_NEGATIVE_INTS:
@@ -122,13 +140,26 @@ def _check_sizes(hf: PreTrainedConfig) -> None:
              "is neither null (a plain q_proj) nor an integer >= 0")
     _require(hf, _is_number(hf.rms_norm_eps) and hf.rms_norm_eps > 0, "rms_norm_eps", "is not a positive number")
     _require(hf, type(hf.norm_topk_prob) is bool, "norm_topk_prob", "is not true or false")
+    _require(hf, _is_int(getattr(hf, "moe_layer_freq", 1)) and getattr(hf, "moe_layer_freq", 1) > 0,
+             "moe_layer_freq", "is not a positive integer")
     _require(hf, _is_number(hf.routed_scaling_factor) and hf.routed_scaling_factor > 0, "routed_scaling_factor",
              "is not a positive number")
-    _check_routing(hf)
+    _check_routing(hf, topk_method)
 
 
-def _check_routing(hf: PreTrainedConfig) -> None:
-    """Group-limited top-k: experts split evenly into n_group groups, each group scored by its best two."""
+def _groups(hf: PreTrainedConfig, topk_method: str) -> tuple[int, int]:
+    """(n_group, topk_group); greedy top-k (V2) chooses over all experts, whatever the file says of groups."""
+    if topk_method == "greedy":
+        return 1, 1
+    return hf.n_group, hf.topk_group
+
+
+def _check_routing(hf: PreTrainedConfig, topk_method: str) -> None:
+    """Group-limited top-k: experts split evenly into n_group groups, the token's experts from topk_group of them."""
+    if topk_method == "greedy":
+        return
+    for field in ("n_group", "topk_group"):
+        _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) > 0, field, "is not a positive integer")
     experts, groups = hf.n_routed_experts, hf.n_group
     _require(hf, experts % groups == 0, "n_group", f"does not divide n_routed_experts ({experts})")
     per_group = experts // groups

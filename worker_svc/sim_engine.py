@@ -2,7 +2,8 @@
 
 It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
 so routing can be tested and benchmarked on hardware that is not there. Time follows the
-roofline of a profile in gpu_profiles.toml for a configured model size:
+roofline of a profile in gpu_profiles.toml for a configured model size (or a model of
+model_profiles.toml):
 
 - prefill: uncached prompt tokens x 2 x active params / FLOP/s (prefix-cache hits are free);
 - each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
@@ -139,11 +140,13 @@ class SimEngine:
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
-        """The [engine] section's GPU and model; [parallel], [cache] and [attention] as for a real engine."""
+        """The [engine] section's GPU and model (its sizes, or a model of model_profiles.toml); [parallel],
+        [cache] and [attention] as for a real engine."""
         e, cache = config.engine, config.cache
-        profile = gpu_profiles()[e.gpu]
-        roofline = Roofline(profile, e.gpu_count, e.total_params_b * 1e9, e.active_params_b * 1e9,
-                            e.kv_bytes_per_token, cache.gpu_memory_utilization)
+        sizes = e.sizes()
+        profile = gpu_profiles()[e.gpu] if sizes.fp8_weights else gpu_profiles()[e.gpu].without_fp8()
+        roofline = Roofline(profile, e.gpu_count, sizes.total_params, sizes.active_params,
+                            sizes.kv_bytes_per_token, cache.gpu_memory_utilization)
         parallel = config.parallel.resolved(profile.device, profile.device_name)
         return cls(roofline, max_parallel=parallel.max_parallel, max_waiting=parallel.max_waiting,
                    max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.inprocess import eventually
-from worker_svc.checkpoint import CheckpointError
+from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.engine_api import EngineOverloadedError
+from worker_svc.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
@@ -323,3 +325,34 @@ async def test_per_request_batch_limit_runs_a_request_alone(engine: Engine):
 
     await asyncio.gather(watch(alone), watch(_request(params, prompt=_prompt(2))))
     assert len(seen) == 12 and max(seen) == 1
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V2
+
+
+@pytest.mark.parametrize("checkpoint", ["v2_dir", "v2_lite_dir"])
+async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
+    request: pytest.FixtureRequest, checkpoint: str
+):
+    """One code path downstream of the model: the paged latent cache, a batch of prefills in 8-token chunks
+    and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32 pinned)."""
+    model_dir = request.getfixturevalue(checkpoint)
+    engine = Engine.from_checkpoint(model_dir, dtype="float32", parallel=ParallelSection(prefill_chunk_size=8),
+                                    cache=CacheSection(block_size=4))  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12)
+        prompts = [f"{'Multi-head latent attention caches a latent. ' * 2}Question {i}: why?" for i in range(3)]
+        first = await _run(engine, _request(params, prompt=prompts[0]))
+        together = await asyncio.gather(
+            *(_run(engine, _request(params, prompt=p, request_id=str(i))) for i, p in enumerate(prompts)))
+        hf = transformers_model(engine.model, read_config(model_dir))
+    finally:
+        await engine.close()
+    assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)  # the shared prefix was reused
+    assert _ids(first) == _ids(together[0])
+    for prompt, chunks in zip(prompts, together):
+        ids = torch.tensor([engine.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=2)[0, ids.size(1) :].tolist()  # fmt: skip
+        assert _ids(chunks) == expected, prompt

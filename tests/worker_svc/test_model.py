@@ -1,4 +1,5 @@
-"""Our DeepSeek-V3 forward pass against transformers' DeepseekV3ForCausalLM on the same weights."""
+"""Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM
+on the same weights."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,9 @@ from transformers import DeepseekV3ForCausalLM
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
-from worker_svc.model import Linear, Transformer, dense_linear, precompute_freqs_cis, smoke_run
+from worker_svc.kv_cache import bytes_per_token
+from worker_svc.model import Linear, MoE, Transformer, dense_linear, precompute_freqs_cis, smoke_run
+from worker_svc.model_sizes import model_sizes
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
@@ -66,6 +69,16 @@ def test_last_token_logits_match_transformers(models):
             expected = hf(tokens).logits[:, -1]
         got = ours(tokens, 0, ours.setup_cache(1, length))
         torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_batch_of_prompts_matches_transformers(models):
+    """Three sequences in one forward pass (each in its own cache block) give transformers' batched logits."""
+    ours, hf, config = models
+    tokens = torch.cat([_prompt(config, 24, seed=seed) for seed in (1, 2, 3)])
+    with torch.no_grad():
+        expected = hf(tokens).logits[:, -1]
+    got = ours(tokens, 0, ours.setup_cache(3, 24))
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("chunks", [[], [7, 13]], ids=["one-prefill", "chunked-prefill"])
@@ -212,3 +225,16 @@ def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.out_features :].data_ptr()
     assert mlp.gate_up.grad_fn is None  # no autograd graph keeping the unpacked weights alive
     assert set(model.state_dict()) == set(Transformer(model.args).state_dict())
+
+
+def test_model_sizes_count_what_the_model_holds(model_dir: Path):
+    """The simulated engine's size arithmetic (no torch) against the built model and its BF16 cache."""
+    model, config = load_checkpoint(model_dir)
+    sizes = model_sizes(config)
+    assert sizes.total_params == sum(t.numel() for t in model.state_dict().values())
+    assert sizes.kv_bytes_per_token == bytes_per_token(model.args, torch.bfloat16)
+    assert sizes.fp8_weights == (config["model_type"] == "deepseek_v3")
+    dim, experts = config["hidden_size"], config["n_routed_experts"] - config["num_experts_per_tok"]
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
+    idle = moe_layers * experts * 3 * dim * config["moe_intermediate_size"] + (config["vocab_size"] - 1) * dim
+    assert sizes.active_params == sizes.total_params - idle  # unchosen experts and other embedding rows

@@ -13,6 +13,7 @@ from infermesh.config import ConfigError
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.gpu_profiles import gpu_profiles
+from worker_svc.model_sizes import model_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from tests.inprocess import sim_engine
 
@@ -228,3 +229,38 @@ def test_a_sim_worker_never_imports_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "sim"})
+
+
+def test_model_profiles_have_the_published_sizes():
+    """Counted from the config.json shapes: DeepSeek's own figures (total B, activated B per token)."""
+    profiles = model_profiles()
+    for name, total_b, active_b in [("DeepSeek-V3", 671, 37), ("DeepSeek-V2", 236, 21),
+                                    ("DeepSeek-V2.5", 236, 21), ("DeepSeek-V2-Lite", 15.7, 2.4)]:
+        assert profiles[name].total_params == pytest.approx(total_b * 1e9, rel=0.01), name
+        assert profiles[name].active_params == pytest.approx(active_b * 1e9, rel=0.03), name
+    # the BF16 latent cache: (kv_lora_rank 512 + rope 64) x layers x 2 bytes
+    assert profiles["DeepSeek-V2-Lite"].kv_bytes_per_token == 576 * 27 * 2
+    assert profiles["DeepSeek-V3"].kv_bytes_per_token == 576 * 61 * 2
+
+
+def test_a_sim_worker_is_sized_by_a_model_profile():
+    lite = sim_engine("A100", model="DeepSeek-V2-Lite")
+    assert lite.capabilities.weight_bytes == int(model_profiles()["DeepSeek-V2-Lite"].total_params * 2)  # bf16
+    # BF16 weights run BF16 on an H100 too (nothing to keep in FP8); DeepSeek-V3's FP8 weights run FP8
+    assert sim_engine("H100", model="DeepSeek-V2-Lite").capabilities.precision == "bf16"
+    assert sim_engine("H100", model="DeepSeek-V3", gpu_count=16).capabilities.precision == "fp8"
+    # 80 GB x 0.9 less ~31 GB of weights, 31104 bytes a token: about 1.3M tokens of cache
+    assert lite.roofline.kv_capacity_tokens == pytest.approx((72e9 - 31.4e9) / 31104, rel=0.01)
+    assert lite.roofline.decode_step_s(1, 0) < sim_engine("A100").roofline.decode_step_s(1, 0)  # 2.4B < 8B active
+    with pytest.raises(ValueError, match="leave no KV cache"):
+        sim_engine("H200", model="DeepSeek-V3")  # 671 GB of FP8 weights on one 141 GB GPU
+    assert sim_engine("H200", model="DeepSeek-V3", gpu_count=8).roofline.kv_capacity_tokens > 0
+
+
+def test_model_profile_errors_name_the_key():
+    for env, message in [({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V4"}, "model: unknown profile 'DeepSeek-V4'"),
+                         ({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V2-Lite",
+                           "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16"},
+                          "model: 'DeepSeek-V2-Lite' sets the sizes; total_params_b must be left unset")]:
+        with pytest.raises(ConfigError, match=message):
+            load_worker_config_with(env)
