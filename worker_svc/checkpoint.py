@@ -22,7 +22,7 @@ from worker_svc.model import Linear, ModelArgs, Transformer
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
+_SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -49,7 +49,8 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     model_type = config.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine (need deepseek_v3)")
+        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine "
+                              f"(need {' or '.join(_SUPPORTED_MODEL_TYPES)})")
     quant = config.get("quantization_config")
     if quant is not None and (quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]):
         raise CheckpointError(f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)")
@@ -95,9 +96,15 @@ def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_ope
 _ABSORBED_WEIGHT = ".self_attn.kv_b_proj.weight"
 
 
+_FP8_LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")
+_INDEXER_HEAD_WEIGHTS = ".indexer.weights_proj."
+
+
 def is_fp8_linear(name: str) -> bool:
-    """Linear weights a DeepSeek-V3 checkpoint stores in FP8 (not embed, lm_head, norms, gate)."""
-    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+    """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate, and not
+    the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
+    return (name.startswith("model.layers.") and name.endswith(_FP8_LINEAR_SUFFIXES)
+            and _INDEXER_HEAD_WEIGHTS not in name)  # fmt: skip
 
 
 class _ShardReader:
@@ -145,8 +152,9 @@ def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tup
 
 
 def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    # the router stays in float32 (as HF keeps it): expert choice must not flip with the serving dtype
-    return torch.float32 if ".mlp.gate." in name else dtype
+    # the router and the indexer's head weights stay in float32 (as HF keeps them): expert and token
+    # choice must not flip with the serving dtype
+    return torch.float32 if ".mlp.gate." in name or _INDEXER_HEAD_WEIGHTS in name else dtype
 
 
 def load_checkpoint(

@@ -1,18 +1,22 @@
-"""transformers' DeepseekV3ForCausalLM holding our weights: the reference the
-correctness tests and the throughput benchmark compare the engine against."""
+"""transformers' DeepseekV3ForCausalLM (DeepseekV32ForCausalLM for a V3.2 config) holding our weights:
+the reference the correctness tests and the throughput benchmark compare the engine against."""
 from __future__ import annotations
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
 
 from worker_svc.model import Transformer
 
+_CLASSES = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+            "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM)}  # fmt: skip
 
-def transformers_model(ours: Transformer, config: dict) -> DeepseekV3ForCausalLM:
+
+def transformers_model(ours: Transformer, config: dict) -> DeepseekV3ForCausalLM | DeepseekV32ForCausalLM:
     """transformers' model from the same config, holding our dequantized FP32 weights."""
-    hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k != "quantization_config"})
+    config_class, model_class = _CLASSES[config["model_type"]]
+    hf_config = config_class(**{k: v for k, v in config.items() if k != "quantization_config"})
     hf_config._attn_implementation = "eager"
-    hf = DeepseekV3ForCausalLM(hf_config).float().eval()
+    hf = model_class(hf_config).float().eval()
     state = ours.state_dict()
     hf_state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()
                 if ".experts." not in k}
