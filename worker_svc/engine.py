@@ -292,7 +292,8 @@ class Engine:
         caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
-        caps = dataclasses.replace(caps, weight_bytes=weight_bytes)
+        caps = dataclasses.replace(caps, weight_bytes=weight_bytes, model_type=config["model_type"],
+                                   index_topk=model.args.index_topk)  # fmt: skip
         context = config["max_position_embeddings"]
         if max_model_len is not None and not 0 < max_model_len <= context:
             raise ValueError(f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)")

@@ -15,12 +15,13 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV32ForCausalLM
 
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
-from worker_svc.config import CacheSection, ParallelSection
+from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
 from worker_svc.engine import Engine, GenerationRequest, SamplingParams
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token, latent_bytes_per_token
 from worker_svc.model import Transformer
+from worker_svc.server import worker_info
 from worker_svc.tiny_model import TINY_DSA
 
 # FP32 on both sides; observed max |diff| ~4e-6 on logits of magnitude ~3.5.
@@ -155,6 +156,8 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
             results = await asyncio.gather(*runs)
         assert "preempting" in caplog.text
         again = await _ids(engine, GenerationRequest("again", None, prompts[2], params))
+        caps = worker_info(WorkerConfig(), engine, "127.0.0.1:1").capabilities
+        assert (caps.model_type, caps.index_topk) == ("deepseek_v32", TOPK)  # what the router is told
     finally:
         await engine.close()
     hf = v32_reference.hf
