@@ -170,6 +170,9 @@ def load_checkpoint(
     config = read_config(model_dir)
     args = ModelArgs.from_config(config)
     keep_fp8 = dtype == FP8
+    if keep_fp8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
+        raise CheckpointError(f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
+                              "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16")
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
         model = Transformer(args)

@@ -6,15 +6,21 @@ with `index_n_heads` small query heads q[h], one key k[t] per token (cached next
 and per-query head weights w (weights_proj(x) / sqrt(index_n_heads)), then keeps the `index_topk`
 best. MLA attends only to those: its cost per query is flat past index_topk, while the scoring
 stays linear in the context, over index_n_heads x index_head_dim per token. The formulas are those
-of transformers' DeepseekV32Indexer; DeepSeek's code computes the same scores from FP8 operands
-after a Hadamard rotation (which leaves the dot products unchanged).
+of transformers' DeepseekV32Indexer. DeepSeek's code computes the same scores from FP8 operands
+after a Hadamard rotation (which leaves the dot products unchanged and spreads outliers before the
+quantization); `select_tokens_fp8` does so where the model serves FP8 weights (sm90), and selects
+nearly, not exactly, the same tokens (docs/BENCHMARKS.md).
 
 Long prefill chunks are processed in slices of queries so that no intermediate tensor holds more
 than `_MAX_ELEMENTS` numbers.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from worker_svc.kernel import act_quant
 
 _MAX_ELEMENTS = 1 << 24  # 64 MiB of float32 per intermediate tensor
 
@@ -43,6 +49,29 @@ def select_tokens(
         index = torch.einsum("bsh,bsht->bst", weights[:, part], scores) + mask[:, part]
         picked.append(index.topk(topk, dim=-1).indices)
     return torch.cat(picked, dim=1)
+
+
+def select_tokens_fp8(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, topk: int, softmax_scale: float
+) -> torch.Tensor:
+    """select_tokens with DeepSeek's FP8 scoring: q and k rotated by a Hadamard matrix, quantized to FP8 E4M3
+    with one scale per vector, their FP8 products summed in float32 and scaled back."""
+    rotation = _hadamard(q.size(-1), q.device)
+    q_fp8, q_scale = act_quant((q.float() @ rotation).contiguous(), q.size(-1))  # scales [b, s, heads, 1]
+    k_fp8, k_scale = act_quant((keys.float() @ rotation).contiguous(), keys.size(-1))  # [b, L, 1]
+    weights = weights * q_scale.squeeze(-1)  # relu(c x) = c relu(x) for the positive scales
+    return select_tokens(q_fp8.float(), weights, k_fp8.float() * k_scale, mask, topk, softmax_scale)
+
+
+@functools.cache
+def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal [dim, dim] Sylvester-Hadamard matrix (dim a power of two)."""
+    if dim & (dim - 1):
+        raise ValueError(f"FP8 indexer scoring needs a power-of-two index_head_dim, got {dim}")
+    h = torch.ones(1, 1, device=device)
+    while h.size(0) < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h * dim**-0.5
 
 
 def sparse_attend(

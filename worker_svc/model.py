@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.indexer import select_tokens, sparse_attend
+from worker_svc.indexer import select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
 
@@ -372,6 +372,8 @@ class Indexer(nn.Module):
         keys = cache.index_k[self.layer_id]
         keys.index_copy_(0, layout.write_slots, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5  # [T, Hi]
+        # where the weights are served in FP8 (sm90), score in FP8 as DeepSeek's code does
+        select = select_tokens if self.wq_b.weight_scale_inv is None else select_tokens_fp8
         selections: list[torch.Tensor | None] = []
         for group in layout.groups:
             if group.key_slots.size(1) <= a.index_topk:
@@ -379,10 +381,9 @@ class Indexer(nn.Module):
                 continue
             end = group.token_start + group.batch * group.seqlen
             shape = (group.batch, group.seqlen)
-            selections.append(select_tokens(q[group.token_start : end].unflatten(0, shape),
-                                            weights[group.token_start : end].unflatten(0, shape),
-                                            keys[group.key_slots], group.mask, a.index_topk,
-                                            self.softmax_scale))  # fmt: skip
+            selections.append(select(q[group.token_start : end].unflatten(0, shape),
+                                     weights[group.token_start : end].unflatten(0, shape),
+                                     keys[group.key_slots], group.mask, a.index_topk, self.softmax_scale))
         return selections
 
     def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
