@@ -6,8 +6,9 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
+V32_DIR := models/tiny-deepseek-v32
 
-.PHONY: all venv proto model run test bench clean
+.PHONY: all venv proto model model-v32 run test bench clean
 
 all: proto model
 
@@ -32,6 +33,12 @@ $(MODEL_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
 
 model: $(MODEL_DIR)/config.json
 
+# The same tiny model as DeepSeek-V3.2 (sparse attention): `make model-v32`, then `--model $(V32_DIR)`.
+$(V32_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model $(V32_DIR) --v32
+
+model-v32: $(V32_DIR)/config.json
+
 run: proto model
 	$(PY) -m infermesh run
 
@@ -39,4 +46,4 @@ test: proto model
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V32_DIR)

@@ -10,19 +10,24 @@ token keeps DeepSeek-V3.2's ratio of full attention to indexer work per token (1
 The cache is filled with random latents and keys up to the context length, so no prefill is needed
 to measure a step at 16k tokens. Float32, no autograd, on --device.
 
-Per context length L, medians of --repeats:
+Per context length L, the fastest of --repeats (after one warm-up run). On a CPU the time is this
+process's CPU time with --threads torch threads (default 1): on a shared machine, wall time mostly
+measures the neighbours (a run queue of 8-17 on 2 cores gave 3x differences between identical
+runs), CPU time only the work done, still inflated somewhat by the neighbours' use of caches and
+memory bandwidth. On CUDA it is wall time around synchronized calls.
 - decode: one forward step of --batch sequences at position L (whole model: projections, MoE, lm_head);
 - prefill: one forward step of a --chunk-token prompt chunk ending at position L (chunked prefill);
 - the attention split of one layer for the same queries: V3's full MLA over the L cached tokens,
   V3.2's indexer scoring (select_tokens: linear in L over index_n_heads x index_head_dim per token)
-  and its sparse MLA over the selected index_topk tokens (flat past index_topk).
+  and its sparse MLA over the selected index_topk tokens (flat past index_topk);
+- agreement: the share of the chunk's selected tokens that DeepSeek's FP8 scoring (select_tokens_fp8,
+  used where the weights are served in FP8) selects too, on the same random queries and keys.
 Prints the V3.2 / V3 ratios and the first context length where V3.2's decode step is cheaper.
 Only torch is needed (it runs with plain python3 on a GPU machine with --device cuda).
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.indexer import select_tokens, sparse_attend  # noqa: E402
+from worker_svc.indexer import select_tokens, select_tokens_fp8, sparse_attend  # noqa: E402
 from worker_svc.model import AttentionGroup, KVCache, ModelArgs, Transformer  # noqa: E402
 
 ARGS = dict(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16, max_seq_len=32768, q_lora_rank=256,
@@ -62,30 +67,32 @@ def filled_cache(model: Transformer, batch: int, length: int) -> KVCache:
     return cache
 
 
-def median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def fastest_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        times.append(clock() - start)
+    return min(times[1:])
 
 
 def step_s(model: Transformer, cache: KVCache, batch: int, seqlen: int, start: int, repeats: int,
            device: torch.device) -> float:  # fmt: skip
     tokens = torch.randint(5, ARGS["vocab_size"], (batch, seqlen), device=device)
-    return median_s(lambda: model(tokens, start, cache), repeats, device)
+    return fastest_s(lambda: model(tokens, start, cache), repeats, device)
 
 
 @torch.inference_mode()
 def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int, length: int, repeats: int,
-                      device: torch.device) -> tuple[float, float, float]:  # fmt: skip
-    """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer scoring, sparse MLA);
-    the last two nan where no query sees more than index_topk tokens (the model attends densely then)."""
+                      device: torch.device) -> tuple[float, float, float, float]:  # fmt: skip
+    """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer scoring, sparse MLA,
+    FP8 scoring's agreement); all but the first nan where no query sees more than index_topk tokens (the model
+    attends densely then)."""
     a, mla = v32.args, v32.layers[0].self_attn
     positions = torch.arange(length - seqlen, length, device=device).expand(batch, seqlen)
     key_slots = torch.arange(batch, device=device).unsqueeze(1) * cache.block_size + torch.arange(length, device=device)
@@ -98,32 +105,38 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
     def select() -> torch.Tensor:
         return select_tokens(q_index, weights, index_keys, group.mask, a.index_topk, mla.indexer.softmax_scale)
 
-    full = median_s(lambda: mla._attend(query, group, layer_cache, None), repeats, device)
+    full = fastest_s(lambda: mla._attend(query, group, layer_cache, None), repeats, device)
     if length <= a.index_topk:
-        return full, float("nan"), float("nan")
+        return full, float("nan"), float("nan"), float("nan")
     selected = select()
+    fp8 = select_tokens_fp8(q_index, weights, index_keys, group.mask, a.index_topk, mla.indexer.softmax_scale)
+    agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
     q = query.unflatten(0, (batch, seqlen))
-    scoring = median_s(select, repeats, device)
-    sparse = median_s(lambda: sparse_attend(q, layer_cache, key_slots, group.mask, selected, mla.softmax_scale,
+    scoring = fastest_s(select, repeats, device)
+    sparse = fastest_s(lambda: sparse_attend(q, layer_cache, key_slots, group.mask, selected, mla.softmax_scale,
                                             a.kv_lora_rank), repeats, device)  # fmt: skip
-    return full, scoring, sparse
+    return full, scoring, sparse, agreement
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 3072, 4096, 8192, 16384])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--batch", type=int, default=1, help="decode batch")
-    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk (the engine's prefill_chunk_size)")
+    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (the engine's default is 256)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
     ns = parser.parse_args()
     device = torch.device(ns.device)
+    if device.type == "cpu":
+        torch.set_num_threads(ns.threads)
     v3, v32 = build(device)
-    print(f"torch {torch.__version__}, {device} ({torch.get_num_threads()} threads), float32; "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {device} ({name}), float32; "
           f"index_topk {DSA['index_topk']}, decode batch {ns.batch}, prefill chunk {ns.chunk}")
     print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} {'ratio':>6} | {'prefill chunk ms: V3':>20} "
           f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} {'indexer':>7} {'sparse':>7} | "
-          f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7}")
+          f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}")
     crossover = None
     for length in ns.contexts:
         row = []
@@ -139,10 +152,10 @@ def main() -> None:
         (d3, c3), (d32, c32) = row
         if crossover is None and d32 < d3:
             crossover = length
-        ms = [1e3 * t for t in (*split_decode, *split_chunk)]
+        ms = [1e3 * t for t in (*split_decode[:3], *split_chunk[:3])]
         print(f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} {d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
               f"{1e3 * c32:>7.1f} {c32 / c3:>6.2f} | {ms[0]:>23.3f} {ms[1]:>7.3f} {ms[2]:>7.3f} | "
-              f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f}")
+              f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f} | {split_chunk[3]:>13.4f}")
     print(f"V3.2's decode step is cheaper than V3's from context {crossover} on" if crossover
           else "V3.2's decode step was not cheaper at any context measured")
 

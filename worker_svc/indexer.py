@@ -92,10 +92,11 @@ def sparse_attend(
     out = []
     for part in query_slices(seqlen, batch * selected.size(-1) * (width + heads)):
         chosen = selected[:, part]  # [b, s', k]
-        slots = key_slots.gather(1, chosen.flatten(1)).view_as(chosen)
-        keys = layer_cache[slots]  # [b, s', k, c + r]
+        slots = key_slots.gather(1, chosen.flatten(1))
+        keys = layer_cache.index_select(0, slots.flatten()).view(*chosen.shape, width)  # [b, s', k, c + r]
         scores = torch.einsum("bshc,bskc->bshk", q[:, part], keys) * softmax_scale
-        scores = scores + mask[:, part].gather(2, chosen).unsqueeze(2)
+        scores += mask[:, part].gather(2, chosen).unsqueeze(2)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
-        out.append(torch.einsum("bshk,bskc->bshc", probs, keys[..., :latent_dim]))
+        # all c + r columns: one contiguous GEMM operand; the r rope columns are dropped after
+        out.append(torch.einsum("bshk,bskc->bshc", probs, keys)[..., :latent_dim])
     return torch.cat(out, dim=1)
