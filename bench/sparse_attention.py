@@ -22,7 +22,8 @@ memory bandwidth. On CUDA it is wall time around synchronized calls.
   and its sparse MLA over the selected index_topk tokens (flat past index_topk);
 - agreement: the share of the chunk's selected tokens that DeepSeek's FP8 scoring (select_tokens_fp8,
   used where the weights are served in FP8) selects too, on the same random queries and keys.
-Prints the V3.2 / V3 ratios and the first context length where V3.2's decode step is cheaper.
+Prints the V3.2 / V3 ratios and the first context lengths where V3.2's decode step and prefill chunk
+take under 95% of V3's (smaller differences are within this machine's noise).
 Only torch is needed (it runs with plain python3 on a GPU machine with --device cuda).
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ ARGS = dict(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16, ma
             kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, moe_inter_dim=256,
             n_dense_layers=1, n_routed_experts=8, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
 DSA = dict(index_topk=2048, index_n_heads=8, index_head_dim=128)
+_CHEAPER = 0.95  # V3.2 / V3 time ratio that counts as cheaper
 
 
 def build(device: torch.device) -> tuple[Transformer, Transformer]:
@@ -137,7 +139,7 @@ def main() -> None:
     print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} {'ratio':>6} | {'prefill chunk ms: V3':>20} "
           f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} {'indexer':>7} {'sparse':>7} | "
           f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}")
-    crossover = None
+    crossover: dict[str, int] = {}
     for length in ns.contexts:
         row = []
         for model in (v3, v32):
@@ -150,14 +152,17 @@ def main() -> None:
         split_chunk = attention_split_s(v32, cache, 1, ns.chunk, length, ns.repeats, device)
         del cache
         (d3, c3), (d32, c32) = row
-        if crossover is None and d32 < d3:
-            crossover = length
+        for what, ratio in (("decode step", d32 / d3), ("prefill chunk", c32 / c3)):
+            if ratio < _CHEAPER and what not in crossover:
+                crossover[what] = length
         ms = [1e3 * t for t in (*split_decode[:3], *split_chunk[:3])]
         print(f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} {d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
               f"{1e3 * c32:>7.1f} {c32 / c3:>6.2f} | {ms[0]:>23.3f} {ms[1]:>7.3f} {ms[2]:>7.3f} | "
               f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f} | {split_chunk[3]:>13.4f}")
-    print(f"V3.2's decode step is cheaper than V3's from context {crossover} on" if crossover
-          else "V3.2's decode step was not cheaper at any context measured")
+    for what in ("decode step", "prefill chunk"):
+        at = crossover.get(what)
+        print(f"V3.2's {what} is cheaper than V3's from context {at} on" if at
+              else f"V3.2's {what} was not cheaper at any context measured")
 
 
 if __name__ == "__main__":
