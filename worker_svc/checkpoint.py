@@ -1,4 +1,4 @@
-"""Load a DeepSeek-V3 HF-format checkpoint directory into a `Transformer`.
+"""Load a DeepSeek-V3 or V3.2 HF-format checkpoint directory into a `Transformer`.
 
 A directory holds config.json and model.safetensors, or shards listed by
 model.safetensors.index.json. Linear weights may be FP8 E4M3 with a float32

@@ -1,8 +1,9 @@
-"""DeepSeek-V3 (model_type deepseek_v3) forward pass in plain PyTorch.
+"""DeepSeek-V3 (model_type deepseek_v3) and V3.2 (deepseek_v32) forward pass in plain PyTorch.
 
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
 output, DeepSeek's "absorb" mode), sigmoid-scored group-limited MoE with shared experts,
-YaRN RoPE. Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
+YaRN RoPE; V3.2 adds DeepSeek Sparse Attention: per layer an `Indexer` picks the tokens MLA
+attends to (worker_svc.indexer). Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
 so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
