@@ -39,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.indexer import select_tokens, select_tokens_fp8, sparse_attend  # noqa: E402
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend  # noqa: E402
 from worker_svc.model import AttentionGroup, KVCache, ModelArgs, Transformer  # noqa: E402
 
 ARGS = dict(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16, max_seq_len=32768, q_lora_rank=256,
@@ -111,7 +111,8 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
     if length <= a.index_topk:
         return full, float("nan"), float("nan"), float("nan")
     selected = select()
-    fp8 = select_tokens_fp8(q_index, weights, index_keys, group.mask, a.index_topk, mla.indexer.softmax_scale)
+    fp8 = select_tokens_fp8(hadamard_rotate(q_index), weights, hadamard_rotate(index_keys), group.mask, a.index_topk,
+                            mla.indexer.softmax_scale)  # fmt: skip
     agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
     q = query.unflatten(0, (batch, seqlen))
     scoring = fastest_s(select, repeats, device)

@@ -8,8 +8,9 @@ best. MLA attends only to those: its cost per query is flat past index_topk, whi
 stays linear in the context, over index_n_heads x index_head_dim per token. The formulas are those
 of transformers' DeepseekV32Indexer. DeepSeek's code computes the same scores from FP8 operands
 after a Hadamard rotation (which leaves the dot products unchanged and spreads outliers before the
-quantization); `select_tokens_fp8` does so where the model serves FP8 weights (sm90), and selects
-nearly, not exactly, the same tokens (docs/BENCHMARKS.md).
+quantization); where the model serves FP8 weights (sm90) it rotates q and k (`hadamard_rotate`,
+keys rotated once, before they are cached) and scores with `select_tokens_fp8`, which selects nearly,
+not exactly, the same tokens (docs/BENCHMARKS.md).
 
 Long prefill chunks are processed in slices of queries so that no intermediate tensor holds more
 than `_MAX_ELEMENTS` numbers.
@@ -54,13 +55,18 @@ def select_tokens(
 def select_tokens_fp8(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, topk: int, softmax_scale: float
 ) -> torch.Tensor:
-    """select_tokens with DeepSeek's FP8 scoring: q and k rotated by a Hadamard matrix, quantized to FP8 E4M3
-    with one scale per vector, their FP8 products summed in float32 and scaled back."""
-    rotation = _hadamard(q.size(-1), q.device)
-    q_fp8, q_scale = act_quant((q.float() @ rotation).contiguous(), q.size(-1))  # scales [b, s, heads, 1]
-    k_fp8, k_scale = act_quant((keys.float() @ rotation).contiguous(), keys.size(-1))  # [b, L, 1]
+    """select_tokens with DeepSeek's FP8 scoring of Hadamard-rotated q and keys (`hadamard_rotate`): each vector
+    quantized to FP8 E4M3 with one scale, their FP8 products summed in float32 and scaled back."""
+    q_fp8, q_scale = act_quant(q.float().contiguous(), q.size(-1))  # scales [b, s, heads, 1]
+    k_fp8, k_scale = act_quant(keys.float().contiguous(), keys.size(-1))  # [b, L, 1]
     weights = weights * q_scale.squeeze(-1)  # relu(c x) = c relu(x) for the positive scales
     return select_tokens(q_fp8.float(), weights, k_fp8.float() * k_scale, mask, topk, softmax_scale)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H for the orthonormal Hadamard matrix H of x's last dimension: dot products are unchanged,
+    outliers spread over all features before an FP8 quantization."""
+    return (x.float() @ _hadamard(x.size(-1), x.device)).to(x.dtype)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.indexer import select_tokens, select_tokens_fp8, sparse_attend
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
 
@@ -278,8 +278,9 @@ class KVCache:
 
     kv: [n_layers, num_blocks * block_size, kv_lora_rank + qk_rope_head_dim], the latent (after
     kv_a_layernorm) then k_pe (after RoPE); token slot = block * block_size + offset in the block.
-    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token slot,
-    so it is allocated, freed, preempted and prefix-cached with the latent.
+    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token slot
+    (Hadamard-rotated where the indexer scores in FP8), so it is allocated, freed, preempted and
+    prefix-cached with the latent.
     Allocated by `Transformer.setup_cache`; which blocks a sequence holds is the caller's business
     (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
@@ -370,11 +371,13 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).unflatten(-1, (a.index_n_heads, a.index_head_dim))  # [T, Hi, D]
         q = self._rope(q, freqs_cis)
         k = self._rope(self.k_norm(self.wk(x)).unsqueeze(1), freqs_cis).squeeze(1)  # [T, D]
+        fp8 = self.wq_b.weight_scale_inv is not None
+        if fp8:  # served in FP8 (sm90): DeepSeek's FP8 scoring, of rotated q and k (the cache holds rotated keys)
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
         keys = cache.index_k[self.layer_id]
         keys.index_copy_(0, layout.write_slots, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5  # [T, Hi]
-        # where the weights are served in FP8 (sm90), score in FP8 as DeepSeek's code does
-        select = select_tokens if self.wq_b.weight_scale_inv is None else select_tokens_fp8
+        select = select_tokens_fp8 if fp8 else select_tokens
         selections: list[torch.Tensor | None] = []
         for group in layout.groups:
             if group.key_slots.size(1) <= a.index_topk:

@@ -18,7 +18,7 @@ from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
 from worker_svc.engine import Engine, GenerationRequest, SamplingParams
 from worker_svc.hf_reference import transformers_model
-from worker_svc.indexer import select_tokens, select_tokens_fp8
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token, latent_bytes_per_token
 from worker_svc.model import Transformer
@@ -148,7 +148,7 @@ def test_fp8_scoring_selects_nearly_the_exact_tokens():
     future = torch.arange(length) > torch.arange(length - seqlen, length).unsqueeze(1)
     mask = torch.zeros(1, seqlen, length).masked_fill_(future, float("-inf"))
     exact = select_tokens(q, weights, keys, mask, topk, dim**-0.5)[0]
-    fp8 = select_tokens_fp8(q, weights, keys, mask, topk, dim**-0.5)[0]
+    fp8 = select_tokens_fp8(hadamard_rotate(q), weights, hadamard_rotate(keys), mask, topk, dim**-0.5)[0]
     shared = [len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(exact, fp8)]
     assert 0.97 < sum(shared) / seqlen < 1
 
