@@ -6,8 +6,9 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
+V32_DIR := models/tiny-deepseek-v32
 
-.PHONY: all venv proto model model-v2 run test bench clean
+.PHONY: all venv proto model model-v2 model-v32 run test bench clean
 
 all: proto model
 
@@ -42,6 +43,11 @@ models/tiny-deepseek-v2-lite/config.json: $(GENERATED) worker_svc/tiny_model.py
 	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2-lite --v2-lite
 
 model-v2: $(addsuffix /config.json,$(V2_MODEL_DIRS))
+# The same tiny model as DeepSeek-V3.2 (sparse attention): `make model-v32`, then `--model $(V32_DIR)`.
+$(V32_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model $(V32_DIR) --v32
+
+model-v32: $(V32_DIR)/config.json
 
 run: proto model
 	$(PY) -m infermesh run
@@ -50,4 +56,4 @@ test: proto model
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS) $(V32_DIR)

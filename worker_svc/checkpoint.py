@@ -91,9 +91,15 @@ def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_ope
 _ABSORBED_WEIGHT = ".self_attn.kv_b_proj.weight"
 
 
+_FP8_LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")
+_INDEXER_HEAD_WEIGHTS = ".indexer.weights_proj."
+
+
 def is_fp8_linear(name: str) -> bool:
-    """Linear weights a DeepSeek-V3 checkpoint stores in FP8 (not embed, lm_head, norms, gate)."""
-    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+    """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate, and not
+    the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
+    return (name.startswith("model.layers.") and name.endswith(_FP8_LINEAR_SUFFIXES)
+            and _INDEXER_HEAD_WEIGHTS not in name)  # fmt: skip
 
 
 class _ShardReader:
@@ -142,8 +148,9 @@ def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tup
 
 
 def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    # the router stays in float32 (as HF keeps it): expert choice must not flip with the serving dtype
-    return torch.float32 if ".mlp.gate." in name else dtype
+    # the router and the indexer's head weights stay in float32 (as HF keeps them): expert and token
+    # choice must not flip with the serving dtype
+    return torch.float32 if ".mlp.gate." in name or _INDEXER_HEAD_WEIGHTS in name else dtype
 
 
 def load_checkpoint(
@@ -158,6 +165,9 @@ def load_checkpoint(
     model_dir = Path(model_dir)
     config, args = read_config(model_dir)
     keep_fp8 = dtype == FP8
+    if keep_fp8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
+        raise CheckpointError(f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
+                              "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16")
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
         model = Transformer(args)

@@ -127,6 +127,14 @@ class EngineSection:
     active_params_b: float | None = None  # billions read per token (MoE: the active experts)
     kv_bytes_per_token: int | None = None
     zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
+    # sim only, attention: FLOPs of one query attending to one cached token (all layers; 0 leaves its
+    # compute out). index_topk > 0 simulates DeepSeek-V3.2's sparse attention: each query attends to at
+    # most index_topk tokens, after the indexer scored all of them, reading index_bytes_per_token of
+    # cached indexer keys per token and spending index_flops_per_key per query and token.
+    attention_flops_per_key: float = 0.0
+    index_topk: int = 0
+    index_bytes_per_token: int = 0
+    index_flops_per_key: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("checkpoint", "sim"):
@@ -141,6 +149,10 @@ class EngineSection:
         sizes = self.sizes()
         if self.gpu_count < 1 or sizes.kv_bytes_per_token < 1:
             raise ValueError("need gpu_count >= 1 and kv_bytes_per_token >= 1")
+        if min(self.attention_flops_per_key, self.index_topk, self.index_bytes_per_token,
+               self.index_flops_per_key) < 0:  # fmt: skip
+            raise ValueError("attention_flops_per_key, index_topk, index_bytes_per_token and "
+                             "index_flops_per_key must be >= 0")  # fmt: skip
         if not 0 < sizes.active_params <= sizes.total_params:
             raise ValueError(f"need 0 < active_params_b ({sizes.active_params / 1e9}) "
                              f"<= total_params_b ({sizes.total_params / 1e9})")

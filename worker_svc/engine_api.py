@@ -29,6 +29,9 @@ class DeviceCapabilities:
     # The engine's own estimate for one sequence (0: unknown); the router's hardware fitness.
     decode_tokens_per_second: float = 0.0
     prefill_tokens_per_second: float = 0.0
+    # The served architecture (config.json model_type) and V3.2's sparse attention width (0: dense).
+    model_type: str = ""
+    index_topk: int = 0
 
 
 @dataclass(frozen=True)

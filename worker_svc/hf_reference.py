@@ -1,15 +1,16 @@
-"""transformers' DeepseekV3ForCausalLM or DeepseekV2ForCausalLM holding our weights: the reference
-the correctness tests and the throughput benchmark compare the engine against."""
+"""transformers' DeepseekV3ForCausalLM, DeepseekV32ForCausalLM or DeepseekV2ForCausalLM holding our weights:
+the reference the correctness tests and the throughput benchmark compare the engine against."""
 from __future__ import annotations
 
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
-                          PreTrainedModel)
+                          DeepseekV32Config, DeepseekV32ForCausalLM, PreTrainedModel)
 
 from worker_svc.model import MoE, Transformer
 
 _MODELS = {
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+    "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
     "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
 }
 

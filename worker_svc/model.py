@@ -1,9 +1,10 @@
-"""DeepSeek-V3 and DeepSeek-V2 (model_type deepseek_v3, deepseek_v2) forward pass in plain PyTorch.
+"""DeepSeek-V3, V3.2 and V2 (model_type deepseek_v3, deepseek_v32, deepseek_v2) forward pass in plain PyTorch.
 
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
 output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
 (V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
-group-limited greedy top-k), YaRN RoPE. Module and parameter names follow the HF checkpoint
+group-limited greedy top-k), YaRN RoPE; V3.2 adds DeepSeek Sparse Attention: per layer an `Indexer`
+picks the tokens MLA attends to (worker_svc.indexer). Module and parameter names follow the HF checkpoint
 (`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
 
@@ -40,6 +42,8 @@ class ModelArgs:
     groups (n_group/topk_group); route_scale multiplies the (normalised if norm_topk_prob) routing weights.
     scoring_func/topk_method: the router's scores and expert choice, one of SCORING_FUNCS / TOPK_METHODS.
     rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type "yarn").
+    index_topk/index_n_heads/index_head_dim: DeepSeek Sparse Attention (V3.2): each query attends to the
+    `index_topk` earlier tokens its lightning indexer scores highest; index_topk 0 means dense attention (V3).
     """
 
     vocab_size: int = 129280
@@ -79,6 +83,10 @@ class ModelArgs:
     mscale_all_dim: float = 0.0
     rope_attention_factor: float | None = None  # None: from the mscales
     rope_truncate: bool = True  # round the correction range to whole dimensions
+    # dsa
+    index_topk: int = 0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
 
     def __post_init__(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -88,6 +96,11 @@ class ModelArgs:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.n_dense_layers and layer_id % self.moe_layer_freq == 0
+
+    @property
+    def sparse(self) -> bool:
+        """True for a V3.2 model: MLA attends only to the tokens its indexer selects."""
+        return self.index_topk > 0
 
 
 # ---------------------------------------------------------------------------------------- rope
@@ -132,16 +145,19 @@ def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, floa
     return freqs, yarn_get_mscale(factor)
 
 
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T, rope_dim/2].
 
     HF's `apply_rotary_pos_emb_interleave` returns the same pairs de-interleaved ([evens, odds]);
-    both q and k get one layout, so every q.k dot product is identical.
+    both q and k get one layout, so every q.k dot product is identical. `interleaved=False` rotates
+    the pairs (x_i, x_{i + rope_dim/2}) instead (HF's rotate_half), as V3.2's indexer does.
     """
     dtype = x.dtype
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    y = torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).flatten(-2)
-    return y.to(dtype)
+    if interleaved:
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).flatten(-2).to(dtype)
+    xc = torch.view_as_complex(x.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous())
+    return torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).transpose(-1, -2).flatten(-2).to(dtype)
 
 
 # ------------------------------------------------------------------------------------- modules
@@ -155,6 +171,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 (the indexer's k_norm), returned in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight.float(), self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -227,6 +251,9 @@ class KVCache:
 
     kv: [n_layers, num_blocks * block_size, kv_lora_rank + qk_rope_head_dim], the latent (after
     kv_a_layernorm) then k_pe (after RoPE); token slot = block * block_size + offset in the block.
+    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token slot
+    (Hadamard-rotated where the indexer scores in FP8), so it is allocated, freed, preempted and
+    prefix-cached with the latent.
     Allocated by `Transformer.setup_cache`; which blocks a sequence holds is the caller's business
     (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
@@ -234,11 +261,15 @@ class KVCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         width = args.kv_lora_rank + args.qk_rope_head_dim
         self.kv = torch.zeros(args.n_layers, num_blocks * block_size, width, dtype=dtype, device=device)
+        self.index_k: torch.Tensor | None = None
+        if args.sparse:
+            shape = (args.n_layers, num_blocks * block_size, args.index_head_dim)
+            self.index_k = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes + (0 if self.index_k is None else self.index_k.nbytes)
 
 
 @dataclass
@@ -292,6 +323,52 @@ class BatchLayout:
         )
 
 
+class Indexer(nn.Module):
+    """V3.2's lightning indexer: picks, for every query, the index_topk tokens MLA attends to (worker_svc.indexer)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.wq_b = _linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
+        self.wk = _linear(args.dim, args.index_head_dim)
+        self.k_norm = LayerNorm(args.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)  # served in float32, as HF keeps it
+        self.softmax_scale = args.index_head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
+    ) -> list[torch.Tensor | None]:
+        """Caches each token's indexer key -> per attention group, [b, s, index_topk] selected positions,
+        or None where no query sees more than index_topk tokens (so all of them are selected)."""
+        a = self.args
+        q = self.wq_b(q_latent).unflatten(-1, (a.index_n_heads, a.index_head_dim))  # [T, Hi, D]
+        q = self._rope(q, freqs_cis)
+        k = self._rope(self.k_norm(self.wk(x)).unsqueeze(1), freqs_cis).squeeze(1)  # [T, D]
+        fp8 = self.wq_b.weight_scale_inv is not None
+        if fp8:  # served in FP8 (sm90): DeepSeek's FP8 scoring, of rotated q and k (the cache holds rotated keys)
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
+        keys = cache.index_k[self.layer_id]
+        keys.index_copy_(0, layout.write_slots, k)
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5  # [T, Hi]
+        select = select_tokens_fp8 if fp8 else select_tokens
+        selections: list[torch.Tensor | None] = []
+        for group in layout.groups:
+            if group.key_slots.size(1) <= a.index_topk:
+                selections.append(None)
+                continue
+            end = group.token_start + group.batch * group.seqlen
+            shape = (group.batch, group.seqlen)
+            selections.append(select(q[group.token_start : end].unflatten(0, shape),
+                                     weights[group.token_start : end].unflatten(0, shape),
+                                     keys[group.key_slots], group.mask, a.index_topk, self.softmax_scale))
+        return selections
+
+    def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """Non-interleaved RoPE on the leading qk_rope_head_dim features of x: [T, H, index_head_dim]."""
+        rope, rest = x.split([self.args.qk_rope_head_dim, self.args.index_head_dim - self.args.qk_rope_head_dim], -1)
+        return torch.cat([apply_rotary_emb(rope, freqs_cis, interleaved=False), rest], dim=-1)
+
+
 class MLA(nn.Module):
     """Multi-head Latent Attention; decode attends over the latent cache without expanding it."""
 
@@ -313,6 +390,7 @@ class MLA(nn.Module):
         if args.rope_factor > 1 and args.mscale_all_dim:
             self.softmax_scale *= yarn_get_mscale(args.rope_factor, args.mscale_all_dim) ** 2
         self.wq_kv_a: torch.Tensor | None = None  # set by pack(): the two projections of x as one GEMM
+        self.indexer = Indexer(args, layer_id) if args.sparse else None
 
     def pack(self) -> None:
         self.wq_kv_a = pack_linears([self._first_q_proj, self.kv_a_proj_with_mqa])
@@ -321,21 +399,23 @@ class MLA(nn.Module):
     def _first_q_proj(self) -> Linear:
         return self.q_a_proj if self.args.q_lora_rank else self.q_proj
 
-    def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim])."""
+    def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim],
+        the query latent q_a_layernorm(q_a_proj(x)) that V3.2's indexer reads; x itself without q_lora_rank)."""
         q_proj, kv_proj = self._first_q_proj, self.kv_a_proj_with_mqa
         if self.wq_kv_a is None:
             q, kv = q_proj(x), kv_proj(x)
         else:
             q, kv = dense_linear(x, self.wq_kv_a).split([q_proj.out_features, kv_proj.out_features], dim=-1)
         if self.args.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        return q, kv
+            q_latent = self.q_a_layernorm(q)
+            return self.q_b_proj(q_latent), kv, q_latent
+        return q, kv, x
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their positions."""
         a = self.args
-        q, kv = self._query_and_latent(x)
+        q, kv, q_latent = self._query_and_latent(x)
         q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
                                    a.qk_rope_head_dim], dim=-1)  # fmt: skip
         q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
@@ -349,14 +429,23 @@ class MLA(nn.Module):
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
         q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
-        out = torch.cat([self._attend(query, group, layer_cache) for group in layout.groups])  # [T, H, c]
+        groups = layout.groups
+        chosen = [None] * len(groups) if self.indexer is None else self.indexer(x, q_latent, layout, freqs_cis, cache)
+        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen)])  # [T, H, c]
         out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
-    def _attend(self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor) -> torch.Tensor:
-        """The group's queries over its sequences' cached keys -> latent outputs [b * s, H, c]."""
+    def _attend(
+        self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor, selected: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The group's queries over its sequences' cached keys (only the `selected` ones, where the indexer
+        chose) -> latent outputs [b * s, H, c]."""
         end = group.token_start + group.batch * group.seqlen
         q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))  # [b, s, H, c + r]
+        if selected is not None:
+            out = sparse_attend(q, layer_cache, group.key_slots, group.mask, selected, self.softmax_scale,
+                                self.args.kv_lora_rank)  # fmt: skip
+            return out.flatten(0, 1)
         keys = layer_cache[group.key_slots]  # [b, L, c + r]
         scores = torch.einsum("bshc,btc->bsht", q, keys) * self.softmax_scale + group.mask.unsqueeze(2)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)

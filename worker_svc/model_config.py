@@ -33,6 +33,17 @@ SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
         "tie_word_embeddings": (False,),  # lm_head is a weight of its own
         "rope_type": ("default", "yarn"),
     },
+    # V3.2: V3 plus DeepSeek Sparse Attention, whose indexer fields _dsa_args reads from the file itself.
+    "deepseek_v32": {
+        "topk_method": ("noaux_tc",),
+        "scoring_func": ("sigmoid",),
+        "moe_layer_freq": (1,),
+        "hidden_act": ("silu",),
+        "attention_bias": (False,),
+        "rope_interleave": (True,),
+        "tie_word_embeddings": (False,),
+        "rope_type": ("default", "yarn"),
+    },
     # DeepseekV2Config has no scoring_func (its model is softmax) and reads n_group/topk_group only for
     # group_limited_greedy; moe_layer_freq is any positive integer (model.ModelArgs.is_moe_layer).
     "deepseek_v2": {
@@ -95,7 +106,29 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
         topk_method=chosen["topk_method"],
         moe_layer_freq=getattr(hf, "moe_layer_freq", 1),
         **_rope_args(hf, _rope_spelling(config)),
+        **_dsa_args(config),
     )
+
+
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
+
+
+def _dsa_args(config: dict[str, Any]) -> dict[str, int]:
+    """The indexer's fields of a deepseek_v32 config.json, read from the file itself: transformers' defaults
+    would hide a missing one, and a V3.2 checkpoint without its indexer sizes cannot be served."""
+    if config.get("model_type") != "deepseek_v32":
+        return {}
+    for field in _DSA_FIELDS:
+        if config.get(field) is None:
+            raise ConfigError(f"{field}: missing (deepseek_v32 needs {', '.join(_DSA_FIELDS)})")
+        if not (_is_int(config[field]) and config[field] > 0):
+            raise ConfigError(f"{field}: must be a positive integer, got {config[field]!r}")
+    if not config.get("q_lora_rank"):
+        raise ConfigError("q_lora_rank: deepseek_v32's indexer reads the query latent, so it must be set")
+    if config["index_head_dim"] < config["qk_rope_head_dim"]:
+        raise ConfigError(f"index_head_dim: {config['index_head_dim']} is smaller than qk_rope_head_dim "
+                          f"{config['qk_rope_head_dim']}, the indexer's rope part")  # fmt: skip
+    return {field: config[field] for field in _DSA_FIELDS}
 
 
 def _normalised(config: dict[str, Any]) -> PreTrainedConfig:

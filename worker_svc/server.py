@@ -223,7 +223,8 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
             memory_total_bytes=caps.memory_total_bytes, weight_bytes=caps.weight_bytes,
             max_parallel=parallel.max_parallel,
             decode_tokens_per_second=caps.decode_tokens_per_second,
-            prefill_tokens_per_second=caps.prefill_tokens_per_second))
+            prefill_tokens_per_second=caps.prefill_tokens_per_second,
+            model_type=caps.model_type, index_topk=caps.index_topk))
 
 
 async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:

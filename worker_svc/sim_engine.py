@@ -5,9 +5,15 @@ so routing can be tested and benchmarked on hardware that is not there. Time fol
 roofline of a profile in gpu_profiles.toml for a configured model size (or a model of
 model_profiles.toml):
 
-- prefill: uncached prompt tokens x 2 x active params / FLOP/s (prefix-cache hits are free);
+- prefill: (uncached prompt tokens x 2 x active params + attention FLOPs) / FLOP/s (prefix-cache
+  hits are free);
 - each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
-  plus batch x 2 x active params / FLOP/s.
+  plus (batch x 2 x active params + attention FLOPs) / FLOP/s.
+
+Attention FLOPs count each query's attended tokens (`attention_flops_per_key` each). A DeepSeek-V3.2
+model (`index_topk` > 0, sparse attention) attends to at most index_topk tokens and reads only their
+KV bytes; its indexer still scores the whole context (`index_flops_per_key`, `index_bytes_per_token`),
+so past index_topk a step costs the indexer's linear term, not full attention's.
 
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
@@ -56,6 +62,10 @@ class Roofline:
     active_params: float
     kv_bytes_per_token: int
     memory_utilization: float = 0.9  # of device memory for weights and the KV cache
+    attention_flops_per_key: float = 0.0  # one query attending to one cached token, all layers
+    index_topk: int = 0  # sparse attention (V3.2): tokens each query attends to; 0: dense
+    index_bytes_per_token: int = 0  # V3.2: the indexer's cached key per token, all layers
+    index_flops_per_key: float = 0.0  # V3.2: the indexer scoring one cached token for one query
 
     @property
     def weight_bytes(self) -> int:
@@ -68,15 +78,45 @@ class Roofline:
     @property
     def kv_capacity_tokens(self) -> int:
         return int((self.memory_bytes * self.memory_utilization - self.weight_bytes)
-                   // self.kv_bytes_per_token)
+                   // (self.kv_bytes_per_token + self.index_bytes_per_token))
 
-    def prefill_s(self, tokens: int) -> float:
-        return tokens * 2 * self.active_params / (self.profile.peak_flops * self.gpu_count)
+    def attended(self, context_tokens: int) -> int:
+        """Cached tokens one query attends to: all, or with sparse attention at most index_topk."""
+        return min(context_tokens, self.index_topk) if self.index_topk else context_tokens
 
-    def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        read = self.active_params * self.profile.bytes_per_weight + context_tokens * self.kv_bytes_per_token
+    def prefill_s(self, tokens: int, start: int = 0) -> float:
+        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending to its context."""
+        flops = (tokens * 2 * self.active_params
+                 + self.attention_flops_per_key * _keys_attended(start, tokens, self.index_topk))
+        if self.index_topk:
+            flops += self.index_flops_per_key * _keys_attended(start, tokens, 0)
+        return flops / (self.profile.peak_flops * self.gpu_count)
+
+    def decode_step_s(self, batch: int, context_tokens: int, attended_tokens: int | None = None) -> float:
+        """One token for each of `batch` sequences holding `context_tokens` in all; `attended_tokens`: the
+        sum of their `attended(context)` (the default, all of the context, is right for dense attention)."""
+        attended = context_tokens if attended_tokens is None else attended_tokens
+        read = self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
+        flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
+        if self.index_topk:
+            read += context_tokens * self.index_bytes_per_token
+            flops += context_tokens * self.index_flops_per_key
         return (read / (self.profile.bandwidth_bytes_per_s * self.gpu_count)
-                + batch * 2 * self.active_params / (self.profile.peak_flops * self.gpu_count))
+                + flops / (self.profile.peak_flops * self.gpu_count))
+
+
+def _keys_attended(start: int, tokens: int, cap: int) -> int:
+    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap` (0: no cap)."""
+    end = start + tokens
+
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    if not cap or end <= cap:
+        return triangle(end) - triangle(start)
+    if start >= cap:
+        return tokens * cap
+    return triangle(cap) - triangle(start) + (end - cap) * cap
 
 
 @dataclass(eq=False)
@@ -121,7 +161,8 @@ class SimEngine:
             compute_capability=profile.compute_capability, precision=profile.precision,
             memory_total_bytes=roofline.memory_bytes, weight_bytes=roofline.weight_bytes,
             decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
-            prefill_tokens_per_second=1 / roofline.prefill_s(1))
+            prefill_tokens_per_second=1 / roofline.prefill_s(1),
+            model_type="deepseek_v32" if roofline.index_topk else "deepseek_v3", index_topk=roofline.index_topk)
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._max_waiting = max_waiting
@@ -146,7 +187,8 @@ class SimEngine:
         sizes = e.sizes()
         profile = gpu_profiles()[e.gpu] if sizes.fp8_weights else gpu_profiles()[e.gpu].without_fp8()
         roofline = Roofline(profile, e.gpu_count, sizes.total_params, sizes.active_params,
-                            sizes.kv_bytes_per_token, cache.gpu_memory_utilization)
+                            sizes.kv_bytes_per_token, cache.gpu_memory_utilization, e.attention_flops_per_key,
+                            e.index_topk, e.index_bytes_per_token, e.index_flops_per_key)
         parallel = config.parallel.resolved(profile.device, profile.device_name)
         return cls(roofline, max_parallel=parallel.max_parallel, max_waiting=parallel.max_waiting,
                    max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
@@ -287,10 +329,12 @@ class SimEngine:
             self._emitted_in_window += emitted
 
     def _step_s(self, batch: list[_Sequence]) -> float:
-        prefill = sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled)
-        decoding = [s for s in batch if s.prefilled]
-        decode = self.roofline.decode_step_s(len(decoding), sum(s.context_tokens for s in decoding))
-        return self.roofline.prefill_s(prefill) + (decode if decoding else 0.0)
+        roofline = self.roofline
+        prefill = sum(roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
+                      for s in batch if not s.prefilled)  # fmt: skip
+        contexts = [s.context_tokens for s in batch if s.prefilled]
+        decode = roofline.decode_step_s(len(contexts), sum(contexts), sum(map(roofline.attended, contexts)))
+        return prefill + (decode if contexts else 0.0)
 
     def _advance(self, seq: _Sequence) -> None:
         """Emits the sequence's next token; the first one ends its prefill."""

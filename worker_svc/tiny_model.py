@@ -1,6 +1,6 @@
 """Write a tiny random DeepSeek-V3 (or V2) checkpoint in exactly the real on-disk format.
 
-    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite]
+    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
@@ -8,6 +8,9 @@ e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE
 DeepSeek's special tokens and chat template, and generation_config.json. The DeepSeek-V2 ones
 (`--v2`, `--v2-lite`) are BF16 throughout with no quantization_config, no routing bias and no MTP
 layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducible: the same call writes byte-identical files.
+`--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint instead: the same model plus each
+layer's sparse-attention indexer (FP8 wq_b and wk, BF16 k_norm and weights_proj), with an index_topk
+small enough that short prompts exercise the sparsity.
 """
 from __future__ import annotations
 
@@ -60,8 +63,13 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 """
 
 
-def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
-    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null."""
+# V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
+TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
+
+
+def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) -> dict[str, Any]:
+    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null (kept for
+    `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's indexer."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -126,6 +134,9 @@ def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
                 "type": "yarn",
             },
         )
+    if v32:
+        config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=192,
+                      **TINY_DSA)  # fmt: skip
     return config
 
 
@@ -242,10 +253,11 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, seed: int = _SEED) -> Path:
-    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`) to out_dir."""
+def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, seed: int = _SEED) -> Path:
+    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`: DeepSeek-V3.2) to out_dir."""
     tok = train_tokenizer()
-    return _write_checkpoint(Path(out_dir), tok, tiny_config(tok.get_vocab_size(), variant=variant), seed + variant)
+    config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32)
+    return _write_checkpoint(Path(out_dir), tok, config, seed + variant)
 
 
 def bench_config() -> dict[str, Any]:
@@ -303,13 +315,16 @@ def main(argv: list[str] | None = None) -> None:
     kind.add_argument("--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model")
     kind.add_argument("--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy")
     kind.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy")
+    parser.add_argument("--v32", action="store_true", help="DeepSeek-V3.2: add the sparse-attention indexer")
     ns = parser.parse_args(argv)
+    if ns.bench and ns.v32:
+        parser.error("--v32 applies to the tiny model and --variant, not --bench")
     if ns.bench:
         print(write_bench_checkpoint(ns.out_dir))
     elif ns.v2 or ns.v2_lite:
         print(write_v2_checkpoint(ns.out_dir, lite=ns.v2_lite))
     else:
-        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant))
+        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant, v32=ns.v32))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,18 @@ def v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_v2_checkpoint(tmp_path_factory.mktemp("v2-lite"), lite=True)
 
 
+@pytest.fixture(scope="session")
+def v32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as DeepSeek-V3.2: each layer with a sparse-attention indexer (index_topk 12)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v32"), v32=True)
+
+
+@pytest.fixture(scope="session")
+def v32_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The V3.2 checkpoint with the variant's YaRN, n_group 4 / topk_group 2 and 3 layers."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v32-variant"), variant=True, v32=True)
+
+
 @pytest.fixture(params=["tiny", "variant", "v2", "v2_lite"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")

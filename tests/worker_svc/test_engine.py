@@ -345,7 +345,7 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
         first = await _run(engine, _request(params, prompt=prompts[0]))
         together = await asyncio.gather(
             *(_run(engine, _request(params, prompt=p, request_id=str(i))) for i, p in enumerate(prompts)))
-        hf = transformers_model(engine.model, read_config(model_dir))
+        hf = transformers_model(engine.model, read_config(model_dir)[0])
     finally:
         await engine.close()
     assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)  # the shared prefix was reused

@@ -53,6 +53,38 @@ def test_roofline_orders_the_gpus_and_grows_with_batch_and_prompt():
     assert h100.decode_step_s(1, 0) == pytest.approx(8e9 / 3.35e12, rel=0.05)
 
 
+# DeepSeek-V3(.2) on 8 x H200, as the simulated fleet configures them: 61 layers of MLA with 128 heads;
+# a latent of 512 + 64 in BF16; V3.2's indexer: 64 heads of 128, keys in FP8 with one float32 scale.
+_MLA = {"total_params_b": 671, "active_params_b": 37, "gpu_count": 8, "kv_bytes_per_token": 61 * 576 * 2,
+        "attention_flops_per_key": 61 * 128 * 2 * (576 + 512)}
+_DSA = {"index_topk": 2048, "index_bytes_per_token": 61 * (128 + 4), "index_flops_per_key": 61 * 64 * 2 * 128}
+
+
+def test_sparse_attention_past_index_topk_costs_only_the_indexer():
+    v3, v32 = sim_engine("H200", **_MLA).roofline, sim_engine("H200", **_MLA, **_DSA).roofline
+    topk, profile = _DSA["index_topk"], v32.profile
+    assert v32.decode_step_s(1, 1000, v32.attended(1000)) > v3.decode_step_s(1, 1000)  # the indexer's extra
+    batch = 64  # of 64k-token contexts: attention, not the weights, sets the step time
+    assert v32.decode_step_s(batch, batch * 64_000, batch * topk) < v3.decode_step_s(batch, batch * 64_000) / 3
+    # past index_topk each decode step grows by the indexer's bytes and FLOPs per token only
+    per_token = (_DSA["index_bytes_per_token"] / profile.bandwidth_bytes_per_s
+                 + _DSA["index_flops_per_key"] / profile.peak_flops) / 8
+    grown = v32.decode_step_s(1, 32_000, topk) - v32.decode_step_s(1, 16_000, topk)
+    assert grown == pytest.approx(16_000 * per_token)
+    # prefill: whole prompts and a continuation after a cached prefix count each query's keys
+    assert v32.prefill_s(4000) == pytest.approx(v32.prefill_s(1000) + v32.prefill_s(3000, start=1000))
+    assert v3.prefill_s(64_000) > 2 * v32.prefill_s(64_000)
+    pairs = 1000 * 1001 // 2  # query-key pairs of a 1000-token prompt, all within index_topk
+    indexer_s = pairs * _DSA["index_flops_per_key"] / (profile.peak_flops * 8)
+    assert v32.prefill_s(1000) - v3.prefill_s(1000) == pytest.approx(indexer_s)
+    # a long prompt: every query past index_topk attends to index_topk keys
+    attended = sum(min(p + 1, topk) for p in range(5000, 9000))
+    weights_s = 4000 * 2 * 37e9 / (profile.peak_flops * 8)
+    expected = (weights_s + (attended * _MLA["attention_flops_per_key"] + sum(range(5001, 9001))
+                             * _DSA["index_flops_per_key"]) / (profile.peak_flops * 8))  # fmt: skip
+    assert v32.prefill_s(4000, start=5000) == pytest.approx(expected)
+
+
 def test_capabilities_report_the_profile():
     caps = sim_engine("H100").capabilities
     assert (caps.device, caps.device_name, caps.compute_capability, caps.precision) == \
@@ -70,7 +102,8 @@ def test_a_model_that_does_not_fit_is_refused():
 def test_engine_config_section_errors_name_the_key():
     for env, message in [({"INFERMESH_WORKER_ENGINE_KIND": "gpu"}, "kind: expected checkpoint or sim"),
                          ({"INFERMESH_WORKER_ENGINE_GPU": "B200"}, "gpu: unknown profile 'B200'"),
-                         ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b")]:
+                         ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b"),
+                         ({"INFERMESH_WORKER_ENGINE_INDEX_TOPK": "-1"}, "index_topk")]:
         with pytest.raises(ConfigError, match=message):
             load_worker_config_with(env)
 
