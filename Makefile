@@ -6,8 +6,9 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
+V32_DIR := models/tiny-deepseek-v32
 
-.PHONY: all venv proto model run test bench clean
+.PHONY: all venv proto model model-v2 model-v32 run test bench clean
 
 all: proto model
 
@@ -32,6 +33,22 @@ $(MODEL_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
 
 model: $(MODEL_DIR)/config.json
 
+# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
+V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
+
+models/tiny-deepseek-v2/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2 --v2
+
+models/tiny-deepseek-v2-lite/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2-lite --v2-lite
+
+model-v2: $(addsuffix /config.json,$(V2_MODEL_DIRS))
+# The same tiny model as DeepSeek-V3.2 (sparse attention): `make model-v32`, then `--model $(V32_DIR)`.
+$(V32_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
+	$(PY) -m worker_svc.tiny_model $(V32_DIR) --v32
+
+model-v32: $(V32_DIR)/config.json
+
 run: proto model
 	$(PY) -m infermesh run
 
@@ -44,4 +61,4 @@ bench: proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS) $(V32_DIR)

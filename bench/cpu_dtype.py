@@ -1,15 +1,22 @@
-"""Which dtype should a CPU worker serve in? BF16 vs FP32 GEMM throughput at the model's real shapes.
+"""Which dtype should a CPU worker serve in? The model's linear layers per forward pass, FP32 vs BF16.
 
-    .venv/bin/python bench/cpu_dtype.py [--config path/to/config.json ...] [--repeats 20]
+    .venv/bin/python bench/cpu_dtype.py [--config path/to/config.json ...] [--repeats 20] [--cpu-time]
 
-For every distinct linear shape of the model (q_a/q_b/kv_a/kv_b/o projections, dense MLP, expert
-and shared-expert MLPs, lm_head) and M = 1, 16, 64 tokens, times F.linear in FP32 and in BF16
-(median of --repeats runs after warm-up) and prints the per-shape times, and per model and M the
-ratio FP32 time / BF16 time over all shapes (> 1: BF16 is faster). It ends with the dtype faster
-at M >= 16 for every model (batched decode and prefill chunks; M = 1 can favour BF16 on AVX2 only
-through a memory-bound lm_head), what precision.cpu_has_native_bf16() picks, and whether they agree.
-Shapes: the tiny checkpoint (models/tiny-deepseek-v3, or its config written on the fly), a
-73M-parameter DeepSeek-V3-shaped bench config, and any --config given.
+Times the engine's own GEMM (model.dense_linear: the weight-left GEMM for FP32 decode sizes, F.linear
+otherwise) on every linear layer of one forward pass as the engine runs it: q_a|kv_a and gate|up packed,
+the MoE experts each on their share of the tokens (tokens * experts_per_tok / n_routed_experts rows, on as
+many experts as get tokens), lm_head on one row per sequence; each layer kind times its layer count. The
+router and attention are left out (the router is FP32 in both; attention is not a linear layer).
+Median of --repeats runs per GEMM after warm-up, in wall time; with --cpu-time, on one thread in that
+thread's CPU time, which does not count the time other processes hold the core (for a shared machine).
+
+Forward passes: decode steps of B = 1..64 sequences (B tokens) and one prefill chunk of 256 tokens
+(ParallelSection.prefill_chunk_size) of one sequence. Per model it prints each pass's FP32 and BF16 time
+and their ratio (> 1: BF16 faster), then the verdict on a serving mix: as many tokens generated at each
+decode batch size (a worker's batch follows its load, up to max_parallel 32 on a CPU, 64 past it) and as
+many prompt tokens, in 256-token chunks, as generated tokens. It ends with the dtype that serves that mix
+faster on every model, what the policy (precision.cpu_has_native_bf16) picks, and whether they agree.
+Models: the tiny checkpoint, the ~73M benchmark checkpoint (tiny_model.bench_config) and any --config.
 """
 from __future__ import annotations
 
@@ -17,103 +24,104 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
+from functools import cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.model import ModelArgs  # noqa: E402
+from worker_svc.model import ModelArgs, dense_linear  # noqa: E402
+from worker_svc.model_config import model_args  # noqa: E402
 from worker_svc.precision import cpu_has_native_bf16  # noqa: E402
-from worker_svc.tiny_model import write_tiny_checkpoint  # noqa: E402
+from worker_svc.tiny_model import bench_config, tiny_config  # noqa: E402
 
-TOKENS = (1, 16, 64)
-_TINY_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3"
-# 73.8M parameters: 6 layers (1 dense), 16 routed experts (4 active, 4 groups), MLA with q_lora_rank.
-BENCH_73M = ModelArgs(vocab_size=32000, dim=512, inter_dim=1024, n_layers=6, n_heads=8, max_seq_len=4096,
-                      q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                      moe_inter_dim=256, n_dense_layers=1, n_routed_experts=16, n_shared_experts=1,
-                      n_activated_experts=4, n_expert_groups=4, n_limited_groups=2)  # fmt: skip
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_CHUNK = 256
+DTYPES = (torch.float32, torch.bfloat16)
 
 
-def linear_shapes(a: ModelArgs) -> dict[str, tuple[int, int]]:
-    """name -> (out_features, in_features) of each distinct linear layer."""
-    shapes = {
-        "q_a_proj": (a.q_lora_rank, a.dim),
-        "q_b_proj": (a.n_heads * a.qk_head_dim, a.q_lora_rank),
-        "kv_a_proj_with_mqa": (a.kv_lora_rank + a.qk_rope_head_dim, a.dim),
-        "kv_b_proj": (a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
-        "o_proj": (a.dim, a.n_heads * a.v_head_dim),
-        "dense gate/up": (a.inter_dim, a.dim),
-        "dense down": (a.dim, a.inter_dim),
-        "expert gate/up": (a.moe_inter_dim, a.dim),
-        "expert down": (a.dim, a.moe_inter_dim),
-        "shared gate/up": (a.n_shared_experts * a.moe_inter_dim, a.dim),
-        "shared down": (a.dim, a.n_shared_experts * a.moe_inter_dim),
-        "lm_head": (a.vocab_size, a.dim),
-    }
-    if not a.q_lora_rank:
-        del shapes["q_a_proj"]
-        shapes["q_b_proj"] = (a.n_heads * a.qk_head_dim, a.dim)
-    return shapes
+def forward_gemms(a: ModelArgs, tokens: int, sequences: int) -> list[tuple[int, int, int, int]]:
+    """(rows, out_features, in_features, calls) of every linear layer in one forward pass of `tokens` tokens."""
+    moe_layers = a.n_layers - a.n_dense_layers
+    first_q = a.q_lora_rank if a.q_lora_rank else a.n_heads * a.qk_head_dim
+    routed = tokens * a.n_activated_experts
+    gemms = [
+        (tokens, first_q + a.kv_lora_rank + a.qk_rope_head_dim, a.dim, a.n_layers),  # q_a|kv_a (or q|kv_a)
+        (tokens, a.dim, a.n_heads * a.v_head_dim, a.n_layers),  # o_proj
+        (tokens, 2 * a.inter_dim, a.dim, a.n_dense_layers),  # dense gate|up
+        (tokens, a.dim, a.inter_dim, a.n_dense_layers),  # dense down
+        (tokens, 2 * a.n_shared_experts * a.moe_inter_dim, a.dim, moe_layers),  # shared gate|up
+        (tokens, a.dim, a.n_shared_experts * a.moe_inter_dim, moe_layers),  # shared down
+        (-(-routed // a.n_routed_experts), 2 * a.moe_inter_dim, a.dim, moe_layers * min(a.n_routed_experts, routed)),
+        (-(-routed // a.n_routed_experts), a.dim, a.moe_inter_dim, moe_layers * min(a.n_routed_experts, routed)),
+        (sequences, a.vocab_size, a.dim, 1),  # lm_head on each sequence's last token
+    ]
+    if a.q_lora_rank:
+        gemms.append((tokens, a.n_heads * a.qk_head_dim, a.q_lora_rank, a.n_layers))  # q_b
+    return [g for g in gemms if g[3] > 0]
 
 
-def time_linear(m: int, n: int, k: int, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of F.linear([m, k] @ [n, k].T) in dtype."""
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+_clock = time.perf_counter  # main() sets time.thread_time for --cpu-time
+
+
+@cache
+def time_gemm(rows: int, out_features: int, in_features: int, dtype: torch.dtype, repeats: int) -> float:
+    """Median seconds of the engine's dense_linear([rows, in] -> [rows, out]) in dtype."""
+    x, w = torch.randn(rows, in_features, dtype=dtype), torch.randn(out_features, in_features, dtype=dtype)
     for _ in range(3):
-        F.linear(x, w)
+        dense_linear(x, w)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        F.linear(x, w)
-        times.append(time.perf_counter() - start)
+        start = _clock()
+        dense_linear(x, w)
+        times.append(_clock() - start)
     return statistics.median(times)
 
 
-def bench_model(name: str, args: ModelArgs, repeats: int) -> dict[int, float]:
-    """Prints per-shape times; returns M -> FP32 time / BF16 time summed over the shapes."""
+def forward_time(a: ModelArgs, tokens: int, sequences: int, dtype: torch.dtype, repeats: int) -> float:
+    gemms = forward_gemms(a, tokens, sequences)
+    return sum(calls * time_gemm(rows, n, k, dtype, repeats) for rows, n, k, calls in gemms)
+
+
+def bench_model(name: str, a: ModelArgs, repeats: int) -> float:
+    """Prints each forward pass's times; returns the serving mix's FP32 time / BF16 time."""
     print(f"\n## {name}")
-    print(f"{'shape (N x K)':<34}" + "".join(f"{f'M={m} fp32 / bf16 us':>26}" for m in TOKENS))
-    totals = {m: [0.0, 0.0] for m in TOKENS}
-    for layer, (n, k) in linear_shapes(args).items():
-        cells = []
-        for m in TOKENS:
-            t32, t16 = time_linear(m, n, k, torch.float32, repeats), time_linear(m, n, k, torch.bfloat16, repeats)
-            totals[m][0] += t32
-            totals[m][1] += t16
-            cells.append(f"{t32 * 1e6:9.1f} / {t16 * 1e6:9.1f}")
-        print(f"{f'{layer} {n}x{k}':<34}" + "".join(f"{c:>26}" for c in cells))
-    ratios = {m: t32 / t16 for m, (t32, t16) in totals.items()}
-    print("all shapes, fp32 time / bf16 time: " + ", ".join(f"M={m}: {r:.2f}" for m, r in ratios.items()))
-    return ratios
-
-
-def tiny_args() -> ModelArgs:
-    config = _TINY_DIR / "config.json"
-    if not config.exists():
-        config = write_tiny_checkpoint(tempfile.mkdtemp()) / "config.json"
-    return ModelArgs.from_config(json.loads(config.read_text()))
+    print(f"{'forward pass':<22}{'fp32 ms':>10}{'bf16 ms':>10}{'fp32/bf16':>11}")
+    per_token = {dtype: 0.0 for dtype in DTYPES}  # the mix: seconds per generated token
+    passes = [(f"decode B={b}", b, b) for b in DECODE_BATCHES] + [(f"prefill {PREFILL_CHUNK}", PREFILL_CHUNK, 1)]
+    for label, tokens, sequences in passes:
+        t32, t16 = (forward_time(a, tokens, sequences, dtype, repeats) for dtype in DTYPES)
+        print(f"{label:<22}{t32 * 1e3:>10.3f}{t16 * 1e3:>10.3f}{t32 / t16:>11.2f}")
+        share = 1 / len(DECODE_BATCHES) if label.startswith("decode") else 1.0
+        per_token[torch.float32] += share * t32 / tokens
+        per_token[torch.bfloat16] += share * t16 / tokens
+    ratio = per_token[torch.float32] / per_token[torch.bfloat16]
+    print(f"serving mix, per generated token: fp32 {per_token[torch.float32] * 1e3:.3f} ms, "
+          f"bf16 {per_token[torch.bfloat16] * 1e3:.3f} ms, fp32/bf16 {ratio:.2f}")  # fmt: skip
+    return ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], type=Path, help="an extra config.json")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed in its own CPU time")
     ns = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
-    models = {"tiny checkpoint": tiny_args(), "bench 73M": BENCH_73M}
-    models |= {str(p): ModelArgs.from_config(json.loads(p.read_text())) for p in ns.config}
-    ratios = [r for name, args in models.items() for m, r in bench_model(name, args, ns.repeats).items() if m >= 16]
-    # M >= 16 decides: batched decode and prefill chunks, where a busy worker spends its GEMM time
+    if ns.cpu_time:
+        global _clock
+        _clock = time.thread_time
+        torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_clock.__name__}, "
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()}")  # fmt: skip
+    models = {"tiny checkpoint": model_args(tiny_config(1024)), "bench 73M": model_args(bench_config())}
+    models |= {str(p): model_args(json.loads(p.read_text())) for p in ns.config}
+    ratios = [bench_model(name, args, ns.repeats) for name, args in models.items()]
     measured = "bf16" if min(ratios) > 1 else "fp32" if max(ratios) < 1 else "mixed"
     rule = "bf16" if cpu_has_native_bf16() else "fp32"
-    print(f"\nfaster at M >= 16: {measured}; rule (cpu_has_native_bf16): {rule}; agree: {measured == rule}")
+    print(f"\nserving mix faster in: {measured}; rule (cpu_has_native_bf16): {rule}; agree: {measured == rule}")
 
 
 if __name__ == "__main__":

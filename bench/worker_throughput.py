@@ -8,7 +8,8 @@ in the dtype the precision policy picks for this machine, greedy, prompts of --p
 
 - ours: --concurrency requests started together through Engine.generate(); aggregate tokens/s is
   all completion tokens over the wall time from the start to the last token; TTFT per request;
-- transformers: DeepseekV3ForCausalLM holding the same dequantized weights, generate() on a static
+- transformers: DeepseekV3ForCausalLM (DeepseekV2ForCausalLM for a deepseek_v2 --model-dir, e.g.
+  `make model-v2`'s) holding the same dequantized weights, generate() on a static
   batch of the same prompts (its best case for that many concurrent requests), timed the same way.
 
 Prints a table with the ratio ours / transformers, TTFT p50/p99, peak RSS (after our runs, then
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import DeepseekV3ForCausalLM  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
 
 from worker_svc.hf_reference import transformers_model  # noqa: E402
 from worker_svc.checkpoint import read_config  # noqa: E402
@@ -79,7 +80,7 @@ async def run_ours(engine: Engine, texts: list[str], new_tokens: int) -> tuple[f
     return time.perf_counter() - start, [r[0] for r in results], sum(r[1] for r in results)
 
 
-def run_hf(hf: DeepseekV3ForCausalLM, ids: torch.Tensor, new_tokens: int) -> tuple[float, int]:
+def run_hf(hf: PreTrainedModel, ids: torch.Tensor, new_tokens: int) -> tuple[float, int]:
     """(wall seconds, completion tokens) of one generate() over the batch `ids` [B, S]."""
     start = time.perf_counter()
     with torch.inference_mode():
@@ -102,7 +103,7 @@ def main() -> None:
     if not (ns.model_dir / "config.json").exists():
         print(f"writing the benchmark checkpoint to {ns.model_dir}")
         write_bench_checkpoint(ns.model_dir)
-    config = read_config(ns.model_dir)
+    config, _ = read_config(ns.model_dir)
     engine = Engine.from_checkpoint(ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency)))
     dtype = engine.model.lm_head.weight.dtype
     print(f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "

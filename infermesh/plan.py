@@ -2,16 +2,15 @@
 before any GPU is rented (worker_svc/sizing.py's arithmetic on config.json alone).
 
 MODEL is a checkpoint directory, its config.json, or a bundled config by name
-(``deepseek-v3``: worker_svc/model_configs/)."""
+(``DeepSeek-V3``, ``DeepSeek-V2-Lite``...: worker_svc/model_configs/)."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.sizing import (DEFAULT_UTILIZATION, ConfigError, ModelSize, bundled_models, fewest_gpus,
-                               index_total_size, load_config, model_size, sequences_that_fit)
+                               index_total_size, model_size_of, sequences_that_fit, serving_profile)
 
 _GB = 1e9
 
@@ -45,6 +44,7 @@ class KindPlan:
 
 def plan_kind(size: ModelSize, profile: GpuProfile, context: int, concurrency: int, count: int = 0,
               utilization: float = DEFAULT_UTILIZATION) -> KindPlan:
+    profile = serving_profile(profile, size)
     weights = size.weight_bytes(profile.precision)
     per_token = size.kv_bytes_per_token(profile.precision)
     fewest = fewest_gpus(weights, per_token * context * concurrency, profile.memory_bytes, utilization)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"plan: unknown GPU kind {unknown[0]!r}; known: {', '.join(profiles)}")
     try:
-        size = model_size(load_config(args.model), name=Path(args.model).name)
+        size = model_size_of(args.model)
     except ConfigError as e:
         raise SystemExit(f"plan: {e}") from None
     print(render(size, [plan_kind(size, profiles[k], args.context, args.concurrency, args.count,
@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 def render(size: ModelSize, plans: list[KindPlan], args: argparse.Namespace) -> str:
     lines = [f"{size.name}: {_count(size.params)} parameters served ({_count(size.active_params)} "
-             f"active per token); checkpoint {_count(size.checkpoint_params)} with MTP layers, "
-             f"{_gb(size.checkpoint_bytes)} GB in FP8",
+             f"active per token); checkpoint {_count(size.checkpoint_params)}"
+             f"{' with MTP layers' if size.checkpoint_params > size.params else ''}, "
+             f"{_gb(size.checkpoint_bytes)} GB in {'FP8' if size.fp8_weights else 'BF16'}",
              f"KV budget: {args.concurrency} sequences x {args.context} tokens; "
              f"{args.utilization:.0%} of each GPU's memory usable", "",
              "| GPU | precision | weights GB | KV bytes/token | fewest GPUs | sequences that fit |",

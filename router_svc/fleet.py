@@ -216,8 +216,9 @@ class Fleet:
             array[slot] = 0
         self._set_static(entry)
         self._groups.clear()
-        logger.info("worker %s at %s serving %s (%s %s, %s)", info.worker_id, info.address,
-                    ", ".join(info.models), info.capabilities.device, info.capabilities.device_name,
+        logger.info("worker %s at %s serving %s (%s, index_topk %d; %s %s, %s)", info.worker_id, info.address,
+                    ", ".join(info.models), info.capabilities.model_type or "model_type unknown",
+                    info.capabilities.index_topk, info.capabilities.device, info.capabilities.device_name,
                     common_pb2.Precision.Name(info.capabilities.precision))
         return entry
 

@@ -1,9 +1,9 @@
-"""Load a DeepSeek-V3 HF-format checkpoint directory into a `Transformer`.
+"""Load a DeepSeek-V3 or DeepSeek-V2 HF-format checkpoint directory into a `Transformer`.
 
 A directory holds config.json and model.safetensors, or shards listed by
-model.safetensors.index.json. Linear weights may be FP8 E4M3 with a float32
-`<name>_scale_inv` per 128x128 block; they are dequantized at load to the serving dtype, or
-kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
+model.safetensors.index.json. Weights are BF16/FP16/FP32 (DeepSeek-V2 ships BF16), or linear
+weights are FP8 E4M3 with a float32 `<name>_scale_inv` per 128x128 block; those are dequantized at
+load to the serving dtype, or kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 from worker_svc.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model import Linear, ModelArgs, Transformer
-from worker_svc.sizing import is_fp8_linear
+from worker_svc.model_config import ConfigError, model_args
+from worker_svc.sizing import INDEXER_HEAD_WEIGHTS, is_fp8_linear
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -36,8 +36,8 @@ class CheckpointError(ValueError):
 # -------------------------------------------------------------------------------------- config
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """Read config.json and check that this engine can serve it."""
+def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
+    """Read config.json and check that this engine can serve it -> (the parsed file, the model's hyper-parameters)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
@@ -48,19 +48,15 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: config.json is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    model_type = config.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{path}: model_type={model_type!r} is not served by this engine (need deepseek_v3)")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
     quant = config.get("quantization_config")
     if quant is not None and (quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]):
         raise CheckpointError(f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)")
     try:
-        ModelArgs.from_config(config)
-    except KeyError as e:
-        raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
-    except (ValueError, AssertionError) as e:
+        return config, model_args(config)
+    except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return config
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
@@ -106,7 +102,8 @@ class _ShardReader:
     def get(self, name: str) -> tuple[torch.Tensor, str]:
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+            listing = _INDEX_FILE if (self.model_dir / _INDEX_FILE).exists() else _SINGLE_FILE
+            raise CheckpointError(f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint")
         if file not in self._handles:
             self._handles[file] = _open(self.model_dir / file, name).__enter__()
         try:
@@ -141,8 +138,9 @@ def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tup
 
 
 def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    # the router stays in float32 (as HF keeps it): expert choice must not flip with the serving dtype
-    return torch.float32 if ".mlp.gate." in name else dtype
+    # the router and the indexer's head weights stay in float32 (as HF keeps them): expert and token
+    # choice must not flip with the serving dtype
+    return torch.float32 if ".mlp.gate." in name or INDEXER_HEAD_WEIGHTS in name else dtype
 
 
 def load_checkpoint(
@@ -155,9 +153,11 @@ def load_checkpoint(
     other dtype dequantizes FP8 weights at load.
     """
     model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    args = ModelArgs.from_config(config)
+    config, args = read_config(model_dir)
     keep_fp8 = dtype == FP8
+    if keep_fp8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
+        raise CheckpointError(f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
+                              "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16")
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
         model = Transformer(args)

@@ -9,7 +9,7 @@ from pathlib import Path
 from infermesh.config import load_config, section
 from telemetry.metrics import MetricsSection
 from worker_svc.gpu_profiles import gpu_profiles
-from worker_svc.sizing import load_config as load_model_config, model_size
+from worker_svc.sizing import ModelSize, model_size_of
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -109,40 +109,70 @@ class CacheSection:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
 
 
+_SIZE_KEYS = ("total_params_b", "active_params_b", "kv_bytes_per_token", "index_topk", "index_bytes_per_token")
+_SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_token": 131072, "index_topk": 0,
+                  "index_bytes_per_token": 0}
+
+
 @section
 class EngineSection:
     """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
 
     kind: str = "checkpoint"  # checkpoint or sim
-    # sim only: a profile of gpu_profiles.toml, how many of them, and the model's size.
+    # sim only: a profile of gpu_profiles.toml, how many of them, and the model.
     gpu: str = "H100"
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
     # [parallel] max_parallel sequences of kv_budget_tokens (worker_svc/sizing.py)
     gpu_count: int = 0
     kv_budget_tokens: int = 4096
-    # The model's sizes: from a config.json (a checkpoint directory, the file, or a bundled
-    # name such as "deepseek-v3"), else the three keys below.
-    model_config: str = ""
-    total_params_b: float = 8.0   # billions of weights held in memory
-    active_params_b: float = 8.0  # billions read per token (MoE: the active experts)
-    kv_bytes_per_token: int = 131072
+    # The model: a bundled config of worker_svc/model_configs/ ("DeepSeek-V3", "DeepSeek-V2-Lite",
+    # ...), a checkpoint directory or a config.json; or, unset, the sizes below (defaults where
+    # unset: 8B dense, 128 KiB of KV cache per token). index_topk > 0 simulates DeepSeek-V3.2's sparse
+    # attention: each query attends to at most index_topk tokens, after the indexer scored all of
+    # them, reading index_bytes_per_token of cached indexer keys per token.
+    model: str = ""
+    total_params_b: float | None = None   # billions of weights held in memory
+    active_params_b: float | None = None  # billions read per token (MoE: the active experts)
+    kv_bytes_per_token: int | None = None
+    index_topk: int | None = None
+    index_bytes_per_token: int | None = None
     zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
+    # sim only, attention: FLOPs of one query attending to one cached token (all layers; 0 leaves its
+    # compute out), and (V3.2) of the indexer scoring one cached token for one query.
+    attention_flops_per_key: float = 0.0
+    index_flops_per_key: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("checkpoint", "sim"):
             raise ValueError(f"kind: expected checkpoint or sim, got {self.kind!r}")
         if self.gpu not in gpu_profiles():
             raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
-        if self.gpu_count < 0 or self.kv_bytes_per_token < 1 or self.kv_budget_tokens < 1:
-            raise ValueError("need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1")
-        if self.model_config:
+        if self.model:
             try:
-                model_size(load_model_config(self.model_config))
+                model_size_of(self.model)
             except ValueError as e:
-                raise ValueError(f"model_config: {e}") from None
-        if not 0 < self.active_params_b <= self.total_params_b:
-            raise ValueError(f"need 0 < active_params_b ({self.active_params_b}) "
-                             f"<= total_params_b ({self.total_params_b})")
+                raise ValueError(f"model: {e}") from None
+        given = [key for key in _SIZE_KEYS if getattr(self, key) is not None]
+        if self.model and given:
+            raise ValueError(f"model: {self.model!r} sets the sizes; {', '.join(given)} must be left unset")
+        size = self.size()
+        if self.gpu_count < 0 or size.kv_values_per_token < 1 or self.kv_budget_tokens < 1:
+            raise ValueError("need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1")
+        if min(self.attention_flops_per_key, size.index_topk, size.index_values_per_token,
+               self.index_flops_per_key) < 0:  # fmt: skip
+            raise ValueError("attention_flops_per_key, index_topk, index_bytes_per_token and "
+                             "index_flops_per_key must be >= 0")  # fmt: skip
+        if not 0 < size.active_params <= size.params:
+            raise ValueError(f"need 0 < active_params_b ({size.active_params / 1e9}) "
+                             f"<= total_params_b ({size.params / 1e9})")
+
+    def size(self) -> ModelSize:
+        """The simulated model's sizes: the `model`'s config.json's, or the keys' (defaults where unset)."""
+        if self.model:
+            return model_size_of(self.model)
+        total, active, kv, topk, index = (_SIZE_DEFAULTS[key] if getattr(self, key) is None else getattr(self, key)
+                                          for key in _SIZE_KEYS)
+        return ModelSize.of_params("sim", total * 1e9, active * 1e9, int(kv), int(index), int(topk))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from infermesh.names import FinishReason
-from worker_svc.checkpoint import load_checkpoint
+from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
                                    GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
                                    check_sampling, drain_chunks)
-from worker_svc.kv_cache import BlockManager, bytes_per_token, cache_budget_bytes
+from worker_svc.kv_cache import (BlockManager, bytes_per_token, cache_budget_bytes, index_bytes_per_token,
+                                 latent_bytes_per_token)
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
 from worker_svc.precision import TORCH_DTYPES, DeviceCapabilities, detect_capabilities, resolve_device
@@ -251,8 +252,11 @@ class Engine:
         blocks = _block_manager(model, device, max_model_len, cache)
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
         self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
-        logger.info("latent cache: %d blocks of %d tokens (%.1f MB); max_parallel %d, batch timeout %d ms",
-                    blocks.num_blocks, blocks.block_size, kv_cache.nbytes / 2**20, self.parallel.max_parallel,
+        dtype = model.lm_head.weight.dtype
+        logger.info("latent cache: %d blocks of %d tokens (%.1f MB; per token %d B latent + %d B indexer keys); "
+                    "max_parallel %d, batch timeout %d ms", blocks.num_blocks, blocks.block_size,
+                    kv_cache.nbytes / 2**20, latent_bytes_per_token(model.args, dtype),
+                    index_bytes_per_token(model.args, dtype), self.parallel.max_parallel,
                     self.parallel.dynamic_batch_timeout_ms)  # fmt: skip
         scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
         runner = ModelRunner(model, kv_cache, device)
@@ -286,10 +290,12 @@ class Engine:
         device: str, parallel: ParallelSection | None, cache: CacheSection | None,
     ) -> Engine:  # fmt: skip
         torch_device = resolve_device(device)
-        caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8)
+        fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
+        caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
-        caps = dataclasses.replace(caps, weight_bytes=weight_bytes)
+        caps = dataclasses.replace(caps, weight_bytes=weight_bytes, model_type=config["model_type"],
+                                   index_topk=model.args.index_topk)  # fmt: skip
         context = config["max_position_embeddings"]
         if max_model_len is not None and not 0 < max_model_len <= context:
             raise ValueError(f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)")

@@ -31,6 +31,9 @@ class DeviceCapabilities:
     prefill_tokens_per_second: float = 0.0
     gpu_count: int = 1  # memory_total_bytes is theirs together
     kv_cache_bytes: int = 0  # the KV cache's memory when full
+    # The served architecture (config.json model_type) and V3.2's sparse attention width (0: dense).
+    model_type: str = ""
+    index_topk: int = 0
 
 
 @dataclass(frozen=True)

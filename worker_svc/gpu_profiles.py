@@ -1,6 +1,7 @@
 """GPU profiles (gpu_profiles.toml): the figures the simulated engine's roofline uses."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tomllib
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ class GpuProfile:
         if "fp8" in self.flops and self.device == "cuda" and self.compute_capability.startswith("9."):
             return "fp8"
         return "bf16" if "bf16" in self.flops else "fp16"
+
+    def without_fp8(self) -> GpuProfile:
+        """This GPU serving a checkpoint with no FP8 weights (DeepSeek-V2's BF16): the policy's next choice."""
+        return dataclasses.replace(self, flops={dtype: f for dtype, f in self.flops.items() if dtype != "fp8"})
 
     @property
     def bytes_per_weight(self) -> int:

@@ -24,6 +24,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero group gets a tiny scale instead of 0/0
 _MIN_CUDA_FOR_BLOCKWISE = (12, 9)  # cuBLASLt gained 1x128 / 128x128 block scaling in CUDA 12.9
+# cuBLASLt answers NOT_SUPPORTED to a block-scaled FP8 GEMM whose M is not a multiple of 8 (measured on
+# an H200, CUDA 13.0: M = 1, 2, 3, 17, 65 refused; 8, 16, 64 run), so decode-sized inputs get zero rows.
+_NATIVE_ROW_MULTIPLE = 8
 
 GemmImpl = Literal["auto", "native", "reference"]
 
@@ -168,29 +171,41 @@ def _fp8_gemm_blockwise_scaled_mm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt, sm90)."""
-    k_blocks = a_scale.size(1)
+    m, k_blocks = a_scale.shape
+    rows = -(-m // _NATIVE_ROW_MULTIPLE) * _NATIVE_ROW_MULTIPLE
     # cuBLASLt's layout contract: 1x128 scales M-major ([M, K/128], stride [1, M]); 128x128 scales
     # K-major with the K-block count padded to a multiple of 4 ([L4, N/128], stride [1, L4]). Some torch
     # versions accepted unpadded scales and silently returned wrong results when (K/128) % 4 != 0
     # (pytorch#166752), so pad those (never read); DeepSeek-V3's shapes need no padding.
     if k_blocks % 4:
         b_scale = F.pad(b_scale, (0, -k_blocks % 4))
-    return F.scaled_mm(
-        a, b.t(),  # [K, N] column-major view of the row-major weight, as cuBLASLt wants
-        _token_major(a_scale), F.ScalingType.BlockWise1x128,
+    y = F.scaled_mm(
+        _pad_rows(a, rows), b.t(),  # [K, N] column-major view of the row-major weight, as cuBLASLt wants
+        _token_major(a_scale, rows), F.ScalingType.BlockWise1x128,
         b_scale.t(), F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
         use_fast_accum=False,  # full FP32 accumulation, not Hopper's reduced-precision fast accumulation
     )  # fmt: skip
+    return y[:m]
 
 
-def _token_major(scale: torch.Tensor) -> torch.Tensor:
-    """[M, L] scales with stride 1 along M, as cuBLASLt reads 1x128 scales; act_quant's output already is
-    (except M = 1, whose strides torch keeps row-major)."""
+def _pad_rows(a: torch.Tensor, rows: int) -> torch.Tensor:
+    """a: [M, K] fp8 -> [rows, K] with zero rows appended (their outputs are dropped); padded as bytes,
+    since padding kernels need not support float8."""
+    if a.size(0) == rows:
+        return a
+    return F.pad(a.view(torch.uint8), (0, 0, 0, rows - a.size(0))).view(a.dtype)
+
+
+def _token_major(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """[M, L] scales -> [rows, L] with stride 1 along rows, as cuBLASLt reads 1x128 scales; the padding rows
+    get scale 1. act_quant's output already is token-major (except M = 1, whose strides torch keeps row-major)."""
     m, groups = scale.shape
-    if scale.stride(0) == 1 and (groups == 1 or scale.stride(1) == m):
+    if rows == m and scale.stride(0) == 1 and (groups == 1 or scale.stride(1) == m):
         return scale
-    return torch.empty_strided((m, groups), (1, m), dtype=scale.dtype, device=scale.device).copy_(scale)
+    out = torch.empty_strided((rows, groups), (1, rows), dtype=scale.dtype, device=scale.device).fill_(1.0)
+    out[:m].copy_(scale)
+    return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

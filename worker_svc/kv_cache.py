@@ -135,8 +135,18 @@ class BlockManager:
 
 
 def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
-    """Cache bytes per token: the latent and the rope'd key, per layer."""
+    """Cache bytes per token: the latent and the rope'd key, and (V3.2) the indexer's key, per layer."""
+    return latent_bytes_per_token(args, dtype) + index_bytes_per_token(args, dtype)
+
+
+def latent_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """The MLA part of a token's cache: the latent and the rope'd key of every layer."""
     return args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype.itemsize
+
+
+def index_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """The sparse-attention part of a token's cache: the indexer's key of every layer (0 for V3)."""
+    return args.n_layers * args.index_head_dim * dtype.itemsize if args.sparse else 0
 
 
 def unabsorbed_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:

@@ -1,35 +1,49 @@
-"""DeepSeek-V3 (model_type deepseek_v3) forward pass in plain PyTorch.
+"""DeepSeek-V3, V3.2 and V2 (model_type deepseek_v3, deepseek_v32, deepseek_v2) forward pass in plain PyTorch.
 
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
-output, DeepSeek's "absorb" mode), sigmoid-scored group-limited MoE with shared experts,
-YaRN RoPE. Module and parameter names follow the HF checkpoint (`self_attn.q_a_proj`, ...)
-so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
+output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
+(V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
+group-limited greedy top-k), YaRN RoPE; V3.2 adds DeepSeek Sparse Attention: per layer an `Indexer`
+picks the tokens MLA attends to (worker_svc.indexer). Module and parameter names follow the HF checkpoint
+(`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
+
+
+# The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores with a
+# selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all experts
+# ("greedy") or within the best groups by their best expert ("group_limited_greedy").
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 @dataclass
 class ModelArgs:
-    """Hyper-parameters of a DeepSeek-V3 model, built from config.json by `from_config`.
+    """Hyper-parameters of a DeepSeek-V3 or V2 model, built from config.json by `model_config.model_args`.
 
     dim/inter_dim/moe_inter_dim: hidden, dense-MLP and per-expert MLP widths.
     n_layers: decoder layers (MTP layers stored past them are not part of the model).
-    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace).
+    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace); past them
+    every moe_layer_freq-th layer is MoE, the others dense.
     q_lora_rank: rank of the query compression; 0 means a plain q_proj.
     kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by heads.
     n_expert_groups/n_limited_groups: experts are chosen only inside the top `n_limited_groups`
-    groups (n_group/topk_group); route_scale multiplies the normalised routing weights.
-    rope_factor/original_seq_len/beta_*/mscale*: YaRN; rope_factor 1 means plain RoPE.
+    groups (n_group/topk_group); route_scale multiplies the (normalised if norm_topk_prob) routing weights.
+    scoring_func/topk_method: the router's scores and expert choice, one of SCORING_FUNCS / TOPK_METHODS.
+    rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type "yarn").
+    index_topk/index_n_heads/index_head_dim: DeepSeek Sparse Attention (V3.2): each query attends to the
+    `index_topk` earlier tokens its lightning indexer scores highest; index_topk 0 means dense attention (V3).
     """
 
     vocab_size: int = 129280
@@ -55,7 +69,11 @@ class ModelArgs:
     n_limited_groups: int = 4
     norm_topk_prob: bool = True
     route_scale: float = 2.5
-    # yarn
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    moe_layer_freq: int = 1
+    # rope: "default" or "yarn"
+    rope_type: str = "default"
     rope_theta: float = 10000.0
     rope_factor: float = 1.0
     original_seq_len: int = 4096
@@ -63,49 +81,26 @@ class ModelArgs:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    rope_attention_factor: float | None = None  # None: from the mscales
+    rope_truncate: bool = True  # round the correction range to whole dimensions
+    # dsa
+    index_topk: int = 0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
 
     def __post_init__(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         assert self.n_routed_experts % self.n_expert_groups == 0, f"n_group={self.n_expert_groups}"
+        assert self.scoring_func in SCORING_FUNCS and self.topk_method in TOPK_METHODS, (self.scoring_func, self.topk_method)
+        assert self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq}"
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        """Map HF config.json keys onto ModelArgs; unknown keys are ignored."""
-        rope = config.get("rope_scaling") or {}
-        rope_type = rope.get("type", rope.get("rope_type", "default"))
-        if rope_type not in ("yarn", "default"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only yarn)")
-        yarn = rope_type == "yarn"
-        return cls(
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            inter_dim=config["intermediate_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            max_seq_len=config["max_position_embeddings"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            q_lora_rank=config.get("q_lora_rank") or 0,
-            kv_lora_rank=config["kv_lora_rank"],
-            qk_nope_head_dim=config["qk_nope_head_dim"],
-            qk_rope_head_dim=config["qk_rope_head_dim"],
-            v_head_dim=config["v_head_dim"],
-            moe_inter_dim=config["moe_intermediate_size"],
-            n_dense_layers=config.get("first_k_dense_replace", 0),
-            n_routed_experts=config["n_routed_experts"],
-            n_shared_experts=config.get("n_shared_experts", 0),
-            n_activated_experts=config["num_experts_per_tok"],
-            n_expert_groups=config.get("n_group") or 1,
-            n_limited_groups=config.get("topk_group") or 1,
-            norm_topk_prob=config.get("norm_topk_prob", True),
-            route_scale=config.get("routed_scaling_factor", 1.0),
-            rope_theta=config.get("rope_theta", 10000.0),
-            rope_factor=rope.get("factor", 1.0) if yarn else 1.0,
-            original_seq_len=rope.get("original_max_position_embeddings", config["max_position_embeddings"]),
-            beta_fast=rope.get("beta_fast") or 32.0,
-            beta_slow=rope.get("beta_slow") or 1.0,
-            mscale=rope.get("mscale") or 0.0,
-            mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
-        )
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers and layer_id % self.moe_layer_freq == 0
+
+    @property
+    def sparse(self) -> bool:
+        """True for a V3.2 model: MLA attends only to the tokens its indexer selects."""
+        return self.index_topk > 0
 
 
 # ---------------------------------------------------------------------------------------- rope
@@ -116,41 +111,53 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
-    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2].
-
-    YaRN blends interpolated and extrapolated frequencies across the correction range and
-    scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), as HF does.
-    """
-    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
+    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2], scaled by the attention factor."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
-    if factor > 1:
-
-        def correction_dim(num_rotations: float) -> float:
-            return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(correction_dim(args.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001), 0, 1)
-        freqs = freqs / factor * ramp + freqs * (1 - ramp)
-        if args.mscale and args.mscale_all_dim:
-            attention_factor = yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
-        else:
-            attention_factor = yarn_get_mscale(factor)
+    if args.rope_type == "yarn":
+        freqs, attention_factor = yarn_freqs(args, freqs)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
     return torch.polar(torch.full_like(angles, attention_factor), angles)
 
 
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it: interpolated frequencies (divided by the factor) blended into the
+    original ones across the correction range, and the cos/sin scale: rope_attention_factor if given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(args.beta_fast), correction_dim(args.beta_slow)
+    if args.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    if args.rope_attention_factor is not None:
+        return freqs, args.rope_attention_factor
+    if args.mscale and args.mscale_all_dim:
+        return freqs, yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
+    return freqs, yarn_get_mscale(factor)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T, rope_dim/2].
 
     HF's `apply_rotary_pos_emb_interleave` returns the same pairs de-interleaved ([evens, odds]);
-    both q and k get one layout, so every q.k dot product is identical.
+    both q and k get one layout, so every q.k dot product is identical. `interleaved=False` rotates
+    the pairs (x_i, x_{i + rope_dim/2}) instead (HF's rotate_half), as V3.2's indexer does.
     """
     dtype = x.dtype
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    y = torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).flatten(-2)
-    return y.to(dtype)
+    if interleaved:
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).flatten(-2).to(dtype)
+    xc = torch.view_as_complex(x.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous())
+    return torch.view_as_real(xc * freqs_cis.unsqueeze(-2)).transpose(-1, -2).flatten(-2).to(dtype)
 
 
 # ------------------------------------------------------------------------------------- modules
@@ -164,6 +171,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 (the indexer's k_norm), returned in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight.float(), self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -236,6 +251,9 @@ class KVCache:
 
     kv: [n_layers, num_blocks * block_size, kv_lora_rank + qk_rope_head_dim], the latent (after
     kv_a_layernorm) then k_pe (after RoPE); token slot = block * block_size + offset in the block.
+    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token slot
+    (Hadamard-rotated where the indexer scores in FP8), so it is allocated, freed, preempted and
+    prefix-cached with the latent.
     Allocated by `Transformer.setup_cache`; which blocks a sequence holds is the caller's business
     (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
@@ -243,11 +261,15 @@ class KVCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         width = args.kv_lora_rank + args.qk_rope_head_dim
         self.kv = torch.zeros(args.n_layers, num_blocks * block_size, width, dtype=dtype, device=device)
+        self.index_k: torch.Tensor | None = None
+        if args.sparse:
+            shape = (args.n_layers, num_blocks * block_size, args.index_head_dim)
+            self.index_k = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes + (0 if self.index_k is None else self.index_k.nbytes)
 
 
 @dataclass
@@ -301,6 +323,52 @@ class BatchLayout:
         )
 
 
+class Indexer(nn.Module):
+    """V3.2's lightning indexer: picks, for every query, the index_topk tokens MLA attends to (worker_svc.indexer)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.wq_b = _linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
+        self.wk = _linear(args.dim, args.index_head_dim)
+        self.k_norm = LayerNorm(args.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)  # served in float32, as HF keeps it
+        self.softmax_scale = args.index_head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
+    ) -> list[torch.Tensor | None]:
+        """Caches each token's indexer key -> per attention group, [b, s, index_topk] selected positions,
+        or None where no query sees more than index_topk tokens (so all of them are selected)."""
+        a = self.args
+        q = self.wq_b(q_latent).unflatten(-1, (a.index_n_heads, a.index_head_dim))  # [T, Hi, D]
+        q = self._rope(q, freqs_cis)
+        k = self._rope(self.k_norm(self.wk(x)).unsqueeze(1), freqs_cis).squeeze(1)  # [T, D]
+        fp8 = self.wq_b.weight_scale_inv is not None
+        if fp8:  # served in FP8 (sm90): DeepSeek's FP8 scoring, of rotated q and k (the cache holds rotated keys)
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
+        keys = cache.index_k[self.layer_id]
+        keys.index_copy_(0, layout.write_slots, k)
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5  # [T, Hi]
+        select = select_tokens_fp8 if fp8 else select_tokens
+        selections: list[torch.Tensor | None] = []
+        for group in layout.groups:
+            if group.key_slots.size(1) <= a.index_topk:
+                selections.append(None)
+                continue
+            end = group.token_start + group.batch * group.seqlen
+            shape = (group.batch, group.seqlen)
+            selections.append(select(q[group.token_start : end].unflatten(0, shape),
+                                     weights[group.token_start : end].unflatten(0, shape),
+                                     keys[group.key_slots], group.mask, a.index_topk, self.softmax_scale))
+        return selections
+
+    def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """Non-interleaved RoPE on the leading qk_rope_head_dim features of x: [T, H, index_head_dim]."""
+        rope, rest = x.split([self.args.qk_rope_head_dim, self.args.index_head_dim - self.args.qk_rope_head_dim], -1)
+        return torch.cat([apply_rotary_emb(rope, freqs_cis, interleaved=False), rest], dim=-1)
+
+
 class MLA(nn.Module):
     """Multi-head Latent Attention; decode attends over the latent cache without expanding it."""
 
@@ -322,6 +390,7 @@ class MLA(nn.Module):
         if args.rope_factor > 1 and args.mscale_all_dim:
             self.softmax_scale *= yarn_get_mscale(args.rope_factor, args.mscale_all_dim) ** 2
         self.wq_kv_a: torch.Tensor | None = None  # set by pack(): the two projections of x as one GEMM
+        self.indexer = Indexer(args, layer_id) if args.sparse else None
 
     def pack(self) -> None:
         self.wq_kv_a = pack_linears([self._first_q_proj, self.kv_a_proj_with_mqa])
@@ -330,21 +399,23 @@ class MLA(nn.Module):
     def _first_q_proj(self) -> Linear:
         return self.q_a_proj if self.args.q_lora_rank else self.q_proj
 
-    def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim])."""
+    def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim],
+        the query latent q_a_layernorm(q_a_proj(x)) that V3.2's indexer reads; x itself without q_lora_rank)."""
         q_proj, kv_proj = self._first_q_proj, self.kv_a_proj_with_mqa
         if self.wq_kv_a is None:
             q, kv = q_proj(x), kv_proj(x)
         else:
             q, kv = dense_linear(x, self.wq_kv_a).split([q_proj.out_features, kv_proj.out_features], dim=-1)
         if self.args.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        return q, kv
+            q_latent = self.q_a_layernorm(q)
+            return self.q_b_proj(q_latent), kv, q_latent
+        return q, kv, x
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their positions."""
         a = self.args
-        q, kv = self._query_and_latent(x)
+        q, kv, q_latent = self._query_and_latent(x)
         q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
                                    a.qk_rope_head_dim], dim=-1)  # fmt: skip
         q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
@@ -358,14 +429,23 @@ class MLA(nn.Module):
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
         q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
-        out = torch.cat([self._attend(query, group, layer_cache) for group in layout.groups])  # [T, H, c]
+        groups = layout.groups
+        chosen = [None] * len(groups) if self.indexer is None else self.indexer(x, q_latent, layout, freqs_cis, cache)
+        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen)])  # [T, H, c]
         out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
-    def _attend(self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor) -> torch.Tensor:
-        """The group's queries over its sequences' cached keys -> latent outputs [b * s, H, c]."""
+    def _attend(
+        self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor, selected: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The group's queries over its sequences' cached keys (only the `selected` ones, where the indexer
+        chose) -> latent outputs [b * s, H, c]."""
         end = group.token_start + group.batch * group.seqlen
         q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))  # [b, s, H, c + r]
+        if selected is not None:
+            out = sparse_attend(q, layer_cache, group.key_slots, group.mask, selected, self.softmax_scale,
+                                self.args.kv_lora_rank)  # fmt: skip
+            return out.flatten(0, 1)
         keys = layer_cache[group.key_slots]  # [b, L, c + r]
         scores = torch.einsum("bshc,btc->bsht", q, keys) * self.softmax_scale + group.mask.unsqueeze(2)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
@@ -395,27 +475,45 @@ class MLP(nn.Module):
 Expert = MLP
 
 
+def _top2_sum(grouped: torch.Tensor) -> torch.Tensor:
+    return grouped.topk(2, dim=-1)[0].sum(dim=-1)
+
+
+def _best(grouped: torch.Tensor) -> torch.Tensor:
+    return grouped.amax(dim=-1)
+
+
+_SCORES = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
+# how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score); greedy: no groups
+_GROUP_SCORES = {"noaux_tc": _top2_sum, "group_limited_greedy": _best}
+
+
 class Gate(nn.Module):
-    """Router: sigmoid scores; the bias only steers selection; group-limited top-k (noaux_tc)."""
+    """Router: scores each expert (sigmoid or softmax), keeps the top-k, optionally only inside the best groups.
+
+    noaux_tc (V3) holds `e_score_correction_bias`: it steers the choice, the weights are the unbiased scores.
+    norm_topk_prob rescales the chosen weights to sum to 1 before route_scale, as vLLM does for both
+    families; transformers' DeepseekV2 ignores the key, and every DeepSeek-V2 checkpoint sets it false.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        bias = torch.zeros(args.n_routed_experts, dtype=torch.float32) if args.topk_method == "noaux_tc" else None
+        self.register_buffer("e_score_correction_bias", bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
         a = self.args
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        biased = scores + self.e_score_correction_bias
-        if a.n_expert_groups > 1:
-            grouped = biased.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            top_groups = group_scores.topk(a.n_limited_groups, dim=-1)[1]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        indices = biased.topk(a.n_activated_experts, dim=-1)[1]
+        scores = _SCORES[a.scoring_func](F.linear(x.float(), self.weight.float()))  # [T, E]
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if a.topk_method in _GROUP_SCORES and a.n_expert_groups > 1:
+            grouped = choice.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
+            top_groups = _GROUP_SCORES[a.topk_method](grouped).topk(a.n_limited_groups, dim=-1)[1]  # [T, g]
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(a.n_activated_experts, dim=-1)[1]
         weights = scores.gather(1, indices)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -447,7 +545,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.self_attn = MLA(args, layer_id)
-        self.mlp = MLP(args.dim, args.inter_dim) if layer_id < args.n_dense_layers else MoE(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.dim, args.inter_dim)
         self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
 

@@ -4,12 +4,11 @@
   quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).
 - sm89 (L40S) and sm100: BF16 -- their FP8 needs a kernel tested here, and cuBLASLt's DeepSeek-style
   block scaling is sm90-only. sm80 and ROCm: BF16. sm70 (V100, no BF16): FP16.
-- CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py on an AVX2
-  EPYC (docs/BENCHMARKS.md, "Engine precision"): BF16 GEMMs were 1.5-7x slower than FP32 at
-  M = 16 and 64 tokens on the tiny and the 73M shapes (fp32/bf16 time 0.15-0.66); BF16 won only at
-  M = 1 through a weight too big for the cache (73M lm_head 32000x512: 2.7x). So FP32 unless the
-  CPU has BF16 dot-product instructions (none here to measure; the bench says whether the rule
-  agrees on the machine it runs on).
+- A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on sm90.
+- CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
+  (docs/BENCHMARKS.md, "Engine precision"): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
+  at 16 and 64 tokens (oneDNN converts); on an AVX512-BF16 EPYC a serving mix of decode batches
+  1..64 and prefill chunks ran 1.48x faster in BF16, BF16 winning at every batch size.
 `[model] dtype` and `[quantization] use_native_fp8` override the choice. `choose_precision` is pure
 so the policy is testable without a GPU; `detect_capabilities` feeds it with what this machine has.
 """
@@ -52,24 +51,32 @@ def choose_precision(
     cpu_has_bf16: bool = False,
     dtype: str = "auto",
     use_native_fp8: bool | None = None,
+    fp8_weights: bool = True,
 ) -> Precision:
     """The policy: what this hardware should run, given the operator's overrides.
 
     fp8_gemm: a tested block-scaled FP8 GEMM runs on this device (kernel.native_fp8_gemm_available);
     dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch spellings);
-    use_native_fp8: None = FP8 where the device runs it, False = never, True = required.
-    Raises ValueError for an override the hardware cannot honour.
+    use_native_fp8: None = FP8 where the device runs it, False = never, True = required;
+    fp8_weights: the checkpoint stores FP8 weights with block scales (its quantization_config says fp8).
+    Raises ValueError for an override the hardware or the checkpoint cannot honour.
     """
-    fp8_capable = device == "cuda" and fp8_gemm
     where = f"{device} {compute_capability}".strip()
+    if not (device == "cuda" and fp8_gemm):
+        no_fp8 = f"needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}"
+    elif not fp8_weights:
+        no_fp8 = "needs a checkpoint with FP8 weights (quantization_config fp8), this one has none"
+    else:
+        no_fp8 = ""
+    fp8_capable = not no_fp8
     if use_native_fp8 and not fp8_capable:
-        raise ValueError(f"use_native_fp8=true needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}")
+        raise ValueError(f"use_native_fp8=true {no_fp8}")
     if dtype != "auto":
         if dtype.lower() not in _DTYPE_ALIASES:
             raise ValueError(f"dtype={dtype!r}: expected auto, {', '.join(sorted(set(_DTYPE_ALIASES.values())))}")
         forced = _DTYPE_ALIASES[dtype.lower()]
         if forced == "fp8" and not fp8_capable:
-            raise ValueError(f"dtype=fp8 needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}")
+            raise ValueError(f"dtype=fp8 {no_fp8}")
         if use_native_fp8 and forced != "fp8":
             raise ValueError(f"use_native_fp8=true contradicts dtype={dtype!r}")
         return forced
@@ -101,21 +108,23 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def detect_capabilities(
-    device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None
+    device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None, fp8_weights: bool = True
 ) -> DeviceCapabilities:
-    """Probe the device and apply the policy; weight_bytes is filled in after the load."""
+    """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is filled
+    in after the load."""
     fp8_gemm = native_fp8_gemm_available(device)  # False off CUDA sm90
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         kind: DeviceKind = "rocm" if torch.version.hip else "cuda"
         cc = f"{props.major}.{props.minor}" if kind == "cuda" else getattr(props, "gcnArchName", "")
         name, memory = props.name, props.total_memory
-        precision = choose_precision(kind, cc, fp8_gemm=fp8_gemm, dtype=dtype, use_native_fp8=use_native_fp8)
+        precision = choose_precision(kind, cc, fp8_gemm=fp8_gemm, dtype=dtype, use_native_fp8=use_native_fp8,
+                                     fp8_weights=fp8_weights)
     else:
         kind, cc, name = "cpu", "", _cpu_name()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         precision = choose_precision("cpu", cpu_has_bf16=cpu_has_native_bf16(), dtype=dtype,
-                                     use_native_fp8=use_native_fp8)  # fmt: skip
+                                     use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)  # fmt: skip
     logger.info("device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
                 kind, name, cc or "-", "yes" if fp8_gemm else "no", precision, dtype, use_native_fp8)  # fmt: skip
     return DeviceCapabilities(kind, name, cc, precision, memory, 0)

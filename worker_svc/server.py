@@ -228,6 +228,7 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
             max_parallel=parallel.max_parallel,
             decode_tokens_per_second=caps.decode_tokens_per_second,
             prefill_tokens_per_second=caps.prefill_tokens_per_second,
+            model_type=caps.model_type, index_topk=caps.index_topk,
             gpu_kind=gpu_kind(caps.device, caps.device_name), gpu_count=caps.gpu_count))
 
 

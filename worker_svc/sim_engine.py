@@ -2,13 +2,19 @@
 
 It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
 so routing can be tested and benchmarked on hardware that is not there. Time follows the
-roofline of a profile in gpu_profiles.toml for a configured model (its sizes, or a config.json),
-on the fewest GPUs that hold its weights in the profile's precision and a KV budget
-(sizing.py; [engine] gpu_count overrides):
+roofline of a profile in gpu_profiles.toml for a configured model (its sizes, or a config.json,
+bundled or a checkpoint's), on the fewest GPUs that hold its weights in the precision it runs and
+a KV budget (sizing.py; [engine] gpu_count overrides):
 
-- prefill: uncached prompt tokens x 2 x active params / FLOP/s (prefix-cache hits are free);
+- prefill: (uncached prompt tokens x 2 x active params + attention FLOPs) / FLOP/s (prefix-cache
+  hits are free);
 - each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
-  plus batch x 2 x active params / FLOP/s.
+  plus (batch x 2 x active params + attention FLOPs) / FLOP/s.
+
+Attention FLOPs count each query's attended tokens (`attention_flops_per_key` each). A DeepSeek-V3.2
+model (`index_topk` > 0, sparse attention) attends to at most index_topk tokens and reads only their
+KV bytes; its indexer still scores the whole context (`index_flops_per_key`, `index_bytes_per_token`),
+so past index_topk a step costs the indexer's linear term, not full attention's.
 
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
@@ -35,7 +41,7 @@ from worker_svc.engine_api import (DeviceCapabilities, EngineClosedError, Engine
                                    EngineOverloadedError, GenerationChunk, GenerationRequest,
                                    InvalidRequestError, check_sampling, drain_chunks)
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
-from worker_svc.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, load_config, model_size
+from worker_svc.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, serving_profile
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +63,17 @@ class Roofline:
     gpu_count: int
     size: ModelSize
     memory_utilization: float = DEFAULT_UTILIZATION  # of device memory for weights and the KV cache
+    attention_flops_per_key: float = 0.0  # one query attending to one cached token, all layers
+    index_flops_per_key: float = 0.0  # V3.2: the indexer scoring one cached token for one query
 
     @property
     def active_params(self) -> int:
         return self.size.active_params
+
+    @property
+    def index_topk(self) -> int:
+        """Sparse attention (V3.2): tokens each query attends to; 0: dense."""
+        return self.size.index_topk
 
     @property
     def weight_bytes(self) -> int:
@@ -68,7 +81,13 @@ class Roofline:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.size.kv_bytes_per_token(self.profile.precision)
+        """The MLA latent's bytes per token (V3.2's indexer keys are index_bytes_per_token)."""
+        return self.size.latent_bytes_per_token(self.profile.precision)
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """V3.2: the indexer's cached key per token, all layers."""
+        return self.size.index_bytes_per_token(self.profile.precision)
 
     @property
     def memory_bytes(self) -> int:
@@ -77,15 +96,45 @@ class Roofline:
     @property
     def kv_capacity_tokens(self) -> int:
         return int((self.memory_bytes * self.memory_utilization - self.weight_bytes)
-                   // self.kv_bytes_per_token)
+                   // (self.kv_bytes_per_token + self.index_bytes_per_token))
 
-    def prefill_s(self, tokens: int) -> float:
-        return tokens * 2 * self.active_params / (self.profile.peak_flops * self.gpu_count)
+    def attended(self, context_tokens: int) -> int:
+        """Cached tokens one query attends to: all, or with sparse attention at most index_topk."""
+        return min(context_tokens, self.index_topk) if self.index_topk else context_tokens
 
-    def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        read = self.active_params * self.profile.bytes_per_weight + context_tokens * self.kv_bytes_per_token
+    def prefill_s(self, tokens: int, start: int = 0) -> float:
+        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending to its context."""
+        flops = (tokens * 2 * self.active_params
+                 + self.attention_flops_per_key * _keys_attended(start, tokens, self.index_topk))
+        if self.index_topk:
+            flops += self.index_flops_per_key * _keys_attended(start, tokens, 0)
+        return flops / (self.profile.peak_flops * self.gpu_count)
+
+    def decode_step_s(self, batch: int, context_tokens: int, attended_tokens: int | None = None) -> float:
+        """One token for each of `batch` sequences holding `context_tokens` in all; `attended_tokens`: the
+        sum of their `attended(context)` (the default, all of the context, is right for dense attention)."""
+        attended = context_tokens if attended_tokens is None else attended_tokens
+        read = self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
+        flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
+        if self.index_topk:
+            read += context_tokens * self.index_bytes_per_token
+            flops += context_tokens * self.index_flops_per_key
         return (read / (self.profile.bandwidth_bytes_per_s * self.gpu_count)
-                + batch * 2 * self.active_params / (self.profile.peak_flops * self.gpu_count))
+                + flops / (self.profile.peak_flops * self.gpu_count))
+
+
+def _keys_attended(start: int, tokens: int, cap: int) -> int:
+    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap` (0: no cap)."""
+    end = start + tokens
+
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    if not cap or end <= cap:
+        return triangle(end) - triangle(start)
+    if start >= cap:
+        return tokens * cap
+    return triangle(cap) - triangle(start) + (end - cap) * cap
 
 
 @dataclass(eq=False)
@@ -131,7 +180,8 @@ class SimEngine:
             memory_total_bytes=roofline.memory_bytes, weight_bytes=roofline.weight_bytes,
             decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
             prefill_tokens_per_second=1 / roofline.prefill_s(1), gpu_count=roofline.gpu_count,
-            kv_cache_bytes=roofline.kv_capacity_tokens * roofline.kv_bytes_per_token)
+            kv_cache_bytes=roofline.kv_capacity_tokens * (roofline.kv_bytes_per_token + roofline.index_bytes_per_token),
+            model_type=roofline.size.model_type, index_topk=roofline.index_topk)
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._max_waiting = max_waiting
@@ -151,17 +201,16 @@ class SimEngine:
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
         """The [engine] section's GPU and model; [parallel], [cache] and [attention] as for a real
-        engine. Raises sizing.ConfigError for a model_config that cannot be read."""
+        engine."""
         e, cache = config.engine, config.cache
-        profile = gpu_profiles()[e.gpu]
-        size = (model_size(load_config(e.model_config), name=e.model_config) if e.model_config else
-                ModelSize.of_params("sim", e.total_params_b * 1e9, e.active_params_b * 1e9,
-                                    e.kv_bytes_per_token))
+        size = e.size()
+        profile = serving_profile(gpu_profiles()[e.gpu], size)
         parallel = config.parallel.resolved(profile.device, profile.device_name)
         kv_budget = parallel.max_parallel * e.kv_budget_tokens * size.kv_bytes_per_token(profile.precision)
         gpu_count = e.gpu_count or fewest_gpus(size.weight_bytes(profile.precision), kv_budget,
                                                profile.memory_bytes, cache.gpu_memory_utilization)
-        roofline = Roofline(profile, gpu_count, size, cache.gpu_memory_utilization)
+        roofline = Roofline(profile, gpu_count, size, cache.gpu_memory_utilization, e.attention_flops_per_key,
+                            e.index_flops_per_key)
         return cls(roofline, max_parallel=parallel.max_parallel, max_waiting=parallel.max_waiting,
                    max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
                    prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
@@ -301,10 +350,12 @@ class SimEngine:
             self._emitted_in_window += emitted
 
     def _step_s(self, batch: list[_Sequence]) -> float:
-        prefill = sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled)
-        decoding = [s for s in batch if s.prefilled]
-        decode = self.roofline.decode_step_s(len(decoding), sum(s.context_tokens for s in decoding))
-        return self.roofline.prefill_s(prefill) + (decode if decoding else 0.0)
+        roofline = self.roofline
+        prefill = sum(roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
+                      for s in batch if not s.prefilled)  # fmt: skip
+        contexts = [s.context_tokens for s in batch if s.prefilled]
+        decode = roofline.decode_step_s(len(contexts), sum(contexts), sum(map(roofline.attended, contexts)))
+        return prefill + (decode if contexts else 0.0)
 
     def _advance(self, seq: _Sequence) -> None:
         """Emits the sequence's next token; the first one ends its prefill."""

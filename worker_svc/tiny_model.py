@@ -1,12 +1,16 @@
-"""Write a tiny random DeepSeek-V3 checkpoint in exactly the real on-disk format.
+"""Write a tiny random DeepSeek-V3 (or V2) checkpoint in exactly the real on-disk format.
 
-    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench]
+    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
 e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE tokenizer with
-DeepSeek's special tokens and chat template, and generation_config.json. Reproducible: the same
-call writes byte-identical files.
+DeepSeek's special tokens and chat template, and generation_config.json. The DeepSeek-V2 ones
+(`--v2`, `--v2-lite`) are BF16 throughout with no quantization_config, no routing bias and no MTP
+layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducible: the same call writes byte-identical files.
+`--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint instead: the same model plus each
+layer's sparse-attention indexer (FP8 wq_b and wk, BF16 k_norm and weights_proj), with an index_topk
+small enough that short prompts exercise the sparsity.
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from worker_svc.checkpoint import is_fp8_linear
 from worker_svc.kernel import weight_quant
 from worker_svc.model import ModelArgs, Transformer
+from worker_svc.model_config import model_args
+from worker_svc.sizing import is_fp8_linear
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, PAD = "<｜User｜>", "<｜Assistant｜>", "<｜▁pad▁｜>"
@@ -58,8 +63,13 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 """
 
 
-def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
-    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null."""
+# V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
+TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
+
+
+def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) -> dict[str, Any]:
+    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null (kept for
+    `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's indexer."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -124,6 +134,29 @@ def tiny_config(vocab_size: int, *, variant: bool = False) -> dict[str, Any]:
                 "type": "yarn",
             },
         )
+    if v32:
+        config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=192,
+                      **TINY_DSA)  # fmt: skip
+    return config
+
+
+def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
+    """config.json of a tiny DeepSeek-V2: softmax router, group-limited greedy over 4 groups of 2 experts,
+    routed_scaling_factor 16, 3 layers, YaRN with DeepSeek-V2's mscale; `lite`: V2-Lite's shape
+    (q_lora_rank null, greedy top-k over all experts, routed_scaling_factor 1)."""
+    config = tiny_config(vocab_size)
+    for key in ("quantization_config", "num_nextn_predict_layers"):
+        del config[key]
+    config.update(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=3,
+        n_shared_experts=2, norm_topk_prob=False, scoring_func="softmax", topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=16.0, aux_loss_alpha=0.001, seq_aux=True,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "original_max_position_embeddings": 512, "type": "yarn"},
+    )  # fmt: skip
+    if lite:
+        config.update(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=3,
+                      routed_scaling_factor=1.0)  # fmt: skip
     return config
 
 
@@ -203,11 +236,11 @@ def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.T
     }
 
 
-def _to_checkpoint_format(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """FP8 + scale_inv for the layers' linear weights, float32 routing bias, BF16 for the rest."""
+def _to_checkpoint_format(state: dict[str, torch.Tensor], fp8: bool) -> dict[str, torch.Tensor]:
+    """FP8 + scale_inv for the layers' linear weights (if `fp8`), float32 routing bias, BF16 for the rest."""
     out = {}
     for name, t in state.items():
-        if is_fp8_linear(name):
+        if fp8 and is_fp8_linear(name):
             out[name], out[name + "_scale_inv"] = weight_quant(t)
         elif name.endswith("e_score_correction_bias"):
             out[name] = t.float()
@@ -220,10 +253,11 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, seed: int = _SEED) -> Path:
-    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`) to out_dir."""
+def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, seed: int = _SEED) -> Path:
+    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`: DeepSeek-V3.2) to out_dir."""
     tok = train_tokenizer()
-    return _write_checkpoint(Path(out_dir), tok, tiny_config(tok.get_vocab_size(), variant=variant), seed + variant)
+    config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32)
+    return _write_checkpoint(Path(out_dir), tok, config, seed + variant)
 
 
 def bench_config() -> dict[str, Any]:
@@ -246,10 +280,12 @@ def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
 
 def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    args = ModelArgs.from_config(config)
+    args = model_args(config)
     generator = torch.Generator().manual_seed(seed)
-    state = _random_state(args, generator) | _mtp_state(args, generator)
-    tensors = _to_checkpoint_format(state)
+    state = _random_state(args, generator)
+    if config.get("num_nextn_predict_layers"):
+        state |= _mtp_state(args, generator)
+    tensors = _to_checkpoint_format(state, fp8="quantization_config" in config)
     save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # save_file creates it owner-only
     _write_json(out / "config.json", config)
@@ -265,17 +301,30 @@ def write_variant_checkpoint(out_dir: str | Path) -> Path:
     return write_tiny_checkpoint(out_dir, variant=True)
 
 
+def write_v2_checkpoint(out_dir: str | Path, *, lite: bool = False) -> Path:
+    """A tiny DeepSeek-V2 checkpoint (`tiny_v2_config`), or the V2-Lite-shaped one; reproducible like the others."""
+    tok = train_tokenizer()
+    return _write_checkpoint(Path(out_dir), tok, tiny_v2_config(tok.get_vocab_size(), lite=lite), _SEED + 2 + lite)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null")
     kind.add_argument("--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model")
+    kind.add_argument("--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy")
+    kind.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy")
+    parser.add_argument("--v32", action="store_true", help="DeepSeek-V3.2: add the sparse-attention indexer")
     ns = parser.parse_args(argv)
+    if ns.bench and ns.v32:
+        parser.error("--v32 applies to the tiny model and --variant, not --bench")
     if ns.bench:
         print(write_bench_checkpoint(ns.out_dir))
+    elif ns.v2 or ns.v2_lite:
+        print(write_v2_checkpoint(ns.out_dir, lite=ns.v2_lite))
     else:
-        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant))
+        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant, v32=ns.v32))
 
 
 if __name__ == "__main__":

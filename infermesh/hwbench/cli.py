@@ -26,7 +26,7 @@ from infermesh.hwbench.results import Point, Run, point, with_frontier
 from infermesh.hwbench.simfleet import simulated_fleet
 from infermesh.mesh import ServiceExited
 from worker_svc.gpu_profiles import gpu_profiles
-from worker_svc.sizing import ConfigError, load_config, model_size
+from worker_svc.sizing import ConfigError, bundled_models, model_size_of
 
 _MEMORY_POLL_S = 0.5
 
@@ -59,7 +59,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--sim", action="store_true",
                        help="start a simulated fleet of every kind of gpu_profiles.toml (or --gpus) and study it")
     bench.add_argument("--sim-model", default="",
-                       help="with --sim: the model's config.json or a bundled name (deepseek-v3); default 8B dense")
+                       help="with --sim: a bundled model's name "
+                            f"({', '.join(bundled_models())}), a checkpoint directory or a config.json; default 8B dense")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             _prices(args.prices, kinds)  # before minutes of starting a fleet
             if args.sim_model:
                 try:
-                    model_size(load_config(args.sim_model))
+                    model_size_of(args.sim_model)
                 except ConfigError as e:
                     raise BenchError(f"--sim-model: {e}") from None
             with simulated_fleet(kinds, args.sim_model) as endpoint:

@@ -14,6 +14,7 @@ from gateway.keys import create_key_at
 from infermesh.mesh import Mesh, MeshSpec
 from infermesh.redis_server import RedisServer, free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
+from worker_svc.sizing import model_size_of
 
 SIM_MODEL = "sim-8b"  # the [engine] default sizes: 8B dense, 128 KiB of KV cache per token
 
@@ -28,10 +29,10 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def simulated_fleet(kinds: list[str], model_config: str = "") -> Iterator[Endpoint]:
-    """The running fleet's endpoint; stops everything on exit. ``model_config``: the simulated
-    model's config.json (or a bundled name); empty: the 8B default."""
-    model = Path(model_config).stem if model_config else SIM_MODEL
+def simulated_fleet(kinds: list[str], model: str = "") -> Iterator[Endpoint]:
+    """The running fleet's endpoint; stops everything on exit. ``model``: the simulated model
+    ([engine] model: a bundled name, a checkpoint directory or a config.json); empty: the 8B default."""
+    name = model_size_of(model).name if model else SIM_MODEL
     token = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="infermesh-bench-") as workdir, \
             RedisServer(workdir=workdir) as redis_server:
@@ -39,11 +40,11 @@ def simulated_fleet(kinds: list[str], model_config: str = "") -> Iterator[Endpoi
             redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
             router_port=free_port(), worker_ports=tuple(free_port() for _ in kinds),
             env={"OTEL_SDK_DISABLED": "true", "INFERMESH_GATEWAY_ADMIN_TOKEN": token,
-                 "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_MODEL_NAME": model,
-                 "INFERMESH_WORKER_ENGINE_MODEL_CONFIG": model_config},
+                 "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_MODEL_NAME": name,
+                 "INFERMESH_WORKER_ENGINE_MODEL": model},
             worker_env=tuple({"INFERMESH_WORKER_ENGINE_GPU": kind,
                               "INFERMESH_WORKER_SERVER_WORKER_ID": f"sim-{kind.lower()}"} for kind in kinds),
             log_dir=Path(workdir))
         with Mesh(spec):
             key = asyncio.run(create_key_at(redis_server.url, "infermesh bench --sim"))
-            yield Endpoint(spec.base_url, key, f"http://127.0.0.1:{spec.gateway_port}", token, model)
+            yield Endpoint(spec.base_url, key, f"http://127.0.0.1:{spec.gateway_port}", token, name)

@@ -60,14 +60,15 @@ def e2e_redis(tmp_path_factory) -> Iterator[RedisServer]:
         yield server
 
 
-def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int) -> Mesh:
+def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int, worker_dtype: str = "auto") -> Mesh:
     spec = MeshSpec(
         redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
         router_port=free_port(), worker_ports=tuple(free_port() for _ in range(workers)),
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
              "OTEL_BSP_SCHEDULE_DELAY": "100",
              "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_METRICS_PORT": str(free_port())},
+             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+             "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype},
         log_dir=log_dir)
     mesh = Mesh(spec)
     try:
@@ -79,9 +80,10 @@ def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int) -> Mesh:
 
 
 @pytest.fixture(scope="session")
-def mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
-    """One router, one worker on the tiny model, one gateway."""
-    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("mesh"), workers=1)
+def mesh(e2e_redis, otlp_receiver, tmp_path_factory, worker_dtype) -> Iterator[Mesh]:
+    """One router, one worker on the tiny model in worker_dtype, one gateway."""
+    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("mesh"), workers=1,
+                       worker_dtype=worker_dtype)
     yield mesh
     mesh.stop()
 

@@ -102,7 +102,7 @@ async def scrape(port: int | str) -> dict:
         return {f.name: f for f in text_string_to_metric_families(await response.text())}
 
 
-async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key):
+async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key, served_precision):
     async def requests_served() -> float:
         families = await scrape(mesh.spec.gateway_port)
         ttft = families["gen_ai_server_time_to_first_token_seconds"]
@@ -118,7 +118,7 @@ async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key):
 
     router = await scrape(mesh.spec.env["INFERMESH_ROUTER_METRICS_PORT"])
     assert [(s.labels["precision"], s.value) for s in router["infermesh_router_workers"].samples
-            ] == [("fp32", 1)]
+            ] == [(served_precision, 1)]
     worker = await scrape(mesh.spec.env["INFERMESH_WORKER_METRICS_PORT"])
     assert worker["infermesh_worker_running_sequences"].samples[0].value == 0
     assert any(s.value > 0 for s in worker["gen_ai_server_time_to_first_token_seconds"].samples

@@ -22,10 +22,10 @@ async def gateway(redis_server, router, worker):
     await client.close()
 
 
-async def test_completion_in_openai_format(gateway, worker, api_key):
+async def test_completion_in_openai_format(gateway, worker, api_key, served_precision):
     async with sdk(gateway, api_key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            **_GREEDY, extra_headers={"x-infermesh-precision": "fp32"})
+            **_GREEDY, extra_headers={"x-infermesh-precision": served_precision})
         completion = raw.parse()
         parts = await client.chat.completions.create(**{**_GREEDY, "messages": [
             _MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "a"},
@@ -37,7 +37,7 @@ async def test_completion_in_openai_format(gateway, worker, api_key):
     assert choice.finish_reason == "length" and completion.usage.completion_tokens == 8
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
     assert raw.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
-    assert raw.headers["x-infermesh-precision"] == "fp32"
+    assert raw.headers["x-infermesh-precision"] == served_precision
     assert raw.headers["x-request-id"]
     # text parts are joined with newlines: the same prompt, so the same greedy answer
     assert parts.choices[0].message.content == choice.message.content

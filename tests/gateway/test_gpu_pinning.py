@@ -14,7 +14,7 @@ _REQUEST = {**CHAT, "model": MODEL, "max_tokens": 2, "temperature": 0}
 @pytest.fixture
 async def mixed(redis_server, router):
     async with (running_worker(sim_engine("A100", zero_latency=True), router, "a100-0"),
-                running_worker(sim_engine("H100", zero_latency=True, model_config="deepseek-v3"),
+                running_worker(sim_engine("H100", zero_latency=True, model="DeepSeek-V3"),
                                router, "h100-0")):
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         yield gateway

@@ -69,6 +69,18 @@ async def test_two_routers_share_one_registry(redis_server):
         await wait_for_workers(c, lambda ids: not ids)  # silent: gone for every router
 
 
+async def test_workers_advertise_the_architecture_they_serve(redis_server):
+    """A DeepSeek-V3.2 worker says so (model_type and its sparse attention's index_topk); a V3 one is dense."""
+    async with (running_router(redis_url=redis_server.url) as router,
+                running_worker(sim_engine("H200", index_topk=2048), router, "v32"),
+                running_worker(sim_engine("H100"), router, "v3")):
+        await wait_for_workers(router, lambda ids: ids == {"v32", "v3"})
+        reply = await router.stub.ListWorkers(router_pb2.ListWorkersRequest())
+        served = {w.worker.worker_id: (w.worker.capabilities.model_type, w.worker.capabilities.index_topk)
+                  for w in reply.workers}
+        assert served == {"v32": ("deepseek_v32", 2048), "v3": ("deepseek_v3", 0)}
+
+
 async def test_registering_twice_and_nonsense_load_over_grpc(redis_server):
     async with running_router(redis_url=redis_server.url) as router:
         worker = common_pb2.WorkerInfo(worker_id="w", address="127.0.0.1:1", models=[MODEL])

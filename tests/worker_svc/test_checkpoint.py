@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
-from worker_svc.tiny_model import write_tiny_checkpoint
+from worker_svc.model_config import model_args
+from worker_svc.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 
 _FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 _NORM = "model.layers.0.input_layernorm.weight"
@@ -111,10 +112,16 @@ def test_missing_dir_and_config(tmp_path: Path):
         load_checkpoint(tmp_path)
 
 
+def test_a_config_that_is_not_an_object_is_refused(ckpt_copy: Path):
+    (ckpt_copy / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json: not a JSON object"):
+        load_checkpoint(ckpt_copy)
+
+
 def test_unsupported_model_type_names_the_key(ckpt_copy: Path):
     config = json.loads((ckpt_copy / "config.json").read_text())
     (ckpt_copy / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match=r"config.json: model_type='llama' is not served"):
+    with pytest.raises(CheckpointError, match=r"config.json: model_type: 'llama' is not served"):
         load_checkpoint(ckpt_copy)
 
 
@@ -151,3 +158,75 @@ def test_wrong_scale_dtype_is_named(ckpt_copy: Path):
     _rewrite(ckpt_copy, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=rf"tensor {name} has torch\.bfloat16"):
         load_checkpoint(ckpt_copy)
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V2
+
+
+def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(v2_dir: Path, v2_lite_dir: Path, tmp_path: Path):
+    for model_dir, lite in ((v2_dir, False), (v2_lite_dir, True)):
+        config = json.loads((model_dir / "config.json").read_text())
+        assert config["model_type"] == "deepseek_v2" and config["architectures"] == ["DeepseekV2ForCausalLM"]
+        assert "quantization_config" not in config and config["scoring_func"] == "softmax"
+        assert config["topk_method"] == ("greedy" if lite else "group_limited_greedy")
+        assert (config["q_lora_rank"] is None) == lite
+        with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+        assert set(dtypes.values()) == {"BF16"}
+        assert not [n for n in dtypes if n.endswith(("_scale_inv", "e_score_correction_bias"))]
+        assert max(int(n.split(".")[2]) for n in dtypes if n.startswith("model.layers.")) == 2  # no MTP layer
+        assert ("model.layers.0.self_attn.q_proj.weight" in dtypes) == lite
+    again = write_v2_checkpoint(tmp_path, lite=True)
+    for name in _FILES:
+        assert (again / name).read_bytes() == (v2_lite_dir / name).read_bytes(), name
+
+
+def test_v2_loads_its_router_from_config(v2_dir: Path, v2_lite_dir: Path):
+    model, config = load_checkpoint(v2_dir)
+    gate = model.layers[1].mlp.gate
+    assert (gate.args.scoring_func, gate.args.topk_method) == ("softmax", "group_limited_greedy")
+    assert (gate.args.n_expert_groups, gate.args.n_limited_groups, gate.args.route_scale) == (4, 2, 16.0)
+    assert gate.e_score_correction_bias is None and not gate.args.norm_topk_prob
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
+    lite, _ = load_checkpoint(v2_lite_dir)
+    assert lite.layers[1].mlp.gate.args.topk_method == "greedy" and not lite.args.q_lora_rank
+
+
+@pytest.fixture
+def v2_copy(v2_dir: Path, tmp_path: Path) -> Path:
+    shutil.copytree(v2_dir, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("field, value", [("topk_method", "noaux_tc_v9"), ("scoring_func", "sqrtsoftplus")])
+def test_unknown_router_is_refused_naming_file_and_field(v2_copy: Path, field: str, value: str):
+    config = json.loads((v2_copy / "config.json").read_text())
+    (v2_copy / "config.json").write_text(json.dumps(config | {field: value}))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {field}: '{value}' is not implemented by this engine \(supported: "):
+        load_checkpoint(v2_copy)
+
+
+def test_more_experts_than_the_kept_groups_hold_is_refused(v2_copy: Path):
+    config = json.loads((v2_copy / "config.json").read_text())
+    (v2_copy / "config.json").write_text(json.dumps(config | {"topk_group": 1, "num_experts_per_tok": 3}))
+    with pytest.raises(CheckpointError, match=r"config\.json: num_experts_per_tok: 3 exceeds the 2 experts in the topk_group groups"):
+        load_checkpoint(v2_copy)
+
+
+@pytest.mark.parametrize("copy, tensor", [("v2_copy", "model.layers.2.mlp.gate.weight"),
+                                          ("ckpt_copy", "model.layers.1.mlp.gate.e_score_correction_bias")])
+def test_a_missing_gate_tensor_names_file_and_tensor(request: pytest.FixtureRequest, copy: str, tensor: str):
+    model_dir = request.getfixturevalue(copy)
+    _rewrite(model_dir, lambda t: t.pop(tensor))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor {tensor} is missing"):
+        load_checkpoint(model_dir)
+
+
+def test_moe_layer_freq_interleaves_dense_layers(v2_copy: Path):
+    """DeepSeek's reference code: past first_k_dense_replace, layer i is MoE when i % moe_layer_freq == 0."""
+    config = json.loads((v2_copy / "config.json").read_text())
+    args = model_args(config | {"num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert [args.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
+    (v2_copy / "config.json").write_text(json.dumps(config | {"moe_layer_freq": 0}))
+    with pytest.raises(CheckpointError, match=r"config\.json: moe_layer_freq: 0 is not a positive integer"):
+        load_checkpoint(v2_copy)

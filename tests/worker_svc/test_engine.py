@@ -8,20 +8,35 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.inprocess import eventually
-from worker_svc.checkpoint import CheckpointError
+from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.engine_api import EngineOverloadedError
+from worker_svc.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
 
 
 @pytest.fixture
-async def engine(tiny_dir: Path) -> AsyncIterator[Engine]:
-    engine = Engine.from_checkpoint(tiny_dir)
+async def engine(tiny_dir: Path, worker_dtype: str) -> AsyncIterator[Engine]:
+    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype)
+    yield engine
+    await engine.close()
+
+
+# Exactness tests compare outputs computed in different batch shapes or chunkings: they pin float32, where
+# those agree to the last token. In bf16 a different shape legitimately rounds differently (test_model.py
+# bounds bf16 against fp32 instead).
+EXACT_DTYPE = "float32"
+
+
+@pytest.fixture
+async def fp32_engine(tiny_dir: Path) -> AsyncIterator[Engine]:
+    engine = Engine.from_checkpoint(tiny_dir, dtype=EXACT_DTYPE)
     yield engine
     await engine.close()
 
@@ -100,8 +115,8 @@ def test_a_loading_error_reaches_the_caller(tmp_path: Path):
         Engine.from_checkpoint(tmp_path)
 
 
-async def test_context_end_finishes_with_length(tiny_dir: Path):
-    engine = Engine.from_checkpoint(tiny_dir, max_model_len=40)
+async def test_context_end_finishes_with_length(tiny_dir: Path, worker_dtype: str):
+    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype, max_model_len=40)
     try:
         chunks = await _run(engine, _request(SamplingParams(temperature=0), prompt="The quick brown fox"))
         assert chunks[-1].finish_reason == "length"
@@ -186,24 +201,24 @@ async def _greedy_texts(engine: Engine, n: int, max_tokens: int = 20) -> list[li
     return [_ids(chunks) for chunks in await asyncio.gather(*runs)]
 
 
-async def test_a_batch_generates_what_each_sequence_generates_alone(engine: Engine):
-    together = await _greedy_texts(engine, 5)
-    alone = [(await _greedy_texts(engine, 1))[0]] + [
-        _ids(await _run(engine, _request(SamplingParams(temperature=0, max_tokens=20), prompt=_prompt(i))))
+async def test_a_batch_generates_what_each_sequence_generates_alone(fp32_engine: Engine):
+    together = await _greedy_texts(fp32_engine, 5)
+    alone = [(await _greedy_texts(fp32_engine, 1))[0]] + [
+        _ids(await _run(fp32_engine, _request(SamplingParams(temperature=0, max_tokens=20), prompt=_prompt(i))))
         for i in range(1, 5)
     ]
     assert together == alone and len({tuple(t) for t in together}) == 5
 
 
 async def test_chunked_prefill_and_preemption_do_not_change_the_output(
-    tiny_dir: Path, engine: Engine, caplog: pytest.LogCaptureFixture
+    tiny_dir: Path, fp32_engine: Engine, caplog: pytest.LogCaptureFixture
 ):
-    expected = await _greedy_texts(engine, 4, max_tokens=30)
+    expected = await _greedy_texts(fp32_engine, 4, max_tokens=30)
     # prompts computed 16 tokens per step; a cache of 2 contexts of 64 tokens for 4 sequences of ~59:
     # the newest are preempted and recomputed
     small = Engine.from_checkpoint(
-        tiny_dir, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
-        cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(engine)),
+        tiny_dir, dtype=EXACT_DTYPE, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
+        cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
     )  # fmt: skip
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
@@ -218,19 +233,19 @@ def _bytes_per_token(engine: Engine) -> int:
     return bytes_per_token(engine.model.args, engine.model.lm_head.weight.dtype)
 
 
-async def test_a_repeated_prefix_is_reported_as_cached_prompt_tokens(engine: Engine):
+async def test_a_repeated_prefix_is_reported_as_cached_prompt_tokens(fp32_engine: Engine):
     system = {"role": "system", "content": "You are a helpful assistant. " * 8}
     params = SamplingParams(temperature=0, max_tokens=8)
 
     def request(question: str) -> GenerationRequest:
         return GenerationRequest("r", [system, {"role": "user", "content": question}], None, params)
 
-    first = await _run(engine, request("What is MLA?"))
-    again = await _run(engine, request("What is MLA?"))
-    other = await _run(engine, request("And MoE?"))
+    first = await _run(fp32_engine, request("What is MLA?"))
+    again = await _run(fp32_engine, request("What is MLA?"))
+    other = await _run(fp32_engine, request("And MoE?"))
     assert first[-1].cached_prompt_tokens == 0
     assert _ids(again) == _ids(first) and 0 < again[-1].cached_prompt_tokens < again[-1].prompt_tokens
-    assert other[-1].cached_prompt_tokens >= len(engine.tokenizer.encode_chat([system])) // 16 * 16 - 16
+    assert other[-1].cached_prompt_tokens >= len(fp32_engine.tokenizer.encode_chat([system])) // 16 * 16 - 16
 
 
 async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
@@ -262,8 +277,9 @@ async def test_penalties_and_logprobs(engine: Engine):
     assert (await _run(engine, _request(SamplingParams(temperature=0, max_tokens=2))))[0].logprobs is None
 
 
-async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path):
-    engine = Engine.from_checkpoint(tiny_dir, parallel=ParallelSection(max_parallel=1, max_waiting=1))
+async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path, worker_dtype: str):
+    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype,
+                                    parallel=ParallelSection(max_parallel=1, max_waiting=1))
     try:
         params = SamplingParams(temperature=0, max_tokens=10)
         first, second = (engine.generate(_request(params, prompt=_prompt(i))) for i in range(2))
@@ -309,3 +325,34 @@ async def test_per_request_batch_limit_runs_a_request_alone(engine: Engine):
 
     await asyncio.gather(watch(alone), watch(_request(params, prompt=_prompt(2))))
     assert len(seen) == 12 and max(seen) == 1
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V2
+
+
+@pytest.mark.parametrize("checkpoint", ["v2_dir", "v2_lite_dir"])
+async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
+    request: pytest.FixtureRequest, checkpoint: str
+):
+    """One code path downstream of the model: the paged latent cache, a batch of prefills in 8-token chunks
+    and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32 pinned)."""
+    model_dir = request.getfixturevalue(checkpoint)
+    engine = Engine.from_checkpoint(model_dir, dtype="float32", parallel=ParallelSection(prefill_chunk_size=8),
+                                    cache=CacheSection(block_size=4))  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12)
+        prompts = [f"{'Multi-head latent attention caches a latent. ' * 2}Question {i}: why?" for i in range(3)]
+        first = await _run(engine, _request(params, prompt=prompts[0]))
+        together = await asyncio.gather(
+            *(_run(engine, _request(params, prompt=p, request_id=str(i))) for i, p in enumerate(prompts)))
+        hf = transformers_model(engine.model, read_config(model_dir)[0])
+    finally:
+        await engine.close()
+    assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)  # the shared prefix was reused
+    assert _ids(first) == _ids(together[0])
+    for prompt, chunks in zip(prompts, together):
+        ids = torch.tensor([engine.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=2)[0, ids.size(1) :].tolist()  # fmt: skip
+        assert _ids(chunks) == expected, prompt

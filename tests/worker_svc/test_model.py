@@ -1,7 +1,11 @@
-"""Our DeepSeek-V3 forward pass against transformers' DeepseekV3ForCausalLM on the same weights."""
+"""Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM
+on the same weights."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,11 +16,19 @@ from transformers import DeepseekV3ForCausalLM
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
-from worker_svc.model import Linear, Transformer, dense_linear, smoke_run
+from worker_svc.kv_cache import bytes_per_token
+from worker_svc.model import Linear, MoE, Transformer, dense_linear, precompute_freqs_cis, smoke_run
+from worker_svc.sizing import model_size
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
 GREEDY_STEPS = 32
+# bf16 (what the policy serves on AVX512-BF16/AMX CPUs) against fp32 on the same weights: observed max |diff|
+# 0.8-1.8% of max |logit| on both tiny checkpoints; teacher-forced greedy agreed at 32 (tiny) and 30 (variant)
+# of 32 steps (62 of 64 each over 64), every miss a near-tie in fp32 (gap 0.0001-0.014).
+BF16_LOGITS_RTOL = 0.03
+BF16_GREEDY_STEPS, BF16_GREEDY_AGREEMENT = 32, 0.9
+BF16_NEAR_TIE = 0.05  # largest fp32 logit gap between fp32's and bf16's greedy choices where they differ
 # FP8 weights on both sides, bf16 compute on both; the FP8 path adds 1x128 activation quantization
 # (~2^-4 relative rounding per element): observed max |diff| 4-6% of max |logit| on the tiny checkpoint.
 FP8_LOGITS_RTOL = 0.1
@@ -59,6 +71,16 @@ def test_last_token_logits_match_transformers(models):
         torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
 
 
+def test_a_batch_of_prompts_matches_transformers(models):
+    """Three sequences in one forward pass (each in its own cache block) give transformers' batched logits."""
+    ours, hf, config = models
+    tokens = torch.cat([_prompt(config, 24, seed=seed) for seed in (1, 2, 3)])
+    with torch.no_grad():
+        expected = hf(tokens).logits[:, -1]
+    got = ours(tokens, 0, ours.setup_cache(3, 24))
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("chunks", [[], [7, 13]], ids=["one-prefill", "chunked-prefill"])
 def test_greedy_generation_matches_transformers(models, chunks):
     ours, hf, config = models
@@ -69,6 +91,35 @@ def test_greedy_generation_matches_transformers(models, chunks):
     got = _greedy(ours, prompt, GREEDY_STEPS, chunks)
     assert got == expected
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
+
+
+def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
+    shutil.copytree(model_dir, out)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
+                         ids=["yarn", "yarn-attention_factor-untruncated"])  # fmt: skip
+def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict):
+    """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files rope_scaling (type)
+    with rope_theta beside it. Either way the engine serves YaRN, as transformers does."""
+    config = json.loads((variant_dir / "config.json").read_text())
+    yarn = {k: v for k, v in config.pop("rope_scaling").items() if k != "type"} | extra
+    del config["rope_theta"]
+    legacy = config | {"rope_scaling": {"type": "yarn", **yarn}, "rope_theta": 50000.0}
+    modern = config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **yarn}}
+    old, _ = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "legacy", legacy), torch.float32)
+    new, new_config = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "modern", modern), torch.float32)
+    tokens = _prompt(new_config, 64)
+    got = new(tokens, 0, new.setup_cache(1, 64))
+    assert torch.equal(got, old(tokens, 0, old.setup_cache(1, 64)))
+    with torch.no_grad():
+        expected = transformers_model(new, new_config)(tokens).logits[:, -1]
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+    # without YaRN and that theta the same weights give other logits: what a misread file would serve
+    new.freqs_cis = precompute_freqs_cis(dataclasses.replace(new.args, rope_type="default", rope_theta=10000.0))
+    assert (new(tokens, 0, new.setup_cache(1, 64)) - expected).abs().max() > 100 * LOGITS_ATOL
 
 
 def test_cache_holds_only_the_latent(tiny_dir: Path):
@@ -84,6 +135,34 @@ def test_bf16_load_runs(tiny_dir: Path):
     assert model.layers[1].mlp.gate.weight.dtype == torch.float32  # routing stays fp32
     logits = model(_prompt(config, 8), 0, model.setup_cache(1, 8))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_bf16_logits_stay_within_a_stated_bound_of_fp32(model_dir: Path):
+    fp32, config = load_checkpoint(model_dir, torch.float32)
+    bf16, _ = load_checkpoint(model_dir, torch.bfloat16)
+    for length in (1, 17, 64):
+        tokens = _prompt(config, length, seed=length)
+        expected = fp32(tokens, 0, fp32.setup_cache(1, length))
+        got = bf16(tokens, 0, bf16.setup_cache(1, length))
+        assert (got - expected).abs().max() <= BF16_LOGITS_RTOL * expected.abs().max(), length
+        assert not torch.equal(got, expected)  # bf16 really ran
+
+
+def test_bf16_greedy_agrees_with_fp32_except_at_near_ties(model_dir: Path):
+    """Teacher-forced on fp32's greedy tokens, so one early flip does not decide the rest."""
+    fp32, config = load_checkpoint(model_dir, torch.float32)
+    bf16, _ = load_checkpoint(model_dir, torch.bfloat16)
+    prompt = _prompt(config)
+    caches = [model.setup_cache(1, prompt.size(1) + BF16_GREEDY_STEPS) for model in (fp32, bf16)]
+    expected, got = fp32(prompt, 0, caches[0]), bf16(prompt, 0, caches[1])
+    agreed = 0
+    for pos in range(prompt.size(1), prompt.size(1) + BF16_GREEDY_STEPS):
+        token, bf16_token = int(expected.argmax()), int(got.argmax())
+        agreed += token == bf16_token
+        assert expected[0, token] - expected[0, bf16_token] < BF16_NEAR_TIE, pos
+        step = torch.tensor([[token]])
+        expected, got = fp32(step, pos, caches[0]), bf16(step, pos, caches[1])
+    assert agreed >= BF16_GREEDY_AGREEMENT * BF16_GREEDY_STEPS
 
 
 def test_model_smoke_run():
@@ -146,3 +225,16 @@ def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.out_features :].data_ptr()
     assert mlp.gate_up.grad_fn is None  # no autograd graph keeping the unpacked weights alive
     assert set(model.state_dict()) == set(Transformer(model.args).state_dict())
+
+
+def test_model_sizes_count_what_the_model_holds(model_dir: Path):
+    """The simulated engine's size arithmetic (no torch) against the built model and its BF16 cache."""
+    model, config = load_checkpoint(model_dir)
+    sizes = model_size(config)
+    assert sizes.params == sum(t.numel() for t in model.state_dict().values())
+    assert sizes.kv_bytes_per_token("bf16") == bytes_per_token(model.args, torch.bfloat16)
+    assert sizes.fp8_weights == (config["model_type"] == "deepseek_v3")
+    dim, experts = config["hidden_size"], config["n_routed_experts"] - config["num_experts_per_tok"]
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
+    idle = moe_layers * experts * 3 * dim * config["moe_intermediate_size"] + (config["vocab_size"] - 1) * dim
+    assert sizes.active_params == sizes.params - idle  # unchosen experts and other embedding rows

@@ -48,6 +48,15 @@ def test_overrides():
         choose_precision("cpu", dtype="int4")
 
 
+def test_a_checkpoint_without_fp8_weights_runs_bf16_on_sm90():
+    """DeepSeek-V2's BF16 checkpoints: nothing to keep in FP8, so the policy's next choice."""
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, fp8_weights=False) == "bf16"
+    assert choose_precision("cuda", "8.0", fp8_weights=False) == "bf16"
+    for override in ({"use_native_fp8": True}, {"dtype": "fp8"}):
+        with pytest.raises(ValueError, match=r"needs a checkpoint with FP8 weights \(quantization_config fp8\)"):
+            choose_precision("cuda", "9.0", fp8_gemm=True, fp8_weights=False, **override)
+
+
 def test_fp8_loads_fp8_weights():
     assert TORCH_DTYPES["fp8"] == FP8 and TORCH_DTYPES["bf16"] == torch.bfloat16
 

@@ -93,8 +93,8 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
         assert len(first.token_ids) + sum([len(r.token_ids) async for r in good]) == 8
 
 
-async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny_dir: Path):
-    engine = Engine.from_checkpoint(tiny_dir, parallel=ParallelSection(max_parallel=1, max_waiting=0))
+async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny_dir: Path, worker_dtype: str):
+    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype, parallel=ParallelSection(max_parallel=1, max_waiting=0))
     try:
         async with _worker(engine) as (stub, _):
             running = stub.Generate(_request())

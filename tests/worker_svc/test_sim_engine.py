@@ -14,6 +14,7 @@ from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
+from worker_svc.sizing import model_size_of
 from tests.inprocess import sim_engine
 
 
@@ -52,6 +53,38 @@ def test_roofline_orders_the_gpus_and_grows_with_batch_and_prompt():
     assert h100.decode_step_s(1, 0) == pytest.approx(8e9 / 3.35e12, rel=0.05)
 
 
+# DeepSeek-V3(.2) on 8 x H200, as the simulated fleet configures them: 61 layers of MLA with 128 heads;
+# a latent of 512 + 64 in BF16; V3.2's indexer: 64 heads of 128, keys in FP8 with one float32 scale.
+_MLA = {"total_params_b": 671, "active_params_b": 37, "gpu_count": 8, "kv_bytes_per_token": 61 * 576 * 2,
+        "attention_flops_per_key": 61 * 128 * 2 * (576 + 512)}
+_DSA = {"index_topk": 2048, "index_bytes_per_token": 61 * (128 + 4), "index_flops_per_key": 61 * 64 * 2 * 128}
+
+
+def test_sparse_attention_past_index_topk_costs_only_the_indexer():
+    v3, v32 = sim_engine("H200", **_MLA).roofline, sim_engine("H200", **_MLA, **_DSA).roofline
+    topk, profile = _DSA["index_topk"], v32.profile
+    assert v32.decode_step_s(1, 1000, v32.attended(1000)) > v3.decode_step_s(1, 1000)  # the indexer's extra
+    batch = 64  # of 64k-token contexts: attention, not the weights, sets the step time
+    assert v32.decode_step_s(batch, batch * 64_000, batch * topk) < v3.decode_step_s(batch, batch * 64_000) / 3
+    # past index_topk each decode step grows by the indexer's bytes and FLOPs per token only
+    per_token = (_DSA["index_bytes_per_token"] / profile.bandwidth_bytes_per_s
+                 + _DSA["index_flops_per_key"] / profile.peak_flops) / 8
+    grown = v32.decode_step_s(1, 32_000, topk) - v32.decode_step_s(1, 16_000, topk)
+    assert grown == pytest.approx(16_000 * per_token)
+    # prefill: whole prompts and a continuation after a cached prefix count each query's keys
+    assert v32.prefill_s(4000) == pytest.approx(v32.prefill_s(1000) + v32.prefill_s(3000, start=1000))
+    assert v3.prefill_s(64_000) > 2 * v32.prefill_s(64_000)
+    pairs = 1000 * 1001 // 2  # query-key pairs of a 1000-token prompt, all within index_topk
+    indexer_s = pairs * _DSA["index_flops_per_key"] / (profile.peak_flops * 8)
+    assert v32.prefill_s(1000) - v3.prefill_s(1000) == pytest.approx(indexer_s)
+    # a long prompt: every query past index_topk attends to index_topk keys
+    attended = sum(min(p + 1, topk) for p in range(5000, 9000))
+    weights_s = 4000 * 2 * 37e9 / (profile.peak_flops * 8)
+    expected = (weights_s + (attended * _MLA["attention_flops_per_key"] + sum(range(5001, 9001))
+                             * _DSA["index_flops_per_key"]) / (profile.peak_flops * 8))  # fmt: skip
+    assert v32.prefill_s(4000, start=5000) == pytest.approx(expected)
+
+
 def test_capabilities_report_the_profile():
     caps = sim_engine("H100").capabilities
     assert (caps.device, caps.device_name, caps.compute_capability, caps.precision) == \
@@ -72,21 +105,22 @@ def test_a_model_that_does_not_fit_one_gpu_runs_on_the_fewest_that_hold_it():
     assert engine.roofline.gpu_count == engine.capabilities.gpu_count == 5
     assert engine.capabilities.memory_total_bytes == 5 * 32e9
     # DeepSeek-V3: 673 GB in FP8 on H100s, twice that dequantized on A100s
-    h100, a100 = sim_engine("H100", model_config="deepseek-v3"), sim_engine("A100", model_config="deepseek-v3")
+    h100, a100 = sim_engine("H100", model="DeepSeek-V3"), sim_engine("A100", model="DeepSeek-V3")
     assert (h100.roofline.gpu_count, a100.roofline.gpu_count) == (10, 19)
     assert h100.capabilities.weight_bytes * 2 > a100.capabilities.weight_bytes > h100.capabilities.weight_bytes
     assert sim_engine("H100").roofline.gpu_count == 1  # the default 8B model fits one
 
 
 def test_a_model_config_that_cannot_be_read_names_the_key():
-    with pytest.raises(ConfigError, match="model_config.*not found"):
-        load_worker_config_with({"INFERMESH_WORKER_ENGINE_MODEL_CONFIG": "/nonexistent"})
+    with pytest.raises(ConfigError, match="model.*not found"):
+        load_worker_config_with({"INFERMESH_WORKER_ENGINE_MODEL": "/nonexistent"})
 
 
 def test_engine_config_section_errors_name_the_key():
     for env, message in [({"INFERMESH_WORKER_ENGINE_KIND": "gpu"}, "kind: expected checkpoint or sim"),
                          ({"INFERMESH_WORKER_ENGINE_GPU": "B200"}, "gpu: unknown profile 'B200'"),
-                         ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b")]:
+                         ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b"),
+                         ({"INFERMESH_WORKER_ENGINE_INDEX_TOPK": "-1"}, "index_topk")]:
         with pytest.raises(ConfigError, match=message):
             load_worker_config_with(env)
 
@@ -245,3 +279,37 @@ def test_a_sim_worker_never_imports_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "sim"})
+
+
+def test_bundled_models_have_the_published_sizes():
+    """Counted from the config.json shapes: DeepSeek's own figures (total B, activated B per token)."""
+    for name, total_b, active_b in [("DeepSeek-V3", 671, 37), ("DeepSeek-V2", 236, 21),
+                                    ("DeepSeek-V2.5", 236, 21), ("DeepSeek-V2-Lite", 15.7, 2.4)]:
+        assert model_size_of(name).params == pytest.approx(total_b * 1e9, rel=0.01), name
+        assert model_size_of(name).active_params == pytest.approx(active_b * 1e9, rel=0.03), name
+    # the BF16 latent cache: (kv_lora_rank 512 + rope 64) x layers x 2 bytes
+    assert model_size_of("DeepSeek-V2-Lite").kv_bytes_per_token("bf16") == 576 * 27 * 2
+    assert model_size_of("DeepSeek-V3").kv_bytes_per_token("bf16") == 576 * 61 * 2
+
+
+def test_a_sim_worker_is_sized_by_a_bundled_model():
+    lite = sim_engine("A100", model="DeepSeek-V2-Lite")
+    assert lite.capabilities.weight_bytes == model_size_of("DeepSeek-V2-Lite").params * 2  # bf16
+    # BF16 weights run BF16 on an H100 too (nothing to keep in FP8); DeepSeek-V3's FP8 weights run FP8
+    assert sim_engine("H100", model="DeepSeek-V2-Lite").capabilities.precision == "bf16"
+    assert sim_engine("H100", model="DeepSeek-V3", gpu_count=16).capabilities.precision == "fp8"
+    # 80 GB x 0.9 less ~31 GB of weights, 31104 bytes a token: about 1.3M tokens of cache
+    assert lite.roofline.kv_capacity_tokens == pytest.approx((72e9 - 31.4e9) / 31104, rel=0.01)
+    assert lite.roofline.decode_step_s(1, 0) < sim_engine("A100").roofline.decode_step_s(1, 0)  # 2.4B < 8B active
+    with pytest.raises(ValueError, match="leave no KV cache"):
+        sim_engine("H200", model="DeepSeek-V3", gpu_count=1)  # 671 GB of FP8 weights on one 141 GB GPU
+    assert sim_engine("H200", model="DeepSeek-V3", gpu_count=8).roofline.kv_capacity_tokens > 0
+
+
+def test_model_errors_name_the_key():
+    for env, message in [({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V4"}, "model: DeepSeek-V4: not found"),
+                         ({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V2-Lite",
+                           "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16"},
+                          "model: 'DeepSeek-V2-Lite' sets the sizes; total_params_b must be left unset")]:
+        with pytest.raises(ConfigError, match=message):
+            load_worker_config_with(env)
