@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -66,24 +67,18 @@ class RouterClient:
             await chunks.aclose()
 
     async def list_models(self) -> list[router_pb2.Model]:
-        await self._wait_connected()
-        try:
-            reply = await self._stub.ListModels(router_pb2.ListModelsRequest(),
-                                                timeout=self._config.control_timeout_s,
-                                                wait_for_ready=False)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e.code(), e.details()) from None
-        return list(reply.models)
+        return list((await self._control(self._stub.ListModels, router_pb2.ListModelsRequest())).models)
 
     async def list_workers(self) -> list[router_pb2.WorkerStatus]:
+        return list((await self._control(self._stub.ListWorkers, router_pb2.ListWorkersRequest())).workers)
+
+    async def _control(self, rpc: Any, request: Any) -> Any:
+        """A unary call that is not a generation: bounded by control_timeout_s, errors mapped."""
         await self._wait_connected()
         try:
-            reply = await self._stub.ListWorkers(router_pb2.ListWorkersRequest(),
-                                                 timeout=self._config.control_timeout_s,
-                                                 wait_for_ready=False)
+            return await rpc(request, timeout=self._config.control_timeout_s, wait_for_ready=False)
         except grpc.aio.AioRpcError as e:
             raise self._error(e.code(), e.details()) from None
-        return list(reply.workers)
 
     async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
