@@ -117,8 +117,8 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:
-            async for _ in stub.Generate(request):
-                running.append(tiny_engine.load().running)
+            async for chunk in stub.Generate(request):  # merged chunks: one entry per token
+                running.extend([tiny_engine.load().running] * len(chunk.token_ids))
 
         await asyncio.gather(watch(alone), watch(_request("two", max_tokens=6)))
     assert len(running) == 12 and max(running) == 1
