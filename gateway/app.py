@@ -75,11 +75,14 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
         socket_connect_timeout=config.redis.timeout_s))
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
-    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)
+    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
+                      settle_retry_max=config.limits.settle_retry_max)
     app[LIMITER] = limiter
     renewal = asyncio.create_task(limiter.renew_leases())
+    retries = asyncio.create_task(limiter.retry_settlements())
     yield
     await cancel_and_wait(renewal)
+    await cancel_and_wait(retries)
     await limiter.drain()
     await client.aclose()
 

@@ -64,6 +64,13 @@ class RouterSection:
     connect_timeout_s: float = 2.0
     # Deadline of the small calls (ListModels, Route).
     control_timeout_s: float = 5.0
+    # The longest a streamed generation waits for a worker's next chunk, the first one
+    # included (so it must exceed the longest queue wait plus prefill): past it the worker
+    # counts as failed (frozen, or its host gone): before the first token the request goes
+    # to the fallback worker, after it the stream ends with an error event. The failure is
+    # reported to the router. Non-streamed requests (one reply at the end) are bounded by
+    # request_timeout_s only.
+    stall_timeout_s: float = 30.0
     retry_after_s: int = 1
     # false: the router only chooses (Router.Route) and the gateway streams from the
     # worker itself; true: the router relays every chunk (Router.Generate), for networks
@@ -72,7 +79,8 @@ class RouterSection:
     relay: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s"):
+        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
+                     "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -85,6 +93,10 @@ class LimitsSection:
     # A concurrency slot of a gateway that died is freed after this long; live
     # gateways renew theirs every third of it.
     lease_ttl_s: float = 30.0
+    # Settlements (usage to record) that failed while Redis was unreachable wait in memory,
+    # about 1 KB each, and are retried when it is back; past this many the oldest are
+    # dropped (metric infermesh_usage_settlements_dropped_total, logged).
+    settle_retry_max: int = 100_000
 
     def __post_init__(self) -> None:
         if self.default_completion_reserve < 0:
@@ -92,6 +104,8 @@ class LimitsSection:
                              f"got {self.default_completion_reserve}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if self.settle_retry_max < 0:
+            raise ValueError(f"settle_retry_max must be >= 0, got {self.settle_retry_max}")
 
 
 @section

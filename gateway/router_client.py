@@ -92,7 +92,8 @@ class RouterClient:
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
                 reply.workers, lambda route: self._from_worker(route, request, stream, deadline),
-                self._report_failure, lambda route: route.worker_id):
+                self._report_failure, lambda route: route.worker_id,
+                self._config.stall_timeout_s if stream else None):
             yield chunk
 
     async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,

@@ -10,10 +10,12 @@ import telemetry
 from infermesh.pb import worker_pb2_grpc
 
 # Reconnect soon after a peer comes back, rather than grpc's default of backing off for
-# up to two minutes.
+# up to two minutes: a channel whose peer was gone for any time tries again at least
+# every second, so a restarted router or worker is used again within about a second.
+# Every long-lived channel (gateway -> router, worker -> router, -> workers) uses these.
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -167,9 +167,9 @@ async def test_redis_down_on_the_limit_path_is_503_then_recovers(served, redis_s
 
 async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
     key = await create_key(redis_client, "lease", max_concurrent=1)
-    dead = Limiter(redis_client, lease_ttl_s=1)
+    dead = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     await dead.admit(key_id(key), 0)  # never settled, never renewed
-    live = Limiter(redis_client, lease_ttl_s=1)
+    live = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     with pytest.raises(RateLimitError):
         await live.admit(key_id(key), 0)
     await asyncio.sleep(1.1)
