@@ -64,12 +64,10 @@ class RouterSection:
     connect_timeout_s: float = 2.0
     # Deadline of the small calls (ListModels, Route).
     control_timeout_s: float = 5.0
-    # The longest a streamed generation waits for a worker's next chunk, the first one
-    # included (so it must exceed the longest queue wait plus prefill): past it the worker
-    # counts as failed (frozen, or its host gone): before the first token the request goes
-    # to the fallback worker, after it the stream ends with an error event. The failure is
-    # reported to the router. Non-streamed requests (one reply at the end) are bounded by
-    # request_timeout_s only.
+    # The longest silence of a worker's stream after its first chunk: past it the worker
+    # counts as failed (stuck) and the stream ends with an error event, the failure
+    # reported to the router. (Before the first chunk silence is queueing or prefill; a
+    # frozen worker is noticed by the channel's keepalive pings, see infermesh.channels.)
     stall_timeout_s: float = 30.0
     retry_after_s: int = 1
     # false: the router only chooses (Router.Route) and the gateway streams from the

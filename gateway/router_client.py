@@ -22,7 +22,7 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
-from infermesh.channels import RECONNECT_OPTIONS, WorkerChannels
+from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, one_reply, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
@@ -36,7 +36,7 @@ class RouterClient:
     def __init__(self, config: RouterSection) -> None:
         self._config = config
         self._channel = grpc.aio.insecure_channel(
-            config.address, options=RECONNECT_OPTIONS,
+            config.address, options=CHANNEL_OPTIONS,
             interceptors=telemetry.grpc_client_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels()

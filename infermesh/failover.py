@@ -5,7 +5,9 @@ Router.Route: a worker that fails before its first chunk hands the request to th
 one; a failure after tokens were sent ends the stream with a clean error, never a second
 stream; an error that says the request itself is wrong ends it at once. A worker that stays
 silent longer than the stall timeout (frozen, or its host gone without closing the
-connection) fails like one that broke the connection.
+connection) after its first chunk fails like one that broke the connection; before the
+first chunk silence is queueing or prefill, and a frozen worker is noticed by the
+channel's keepalive pings (``infermesh.channels``).
 """
 from __future__ import annotations
 
@@ -46,14 +48,15 @@ async def stream_from_first(
     """The chunks of ``open_stream(worker)`` for the first of ``workers`` that serves the
     request. ``on_failure(worker, code, details, started)`` hears of each worker that
     failed (not of requests the caller got wrong). ``stall_timeout_s``: the longest wait
-    for a worker's next chunk (its first included); None: no limit (a unary call, whose
-    one reply comes at the end). Raises StreamFailedError."""
+    for a worker's next chunk after its first; None: no limit (a unary call, whose one
+    reply comes at the end). Raises StreamFailedError."""
     failures: list[tuple[str, grpc.StatusCode, str]] = []
     for worker in workers:
         started = finished = False
         try:
             async with contextlib.aclosing(open_stream(worker)) as chunks:
-                while (chunk := await _next_chunk(chunks, stall_timeout_s)) is not None:
+                while (chunk := await _next_chunk(
+                        chunks, stall_timeout_s if started else None)) is not None:
                     started = True
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield chunk

@@ -67,10 +67,9 @@ class RoutingSection:
     affinity_load_factor: float = 1.25
     failures_to_eject: int = 3  # consecutive failed calls that eject a worker
     eject_cooldown_ms: int = 10000  # how long an ejected worker gets no traffic
-    # Relayed streams: the longest wait for a worker's next chunk, the first included
-    # (longer than any queue wait plus prefill); past it the worker has failed (frozen):
-    # fallback before the first token, an error after it. Unary Complete calls are
-    # bounded by the caller's deadline only.
+    # Relayed streams: the longest silence of a worker's stream after its first chunk;
+    # past it the worker has failed (stuck) and the stream ends with an error. (A frozen
+    # worker is noticed sooner by the channel's keepalive pings, see infermesh.channels.)
     stall_timeout_ms: int = 30000
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 import telemetry
 from telemetry import metrics
-from infermesh.channels import RECONNECT_OPTIONS
+from infermesh.channels import CHANNEL_OPTIONS
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -232,11 +232,11 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
     """Registers, then heartbeats load until cancelled. Survives a router restart
     (registers again) and an unreachable router: a registration waits for the channel
     to connect (``wait_for_ready``), and the channel retries at least every second
-    (``RECONNECT_OPTIONS``), so the worker is back in routing about a second after the
+    (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
     router is."""
     info = servicer.info
     async with grpc.aio.insecure_channel(
-            router_address, options=RECONNECT_OPTIONS,
+            router_address, options=CHANNEL_OPTIONS,
             interceptors=telemetry.grpc_client_interceptors()) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
