@@ -19,8 +19,8 @@ with keys of their own, one of them with a requests-per-minute limit. Scenarios:
   while down (never 401, never admitted unmetered); seconds from its return to service.
 - ``router-restart``: the router SIGKILLed for ``--down-s`` then started again: streams in
   flight complete, new requests fail fast with 503 + Retry-After; seconds to service.
-- ``revocation``: two gateway processes; seconds from the admin API's revoke to the first
-  401 on each, over ``--revocations`` keys.
+- ``revocation``: two gateway processes under load; seconds from the admin API's revoke
+  to the first 401 on each, over ``--revocations`` keys.
 
 After each load scenario: per key, usage recorded in Redis equals the tokens the clients
 received (a simulated token is one word), and the limited key's requests-per-minute
@@ -381,16 +381,20 @@ async def outage(chaos: ChaosMesh, what: str, *, down_s: float, concurrency: int
     }
 
 
-async def revocations(chaos: ChaosMesh, count: int) -> dict[str, object]:
+async def revocations(chaos: ChaosMesh, count: int, concurrency: int, max_tokens: int,
+                      ) -> dict[str, object]:
     """Seconds from the admin call that revokes a key to the first 401 on each of two
-    gateway processes, whose clients use the key without pause."""
+    gateway processes, whose clients use the key without pause, while ``concurrency``
+    other clients stream through both gateways."""
     second_port = free_port()
     await asyncio.to_thread(chaos.mesh.add_gateway, "gateway2", second_port)
     gateways = [f"http://127.0.0.1:{chaos.mesh.spec.gateway_port}",
                 f"http://127.0.0.1:{second_port}"]
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     delays: list[list[float]] = [[], []]
-    async with aiohttp.ClientSession() as session:
+    async with (load(f"{gateways[0]}/v1", chaos.keys, concurrency // 2, max_tokens),
+                load(f"{gateways[1]}/v1", chaos.keys, concurrency - concurrency // 2, max_tokens),
+                aiohttp.ClientSession() as session):
         for _ in range(count):
             async with session.post(f"{gateways[0]}/admin/keys", json={"name": "revoked"},
                                     headers=admin) as response:
@@ -475,7 +479,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> None:
                 chaos, "router", down_s=args.down_s, **common))
         if wanted("revocation"):
             _print(f"revocation, {args.revocations} keys, two gateways",
-                   await revocations(chaos, args.revocations))
+                   await revocations(chaos, args.revocations, args.concurrency,
+                                     args.max_tokens))
 
 
 if __name__ == "__main__":
