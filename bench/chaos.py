@@ -38,7 +38,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -220,16 +220,6 @@ async def load(base_url: str, keys: Sequence[str], concurrency: int,
             await asyncio.gather(*clients)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until ``condition()`` held; raises TimeoutError past ``timeout_s``."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"condition did not hold within {timeout_s} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
-
-
 @dataclasses.dataclass
 class Accounts:
     """What Redis recorded against what the clients received, per key."""
@@ -354,15 +344,16 @@ async def outage(chaos: ChaosMesh, what: str, *, down_s: float, concurrency: int
             await asyncio.to_thread(chaos.redis.start)
         else:
             chaos.mesh.respawn("router")
-            address = chaos.mesh.spec.router_address
-            await until(lambda: grpc_serving(address), 30.0)
+            await _until_serving(chaos.mesh.spec.router_address, 30.0)
         back_at = time.monotonic()
         await asyncio.sleep(after_s)
     in_flight = [r for r in results if r.sent < down_at < r.ended and r.status == 200]
     during = [r for r in results if down_at <= r.sent and r.ended <= back_at]
-    after = [r for r in results if r.sent >= back_at]
-    first_ok = min((r.sent for r in after if r.status == 200), default=float("nan"))
-    last_failure = max((r.ended for r in after if r.status != 200), default=back_at)
+    # recovery, from when the probe saw the service back: the first request sent after the
+    # fault that was served, and the end of the last one that failed (<= 0: none after)
+    first_ok = min((r.sent for r in results if r.sent >= down_at and r.status == 200),
+                   default=float("nan"))
+    last_failure = max((r.ended for r in results if r.status != 200), default=back_at)
     failing = [r.ended - r.sent for r in during if r.status != 200]
     return {
         "requests": len(results), "statuses": _statuses(results),
@@ -374,11 +365,20 @@ async def outage(chaos: ChaosMesh, what: str, *, down_s: float, concurrency: int
                                        if r.status == 503 and r.retry_after is None),
         "failure latency p50/p99/max s": [round(_percentile(failing, q), 3)
                                           for q in (0.5, 0.99, 1.0)],
-        "first 200 after return s": round(first_ok - back_at, 2),
-        "last failure after return s": round(last_failure - back_at, 2),
+        "first served request sent, s after return": round(first_ok - back_at, 2),
+        "last failure ended, s after return": round(last_failure - back_at, 2),
         "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
         "accounts": await accounts(chaos, results),
     }
+
+
+async def _until_serving(address: str, timeout_s: float) -> None:
+    """Probes the gRPC health service (from a thread: the clients' loop must not wait)."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(grpc_serving, address, 0.2):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} not serving within {timeout_s} s")
+        await asyncio.sleep(0.02)
 
 
 async def revocations(chaos: ChaosMesh, count: int, concurrency: int, max_tokens: int,
