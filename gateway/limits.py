@@ -44,7 +44,7 @@ A settlement that fails (Redis unreachable) waits in this process's memory and i
 once Redis answers again, oldest first; at most ``[limits] settle_retry_max`` wait, past
 that the oldest are dropped, counted in ``infermesh_usage_settlements_dropped_total`` and
 logged (by key id). Each settlement marks itself done in Redis
-(``infermesh:settled:<id>:<lease>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
+(``infermesh:settled:<id>:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
 reply was lost (it ran, but the connection dropped) does not count twice.
 """
 from __future__ import annotations
@@ -373,7 +373,8 @@ class Limiter:
                                   served=settlement.served)
             except redis.RedisError:
                 break
-            self._failed.popleft()
+            if self._failed and self._failed[0] is settlement:  # not dropped meanwhile
+                self._failed.popleft()
             flushed += 1
         if flushed:
             SETTLEMENTS_RETRIED.inc(flushed)
