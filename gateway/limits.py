@@ -309,8 +309,12 @@ class Limiter:
                      ) -> None:
         """Replaces the reservation with ``usage``, frees the slot, counts the usage; not
         ``served`` (the mesh failed the request): gives its request-per-minute unit back
-        and counts nothing. Runs at most once per admission, however often it is called."""
+        and counts nothing (a choice's first tokens, when another choice of the request
+        failed, were never delivered). Runs at most once per admission, however often it
+        is called."""
         self._leases.pop(admission.lease, None)
+        if not served:
+            usage = TokenUsage()
         keys = _keys(admission.key_id)
         await self._settle(
             keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
