@@ -30,9 +30,11 @@ def _served_and_counted(figures: dict) -> None:
     assert figures["streams not ended cleanly"] == 0
 
 
-@pytest.mark.parametrize("freeze_s", [None, 4.0], ids=["sigkill", "sigstop"])
-async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos, freeze_s):
-    figures = await worker_fault(chaos, freeze_s=freeze_s, **SHORT)
+@pytest.mark.parametrize(("freeze_s", "relay"), [(None, False), (4.0, False), (4.0, True)],
+                         ids=["sigkill", "sigstop", "sigstop-relayed"])
+async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos, freeze_s,
+                                                                          relay):
+    figures = await worker_fault(chaos, freeze_s=freeze_s, relay=relay, **SHORT)
     assert figures["failed (not 200)"] == 0, figures["statuses"]  # no token yet: served elsewhere
     assert figures["cut mid-stream, other ending"] == 0
     assert figures["left routing after s"] <= HEARTBEAT_TTL_S + SLACK_S
