@@ -172,8 +172,11 @@ class Mesh:
         return grpc_serving(self.spec.router_address)
 
     def _workers_registered(self) -> bool:
-        with grpc.insecure_channel(self.spec.router_address) as channel:
-            reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=1)
+        try:
+            with grpc.insecure_channel(self.spec.router_address) as channel:
+                reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                    router_pb2.ListWorkersRequest(), timeout=1)
+        except grpc.RpcError:  # a router slow to answer (a loaded machine): ask again
+            return False
         return len(reply.workers) >= len(self.spec.worker_ports)
 
