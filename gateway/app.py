@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 
 import prometheus_client
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from aiohttp import web
 
 import telemetry
@@ -68,18 +70,24 @@ async def metrics(request: web.Request) -> web.Response:
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # Blocking: with every connection busy a request waits its turn (up to timeout_s) where
-    # redis-py's default pool fails it at once, which would answer 503 under load.
+    # redis-py's default pool fails it at once, which would answer 503 under load. One
+    # retry on a new connection when one fails: after a Redis restart the pool still holds
+    # connections to the old process, each of which would otherwise fail one request.
     client = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
         config.redis.url, max_connections=config.redis.max_connections,
         timeout=config.redis.timeout_s, socket_timeout=config.redis.timeout_s,
-        socket_connect_timeout=config.redis.timeout_s))
+        socket_connect_timeout=config.redis.timeout_s,
+        retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError]))
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
-    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)
+    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
+                      settle_retry_max=config.limits.settle_retry_max)
     app[LIMITER] = limiter
     renewal = asyncio.create_task(limiter.renew_leases())
+    retries = asyncio.create_task(limiter.retry_settlements())
     yield
     await cancel_and_wait(renewal)
+    await cancel_and_wait(retries)
     await limiter.drain()
     await client.aclose()
 

@@ -64,6 +64,11 @@ class RouterSection:
     connect_timeout_s: float = 2.0
     # Deadline of the small calls (ListModels, Route).
     control_timeout_s: float = 5.0
+    # The longest silence of a worker's stream after its first chunk: past it the worker
+    # counts as failed (stuck) and the stream ends with an error event, the failure
+    # reported to the router. (Before the first chunk silence is queueing or prefill; a
+    # frozen worker is noticed by the channel's keepalive pings, see infermesh.channels.)
+    stall_timeout_s: float = 30.0
     retry_after_s: int = 1
     # false: the router only chooses (Router.Route) and the gateway streams from the
     # worker itself; true: the router relays every chunk (Router.Generate), for networks
@@ -72,7 +77,8 @@ class RouterSection:
     relay: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s"):
+        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
+                     "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -85,6 +91,10 @@ class LimitsSection:
     # A concurrency slot of a gateway that died is freed after this long; live
     # gateways renew theirs every third of it.
     lease_ttl_s: float = 30.0
+    # Settlements (usage to record) that failed while Redis was unreachable wait in memory,
+    # about 1 KB each, and are retried when it is back; past this many the oldest are
+    # dropped (metric infermesh_usage_settlements_dropped_total, logged).
+    settle_retry_max: int = 100_000
 
     def __post_init__(self) -> None:
         if self.default_completion_reserve < 0:
@@ -92,6 +102,8 @@ class LimitsSection:
                              f"got {self.default_completion_reserve}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if self.settle_retry_max < 0:
+            raise ValueError(f"settle_retry_max must be >= 0, got {self.settle_retry_max}")
 
 
 @section

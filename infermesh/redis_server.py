@@ -37,18 +37,24 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
 
 
 class RedisServer:
-    """A redis-server on 127.0.0.1:port that keeps nothing on disk."""
+    """A redis-server on 127.0.0.1:port that keeps nothing on disk, or (``persistent``) an
+    append-only file in ``workdir``, so that a stop and a start keep the data, as a
+    production Redis restarts."""
 
-    def __init__(self, port: int | None = None, workdir: str | Path = "/tmp") -> None:
+    def __init__(self, port: int | None = None, workdir: str | Path = "/tmp", *,
+                 persistent: bool = False) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._workdir = str(workdir)
+        self._persistent = persistent
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
+        """Starts the server (again, after ``stop``, on the same port)."""
         self._proc = subprocess.Popen(
             [redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self._workdir, "--loglevel", "warning"],
+             "--appendonly", "yes" if self._persistent else "no", "--dir", self._workdir,
+             "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=stop_with_parent)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not redis_reachable(self.url):

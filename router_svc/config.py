@@ -67,6 +67,10 @@ class RoutingSection:
     affinity_load_factor: float = 1.25
     failures_to_eject: int = 3  # consecutive failed calls that eject a worker
     eject_cooldown_ms: int = 10000  # how long an ejected worker gets no traffic
+    # Relayed streams: the longest silence of a worker's stream after its first chunk;
+    # past it the worker has failed (stuck) and the stream ends with an error. (A frozen
+    # worker is noticed sooner by the channel's keepalive pings, see infermesh.channels.)
+    stall_timeout_ms: int = 30000
 
     def __post_init__(self) -> None:
         if self.policy not in get_args(Policy):
@@ -78,6 +82,8 @@ class RoutingSection:
             raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
         if self.failures_to_eject < 1 or self.eject_cooldown_ms < 0:
             raise ValueError("need failures_to_eject >= 1 and eject_cooldown_ms >= 0")
+        if self.stall_timeout_ms <= 0:
+            raise ValueError(f"stall_timeout_ms: must be positive, got {self.stall_timeout_ms}")
 
 
 @dataclasses.dataclass(frozen=True)

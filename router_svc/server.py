@@ -136,7 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         when none does."""
         return stream_from_first(
             attempts, lambda worker: self._relay(worker, request, context, stream=stream),
-            self._failed, lambda worker: worker.worker_id)
+            self._failed, lambda worker: worker.worker_id,
+            self._config.routing.stall_timeout_ms / 1000 if stream else None)
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext, *, stream: bool,

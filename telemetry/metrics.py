@@ -43,6 +43,12 @@ RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being
 KV_CACHE_USAGE = Gauge("infermesh_worker_kv_cache_usage_ratio", "Fraction of KV cache in use")
 RATE_LIMITED = Counter("infermesh_rate_limit_rejections",
                        "Requests refused by a key's limit, by limit", ["limit"])
+SETTLEMENTS_PENDING = Gauge("infermesh_usage_settlements_pending",
+                            "Usage settlements that failed and wait for Redis to be retried")
+SETTLEMENTS_RETRIED = Counter("infermesh_usage_settlements_retried",
+                              "Usage settlements recorded on a retry, after Redis came back")
+SETTLEMENTS_DROPPED = Counter("infermesh_usage_settlements_dropped",
+                              "Usage settlements lost: more than [limits] settle_retry_max waited")
 
 
 @section
