@@ -5,7 +5,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import prometheus_client
-import redis.asyncio as redis
 from aiohttp import web
 
 import telemetry
@@ -22,6 +21,7 @@ from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, ad
 from gateway.models import list_models, retrieve_model
 from gateway.router_client import ROUTER, RouterClient
 from gateway.validation import MAX_BODY_BYTES
+from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -67,12 +67,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    # Blocking: with every connection busy a request waits its turn (up to timeout_s) where
-    # redis-py's default pool fails it at once, which would answer 503 under load.
-    client = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-        config.redis.url, max_connections=config.redis.max_connections,
-        timeout=config.redis.timeout_s, socket_timeout=config.redis.timeout_s,
-        socket_connect_timeout=config.redis.timeout_s))
+    # A blocking pool (one server, Sentinel): with every connection busy a request waits its
+    # turn (up to timeout_s) where redis-py's default pool fails it at once, which would
+    # answer 503 under load.
+    client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
+                          max_connections=config.redis.max_connections)
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
     limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)

@@ -17,14 +17,14 @@ and bounded in memory (at most 60 buckets), unlike a log of every request.
 
 Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
 
-- ``infermesh:rl:<id>:rpm``, ``infermesh:rl:<id>:tpm``: hash second -> requests or
+- ``infermesh:rl:{<id>}:rpm``, ``infermesh:rl:{<id>}:tpm``: hash second -> requests or
   tokens admitted in that second; only while the key has that limit.
-- ``infermesh:rl:<id>:inflight``: sorted set of lease ids, scored by expiry in ms;
+- ``infermesh:rl:{<id>}:inflight``: sorted set of lease ids, scored by expiry in ms;
   only while the key has ``max_concurrent``. Gateways renew their leases every third
   of ``lease_ttl_s``, so a dead gateway's slots free themselves.
-- ``infermesh:quota:<id>``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
+- ``infermesh:quota:{<id>}``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
   consumed (settled usage plus reservations in flight), for the quotas.
-- ``infermesh:usage:<id>`` (lifetime) and ``infermesh:usage:<id>:d:<YYYY-MM-DD>``
+- ``infermesh:usage:{<id>}`` (lifetime) and ``infermesh:usage:{<id>}:d:<YYYY-MM-DD>``
   (UTC day, kept ``_USAGE_DAY_TTL_S``): hash requests, prompt_tokens,
   completion_tokens, cached_tokens.
 
@@ -46,7 +46,8 @@ from aiohttp import web
 
 from gateway.errors import AuthenticationError, RateLimitError
 from telemetry.metrics import RATE_LIMITED
-from gateway.keys import redis_key
+from gateway.keys import key_tag, redis_key
+from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +215,11 @@ class Admission:
 
 
 def _keys(kid: str) -> dict[str, str]:
-    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{kid}:rpm",
-            "tpm": f"infermesh:rl:{kid}:tpm", "inflight": f"infermesh:rl:{kid}:inflight",
-            "quota": f"infermesh:quota:{kid}", "usage": f"infermesh:usage:{kid}"}
+    # One hash tag for all: each script below touches one hash slot (Redis Cluster).
+    tag = key_tag(kid)
+    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{tag}:rpm",
+            "tpm": f"infermesh:rl:{tag}:tpm", "inflight": f"infermesh:rl:{tag}:inflight",
+            "quota": f"infermesh:quota:{tag}", "usage": f"infermesh:usage:{tag}"}
 
 
 def _day(offset: int = 0) -> str:
@@ -279,7 +282,7 @@ class Limiter:
     async def _settle_logged(self, admission: Admission, usage: TokenUsage) -> None:
         try:
             await self.settle(admission, usage)
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             logger.warning("could not record the usage of key %s: %s", admission.key_id[:12],
                            type(e).__name__)
 
@@ -303,7 +306,7 @@ class Limiter:
                         pipe.zadd(key, {lease: score}, xx=True)
                         pipe.pexpire(key, self._lease_ttl_ms)
                     await pipe.execute()
-            except redis.RedisError as e:
+            except REDIS_ERRORS as e:
                 logger.warning("could not renew concurrency leases: %s", type(e).__name__)
 
 

@@ -3,10 +3,13 @@ alive by heartbeats, gone when their key's TTL runs out.
 
 Every router of a mesh reads and writes the same keys, so they share one view:
 
-- ``<key_prefix>worker:<id>``: a hash {info, load (serialized protos), registered_at},
+- ``{<key_prefix>}worker:<id>``: a hash {info, load (serialized protos), registered_at},
   with a TTL of ``[registry] ttl_ms`` that each heartbeat renews;
-- ``<key_prefix>workers``: the set of ids, pruned of those whose key expired
+- ``{<key_prefix>}workers``: the set of ids, pruned of those whose key expired
   (``[redis] key_prefix``, by default ``infermesh:router:``).
+
+The prefix is a hash tag: in a Redis Cluster the whole registry (a few hundred small
+hashes at most) lives in one slot, so registering stays one transaction.
 
 Routing decisions never read Redis: each router copies the registry into its local
 :class:`~router_svc.fleet.Fleet` every ``refresh_ms`` (one pipelined round trip) and applies
@@ -21,12 +24,10 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from urllib.parse import urlparse
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from infermesh.pb import common_pb2
+from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 
@@ -78,14 +79,14 @@ class Registry:
     """The Redis registry and this router's local copy of it (``fleet``)."""
 
     def __init__(self, redis_config: RedisSection, config: RegistrySection, fleet: Fleet) -> None:
-        timeout_s = redis_config.timeout_ms / 1000
         # No client-side retries: a failed call is reported now, the refresh loop retries.
-        self._redis = aioredis.Redis.from_url(
-            redis_config.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+        self._redis = redis_client(redis_config.url, timeout_s=redis_config.timeout_ms / 1000,
+                                   retries=False)
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
-        self._where = _redacted(redis_config.url)
-        self._worker_key = f"{redis_config.key_prefix}worker:"
-        self._index_key = f"{redis_config.key_prefix}workers"
+        self._where = parse_redis_url(redis_config.url).where()
+        tag = f"{{{redis_config.key_prefix}}}"
+        self._worker_key = f"{tag}worker:"
+        self._index_key = f"{tag}workers"
         self._ttl_ms = config.ttl_ms
         self._refresh_s = config.refresh_ms / 1000
         self.fleet = fleet
@@ -182,7 +183,7 @@ class Registry:
         when Redis is back."""
         try:
             result = await awaitable
-        except (RedisError, OSError) as e:
+        except (*REDIS_ERRORS, OSError) as e:
             message = f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
             if self._failure is None:
                 logger.error("%s; answering UNAVAILABLE until it is back", message)
@@ -192,11 +193,3 @@ class Registry:
             logger.info("worker registry (Redis at %s) reachable", self._where)
             self._failure = None
         return result
-
-
-def _redacted(url: str) -> str:
-    """host:port/db of a Redis URL, never its password."""
-    parsed = urlparse(url)
-    if not parsed.hostname:
-        return parsed.path
-    return f"{parsed.hostname}:{parsed.port or 6379}{parsed.path}"
