@@ -17,13 +17,13 @@ Every key a Lua script or a transaction of infermesh touches shares one hash slo
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import ConnectionError, RedisClusterException, RedisError
 
 Mode = Literal["single", "cluster", "sentinel"]
 
@@ -58,8 +58,9 @@ class RedisTarget:
             if not parsed.hostname:
                 return parsed.path
             return f"{parsed.hostname}:{parsed.port or _DEFAULT_PORT}{parsed.path}"
-        nodes = ",".join(f"{host}:{port}" for host, port in self.nodes)
-        return f"{self.mode} {nodes}" + (f" service {self.service}" if self.service else "")
+        host, port = self.nodes[0]
+        more = f" (+{len(self.nodes) - 1})" if len(self.nodes) > 1 else ""
+        return f"{self.mode} {host}:{port}{more}" + (f" {self.service}" if self.service else "")
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -121,7 +122,7 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
     no_retry = {} if retries else {"retry": None}
     sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if target.mode == "cluster":
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+        return _RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
                             username=target.username, password=target.password,
                             max_connections=max_connections, **sockets)
     if target.mode == "sentinel":
@@ -132,6 +133,22 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
             username=target.username, password=target.password, **sockets, **no_retry)
     return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=timeout_s, **sockets, **no_retry))
+
+
+class _RedisCluster(RedisCluster):
+    """redis-py's cluster client, with one of its failover races reported as what it is.
+
+    When a master dies, the client drops the connections to it while other calls may be
+    writing on them; those calls fail with AttributeError or RuntimeError ("the handler is
+    closed") from inside redis-py instead of a ConnectionError (measured with
+    bench/redis_failover.py). Raised as ConnectionError, callers treat them as the outage
+    they are (503, settlement logged) rather than as a bug (500)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (AttributeError, RuntimeError) as e:
+            raise ConnectionError(f"connection dropped during a failover: {e}") from e
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):

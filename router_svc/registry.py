@@ -23,7 +23,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 
 from infermesh.pb import common_pb2
@@ -105,14 +106,14 @@ class Registry:
     async def register(self, info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
         check_registration(info, load)
         key = self._worker_key + info.worker_id
-        now = time.time()
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"info": info.SerializeToString(), "load": load.SerializeToString()})
-            pipe.hsetnx(key, "registered_at", repr(now))
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.sadd(self._index_key, info.worker_id)
-            pipe.hget(key, "registered_at")
-            replies = await self._call(pipe.execute())
+        fields = {"info": info.SerializeToString(), "load": load.SerializeToString()}
+        now = repr(time.time())
+        replies = await self._call(self._pipelined(True, [
+            lambda pipe: pipe.hset(key, mapping=fields),
+            lambda pipe: pipe.hsetnx(key, "registered_at", now),
+            lambda pipe: pipe.pexpire(key, self._ttl_ms),
+            lambda pipe: pipe.sadd(self._index_key, info.worker_id),
+            lambda pipe: pipe.hget(key, "registered_at")]))
         self.fleet.upsert(info, load, float(replies[-1]), self._ttl_ms / 1000)
 
     async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
@@ -131,11 +132,11 @@ class Registry:
         for the workers); drops the workers whose key expired."""
         taken_at = self.fleet.clock()
         ids = sorted(i.decode() for i in await self._call(self._redis.smembers(self._index_key)))
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for worker_id in ids:
-                pipe.hmget(self._worker_key + worker_id, "info", "load", "registered_at")
-                pipe.pttl(self._worker_key + worker_id)
-            replies = await self._call(pipe.execute()) if ids else []
+        keys = [self._worker_key + worker_id for worker_id in ids]
+        calls = [call for key in keys for call in (
+            lambda pipe, key=key: pipe.hmget(key, "info", "load", "registered_at"),
+            lambda pipe, key=key: pipe.pttl(key))]
+        replies = await self._call(self._pipelined(False, calls)) if ids else []
         gone = []
         for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2]):
             if info is None or ttl_ms < 0:
@@ -177,6 +178,14 @@ class Registry:
             info = common_pb2.WorkerInfo.FromString(info_bytes)
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
+
+    async def _pipelined(self, transaction: bool, calls: list[Callable[[Any], object]]) -> list:
+        """Queues ``calls`` (each given the pipeline) in one pipeline and runs it. Opening
+        the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
+        async with self._redis.pipeline(transaction=transaction) as pipe:
+            for call in calls:
+                call(pipe)
+            return await pipe.execute()
 
     async def _call(self, awaitable):
         """Awaits a Redis call, turning a failure into RegistryUnavailableError and noting
