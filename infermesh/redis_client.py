@@ -128,7 +128,7 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
     if target.mode == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=dict(sockets))
         return sentinel.master_for(
-            target.service, connection_pool_class=_BlockingSentinelPool,
+            target.service, redis_class=_SentinelMaster, connection_pool_class=_BlockingSentinelPool,
             max_connections=max_connections, timeout=timeout_s, db=target.db,
             username=target.username, password=target.password, **sockets, **no_retry)
     return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
@@ -149,6 +149,15 @@ class _RedisCluster(RedisCluster):
             return await super().execute_command(*args, **kwargs)
         except (AttributeError, RuntimeError) as e:
             raise ConnectionError(f"connection dropped during a failover: {e}") from e
+
+
+class _SentinelMaster(redis.Redis):
+    """The master's client, which also closes its connections to the Sentinels."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
