@@ -8,6 +8,7 @@ import prometheus_client
 from aiohttp import web
 
 import telemetry
+from telemetry.metrics import watch_event_loop
 from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
@@ -40,6 +41,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_router_ctx)
+    app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
     for base in ("/v1", alias) if alias else ("/v1",):
         app.router.add_post(f"{base}/chat/completions", create_chat_completion)
@@ -63,6 +65,10 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition of this process's metrics."""
     return web.Response(body=prometheus_client.generate_latest(),
                         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
+async def _watch_event_loop(app: web.Application) -> None:
+    watch_event_loop(asyncio.get_running_loop())
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
