@@ -33,7 +33,7 @@ from aiohttp import web
 REDIS = web.AppKey("redis", redis.Redis)
 
 KEY_PREFIX = "infermesh:key:"
-_INDEX = "infermesh:keys"
+INDEX = "infermesh:keys"
 _PLAINTEXT_PREFIX = "sk-"
 _RANDOM_BYTES = 32  # 256 bits
 _CACHE_MAX_ENTRIES = 10_000
@@ -112,13 +112,13 @@ async def _store(client: redis.Redis, kid: str, fields: Mapping[str, str]) -> No
     # Indexed first: should the second call fail, listing skips an id without a record
     # (``_record``), whereas a record missing from the index would be a working key no
     # operator can list.
-    await client.sadd(_INDEX, kid)
+    await client.sadd(INDEX, kid)
     await client.hset(redis_key(kid), mapping=fields)
 
 
 async def _discard(client: redis.Redis, kid: str) -> None:
     await client.delete(redis_key(kid))
-    await client.srem(_INDEX, kid)
+    await client.srem(INDEX, kid)
 
 
 async def create_key_at(redis_url: str, name: str) -> str:
@@ -136,7 +136,7 @@ async def get_key(client: redis.Redis, kid: str) -> KeyRecord | None:
 
 async def list_keys(client: redis.Redis) -> list[KeyRecord]:
     """Every key, oldest first."""
-    ids = sorted(_text(k) for k in await client.smembers(_INDEX))
+    ids = sorted(_text(k) for k in await client.smembers(INDEX))
     async with client.pipeline(transaction=False) as pipe:
         for kid in ids:
             pipe.hgetall(redis_key(kid))
