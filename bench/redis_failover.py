@@ -151,7 +151,8 @@ def main() -> int:
     print(f"rpm limit {r.limit}: admitted {r.admitted}, counted {r.counted}, "
           f"lost admissions {r.lost_admissions}")
     print(f"tokens served {r.served_tokens}, recorded {r.recorded_tokens}, lost {r.lost_tokens} "
-          f"(tokens of the 200s that ended in the outage: {r.outage_tokens})")
+          f"(negative: recorded twice; tokens of the 200s that ended in the outage: "
+          f"{r.outage_tokens})")
     return 0
 
 
