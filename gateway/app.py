@@ -5,12 +5,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import prometheus_client
-import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from aiohttp import web
 
 import telemetry
+from telemetry.metrics import watch_event_loop
 from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
@@ -24,6 +22,7 @@ from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, ad
 from gateway.models import list_models, retrieve_model
 from gateway.router_client import ROUTER, RouterClient
 from gateway.validation import MAX_BODY_BYTES
+from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -42,6 +41,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_router_ctx)
+    app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
     for base in ("/v1", alias) if alias else ("/v1",):
         app.router.add_post(f"{base}/chat/completions", create_chat_completion)
@@ -67,17 +67,18 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
+async def _watch_event_loop(app: web.Application) -> None:
+    watch_event_loop(asyncio.get_running_loop())
+
+
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    # Blocking: with every connection busy a request waits its turn (up to timeout_s) where
-    # redis-py's default pool fails it at once, which would answer 503 under load. One
-    # retry on a new connection when one fails: after a Redis restart the pool still holds
-    # connections to the old process, each of which would otherwise fail one request.
-    client = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-        config.redis.url, max_connections=config.redis.max_connections,
-        timeout=config.redis.timeout_s, socket_timeout=config.redis.timeout_s,
-        socket_connect_timeout=config.redis.timeout_s,
-        retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError]))
+    # A blocking pool (one server, Sentinel): with every connection busy a request waits its
+    # turn (up to timeout_s) where redis-py's default pool fails it at once, which would
+    # answer 503 under load. redis-py retries a call on a new connection when one fails:
+    # after a Redis restart the pool still holds connections to the old process.
+    client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
+                          max_connections=config.redis.max_connections)
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
     limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,

@@ -12,6 +12,7 @@ import hashlib
 import re
 
 from infermesh.config import section
+from infermesh.redis_client import check_redis_url
 
 
 @section
@@ -35,6 +36,8 @@ class ServerSection:
 
 @section
 class RedisSection:
+    # One server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:port,...)
+    # or Sentinel (redis+sentinel://host:port,.../service): see infermesh.redis_client.
     url: str = "redis://127.0.0.1:6379/0"
     # Positive authentications are cached this long; a revoked key keeps
     # working in this process for at most this time.
@@ -47,6 +50,7 @@ class RedisSection:
     max_connections: int = 100
 
     def __post_init__(self) -> None:
+        check_redis_url(self.url)
         if not 0 <= self.key_cache_ttl_ms <= 1000:  # revocation must reach every process in 1 s
             raise ValueError(f"key_cache_ttl_ms must be 0..1000, got {self.key_cache_ttl_ms}")
         if self.timeout_s <= 0:

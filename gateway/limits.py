@@ -17,14 +17,14 @@ and bounded in memory (at most 60 buckets), unlike a log of every request.
 
 Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
 
-- ``infermesh:rl:<id>:rpm``, ``infermesh:rl:<id>:tpm``: hash second -> requests or
+- ``infermesh:rl:{<id>}:rpm``, ``infermesh:rl:{<id>}:tpm``: hash second -> requests or
   tokens admitted in that second; only while the key has that limit.
-- ``infermesh:rl:<id>:inflight``: sorted set of lease ids, scored by expiry in ms;
+- ``infermesh:rl:{<id>}:inflight``: sorted set of lease ids, scored by expiry in ms;
   only while the key has ``max_concurrent``. Gateways renew their leases every third
   of ``lease_ttl_s``, so a dead gateway's slots free themselves.
-- ``infermesh:quota:<id>``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
+- ``infermesh:quota:{<id>}``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
   consumed (settled usage plus reservations in flight), for the quotas.
-- ``infermesh:usage:<id>`` (lifetime) and ``infermesh:usage:<id>:d:<YYYY-MM-DD>``
+- ``infermesh:usage:{<id>}`` (lifetime) and ``infermesh:usage:{<id>}:d:<YYYY-MM-DD>``
   (UTC day, kept ``_USAGE_DAY_TTL_S``): hash requests, prompt_tokens,
   completion_tokens, cached_tokens.
 
@@ -44,7 +44,7 @@ A settlement that fails (Redis unreachable) waits in this process's memory and i
 once Redis answers again, oldest first; at most ``[limits] settle_retry_max`` wait, past
 that the oldest are dropped, counted in ``infermesh_usage_settlements_dropped_total`` and
 logged (by key id). Each settlement marks itself done in Redis
-(``infermesh:settled:<id>:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
+(``infermesh:settled:{<id>}:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
 reply was lost (it ran, but the connection dropped) does not count twice.
 """
 from __future__ import annotations
@@ -63,7 +63,8 @@ from aiohttp import web
 from gateway.errors import AuthenticationError, RateLimitError
 from telemetry.metrics import (RATE_LIMITED, SETTLEMENTS_DROPPED, SETTLEMENTS_PENDING,
                                SETTLEMENTS_RETRIED)
-from gateway.keys import redis_key
+from gateway.keys import key_tag, redis_key
+from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -257,9 +258,11 @@ def mesh_failed(error: BaseException) -> bool:
 
 
 def _keys(kid: str) -> dict[str, str]:
-    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{kid}:rpm",
-            "tpm": f"infermesh:rl:{kid}:tpm", "inflight": f"infermesh:rl:{kid}:inflight",
-            "quota": f"infermesh:quota:{kid}", "usage": f"infermesh:usage:{kid}"}
+    # One hash tag for all: each script below touches one hash slot (Redis Cluster).
+    tag = key_tag(kid)
+    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{tag}:rpm",
+            "tpm": f"infermesh:rl:{tag}:tpm", "inflight": f"infermesh:rl:{tag}:inflight",
+            "quota": f"infermesh:quota:{tag}", "usage": f"infermesh:usage:{tag}"}
 
 
 def _day(offset: int = 0) -> str:
@@ -319,7 +322,7 @@ class Limiter:
         await self._settle(
             keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
                   f"{keys['usage']}:d:{_day()}", keys["rpm"],
-                  f"infermesh:settled:{admission.key_id}:{admission.id}"],
+                  f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}"],
             args=[admission.second, admission.reserve, int(admission.tokens_windowed),
                   admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
                   usage.cached_tokens, admission.lease,
@@ -343,7 +346,7 @@ class Limiter:
     async def _settle_or_keep(self, settlement: _Settlement) -> None:
         try:
             await self.settle(settlement.admission, settlement.usage, served=settlement.served)
-        except redis.RedisError as e:
+        except REDIS_ERRORS as e:
             if not self._failed:
                 logger.warning("could not record usage (%s); keeping settlements to retry",
                                type(e).__name__)
@@ -375,7 +378,7 @@ class Limiter:
             try:
                 await self.settle(settlement.admission, settlement.usage,
                                   served=settlement.served)
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 break
             if self._failed and self._failed[0] is settlement:  # not dropped meanwhile
                 self._failed.popleft()
@@ -411,7 +414,7 @@ class Limiter:
                         pipe.zadd(key, {lease: score}, xx=True)
                         pipe.pexpire(key, self._lease_ttl_ms)
                     await pipe.execute()
-            except redis.RedisError as e:
+            except REDIS_ERRORS as e:
                 logger.warning("could not renew concurrency leases: %s", type(e).__name__)
 
 

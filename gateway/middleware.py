@@ -11,7 +11,6 @@ import logging
 import re
 import uuid
 
-import redis
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
@@ -20,6 +19,7 @@ from opentelemetry import trace
 from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
                             error_response, from_http_exception, store_unavailable)
 from gateway.keys import ApiKey, KeyStore
+from infermesh.redis_client import REDIS_ERRORS
 from telemetry.metrics import REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return response
     except GatewayError as e:
         error = e
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         logger.warning("key and limit store unavailable: %s", type(e).__name__)
         error = store_unavailable(request.config_dict[REDIS_RETRY_AFTER_S])
     except web.HTTPException as e:

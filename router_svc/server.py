@@ -246,6 +246,7 @@ async def serve(config: RouterConfig) -> None:
     metrics.watch_fleet(lambda: ((e.info.capabilities.device_name or e.info.capabilities.device,
                                   precision_name(e.info.capabilities.precision))
                                  for e in fleet.entries()))
+    metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
     logger.info("router listening on %s:%d (policy %s)", config.server.host, port,
                 config.routing.policy)

@@ -304,6 +304,7 @@ async def serve(config: WorkerConfig) -> None:
     logger.info("worker %s listening on %s serving %s on %s in %s", info.worker_id, info.address,
                 config.model.served_name, engine.capabilities.device, engine.capabilities.precision)
     metrics.watch_worker_load(servicer.load)
+    metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
     reporter = asyncio.create_task(report_to_router(config.router.address, servicer))
     try:
