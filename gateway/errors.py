@@ -19,7 +19,8 @@ Dialect = Literal["openai", "anthropic"]
 # Anthropic names its error types by status.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    408: "timeout_error", 413: "request_too_large", 414: "invalid_request_error",
+                    429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error",
                     504: "timeout_error"}
 
 
@@ -81,6 +82,18 @@ class MethodNotAllowedError(GatewayError):
 
 class RequestTooLargeError(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RequestTimeoutError(GatewayError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
+class UriTooLongError(GatewayError):
+    status, type, code = 414, "invalid_request_error", "uri_too_long"
+
+
+class HeadersTooLargeError(GatewayError):
+    status, type, code = 431, "invalid_request_error", "headers_too_large"
 
 
 class RateLimitError(GatewayError):
