@@ -21,7 +21,7 @@ from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, ad
                                 auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
 from gateway.router_client import ROUTER, RouterClient
-from gateway.validation import MAX_BODY_BYTES
+from gateway.validation import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from infermesh.tasks import cancel_and_wait
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -34,6 +34,7 @@ def create_app(config: GatewayConfig) -> web.Application:
                      auth_middleware])
     app[CONFIG] = config
     app[MAX_BODY_BYTES] = config.server.max_body_bytes
+    app[BODY_TIMEOUT_S] = config.server.body_timeout_s
     app[REDIS_RETRY_AFTER_S] = config.redis.retry_after_s
     app[COMPLETION_RESERVE] = config.limits.default_completion_reserve
     alias = config.server.alias_base

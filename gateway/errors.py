@@ -9,6 +9,7 @@ mapped here too. Messages never carry key material.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import grpc
@@ -132,6 +133,10 @@ def base_url(request: web.Request) -> str:
     return f"{scheme}://{request.host}/v1"
 
 
+# RESOURCE_EXHAUSTED details of gRPC's transport limits ("received metadata size exceeds
+# hard limit", "Received message larger than max (...)").
+_GRPC_SIZE_LIMIT = re.compile(r"metadata size|larger than max", re.IGNORECASE)
+
 _KNOWN_SUFFIXES = ("/chat/completions", "/completions", "/models", "/messages")
 
 
@@ -168,6 +173,10 @@ def from_grpc(code: grpc.StatusCode, details: str, *, router_reachable: bool,
         return InvalidRequestError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:  # the router's: no worker in that precision
         return InvalidRequestError(details, param="precision")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _GRPC_SIZE_LIMIT.search(details):
+        # gRPC's own size limits, not a busy mesh: retrying the same request cannot succeed
+        return RequestTooLargeError("The request (or its answer) exceeds the mesh's gRPC "
+                                    "message or metadata size limits")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RateLimitError(details, retry_after_s=retry_after_s)
     if code == grpc.StatusCode.UNAVAILABLE and not router_reachable:

@@ -46,7 +46,8 @@ class GatewayRequestHandler(RequestHandler):
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
-        self._request_line_done = False  # of the request whose headers are arriving
+        self._request_line_bytes = 0  # of the request whose headers are arriving...
+        self._request_line_done = False  # ...until its first newline
         self._body: StreamReader = EMPTY_PAYLOAD  # of the last request parsed
         self._refused = False  # a malformed or late request: the connection is done
 
@@ -55,8 +56,10 @@ class GatewayRequestHandler(RequestHandler):
             return
         if data and self._header_timer is None and self._body.is_eof():
             self._start_headers()
-        if self._header_timer is not None:
-            self._request_line_done = self._request_line_done or b"\n" in data
+        if self._header_timer is not None and not self._request_line_done:
+            newline = data.find(b"\n")
+            self._request_line_done = newline >= 0
+            self._request_line_bytes += newline if newline >= 0 else len(data)
         parsed = self._request_count
         super().data_received(data)
         if self._request_count != parsed:  # a request came out of the parser, or an error
@@ -67,7 +70,7 @@ class GatewayRequestHandler(RequestHandler):
     def _start_headers(self) -> None:
         # The idle timer would close the connection silently halfway through the headers.
         self.keep_alive(True)
-        self._request_line_done = False
+        self._request_line_bytes, self._request_line_done = 0, False
         self._header_timer = self._loop.call_later(self._header_timeout_s, self._headers_late)
 
     def _stop_headers(self) -> None:
@@ -112,7 +115,7 @@ class GatewayRequestHandler(RequestHandler):
         if isinstance(exc, HeadersTimeoutError):
             return RequestTimeoutError(f"The request's headers did not arrive within "
                                        f"{self._header_timeout_s:g} s")
-        if isinstance(exc, LineTooLong) and not self._request_line_done:
+        if isinstance(exc, LineTooLong) and self._request_line_bytes > self.max_line_size:
             return UriTooLongError(f"The request line is longer than {self.max_line_size} bytes")
         if isinstance(exc, LineTooLong):
             return HeadersTooLargeError(f"A header is longer than {self.max_field_size} bytes")

@@ -50,3 +50,60 @@ async def test_a_refused_header_line_never_logs_the_key(gateway, api_key, caplog
     logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
     assert api_key not in logged and ADMIN_TOKEN not in logged
     assert api_key[:12] not in logged
+
+
+CHAT_PATH = "/v1/chat/completions"
+TLS_CLIENT_HELLO = bytes.fromhex("160301020001000" "1fc0303") + b"\x00" * 40
+
+
+def _head(*lines: str) -> bytes:
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+MALFORMED = {
+    "content_length_not_a_number": (rawhttp.request(
+        "POST", CHAT_PATH, [("Content-Length", "abc")], BODY), 400),
+    "content_length_negative": (rawhttp.request(
+        "POST", CHAT_PATH, [("Content-Length", "-5")], BODY), 400),
+    "content_length_twice": (rawhttp.request(
+        "POST", CHAT_PATH, [("Content-Length", str(len(BODY))),
+                            ("Content-Length", str(len(BODY)))], BODY), 400),
+    "content_length_and_chunked": (rawhttp.request(
+        "POST", CHAT_PATH, [("Content-Length", "3"), ("Transfer-Encoding", "chunked")],
+        b"3\r\nabc\r\n0\r\n\r\n"), 400),
+    "header_over_8kb": (rawhttp.request("GET", "/health", [("X-Long", "a" * 9000)]), 431),
+    "url_over_8kb": (rawhttp.request("GET", "/v1/models?q=" + "a" * 9000), 414),
+    "nul_in_header": (rawhttp.request("GET", "/health", [("X-Nul", "a\x00b")]), 400),
+    "300_headers": (rawhttp.request("GET", "/health",
+                                    [(f"X-H{i}", "v") for i in range(300)]), 431),
+    "tls_on_plain_port": (TLS_CLIENT_HELLO, 400),
+    "bad_method": (_head("G@T /health HTTP/1.1", "Host: x"), 400),
+    "bad_version": (_head("GET /health HTTP/7.x", "Host: x"), 400),
+    "header_without_colon": (_head("GET /health HTTP/1.1", "Host: x", "NoColonHere"), 400),
+    "space_before_colon": (_head("GET /health HTTP/1.1", "Host : x"), 400),
+    "host_twice": (_head("GET /health HTTP/1.1", "Host: x", "Host: y"), 400),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+async def test_malformed_http_is_answered_in_openai_error_shape(gateway, name):
+    data, status = MALFORMED[name]
+    error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), status)
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_a_body_that_breaks_chunked_encoding_is_a_400(gateway, api_key):
+    data = rawhttp.request("POST", CHAT_PATH, [("Authorization", f"Bearer {api_key}"),
+                                               ("Content-Type", "application/json"),
+                                               ("Transfer-Encoding", "chunked")],
+                           b"5\r\n{\"a\":\r\nzz\r\n")
+    error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), 400)
+    assert "chunk" in error["message"]
+
+
+async def test_a_body_its_content_encoding_cannot_decode_is_a_400(gateway, api_key):
+    data = rawhttp.request("POST", CHAT_PATH, [("Authorization", f"Bearer {api_key}"),
+                                               ("Content-Type", "application/json"),
+                                               ("Content-Encoding", "gzip")], b"not gzip at all")
+    error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), 400)
+    assert "body" in error["message"]
