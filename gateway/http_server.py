@@ -91,6 +91,14 @@ class GatewayRequestHandler(RequestHandler):
         self._stop_headers()
         super().connection_lost(exc)
 
+    async def finish_response(self, request: web.BaseRequest, response: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        if response.status == 408:
+            # aiohttp would go on reading the unread body (lingering_time, 10 s) so the
+            # client sees the answer; a client too slow to send it is not waited for again.
+            self._lingering_time = 0.0
+        return await super().finish_response(request, response, start_time)
+
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

@@ -18,27 +18,28 @@ class RawResponse:
         return json.loads(self.body)
 
 
-def parse_response(data: bytes) -> RawResponse:
-    """One response, read up to the server closing the connection."""
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
+async def read_response(reader: asyncio.StreamReader) -> RawResponse:
+    """One response with a Content-Length body (or a body up to EOF without one)."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ")[1])
     headers = {}
-    for line in lines[1:]:
+    for line in head[1:]:
         name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    length = headers.get("content-length")
+    body = await (reader.readexactly(int(length)) if length is not None else reader.read())
     return RawResponse(status, headers, body)
 
 
 async def exchange(port: int, data: bytes, *, timeout_s: float = 10.0,
                    host: str = "127.0.0.1") -> RawResponse:
-    """Sends ``data`` (which should make the server close the connection after its answer)
-    and reads the answer to EOF."""
+    """Sends ``data`` and reads one response."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(data)
         await writer.drain()
-        return parse_response(await asyncio.wait_for(reader.read(), timeout_s))
+        return await asyncio.wait_for(read_response(reader), timeout_s)
     finally:
         writer.close()
 
