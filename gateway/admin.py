@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import redis.asyncio as redis
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import keys
 from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
@@ -60,6 +60,12 @@ class KeyCreate(_KeyFields):
 class KeyUpdate(_KeyFields):
     name: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     disabled: bool | None = None
+
+
+class UsageQuery(BaseModel):
+    """The query of ``GET /admin/keys/{id}/usage``: strings, so not strict."""
+    model_config = ConfigDict(extra="ignore")
+    days: Annotated[int, Field(ge=1, le=_MAX_USAGE_DAYS)] = 7
 
 
 class AdminDisabledError(GatewayError):
@@ -160,11 +166,8 @@ async def rotate(request: web.Request) -> web.Response:
 async def usage(request: web.Request) -> web.Response:
     kid = request.match_info["id"]
     record = await _record(request, kid)
-    raw_days = request.query.get("days", "7")
-    # isdigit() alone accepts digits int() refuses, such as "²"
-    if not (raw_days.isascii() and raw_days.isdigit()) or not 1 <= int(raw_days) <= _MAX_USAGE_DAYS:
-        raise InvalidRequestError(f"days must be an integer 1..{_MAX_USAGE_DAYS}", param="days")
-    counts: dict[str, Any] = await read_usage(_redis(request), kid, int(raw_days))
+    days = parse_body(UsageQuery, dict(request.query)).days
+    counts: dict[str, Any] = await read_usage(_redis(request), kid, days)
     return web.json_response({"name": record.name, **counts})
 
 

@@ -20,6 +20,7 @@ from gateway.messages import create_message
 from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id,
                                 auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
+from gateway.openapi import openapi_document, publish_document
 from gateway.router_client import ROUTER, RouterClient
 from gateway.validation import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from infermesh.tasks import cancel_and_wait
@@ -42,6 +43,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_router_ctx)
     app.on_response_prepare.append(add_request_id)
+    app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
         app.router.add_post(f"{base}/chat/completions", create_chat_completion)
         app.router.add_post(f"{base}/completions", create_completion)
@@ -52,6 +54,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.router.add_post(f"{base}/v1/messages", create_message)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_document)
     app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
 

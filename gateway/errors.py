@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import grpc
 from aiohttp import web
+from pydantic import BaseModel
 
 Dialect = Literal["openai", "anthropic"]
 
@@ -23,6 +24,29 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     408: "timeout_error", 413: "request_too_large", 414: "invalid_request_error",
                     429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error",
                     504: "timeout_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every error the gateway answers outside /v1/messages."""
+    error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error shape: the errors of /v1/messages."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class GatewayError(Exception):
@@ -46,12 +70,13 @@ class GatewayError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type,
+                                           param=self.param, code=self.code)).model_dump()
 
     def anthropic_body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+        return AnthropicErrorBody(type="error", error=AnthropicErrorDetail(
+            type=_ANTHROPIC_TYPES.get(self.status, "api_error"),
+            message=self.message)).model_dump()
 
     def dialect_body(self, dialect: Dialect) -> dict[str, Any]:
         return self.anthropic_body() if dialect == "anthropic" else self.body()
