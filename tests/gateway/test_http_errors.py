@@ -8,7 +8,7 @@ import pytest
 
 from infermesh import rawhttp
 from infermesh.rawhttp import RawResponse
-from tests.gateway.conftest import ADMIN_TOKEN, CHAT
+from tests.gateway.conftest import ADMIN_TOKEN
 
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
 
