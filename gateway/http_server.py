@@ -106,10 +106,8 @@ class GatewayRequestHandler(RequestHandler):
         failed outside the app's error middleware); always closes the connection."""
         error = self._error(status, exc)
         if error.status >= 500:
-            # The traceback's frames, not the exception's message: that may quote the input.
-            logger.error("%s from %s answered %d: %s\n%s", type(exc).__name__, request.remote,
-                         error.status, error.message,
-                         "".join(traceback.format_tb(exc.__traceback__)) if exc else "")
+            self.log_exception("request from %s answered %d", request.remote, error.status,
+                               exc_info=exc)
         else:
             logger.warning("malformed HTTP request from %s answered %d: %s", request.remote,
                            error.status, type(exc).__name__)
@@ -118,6 +116,11 @@ class GatewayRequestHandler(RequestHandler):
         response = error_response(error)
         response.force_close()
         return response
+
+    def log_exception(self, message: str, *args: Any,
+                      exc_info: BaseException | None = None, **kwargs: Any) -> None:
+        """aiohttp's own error logging (an unhandled exception, say), redacted."""
+        log_redacted(message, *args, exc=exc_info)
 
     def _error(self, status: int, exc: BaseException | None) -> GatewayError:
         if isinstance(exc, HeadersTimeoutError):
@@ -135,6 +138,16 @@ class GatewayRequestHandler(RequestHandler):
             return GatewayError("The gateway failed to handle the request")
         return InvalidRequestError(f"Malformed HTTP request: {_reason(exc)}",
                                    code="malformed_request")
+
+
+def log_redacted(message: str, *args: Any, exc: BaseException | None = None) -> None:
+    """An error line with the exception's type and frames but not its message, which may
+    quote the request (and a key with it)."""
+    if exc is None:
+        logger.error(message, *args)
+        return
+    logger.error(message + ": %s\n%s", *args, type(exc).__name__,
+                 "".join(traceback.format_tb(exc.__traceback__)))
 
 
 def _reason(exc: BaseException | None) -> str:

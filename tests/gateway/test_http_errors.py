@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from gateway.http_server import log_redacted
 from infermesh import rawhttp
 from infermesh.rawhttp import RawResponse
 from tests.gateway.conftest import ADMIN_TOKEN
@@ -107,3 +108,16 @@ async def test_a_body_its_content_encoding_cannot_decode_is_a_400(gateway, api_k
                                                ("Content-Encoding", "gzip")], b"not gzip at all")
     error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), 400)
     assert "body" in error["message"]
+
+
+
+def test_aiohttps_own_error_logging_keeps_the_type_not_the_message(caplog):
+    """What aiohttp's protocol logs through log_exception (an unhandled exception, say)."""
+    secret = "sk-" + "s" * 20
+    try:
+        raise ValueError(f"Authorization: Bearer {secret}")
+    except ValueError as e:
+        with caplog.at_level(logging.ERROR):
+            log_redacted("Unhandled exception", exc=e)
+    assert "ValueError" in caplog.text and "test_http_errors.py" in caplog.text
+    assert secret not in caplog.text
