@@ -3,8 +3,9 @@ positive and negative cases), raw malformed bodies and headers, slow and idle cl
 
 Used by ``bench/fuzz.py`` (the full run) and ``tests/e2e/test_fuzz.py`` (a short one).
 A failure is a response with status 5xx, a 4xx not in the error shape of its API
-(OpenAI's, or Anthropic's on /v1/messages), a request the server did not answer, or a
-slow client whose connection was kept. Every response body is kept for the secrets scan.
+(OpenAI's, or Anthropic's on /v1/messages), a raw malformed request served as if valid
+(two Authorization headers, say), a request the server did not answer, or a slow client
+whose connection was kept. Every response body is kept for the secrets scan.
 """
 from __future__ import annotations
 
@@ -189,6 +190,10 @@ def raw_requests(target: Target) -> Iterator[tuple[str, str, bytes]]:
         "POST", _CHAT, [auth, json_type, ("Content-Length", "5")], json.dumps(chat).encode())
 
 
+# Raw requests a correct gateway may serve; every other one must be refused (4xx).
+_RAW_SERVABLE = {"nul_in_content"}
+
+
 async def raw_cases(target: Target, report: FuzzReport) -> None:
     for name, path, data in raw_requests(target):
         try:
@@ -197,6 +202,8 @@ async def raw_cases(target: Target, report: FuzzReport) -> None:
             report.fail(f"raw {name}", f"no answer: {type(e).__name__}")
             continue
         report.check(f"raw {name}", path, response.status, response.body)
+        if response.status < 400 and name not in _RAW_SERVABLE:
+            report.failures.append(f"raw {name}: status {response.status}, not refused")
 
 
 async def slow_clients(target: Target, clients: int, idle: int, timeout_s: float,
