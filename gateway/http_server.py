@@ -34,6 +34,8 @@ from gateway.errors import (GatewayError, HeadersTooLargeError, InvalidRequestEr
 
 logger = logging.getLogger(__name__)
 
+_LINGER_AFTER_408_S = 1.0
+
 
 class HeadersTimeoutError(Exception):
     """The client did not finish sending a request's headers in time."""
@@ -94,9 +96,10 @@ class GatewayRequestHandler(RequestHandler):
     async def finish_response(self, request: web.BaseRequest, response: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
         if response.status == 408:
-            # aiohttp would go on reading the unread body (lingering_time, 10 s) so the
-            # client sees the answer; a client too slow to send it is not waited for again.
-            self._lingering_time = 0.0
+            # aiohttp goes on reading the unread body for lingering_time (10 s) before it
+            # closes, so that the client reads the answer before the reset its next bytes
+            # would draw; a client too slow to send its body gets a second for that only.
+            self._lingering_time = min(self._lingering_time, _LINGER_AFTER_408_S)
         return await super().finish_response(request, response, start_time)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,
