@@ -20,8 +20,9 @@ from gateway.messages import create_message
 from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id,
                                 auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
+from gateway.openapi import openapi_document, publish_document
 from gateway.router_client import ROUTER, RouterClient
-from gateway.validation import MAX_BODY_BYTES
+from gateway.validation import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 
@@ -35,6 +36,7 @@ def create_app(config: GatewayConfig) -> web.Application:
                      auth_middleware])
     app[CONFIG] = config
     app[MAX_BODY_BYTES] = config.server.max_body_bytes
+    app[BODY_TIMEOUT_S] = config.server.body_timeout_s
     app[REDIS_RETRY_AFTER_S] = config.redis.retry_after_s
     app[COMPLETION_RESERVE] = config.limits.default_completion_reserve
     alias = config.server.alias_base
@@ -43,6 +45,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(_router_ctx)
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
+    app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
         app.router.add_post(f"{base}/chat/completions", create_chat_completion)
         app.router.add_post(f"{base}/completions", create_completion)
@@ -53,6 +56,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.router.add_post(f"{base}/v1/messages", create_message)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_document)
     app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
 

@@ -22,12 +22,22 @@ class ServerSection:
     max_body_bytes: int = 4 * 1024 * 1024
     # A second base path serving the same API as /v1, e.g. "/api"; empty: none.
     alias_base: str = ""
+    # A client slower than these gets a 408 and its connection closed, so slow or stalled
+    # senders cannot hold connections: from a request's first byte to its last header,
+    # and for its body once the handler reads it.
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    # An idle keep-alive connection is closed after this long (no answer: nothing was asked).
+    keepalive_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.alias_base and (not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
                                 or self.alias_base in ("/v1", "/admin")):
             raise ValueError(f"alias_base must be a path such as /api (not /v1 or /admin), "

@@ -45,8 +45,9 @@ UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS)
 
 
 def key_id(plaintext: str) -> str:
-    """The key's stable id: SHA-256 hex of the plaintext."""
-    return hashlib.sha256(plaintext.encode()).hexdigest()
+    """The key's stable id: SHA-256 hex of the plaintext. A header's bytes that are not
+    UTF-8 (aiohttp decodes them with surrogateescape) are hashed as sent."""
+    return hashlib.sha256(plaintext.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def key_tag(kid: str) -> str:

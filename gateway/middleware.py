@@ -111,14 +111,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def _authenticate(request: web.Request) -> ApiKey:
     """The key from ``Authorization: Bearer`` or (Anthropic's clients) ``x-api-key``.
     A Redis failure propagates: the error middleware answers 503, never 401."""
-    header = request.headers.get("Authorization")
+    header = single_header(request, "Authorization")
     if header:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise AuthenticationError(
                 "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
     else:
-        presented = request.headers.get("x-api-key", "")
+        presented = single_header(request, "x-api-key") or ""
         if not presented.strip():
             raise AuthenticationError(
                 "You didn't provide an API key. Send it in the Authorization header "
@@ -127,6 +127,16 @@ async def _authenticate(request: web.Request) -> ApiKey:
     if key is None:
         raise AuthenticationError("Incorrect API key provided, or the key is disabled or expired.")
     return key
+
+
+def single_header(request: web.Request, name: str) -> str | None:
+    """A credential header's value; two of them are ambiguous credentials, refused rather
+    than one of them silently chosen."""
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise InvalidRequestError(f"The request has {len(values)} {name} headers; send one",
+                                  code="ambiguous_credentials", param=name)
+    return values[0] if values else None
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
