@@ -14,6 +14,7 @@ from aiohttp import web
 import telemetry
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.http_server import GatewayRunner
 from gateway.middleware import AccessLogger
 from infermesh.cli import service_main
 from infermesh.config import load_config
@@ -30,7 +31,7 @@ def load(path: str | None) -> GatewayConfig:
 async def serve(config: GatewayConfig) -> None:
     """Serves until cancelled, then drains requests for up to ``_SHUTDOWN_TIMEOUT_S``."""
     telemetry.instrument_redis()
-    runner = web.AppRunner(create_app(config), access_log_class=AccessLogger,
+    runner = GatewayRunner(create_app(config), config.server, access_log_class=AccessLogger,
                            handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:

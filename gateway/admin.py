@@ -26,17 +26,17 @@ from typing import Annotated, Any
 import redis.asyncio as redis
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import keys
 from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
                             NotFoundError)
 from gateway.limits import read_usage
-from gateway.middleware import KEY_STORE
+from gateway.middleware import KEY_STORE, single_header
 from gateway.router_client import ROUTER
+from gateway.validation import STRICT, parse_body, read_json
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2
-from gateway.validation import STRICT, parse_body, read_json
 
 ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
 
@@ -48,7 +48,8 @@ Limit = Annotated[int, Field(ge=1, le=2**53)] | None
 class _KeyFields(BaseModel):
     model_config = STRICT
     expires_at: Annotated[int, Field(ge=0)] | None = None
-    models: list[Annotated[str, Field(min_length=1, pattern=r"^[^,]+$")]] | None = None
+    models: list[Annotated[str, Field(min_length=1, max_length=256,
+                                      pattern=r"^[^,]+$")]] | None = None
     rpm: Limit = None
     tpm: Limit = None
     max_concurrent: Limit = None
@@ -64,6 +65,12 @@ class KeyCreate(_KeyFields):
 class KeyUpdate(_KeyFields):
     name: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     disabled: bool | None = None
+
+
+class UsageQuery(BaseModel):
+    """The query of ``GET /admin/keys/{id}/usage``: strings, so not strict."""
+    model_config = ConfigDict(extra="ignore")
+    days: Annotated[int, Field(ge=1, le=_MAX_USAGE_DAYS)] = 7
 
 
 class AdminDisabledError(GatewayError):
@@ -91,7 +98,7 @@ async def _require_admin(request: web.Request, handler: Handler) -> web.StreamRe
     if not expected:
         raise AdminDisabledError("The admin API is disabled: configure [admin] token_sha256 "
                             "(INFERMESH_GATEWAY_ADMIN_TOKEN_SHA256)")
-    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    scheme, _, presented = (single_header(request, "Authorization") or "").partition(" ")
     digest = keys.key_id(presented.strip())
     if scheme.lower() != "bearer" or not hmac.compare_digest(digest, expected):
         raise AuthenticationError("Missing or wrong admin token ('Authorization: Bearer ...')",
@@ -165,10 +172,8 @@ async def rotate(request: web.Request) -> web.Response:
 async def usage(request: web.Request) -> web.Response:
     kid = request.match_info["id"]
     record = await _record(request, kid)
-    raw_days = request.query.get("days", "7")
-    if not raw_days.isdigit() or not 1 <= int(raw_days) <= _MAX_USAGE_DAYS:
-        raise InvalidRequestError(f"days must be an integer 1..{_MAX_USAGE_DAYS}", param="days")
-    counts: dict[str, Any] = await read_usage(_redis(request), kid, int(raw_days))
+    days = parse_body(UsageQuery, dict(request.query)).days
+    counts: dict[str, Any] = await read_usage(_redis(request), kid, days)
     return web.json_response({"name": record.name, **counts})
 
 

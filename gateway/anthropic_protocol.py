@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from gateway.limits import TokenUsage
-from gateway.protocol import TextPart, UInt32, joined_text
+from gateway.protocol import Name, TextPart, UInt32, joined_text
 from gateway.validation import STRICT
 from infermesh.pb import common_pb2
 
@@ -29,7 +29,7 @@ class Message(BaseModel):
 class MessagesRequest(BaseModel):
     """The body of ``POST /v1/messages``."""
     model_config = STRICT
-    model: Annotated[str, Field(min_length=1)]
+    model: Name
     max_tokens: UInt32
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | Annotated[list[TextPart], Field(min_length=1)] | None = None

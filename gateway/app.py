@@ -5,10 +5,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import prometheus_client
-import redis.asyncio as redis
 from aiohttp import web
 
 import telemetry
+from telemetry.metrics import watch_event_loop
 from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
@@ -20,8 +20,10 @@ from gateway.messages import create_message
 from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id,
                                 auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
+from gateway.openapi import openapi_document, publish_document
 from gateway.router_client import ROUTER, RouterClient
-from gateway.validation import MAX_BODY_BYTES
+from gateway.validation import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -34,13 +36,16 @@ def create_app(config: GatewayConfig) -> web.Application:
                      auth_middleware])
     app[CONFIG] = config
     app[MAX_BODY_BYTES] = config.server.max_body_bytes
+    app[BODY_TIMEOUT_S] = config.server.body_timeout_s
     app[REDIS_RETRY_AFTER_S] = config.redis.retry_after_s
     app[COMPLETION_RESERVE] = config.limits.default_completion_reserve
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_router_ctx)
+    app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
+    app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
         app.router.add_post(f"{base}/chat/completions", create_chat_completion)
         app.router.add_post(f"{base}/completions", create_completion)
@@ -51,6 +56,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.router.add_post(f"{base}/v1/messages", create_message)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_document)
     app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
 
@@ -65,21 +71,28 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
+async def _watch_event_loop(app: web.Application) -> None:
+    watch_event_loop(asyncio.get_running_loop())
+
+
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    # Blocking: with every connection busy a request waits its turn (up to timeout_s) where
-    # redis-py's default pool fails it at once, which would answer 503 under load.
-    client = redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-        config.redis.url, max_connections=config.redis.max_connections,
-        timeout=config.redis.timeout_s, socket_timeout=config.redis.timeout_s,
-        socket_connect_timeout=config.redis.timeout_s))
+    # A blocking pool (one server, Sentinel): with every connection busy a request waits its
+    # turn (up to timeout_s) where redis-py's default pool fails it at once, which would
+    # answer 503 under load. redis-py retries a call on a new connection when one fails:
+    # after a Redis restart the pool still holds connections to the old process.
+    client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
+                          max_connections=config.redis.max_connections)
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
-    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s)
+    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
+                      settle_retry_max=config.limits.settle_retry_max)
     app[LIMITER] = limiter
     renewal = asyncio.create_task(limiter.renew_leases())
+    retries = asyncio.create_task(limiter.retry_settlements())
     yield
     await cancel_and_wait(renewal)
+    await cancel_and_wait(retries)
     await limiter.drain()
     await client.aclose()
 

@@ -12,6 +12,7 @@ import hashlib
 import re
 
 from infermesh.config import section
+from infermesh.redis_client import check_redis_url
 
 
 @section
@@ -21,12 +22,22 @@ class ServerSection:
     max_body_bytes: int = 4 * 1024 * 1024
     # A second base path serving the same API as /v1, e.g. "/api"; empty: none.
     alias_base: str = ""
+    # A client slower than these gets a 408 and its connection closed, so slow or stalled
+    # senders cannot hold connections: from a request's first byte to its last header,
+    # and for its body once the handler reads it.
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    # An idle keep-alive connection is closed after this long (no answer: nothing was asked).
+    keepalive_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.alias_base and (not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
                                 or self.alias_base in ("/v1", "/admin")):
             raise ValueError(f"alias_base must be a path such as /api (not /v1 or /admin), "
@@ -35,6 +46,8 @@ class ServerSection:
 
 @section
 class RedisSection:
+    # One server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:port,...)
+    # or Sentinel (redis+sentinel://host:port,.../service): see infermesh.redis_client.
     url: str = "redis://127.0.0.1:6379/0"
     # Positive authentications are cached this long; a revoked key keeps
     # working in this process for at most this time.
@@ -47,6 +60,7 @@ class RedisSection:
     max_connections: int = 100
 
     def __post_init__(self) -> None:
+        check_redis_url(self.url)
         if not 0 <= self.key_cache_ttl_ms <= 1000:  # revocation must reach every process in 1 s
             raise ValueError(f"key_cache_ttl_ms must be 0..1000, got {self.key_cache_ttl_ms}")
         if self.timeout_s <= 0:
@@ -64,6 +78,11 @@ class RouterSection:
     connect_timeout_s: float = 2.0
     # Deadline of the small calls (ListModels, Route).
     control_timeout_s: float = 5.0
+    # The longest silence of a worker's stream after its first chunk: past it the worker
+    # counts as failed (stuck) and the stream ends with an error event, the failure
+    # reported to the router. (Before the first chunk silence is queueing or prefill; a
+    # frozen worker is noticed by the channel's keepalive pings, see infermesh.channels.)
+    stall_timeout_s: float = 30.0
     retry_after_s: int = 1
     # false: the router only chooses (Router.Route) and the gateway streams from the
     # worker itself; true: the router relays every chunk (Router.Generate), for networks
@@ -72,7 +91,8 @@ class RouterSection:
     relay: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s"):
+        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
+                     "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -85,6 +105,10 @@ class LimitsSection:
     # A concurrency slot of a gateway that died is freed after this long; live
     # gateways renew theirs every third of it.
     lease_ttl_s: float = 30.0
+    # Settlements (usage to record) that failed while Redis was unreachable wait in memory,
+    # about 1 KB each, and are retried when it is back; past this many the oldest are
+    # dropped (metric infermesh_usage_settlements_dropped_total, logged).
+    settle_retry_max: int = 100_000
 
     def __post_init__(self) -> None:
         if self.default_completion_reserve < 0:
@@ -92,6 +116,8 @@ class LimitsSection:
                              f"got {self.default_completion_reserve}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if self.settle_retry_max < 0:
+            raise ValueError(f"settle_retry_max must be >= 0, got {self.settle_retry_max}")
 
 
 @section

@@ -9,18 +9,44 @@ mapped here too. Messages never carry key material.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import grpc
 from aiohttp import web
+from pydantic import BaseModel
 
 Dialect = Literal["openai", "anthropic"]
 
 # Anthropic names its error types by status.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    408: "timeout_error", 413: "request_too_large", 414: "invalid_request_error",
+                    429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error",
                     504: "timeout_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every error the gateway answers outside /v1/messages."""
+    error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error shape: the errors of /v1/messages."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class GatewayError(Exception):
@@ -44,12 +70,13 @@ class GatewayError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type,
+                                           param=self.param, code=self.code)).model_dump()
 
     def anthropic_body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+        return AnthropicErrorBody(type="error", error=AnthropicErrorDetail(
+            type=_ANTHROPIC_TYPES.get(self.status, "api_error"),
+            message=self.message)).model_dump()
 
     def dialect_body(self, dialect: Dialect) -> dict[str, Any]:
         return self.anthropic_body() if dialect == "anthropic" else self.body()
@@ -81,6 +108,18 @@ class MethodNotAllowedError(GatewayError):
 
 class RequestTooLargeError(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RequestTimeoutError(GatewayError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
+class UriTooLongError(GatewayError):
+    status, type, code = 414, "invalid_request_error", "uri_too_long"
+
+
+class HeadersTooLargeError(GatewayError):
+    status, type, code = 431, "invalid_request_error", "headers_too_large"
 
 
 class RateLimitError(GatewayError):
@@ -119,6 +158,10 @@ def base_url(request: web.Request) -> str:
     return f"{scheme}://{request.host}/v1"
 
 
+# RESOURCE_EXHAUSTED details of gRPC's transport limits ("received metadata size exceeds
+# hard limit", "Received message larger than max (...)").
+_GRPC_SIZE_LIMIT = re.compile(r"metadata size|larger than max", re.IGNORECASE)
+
 _KNOWN_SUFFIXES = ("/chat/completions", "/completions", "/models", "/messages")
 
 
@@ -155,6 +198,10 @@ def from_grpc(code: grpc.StatusCode, details: str, *, router_reachable: bool,
         return InvalidRequestError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:  # the router's: no worker in that precision
         return InvalidRequestError(details, param="precision")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _GRPC_SIZE_LIMIT.search(details):
+        # gRPC's own size limits, not a busy mesh: retrying the same request cannot succeed
+        return RequestTooLargeError("The request (or its answer) exceeds the mesh's gRPC "
+                                    "message or metadata size limits")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RateLimitError(details, retry_after_s=retry_after_s)
     if code == grpc.StatusCode.UNAVAILABLE and not router_reachable:

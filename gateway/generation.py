@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
-from gateway.limits import LIMITER, Admission, TokenUsage
+from gateway.limits import LIMITER, Admission, TokenUsage, mesh_failed
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
 from gateway.protocol import GPU_HEADER, PRECISION_HEADER
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
@@ -184,7 +184,8 @@ async def admit(request: web.Request, model: str | None, reserve_tokens: int) ->
 
 async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.StreamResponse:
     """Admits, runs ``plan`` and answers with ``respond(generation, headers)``;
-    settles the key's usage however the request ends. The ``{operation} {model}``
+    settles the key's usage however the request ends (as not served when the mesh failed
+    it before its first token, see ``gateway.limits``). The ``{operation} {model}``
     span and the latency metrics cover the whole generation."""
     request[MODEL] = plan.model
     sampling = plan.requests[0].sampling
@@ -196,14 +197,19 @@ async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.Strea
         admission = await admit(request, plan.model,
                                 plan.reserve(request.app[COMPLETION_RESERVE]))
         generation = Generation(request.app[ROUTER], plan)
+        served = True
         try:
-            await generation.start()
+            try:
+                await generation.start()
+            except Exception as e:
+                served = not mesh_failed(e)
+                raise
             first_token_s = time.monotonic() - started
             response = await respond(generation, {**admission.headers,
                                                   **generation.route_headers()})
         finally:
             usage = generation.usage()
-            request.app[LIMITER].settle_soon(admission, usage)
+            request.app[LIMITER].settle_soon(admission, usage, served=served)
             with contextlib.suppress(GatewayError):
                 await generation.aclose()
             genai.record_response(span, response_id=request[REQUEST_ID], model=plan.model,

@@ -2,7 +2,7 @@
 
 Redis layout (limit state and usage counters: see ``gateway.limits``):
 
-- ``infermesh:key:<id>``: a hash per key, ``<id>`` = SHA-256 hex of the plaintext.
+- ``infermesh:key:{<id>}``: a hash per key, ``<id>`` = SHA-256 hex of the plaintext.
   Fields: ``name``; ``created`` (unix s); ``disabled`` and ``revoked`` ("0"/"1");
   optional ``expires_at`` (unix s); ``models`` (comma-separated allow-list, absent:
   every model); optional limits ``rpm``, ``tpm``, ``max_concurrent``, ``quota_tokens``
@@ -10,6 +10,10 @@ Redis layout (limit state and usage counters: see ``gateway.limits``):
   Unix epoch, so 86400 means UTC days); ``rotated_to`` / ``rotated_from`` (ids). A
   limit that is absent is no limit.
 - ``infermesh:keys``: the set of every id, so listing needs no SCAN.
+
+Every Redis key of one API key carries the hash tag ``{<id>}``, so in a Redis Cluster
+they share a hash slot and one Lua script can touch them all (``gateway.limits``). The
+index lives in another slot: nothing updates it in the same transaction as a key.
 
 The hex digest doubles as the key's id for operators; the plaintext exists only in
 the answer to ``create_key``/``rotate_key``. Revoking is final; disabling is not.
@@ -29,7 +33,7 @@ from aiohttp import web
 REDIS = web.AppKey("redis", redis.Redis)
 
 KEY_PREFIX = "infermesh:key:"
-_INDEX = "infermesh:keys"
+INDEX = "infermesh:keys"
 _PLAINTEXT_PREFIX = "sk-"
 _RANDOM_BYTES = 32  # 256 bits
 _CACHE_MAX_ENTRIES = 10_000
@@ -41,12 +45,18 @@ UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS)
 
 
 def key_id(plaintext: str) -> str:
-    """The key's stable id: SHA-256 hex of the plaintext."""
-    return hashlib.sha256(plaintext.encode()).hexdigest()
+    """The key's stable id: SHA-256 hex of the plaintext. A header's bytes that are not
+    UTF-8 (aiohttp decodes them with surrogateescape) are hashed as sent."""
+    return hashlib.sha256(plaintext.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def key_tag(kid: str) -> str:
+    """The hash tag of every Redis key that belongs to the API key ``kid``."""
+    return f"{{{kid}}}"
 
 
 def redis_key(kid: str) -> str:
-    return f"{KEY_PREFIX}{kid}"
+    return KEY_PREFIX + key_tag(kid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +105,21 @@ async def create_key(client: redis.Redis, name: str, **values: Any) -> str:
 
     ``values``: optional fields of the layout above (``expires_at``, ``models``, limits)."""
     plaintext = _PLAINTEXT_PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
-    kid = key_id(plaintext)
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hset(redis_key(kid), mapping=_fields(name, values))
-        pipe.sadd(_INDEX, kid)
-        await pipe.execute()
+    await _store(client, key_id(plaintext), _fields(name, values))
     return plaintext
+
+
+async def _store(client: redis.Redis, kid: str, fields: Mapping[str, str]) -> None:
+    # Indexed first: should the second call fail, listing skips an id without a record
+    # (``_record``), whereas a record missing from the index would be a working key no
+    # operator can list.
+    await client.sadd(INDEX, kid)
+    await client.hset(redis_key(kid), mapping=fields)
+
+
+async def _discard(client: redis.Redis, kid: str) -> None:
+    await client.delete(redis_key(kid))
+    await client.srem(INDEX, kid)
 
 
 async def create_key_at(redis_url: str, name: str) -> str:
@@ -118,7 +137,7 @@ async def get_key(client: redis.Redis, kid: str) -> KeyRecord | None:
 
 async def list_keys(client: redis.Redis) -> list[KeyRecord]:
     """Every key, oldest first."""
-    ids = sorted(_text(k) for k in await client.smembers(_INDEX))
+    ids = sorted(_text(k) for k in await client.smembers(INDEX))
     async with client.pipeline(transaction=False) as pipe:
         for kid in ids:
             pipe.hgetall(redis_key(kid))
@@ -171,28 +190,37 @@ async def revoke_key(client: redis.Redis, kid: str) -> bool:
 
 async def rotate_key(client: redis.Redis, kid: str) -> str | None:
     """A new key with the old one's name, expiry, models and limits; the old key is
-    revoked in the same transaction. Returns the new plaintext; None when ``kid``
-    does not name a usable key."""
+    revoked once the new one is stored. Returns the new plaintext; None when ``kid``
+    does not name a usable key, or when it changed meanwhile (e.g. two rotations
+    raced: one wins). The new key is stored before anyone holds its plaintext, so the
+    old and new key in their two hash slots need no common transaction."""
+    raw = await client.hgetall(redis_key(kid))
+    old = _record(kid, raw)
+    if old is None or not old.usable(time.time()):
+        return None
     plaintext = _PLAINTEXT_PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
     new_id = key_id(plaintext)
-    async with client.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(redis_key(kid))  # two rotations race: one wins
-                old = _record(kid, await pipe.hgetall(redis_key(kid)))
-                if old is None or not old.usable(time.time()):
-                    return None
-                values = {"expires_at": old.expires_at, "models": old.models or None,
-                          **old.limits, "rotated_from": kid}
-                pipe.multi()
-                pipe.hset(redis_key(new_id), mapping=_fields(old.name, values))
-                pipe.sadd(_INDEX, new_id)
-                pipe.hset(redis_key(kid),
-                          mapping={"revoked": "1", "disabled": "1", "rotated_to": new_id})
-                await pipe.execute()
-                return plaintext
-            except redis.WatchError:
-                continue
+    values = {"expires_at": old.expires_at, "models": old.models or None, **old.limits,
+              "rotated_from": kid}
+    await _store(client, new_id, _fields(old.name, values))
+    snapshot = [item for pair in raw.items() for item in pair]
+    if await client.eval(_REVOKE_UNCHANGED, 1, redis_key(kid), new_id, *snapshot):
+        return plaintext
+    await _discard(client, new_id)
+    return None
+
+
+# Revokes KEYS[1] for a rotation to ARGV[1] only if its fields are still ARGV[2..]
+# (as read before the new key was made): WATCH's guarantee, in one hash slot.
+_REVOKE_UNCHANGED = """
+local now = redis.call('HGETALL', KEYS[1])
+if #now ~= #ARGV - 1 then return 0 end
+for i = 1, #now do
+  if now[i] ~= ARGV[i + 1] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'revoked', '1', 'disabled', '1', 'rotated_to', ARGV[1])
+return 1
+"""
 
 
 def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | None:

@@ -17,24 +17,40 @@ and bounded in memory (at most 60 buckets), unlike a log of every request.
 
 Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
 
-- ``infermesh:rl:<id>:rpm``, ``infermesh:rl:<id>:tpm``: hash second -> requests or
+- ``infermesh:rl:{<id>}:rpm``, ``infermesh:rl:{<id>}:tpm``: hash second -> requests or
   tokens admitted in that second; only while the key has that limit.
-- ``infermesh:rl:<id>:inflight``: sorted set of lease ids, scored by expiry in ms;
+- ``infermesh:rl:{<id>}:inflight``: sorted set of lease ids, scored by expiry in ms;
   only while the key has ``max_concurrent``. Gateways renew their leases every third
   of ``lease_ttl_s``, so a dead gateway's slots free themselves.
-- ``infermesh:quota:<id>``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
+- ``infermesh:quota:{<id>}``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
   consumed (settled usage plus reservations in flight), for the quotas.
-- ``infermesh:usage:<id>`` (lifetime) and ``infermesh:usage:<id>:d:<YYYY-MM-DD>``
+- ``infermesh:usage:{<id>}`` (lifetime) and ``infermesh:usage:{<id>}:d:<YYYY-MM-DD>``
   (UTC day, kept ``_USAGE_DAY_TTL_S``): hash requests, prompt_tokens,
   completion_tokens, cached_tokens.
 
 Tokens are reserved at admission (prompt estimate plus max_tokens, see
 ``gateway.generation``) so that concurrent requests cannot overrun a tokens-per-minute
 limit or a quota; settling replaces the reservation with the real usage.
+
+What counts: a request counts against requests per minute and in ``usage.requests`` once
+it was admitted and the mesh served it (the caller's own mistakes, a 400 or 404 from
+the router, count too). A request the mesh failed before its first token (a 5xx: router
+unreachable, no worker, every worker failed; or a 429 because no worker has capacity) is
+settled as *not served*: its requests-per-minute unit, token reservation and concurrency
+slot are given back and nothing is added to its usage. A stream that fails after its
+first token counts, with the tokens it delivered.
+
+A settlement that fails (Redis unreachable) waits in this process's memory and is retried
+once Redis answers again, oldest first; at most ``[limits] settle_retry_max`` wait, past
+that the oldest are dropped, counted in ``infermesh_usage_settlements_dropped_total`` and
+logged (by key id). Each settlement marks itself done in Redis
+(``infermesh:settled:{<id>}:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
+reply was lost (it ran, but the connection dropped) does not count twice.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import datetime
 import logging
@@ -45,12 +61,18 @@ import redis.asyncio as redis
 from aiohttp import web
 
 from gateway.errors import AuthenticationError, RateLimitError
-from telemetry.metrics import RATE_LIMITED
-from gateway.keys import redis_key
+from telemetry.metrics import (RATE_LIMITED, SETTLEMENTS_DROPPED, SETTLEMENTS_PENDING,
+                               SETTLEMENTS_RETRIED)
+from gateway.keys import key_tag, redis_key
+from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
 _USAGE_DAY_TTL_S = 400 * 86400
+# How long a settlement's done-mark lives: a retry later than this after a try whose reply
+# was lost could count twice; retries normally run within a second of Redis's return.
+_SETTLED_TTL_S = 600
+_RETRY_INTERVAL_S = 0.5
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
 _ADMIT = """
@@ -166,6 +188,7 @@ return out
 """
 
 _SETTLE = """
+if not redis.call('SET', KEYS[7], '1', 'NX', 'EX', ARGV[11]) then return 0 end
 local prompt, completion, cached = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local delta = prompt + completion - tonumber(ARGV[2])
 if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
@@ -178,6 +201,11 @@ if ARGV[4] ~= '' then
   end
 end
 if ARGV[8] ~= '' then redis.call('ZREM', KEYS[2], ARGV[8]) end
+if ARGV[10] == '0' then
+  -- the mesh failed the request: its request-per-minute unit is given back, no usage
+  if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then redis.call('HINCRBY', KEYS[6], ARGV[1], -1) end
+  return 1
+end
 for i = 4, 5 do
   redis.call('HINCRBY', KEYS[i], 'requests', 1)
   redis.call('HINCRBY', KEYS[i], 'prompt_tokens', prompt)
@@ -209,14 +237,32 @@ class Admission:
     reserve: int
     tokens_windowed: bool
     quota_field: str
-    lease: str
+    lease: str  # the concurrency slot's id; "": the key has no concurrency limit
     headers: dict[str, str]  # x-ratelimit-* for the response
+    id: str  # unique per admission
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settlement:
+    admission: Admission
+    usage: TokenUsage
+    served: bool
+
+
+def mesh_failed(error: BaseException) -> bool:
+    """Whether ``error``, raised before a request's first token, is the mesh's failure (a
+    5xx, or a 429 for want of worker capacity) rather than the caller's: such a request is
+    settled as not served."""
+    status = getattr(error, "status", None)
+    return isinstance(status, int) and (status >= 500 or status == 429)
 
 
 def _keys(kid: str) -> dict[str, str]:
-    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{kid}:rpm",
-            "tpm": f"infermesh:rl:{kid}:tpm", "inflight": f"infermesh:rl:{kid}:inflight",
-            "quota": f"infermesh:quota:{kid}", "usage": f"infermesh:usage:{kid}"}
+    # One hash tag for all: each script below touches one hash slot (Redis Cluster).
+    tag = key_tag(kid)
+    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{tag}:rpm",
+            "tpm": f"infermesh:rl:{tag}:tpm", "inflight": f"infermesh:rl:{tag}:inflight",
+            "quota": f"infermesh:quota:{tag}", "usage": f"infermesh:usage:{tag}"}
 
 
 def _day(offset: int = 0) -> str:
@@ -227,13 +273,17 @@ def _day(offset: int = 0) -> str:
 class Limiter:
     """Admits and settles requests against their key's limits; one per gateway process."""
 
-    def __init__(self, client: redis.Redis, lease_ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, lease_ttl_s: float, settle_retry_max: int) -> None:
         self._redis = client
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
         self._settling: set[asyncio.Task[None]] = set()
+        # settlements that failed, oldest first, for retry_settlements
+        self._failed: collections.deque[_Settlement] = collections.deque()
+        self._retry_max = settle_retry_max
+        self._dropped = 0
 
     async def admit(self, kid: str, reserve_tokens: int) -> Admission:
         """Admits one request reserving ``reserve_tokens``; raises ``RateLimitError``
@@ -256,37 +306,98 @@ class Limiter:
             self._leases[lease] = keys["inflight"]
         return Admission(key_id=kid, second=int(out[9]), reserve=reserve_tokens,
                          tokens_windowed=bool(out[10]), quota_field=_text(out[11]),
-                         lease=lease if held else "", headers=headers)
+                         lease=lease if held else "", headers=headers, id=lease)
 
-    async def settle(self, admission: Admission, usage: TokenUsage) -> None:
-        """Replaces the reservation with ``usage``, frees the slot, counts the usage."""
+    async def settle(self, admission: Admission, usage: TokenUsage, *, served: bool = True,
+                     ) -> None:
+        """Replaces the reservation with ``usage``, frees the slot, counts the usage; not
+        ``served`` (the mesh failed the request): gives its request-per-minute unit back
+        and counts nothing (a choice's first tokens, when another choice of the request
+        failed, were never delivered). Runs at most once per admission, however often it
+        is called."""
         self._leases.pop(admission.lease, None)
+        if not served:
+            usage = TokenUsage()
         keys = _keys(admission.key_id)
         await self._settle(
             keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
-                  f"{keys['usage']}:d:{_day()}"],
+                  f"{keys['usage']}:d:{_day()}", keys["rpm"],
+                  f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}"],
             args=[admission.second, admission.reserve, int(admission.tokens_windowed),
                   admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
-                  usage.cached_tokens, admission.lease, _USAGE_DAY_TTL_S])
+                  usage.cached_tokens, admission.lease,
+                  _USAGE_DAY_TTL_S, int(served), _SETTLED_TTL_S])
 
-    def settle_soon(self, admission: Admission, usage: TokenUsage) -> None:
+    def settle_soon(self, admission: Admission, usage: TokenUsage, *, served: bool = True,
+                    ) -> None:
         """Settles in the background: also when the request's task is being cancelled
-        (a client that went away), and without delaying the response."""
-        task = asyncio.get_running_loop().create_task(self._settle_logged(admission, usage))
+        (a client that went away), and without delaying the response; a settlement that
+        fails is retried by ``retry_settlements``."""
+        settlement = _Settlement(admission, usage, served)
+        task = asyncio.get_running_loop().create_task(self._settle_or_keep(settlement))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle_logged(self, admission: Admission, usage: TokenUsage) -> None:
+    @property
+    def pending_settlements(self) -> int:
+        """Settlements that failed and wait for Redis."""
+        return len(self._failed)
+
+    async def _settle_or_keep(self, settlement: _Settlement) -> None:
         try:
-            await self.settle(admission, usage)
-        except redis.RedisError as e:
-            logger.warning("could not record the usage of key %s: %s", admission.key_id[:12],
-                           type(e).__name__)
+            await self.settle(settlement.admission, settlement.usage, served=settlement.served)
+        except REDIS_ERRORS as e:
+            if not self._failed:
+                logger.warning("could not record usage (%s); keeping settlements to retry",
+                               type(e).__name__)
+            self._keep(settlement)
+
+    def _keep(self, settlement: _Settlement) -> None:
+        self._failed.append(settlement)
+        if len(self._failed) > self._retry_max:
+            lost = self._failed.popleft()
+            SETTLEMENTS_DROPPED.inc()
+            self._dropped += 1
+            if self._dropped % 1000 == 1:  # the first of each thousand: no flood of lines
+                logger.error("usage settlement of key %s dropped: more than %d wait for Redis "
+                             "([limits] settle_retry_max); %d dropped so far",
+                             lost.admission.key_id[:12], self._retry_max, self._dropped)
+        SETTLEMENTS_PENDING.set(len(self._failed))
+
+    async def retry_settlements(self) -> None:
+        """Runs until cancelled: settles the kept settlements, oldest first, once Redis
+        answers again."""
+        while True:
+            await asyncio.sleep(_RETRY_INTERVAL_S)
+            await self._flush()
+
+    async def _flush(self) -> None:
+        flushed = 0
+        while self._failed:
+            settlement = self._failed[0]
+            try:
+                await self.settle(settlement.admission, settlement.usage,
+                                  served=settlement.served)
+            except REDIS_ERRORS:
+                break
+            if self._failed and self._failed[0] is settlement:  # not dropped meanwhile
+                self._failed.popleft()
+            flushed += 1
+        if flushed:
+            SETTLEMENTS_RETRIED.inc(flushed)
+            SETTLEMENTS_PENDING.set(len(self._failed))
+            logger.info("recorded %d usage settlements that had waited for Redis; %d still wait",
+                        flushed, len(self._failed))
 
     async def drain(self) -> None:
-        """Waits for the settlements in flight, at shutdown."""
+        """At shutdown: waits for the settlements in flight and tries the kept ones once
+        more; those that still fail are lost (logged)."""
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
+        await self._flush()
+        if self._failed:
+            logger.error("%d usage settlements lost at shutdown: Redis unreachable",
+                         len(self._failed))
 
     async def renew_leases(self) -> None:
         """Runs until cancelled: pushes back the expiry of this process's concurrency slots."""
@@ -303,7 +414,7 @@ class Limiter:
                         pipe.zadd(key, {lease: score}, xx=True)
                         pipe.pexpire(key, self._lease_ttl_ms)
                     await pipe.execute()
-            except redis.RedisError as e:
+            except REDIS_ERRORS as e:
                 logger.warning("could not renew concurrency leases: %s", type(e).__name__)
 
 

@@ -11,7 +11,6 @@ import logging
 import re
 import uuid
 
-import redis
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
@@ -20,6 +19,7 @@ from opentelemetry import trace
 from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
                             error_response, from_http_exception, store_unavailable)
 from gateway.keys import ApiKey, KeyStore
+from infermesh.redis_client import REDIS_ERRORS
 from telemetry.metrics import REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return response
     except GatewayError as e:
         error = e
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         logger.warning("key and limit store unavailable: %s", type(e).__name__)
         error = store_unavailable(request.config_dict[REDIS_RETRY_AFTER_S])
     except web.HTTPException as e:
@@ -111,14 +111,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def _authenticate(request: web.Request) -> ApiKey:
     """The key from ``Authorization: Bearer`` or (Anthropic's clients) ``x-api-key``.
     A Redis failure propagates: the error middleware answers 503, never 401."""
-    header = request.headers.get("Authorization")
+    header = single_header(request, "Authorization")
     if header:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise AuthenticationError(
                 "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
     else:
-        presented = request.headers.get("x-api-key", "")
+        presented = single_header(request, "x-api-key") or ""
         if not presented.strip():
             raise AuthenticationError(
                 "You didn't provide an API key. Send it in the Authorization header "
@@ -127,6 +127,16 @@ async def _authenticate(request: web.Request) -> ApiKey:
     if key is None:
         raise AuthenticationError("Incorrect API key provided, or the key is disabled or expired.")
     return key
+
+
+def single_header(request: web.Request, name: str) -> str | None:
+    """A credential header's value; two of them are ambiguous credentials, refused rather
+    than one of them silently chosen."""
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise InvalidRequestError(f"The request has {len(values)} {name} headers; send one",
+                                  code="ambiguous_credentials", param=name)
+    return values[0] if values else None
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:

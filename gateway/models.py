@@ -8,7 +8,7 @@ from aiohttp import web
 
 from gateway.errors import ModelNotFoundError
 from gateway.generation import admit
-from gateway.limits import LIMITER, TokenUsage
+from gateway.limits import LIMITER, TokenUsage, mesh_failed
 from gateway.middleware import API_KEY
 from gateway.protocol import model_list, model_object
 from gateway.router_client import ROUTER
@@ -34,9 +34,13 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model], dict[str, str]]:
     admission = await admit(request, None, 0)
+    served = True
     try:
         models = await request.app[ROUTER].list_models()
+    except Exception as e:
+        served = not mesh_failed(e)
+        raise
     finally:
-        request.app[LIMITER].settle_soon(admission, TokenUsage())
+        request.app[LIMITER].settle_soon(admission, TokenUsage(), served=served)
     key = request[API_KEY]
     return [m for m in models if key.allows(m.id)], admission.headers

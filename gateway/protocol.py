@@ -24,6 +24,8 @@ PRECISION_HEADER = "x-infermesh-precision"
 GPU_HEADER = "x-infermesh-gpu"
 
 UInt32 = Annotated[int, Field(ge=1, le=2**32 - 1)]
+# Names travel to the router and back in gRPC statuses, whose metadata is size-limited.
+Name = Annotated[str, Field(min_length=1, max_length=256)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 _GPU_KIND = r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$"  # "A100", "NVIDIA A100-SXM4-80GB"
 GpuKind = Annotated[str, Field(pattern=_GPU_KIND)]
@@ -46,7 +48,7 @@ class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +65,7 @@ class BatchingFields(BaseModel):
 
 class OpenAIGeneration(BatchingFields):
     """The fields chat and legacy completions share."""
-    model: Annotated[str, Field(min_length=1)]
+    model: Name
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: UInt32 | None = None
@@ -72,7 +74,7 @@ class OpenAIGeneration(BatchingFields):
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    user: str | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     precision: Precision | None = None

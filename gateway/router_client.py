@@ -23,7 +23,7 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
-from infermesh.channels import RECONNECT_OPTIONS, WorkerChannels
+from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, one_reply, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
@@ -37,7 +37,7 @@ class RouterClient:
     def __init__(self, config: RouterSection) -> None:
         self._config = config
         self._channel = grpc.aio.insecure_channel(
-            config.address, options=RECONNECT_OPTIONS,
+            config.address, options=CHANNEL_OPTIONS,
             interceptors=telemetry.grpc_client_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels()
@@ -97,7 +97,8 @@ class RouterClient:
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
                 reply.workers, lambda route: self._from_worker(route, request, stream, deadline),
-                self._report_failure, lambda route: route.worker_id):
+                self._report_failure, lambda route: route.worker_id,
+                self._config.stall_timeout_s if stream else None):
             yield chunk
 
     async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,

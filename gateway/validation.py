@@ -7,34 +7,90 @@ input (``messages.0.role``).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gateway.errors import InvalidRequestError, RequestTooLargeError
+from gateway.errors import InvalidRequestError, RequestTimeoutError, RequestTooLargeError
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+
+# A \uD800-\uDFFF escape: JSON decodes an unpaired one into a str no encoder accepts.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def read_json(request: web.Request) -> Any:
-    """The decoded body; 413 past the size limit, 400 when it is not JSON."""
+    """The decoded body; 413 past the size limit, 408 when it does not arrive in time, 400
+    when it is not JSON or holds text no encoder accepts (an unpaired surrogate)."""
+    raw = await _read(request)
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("The request body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _reject_lone_surrogates(body)
+    return body
+
+
+async def _read(request: web.Request) -> bytes:
     limit = request.config_dict[MAX_BODY_BYTES]
     too_large = RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes")
     if request.content_length is not None and request.content_length > limit:
         raise too_large
+    timeout_s = request.config_dict[BODY_TIMEOUT_S]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"The request body did not arrive within {timeout_s:g} s") from None
+    except web.RequestPayloadError:
+        raise InvalidRequestError("The request body could not be read: its chunked framing "
+                                  "or Content-Encoding is broken") from None
+
+
+def _reject_lone_surrogates(body: Any) -> None:
+    """A 400 naming the first string (or object key) holding an unpaired surrogate."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            for name, value in node.items():
+                child = f"{path}.{name}" if path else name
+                if not _encodable(name):
+                    _surrogate_error(path)
+                stack.append((child, value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(node))
+        elif isinstance(node, str) and not _encodable(node):
+            _surrogate_error(path)
+
+
+def _encodable(text: str) -> bool:
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate_error(path: str) -> None:
+    where = f"'{path}'" if path else "the request body"
+    raise InvalidRequestError(f"Invalid value for {where}: it holds an unpaired UTF-16 "
+                              f"surrogate escape (\\ud800-\\udfff), which is not text",
+                              param=path or None)
 
 
 def _reject_constant(name: str) -> Any:
@@ -49,6 +105,8 @@ def parse_body(model: type[M], body: Any) -> M:
         return model.model_validate(body)
     except ValidationError as e:
         raise _invalid(e, body) from None
+    except RecursionError:
+        raise InvalidRequestError("The request body is nested too deeply") from None
 
 
 def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestError:

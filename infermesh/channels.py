@@ -10,10 +10,24 @@ import telemetry
 from infermesh.pb import worker_pb2_grpc
 
 # Reconnect soon after a peer comes back, rather than grpc's default of backing off for
-# up to two minutes.
-RECONNECT_OPTIONS = [
+# up to two minutes: a channel whose peer was gone for any time tries again at least
+# every second, so a restarted router or worker is used again within about a second.
+# Every long-lived channel (gateway -> router, worker -> router, -> workers) uses these.
+#
+# Keepalive: while calls are open, a ping every second; a peer that does not answer within
+# two (a frozen process: SIGSTOP, a host that vanished without closing the connection)
+# fails every call on the connection with UNAVAILABLE, so a request waiting for its first
+# token goes to the fallback worker. Servers accept these pings (SERVER_KEEPALIVE_OPTIONS).
+CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -28,7 +42,7 @@ class WorkerChannels:
         stub = self._stubs.get(address)
         if stub is None:
             channel = grpc.aio.insecure_channel(
-                address, options=RECONNECT_OPTIONS, interceptors=telemetry.grpc_client_interceptors())
+                address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors())
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

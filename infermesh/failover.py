@@ -3,10 +3,15 @@
 Shared by the router's relay (Router.Generate) and the gateway's direct calls after
 Router.Route: a worker that fails before its first chunk hands the request to the next
 one; a failure after tokens were sent ends the stream with a clean error, never a second
-stream; an error that says the request itself is wrong ends it at once.
+stream; an error that says the request itself is wrong ends it at once. A worker that stays
+silent longer than the stall timeout (frozen, or its host gone without closing the
+connection) after its first chunk fails like one that broke the connection; before the
+first chunk silence is queueing or prefill, and a frozen worker is noticed by the
+channel's keepalive pings (``infermesh.channels``).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -38,22 +43,29 @@ async def stream_from_first(
     open_stream: Callable[[Worker], AsyncIterator[common_pb2.GenerateResponse]],
     on_failure: Callable[[Worker, grpc.StatusCode, str, bool], None],
     worker_id: Callable[[Worker], str],
+    stall_timeout_s: float | None = None,
 ) -> AsyncIterator[common_pb2.GenerateResponse]:
     """The chunks of ``open_stream(worker)`` for the first of ``workers`` that serves the
     request. ``on_failure(worker, code, details, started)`` hears of each worker that
-    failed (not of requests the caller got wrong). Raises StreamFailedError."""
+    failed (not of requests the caller got wrong). ``stall_timeout_s``: the longest wait
+    for a worker's next chunk after its first; None: no limit (a unary call, whose one
+    reply comes at the end). Raises StreamFailedError."""
     failures: list[tuple[str, grpc.StatusCode, str]] = []
     for worker in workers:
         started = finished = False
         try:
             async with contextlib.aclosing(open_stream(worker)) as chunks:
-                async for chunk in chunks:
+                while (chunk := await _next_chunk(
+                        chunks, stall_timeout_s if started else None)) is not None:
                     started = True
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield chunk
             if finished:
                 return
             code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended its stream unfinished"
+        except TimeoutError:
+            code = grpc.StatusCode.UNAVAILABLE
+            details = f"the worker sent nothing for {stall_timeout_s:g} s (stalled)"
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or e.code().name
             if code == grpc.StatusCode.CANCELLED:  # the worker's side: it went away
@@ -65,6 +77,14 @@ async def stream_from_first(
             raise StreamFailedError(code, f"worker {worker_id(worker)} failed mid-stream: {details}")
         failures.append((worker_id(worker), code, details))
     raise StreamFailedError(*_give_up_status(failures))
+
+
+async def _next_chunk(chunks: AsyncIterator[common_pb2.GenerateResponse],
+                      timeout_s: float | None) -> common_pb2.GenerateResponse | None:
+    """The stream's next chunk, None at its end; TimeoutError past ``timeout_s``. Only the
+    wait for the worker is timed, never the caller's handling of a chunk."""
+    async with asyncio.timeout(timeout_s):
+        return await anext(chunks, None)
 
 
 def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[grpc.StatusCode, str]:

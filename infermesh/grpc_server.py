@@ -10,6 +10,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 import telemetry
+from infermesh.channels import SERVER_KEEPALIVE_OPTIONS
 
 
 async def create_grpc_server(
@@ -21,7 +22,8 @@ async def create_grpc_server(
 
     ``add_servicers(server, port)`` is called once the port is bound. Returns
     the server, the port and the health servicer, its services SERVING."""
-    server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors())
+    server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors(),
+                             options=SERVER_KEEPALIVE_OPTIONS)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")

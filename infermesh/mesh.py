@@ -59,6 +59,7 @@ class Mesh:
         self.spec = spec
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
+        self._commands: dict[str, tuple[str, Mapping[str, str]]] = {}  # name -> module, env
 
     def start(self, timeout_s: float = _START_TIMEOUT_S) -> Mesh:
         """Starts router, workers, gateway; returns once each answers and every
@@ -98,6 +99,24 @@ class Mesh:
     def pid(self, name: str) -> int:
         """The process id of a service by its name ("router", "worker0", "gateway", ...)."""
         return next(proc.pid for service, proc in self._procs if service == name)
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        """Sends ``sig`` to a service: SIGKILL a crash, SIGSTOP a freeze, SIGCONT its end."""
+        os.kill(self.pid(name), sig)
+
+    def kill(self, name: str) -> None:
+        """Kills a service (SIGKILL, as a crash would end it) and waits for its end."""
+        proc = next(proc for service, proc in self._procs if service == name)
+        proc.kill()
+        proc.wait()
+        self._procs.remove((name, proc))
+
+    def respawn(self, name: str) -> None:
+        """Starts a killed service again as it was first started (same port and variables);
+        returns without waiting for it to answer."""
+        assert all(service != name for service, _ in self._procs), f"{name} still runs"
+        module, env = self._commands[name]
+        self._spawn(name, module, env)
 
     def check_alive(self) -> None:
         for name, proc in self._procs:
@@ -144,9 +163,10 @@ class Mesh:
         self.stop()
 
     def _spawn(self, name: str, module: str, env: Mapping[str, str]) -> None:
+        self._commands[name] = (module, env)
         output: IO[bytes] | None = None
         if self.spec.log_dir is not None:
-            output = (self.spec.log_dir / f"{name}.log").open("wb")
+            output = (self.spec.log_dir / f"{name}.log").open("ab")
             self._logs.append(output)
         child_env = {**os.environ, **self.spec.env, **env}
         proc = subprocess.Popen([sys.executable, "-m", module], env=child_env,
@@ -167,8 +187,11 @@ class Mesh:
         return grpc_serving(self.spec.router_address)
 
     def _workers_registered(self) -> bool:
-        with grpc.insecure_channel(self.spec.router_address) as channel:
-            reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=1)
+        try:
+            with grpc.insecure_channel(self.spec.router_address) as channel:
+                reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                    router_pb2.ListWorkersRequest(), timeout=1)
+        except grpc.RpcError:  # a router slow to answer (a loaded machine): ask again
+            return False
         return len(reply.workers) >= len(self.spec.worker_ports)
 

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Literal, get_args
 
 from infermesh.config import load_config, section
+from infermesh.redis_client import check_redis_url
 from telemetry.metrics import MetricsSection
 
 Policy = Literal["balanced", "least_load", "round_robin"]
@@ -18,17 +19,21 @@ class ServerSection:
 
 @section
 class RedisSection:
-    """Where the shared worker registry lives; every router of a mesh points at the same one."""
+    """Where the shared worker registry lives; every router of a mesh points at the same one.
+    ``url``: one server (``redis://``, ``rediss://``, ``unix://``), a Redis Cluster
+    (``redis+cluster://host:port,...``) or Sentinel (``redis+sentinel://host:port,.../service``),
+    see ``infermesh.redis_client``."""
 
     url: str = "redis://127.0.0.1:6379/0"
     timeout_ms: int = 500  # per Redis call; past it the registry counts as unreachable
     # Namespace of the registry's keys: the routers of one mesh share it; separate meshes on
-    # one Redis use different ones.
+    # one Redis use different ones. It is the registry's hash tag, so no braces.
     key_prefix: str = "infermesh:router:"
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url: expected redis://, rediss:// or unix://, got {self.url.split(':')[0]!r}")
+        check_redis_url(self.url)
+        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ValueError(f"key_prefix: must be non-empty without braces, got {self.key_prefix!r}")
         if self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms: must be positive, got {self.timeout_ms}")
 
@@ -67,6 +72,10 @@ class RoutingSection:
     affinity_load_factor: float = 1.25
     failures_to_eject: int = 3  # consecutive failed calls that eject a worker
     eject_cooldown_ms: int = 10000  # how long an ejected worker gets no traffic
+    # Relayed streams: the longest silence of a worker's stream after its first chunk;
+    # past it the worker has failed (stuck) and the stream ends with an error. (A frozen
+    # worker is noticed sooner by the channel's keepalive pings, see infermesh.channels.)
+    stall_timeout_ms: int = 30000
 
     def __post_init__(self) -> None:
         if self.policy not in get_args(Policy):
@@ -78,6 +87,8 @@ class RoutingSection:
             raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
         if self.failures_to_eject < 1 or self.eject_cooldown_ms < 0:
             raise ValueError("need failures_to_eject >= 1 and eject_cooldown_ms >= 0")
+        if self.stall_timeout_ms <= 0:
+            raise ValueError(f"stall_timeout_ms: must be positive, got {self.stall_timeout_ms}")
 
 
 @dataclasses.dataclass(frozen=True)

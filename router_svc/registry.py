@@ -3,10 +3,13 @@ alive by heartbeats, gone when their key's TTL runs out.
 
 Every router of a mesh reads and writes the same keys, so they share one view:
 
-- ``<key_prefix>worker:<id>``: a hash {info, load (serialized protos), registered_at},
+- ``{<key_prefix>}worker:<id>``: a hash {info, load (serialized protos), registered_at},
   with a TTL of ``[registry] ttl_ms`` that each heartbeat renews;
-- ``<key_prefix>workers``: the set of ids, pruned of those whose key expired
+- ``{<key_prefix>}workers``: the set of ids, pruned of those whose key expired
   (``[redis] key_prefix``, by default ``infermesh:router:``).
+
+The prefix is a hash tag: in a Redis Cluster the whole registry (a few hundred small
+hashes at most) lives in one slot, so registering stays one transaction.
 
 Routing decisions never read Redis: each router copies the registry into its local
 :class:`~router_svc.fleet.Fleet` every ``refresh_ms`` (one pipelined round trip) and applies
@@ -20,13 +23,12 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
-from urllib.parse import urlparse
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from infermesh.pb import common_pb2
+from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 
@@ -78,14 +80,14 @@ class Registry:
     """The Redis registry and this router's local copy of it (``fleet``)."""
 
     def __init__(self, redis_config: RedisSection, config: RegistrySection, fleet: Fleet) -> None:
-        timeout_s = redis_config.timeout_ms / 1000
         # No client-side retries: a failed call is reported now, the refresh loop retries.
-        self._redis = aioredis.Redis.from_url(
-            redis_config.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+        self._redis = redis_client(redis_config.url, timeout_s=redis_config.timeout_ms / 1000,
+                                   retries=False)
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
-        self._where = _redacted(redis_config.url)
-        self._worker_key = f"{redis_config.key_prefix}worker:"
-        self._index_key = f"{redis_config.key_prefix}workers"
+        self._where = parse_redis_url(redis_config.url).where()
+        tag = f"{{{redis_config.key_prefix}}}"
+        self._worker_key = f"{tag}worker:"
+        self._index_key = f"{tag}workers"
         self._ttl_ms = config.ttl_ms
         self._refresh_s = config.refresh_ms / 1000
         self.fleet = fleet
@@ -104,14 +106,14 @@ class Registry:
     async def register(self, info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
         check_registration(info, load)
         key = self._worker_key + info.worker_id
-        now = time.time()
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"info": info.SerializeToString(), "load": load.SerializeToString()})
-            pipe.hsetnx(key, "registered_at", repr(now))
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.sadd(self._index_key, info.worker_id)
-            pipe.hget(key, "registered_at")
-            replies = await self._call(pipe.execute())
+        fields = {"info": info.SerializeToString(), "load": load.SerializeToString()}
+        now = repr(time.time())
+        replies = await self._call(self._pipelined(True, [
+            lambda pipe: pipe.hset(key, mapping=fields),
+            lambda pipe: pipe.hsetnx(key, "registered_at", now),
+            lambda pipe: pipe.pexpire(key, self._ttl_ms),
+            lambda pipe: pipe.sadd(self._index_key, info.worker_id),
+            lambda pipe: pipe.hget(key, "registered_at")]))
         self.fleet.upsert(info, load, float(replies[-1]), self._ttl_ms / 1000)
 
     async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
@@ -130,11 +132,11 @@ class Registry:
         for the workers); drops the workers whose key expired."""
         taken_at = self.fleet.clock()
         ids = sorted(i.decode() for i in await self._call(self._redis.smembers(self._index_key)))
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for worker_id in ids:
-                pipe.hmget(self._worker_key + worker_id, "info", "load", "registered_at")
-                pipe.pttl(self._worker_key + worker_id)
-            replies = await self._call(pipe.execute()) if ids else []
+        keys = [self._worker_key + worker_id for worker_id in ids]
+        calls = [call for key in keys for call in (
+            lambda pipe, key=key: pipe.hmget(key, "info", "load", "registered_at"),
+            lambda pipe, key=key: pipe.pttl(key))]
+        replies = await self._call(self._pipelined(False, calls)) if ids else []
         gone = []
         for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2]):
             if info is None or ttl_ms < 0:
@@ -177,12 +179,20 @@ class Registry:
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
 
+    async def _pipelined(self, transaction: bool, calls: list[Callable[[Any], object]]) -> list:
+        """Queues ``calls`` (each given the pipeline) in one pipeline and runs it. Opening
+        the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
+        async with self._redis.pipeline(transaction=transaction) as pipe:
+            for call in calls:
+                call(pipe)
+            return await pipe.execute()
+
     async def _call(self, awaitable):
         """Awaits a Redis call, turning a failure into RegistryUnavailableError and noting
         when Redis is back."""
         try:
             result = await awaitable
-        except (RedisError, OSError) as e:
+        except (*REDIS_ERRORS, OSError) as e:
             message = f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
             if self._failure is None:
                 logger.error("%s; answering UNAVAILABLE until it is back", message)
@@ -192,11 +202,3 @@ class Registry:
             logger.info("worker registry (Redis at %s) reachable", self._where)
             self._failure = None
         return result
-
-
-def _redacted(url: str) -> str:
-    """host:port/db of a Redis URL, never its password."""
-    parsed = urlparse(url)
-    if not parsed.hostname:
-        return parsed.path
-    return f"{parsed.hostname}:{parsed.port or 6379}{parsed.path}"

@@ -136,7 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         when none does."""
         return stream_from_first(
             attempts, lambda worker: self._relay(worker, request, context, stream=stream),
-            self._failed, lambda worker: worker.worker_id)
+            self._failed, lambda worker: worker.worker_id,
+            self._config.routing.stall_timeout_ms / 1000 if stream else None)
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext, *, stream: bool,
@@ -245,6 +246,7 @@ async def serve(config: RouterConfig) -> None:
     metrics.watch_fleet(lambda: ((e.info.capabilities.device_name or e.info.capabilities.device,
                                   precision_name(e.info.capabilities.precision))
                                  for e in fleet.entries()))
+    metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
     logger.info("router listening on %s:%d (policy %s)", config.server.host, port,
                 config.routing.policy)

@@ -6,6 +6,7 @@ the rest are ``infermesh_*``. The gateway serves them at ``/metrics``; the
 router and each worker on an HTTP side port (``[metrics] port``)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from collections import Counter as Tally
@@ -41,8 +42,16 @@ TOKENS_PER_SECOND = Gauge("infermesh_worker_tokens_per_second", "Recent decode r
 QUEUE_DEPTH = Gauge("infermesh_worker_queue_depth", "Requests waiting for a batch slot")
 RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being generated")
 KV_CACHE_USAGE = Gauge("infermesh_worker_kv_cache_usage_ratio", "Fraction of KV cache in use")
+ASYNCIO_TASKS = Gauge("infermesh_asyncio_tasks",
+                      "Tasks alive in the service's event loop; growing at a steady load is a leak")
 RATE_LIMITED = Counter("infermesh_rate_limit_rejections",
                        "Requests refused by a key's limit, by limit", ["limit"])
+SETTLEMENTS_PENDING = Gauge("infermesh_usage_settlements_pending",
+                            "Usage settlements that failed and wait for Redis to be retried")
+SETTLEMENTS_RETRIED = Counter("infermesh_usage_settlements_retried",
+                              "Usage settlements recorded on a retry, after Redis came back")
+SETTLEMENTS_DROPPED = Counter("infermesh_usage_settlements_dropped",
+                              "Usage settlements lost: more than [limits] settle_retry_max waited")
 
 
 @section
@@ -82,3 +91,9 @@ def watch_worker_load(load: Callable[[], object]) -> None:
     RUNNING_SEQUENCES.set_function(lambda: load().running)
     KV_CACHE_USAGE.set_function(lambda: load().kv_cache_usage)
     TOKENS_PER_SECOND.set_function(lambda: load().tokens_per_second)
+
+
+def watch_event_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Exports the live tasks of ``loop``, counted at scrape time (also from the side port's
+    thread: ``asyncio.all_tasks`` copies its set, retrying while the loop changes it)."""
+    ASYNCIO_TASKS.set_function(lambda: len(asyncio.all_tasks(loop)))

@@ -40,15 +40,16 @@ class RunningWorker:
 
 @contextlib.asynccontextmanager
 async def running_router(ttl_ms: int = 3000, redis_url: str | None = None,
-                         routing: RoutingSection | None = None) -> AsyncIterator[RunningRouter]:
-    """A router on a free port with its registry in Redis at ``redis_url`` (None: a
-    throwaway Redis of its own). Routers given the same URL share one registry."""
+                         routing: RoutingSection | None = None, port: int = 0,
+                         ) -> AsyncIterator[RunningRouter]:
+    """A router on ``port`` (0: a free one) with its registry in Redis at ``redis_url``
+    (None: a throwaway Redis of its own). Routers given the same URL share one registry."""
     if redis_url is None:
         with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
-            async with running_router(ttl_ms, redis_server.url, routing) as router:
+            async with running_router(ttl_ms, redis_server.url, routing, port) as router:
                 yield router
         return
-    config = RouterConfig(server=ServerSection(port=0), redis=RedisSection(url=redis_url),
+    config = RouterConfig(server=ServerSection(port=port), redis=RedisSection(url=redis_url),
                           registry=RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
                           routing=routing or RoutingSection())
     server, port, resources = await create_router(config)

@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 import telemetry
 from telemetry import metrics
+from infermesh.channels import CHANNEL_OPTIONS
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -25,7 +26,8 @@ from worker_svc.sim_engine import SimEngine
 
 logger = logging.getLogger(__name__)
 
-_REGISTER_RETRY_S = 1.0
+# How long one registration waits for the router to be reachable before trying again.
+_REGISTER_WAIT_S = 5.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -233,24 +235,29 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
 
 
 async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:
-    """Registers, then heartbeats load until cancelled. Survives a router
-    restart (registers again) and an unreachable router (retries)."""
+    """Registers, then heartbeats load until cancelled. Survives a router restart
+    (registers again) and an unreachable router: a registration waits for the channel
+    to connect (``wait_for_ready``), and the channel retries at least every second
+    (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
+    router is."""
     info = servicer.info
     async with grpc.aio.insecure_channel(
-            router_address, interceptors=telemetry.grpc_client_interceptors()) as channel:
+            router_address, options=CHANNEL_OPTIONS,
+            interceptors=telemetry.grpc_client_interceptors()) as channel:
         router = router_pb2_grpc.RouterStub(channel)
-        registered, interval_s, reported_down = False, _REGISTER_RETRY_S, False
+        registered, interval_s, reported_down = False, 0.0, False
         while True:
             try:
                 if not registered:
                     reply = await router.Register(
-                        router_pb2.RegisterRequest(worker=info, load=servicer.load()), timeout=5)
+                        router_pb2.RegisterRequest(worker=info, load=servicer.load()),
+                        timeout=_REGISTER_WAIT_S, wait_for_ready=True)
                     interval_s = reply.heartbeat_interval_ms / 1000
                     registered = True
                     logger.info("registered with router %s as %s", router_address, info.worker_id)
                 else:
                     reply = await router.Heartbeat(router_pb2.HeartbeatRequest(
-                        worker_id=info.worker_id, load=servicer.load()), timeout=5)
+                        worker_id=info.worker_id, load=servicer.load()), timeout=_REGISTER_WAIT_S)
                     registered = reply.registered
                 reported_down = False
             except grpc.aio.AioRpcError as e:
@@ -259,7 +266,9 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
                     logger.warning("router %s unreachable (%s); retrying", router_address,
                                    e.code().name)
                     reported_down = True
-                interval_s = _REGISTER_RETRY_S
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # the router answered (e.g. UNAVAILABLE while its Redis is down): no spin
+                    await asyncio.sleep(min(interval_s or 1.0, 1.0))
             if registered:
                 await asyncio.sleep(interval_s)
 
@@ -300,6 +309,7 @@ async def serve(config: WorkerConfig) -> None:
     logger.info("worker %s listening on %s serving %s on %s in %s", info.worker_id, info.address,
                 config.model.served_name, engine.capabilities.device, engine.capabilities.precision)
     metrics.watch_worker_load(servicer.load)
+    metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
     reporter = asyncio.create_task(report_to_router(config.router.address, servicer))
     try:

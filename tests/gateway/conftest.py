@@ -12,8 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
+from gateway.app import CONFIG, create_app
 from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
+from gateway.http_server import GatewayRunner
 from gateway.keys import create_key
 from infermesh.redis_server import free_port
 from tests.inprocess import running_router, running_worker
@@ -31,8 +32,15 @@ def make_config(redis_url: str, router_address: str | None = None, **server: Any
     )
 
 
+class GatewayTestServer(TestServer):
+    """The app served as ``python -m gateway`` serves it: through ``GatewayRunner``."""
+
+    async def _make_runner(self, **kwargs: Any) -> GatewayRunner:
+        return GatewayRunner(self.app, self.app[CONFIG].server, **kwargs)
+
+
 async def start_gateway(config: GatewayConfig) -> TestClient:
-    client = TestClient(TestServer(create_app(config)))
+    client = TestClient(GatewayTestServer(create_app(config)))
     await client.start_server()
     return client
 

@@ -23,7 +23,7 @@ async def test_create_key_stores_only_the_hash(redis_client):
     everything = repr(stored).encode()
     assert plaintext.encode() not in everything
     assert plaintext.removeprefix("sk-").encode() not in everything
-    fields = stored[f"infermesh:key:{digest}".encode()]
+    fields = stored[f"infermesh:key:{{{digest}}}".encode()]
     assert fields[b"name"] == b"load-test" and fields[b"disabled"] == b"0"
     assert int(fields[b"created"]) > 0
     assert digest.encode() in stored[b"infermesh:keys"]
@@ -81,7 +81,7 @@ async def test_only_successes_are_cached_and_only_for_the_ttl(redis_client):
     await disable_key(redis_client, key_id(key))
     assert await store.authenticate(key) is None
     # A refusal is not cached: re-enabling takes effect at once.
-    await redis_client.hset(f"infermesh:key:{key_id(key)}", "disabled", "0")
+    await redis_client.hset(f"infermesh:key:{{{key_id(key)}}}", "disabled", "0")
     assert await store.authenticate(key) is not None
 
     await disable_key(redis_client, key_id(key))

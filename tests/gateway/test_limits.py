@@ -10,13 +10,14 @@ import time
 import openai
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
 from gateway.limits import Limiter, TokenUsage, duration, read_usage
 from infermesh.redis_server import RedisServer
 from tests.gateway.conftest import auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL
+from tests.inprocess import MODEL, eventually
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -167,9 +168,9 @@ async def test_redis_down_on_the_limit_path_is_503_then_recovers(served, redis_s
 
 async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
     key = await create_key(redis_client, "lease", max_concurrent=1)
-    dead = Limiter(redis_client, lease_ttl_s=1)
+    dead = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     await dead.admit(key_id(key), 0)  # never settled, never renewed
-    live = Limiter(redis_client, lease_ttl_s=1)
+    live = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     with pytest.raises(RateLimitError):
         await live.admit(key_id(key), 0)
     await asyncio.sleep(1.1)
@@ -205,3 +206,75 @@ async def test_requests_beyond_the_redis_connections_wait_for_one(redis_server, 
         assert (await _settled(redis_client, key, 12))["requests"] == 12
     finally:
         await gateway.close()
+
+
+async def test_usage_settled_while_redis_is_down_is_recorded_once_it_is_back(tmp_path):
+    server = RedisServer(workdir=tmp_path, persistent=True).start()
+    client = aioredis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    limiter = Limiter(client, lease_ttl_s=1, settle_retry_max=10)
+    retries = asyncio.create_task(limiter.retry_settlements())
+    try:
+        key = await create_key(client, "outage", tpm=1000, max_concurrent=1)
+        admission = await limiter.admit(key_id(key), 100)
+        server.stop()
+        limiter.settle_soon(admission, TokenUsage(prompt_tokens=7, completion_tokens=11))
+        await eventually(lambda: limiter.pending_settlements == 1)
+        await asyncio.sleep(1.0)  # retries fail while it is down; the settlement is kept
+        assert limiter.pending_settlements == 1
+        server.start()
+        usage = await _settled(client, key, 1)
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["in_flight"]) == (7, 11, 0)
+        assert usage["quota_consumed_tokens"] == 18  # the reservation became the real usage
+        assert limiter.pending_settlements == 0
+    finally:
+        retries.cancel()
+        await client.aclose()
+        server.stop()
+
+
+async def test_settlements_past_the_bound_are_dropped_and_counted(tmp_path):
+    server = RedisServer(workdir=tmp_path, persistent=True).start()
+    client = aioredis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    limiter = Limiter(client, lease_ttl_s=1, settle_retry_max=2)
+    dropped = REGISTRY.get_sample_value("infermesh_usage_settlements_dropped_total") or 0
+    try:
+        key = await create_key(client, "bounded")
+        admissions = [await limiter.admit(key_id(key), 0) for _ in range(3)]
+        server.stop()
+        for admission in admissions:
+            limiter.settle_soon(admission, TokenUsage(completion_tokens=1))
+        await limiter.drain()  # tries the kept ones once more: Redis is still down
+        assert limiter.pending_settlements == 2
+        assert REGISTRY.get_sample_value("infermesh_usage_settlements_dropped_total") == dropped + 1
+        server.start()
+        await limiter.drain()
+        assert (await read_usage(client, key_id(key), 1))["requests"] == 2  # the newest two
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_settlement_counts_once_however_often_it_runs(redis_client):
+    limiter = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
+    key = await create_key(redis_client, "once", rpm=10)
+    admission = await limiter.admit(key_id(key), 0)
+    for _ in range(3):  # a retry of a try whose reply was lost runs it again
+        await limiter.settle(admission, TokenUsage(completion_tokens=5))
+    usage = await read_usage(redis_client, key_id(key), 1)
+    assert (usage["requests"], usage["completion_tokens"]) == (1, 5)
+
+
+async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_client):
+    """The gateway's router is down: every request is a 503, none is counted, so a key
+    with 2 requests per minute is never refused with a 429 for them."""
+    key = await create_key(redis_client, "refund", rpm=2, tpm=100, max_concurrent=1)
+    for _ in range(5):
+        response = await gateway.post("/v1/chat/completions", json={**_CHAT, "max_tokens": 50},
+                                      headers=auth(key))
+        assert response.status == 503, await response.text()
+        assert (await response.json())["error"]["code"] == "router_unavailable"
+    await asyncio.sleep(0.2)  # settlements run in the background
+    usage = await read_usage(redis_client, key_id(key), 1)
+    assert (usage["requests"], usage["in_flight"], usage["quota_consumed_tokens"]) == (0, 0, 0)
+    buckets = await redis_client.hgetall(f"infermesh:rl:{key_id(key)}:rpm")
+    assert sum(int(v) for v in buckets.values()) == 0

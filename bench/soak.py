@@ -1,0 +1,233 @@
+"""Soak (issue #13): the whole mesh under a steady mixed load; nothing may grow.
+
+    .venv/bin/python bench/soak.py [--duration 600] [--window 60] [--concurrency 64]
+
+Starts Redis, the router, one simulated worker (the H200 roofline: about 2 ms per decode
+step, so streams are still running when a client drops them) and the gateway as processes.
+After a warm-up at the same load (``--window`` seconds, then a second's pause), closed-loop
+clients send chat completions for ``--duration`` seconds with four API keys (one with
+``max_concurrent``, so concurrency leases are taken and freed): 45 % non-streamed, 45 %
+streamed, 10 % streamed and dropped by the client after the first content chunk.
+
+Prints, per window: requests, errors, p99 latency of the completed requests, and per
+service RSS, open file descriptors and asyncio tasks (the ``infermesh_asyncio_tasks``
+metric), Redis keys and requests in flight; then the checks: 0 errors other than the
+disconnects, RSS at the end within 10 % of the first window's, p99 of the last window
+within 20 % of the second's, and, idle after the load against idle after the warm-up, no
+more file descriptors or tasks, the same Redis keys and no concurrency lease left.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import psutil
+import redis.asyncio as aioredis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.mesh_load import Kind, MeshLoad, Outcome  # noqa: E402
+from gateway.keys import create_key  # noqa: E402
+from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.redis_server import RedisServer, free_port  # noqa: E402
+from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+
+SERVICES = ("gateway", "router", "worker0")
+_MIX: tuple[tuple[Kind, float], ...] = (("plain", 0.45), ("stream", 0.45), ("disconnect", 0.10))
+_KEYS = 4
+_IDLE_S = 1.0  # pause before an idle snapshot: settlements and closes finish
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    at_s: float
+    rss_mb: dict[str, float]
+    fds: dict[str, int]
+    tasks: dict[str, int]
+    redis_keys: int
+    leases: int  # members of the concurrency lease sets
+    live: int  # requests in flight on the client side
+
+
+@dataclasses.dataclass
+class SoakResult:
+    windows: list[tuple[Snapshot, list[Outcome]]]  # each window's end snapshot and its requests
+    idle_before: Snapshot
+    idle_after: Snapshot
+
+    def errors(self) -> list[Outcome]:
+        return [o for _, outcomes in self.windows for o in outcomes if is_error(o)]
+
+    def p99_ms(self, window: int) -> float:
+        latencies = sorted(o.latency_s for o in self.windows[window][1]
+                           if o.ok and o.kind != "disconnect")
+        return latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000
+
+
+def is_error(outcome: Outcome) -> bool:
+    """A request that failed, other than by its client dropping the stream."""
+    return not outcome.ok
+
+
+def mesh_spec(redis_url: str, log_dir: Path, gpu: str) -> MeshSpec:
+    return MeshSpec(
+        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
+        router_port=free_port(), worker_ports=(free_port(),), log_dir=log_dir,
+        env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
+             "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_ENGINE_GPU": gpu,
+             "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+             "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+             "INFERMESH_WORKER_METRICS_PORT": str(free_port())})
+
+
+class _Probe:
+    """Reads what may leak: per service RSS, fds and tasks; Redis keys and leases."""
+
+    def __init__(self, mesh: Mesh, redis_url: str, session: aiohttp.ClientSession) -> None:
+        env = mesh.spec.env
+        self._procs = {name: psutil.Process(mesh.pid(name)) for name in SERVICES}
+        self._metrics = {
+            "gateway": f"http://127.0.0.1:{mesh.spec.gateway_port}/metrics",
+            "router": f"http://127.0.0.1:{env['INFERMESH_ROUTER_METRICS_PORT']}/metrics",
+            "worker0": f"http://127.0.0.1:{env['INFERMESH_WORKER_METRICS_PORT']}/metrics"}
+        self._redis = aioredis.Redis.from_url(redis_url)
+        self._session = session
+        self._start = time.monotonic()
+
+    async def snapshot(self, live: int) -> Snapshot:
+        tasks = {name: await self._tasks(url) for name, url in self._metrics.items()}
+        leases = 0
+        async for name in self._redis.scan_iter(match="infermesh:rl:*:inflight"):
+            leases += await self._redis.zcard(name)
+        return Snapshot(
+            at_s=time.monotonic() - self._start,
+            rss_mb={n: p.memory_info().rss / 2**20 for n, p in self._procs.items()},
+            fds={n: p.num_fds() for n, p in self._procs.items()}, tasks=tasks,
+            redis_keys=await self._redis.dbsize(), leases=leases, live=live)
+
+    async def _tasks(self, url: str) -> int:
+        async with self._session.get(url) as response:
+            for line in (await response.text()).splitlines():
+                if line.startswith("infermesh_asyncio_tasks "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"{url} has no infermesh_asyncio_tasks")
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _pick() -> Kind:
+    return random.choices([k for k, _ in _MIX], [w for _, w in _MIX])[0]
+
+
+async def _soak(mesh: Mesh, redis_url: str, duration_s: float, window_s: float,
+                concurrency: int) -> SoakResult:
+    client = aioredis.Redis.from_url(redis_url)
+    keys = [await create_key(client, f"soak-{i}", **({"max_concurrent": concurrency} if i == 0 else {}))
+            for i in range(_KEYS)]
+    await client.aclose()
+    load = functools.partial(_load, mesh.spec.base_url, keys, concurrency)
+    async with aiohttp.ClientSession() as session:
+        probe = _Probe(mesh, redis_url, session)
+        try:
+            await load(time.monotonic() + window_s, [])
+            # Idle snapshots come after the load's connections closed: the gateway then
+            # holds only what it keeps for itself.
+            await asyncio.sleep(_IDLE_S)
+            idle_before = await probe.snapshot(0)
+            windows = await _measured(load, probe, concurrency, duration_s, window_s)
+            await asyncio.sleep(_IDLE_S)
+            idle_after = await probe.snapshot(0)
+        finally:
+            await probe.close()
+    return SoakResult(windows, idle_before, idle_after)
+
+
+async def _load(base_url: str, keys: list[str], concurrency: int, until: float,
+                outcomes: list[Outcome]) -> None:
+    """``concurrency`` clients spread over ``keys`` until ``until``, on connections of their own."""
+    model = Path(DEFAULT_MODEL_PATH).name
+    per_key = [concurrency // len(keys) + (i < concurrency % len(keys)) for i in range(len(keys))]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(MeshLoad(session, base_url, key, model).run(c, until, _pick, outcomes)
+                               for key, c in zip(keys, per_key)))
+
+
+async def _measured(load: Callable[[float, list[Outcome]], Awaitable[None]], probe: _Probe,
+                    concurrency: int, duration_s: float,
+                    window_s: float) -> list[tuple[Snapshot, list[Outcome]]]:
+    outcomes: list[Outcome] = []
+    start = time.monotonic()
+    running = asyncio.create_task(load(start + duration_s, outcomes))
+    windows = []
+    ends = [start + window_s * (i + 1) for i in range(max(1, round(duration_s / window_s)))]
+    for end in ends:
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        snapshot = await probe.snapshot(live=concurrency if not running.done() else 0)
+        window_start = end - window_s
+        windows.append((snapshot, [o for o in outcomes if window_start <= o.ended < end]))
+    await running
+    return windows
+
+
+def run(workdir: Path, duration_s: float, window_s: float, concurrency: int,
+        gpu: str = "H200") -> SoakResult:
+    """The whole soak on a fresh Redis and mesh; returns what was measured."""
+    with RedisServer(workdir=workdir) as redis_server, \
+            Mesh(mesh_spec(redis_server.url, workdir, gpu)) as mesh:
+        return asyncio.run(_soak(mesh, redis_server.url, duration_s, window_s, concurrency))
+
+
+def _print(result: SoakResult) -> None:
+    print(f"{'t s':>6} {'reqs':>6} {'errors':>6} {'p99 ms':>7} "
+          + " ".join(f"{n + ' rss/fd/tasks':>22}" for n in SERVICES) + f" {'redis':>6} {'live':>5}")
+    for snapshot, outcomes in [(result.idle_before, [])] + result.windows + [(result.idle_after, [])]:
+        errors = sum(1 for o in outcomes if is_error(o))
+        p99 = (sorted(o.latency_s for o in outcomes if o.ok and o.kind != "disconnect") or [0])
+        print(f"{snapshot.at_s:>6.0f} {len(outcomes):>6} {errors:>6} "
+              f"{p99[min(len(p99) - 1, int(0.99 * len(p99)))] * 1000:>7.1f} "
+              + " ".join(f"{snapshot.rss_mb[n]:>10.1f}/{snapshot.fds[n]:>4}/{snapshot.tasks[n]:>5}"
+                         for n in SERVICES) + f" {snapshot.redis_keys:>6} {snapshot.live:>5}")
+    first, last = result.windows[0][0], result.windows[-1][0]
+    before, after = result.idle_before, result.idle_after
+    by_kind = {k: sum(1 for _, w in result.windows for o in w if o.kind == k) for k, _ in _MIX}
+    print(f"requests by kind: {by_kind}; errors other than the disconnects: {len(result.errors())}")
+    for name in SERVICES:
+        print(f"{name}: RSS {first.rss_mb[name]:.1f} -> {last.rss_mb[name]:.1f} MB "
+              f"({(last.rss_mb[name] / first.rss_mb[name] - 1) * 100:+.1f} %); idle fds "
+              f"{before.fds[name]} -> {after.fds[name]}, idle tasks {before.tasks[name]} -> "
+              f"{after.tasks[name]}")
+    print(f"redis keys idle {before.redis_keys} -> {after.redis_keys}; leases left {after.leases}")
+    if len(result.windows) >= 2:
+        second, final = result.p99_ms(1), result.p99_ms(-1)
+        print(f"p99 second window {second:.1f} ms, last window {final:.1f} ms "
+              f"({(final / second - 1) * 100:+.1f} %)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of measured load")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds per window")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--gpu", default="H200", help="the simulated worker's GPU profile")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores; "
+              f"{args.duration:.0f} s at c={args.concurrency}, windows of {args.window:.0f} s, "
+              f"simulated {args.gpu}", flush=True)
+        _print(run(Path(workdir), args.duration, args.window, args.concurrency, args.gpu))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

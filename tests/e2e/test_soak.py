@@ -1,0 +1,25 @@
+"""The soak's short version (bench/soak.py runs the 10-minute one): a mixed load with
+clients dropping streams, on the real processes; nothing fails and nothing grows."""
+from __future__ import annotations
+
+import asyncio
+
+from bench.soak import SERVICES, run
+
+# The gateway's Redis pool may open a connection or two more at a new peak of concurrent
+# calls (bounded by [redis] max_connections); that is not a leak.
+_FD_SLACK = 2
+
+
+async def test_a_short_soak_leaves_no_error_and_nothing_grown(tmp_path):
+    result = await asyncio.to_thread(run, tmp_path, duration_s=8.0, window_s=2.0, concurrency=64)
+    outcomes = [o for _, window in result.windows for o in window]
+    assert len(outcomes) > 200
+    assert sum(1 for o in outcomes if o.kind == "disconnect") > 0
+    assert result.errors() == []
+    before, after = result.idle_before, result.idle_after
+    for name in SERVICES:
+        assert after.tasks[name] <= before.tasks[name], (name, before.tasks, after.tasks)
+        assert after.fds[name] <= before.fds[name] + _FD_SLACK, (name, before.fds, after.fds)
+    assert after.redis_keys == before.redis_keys
+    assert after.leases == 0
