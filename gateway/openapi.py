@@ -90,6 +90,8 @@ def _operations() -> dict[Handler, Operation]:
                                 "revoked", "Admin", status=201, security=keys),
         admin.usage: Operation("getKeyUsage", "A key's usage: lifetime, per UTC day, quotas",
                                "Admin", query=admin.UsageQuery, security=keys),
+        admin.fleet: Operation("listFleet", "The router's workers: models, GPU kind and count, precision, "
+                               "memory, max_parallel, load", "Admin", security=keys),
     }
 
 
