@@ -57,6 +57,7 @@ def client(port: int, key: str) -> openai.OpenAI:
 
 
 def chat(client: openai.OpenAI) -> str:
+    """A served completion's finish reason: "length", or "stop" where the sampled tokens hit EOS."""
     completion = client.chat.completions.create(
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     return completion.choices[0].finish_reason
@@ -65,7 +66,7 @@ def chat(client: openai.OpenAI) -> str:
 def test_run_again_at_once_on_the_same_ports_serves_and_a_second_ctrl_c_leaves_nothing(e2e_redis):
     ports = (free_port(), free_port(), free_port())
     with dev_mesh(e2e_redis.url, ports) as (runner, key), client(ports[0], key) as first:
-        assert [chat(first) for _ in range(3)] == ["length"] * 3
+        assert {chat(first) for _ in range(3)} <= {"length", "stop"}
         services = runner_children(runner)
         assert len(services) == 3
         # The client keeps its connection: the gateway closes it, which leaves it in
@@ -79,7 +80,7 @@ def test_run_again_at_once_on_the_same_ports_serves_and_a_second_ctrl_c_leaves_n
                for c in psutil.net_connections(kind="tcp"))
 
     with dev_mesh(e2e_redis.url, ports) as (runner, key), client(ports[0], key) as second:
-        assert chat(second) == "length"
+        assert chat(second) in ("length", "stop")
         services = runner_children(runner)
         runner.send_signal(signal.SIGINT)
         time.sleep(0.05)
