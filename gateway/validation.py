@@ -85,3 +85,11 @@ def estimate_tokens(text: str) -> int:
     """A prompt's token count before the worker tokenizes it (about 4 characters a
     token): what admission reserves, settled to the real count later."""
     return len(text) // 4 + 1
+
+
+def refuse_fields(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A 400 naming the first of ``names`` the body sets: fields an endpoint does not implement,
+    which ignoring would answer something other than what was asked."""
+    for name in names:
+        if body.get(name) is not None:
+            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
