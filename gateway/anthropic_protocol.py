@@ -42,7 +42,7 @@ class ToolResultBlock(BaseModel):
     is_error: bool = False
 
 
-Block = TextPart | ToolUseBlock | ToolResultBlock
+Block = Annotated[TextPart | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class Message(BaseModel):

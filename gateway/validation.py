@@ -60,6 +60,8 @@ def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestErro
     chosen = max((e for e in errors if _param(e["loc"], body).startswith(first)),
                  key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")))
     param = _param(chosen["loc"], body)
+    if chosen["type"] in ("union_tag_invalid", "union_tag_not_found"):  # a block's unknown "type"
+        param += "." + chosen["ctx"]["discriminator"].strip("'")
     message = chosen["msg"].removeprefix("Value error, ")
     if chosen["type"] == "missing":
         return InvalidRequestError(f"Missing required parameter '{param}'", param=param)
