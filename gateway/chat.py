@@ -15,7 +15,7 @@ from gateway.generation import Generation, Plan, finish_reason, serve
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls, chunk_deltas
 from gateway.protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
-                              chat_completion, completion_id, joined_text, now_s,
+                              chat_completion, completion_id, now_s,
                               parse_chat_request, token_logprobs, usage, usage_chunk)
 from gateway.validation import estimate_tokens, read_json
 
@@ -26,8 +26,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     plan = Plan(model=body.model,
                 requests=[body.generate_request(request[REQUEST_ID], i, messages=messages)
                           for i in range(body.n)],
-                prompt_estimates=[estimate_tokens(
-                    "".join(joined_text(m.content) for m in body.messages))],
+                prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
                 prompt_of=[0] * body.n, max_tokens=body.token_limit(), stream=body.stream)
 
     async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:

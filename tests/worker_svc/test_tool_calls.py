@@ -113,3 +113,12 @@ async def test_constrained_and_free_sequences_share_a_batch(tiny_engine: Engine)
     merged = merge_chunks(call).tool_calls or []
     assert len(merged) == 1 and merged[0].name == "get_weather" and merged[0].id.startswith("call_")
     jsonschema.validate(json.loads(merged[0].arguments), WEATHER)
+
+
+def test_a_template_without_tools_is_known(tiny_dir: Path, tmp_path: Path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not Tokenizer(tmp_path).renders_tools
