@@ -87,14 +87,14 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | 
 
     logits: [N, vocab], row i of matchers[i].
     """
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    if all(m is None for m in matchers):
         return logits
     vocab = logits.size(-1)
-    bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        row = bitmask[j]
-        matchers[i].unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())  # type: ignore[union-attr]
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool().to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+    # every row gets a mask (all ones without a matcher): one masked_fill over the batch, where
+    # writing only some rows back (index_put) costs far more on a CPU
+    bitmask = torch.full((len(matchers), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for row, matcher in zip(bitmask, matchers):
+        if matcher is not None:
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(matchers), -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
