@@ -44,10 +44,18 @@ def joined_text(content: str | list[TextPart]) -> str:
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None  # null: tool calls only
     name: str | None = None
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None  # assistant turns
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool turns: the call answered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        """An assistant turn of tool calls may leave content out; every other turn must send it."""
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @model_validator(mode="after")
     def _shape_of_role(self) -> ChatMessage:
