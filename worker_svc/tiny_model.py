@@ -217,6 +217,10 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     state = {}
     for key, shape in shapes.items():
+        # the tool tokens' rows come last and apart, so every other weight is drawn as before they were added
+        grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[0] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
+        if grown:
+            shape = torch.Size([_BPE_VOCAB_SIZE, *shape[1:]])
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         elif key.endswith("e_score_correction_bias"):
@@ -225,8 +229,18 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
             t = torch.randn(shape, generator=generator)
         else:
             t = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+        if grown:
+            t = torch.cat([t, _tool_token_rows(key, shape[-1])])
         state["lm_head.weight" if key == "lm_head.weight" else f"model.{key}"] = t
     return state
+
+
+def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
+    """Random embeddings for the tool tokens; zero output rows, so their logit (0) is never a greedy
+    choice over a thousand random ones: unconstrained outputs are those of the model without them."""
+    if key == "lm_head.weight":
+        return torch.zeros(len(TOOL_TOKENS), dim)
+    return torch.randn(len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS)))
 
 
 def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
