@@ -48,7 +48,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key, key_id  # noqa: E402
+from gateway.keys import create_key, key_id, key_tag  # noqa: E402
 from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.pb import router_pb2, router_pb2_grpc  # noqa: E402
 from infermesh.probe import grpc_serving  # noqa: E402
@@ -260,13 +260,13 @@ async def accounts(chaos: ChaosMesh, results: Sequence[Result], timeout_s: float
         while True:
             recorded = {}
             for k in chaos.all_keys:
-                usage = await client.hgetall(f"infermesh:usage:{key_id(k)}")
+                usage = await client.hgetall(f"infermesh:usage:{key_tag(key_id(k))}")
                 recorded[k] = (int(usage.get(b"requests", 0)),
                                int(usage.get(b"completion_tokens", 0)))
             if recorded == delivered or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        buckets = await client.hgetall(f"infermesh:rl:{key_id(chaos.limited_key)}:rpm")
+        buckets = await client.hgetall(f"infermesh:rl:{key_tag(key_id(chaos.limited_key))}:rpm")
     return Accounts(recorded, delivered, sum(int(v) for v in buckets.values()),
                     delivered[chaos.limited_key][0])
 
@@ -290,7 +290,7 @@ async def _reset_usage(chaos: ChaosMesh) -> None:
     """Usage and counters from zero, so each scenario's accounts stand alone."""
     async with aioredis.Redis.from_url(chaos.redis.url) as client:
         for k in chaos.all_keys:
-            await client.delete(f"infermesh:usage:{key_id(k)}", f"infermesh:rl:{key_id(k)}:rpm")
+            await client.delete(f"infermesh:usage:{key_tag(key_id(k))}", f"infermesh:rl:{key_tag(key_id(k))}:rpm")
 
 
 async def worker_fault(chaos: ChaosMesh, *, freeze_s: float | None, concurrency: int,

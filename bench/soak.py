@@ -109,11 +109,13 @@ class _Probe:
         leases = 0
         async for name in self._redis.scan_iter(match="infermesh:rl:*:inflight"):
             leases += await self._redis.zcard(name)
+        # one marker per settled request, expiring on its own (gateway.limits): not growth
+        settled = sum([1 async for _ in self._redis.scan_iter(match="infermesh:settled:*", count=1000)])
         return Snapshot(
             at_s=time.monotonic() - self._start,
             rss_mb={n: p.memory_info().rss / 2**20 for n, p in self._procs.items()},
             fds={n: p.num_fds() for n, p in self._procs.items()}, tasks=tasks,
-            redis_keys=await self._redis.dbsize(), leases=leases, live=live)
+            redis_keys=await self._redis.dbsize() - settled, leases=leases, live=live)
 
     async def _tasks(self, url: str) -> int:
         async with self._session.get(url) as response:

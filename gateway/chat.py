@@ -13,8 +13,9 @@ from aiohttp import web
 from gateway import sse
 from gateway.generation import Generation, Plan, finish_reason, serve
 from gateway.middleware import REQUEST_ID
+from gateway.tools import ToolCalls, chunk_deltas
 from gateway.protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
-                              chat_completion, completion_id, joined_text, now_s,
+                              chat_completion, completion_id, now_s,
                               parse_chat_request, token_logprobs, usage, usage_chunk)
 from gateway.validation import estimate_tokens, read_json
 
@@ -25,8 +26,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     plan = Plan(model=body.model,
                 requests=[body.generate_request(request[REQUEST_ID], i, messages=messages)
                           for i in range(body.n)],
-                prompt_estimates=[estimate_tokens(
-                    "".join(joined_text(m.content) for m in body.messages))],
+                prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
                 prompt_of=[0] * body.n, max_tokens=body.token_limit(), stream=body.stream)
 
     async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
@@ -43,12 +43,15 @@ async def _collect(body: ChatCompletionRequest, generation: Generation,
     texts: list[list[str]] = [[] for _ in range(generation.choices)]
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
     finishes: list[FinishReason | None] = [None] * generation.choices
+    calls = [ToolCalls() for _ in range(generation.choices)]
     async for i, chunk in generation.chunks():
         texts[i].append(chunk.text)
         logprobs[i].extend(token_logprobs(chunk.logprobs))
+        calls[i].add(chunk.tool_calls)
         finishes[i] = finish_reason(chunk) or finishes[i]
     choices = [chat_choice(i, "".join(texts[i]), finishes[i],  # type: ignore[arg-type]
-                           logprobs[i] if body.logprobs and logprobs[i] else None)
+                           logprobs[i] if body.logprobs and logprobs[i] else None,
+                           calls[i].message_field())
                for i in range(generation.choices)]
     completion = chat_completion(completion_id(), now_s(), body.model, choices,
                                  usage(generation.usage()))
@@ -56,7 +59,8 @@ async def _collect(body: ChatCompletionRequest, generation: Generation,
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
-    """The stream's chunks: role, text deltas, finish reason per choice, then usage if asked for."""
+    """The stream's chunks: role, text and tool-call deltas, finish reason per choice, then usage
+    if asked for."""
     cid, created, with_usage = completion_id(), now_s(), body.include_usage
 
     def chunk(i: int, delta: dict[str, Any], finish: FinishReason | None = None,
@@ -70,6 +74,8 @@ async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncI
         if item.text or item.logprobs:
             logprobs = token_logprobs(item.logprobs) if body.logprobs and item.logprobs else None
             yield chunk(i, {"content": item.text}, logprobs=logprobs)
+        if item.tool_calls:
+            yield chunk(i, {"tool_calls": chunk_deltas(item.tool_calls)})
         finish = finish_reason(item)
         if finish is not None:
             yield chunk(i, {}, finish)

@@ -12,6 +12,7 @@ from gateway import sse
 from gateway.errors import UpstreamError
 from gateway.generation import Generation, Plan, serve
 from gateway.middleware import REQUEST_ID
+from gateway.tools import ToolCalls
 from gateway.validation import estimate_tokens, parse_body, read_json
 
 
@@ -26,12 +27,14 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         if body.stream:
             return await sse.stream(request, headers, _events(body, generation),
                                     lambda e: sse.anthropic_event(e.anthropic_body()))
-        texts, stop = [], None
+        texts, stop, calls = [], None, ToolCalls()
         async for _, chunk in generation.chunks():
             texts.append(chunk.text)
+            calls.add(chunk.tool_calls)
             stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
         return web.json_response(wire.message(wire.message_id(), body.model, "".join(texts),
-                                              _stop_reason(stop), generation.usage()),
+                                              _stop_reason(stop), generation.usage(),
+                                              calls.message_field()),
                                  headers=headers)
 
     return await serve(request, plan, respond)
@@ -46,10 +49,17 @@ def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:
 async def _events(body: wire.MessagesRequest, generation: Generation) -> AsyncIterator[bytes]:
     for event in wire.stream_start(wire.message_id(), body.model):
         yield sse.anthropic_event(event)
-    stop = None
+    stop, block = None, 0  # block: the content block open now (0: the text)
     async for _, chunk in generation.chunks():
         if chunk.text:
             yield sse.anthropic_event(wire.text_delta(chunk.text))
+        for piece in chunk.tool_calls:
+            if piece.id:
+                block = piece.index + 1
+                for event in wire.tool_use_start(block, piece.id, piece.name):
+                    yield sse.anthropic_event(event)
+            if piece.arguments:
+                yield sse.anthropic_event(wire.input_json_delta(block, piece.arguments))
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    for event in wire.stream_end(_stop_reason(stop), generation.usage()):
+    for event in wire.stream_end(_stop_reason(stop), generation.usage(), block):
         yield sse.anthropic_event(event)

@@ -6,17 +6,20 @@ plain dicts in exactly the shape the OpenAI API returns.
 """
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from gateway.errors import InvalidRequestError
 from gateway.limits import TokenUsage
-from gateway.validation import STRICT, parse_body
+from gateway.tools import (AssistantToolCall, FunctionTool, ResponseFormat, ToolChoice, history_calls,
+                           structure)
+from gateway.validation import STRICT, parse_body, refuse_fields
 from infermesh.names import PRECISIONS, FinishReason, Precision
 from infermesh.pb import common_pb2
 
@@ -46,9 +49,34 @@ def joined_text(content: str | list[TextPart]) -> str:
 
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None  # null: tool calls only
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None  # assistant turns
+    tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool turns: the call answered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        """An assistant turn of tool calls may leave content out; every other turn must send it."""
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            return {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _shape_of_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant turn with tool_calls may omit it)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, need a tool_call_id")
+        return self
+
+    def router_message(self) -> common_pb2.ChatMessage:
+        return common_pb2.ChatMessage(role=self.role, content=joined_text(self.content or ""),
+                                      tool_calls=history_calls(self.tool_calls or ()),
+                                      tool_call_id=self.tool_call_id or "")
 
 
 class StreamOptions(BaseModel):
@@ -134,11 +162,6 @@ class OpenAIGeneration(BatchingFields):
         return request
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(OpenAIGeneration):
     """The body of ``POST /v1/chat/completions``."""
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -146,6 +169,9 @@ class ChatCompletionRequest(OpenAIGeneration):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -164,8 +190,26 @@ class ChatCompletionRequest(OpenAIGeneration):
         return sampling
 
     def router_messages(self) -> list[common_pb2.ChatMessage]:
-        return [common_pb2.ChatMessage(role=m.role, content=joined_text(m.content))
-                for m in self.messages]
+        return [m.router_message() for m in self.messages]
+
+    def generate_request(self, request_id: str, choice: int, *,
+                         messages: Iterable[common_pb2.ChatMessage] = (),
+                         prompt: str = "") -> common_pb2.GenerateRequest:
+        request = super().generate_request(request_id, choice, messages=messages, prompt=prompt)
+        request.MergeFrom(self._structure)
+        return request
+
+    @functools.cached_property
+    def _structure(self) -> common_pb2.GenerateRequest:
+        """Tools, tool choice and response format: checked once for all choices."""
+        return common_pb2.GenerateRequest(**structure(
+            self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format))
+
+
+# OpenAI fields this gateway does not implement: refused rather than dropped, since the answer
+# would not be what the client asked for (README lists the fields still ignored)
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "logit_bias", "audio", "modalities",
+                           "prediction", "web_search_options")
 
 
 def with_precision_header(body: OpenAIGeneration | Any, headers: Mapping[str, str]) -> Any:
@@ -187,7 +231,9 @@ def with_precision_header(body: OpenAIGeneration | Any, headers: Mapping[str, st
 
 
 def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatCompletionRequest:
-    return with_precision_header(parse_body(ChatCompletionRequest, body), headers)
+    request = with_precision_header(parse_body(ChatCompletionRequest, body), headers)
+    refuse_fields(body, UNSUPPORTED_CHAT_FIELDS)
+    return request
 
 
 def completion_id(prefix: str = "chatcmpl") -> str:
@@ -213,8 +259,13 @@ def token_logprobs(items: Iterable[common_pb2.TokenLogprob]) -> list[dict[str, A
 
 
 def chat_choice(index: int, text: str, finish_reason: FinishReason,
-                logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                logprobs: list[dict[str, Any]] | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text),
+                               "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
             "finish_reason": finish_reason}
 

@@ -118,6 +118,8 @@ def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestErro
     chosen = max((e for e in errors if _param(e["loc"], body).startswith(first)),
                  key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")))
     param = _param(chosen["loc"], body)
+    if chosen["type"] in ("union_tag_invalid", "union_tag_not_found"):  # a block's unknown "type"
+        param += "." + chosen["ctx"]["discriminator"].strip("'")
     message = chosen["msg"].removeprefix("Value error, ")
     if chosen["type"] == "missing":
         return InvalidRequestError(f"Missing required parameter '{param}'", param=param)
@@ -143,3 +145,11 @@ def estimate_tokens(text: str) -> int:
     """A prompt's token count before the worker tokenizes it (about 4 characters a
     token): what admission reserves, settled to the real count later."""
     return len(text) // 4 + 1
+
+
+def refuse_fields(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A 400 naming the first of ``names`` the body sets: fields an endpoint does not implement,
+    which ignoring would answer something other than what was asked."""
+    for name in names:
+        if body.get(name) is not None:
+            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)

@@ -7,7 +7,7 @@ from typing import Literal
 from infermesh.pb import common_pb2
 
 Precision = Literal["fp8", "bf16", "fp16", "fp32"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 PRECISIONS: dict[Precision, int] = {
     "fp8": common_pb2.PRECISION_FP8, "bf16": common_pb2.PRECISION_BF16,
@@ -16,6 +16,7 @@ PRECISIONS: dict[Precision, int] = {
 PRECISION_NAMES: dict[int, Precision] = {v: k for k, v in PRECISIONS.items()}
 FINISH_REASONS: dict[FinishReason, int] = {
     "stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_REASON_NAMES: dict[int, FinishReason] = {v: k for k, v in FINISH_REASONS.items()}
 

@@ -21,6 +21,8 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.exceptions import ConnectionError, RedisClusterException, RedisError
@@ -116,10 +118,14 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
     """A client for ``url``. Every call is bounded by ``timeout_s``; a call past
     ``max_connections`` in use waits for one (up to ``timeout_s``) on a single server
     or behind Sentinel; in a cluster the bound is per node and a call past it fails.
+    A call that fails on a dead connection is tried once more on a new one: after a Redis
+    restart the pool still holds connections to the old process, each of which would
+    otherwise fail one call (a settlement run twice counts once: gateway.limits).
     ``retries=False``: a failed call is reported at once; a cluster client always
     retries, as it must to follow redirections and failovers."""
     target = parse_redis_url(url)
-    no_retry = {} if retries else {"retry": None}
+    retry_policy = ({"retry": Retry(NoBackoff(), 1), "retry_on_error": [ConnectionError]} if retries
+                else {"retry": None})
     sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if target.mode == "cluster":
         return _RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
@@ -130,9 +136,9 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
         return sentinel.master_for(
             target.service, redis_class=_SentinelMaster, connection_pool_class=_BlockingSentinelPool,
             max_connections=max_connections, timeout=timeout_s, db=target.db,
-            username=target.username, password=target.password, **sockets, **no_retry)
+            username=target.username, password=target.password, **sockets, **retry_policy)
     return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=timeout_s, **sockets, **no_retry))
+        url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy))
 
 
 class _RedisCluster(RedisCluster):

@@ -24,7 +24,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import llguidance
 import torch
 
 from infermesh.names import FinishReason
@@ -32,15 +34,17 @@ from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
                                    GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
-                                   check_sampling, drain_chunks)
+                                   Tool, check_constraints, check_sampling, drain_chunks)
 from worker_svc.kv_cache import (BlockManager, bytes_per_token, cache_budget_bytes, index_bytes_per_token,
                                  latent_bytes_per_token)
+from worker_svc.grammar import GrammarCompiler, apply_masks
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
 from worker_svc.precision import TORCH_DTYPES, DeviceCapabilities, detect_capabilities, resolve_device
 from worker_svc.sampling import sample_batch, token_logprobs
 from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker_svc.tool_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator
     emit: Callable[[GenerationChunk | BaseException], None]  # thread-safe: hands an item to the consumer
+    matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
+    tool_parser: ToolCallParser | None = None  # set when it may call tools
 
     @property
     def output_ids(self) -> list[int]:
@@ -67,7 +73,7 @@ class _Stream:
 
     def finish_reason(self, token: int) -> FinishReason | None:
         if token in self.stop_token_ids:
-            return "stop"
+            return "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
         if len(self.seq.token_ids) >= self.max_len:
             return "length"
         return None
@@ -180,6 +186,7 @@ class _StepLoop:
             return
         streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
         self._scheduler.complete_step(output)
+        logits = apply_masks(logits, [st.matcher for st in streams])
         tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
                               [st.output_ids if st.params.has_penalties else [] for st in streams])  # fmt: skip
         with self._lock:
@@ -194,9 +201,16 @@ class _StepLoop:
     def _append(self, stream: _Stream, token: int, logits: torch.Tensor) -> None:
         """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
         stream.seq.token_ids.append(token)
+        if stream.matcher is not None and not stream.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the request's grammar: {stream.matcher.get_error()}")
         finish = stream.finish_reason(token)
         detok = stream.detokenizer
-        if token in stream.stop_token_ids:
+        calls = stream.tool_parser.add(token) if stream.tool_parser is not None else None
+        if calls is not None:  # a token of the tool calls: no text
+            text = detok.flush()  # text held back for a possible stop string is text after all
+            if finish == "length":
+                calls += stream.tool_parser.finish()  # type: ignore[union-attr]
+        elif token in stream.stop_token_ids:
             text = detok.flush()
         else:
             text = detok.add(token)
@@ -208,7 +222,7 @@ class _StepLoop:
         seq = stream.seq
         stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
                                     seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
-                                    seq.queue_s))  # fmt: skip
+                                    seq.queue_s, calls or None))  # fmt: skip
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)
@@ -249,6 +263,7 @@ class Engine:
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids
         self._seq_ids = itertools.count()
+        self.grammars = GrammarCompiler(tokenizer, model.args.vocab_size, sorted(eos_token_ids))
         blocks = _block_manager(model, device, max_model_len, cache)
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
         self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
@@ -325,9 +340,13 @@ class Engine:
         await asyncio.to_thread(self._loop.close)
 
     def _stream(self, request: GenerationRequest) -> tuple[_Stream, asyncio.Queue]:
+        check_constraints(request.constraints)
         prompt_ids = self._prompt_ids(request)
         params = request.sampling
         check_sampling(params, self.model.args.vocab_size)
+        matcher = self.grammars.matcher(request.constraints)
+        markers = self.grammars.markers
+        may_call = bool(request.constraints.tools) and request.constraints.tool_choice != "none"
         max_len = self._max_len(len(prompt_ids), params.max_tokens)
         max_parallel, timeout_ms = self._batching(request)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
@@ -342,6 +361,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=torch.Generator().manual_seed(seed),
             emit=_emitter(asyncio.get_running_loop(), queue),
+            matcher=matcher,
+            tool_parser=ToolCallParser(self.tokenizer, markers) if may_call and markers is not None else None,
         )
         return stream, queue
 
@@ -354,7 +375,11 @@ class Engine:
             for i, m in enumerate(request.messages):
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                     raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
-            return self.tokenizer.encode_chat(request.messages)
+            tools = request.constraints.tools
+            if tools and not self.tokenizer.renders_tools:
+                raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
+            return self.tokenizer.encode_chat([_template_message(m) for m in request.messages],
+                                              [_tool_definition(t) for t in tools])
         if not request.prompt:
             raise InvalidRequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt)
@@ -388,6 +413,19 @@ class Engine:
         if request.dynamic_batch_timeout_ms is not None:
             timeout_ms = min(request.dynamic_batch_timeout_ms, timeout_ms)
         return max_parallel, timeout_ms
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as HF chat templates take it: an assistant turn of only tool calls has no content."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return message
+
+
+def _tool_definition(tool: Tool) -> dict[str, Any]:
+    """A tool as HF chat templates take it (OpenAI's shape)."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": json.loads(tool.parameters)}}
 
 
 def _block_manager(model: Transformer, device: torch.device, max_model_len: int, cache: CacheSection) -> BlockManager:

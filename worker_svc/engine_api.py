@@ -7,9 +7,11 @@ without importing torch, so one machine can host dozens of them.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from infermesh.names import FinishReason, Precision
 
@@ -55,16 +57,56 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+ToolChoice = Literal["auto", "none", "required", "named"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str
+    parameters: str  # JSON schema of its arguments, as JSON text
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the output must look like: tool calls and/or JSON, enforced by a grammar while decoding."""
+
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    tool_name: str = ""  # with tool_choice "named"
+    parallel_tool_calls: bool = True
+    json_schema: str | None = None  # the answer is JSON matching this schema (JSON text)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) or self.json_schema is not None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    messages: list[dict[str, str]] | None  # chat, rendered with the checkpoint's chat template
+    # chat, rendered with the checkpoint's chat template: OpenAI-shaped dicts (role, content; an assistant
+    # turn's tool_calls, a tool turn's tool_call_id)
+    messages: list[dict[str, Any]] | None
     prompt: str | None  # raw text; exactly one of messages/prompt
     sampling: SamplingParams
     # batching hints, bounded by the worker's limits: run in a batch of at most max_parallel sequences;
     # wait at most dynamic_batch_timeout_ms for others to form a larger batch
     max_parallel: int | None = None
     dynamic_batch_timeout_ms: int | None = None
+    constraints: Constraints = Constraints()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of tool call `index`: its first piece carries id and name, later ones argument text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +126,7 @@ class GenerationChunk:
     cached_prompt_tokens: int = 0  # prompt tokens whose cache came from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     queue_s: float = 0.0  # how long the request waited before joining the batch
+    tool_calls: list[ToolCallDelta] | None = None  # tool-call pieces decoded with these tokens
 
 
 @dataclass(frozen=True)
@@ -138,6 +181,37 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_constraints(c: Constraints) -> None:
+    """Raises InvalidRequestError for tools or a schema no engine can enforce, the same on every worker."""
+    names = [t.name for t in c.tools]
+    for i, tool in enumerate(c.tools):
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise InvalidRequestError(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}")
+        _json_object(tool.parameters, f"tools[{i}].parameters")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InvalidRequestError(f"tools has duplicate names: {', '.join(duplicates)}")
+    if c.tool_choice in ("required", "named") and not c.tools:
+        raise InvalidRequestError(f"tool_choice {c.tool_choice!r} needs tools")
+    if c.tool_choice == "named" and c.tool_name not in names:
+        raise InvalidRequestError(f"tool_choice names {c.tool_name!r}, which is not one of the tools")
+    if c.json_schema is not None:
+        _json_object(c.json_schema, "json_schema")
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequestError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{what} must be a JSON object (a JSON schema)")
+    return value
+
+
 def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
     """One chunk for several consecutive ones of a stream: their text and tokens in order,
     the counts and finish reason of the last, the queue wait of the first."""
@@ -145,12 +219,25 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
         return chunks[0]
     last = chunks[-1]
     logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+    tool_calls = [d for c in chunks for d in c.tool_calls or ()]
     return GenerationChunk(
         text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens, cached_prompt_tokens=last.cached_prompt_tokens,
         logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None,
-        queue_s=chunks[0].queue_s)
+        queue_s=chunks[0].queue_s, tool_calls=_merged_deltas(tool_calls) or None)
+
+
+def _merged_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call as one piece: the first's id and name, the arguments joined."""
+    merged: list[ToolCallDelta] = []
+    for d in deltas:
+        if merged and merged[-1].index == d.index and not d.id:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + d.arguments)
+        else:
+            merged.append(d)
+    return merged
 
 
 async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -18,16 +19,19 @@ from infermesh.grpc_server import create_grpc_server
 from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
+from worker_svc.engine_api import (Constraints, EngineOverloadedError, GenerationChunk,
+                                   GenerationRequest, InferenceEngine, InvalidRequestError,
+                                   SamplingParams, TokenLogprob, Tool, ToolChoice, merge_chunks)
 from worker_svc.gpu_profiles import gpu_kind
-from worker_svc.engine_api import (EngineOverloadedError, GenerationChunk, GenerationRequest,
-                                   InferenceEngine, InvalidRequestError, SamplingParams,
-                                   TokenLogprob, merge_chunks)
 from worker_svc.sim_engine import SimEngine
 
 logger = logging.getLogger(__name__)
 
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
+_TOOL_CHOICES: dict[int, ToolChoice] = {
+    common_pb2.TOOL_CHOICE_AUTO: "auto", common_pb2.TOOL_CHOICE_NONE: "none",
+    common_pb2.TOOL_CHOICE_REQUIRED: "required", common_pb2.TOOL_CHOICE_NAMED: "named"}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -188,14 +192,34 @@ def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs)
-    messages = [{"role": m.role, "content": m.content} for m in request.messages]
     hints = request.batching
     return GenerationRequest(
-        request_id=request.request_id, messages=messages or None,
+        request_id=request.request_id, messages=[_message(m) for m in request.messages] or None,
         prompt=request.prompt or None, sampling=sampling,
         max_parallel=hints.max_parallel if hints.HasField("max_parallel") else None,
         dynamic_batch_timeout_ms=(hints.dynamic_batch_timeout_ms
-                                  if hints.HasField("dynamic_batch_timeout_ms") else None))
+                                  if hints.HasField("dynamic_batch_timeout_ms") else None),
+        constraints=_constraints(request))
+
+
+def _message(m: common_pb2.ChatMessage) -> dict[str, Any]:
+    """A chat message in OpenAI's shape, as chat templates take it."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in m.tool_calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
+    return Constraints(
+        tools=tuple(Tool(t.name, t.description, t.parameters_json) for t in request.tools),
+        tool_choice=_TOOL_CHOICES.get(request.tool_choice, "auto"), tool_name=request.tool_name,
+        parallel_tool_calls=not request.single_tool_call,
+        json_schema=request.json_schema or None)
 
 
 def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
@@ -208,6 +232,8 @@ def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
             cached_prompt_tokens=chunk.cached_prompt_tokens))
     if chunk.logprobs is not None:
         response.logprobs.extend(_logprob_to_proto(lp) for lp in chunk.logprobs)
+    for d in chunk.tool_calls or ():
+        response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
     return response
 
 

@@ -256,6 +256,10 @@ class SimEngine:
                 "and at least one generated token must fit)")
         params = request.sampling
         check_sampling(params, len(_WORDS))
+        if request.constraints.active:
+            # its words come from no tokenizer a grammar could mask; an answer that ignores the tools
+            # or schema would look like success to the client
+            raise InvalidRequestError("tools and json_schema need a model engine; this worker is simulated")
         budget = self.max_model_len - prompt_tokens
         if params.max_tokens is not None:
             if prompt_tokens + params.max_tokens > self.max_model_len:

@@ -5,7 +5,7 @@
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
 e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE tokenizer with
-DeepSeek's special tokens and chat template, and generation_config.json. The DeepSeek-V2 ones
+DeepSeek's special tokens (tool-call markers included) and chat template, and generation_config.json. The DeepSeek-V2 ones
 (`--v2`, `--v2-lite`) are BF16 throughout with no quantization_config, no routing bias and no MTP
 layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducible: the same call writes byte-identical files.
 `--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint instead: the same model plus each
@@ -35,18 +35,53 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT]  # ids 0..4: bos 0, eos 1 as i
 _SEED = 1234
 _BPE_VOCAB_SIZE = 1024
 
-# DeepSeek-V3's template, reduced to system/user/assistant turns (no tool calls).
+# DeepSeek-V3's tool-call markers: a turn's calls are
+# CALLS_BEGIN (CALL_BEGIN "function" SEP NAME "\n```json\n" ARGUMENTS "\n```" CALL_END)+ CALLS_END,
+# and tool results OUTPUTS_BEGIN (OUTPUT_BEGIN RESULT OUTPUT_END)+ OUTPUTS_END.
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOL_TOKENS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN,
+               OUTPUT_END]  # fmt: skip
+
+# DeepSeek-V3's template in its own tool format, with the tool definitions (HF's `tools`) rendered into the
+# system prompt as DeepSeek's later releases do. An assistant turn after tool results follows OUTPUTS_END
+# directly, as in DeepSeek-V3's template.
 CHAT_TEMPLATE = (
     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-    "{% set ns = namespace(system_prompt='') %}"
+    "{% set ns = namespace(system_prompt='', is_tool=false) %}"
     "{%- for message in messages %}{%- if message['role'] == 'system' %}"
     "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
+    "{%- if tools %}{% set ns.system_prompt = ns.system_prompt + '\n\n## Tools\nYou have access to the following tools:\n' %}"
+    "{%- for tool in tools %}{% set ns.system_prompt = ns.system_prompt + '\n### ' + tool['function']['name'] + "
+    "'\nDescription: ' + (tool['function']['description'] or '') + '\n\nParameters: ' + "
+    "(tool['function']['parameters'] | tojson) + '\n' %}{%- endfor %}"
+    "{% set ns.system_prompt = ns.system_prompt + '\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name\n```json\n"
+    "tool_call_arguments\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' %}{%- endif %}"
     "{{ bos_token }}{{ ns.system_prompt }}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.is_tool = false %}{% endif %}"
+    "{{ '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.is_tool = false %}"
+    "{%- else %}{{ '<｜Assistant｜>' }}{%- endif %}"
+    "{{ message['content'] or '' }}"
+    "{%- if message['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}"
+    "{%- for call in message['tool_calls'] %}{%- if not loop.first %}{{ '\n' }}{%- endif %}"
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{{ '<｜tool▁call▁begin｜>' + (call['type'] or 'function') + '<｜tool▁sep｜>' + call['function']['name'] + "
+    "'\n```json\n' + (arguments if arguments is string else arguments | tojson) + '\n```<｜tool▁call▁end｜>' }}"
+    "{%- endfor %}{{ '<｜tool▁calls▁end｜>' }}{%- endif %}"
+    "{{ '<｜end▁of▁sentence｜>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if ns.is_tool %}{{ '\n' }}{%- else %}{{ '<｜tool▁outputs▁begin｜>' }}{% set ns.is_tool = true %}{%- endif %}"
+    "{{ '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
     "{%- endif %}{%- endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
 CORPUS = """\
@@ -182,6 +217,8 @@ def train_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    # after the BPE merges, as in DeepSeek's vocabulary (ids 1024..1032 here)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TOKENS])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]
     )
@@ -213,6 +250,10 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     state = {}
     for key, shape in shapes.items():
+        # the tool tokens' rows come last and apart, so every other weight is drawn as before they were added
+        grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[0] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
+        if grown:
+            shape = torch.Size([_BPE_VOCAB_SIZE, *shape[1:]])
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         elif key.endswith("e_score_correction_bias"):
@@ -221,8 +262,18 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
             t = torch.randn(shape, generator=generator)
         else:
             t = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+        if grown:
+            t = torch.cat([t, _tool_token_rows(key, shape[-1])])
         state["lm_head.weight" if key == "lm_head.weight" else f"model.{key}"] = t
     return state
+
+
+def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
+    """Random embeddings for the tool tokens; zero output rows, so their logit (0) is never a greedy
+    choice over a thousand random ones: unconstrained outputs are those of the model without them."""
+    if key == "lm_head.weight":
+        return torch.zeros(len(TOOL_TOKENS), dim)
+    return torch.randn(len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS)))
 
 
 def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -8,7 +8,10 @@ end is held back until it is ruled out).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import jinja2
+import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -23,17 +26,21 @@ class Tokenizer:
             raise ValueError(f"{model_dir}: tokenizer_config.json has no chat_template")
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
+        # HF passes tool definitions as the template's `tools`; a template that never reads it would drop them
+        template = jinja2.Environment().parse(self.hf.chat_template)
+        self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(template)
 
     def encode(self, text: str) -> list[int]:
         """Raw text -> ids, with BOS as the tokenizer's post-processor adds it."""
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI-shaped function definitions, as HF templates take them."""
+        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages rendered with the checkpoint's chat template (BOS comes from the template)."""
-        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+        return list(self.hf.encode(self.render_chat(messages, tools), add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

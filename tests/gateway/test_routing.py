@@ -38,7 +38,10 @@ async def test_relayed_and_direct_streams_answer_alike(redis_server, router, wor
 
 async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, tiny_engine, api_key):
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
-    async with running_router(redis_url=redis_server.url, routing=routing) as router, \
+    # the dead worker never heartbeats: a TTL longer than the test keeps it registered, so that
+    # what removes it from routing is the gateway's failure reports, not expiry (a loaded
+    # machine took over the default 3 s for the four requests)
+    async with running_router(ttl_ms=60_000, redis_url=redis_server.url, routing=routing) as router, \
             running_worker(tiny_engine, router, "live"):
         await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))

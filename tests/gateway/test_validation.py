@@ -24,7 +24,7 @@ _USER = [{"role": "user", "content": "hi"}]
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ({**CHAT, "max_parallel": "4"}, "max_parallel"),
     ({**CHAT, "max_parallel": 4.0}, "max_parallel"),
     ({**CHAT, "max_parallel": 0}, "max_parallel"),

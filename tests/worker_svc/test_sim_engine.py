@@ -11,7 +11,7 @@ import pytest
 
 from infermesh.config import ConfigError
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine_api import Constraints, EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
@@ -184,6 +184,9 @@ async def test_bad_requests_get_clear_errors():
             await collect(engine, request(temperature=-1))
         with pytest.raises(InvalidRequestError, match=r"stop_token_ids must be token ids in 0\.\.31"):
             await collect(engine, request(stop_token_ids=(32,)))
+        with pytest.raises(InvalidRequestError, match="need a model engine; this worker is simulated"):
+            await collect(engine, GenerationRequest("r", None, "hi", SamplingParams(),
+                                                    constraints=Constraints(json_schema="{}")))
         assert engine.load().running == engine.load().waiting == 0
     finally:
         await engine.close()
