@@ -54,7 +54,7 @@ class QuantizationSection:
     use_native_fp8: bool | None = None  # None: FP8 where the hardware runs it
 
 
-# SPEC.md "Per-GPU batching knobs": (max_parallel, dynamic_batch_timeout_ms) by a name in the device name
+# The per-GPU batching knobs operators use in the field: (max_parallel, dynamic_batch_timeout_ms) by a name in the device name
 _GPU_BATCHING_DEFAULTS = {"V100": (4, 200), "A100": (8, 150), "MI100": (4, 250)}
 _OTHER_GPU_BATCHING_DEFAULTS = (8, 150)  # a GPU the table does not name: as the A100
 _CPU_BATCHING_DEFAULTS = (32, 0)  # development: a batch as large as the benchmark's concurrency, no holding
@@ -64,7 +64,7 @@ _CPU_BATCHING_DEFAULTS = (32, 0)  # development: a batch as large as the benchma
 class ParallelSection:
     """Continuous batching: how many sequences run together and how requests wait for a place."""
 
-    max_parallel: int | None = None  # most running sequences; None: the device's default (SPEC.md table)
+    max_parallel: int | None = None  # most running sequences; None: the device's default (the table above)
     # how long a waiting request may be held to form a larger batch; None: the device's default
     dynamic_batch_timeout_ms: int | None = None
     max_waiting: int = 256  # requests queued past the running batch; more get RESOURCE_EXHAUSTED

@@ -1,4 +1,4 @@
-"""Device detection and the precision policy (SPEC.md "Precision policy").
+"""Device detection and the precision policy: the dtype a worker serves in, per device.
 
 - CUDA sm90 (H100/H200/H800) with torch's block-wise scaled matmul: FP8 weights, 1x128 activation
   quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).

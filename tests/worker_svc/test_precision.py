@@ -1,4 +1,4 @@
-"""The precision policy of SPEC.md, without a GPU."""
+"""The precision policy (worker_svc/precision.py), without a GPU."""
 from __future__ import annotations
 
 import logging
