@@ -51,15 +51,7 @@ def main() -> int:
         spec = MeshSpec(
             redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
             router_port=free_port(), worker_ports=(free_port(),),
-            env={"OTEL_SDK_DISABLED": "true",
-                 "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-                 "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
-                 "INFERMESH_WORKER_ENGINE_KIND": "sim",
-                 "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-                 "INFERMESH_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN,
-                 "INFERMESH_GATEWAY_SERVER_HEADER_TIMEOUT_S": str(TIMEOUT_S),
-                 "INFERMESH_GATEWAY_SERVER_BODY_TIMEOUT_S": str(TIMEOUT_S),
-                 "INFERMESH_GATEWAY_SERVER_KEEPALIVE_TIMEOUT_S": str(TIMEOUT_S)},
+            env={"OTEL_SDK_DISABLED": "true", **fuzz.mesh_env(ADMIN_TOKEN, TIMEOUT_S)},
             log_dir=Path(tmp))
         with Mesh(spec) as mesh:
             api_key = asyncio.run(create_key_at(redis_server.url, "fuzz"))

@@ -26,9 +26,23 @@ from schemathesis import GenerationMode
 from gateway.errors import AnthropicErrorBody, ErrorBody
 from infermesh import rawhttp
 from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.redis_server import free_port
 
 _HEALTH_CHECKS = list(hypothesis.HealthCheck)
 _CHAT = "/v1/chat/completions"
+
+
+def mesh_env(admin_token: str, timeout_s: float) -> dict[str, str]:
+    """The mesh under fuzzing: one zero-latency simulated worker (the gateway is what is fuzzed),
+    metrics on free ports, the admin API on, and read timeouts of ``timeout_s`` for the slow clients."""
+    return {"INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+            "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+            "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+            "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+            "INFERMESH_GATEWAY_SERVER_HEADER_TIMEOUT_S": str(timeout_s),
+            "INFERMESH_GATEWAY_SERVER_BODY_TIMEOUT_S": str(timeout_s),
+            "INFERMESH_GATEWAY_SERVER_KEEPALIVE_TIMEOUT_S": str(timeout_s)}
 
 
 @dataclasses.dataclass

@@ -22,28 +22,20 @@ from worker_svc.model import ModelArgs
 # an absent key means where transformers' config class declares no default (DeepseekV3Config has no
 # topk_method, scoring_func or moe_layer_freq: its model is noaux_tc, sigmoid, every layer MoE).
 # Another model family adds an entry here once model.py implements its values.
+_V3_CHOICES: dict[str, tuple[Any, ...]] = {
+    "topk_method": ("noaux_tc",),  # group-limited top-k on bias-corrected scores (model.Gate)
+    "scoring_func": ("sigmoid",),
+    "moe_layer_freq": (1,),  # every layer from first_k_dense_replace on is MoE
+    "hidden_act": ("silu",),
+    "attention_bias": (False,),
+    "rope_interleave": (True,),  # model.apply_rotary_emb rotates interleaved pairs
+    "tie_word_embeddings": (False,),  # lm_head is a weight of its own
+    "rope_type": ("default", "yarn"),
+}
 SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
-    "deepseek_v3": {
-        "topk_method": ("noaux_tc",),  # group-limited top-k on bias-corrected scores (model.Gate)
-        "scoring_func": ("sigmoid",),
-        "moe_layer_freq": (1,),  # every layer from first_k_dense_replace on is MoE
-        "hidden_act": ("silu",),
-        "attention_bias": (False,),
-        "rope_interleave": (True,),  # model.apply_rotary_emb rotates interleaved pairs
-        "tie_word_embeddings": (False,),  # lm_head is a weight of its own
-        "rope_type": ("default", "yarn"),
-    },
+    "deepseek_v3": _V3_CHOICES,
     # V3.2: V3 plus DeepSeek Sparse Attention, whose indexer fields _dsa_args reads from the file itself.
-    "deepseek_v32": {
-        "topk_method": ("noaux_tc",),
-        "scoring_func": ("sigmoid",),
-        "moe_layer_freq": (1,),
-        "hidden_act": ("silu",),
-        "attention_bias": (False,),
-        "rope_interleave": (True,),
-        "tie_word_embeddings": (False,),
-        "rope_type": ("default", "yarn"),
-    },
+    "deepseek_v32": _V3_CHOICES,
     # DeepseekV2Config has no scoring_func (its model is softmax) and reads n_group/topk_group only for
     # group_limited_greedy; moe_layer_freq is any positive integer (model.ModelArgs.is_moe_layer).
     "deepseek_v2": {

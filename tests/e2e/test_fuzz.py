@@ -27,15 +27,7 @@ def fuzz_mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
         redis_url=e2e_redis.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
         router_port=free_port(), worker_ports=(free_port(),),
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver[1]}",
-             "OTEL_BSP_SCHEDULE_DELAY": "100",
-             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_ENGINE_KIND": "sim",
-             "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-             "INFERMESH_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN,
-             "INFERMESH_GATEWAY_SERVER_HEADER_TIMEOUT_S": str(TIMEOUT_S),
-             "INFERMESH_GATEWAY_SERVER_BODY_TIMEOUT_S": str(TIMEOUT_S),
-             "INFERMESH_GATEWAY_SERVER_KEEPALIVE_TIMEOUT_S": str(TIMEOUT_S)},
+             "OTEL_BSP_SCHEDULE_DELAY": "100", **fuzz.mesh_env(ADMIN_TOKEN, TIMEOUT_S)},
         log_dir=tmp_path_factory.mktemp("fuzz"))
     with Mesh(spec) as mesh:
         yield mesh
