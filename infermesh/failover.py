@@ -112,8 +112,9 @@ async def call_chunks(call: grpc.aio.Call, stream: bool,
 async def _uncancelled(call: grpc.aio.Call, read: Awaitable[T]) -> T:
     """``read`` of ``call``, never abandoned while in flight: a caller cancelled meanwhile
     cancels the call, waits for the read to end, then goes on cancelled. grpc.aio (1.85)
-    keeps about 0.3 KB of native memory for every read whose awaiting task was cancelled
-    before it completed (docs/RELIABILITY.md, "Soak"): each client dropping a stream did."""
+    keeps a few hundred bytes of native memory for every read whose awaiting task was
+    cancelled before it completed (docs/RELIABILITY.md, "Soak"), as each client dropping a
+    stream did to the gateway."""
     pending = asyncio.ensure_future(read)
     try:
         return await asyncio.shield(pending)
