@@ -13,6 +13,7 @@ with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayErro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +25,7 @@ import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
-from infermesh.failover import StreamFailedError, one_reply, stream_from_first
+from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,9 @@ class RouterClient:
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         rpc = self._stub.Generate if stream else self._stub.Complete
         call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
-        try:
-            async for chunk in (call if stream else one_reply(call)):
+        async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            call.cancel()
 
     async def _direct(self, request: common_pb2.GenerateRequest, stream: bool,
                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -108,16 +107,14 @@ class RouterClient:
         worker = self._workers.stub(route.address)
         rpc = worker.Generate if stream else worker.Complete
         call = rpc(request, timeout=timeout, wait_for_ready=False)
-        try:
+        async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
             first = True
-            async for chunk in (call if stream else one_reply(call)):
+            async for chunk in chunks:
                 if first:
                     chunk.route.CopyFrom(route)
                     chunk.route.ClearField("address")
                     first = False
                 yield chunk
-        finally:
-            call.cancel()
 
     def _report_failure(self, route: common_pb2.Route, code: grpc.StatusCode, details: str,
                         started: bool) -> None:

@@ -27,6 +27,7 @@ CALLER_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT
                            grpc.StatusCode.DEADLINE_EXCEEDED})
 
 Worker = TypeVar("Worker")
+T = TypeVar("T")
 
 
 class StreamFailedError(Exception):
@@ -94,7 +95,30 @@ def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[g
     return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
 
 
-async def one_reply(reply: Awaitable[common_pb2.GenerateResponse],
-                    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-    """A unary Complete call's reply as a stream of one chunk, for stream_from_first."""
-    yield await reply
+async def call_chunks(call: grpc.aio.Call, stream: bool,
+                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    """The chunks of a Generate call (``stream``) or the one reply of a Complete call, for
+    stream_from_first; closing the iterator cancels the call if it still runs."""
+    try:
+        if not stream:
+            yield await _uncancelled(call, call)  # type: ignore[arg-type]
+            return
+        while (chunk := await _uncancelled(call, call.read())) is not grpc.aio.EOF:
+            yield chunk
+    finally:
+        call.cancel()
+
+
+async def _uncancelled(call: grpc.aio.Call, read: Awaitable[T]) -> T:
+    """``read`` of ``call``, never abandoned while in flight: a caller cancelled meanwhile
+    cancels the call, waits for the read to end, then goes on cancelled. grpc.aio (1.85)
+    keeps a few hundred bytes of native memory for every read whose awaiting task was
+    cancelled before it completed (docs/RELIABILITY.md, "Soak"), as each client dropping a
+    stream did to the gateway."""
+    pending = asyncio.ensure_future(read)
+    try:
+        return await asyncio.shield(pending)
+    except asyncio.CancelledError:
+        call.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        raise

@@ -13,7 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.channels import WorkerChannels
-from infermesh.failover import StreamFailedError, one_reply, stream_from_first
+from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
 from infermesh.tasks import cancel_and_wait
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -154,16 +154,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         call = (stub.Generate if stream else stub.Complete)(request, timeout=context.time_remaining())
         self._fleet.started(worker)
         try:
-            first = True
-            async for chunk in (call if stream else one_reply(call)):
-                if first:
-                    chunk.route.CopyFrom(_route(worker, with_address=False))
-                    self._fleet.succeeded(worker)
-                    first = False
-                yield chunk
+            async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
+                first = True
+                async for chunk in chunks:
+                    if first:
+                        chunk.route.CopyFrom(_route(worker, with_address=False))
+                        self._fleet.succeeded(worker)
+                        first = False
+                    yield chunk
         finally:
             self._fleet.ended(worker)
-            call.cancel()
 
     def _failed(self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool) -> None:
         """Counts a worker's failure toward its ejection (a busy worker is not broken)."""
