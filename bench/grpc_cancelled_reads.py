@@ -18,7 +18,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -62,12 +62,18 @@ async def _one(rpc: grpc.aio.UnaryStreamMultiCallable, mode: str) -> None:
     await asyncio.gather(reader, return_exceptions=True)
 
 
-async def _measure(mode: str, calls: int, concurrency: int) -> float:
+async def _start_server(serve: Callable[..., AsyncIterator[bytes]]) -> tuple[grpc.aio.Server, int]:
+    """A server streaming ``serve``'s chunks at /bench.Stream/Generate on a free loopback port."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Stream", {"Generate": grpc.unary_stream_rpc_method_handler(_serve)})])
+        "bench.Stream", {"Generate": grpc.unary_stream_rpc_method_handler(serve)})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+async def _measure(mode: str, calls: int, concurrency: int) -> float:
+    server, port = await _start_server(_serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         rpc = channel.unary_stream("/bench.Stream/Generate")
 
@@ -91,13 +97,9 @@ async def _chunk_cost(streams: int = 500, chunks: int = 64, rounds: int = 3) -> 
         for _ in range(chunks):
             yield b"x" * 64
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Fast", {"Generate": grpc.unary_stream_rpc_method_handler(serve)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _start_server(serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        rpc = channel.unary_stream("/bench.Fast/Generate")
+        rpc = channel.unary_stream("/bench.Stream/Generate")
 
         async def raw() -> None:
             async for _ in rpc(b""):
