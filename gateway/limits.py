@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 _USAGE_DAY_TTL_S = 400 * 86400
 # How long a settlement's done-mark lives: a retry later than this after a try whose reply
 # was lost could count twice; retries normally run within a second of Redis's return.
-_SETTLED_TTL_S = 600
+_SETTLED_TTL_S = 60  # retries run every 0.5 s once Redis answers; a longer life only grew the keyspace (RELIABILITY.md, Soak)
 _RETRY_INTERVAL_S = 0.5
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
