@@ -72,6 +72,7 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
     hf = _normalised(config)
     chosen = _check_choices(hf, SUPPORTED[model_type])
     _check_sizes(hf, chosen["topk_method"])
+    n_groups, n_limited_groups = _groups(hf, chosen["topk_method"])
     return ModelArgs(
         vocab_size=hf.vocab_size,
         dim=hf.hidden_size,
@@ -90,8 +91,8 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
         n_routed_experts=hf.n_routed_experts,
         n_shared_experts=hf.n_shared_experts,
         n_activated_experts=hf.num_experts_per_tok,
-        n_expert_groups=_groups(hf, chosen["topk_method"])[0],
-        n_limited_groups=_groups(hf, chosen["topk_method"])[1],
+        n_expert_groups=n_groups,
+        n_limited_groups=n_limited_groups,
         norm_topk_prob=hf.norm_topk_prob,
         route_scale=float(hf.routed_scaling_factor),
         scoring_func=chosen["scoring_func"],
