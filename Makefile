@@ -1,14 +1,16 @@
-# Entry points: `make run` starts the whole mesh, `make test` runs the tests.
+# Entry points: `make run` starts the whole mesh, `make test` runs the lint, then the tests.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
+RUFF := $(VENV)/bin/ruff
+MYPY := $(VENV)/bin/mypy
 INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
 V32_DIR := models/tiny-deepseek-v32
 
-.PHONY: all venv proto model model-v2 model-v32 run test bench clean
+.PHONY: all venv proto model model-v2 model-v32 run lint test bench clean
 
 all: proto model
 
@@ -52,7 +54,13 @@ model-v32: $(V32_DIR)/config.json
 run: proto model
 	$(PY) -m infermesh run
 
-test: proto model
+# ruff and mypy, configured in pyproject.toml; mypy reads the generated .pyi stubs.
+lint: proto
+	$(RUFF) check .
+	$(RUFF) format --check .
+	$(MYPY)
+
+test: lint proto model
 	$(PY) -m pytest
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
