@@ -48,12 +48,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key, key_id, key_tag  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.pb import router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.probe import grpc_serving  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key, key_id, key_tag
+from infermesh.mesh import Mesh, MeshSpec
+from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.probe import grpc_serving
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 MODEL = "tiny-deepseek-v3"
 ADMIN_TOKEN = "chaos-admin-token-0123456789"
@@ -478,9 +478,11 @@ async def main() -> None:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> None:
-    wanted = (lambda s: args.scenario in ("all", s))
-    common = dict(concurrency=args.concurrency, before_s=args.before_s, after_s=args.after_s,
-                  max_tokens=args.max_tokens)
+    def wanted(scenario: str) -> bool:
+        return args.scenario in ("all", scenario)
+
+    common = {"concurrency": args.concurrency, "before_s": args.before_s,
+              "after_s": args.after_s, "max_tokens": args.max_tokens}
     async with ChaosMesh(workdir) as chaos:
         if wanted("worker-kill"):
             _print("worker SIGKILLed", await worker_fault(chaos, freeze_s=None, **common))

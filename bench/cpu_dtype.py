@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.model import ModelArgs, dense_linear  # noqa: E402
-from worker_svc.model_config import model_args  # noqa: E402
-from worker_svc.precision import cpu_has_native_bf16  # noqa: E402
-from worker_svc.tiny_model import bench_config, tiny_config  # noqa: E402
+from worker_svc.model import ModelArgs, dense_linear
+from worker_svc.model_config import model_args
+from worker_svc.precision import cpu_has_native_bf16
+from worker_svc.tiny_model import bench_config, tiny_config
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNK = 256
@@ -89,7 +89,7 @@ def bench_model(name: str, a: ModelArgs, repeats: int) -> float:
     """Prints each forward pass's times; returns the serving mix's FP32 time / BF16 time."""
     print(f"\n## {name}")
     print(f"{'forward pass':<22}{'fp32 ms':>10}{'bf16 ms':>10}{'fp32/bf16':>11}")
-    per_token = {dtype: 0.0 for dtype in DTYPES}  # the mix: seconds per generated token
+    per_token = dict.fromkeys(DTYPES, 0.0)  # the mix: seconds per generated token
     passes = [(f"decode B={b}", b, b) for b in DECODE_BATCHES] + [(f"prefill {PREFILL_CHUNK}", PREFILL_CHUNK, 1)]
     for label, tokens, sequences in passes:
         t32, t16 = (forward_time(a, tokens, sequences, dtype, repeats) for dtype in DTYPES)
@@ -99,7 +99,7 @@ def bench_model(name: str, a: ModelArgs, repeats: int) -> float:
         per_token[torch.bfloat16] += share * t16 / tokens
     ratio = per_token[torch.float32] / per_token[torch.bfloat16]
     print(f"serving mix, per generated token: fp32 {per_token[torch.float32] * 1e3:.3f} ms, "
-          f"bf16 {per_token[torch.bfloat16] * 1e3:.3f} ms, fp32/bf16 {ratio:.2f}")  # fmt: skip
+          f"bf16 {per_token[torch.bfloat16] * 1e3:.3f} ms, fp32/bf16 {ratio:.2f}")
     return ratio
 
 
@@ -115,7 +115,7 @@ def main() -> None:
         _clock = time.thread_time
         torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_clock.__name__}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()}")  # fmt: skip
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()}")
     models = {"tiny checkpoint": model_args(tiny_config(1024)), "bench 73M": model_args(bench_config())}
     models |= {str(p): model_args(json.loads(p.read_text())) for p in ns.config}
     ratios = [bench_model(name, args, ns.repeats) for name, args in models.items()]

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.checkpoint import load_checkpoint  # noqa: E402
-from worker_svc.kernel import (  # noqa: E402
+from worker_svc.checkpoint import load_checkpoint
+from worker_svc.kernel import (
     FP8,
     act_quant,
     fp8_gemm,
@@ -39,7 +40,7 @@ from worker_svc.kernel import (  # noqa: E402
     weight_dequant,
     weight_quant,
 )
-from worker_svc.tiny_model import write_tiny_checkpoint  # noqa: E402
+from worker_svc.tiny_model import write_tiny_checkpoint
 
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432), (2048, 1408)]  # (N, K) = (out, in)
 TOKENS = (1, 64, 512, 4096)
@@ -90,9 +91,9 @@ def check_tiny_checkpoint(device: torch.device) -> None:
     for length in (1, 17, 64):
         tokens = torch.randint(5, config["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
         logits = {name: m(tokens.to(m.lm_head.weight.device), 0, m.setup_cache(1, length)).cpu()
-                  for name, m in (("fp8", fp8), ("bf16", bf16), ("fp8_cpu", fp8_cpu))}  # fmt: skip
+                  for name, m in (("fp8", fp8), ("bf16", bf16), ("fp8_cpu", fp8_cpu))}
         print(f"{length:<15}{rel_error(logits['fp8'], logits['bf16']):>14.2e}"
-              f"{rel_error(logits['fp8'], logits['fp8_cpu']):>24.2e}")  # fmt: skip
+              f"{rel_error(logits['fp8'], logits['fp8_cpu']):>24.2e}")
 
 
 def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -132,15 +133,16 @@ def time_shapes(device: torch.device, impl: str, tokens: tuple[int, ...], iters:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             x_fp8, x_scale = act_quant(x)
             try:
-                t_bf16 = time_s(lambda: F.linear(x, w_bf16), device, iters)
-                t_gemm = time_s(lambda: fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, impl=impl), device, iters)
-                t_linear = time_s(lambda: fp8_linear(x, w_fp8, w_scale), device, iters)
+                t_bf16 = time_s(partial(F.linear, x, w_bf16), device, iters)
+                gemm = partial(fp8_gemm, x_fp8, x_scale, w_fp8, w_scale, impl=impl)
+                t_gemm = time_s(gemm, device, iters)
+                t_linear = time_s(partial(fp8_linear, x, w_fp8, w_scale), device, iters)
             except Exception as e:
                 print(f"{f'{n}x{k}':<14}{m:>6}  FAILED: {type(e).__name__}: {e}")
                 continue
             verdict = "" if m < 64 else "met" if t_bf16 / t_gemm >= _TARGET_SPEEDUP else "MISSED"
             print(f"{f'{n}x{k}':<14}{m:>6}{t_bf16 * 1e6:>10.1f}{t_gemm * 1e6:>10.1f}{t_bf16 / t_gemm:>9.2f}"
-                  f"{t_linear * 1e6:>11.1f}{t_bf16 / t_linear:>9.2f}  {verdict}")  # fmt: skip
+                  f"{t_linear * 1e6:>11.1f}{t_bf16 / t_linear:>9.2f}  {verdict}")
 
 
 def main() -> int:
@@ -156,9 +158,9 @@ def main() -> int:
         device, impl, tokens, iters = torch.device("cuda"), "native", TOKENS, ns.iters
         if not torch.cuda.is_available() or not native_fp8_gemm_available(device):
             found = torch.cuda.get_device_name() + f" (sm{''.join(map(str, torch.cuda.get_device_capability()))})" \
-                if torch.cuda.is_available() else "no CUDA device"  # fmt: skip
+                if torch.cuda.is_available() else "no CUDA device"
             print(f"No CUDA sm90 device with torch's block-wise FP8 GEMM here ({found}; torch {torch.__version__}, "
-                  f"CUDA {torch.version.cuda}). This check needs an H100/H200/H800; nothing measured.")  # fmt: skip
+                  f"CUDA {torch.version.cuda}). This check needs an H100/H200/H800; nothing measured.")
             return 0
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     ok = check_shapes(device, impl)

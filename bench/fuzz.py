@@ -28,11 +28,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key_at  # noqa: E402
-from infermesh import fuzz  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key_at
+from infermesh import fuzz
+from infermesh.mesh import Mesh, MeshSpec
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 ADMIN_TOKEN = "bench-fuzz-admin-token-0123456789"
 TIMEOUT_S = 2.0

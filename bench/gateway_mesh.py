@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -40,11 +41,11 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key
+from infermesh.mesh import Mesh, MeshSpec
+from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 _MESH_CORE, _LOAD_CORE = 0, 1
 _WARMUP_S = 1.0
@@ -66,10 +67,8 @@ class Run:
 
 def _pin(pid: int, core: int) -> None:
     for thread in psutil.Process(pid).threads():
-        try:
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(thread.id, {core})
-        except ProcessLookupError:  # a thread that just ended
-            pass
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:

@@ -35,18 +35,18 @@ from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.config import ParallelSection  # noqa: E402
-from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool  # noqa: E402
-from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar  # noqa: E402
-from worker_svc.tiny_model import write_bench_checkpoint  # noqa: E402
-from worker_svc.tokenizer import Tokenizer  # noqa: E402
+from worker_svc.config import ParallelSection
+from worker_svc.engine import Engine
+from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool
+from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
+from worker_svc.tiny_model import write_bench_checkpoint
+from worker_svc.tokenizer import Tokenizer
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
 _LONG = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 14}, "notes": {"type": "string", "minLength": 4000}},
-    "required": ["city", "unit", "days", "notes"], "additionalProperties": False}  # fmt: skip
+    "required": ["city", "unit", "days", "notes"], "additionalProperties": False}
 
 
 def typical_tools() -> tuple[Tool, ...]:
@@ -70,7 +70,7 @@ def typical_tools() -> tuple[Tool, ...]:
                                      ["title", "start"])),
         Tool("query_db", "", obj({"sql": s, "params": {"type": "array", "items": {"anyOf": [s, i, {"type": "null"}]}}},
                                  ["sql"])),
-    )  # fmt: skip
+    )
 
 
 async def decode_s_per_token(engine: Engine, n: int, new_tokens: int, constraints: Constraints) -> float:
@@ -151,7 +151,7 @@ def main() -> None:
     call = Constraints((tool,), "required", parallel_tool_calls=False)
     print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, {engine.capabilities.device_name}), "
           f"torch {torch.__version__}, llguidance {importlib.metadata.version('llguidance')}, "
-          f"{ns.new_tokens} new tokens per request")  # fmt: skip
+          f"{ns.new_tokens} new tokens per request")
     print("concurrency | free ms/step | json_schema ms/step (ratio) | tool_choice=required ms/step (ratio)")
     free_steps = []
     for n in ns.concurrency:

@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.failover import call_chunks  # noqa: E402
+from infermesh.failover import call_chunks
 
 MODES = ("drained", "abandoned", "call_chunks")
 _WARMUP_CALLS = 2000

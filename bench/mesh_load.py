@@ -64,7 +64,7 @@ class MeshLoad:
                     return Outcome(kind, started, time.monotonic(), 200, tokens=usage["total_tokens"])
                 code, tokens = await _read_stream(response, stop_early=kind == "disconnect")
                 return Outcome(kind, started, time.monotonic(), 200, code, tokens)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             return Outcome(kind, started, time.monotonic(), 0, type(e).__name__)
 
     async def run(self, concurrency: int, until: float, pick: Callable[[], Kind],

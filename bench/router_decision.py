@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.pb import common_pb2  # noqa: E402
-from router_svc.config import RoutingSection  # noqa: E402
-from router_svc.fleet import Fleet  # noqa: E402
-from router_svc.routing import Chooser, RouteRequest  # noqa: E402
+from infermesh.pb import common_pb2
+from router_svc.config import RoutingSection
+from router_svc.fleet import Fleet
+from router_svc.routing import Chooser, RouteRequest
 
 _KINDS = [  # (device name, precision, max_parallel, decode tokens/s)
     ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0),

@@ -35,22 +35,28 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
-import redis  # noqa: E402
+import grpc
+import redis
 
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.probe import grpc_serving  # noqa: E402
-from infermesh.processes import stop_with_parent  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
-from worker_svc import server as worker_server  # noqa: E402
-from worker_svc.config import (EngineSection, ModelSection, RouterSection, ServerSection,  # noqa: E402
-                               WorkerConfig)
-from worker_svc.sim_engine import SimEngine  # noqa: E402
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.probe import grpc_serving
+from infermesh.processes import stop_with_parent
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc import server as worker_server
+from worker_svc.config import (
+    EngineSection,
+    ModelSection,
+    RouterSection,
+    ServerSection,
+    WorkerConfig,
+)
+from worker_svc.sim_engine import SimEngine
 
 MODEL = "sim-22b"
 FLEET = [("V100", 2), ("A100", 1), ("H100", 1), ("MI100", 2)] * 4  # (GPU profile, GPUs per worker)
 POLICIES = ("round_robin", "least_load", "balanced")
-_ENGINE = dict(kind="sim", total_params_b=22.0, active_params_b=22.0, kv_bytes_per_token=393216)
+_ENGINE = {"kind": "sim", "total_params_b": 22.0, "active_params_b": 22.0,
+           "kv_bytes_per_token": 393216}
 _SHARED_PREFIXES = 100
 _SHARED_SHARE = 0.75  # of requests that start with one of the shared system prompts
 _SYSTEM_BYTES = (8000, 24000)  # ranges, ~4 bytes a token

@@ -35,11 +35,11 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.mesh_load import Kind, MeshLoad, Outcome  # noqa: E402
-from gateway.keys import create_key  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from bench.mesh_load import Kind, MeshLoad, Outcome
+from gateway.keys import create_key
+from infermesh.mesh import Mesh, MeshSpec
+from infermesh.redis_server import RedisServer, free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 SERVICES = ("gateway", "router", "worker0")
 _MIX: tuple[tuple[Kind, float], ...] = (("plain", 0.45), ("stream", 0.45), ("disconnect", 0.10))
@@ -162,7 +162,7 @@ async def _load(base_url: str, keys: list[str], concurrency: int, until: float,
     per_key = [concurrency // len(keys) + (i < concurrency % len(keys)) for i in range(len(keys))]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(MeshLoad(session, base_url, key, model).run(c, until, _pick, outcomes)
-                               for key, c in zip(keys, per_key)))
+                               for key, c in zip(keys, per_key, strict=True)))
 
 
 async def _measured(load: Callable[[float, list[Outcome]], Awaitable[None]], probe: _Probe,
@@ -193,7 +193,7 @@ def run(workdir: Path, duration_s: float, window_s: float, concurrency: int,
 def _print(result: SoakResult) -> None:
     print(f"{'t s':>6} {'reqs':>6} {'errors':>6} {'p99 ms':>7} "
           + " ".join(f"{n + ' rss/fd/tasks':>22}" for n in SERVICES) + f" {'redis':>6} {'live':>5}")
-    for snapshot, outcomes in [(result.idle_before, [])] + result.windows + [(result.idle_after, [])]:
+    for snapshot, outcomes in [(result.idle_before, []), *result.windows, (result.idle_after, [])]:
         errors = sum(1 for o in outcomes if is_error(o))
         p99 = (sorted(o.latency_s for o in outcomes if o.ok and o.kind != "disconnect") or [0])
         print(f"{snapshot.at_s:>6.0f} {len(outcomes):>6} {errors:>6} "

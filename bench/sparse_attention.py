@@ -29,6 +29,7 @@ Only torch is needed (it runs with plain python3 on a GPU machine with --device 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -39,23 +40,24 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend  # noqa: E402
-from worker_svc.model import AttentionGroup, KVCache, ModelArgs, Transformer  # noqa: E402
+from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
+from worker_svc.model import AttentionGroup, KVCache, ModelArgs, Transformer
 
-ARGS = dict(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16, max_seq_len=32768, q_lora_rank=256,
-            kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, moe_inter_dim=256,
-            n_dense_layers=1, n_routed_experts=8, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
-DSA = dict(index_topk=2048, index_n_heads=8, index_head_dim=128)
+V3_ARGS = ModelArgs(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16,
+                    max_seq_len=32768, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=64,
+                    qk_rope_head_dim=64, v_head_dim=64, moe_inter_dim=256, n_dense_layers=1,
+                    n_routed_experts=8, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
+V32_ARGS = dataclasses.replace(V3_ARGS, index_topk=2048, index_n_heads=8, index_head_dim=128)
 _CHEAPER = 0.95  # V3.2 / V3 time ratio that counts as cheaper
 
 
 def build(device: torch.device) -> tuple[Transformer, Transformer]:
     """(V3, V3.2) with the same random weights for everything but the indexers."""
     torch.manual_seed(0)
-    v32 = Transformer(ModelArgs(**ARGS, **DSA))
+    v32 = Transformer(V32_ARGS)
     for name, p in v32.named_parameters():
         nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=p.size(-1) ** -0.5)
-    v3 = Transformer(ModelArgs(**ARGS))
+    v3 = Transformer(V3_ARGS)
     v3.load_state_dict({k: v for k, v in v32.state_dict().items() if ".indexer." not in k})
     return v3.to(device).eval(), v32.to(device).eval()
 
@@ -84,14 +86,14 @@ def fastest_s(fn: Callable[[], object], repeats: int, device: torch.device) -> f
 
 
 def step_s(model: Transformer, cache: KVCache, batch: int, seqlen: int, start: int, repeats: int,
-           device: torch.device) -> float:  # fmt: skip
-    tokens = torch.randint(5, ARGS["vocab_size"], (batch, seqlen), device=device)
+           device: torch.device) -> float:
+    tokens = torch.randint(5, V3_ARGS.vocab_size, (batch, seqlen), device=device)
     return fastest_s(lambda: model(tokens, start, cache), repeats, device)
 
 
 @torch.inference_mode()
 def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int, length: int, repeats: int,
-                      device: torch.device) -> tuple[float, float, float, float]:  # fmt: skip
+                      device: torch.device) -> tuple[float, float, float, float]:
     """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer scoring, sparse MLA,
     FP8 scoring's agreement); all but the first nan where no query sees more than index_topk tokens (the model
     attends densely then)."""
@@ -112,12 +114,12 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
         return full, float("nan"), float("nan"), float("nan")
     selected = select()
     fp8 = select_tokens_fp8(hadamard_rotate(q_index), weights, hadamard_rotate(index_keys), group.mask, a.index_topk,
-                            mla.indexer.softmax_scale)  # fmt: skip
+                            mla.indexer.softmax_scale)
     agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
     q = query.unflatten(0, (batch, seqlen))
     scoring = fastest_s(select, repeats, device)
     sparse = fastest_s(lambda: sparse_attend(q, layer_cache, key_slots, group.mask, selected, mla.softmax_scale,
-                                            a.kv_lora_rank), repeats, device)  # fmt: skip
+                                            a.kv_lora_rank), repeats, device)
     return full, scoring, sparse, agreement
 
 
@@ -136,7 +138,7 @@ def main() -> None:
     v3, v32 = build(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {device} ({name}), float32; "
-          f"index_topk {DSA['index_topk']}, decode batch {ns.batch}, prefill chunk {ns.chunk}")
+          f"index_topk {V32_ARGS.index_topk}, decode batch {ns.batch}, prefill chunk {ns.chunk}")
     print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} {'ratio':>6} | {'prefill chunk ms: V3':>20} "
           f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} {'indexer':>7} {'sparse':>7} | "
           f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}")

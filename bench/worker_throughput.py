@@ -30,15 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import PreTrainedModel  # noqa: E402
+from transformers import PreTrainedModel
 
-from worker_svc.hf_reference import transformers_model  # noqa: E402
-from worker_svc.checkpoint import read_config  # noqa: E402
-from worker_svc.config import ParallelSection  # noqa: E402
-from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.engine_api import GenerationRequest, SamplingParams  # noqa: E402
-from worker_svc.kv_cache import bytes_per_token, unabsorbed_bytes_per_token  # noqa: E402
-from worker_svc.tiny_model import CORPUS, write_bench_checkpoint  # noqa: E402
+from worker_svc.checkpoint import read_config
+from worker_svc.config import ParallelSection
+from worker_svc.engine import Engine
+from worker_svc.engine_api import GenerationRequest, SamplingParams
+from worker_svc.hf_reference import transformers_model
+from worker_svc.kv_cache import bytes_per_token, unabsorbed_bytes_per_token
+from worker_svc.tiny_model import CORPUS, write_bench_checkpoint
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
 
@@ -85,7 +85,7 @@ def run_hf(hf: PreTrainedModel, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)  # fmt: skip
+                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
     return time.perf_counter() - start, (out.size(1) - ids.size(1)) * ids.size(0)
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {engine.capabilities.device_name}, "
           f"precision {engine.capabilities.precision}, "
-          f"{sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M parameters")  # fmt: skip
+          f"{sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M parameters")
     texts = prompts(engine, max(ns.concurrency), ns.prompt_tokens)
     asyncio.run(run_ours(engine, texts[:2], 4))  # warm-up
     ours: dict[int, tuple[float, list[float], int]] = {}
@@ -126,21 +126,21 @@ def main() -> None:
     rss_all = peak_rss_mib()
 
     print(f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} new tokens, greedy; aggregate tokens/s = "
-          "completion tokens / wall time from the start to the last token")  # fmt: skip
+          "completion tokens / wall time from the start to the last token")
     print(f"{'concurrency':>11} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'ttft p50 s':>10} {'ttft p99 s':>10}"
-          f" {'ours tokens':>11}")  # fmt: skip
+          f" {'ours tokens':>11}")
     for c in ns.concurrency:
         wall, ttfts, tokens = ours[c]
         hf_wall, hf_tokens = theirs[c]
         rate, hf_rate = tokens / wall, hf_tokens / hf_wall
         print(f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} {rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
-              f"{percentile(ttfts, 99):>10.3f} {tokens:>11}")  # fmt: skip
+              f"{percentile(ttfts, 99):>10.3f} {tokens:>11}")
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end (1 minute)")
     args = engine.model.args
     ours_kv, per_head_kv = bytes_per_token(args, dtype), unabsorbed_bytes_per_token(args, dtype)
     print(f"\npeak RSS: {rss_ours:.0f} MiB after our runs, {rss_all:.0f} MiB with transformers' model too")
     print(f"KV cache per token ({dtype}): {ours_kv} bytes latent (kv_lora_rank + qk_rope_head_dim per layer) vs "
-          f"{per_head_kv} bytes per-head K/V: {per_head_kv / ours_kv:.1f}x smaller")  # fmt: skip
+          f"{per_head_kv} bytes per-head K/V: {per_head_kv / ours_kv:.1f}x smaller")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisClusterException, RedisError
 
 Mode = Literal["single", "cluster", "sentinel"]

@@ -20,12 +20,12 @@ refresh loop keeps trying until Redis is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-
 
 from infermesh.pb import common_pb2
 from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
@@ -138,7 +138,7 @@ class Registry:
             lambda pipe, key=key: pipe.pttl(key))]
         replies = await self._call(self._pipelined(False, calls)) if ids else []
         gone = []
-        for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2]):
+        for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2], strict=True):
             if info is None or ttl_ms < 0:
                 gone.append(worker_id)
                 continue
@@ -159,10 +159,8 @@ class Registry:
         """Refreshes the local view every refresh_ms, yielding after each try whether Redis
         answered. Survives Redis outages; ends only when cancelled."""
         while True:
-            try:
+            with contextlib.suppress(RegistryUnavailableError):  # _call logged it, noted the failure
                 await self.refresh()
-            except RegistryUnavailableError:
-                pass  # _call logged it and noted the failure
             yield self.available
             await asyncio.sleep(self._refresh_s)
 

@@ -15,9 +15,9 @@ import os
 import threading
 import warnings
 
+import opentelemetry.instrumentation.aiohttp_server as otel_aiohttp
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-import opentelemetry.instrumentation.aiohttp_server as otel_aiohttp
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.instrumentation.grpc import filters as grpc_filters
 from opentelemetry.instrumentation.redis import RedisInstrumentor

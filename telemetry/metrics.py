@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 

@@ -73,7 +73,7 @@ def test_csv_and_json_agree_and_the_report_has_every_point(study):
     with (study / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(data["points"])
-    for row, point in zip(rows, data["points"]):
+    for row, point in zip(rows, data["points"], strict=True):
         assert row.keys() == point.keys()
         for key, value in point.items():
             assert row[key] == ("" if value is None else str(value)), key

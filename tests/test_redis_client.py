@@ -53,7 +53,7 @@ def test_a_bad_url_is_refused_by_what_is_wrong_without_its_password(url, says):
 @pytest.mark.parametrize("config, prefix", [(GatewayConfig, "INFERMESH_GATEWAY"),
                                             (RouterConfig, "INFERMESH_ROUTER")])
 def test_services_refuse_a_bad_redis_url_at_start(config, prefix):
-    with pytest.raises(ConfigError, match="redis.*url: a redis\\+cluster:// URL takes no path"):
+    with pytest.raises(ConfigError, match=r"redis.*url: a redis\+cluster:// URL takes no path"):
         load_config(config, None, prefix.lower(),
                     {f"{prefix}_REDIS_URL": "redis+cluster://:secret@h1:7000/0"})
     loaded = load_config(config, None, prefix.lower(),

@@ -71,7 +71,7 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
     if not single.exists():
         raise CheckpointError(f"{model_dir}: neither {_SINGLE_FILE} nor {_INDEX_FILE} found")
     with _open(single) as f:
-        return {name: _SINGLE_FILE for name in f.keys()}
+        return dict.fromkeys(f.keys(), _SINGLE_FILE)
 
 
 def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_open handle
@@ -194,4 +194,4 @@ def _log_weight_memory(model: Transformer) -> None:
     fp8_bytes = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in fp8)
     total = sum(t.nbytes for t in model.state_dict().values())
     logger.info("weights: %.1f MiB, of which %d FP8 linear weights with block scales %.1f MiB",
-                total / 2**20, len(fp8), fp8_bytes / 2**20)  # fmt: skip
+                total / 2**20, len(fp8), fp8_bytes / 2**20)

@@ -159,9 +159,9 @@ class EngineSection:
         if self.gpu_count < 0 or size.kv_values_per_token < 1 or self.kv_budget_tokens < 1:
             raise ValueError("need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1")
         if min(self.attention_flops_per_key, size.index_topk, size.index_values_per_token,
-               self.index_flops_per_key) < 0:  # fmt: skip
+               self.index_flops_per_key) < 0:
             raise ValueError("attention_flops_per_key, index_topk, index_bytes_per_token and "
-                             "index_flops_per_key must be >= 0")  # fmt: skip
+                             "index_flops_per_key must be >= 0")
         if not 0 < size.active_params <= size.params:
             raise ValueError(f"need 0 < active_params_b ({size.active_params / 1e9}) "
                              f"<= total_params_b ({size.params / 1e9})")

@@ -64,10 +64,10 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     else:
         start = "calls"
     tools = [t for t in c.tools if c.tool_choice != "named" or t.name == c.tool_name]
-    more = f' ("\\n"? call)*' if c.parallel_tool_calls else ""
+    more = ' ("\\n"? call)*' if c.parallel_tool_calls else ""
     lines = [f"start: {start}",
              f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
-             f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> ({" | ".join(f"fn_{i}" for i in range(len(tools)))})']  # fmt: skip
+             f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> ({" | ".join(f"fn_{i}" for i in range(len(tools)))})']
     for i, tool in enumerate(tools):
         header = json.dumps(f"{tool.name}\n```json\n")
         lines.append(f'fn_{i}: {header} %json {_compact_schema(tool.parameters)} "\\n```" <[{markers.call_end}]>')
@@ -93,7 +93,7 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | 
     # every row gets a mask (all ones without a matcher): one masked_fill over the batch, where
     # writing only some rows back (index_put) costs far more on a CPU
     bitmask = torch.full((len(matchers), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for row, matcher in zip(bitmask, matchers):
+    for row, matcher in zip(bitmask, matchers, strict=True):
         if matcher is not None:
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(matchers), -1)[:, :vocab].bool()

@@ -43,10 +43,10 @@ def _check(condition: bool, message: str) -> None:
 
 def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, what: str) -> None:
     _check(weight.dim() == 2 and weight.dtype == FP8, f"{what}: weight must be 2-D {FP8}, got {weight.dtype} "
-           f"{tuple(weight.shape)}")  # fmt: skip
+           f"{tuple(weight.shape)}")
     want = block_scale_shape(weight.shape, block_size)
     _check(scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == want,
-           f"{what}: scale_inv must be float32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")  # fmt: skip
+           f"{what}: scale_inv must be float32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     _check(weight.is_contiguous() and scale_inv.is_contiguous(), f"{what}: weight and scale_inv must be contiguous")
 
 
@@ -144,7 +144,7 @@ def fp8_gemm(
     _check(k % BLOCK_SIZE == 0, f"fp8_gemm: K={k} is not a multiple of {BLOCK_SIZE}")
     _check(b.size(1) == k, f"fp8_gemm: a has K={k}, b has K={b.size(1)}")
     _check(a_scale.dtype == torch.float32 and tuple(a_scale.shape) == (m, k // BLOCK_SIZE),
-           f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, got {a_scale.dtype} {tuple(a_scale.shape)}")  # fmt: skip
+           f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, got {a_scale.dtype} {tuple(a_scale.shape)}")
     _check(a.is_contiguous(), "fp8_gemm: a must be contiguous")
     native = native_fp8_gemm_available(a.device)
     if impl == "native":
@@ -185,7 +185,7 @@ def _fp8_gemm_blockwise_scaled_mm(
         b_scale.t(), F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
         use_fast_accum=False,  # full FP32 accumulation, not Hopper's reduced-precision fast accumulation
-    )  # fmt: skip
+    )
     return y[:m]
 
 

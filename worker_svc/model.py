@@ -20,7 +20,6 @@ from torch import nn
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
-
 # The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores with a
 # selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all experts
 # ("greedy") or within the best groups by their best expert ("group_limited_greedy").
@@ -241,7 +240,7 @@ def pack_linears(linears: list[Linear]) -> torch.Tensor | None:
     if any(linear.weight_scale_inv is not None for linear in linears):
         return None
     packed = torch.cat([linear.weight for linear in linears])
-    for linear, weight in zip(linears, packed.split([linear.out_features for linear in linears])):
+    for linear, weight in zip(linears, packed.split([linear.out_features for linear in linears]), strict=True):
         linear.weight = nn.Parameter(weight, requires_grad=False)
     return packed
 
@@ -417,7 +416,7 @@ class MLA(nn.Module):
         a = self.args
         q, kv, q_latent = self._query_and_latent(x)
         q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
-                                   a.qk_rope_head_dim], dim=-1)  # fmt: skip
+                                   a.qk_rope_head_dim], dim=-1)
         q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
         kv, k_pe = torch.split(kv, [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(1), freqs_cis).squeeze(1)  # [T, r]
@@ -431,7 +430,7 @@ class MLA(nn.Module):
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
         groups = layout.groups
         chosen = [None] * len(groups) if self.indexer is None else self.indexer(x, q_latent, layout, freqs_cis, cache)
-        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen)])  # [T, H, c]
+        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)])  # [T, H, c]
         out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
@@ -444,7 +443,7 @@ class MLA(nn.Module):
         q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))  # [b, s, H, c + r]
         if selected is not None:
             out = sparse_attend(q, layer_cache, group.key_slots, group.mask, selected, self.softmax_scale,
-                                self.args.kv_lora_rank)  # fmt: skip
+                                self.args.kv_lora_rank)
             return out.flatten(0, 1)
         keys = layer_cache[group.key_slots]  # [b, L, c + r]
         scores = torch.einsum("bshc,btc->bsht", q, keys) * self.softmax_scale + group.mask.unsqueeze(2)
@@ -536,7 +535,7 @@ class MoE(nn.Module):
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         token_idx = order // indices.size(1)
         rows = x[token_idx].split(counts)
-        routed = torch.cat([expert(r) for expert, r in zip(self.experts, rows) if r.size(0)])
+        routed = torch.cat([expert(r) for expert, r in zip(self.experts, rows, strict=True) if r.size(0)])
         y = torch.zeros_like(x).index_add_(0, token_idx, routed * weights.flatten()[order].unsqueeze(-1))
         return (y + self.shared_experts(x)).view(shape)
 
@@ -623,7 +622,7 @@ def smoke_run() -> torch.Tensor:
     args = ModelArgs(vocab_size=512, dim=256, inter_dim=512, n_layers=2, n_heads=4, max_seq_len=64,
                      q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                      moe_inter_dim=64, n_dense_layers=1, n_routed_experts=8, n_activated_experts=2,
-                     n_expert_groups=2, n_limited_groups=1)  # fmt: skip
+                     n_expert_groups=2, n_limited_groups=1)
     model = Transformer(args)
     for p in model.parameters():
         nn.init.normal_(p, std=0.05)

@@ -53,10 +53,10 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
     "default": frozenset({"rope_type", "type", "rope_theta"}),
     "yarn": frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}),
-}  # fmt: skip
+}
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")  # fmt: skip
+                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
 _NON_NEGATIVE_INTS = ("first_k_dense_replace", "n_shared_experts")
 
 
@@ -120,7 +120,7 @@ def _dsa_args(config: dict[str, Any]) -> dict[str, int]:
         raise ConfigError("q_lora_rank: deepseek_v32's indexer reads the query latent, so it must be set")
     if config["index_head_dim"] < config["qk_rope_head_dim"]:
         raise ConfigError(f"index_head_dim: {config['index_head_dim']} is smaller than qk_rope_head_dim "
-                          f"{config['qk_rope_head_dim']}, the indexer's rope part")  # fmt: skip
+                          f"{config['qk_rope_head_dim']}, the indexer's rope part")
     return {field: config[field] for field in _DSA_FIELDS}
 
 
@@ -152,7 +152,7 @@ def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) 
         # type-strict: True == 1 and 0 == False must not pass for each other
         if not any(type(value) is type(v) and value == v for v in values):
             raise ConfigError(f"{field}: {value!r} is not implemented by this engine (supported: "
-                              f"{', '.join(repr(v) for v in values)})")  # fmt: skip
+                              f"{', '.join(repr(v) for v in values)})")
         chosen[field] = value
     return chosen
 
@@ -226,7 +226,7 @@ def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
     unknown = sorted(set(rope) - ROPE_KEYS[rope_type])
     if unknown:
         raise ConfigError(f"{spelling}.{unknown[0]}: not implemented for rope_type {rope_type!r} by this engine "
-                          f"(implemented: {', '.join(sorted(ROPE_KEYS[rope_type] - {'type'}))})")  # fmt: skip
+                          f"(implemented: {', '.join(sorted(ROPE_KEYS[rope_type] - {'type'}))})")
     _check_rope_numbers(rope, spelling)
     theta = rope["rope_theta"]
     if rope_type == "default":

@@ -30,7 +30,7 @@ _DTYPE_ALIASES: dict[str, Precision] = {
     "bf16": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
-}  # fmt: skip
+}
 TORCH_DTYPES: dict[Precision, torch.dtype] = {
     "fp8": FP8,  # load_checkpoint keeps FP8 linear weights and serves the rest in bfloat16
     "bf16": torch.bfloat16,
@@ -124,9 +124,9 @@ def detect_capabilities(
         kind, cc, name = "cpu", "", _cpu_name()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         precision = choose_precision("cpu", cpu_has_bf16=cpu_has_native_bf16(), dtype=dtype,
-                                     use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)  # fmt: skip
+                                     use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)
     logger.info("device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
-                kind, name, cc or "-", "yes" if fp8_gemm else "no", precision, dtype, use_native_fp8)  # fmt: skip
+                kind, name, cc or "-", "yes" if fp8_gemm else "no", precision, dtype, use_native_fp8)
     return DeviceCapabilities(kind, name, cc, precision, memory, 0)
 
 

@@ -66,5 +66,5 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> tuple[flo
     """
     logprobs = logits.log_softmax(-1)
     top = logprobs.topk(top_n) if top_n > 0 else None
-    alternatives = [] if top is None else [(int(i), float(v)) for v, i in zip(*top)]
+    alternatives = [] if top is None else [(int(i), float(v)) for v, i in zip(*top, strict=True)]
     return float(logprobs[token_id]), alternatives

@@ -42,7 +42,7 @@ def is_fp8_linear(name: str) -> bool:
     """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate, and not
     the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
     return (name.startswith("model.layers.") and name.endswith(_FP8_LINEAR_SUFFIXES)
-            and INDEXER_HEAD_WEIGHTS not in name)  # fmt: skip
+            and INDEXER_HEAD_WEIGHTS not in name)
 
 
 @dataclass(frozen=True)

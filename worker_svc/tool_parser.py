@@ -100,10 +100,7 @@ class ToolCallParser:
             body = body[len(_ARGS_OPEN):]
         elif _ARGS_OPEN.startswith(body) and not final:
             return []  # the opening fence may still come
-        if final:
-            body = body.removesuffix(_ARGS_CLOSE)
-        else:
-            body = body[: len(body) - _held_back(body)]
+        body = body.removesuffix(_ARGS_CLOSE) if final else body[: len(body) - _held_back(body)]
         piece = body[self._sent:]
         self._sent += len(piece)
         return [ToolCallDelta(self.calls - 1, arguments=piece)] if piece else []

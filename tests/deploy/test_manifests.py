@@ -119,7 +119,7 @@ def test_gateway_autoscales_and_services_select_pods():
     labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"]
     for service in (d for d in docs if d["kind"] == "Service"):
         selector = service["spec"]["selector"]
-        assert any(selector.items() <= l.items() for l in labels), service["metadata"]["name"]
+        assert any(selector.items() <= pod.items() for pod in labels), service["metadata"]["name"]
 
 
 def test_dockerfile_builds_with_the_makefile_targets():

@@ -11,9 +11,9 @@ import pytest
 
 from tests.e2e.conftest import MODEL
 
-_GREEDY = dict(model=MODEL, temperature=0, max_tokens=12,
-               messages=[{"role": "system", "content": "You are terse."},
-                         {"role": "user", "content": "Say hello to the mesh."}])
+_GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12,
+           "messages": [{"role": "system", "content": "You are terse."},
+                        {"role": "user", "content": "Say hello to the mesh."}]}
 
 
 @pytest.fixture
@@ -107,8 +107,8 @@ def test_legacy_completion_through_the_mesh(client):
 
 
 def test_anthropic_messages_through_the_mesh(mesh, api_key):
-    request = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}],
-                   extra_body={"temperature": 0})
+    request = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Hi"}],
+               "extra_body": {"temperature": 0}}
     with anthropic.Anthropic(base_url=mesh.spec.base_url.removesuffix("/v1"), api_key=api_key,
                              max_retries=0, timeout=60) as client:
         message = client.messages.create(**request)

@@ -12,7 +12,7 @@ from bench.chaos import STALL_TIMEOUT_S, ChaosMesh, outage, revocations, worker_
 
 HEARTBEAT_TTL_S = 3.0  # the router's default [registry] ttl_ms
 SLACK_S = 1.5  # a shared 2-core machine runs six processes and 32 clients here
-SHORT = dict(concurrency=32, before_s=1.0, after_s=2.0, max_tokens=32)
+SHORT = {"concurrency": 32, "before_s": 1.0, "after_s": 2.0, "max_tokens": 32}
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -68,5 +68,5 @@ async def test_router_restart_fails_fast_and_serves_again_within_seconds(chaos):
 
 async def test_a_revoked_key_is_refused_by_every_gateway_within_a_second(chaos):
     figures = await revocations(chaos, 3, concurrency=8, max_tokens=32)
-    for label, (p50, p99, worst) in figures.items():
+    for label, (_p50, _p99, worst) in figures.items():
         assert worst <= 1.0, (label, worst)

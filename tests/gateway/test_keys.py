@@ -6,8 +6,18 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.keys import (ApiKey, KeyStore, create_key, disable_key, get_key, key_id, list_keys,
-                          revoke_key, rotate_key, update_key)
+from gateway.keys import (
+    ApiKey,
+    KeyStore,
+    create_key,
+    disable_key,
+    get_key,
+    key_id,
+    list_keys,
+    revoke_key,
+    rotate_key,
+    update_key,
+)
 
 
 async def test_create_key_stores_only_the_hash(redis_client):

@@ -12,8 +12,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.redis_server import RedisServer
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
-                             sim_engine, wait_for_workers)
+from tests.inprocess import (
+    MODEL,
+    eventually,
+    register_unreachable_worker,
+    running_router,
+    running_worker,
+    sim_engine,
+    wait_for_workers,
+)
 
 FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
 
@@ -31,15 +38,15 @@ async def served_by(router, request: common_pb2.GenerateRequest) -> common_pb2.R
 
 
 async def test_health_and_reflection_are_served(redis_server):
-    async with running_router(redis_url=redis_server.url) as router:
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            health = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="infermesh.v1.Router"))
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = reflection.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-            services = {s.name async for r in replies for s in r.list_services_response.service}
+    async with (running_router(redis_url=redis_server.url) as router,
+                grpc.aio.insecure_channel(router.address) as channel):
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="infermesh.v1.Router"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        services = {s.name async for r in replies for s in r.list_services_response.service}
     assert {"infermesh.v1.Router", "grpc.health.v1.Health"} <= services
 
 

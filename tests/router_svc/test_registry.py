@@ -10,7 +10,7 @@ from infermesh.pb import common_pb2
 from infermesh.redis_server import RedisServer
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
-from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
+from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
 from tests.router_svc.test_routing import info
 
 

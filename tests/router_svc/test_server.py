@@ -1,14 +1,20 @@
 """The router over real gRPC on loopback, with real in-process workers on the tiny model."""
 from __future__ import annotations
 
-
 import grpc
 import pytest
 
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
-                             sim_engine, wait_for_workers)
+from tests.inprocess import (
+    MODEL,
+    eventually,
+    register_unreachable_worker,
+    running_router,
+    running_worker,
+    sim_engine,
+    wait_for_workers,
+)
 
 
 def request() -> common_pb2.GenerateRequest:

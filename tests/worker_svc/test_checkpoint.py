@@ -32,11 +32,11 @@ def test_config_has_deepseek_v3_keys(tiny_dir: Path):
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["quantization_config"] == {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-    }  # fmt: skip
+    }
     assert config["torch_dtype"] == "bfloat16" and config["topk_method"] == "noaux_tc"
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor",
-                "n_shared_experts", "moe_intermediate_size", "rope_scaling", "num_nextn_predict_layers"):  # fmt: skip
+                "n_shared_experts", "moe_intermediate_size", "rope_scaling", "num_nextn_predict_layers"):
         assert key in config, key
     assert config["hidden_size"] % 128 != 0  # partial FP8 blocks occur
 
@@ -44,7 +44,7 @@ def test_config_has_deepseek_v3_keys(tiny_dir: Path):
 def test_safetensors_dtypes_shapes_and_names(tiny_dir: Path):
     config = json.loads((tiny_dir / "config.json").read_text())
     with safe_open(tiny_dir / "model.safetensors", framework="pt") as f:
-        tensors = {name: f.get_slice(name) for name in f.keys()}
+        tensors = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 # safe_open is not iterable
         dtypes = {name: s.get_dtype() for name, s in tensors.items()}
         shapes = {name: tuple(s.get_shape()) for name, s in tensors.items()}
     assert dtypes["model.embed_tokens.weight"] == dtypes["lm_head.weight"] == "BF16"
@@ -108,7 +108,7 @@ def _rewrite(model_dir: Path, change) -> None:
 def test_missing_dir_and_config(tmp_path: Path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
         load_checkpoint(tmp_path)
 
 
@@ -171,7 +171,7 @@ def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(v2_dir: Path, v2_lit
         assert config["topk_method"] == ("greedy" if lite else "group_limited_greedy")
         assert (config["q_lora_rank"] is None) == lite
         with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 # safe_open is not iterable
         assert set(dtypes.values()) == {"BF16"}
         assert not [n for n in dtypes if n.endswith(("_scale_inv", "e_score_correction_bias"))]
         assert max(int(n.split(".")[2]) for n in dtypes if n.startswith("model.layers.")) == 2  # no MTP layer
@@ -182,7 +182,7 @@ def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(v2_dir: Path, v2_lit
 
 
 def test_v2_loads_its_router_from_config(v2_dir: Path, v2_lite_dir: Path):
-    model, config = load_checkpoint(v2_dir)
+    model, _ = load_checkpoint(v2_dir)
     gate = model.layers[1].mlp.gate
     assert (gate.args.scoring_func, gate.args.topk_method) == ("softmax", "group_limited_greedy")
     assert (gate.args.n_expert_groups, gate.args.n_limited_groups, gate.args.route_scale) == (4, 2, 16.0)

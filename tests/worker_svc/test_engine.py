@@ -13,7 +13,13 @@ import torch
 from tests.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine import (
+    Engine,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from worker_svc.engine_api import EngineOverloadedError
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token
@@ -111,7 +117,7 @@ async def test_loading_leaves_the_step_loop_as_the_only_engine_thread(engine: En
 
 
 def test_a_loading_error_reaches_the_caller(tmp_path: Path):
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
         Engine.from_checkpoint(tmp_path)
 
 
@@ -181,7 +187,7 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
         (GenerationRequest("r", None, "hi", SamplingParams(stop_token_ids=(1,) * 65)), "stop_token_ids has 65 ids"),
     ],
     ids=["both", "neither", "empty-messages", "empty-prompt", "bad-message", "temperature", "top_p", "max_tokens",
-         "prompt-too-long", "beyond-context", "stop-list-too-long", "stop-ids-too-many"],  # fmt: skip
+         "prompt-too-long", "beyond-context", "stop-list-too-long", "stop-ids-too-many"],
 )
 async def test_invalid_requests(engine: Engine, request_: GenerationRequest, match: str):
     with pytest.raises(InvalidRequestError, match=match):
@@ -220,7 +226,7 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
     small = Engine.from_checkpoint(
         tiny_dir, dtype=EXACT_DTYPE, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
         cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
-    )  # fmt: skip
+    )
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
             assert await _greedy_texts(small, 4, max_tokens=30) == expected
@@ -264,7 +270,7 @@ async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
 async def test_penalties_and_logprobs(engine: Engine):
     plain = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40)))
     penalized = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40, frequency_penalty=2.0,
-                                                           presence_penalty=2.0)))  # fmt: skip
+                                                           presence_penalty=2.0)))
     repeats = len(_ids(plain)) - len(set(_ids(plain)))
     assert _ids(penalized) != _ids(plain) and len(_ids(penalized)) - len(set(_ids(penalized))) < repeats
 
@@ -285,7 +291,7 @@ async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path, wor
     try:
         params = SamplingParams(temperature=0, max_tokens=10)
         first, second = (engine.generate(_request(params, prompt=_prompt(i))) for i in range(2))
-        first_chunk = await anext(first)
+        await anext(first)
         second_task = asyncio.create_task(anext(second))
         await asyncio.sleep(0)
         with pytest.raises(EngineOverloadedError, match="max_waiting 1"):
@@ -340,7 +346,7 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
     and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32 pinned)."""
     model_dir = request.getfixturevalue(checkpoint)
     engine = Engine.from_checkpoint(model_dir, dtype="float32", parallel=ParallelSection(prefill_chunk_size=8),
-                                    cache=CacheSection(block_size=4))  # fmt: skip
+                                    cache=CacheSection(block_size=4))
     try:
         params = SamplingParams(temperature=0, max_tokens=12)
         prompts = [f"{'Multi-head latent attention caches a latent. ' * 2}Question {i}: why?" for i in range(3)]
@@ -352,9 +358,9 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
         await engine.close()
     assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)  # the shared prefix was reused
     assert _ids(first) == _ids(together[0])
-    for prompt, chunks in zip(prompts, together):
+    for prompt, chunks in zip(prompts, together, strict=True):
         ids = torch.tensor([engine.tokenizer.encode(prompt)])
         with torch.no_grad():
             expected = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=2)[0, ids.size(1) :].tolist()  # fmt: skip
+                                   pad_token_id=2)[0, ids.size(1) :].tolist()
         assert _ids(chunks) == expected, prompt

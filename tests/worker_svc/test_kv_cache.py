@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.kv_cache import (BlockManager, BlockTable, block_hash, bytes_per_token, cache_budget_bytes,
-                                 unabsorbed_bytes_per_token)
+from worker_svc.kv_cache import (
+    BlockManager,
+    BlockTable,
+    block_hash,
+    bytes_per_token,
+    cache_budget_bytes,
+    unabsorbed_bytes_per_token,
+)
 from worker_svc.model import ModelArgs
 
 
@@ -35,12 +41,12 @@ def test_prefix_match_reuses_full_blocks_but_never_the_last_tokens_block():
     prompt = list(range(100, 111))  # 11 tokens: 2 full blocks
     first = _computed(manager, prompt)
     second = BlockTable()
-    assert manager.match_prefix(second, prompt + [7, 8]) == 8
+    assert manager.match_prefix(second, [*prompt, 7, 8]) == 8
     assert second.blocks == first.blocks[:2]
     exact = BlockTable()
     assert manager.match_prefix(exact, prompt[:8]) == 4  # the block holding token 8 must be computed
     other = BlockTable()
-    assert manager.match_prefix(other, [1] + prompt[1:]) == 0  # a different first token changes every hash
+    assert manager.match_prefix(other, [1, *prompt[1:]]) == 0  # a different first token changes every hash
 
 
 def test_freed_blocks_stay_cached_until_needed():
@@ -75,7 +81,7 @@ def test_block_hash_chains_through_the_parent():
 
 def test_latent_cache_bytes_per_token_against_a_per_head_cache():
     args = ModelArgs(n_layers=6, n_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                     v_head_dim=64)  # fmt: skip
+                     v_head_dim=64)
     assert bytes_per_token(args, torch.float32) == 6 * (128 + 32) * 4
     assert unabsorbed_bytes_per_token(args, torch.float32) == 6 * 8 * (64 + 32 + 64) * 4
 

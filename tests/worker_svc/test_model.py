@@ -87,7 +87,7 @@ def test_greedy_generation_matches_transformers(models, chunks):
     prompt = _prompt(config)
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False,
-                               eos_token_id=None, pad_token_id=2)[0, prompt.size(1):].tolist()  # fmt: skip
+                               eos_token_id=None, pad_token_id=2)[0, prompt.size(1):].tolist()
     got = _greedy(ours, prompt, GREEDY_STEPS, chunks)
     assert got == expected
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
@@ -100,7 +100,7 @@ def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
-                         ids=["yarn", "yarn-attention_factor-untruncated"])  # fmt: skip
+                         ids=["yarn", "yarn-attention_factor-untruncated"])
 def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict):
     """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files rope_scaling (type)
     with rope_theta beside it. Either way the engine serves YaRN, as transformers does."""

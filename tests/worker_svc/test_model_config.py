@@ -13,7 +13,7 @@ from worker_svc.model_config import ConfigError, model_args
 from worker_svc.tiny_model import tiny_config
 
 _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
-         "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip
+         "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
 def _config(**changes: Any) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def _config(**changes: Any) -> dict[str, Any]:
     ids=["q_lora_rank-null", "v_head_dim", "norm_topk_prob", "routed_scaling_factor",
          "routed_scaling_factor-absent", "groups", "topk_method-absent", "first_k_dense_replace-absent",
          "rms_norm_eps", "vocab_size", "rope_theta", "rope_parameters-theta-inside", "rope_scaling-yarn",
-         "yarn-factor-from-lengths", "yarn-attention_factor"],  # fmt: skip
+         "yarn-factor-from-lengths", "yarn-attention_factor"],
 )
 def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, expected: Any):
     assert getattr(model_args(_config(**changes)), field) == expected
@@ -101,7 +101,7 @@ def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, e
          "norm_topk_prob-null", "routed_scaling_factor", "routed_scaling_factor-int", "moe_layer_freq", "moe_layer_freq-bool",
          "first_k_dense_replace", "rms_norm_eps", "hidden_act", "vocab_size", "tie_word_embeddings", "rope-linear",
          "rope-llama3", "yarn-unknown-key", "partial_rotary_factor", "yarn-no-factor", "yarn-beta-type", "rope_theta-negative",
-         "yarn-truncate-type"],  # fmt: skip
+         "yarn-truncate-type"],
 )
 def test_what_the_engine_does_not_implement_is_refused_by_name(changes: dict, match: str):
     with pytest.raises(ConfigError, match=match):

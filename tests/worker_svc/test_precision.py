@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from worker_svc.kernel import FP8
-from worker_svc.precision import TORCH_DTYPES, choose_precision, cpu_has_native_bf16, detect_capabilities
+from worker_svc.precision import (
+    TORCH_DTYPES,
+    choose_precision,
+    cpu_has_native_bf16,
+    detect_capabilities,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +41,7 @@ def test_overrides():
     assert choose_precision("cpu", dtype="fp32", cpu_has_bf16=True) == "fp32"
     assert choose_precision("cpu", dtype="bfloat16") == "bf16"
     assert choose_precision("cuda", "8.0", dtype="float16") == "fp16"
-    with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU .* this is cuda 8.0"):
+    with pytest.raises(ValueError, match=r"use_native_fp8=true needs an sm90 GPU .* this is cuda 8\.0"):
         choose_precision("cuda", "8.0", use_native_fp8=True)
     with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU"):
         choose_precision("cuda", "9.0", fp8_gemm=False, use_native_fp8=True)

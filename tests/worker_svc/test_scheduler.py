@@ -20,7 +20,7 @@ class _Clock:
 
 
 def _scheduler(num_blocks: int = 64, block_size: int = 4, max_parallel: int = 8, chunk: int = 16,
-               clock: _Clock | None = None) -> Scheduler:  # fmt: skip
+               clock: _Clock | None = None) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_parallel, chunk, clock or _Clock())
 
 
@@ -154,11 +154,11 @@ def test_abort_frees_the_blocks_of_running_and_waiting_sequences():
 def test_a_repeated_prefix_is_not_recomputed():
     s = _scheduler(block_size=4, chunk=64)
     system = list(range(200, 213))  # 13 tokens: 3 full blocks
-    first = Sequence(next(_ids), system + [1, 2], 15, 8, 0.0)
+    first = Sequence(next(_ids), [*system, 1, 2], 15, 8, 0.0)
     s.add_request(first)
     _run_step(s)
     s.finish_request(first)
-    second = Sequence(next(_ids), system + [3, 4, 5], 16, 8, 0.0)
+    second = Sequence(next(_ids), [*system, 3, 4, 5], 16, 8, 0.0)
     s.add_request(second)
     out = _run_step(s)
     assert second.num_cached_prompt_tokens == 12 and _tokens(out) == {second.seq_id: 4}

@@ -70,7 +70,7 @@ async def test_invalid_utf8_is_invalid_argument_and_the_worker_keeps_serving(tin
     async with _worker(tiny_engine) as (stub, channel):
         raw = _request("hi").SerializeToString().replace(b"hi", b"\xff\xfe")
         generate = channel.unary_stream("/infermesh.v1.Worker/Generate", request_serializer=lambda b: b,
-                                        response_deserializer=common_pb2.GenerateResponse.FromString)  # fmt: skip
+                                        response_deserializer=common_pb2.GenerateResponse.FromString)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [r async for r in generate(raw)]
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
@@ -87,7 +87,7 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
             (_request(max_tokens=5000), "exceeds the context"),
             (common_pb2.GenerateRequest(request_id="r", model=_MODEL, prompt="hi",
                                         batching=common_pb2.BatchingHints(max_parallel=0)), "max_parallel"),
-        ]:  # fmt: skip
+        ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [r async for r in stub.Generate(request)]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in err.value.details()
@@ -114,7 +114,7 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         alone = common_pb2.GenerateRequest(
             request_id="alone", model=_MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
-            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))  # fmt: skip
+            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:

@@ -10,12 +10,18 @@ import sys
 import pytest
 
 from infermesh.config import ConfigError
+from tests.inprocess import sim_engine
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import Constraints, EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine_api import (
+    Constraints,
+    EngineOverloadedError,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
-from tests.inprocess import sim_engine
 
 
 def request(prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None,
@@ -81,7 +87,7 @@ def test_sparse_attention_past_index_topk_costs_only_the_indexer():
     attended = sum(min(p + 1, topk) for p in range(5000, 9000))
     weights_s = 4000 * 2 * 37e9 / (profile.peak_flops * 8)
     expected = (weights_s + (attended * _MLA["attention_flops_per_key"] + sum(range(5001, 9001))
-                             * _DSA["index_flops_per_key"]) / (profile.peak_flops * 8))  # fmt: skip
+                             * _DSA["index_flops_per_key"]) / (profile.peak_flops * 8))
     assert v32.prefill_s(4000, start=5000) == pytest.approx(expected)
 
 
@@ -112,7 +118,7 @@ def test_a_model_that_does_not_fit_one_gpu_runs_on_the_fewest_that_hold_it():
 
 
 def test_a_model_config_that_cannot_be_read_names_the_key():
-    with pytest.raises(ConfigError, match="model.*not found"):
+    with pytest.raises(ConfigError, match=r"model.*not found"):
         load_worker_config_with({"INFERMESH_WORKER_ENGINE_MODEL": "/nonexistent"})
 
 

@@ -13,8 +13,15 @@ from worker_svc.checkpoint import load_checkpoint
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token
 from worker_svc.model_config import model_args
-from worker_svc.sizing import (bundled_models, checkpoint_tensors, fewest_gpus, load_config, model_size,
-                               model_size_of, sequences_that_fit)
+from worker_svc.sizing import (
+    bundled_models,
+    checkpoint_tensors,
+    fewest_gpus,
+    load_config,
+    model_size,
+    model_size_of,
+    sequences_that_fit,
+)
 
 V3_CONFIG = "worker_svc/model_configs/DeepSeek-V3.json"
 _V3_INDEX_TOTAL_SIZE = 688_586_727_753  # model.safetensors.index.json "total_size", as published
@@ -26,7 +33,7 @@ def test_the_tiny_checkpoints_tensors_and_bytes_are_the_arithmetics(checkpoint, 
     config = load_config(model_dir)
     layers = config["num_hidden_layers"]
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
-        real = {k: f.get_slice(k) for k in f.keys()
+        real = {k: f.get_slice(k) for k in f.keys()  # noqa: SIM118 # safe_open is not iterable
                 if not k.startswith(f"model.layers.{layers}.")}  # the MTP layer is not served
         shapes = {k: tuple(s.get_shape()) for k, s in real.items() if not k.endswith("_scale_inv")}
         stored = sum(s.get_shape()[0] * (s.get_shape()[1] if len(s.get_shape()) > 1 else 1)
@@ -131,6 +138,6 @@ def _rows(out: str) -> dict[str, list[str]]:
 def test_plan_compares_with_the_size_a_checkpoints_index_states(tmp_path, capsys):
     (tmp_path / "config.json").write_text(Path(V3_CONFIG).read_text())
     (tmp_path / "model.safetensors.index.json").write_text(
-        '{"metadata": {"total_size": %d}, "weight_map": {}}' % _V3_INDEX_TOTAL_SIZE)
+        f'{{"metadata": {{"total_size": {_V3_INDEX_TOTAL_SIZE}}}, "weight_map": {{}}}}')
     assert main(["plan", str(tmp_path), "--gpu", "H200"]) == 0
     assert "index states 688.6 GB; the arithmetic above counts 688.5 GB (-0.02%)" in capsys.readouterr().out

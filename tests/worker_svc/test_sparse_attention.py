@@ -72,7 +72,7 @@ def _prompt(config: dict, length: int, seed: int = 0) -> torch.Tensor:
 def _hf_greedy(hf: DeepseekV32ForCausalLM, prompt: torch.Tensor, steps: int = GREEDY_STEPS) -> list[int]:
     with torch.no_grad():
         out = hf.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
-                          pad_token_id=2)  # fmt: skip
+                          pad_token_id=2)
     return out[0, prompt.size(1) :].tolist()
 
 
@@ -120,7 +120,7 @@ def test_cache_holds_the_latent_and_the_indexer_keys(v32_dir: Path):
     cache = model.setup_cache(2, 16)
     layers = config["num_hidden_layers"]
     latent, index = (layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4,
-                     layers * config["index_head_dim"] * 4)  # fmt: skip
+                     layers * config["index_head_dim"] * 4)
     assert latent_bytes_per_token(model.args, torch.float32) == latent
     assert index_bytes_per_token(model.args, torch.float32) == index
     assert cache.nbytes == 32 * bytes_per_token(model.args, torch.float32) == 32 * (latent + index)
@@ -149,7 +149,7 @@ def test_fp8_scoring_selects_nearly_the_exact_tokens():
     mask = torch.zeros(1, seqlen, length).masked_fill_(future, float("-inf"))
     exact = select_tokens(q, weights, keys, mask, topk, dim**-0.5)[0]
     fp8 = select_tokens_fp8(hadamard_rotate(q), weights, hadamard_rotate(keys), mask, topk, dim**-0.5)[0]
-    shared = [len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(exact, fp8)]
+    shared = [len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(exact, fp8, strict=True)]
     assert 0.97 < sum(shared) / seqlen < 1
 
 
@@ -162,7 +162,7 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     engine = Engine.from_checkpoint(
         v32_dir, dtype="float32", max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
         cache=CacheSection(block_size=4, cpu_cache_bytes=80 * per_token),
-    )  # fmt: skip
+    )
     params = SamplingParams(temperature=0, max_tokens=20)  # 32 steps are checked alone, above
     prompts = ["Hello", "Multi-head latent attention caches a compressed latent vector.",
                "The quick brown fox jumps over the lazy dog. A language model predicts the next token well."]
@@ -179,7 +179,7 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     hf = v32_reference.hf
     lengths = [len(engine.tokenizer.encode(p)) for p in prompts]
     assert lengths[0] < TOPK < lengths[1] < lengths[2]
-    for prompt, (ids, _) in zip(prompts, results):
+    for prompt, (ids, _) in zip(prompts, results, strict=True):
         expected = _hf_greedy(hf, torch.tensor([engine.tokenizer.encode(prompt)]), len(ids))
         assert ids == expected and len(ids) > 10, prompt
     assert again[0] == results[2][0] and again[1] > 0  # the prefix's latents and indexer keys were reused
@@ -220,7 +220,7 @@ def _edit_config(model_dir: Path, **changes) -> None:
     ({"index_head_dim": 8}, r"config\.json: index_head_dim: 8 is smaller than qk_rope_head_dim 16"),
     ({"q_lora_rank": 0}, r"config\.json: q_lora_rank: deepseek_v32's indexer reads the query latent"),
 ], ids=["no-topk", "no-heads", "no-head-dim", "topk-0", "topk-negative", "heads-string", "head-dim-small",
-        "no-q-lora"])  # fmt: skip
+        "no-q-lora"])
 def test_bad_indexer_config_names_the_field(v32_copy: Path, changes: dict, match: str):
     _edit_config(v32_copy, **changes)
     with pytest.raises(CheckpointError, match=match):

@@ -29,7 +29,7 @@ def _stream(tokenizer: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tupl
 
 def test_chat_template_renders(tokenizer: Tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]  # fmt: skip
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
     rendered = tokenizer.render_chat(messages)
     assert rendered == f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello<｜end▁of▁sentence｜>{USER}Again{ASSISTANT}"
     ids = tokenizer.encode_chat(messages)

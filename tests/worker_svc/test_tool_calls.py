@@ -10,22 +10,30 @@ import jsonschema
 import pytest
 
 from worker_svc.engine import Engine
-from worker_svc.engine_api import (Constraints, GenerationChunk, GenerationRequest, InvalidRequestError,
-                                   SamplingParams, Tool, ToolCallDelta, merge_chunks)
+from worker_svc.engine_api import (
+    Constraints,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    Tool,
+    ToolCallDelta,
+    merge_chunks,
+)
 from worker_svc.grammar import GrammarCompiler, lark_grammar
-from worker_svc.tiny_model import CALL_BEGIN, CALLS_BEGIN, CALLS_END, OUTPUTS_BEGIN, OUTPUTS_END
+from worker_svc.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+           "required": ["city", "unit"], "additionalProperties": False}
 _TOOLS = (Tool("get_weather", "Weather in a city", json.dumps(WEATHER)),)
 _HISTORY = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "Let me look.", "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
                 {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "20C"},
-            {"role": "tool", "tool_call_id": "c2", "content": "25C"}]  # fmt: skip
+            {"role": "tool", "tool_call_id": "c2", "content": "25C"}]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ def _chunk(deltas: list[ToolCallDelta]) -> GenerationChunk:
     (Constraints((Tool("f", "", "{}"),), "named", "g"), "tool_choice names 'g'"),
     (Constraints((Tool("f", "", "[1]"),)), r"tools\[0\]\.parameters must be a JSON object"),
     (Constraints(json_schema='{"type": "object", "dependentSchemas": {"a": {}}}'), "cannot be enforced"),
-])  # fmt: skip
+])
 async def test_constraints_no_engine_can_enforce_are_refused(tiny_engine: Engine, constraints, message):
     request = GenerationRequest("r", [{"role": "user", "content": "hi"}], None, SamplingParams(), constraints=constraints)
     with pytest.raises(InvalidRequestError, match=message):
