@@ -447,7 +447,8 @@ def _print(name: str, figures: dict[str, object]) -> None:
     print(f"\n== {name}")
     for label, value in figures.items():
         if isinstance(value, Accounts):
-            print(f"  usage recorded == tokens delivered, per key: {value.recorded == value.delivered}"
+            print(f"  usage recorded == tokens delivered, per "
+                  f"key: {value.recorded == value.delivered}"
                   f" (served {sum(r for r, _ in value.delivered.values())} requests, "
                   f"{sum(t for _, t in value.delivered.values())} tokens)")
             print(f"  limited key's rpm counter == requests served: {value.limited_rpm_counted} "

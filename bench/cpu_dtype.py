@@ -1,22 +1,27 @@
-"""Which dtype should a CPU worker serve in? The model's linear layers per forward pass, FP32 vs BF16.
+"""Which dtype should a CPU worker serve in? The model's linear layers per forward pass, FP32 vs
+BF16.
 
-    .venv/bin/python bench/cpu_dtype.py [--config path/to/config.json ...] [--repeats 20] [--cpu-time]
+    .venv/bin/python bench/cpu_dtype.py [--config path/to/config.json ...] [--repeats 20] \
+        [--cpu-time]
 
-Times the engine's own GEMM (model.dense_linear: the weight-left GEMM for FP32 decode sizes, F.linear
-otherwise) on every linear layer of one forward pass as the engine runs it: q_a|kv_a and gate|up packed,
-the MoE experts each on their share of the tokens (tokens * experts_per_tok / n_routed_experts rows, on as
-many experts as get tokens), lm_head on one row per sequence; each layer kind times its layer count. The
-router and attention are left out (the router is FP32 in both; attention is not a linear layer).
-Median of --repeats runs per GEMM after warm-up, in wall time; with --cpu-time, on one thread in that
-thread's CPU time, which does not count the time other processes hold the core (for a shared machine).
+Times the engine's own GEMM (model.dense_linear: the weight-left GEMM for FP32 decode sizes,
+F.linear otherwise) on every linear layer of one forward pass as the engine runs it: q_a|kv_a and
+gate|up packed, the MoE experts each on their share of the tokens (tokens * experts_per_tok /
+n_routed_experts rows, on as many experts as get tokens), lm_head on one row per sequence; each
+layer kind times its layer count. The router and attention are left out (the router is FP32 in both;
+attention is not a linear layer). Median of --repeats runs per GEMM after warm-up, in wall time;
+with --cpu-time, on one thread in that thread's CPU time, which does not count the time other
+processes hold the core (for a shared machine).
 
 Forward passes: decode steps of B = 1..64 sequences (B tokens) and one prefill chunk of 256 tokens
-(ParallelSection.prefill_chunk_size) of one sequence. Per model it prints each pass's FP32 and BF16 time
-and their ratio (> 1: BF16 faster), then the verdict on a serving mix: as many tokens generated at each
-decode batch size (a worker's batch follows its load, up to max_parallel 32 on a CPU, 64 past it) and as
-many prompt tokens, in 256-token chunks, as generated tokens. It ends with the dtype that serves that mix
-faster on every model, what the policy (precision.cpu_has_native_bf16) picks, and whether they agree.
-Models: the tiny checkpoint, the ~73M benchmark checkpoint (tiny_model.bench_config) and any --config.
+(ParallelSection.prefill_chunk_size) of one sequence. Per model it prints each pass's FP32 and BF16
+time and their ratio (> 1: BF16 faster), then the verdict on a serving mix: as many tokens generated
+at each decode batch size (a worker's batch follows its load, up to max_parallel 32 on a CPU, 64
+past it) and as many prompt tokens, in 256-token chunks, as generated tokens. It ends with the dtype
+that serves that mix faster on every model, what the policy (precision.cpu_has_native_bf16) picks,
+and whether they agree.
+Models: the tiny checkpoint, the ~73M benchmark checkpoint (tiny_model.bench_config) and any
+--config.
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def forward_gemms(a: ModelArgs, tokens: int, sequences: int) -> list[tuple[int, int, int, int]]:
-    """(rows, out_features, in_features, calls) of every linear layer in one forward pass of `tokens` tokens."""
+    """(rows, out_features, in_features, calls) of every linear layer in one forward pass of
+    `tokens` tokens."""
     moe_layers = a.n_layers - a.n_dense_layers
     first_q = a.q_lora_rank if a.q_lora_rank else a.n_heads * a.qk_head_dim
     routed = tokens * a.n_activated_experts
@@ -115,13 +121,15 @@ def main() -> None:
         _clock = time.thread_time
         torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_clock.__name__}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {cpu_has_native_bf16()}")
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"native bf16 {cpu_has_native_bf16()}")
     models = {"tiny checkpoint": model_args(tiny_config(1024)), "bench 73M": model_args(bench_config())}
     models |= {str(p): model_args(json.loads(p.read_text())) for p in ns.config}
     ratios = [bench_model(name, args, ns.repeats) for name, args in models.items()]
     measured = "bf16" if min(ratios) > 1 else "fp32" if max(ratios) < 1 else "mixed"
     rule = "bf16" if cpu_has_native_bf16() else "fp32"
-    print(f"\nserving mix faster in: {measured}; rule (cpu_has_native_bf16): {rule}; agree: {measured == rule}")
+    print(f"\nserving mix faster in: {measured}; rule "
+          f"(cpu_has_native_bf16): {rule}; agree: {measured == rule}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The sm90 FP8 path against the BF16 path, on a Hopper GPU (H100/H200/H800): error and GEMM time.
 
     .venv/bin/python bench/fp8_hopper.py            # on the GPU machine
-    .venv/bin/python bench/fp8_hopper.py --dry-run  # on a CPU: the reference GEMM, small M, meaningless times
+    .venv/bin/python bench/fp8_hopper.py --dry-run  # on a CPU: the reference GEMM, small M, \
+        meaningless times
 
 1. Correctness, printed as relative errors ||y - y_ref|| / ||y_ref||:
    - random FP8 weights of DeepSeek-V3 shapes (N x K: 7168x2048 expert down, 2048x7168 expert
@@ -10,9 +11,9 @@
      not), and the FP8 linear (act_quant -> fp8_gemm) vs BF16 F.linear with the dequantized weight;
    - the tiny checkpoint: last-token logits of the FP8 model on the GPU vs the dequantized BF16
      model on the GPU, and vs the FP8 model on the CPU (reference GEMM).
-2. Time, with CUDA events around --iters replays of a CUDA graph of one call, at M = 1, 64, 512, 4096:
-   BF16 F.linear vs fp8_gemm on pre-quantized activations, and vs the whole FP8 linear including
-   act_quant. Target: FP8 >= 1.5x BF16 at M >= 64.
+2. Time, with CUDA events around --iters replays of a CUDA graph of one call, at M = 1, 64, 512,
+   4096: BF16 F.linear vs fp8_gemm on pre-quantized activations, and vs the whole FP8 linear
+   including act_quant. Target: FP8 >= 1.5x BF16 at M >= 64.
 Without a CUDA sm90 device that runs torch's block-wise scaled_mm it says so and exits 0.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ from worker_svc.tiny_model import write_tiny_checkpoint
 
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432), (2048, 1408)]  # (N, K) = (out, in)
 TOKENS = (1, 64, 512, 4096)
-_NATIVE_VS_REFERENCE_MAX = 1e-3  # same quantized inputs, FP32 accumulation on both: only summation order differs
+# same quantized inputs, FP32 accumulation on both: only summation order differs
+_NATIVE_VS_REFERENCE_MAX = 1e-3
 _TARGET_SPEEDUP = 1.5
 _TINY_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3"
 
@@ -98,7 +100,8 @@ def check_tiny_checkpoint(device: torch.device) -> None:
 
 def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     """Mean seconds per call: on CUDA, one call captured in a CUDA graph and replayed `iters` times
-    between CUDA events, so Python and launch overhead do not mask small GEMMs; wall clock on a CPU."""
+    between CUDA events, so Python and launch overhead do not mask small GEMMs; wall clock on a
+    CPU."""
     for _ in range(3):
         fn()
     if device.type != "cuda":
@@ -124,8 +127,10 @@ def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
 
 def time_shapes(device: torch.device, impl: str, tokens: tuple[int, ...], iters: int) -> None:
-    print(f"\n## GEMM time, microseconds (speedup = BF16 time / FP8 time; target >= {_TARGET_SPEEDUP} at M >= 64)")
-    print(f"{'N x K':<14}{'M':>6}{'BF16':>10}{'FP8 gemm':>10}{'speedup':>9}{'FP8+quant':>11}{'speedup':>9}  target")
+    print(f"\n## GEMM time, microseconds (speedup = BF16 time "
+          f"/ FP8 time; target >= {_TARGET_SPEEDUP} at M >= 64)")
+    print(f"{'N x K':<14}{'M':>6}{'BF16':>10}{'FP8 gemm':>10}{'speedup':>9}"
+          f"{'FP8+quant':>11}{'speedup':>9}  target")
     for n, k in SHAPES:
         w_fp8, w_scale = random_fp8_weight(n, k, device)
         w_bf16 = weight_dequant(w_fp8, w_scale).bfloat16()
@@ -141,7 +146,8 @@ def time_shapes(device: torch.device, impl: str, tokens: tuple[int, ...], iters:
                 print(f"{f'{n}x{k}':<14}{m:>6}  FAILED: {type(e).__name__}: {e}")
                 continue
             verdict = "" if m < 64 else "met" if t_bf16 / t_gemm >= _TARGET_SPEEDUP else "MISSED"
-            print(f"{f'{n}x{k}':<14}{m:>6}{t_bf16 * 1e6:>10.1f}{t_gemm * 1e6:>10.1f}{t_bf16 / t_gemm:>9.2f}"
+            print(f"{f'{n}x{k}':<14}{m:>6}{t_bf16 * 1e6:>10.1f}"
+                  f"{t_gemm * 1e6:>10.1f}{t_bf16 / t_gemm:>9.2f}"
                   f"{t_linear * 1e6:>11.1f}{t_bf16 / t_linear:>9.2f}  {verdict}")
 
 
@@ -159,7 +165,8 @@ def main() -> int:
         if not torch.cuda.is_available() or not native_fp8_gemm_available(device):
             found = torch.cuda.get_device_name() + f" (sm{''.join(map(str, torch.cuda.get_device_capability()))})" \
                 if torch.cuda.is_available() else "no CUDA device"
-            print(f"No CUDA sm90 device with torch's block-wise FP8 GEMM here ({found}; torch {torch.__version__}, "
+            print(f"No CUDA sm90 device with torch's block-wise FP8 "
+                  f"GEMM here ({found}; torch {torch.__version__}, "
                   f"CUDA {torch.version.cuda}). This check needs an H100/H200/H800; nothing measured.")
             return 0
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -167,7 +174,8 @@ def main() -> int:
     check_tiny_checkpoint(device)
     time_shapes(device, impl, tokens, iters)
     if not ok:
-        print(f"\nFAIL: the native GEMM disagrees with the reference beyond {_NATIVE_VS_REFERENCE_MAX:g} (or failed)")
+        print(f"\nFAIL: the native GEMM disagrees with the reference "
+              f"beyond {_NATIVE_VS_REFERENCE_MAX:g} (or failed)")
     return 0 if ok else 1
 
 

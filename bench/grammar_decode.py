@@ -1,16 +1,18 @@
-"""Constrained decoding (issue #15): what a grammar costs a decode step, and what compiling one costs.
+"""Constrained decoding (issue #15): what a grammar costs a decode step, and what compiling one
+costs.
 
-    .venv/bin/python bench/grammar_decode.py [--model-dir models/bench-deepseek-v3] [--concurrency 1 32]
+    .venv/bin/python bench/grammar_decode.py [--model-dir models/bench-deepseek-v3] [--concurrency \
+        1 32]
 
-1. Decode time per token on the ~73M-parameter benchmark checkpoint (written when missing), --concurrency
-   requests started together, --new-tokens each, sampled with fixed seeds: free text against every request
-   under a json_schema grammar (same prompt), and under a tool_choice=required grammar (its prompt longer by
-   the rendered tool definition); both schemas include a long string, so no request ends early. The ratio
-   constrained / free is the grammar's share of a step (mask computation, applying it, advancing the
-   matcher), measured in the same run.
+1. Decode time per token on the ~73M-parameter benchmark checkpoint (written when missing),
+   --concurrency requests started together, --new-tokens each, sampled with fixed seeds: free text
+   against every request under a json_schema grammar (same prompt), and under a tool_choice=required
+   grammar (its prompt longer by the rendered tool definition); both schemas include a long string,
+   so no request ends early. The ratio constrained / free is the grammar's share of a step (mask
+   computation, applying it, advancing the matcher), measured in the same run.
 2. The mask alone: per-step mask time of the same grammar over a 32k-token byte-level BPE vocabulary
-   trained here on installed Python sources (the tiny checkpoints' tokenizer has 1k tokens, which would
-   flatter the mask), against the free step time of (1).
+   trained here on installed Python sources (the tiny checkpoints' tokenizer has 1k tokens, which
+   would flatter the mask), against the free step time of (1).
 3. Grammar compile time for a typical tool set (8 functions), cold and from the compiler's cache.
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ _LONG = {"type": "object", "properties": {
 
 
 def typical_tools() -> tuple[Tool, ...]:
-    """Eight functions with the schemas agents send: strings, enums, numbers, arrays, nested objects."""
+    """Eight functions with the schemas agents send: strings, enums, numbers, arrays, nested
+    objects."""
     def obj(props: dict, required: list[str]) -> str:
         return json.dumps({"type": "object", "properties": props, "required": required, "additionalProperties": False})
 
@@ -74,7 +77,8 @@ def typical_tools() -> tuple[Tool, ...]:
 
 
 async def decode_s_per_token(engine: Engine, n: int, new_tokens: int, constraints: Constraints) -> float:
-    """Wall time per decode step with n requests together (prefill excluded: timed from every first token)."""
+    """Wall time per decode step with n requests together (prefill excluded: timed from every first
+    token)."""
     firsts: list[float] = []
 
     async def one(i: int) -> int:
@@ -105,8 +109,9 @@ def big_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def mask_s_per_step(steps: int) -> tuple[float, float, int]:
-    """Median and p99 time to compute and apply one mask over a 32k vocabulary along a sampled path of the
-    json_schema grammar of _LONG (tool-call markers need the checkpoint's tokens, so JSON only here)."""
+    """Median and p99 time to compute and apply one mask over a 32k vocabulary along a sampled path
+    of the json_schema grammar of _LONG (tool-call markers need the checkpoint's tokens, so JSON
+    only here)."""
     hf = big_tokenizer()
     lltok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
     grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(Constraints(json_schema=json.dumps(_LONG)), None))
@@ -149,10 +154,12 @@ def main() -> None:
     tool = Tool("get_weather", "Weather in a city", json.dumps(_LONG))
     schema = Constraints(json_schema=json.dumps(_LONG))
     call = Constraints((tool,), "required", parallel_tool_calls=False)
-    print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, {engine.capabilities.device_name}), "
+    print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, "
+          f"{engine.capabilities.device_name}), "
           f"torch {torch.__version__}, llguidance {importlib.metadata.version('llguidance')}, "
           f"{ns.new_tokens} new tokens per request")
-    print("concurrency | free ms/step | json_schema ms/step (ratio) | tool_choice=required ms/step (ratio)")
+    print("concurrency | free ms/step | json_schema ms/step "
+          "(ratio) | tool_choice=required ms/step (ratio)")
     free_steps = []
     for n in ns.concurrency:
         asyncio.run(decode_s_per_token(engine, n, 4, Constraints()))  # warm-up
@@ -166,7 +173,8 @@ def main() -> None:
     print(f"compile, 8-tool auto grammar: cold {cold * 1e3:.1f} ms, cached {cached * 1e3:.3f} ms")
     asyncio.run(engine.close())
     median, p99, vocab = mask_s_per_step(ns.mask_steps)
-    print(f"mask over a {vocab}-token vocabulary, per sequence and step: median {median * 1e3:.3f} ms, "
+    print(f"mask over a {vocab}-token vocabulary, per "
+          f"sequence and step: median {median * 1e3:.3f} ms, "
           f"p99 {p99 * 1e3:.3f} ms = {median / free_steps[0]:.1%} of a concurrency-1 free step")
 
 

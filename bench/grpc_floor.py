@@ -91,8 +91,10 @@ def main() -> int:
         return 0
     os.sched_setaffinity(0, {_CLIENT_CORE})
     print(f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, uvloop {uvloop.__version__}; "
-          f"server on core {_SERVER_CORE}, client on core {_CLIENT_CORE}, {args.duration:.0f} s per point")
-    print(f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} {'client us/call':>15} {'server us/call':>15}")
+          f"server on core {_SERVER_CORE}, client on core "
+          f"{_CLIENT_CORE}, {args.duration:.0f} s per point")
+    print(f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} "
+          f"{'client us/call':>15} {'server us/call':>15}")
     for loop in ("asyncio", "uvloop"):
         port = free_port()
         child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--loop", loop])

@@ -9,8 +9,8 @@ gRPC servers (4 x V100, 4 x A100, 4 x H100, 4 x MI100; worker_svc/sim_engine.py)
 register with the router as real workers do. This process sends the same open-loop workload
 through the router each time: Poisson arrivals at ``--load`` x the fleet's estimated capacity
 (from the roofline, without prefix-cache hits), prompts that mostly share one of 100 long
-system prompts (2k-6k tokens), mixed prompt (to 8k tokens) and output (16-64) lengths. Targets: balanced p99 TTFT <= 0.5 x
-round_robin's and throughput >= 1.2 x.
+system prompts (2k-6k tokens), mixed prompt (to 8k tokens) and output (16-64) lengths. Targets:
+balanced p99 TTFT <= 0.5 x round_robin's and throughput >= 1.2 x.
 
 The model: 22B dense parameters, 384 KiB of KV cache per token; the 32 GB GPUs (V100, MI100)
 hold it on two GPUs, the others on one. Throughput: completion tokens of the requests that
@@ -253,7 +253,8 @@ def main() -> None:
     rate = args.load * capacity
     requests = workload(random.Random(args.seed), args.requests, rate)
     print(f"fleet: {len(FLEET)} simulated workers ({', '.join(sorted({g for g, _ in FLEET}))}), "
-          f"estimated capacity {capacity:.1f} requests/s; offered {rate:.1f}/s, {args.requests} requests",
+          f"estimated capacity {capacity:.1f} requests/s; "
+          f"offered {rate:.1f}/s, {args.requests} requests",
           flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
@@ -261,7 +262,8 @@ def main() -> None:
             results[policy] = summarize(policy, *measure(policy, redis_server.url, requests))
             r = results[policy]
             print(f"{policy:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  p99 {r['p99'] * 1000:7.0f} ms  "
-                  f"{r['tokens_per_s']:7.0f} tokens/s  prefix cache {r['cached']:4.0%}  done {r['done']}  "
+                  f"{r['tokens_per_s']:7.0f} tokens/s  prefix "
+                  f"cache {r['cached']:4.0%}  done {r['done']}  "
                   f"errors {r['errors']}  makespan {r['makespan']:.1f} s", flush=True)
     base, best = results["round_robin"], results["balanced"]
     print(f"balanced vs round_robin: p99 TTFT x{best['p99'] / base['p99']:.2f} (target <= 0.5), "

@@ -1,27 +1,31 @@
-"""DeepSeek-V3.2 sparse attention against V3's full MLA (issue #14): step time against context length.
+"""DeepSeek-V3.2 sparse attention against V3's full MLA (issue #14): step time against context
+length.
 
-    .venv/bin/python bench/sparse_attention.py [--contexts 512 2048 3072 4096 8192 16384] [--device cpu]
+    .venv/bin/python bench/sparse_attention.py [--contexts 512 2048 3072 4096 8192 16384] \
+        [--device cpu]
 
 Two models of the same size, built in memory with the same random weights (the V3.2 one adds each
 layer's indexer): 2 layers (one dense, one MoE), hidden 512, 16 MLA heads over a latent of 512 + 64
 (DeepSeek-V3's widths), V3.2's indexer with 8 heads of 128 and index_topk 2048 (DeepSeek-V3.2's
 topk and head width). 16 MLA heads x (2 x 512 + 64) against 8 x 128 indexer features per cached
-token keeps DeepSeek-V3.2's ratio of full attention to indexer work per token (128 x 1088 / 64 x 128 = 17).
-The cache is filled with random latents and keys up to the context length, so no prefill is needed
-to measure a step at 16k tokens. Float32, no autograd, on --device.
+token keeps DeepSeek-V3.2's ratio of full attention to indexer work per token (128 x 1088 / 64 x 128
+= 17). The cache is filled with random latents and keys up to the context length, so no prefill is
+needed to measure a step at 16k tokens. Float32, no autograd, on --device.
 
 Per context length L, the fastest of --repeats (after one warm-up run). On a CPU the time is this
 process's CPU time with --threads torch threads (default 1): on a shared machine, wall time mostly
 measures the neighbours (a run queue of 8-17 on 2 cores gave 3x differences between identical
 runs), CPU time only the work done, still inflated somewhat by the neighbours' use of caches and
 memory bandwidth. On CUDA it is wall time around synchronized calls.
-- decode: one forward step of --batch sequences at position L (whole model: projections, MoE, lm_head);
+- decode: one forward step of --batch sequences at position L (whole model: projections, MoE,
+  lm_head);
 - prefill: one forward step of a --chunk-token prompt chunk ending at position L (chunked prefill);
 - the attention split of one layer for the same queries: V3's full MLA over the L cached tokens,
   V3.2's indexer scoring (select_tokens: linear in L over index_n_heads x index_head_dim per token)
   and its sparse MLA over the selected index_topk tokens (flat past index_topk);
-- agreement: the share of the chunk's selected tokens that DeepSeek's FP8 scoring (select_tokens_fp8,
-  used where the weights are served in FP8) selects too, on the same random queries and keys.
+- agreement: the share of the chunk's selected tokens that DeepSeek's FP8 scoring
+  (select_tokens_fp8, used where the weights are served in FP8) selects too, on the same random
+  queries and keys.
 Prints the V3.2 / V3 ratios and the first context lengths where V3.2's decode step and prefill chunk
 take under 95% of V3's (smaller differences are within this machine's noise).
 Only torch is needed (it runs with plain python3 on a GPU machine with --device cuda).
@@ -63,7 +67,8 @@ def build(device: torch.device) -> tuple[Transformer, Transformer]:
 
 
 def filled_cache(model: Transformer, batch: int, length: int) -> KVCache:
-    """A cache of `batch` sequences of `length` slots, filled with random latents and indexer keys."""
+    """A cache of `batch` sequences of `length` slots, filled with random latents and indexer
+    keys."""
     cache = model.setup_cache(batch, length)
     cache.kv.normal_()
     if cache.index_k is not None:
@@ -94,9 +99,9 @@ def step_s(model: Transformer, cache: KVCache, batch: int, seqlen: int, start: i
 @torch.inference_mode()
 def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int, length: int, repeats: int,
                       device: torch.device) -> tuple[float, float, float, float]:
-    """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer scoring, sparse MLA,
-    FP8 scoring's agreement); all but the first nan where no query sees more than index_topk tokens (the model
-    attends densely then)."""
+    """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer
+    scoring, sparse MLA, FP8 scoring's agreement); all but the first nan where no query sees more
+    than index_topk tokens (the model attends densely then)."""
     a, mla = v32.args, v32.layers[0].self_attn
     positions = torch.arange(length - seqlen, length, device=device).expand(batch, seqlen)
     key_slots = torch.arange(batch, device=device).unsqueeze(1) * cache.block_size + torch.arange(length, device=device)
@@ -139,8 +144,10 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {device} ({name}), float32; "
           f"index_topk {V32_ARGS.index_topk}, decode batch {ns.batch}, prefill chunk {ns.chunk}")
-    print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} {'ratio':>6} | {'prefill chunk ms: V3':>20} "
-          f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} {'indexer':>7} {'sparse':>7} | "
+    print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} "
+          f"{'ratio':>6} | {'prefill chunk ms: V3':>20} "
+          f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} "
+          f"{'indexer':>7} {'sparse':>7} | "
           f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}")
     crossover: dict[str, int] = {}
     for length in ns.contexts:
@@ -159,7 +166,8 @@ def main() -> None:
             if ratio < _CHEAPER and what not in crossover:
                 crossover[what] = length
         ms = [1e3 * t for t in (*split_decode[:3], *split_chunk[:3])]
-        print(f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} {d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
+        print(f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} "
+              f"{d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
               f"{1e3 * c32:>7.1f} {c32 / c3:>6.2f} | {ms[0]:>23.3f} {ms[1]:>7.3f} {ms[2]:>7.3f} | "
               f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f} | {split_chunk[3]:>13.4f}")
     for what in ("decode step", "prefill chunk"):

@@ -1,10 +1,13 @@
-"""Worker scheduler throughput (issue #3): our continuous-batching engine vs transformers' generate().
+"""Worker scheduler throughput (issue #3): our continuous-batching engine vs transformers'
+generate().
 
-    .venv/bin/python bench/worker_throughput.py [--model-dir models/bench-deepseek-v3] [--concurrency 1 8 32]
+    .venv/bin/python bench/worker_throughput.py [--model-dir models/bench-deepseek-v3] \
+        [--concurrency 1 8 32]
 
-On the ~73M-parameter benchmark checkpoint (written by `worker_svc.tiny_model --bench` when missing),
-in the dtype the precision policy picks for this machine, greedy, prompts of --prompt-tokens tokens
-(distinct from their first token, so the prefix cache does not help) and --new-tokens new tokens:
+On the ~73M-parameter benchmark checkpoint (written by `worker_svc.tiny_model --bench` when
+missing), in the dtype the precision policy picks for this machine, greedy, prompts of
+--prompt-tokens tokens (distinct from their first token, so the prefix cache does not help) and
+--new-tokens new tokens:
 
 - ours: --concurrency requests started together through Engine.generate(); aggregate tokens/s is
   all completion tokens over the wall time from the start to the last token; TTFT per request;
@@ -48,7 +51,8 @@ def peak_rss_mib() -> float:
 
 
 def prompts(engine: Engine, count: int, length: int) -> list[str]:
-    """`count` prompts of exactly `length` tokens (BOS included), each from a different first word."""
+    """`count` prompts of exactly `length` tokens (BOS included), each from a different first
+    word."""
     words = list(dict.fromkeys(CORPUS.split()))
     out = []
     for i in range(count):
@@ -116,30 +120,37 @@ def main() -> None:
     for c in ns.concurrency:
         ours[c] = asyncio.run(run_ours(engine, texts[:c], ns.new_tokens))
     rss_ours = peak_rss_mib()
-    asyncio.run(engine.close())  # its step-loop thread ends: transformers computes alone (Engine.from_checkpoint)
+    # its step-loop thread ends: transformers computes alone (Engine.from_checkpoint)
+    asyncio.run(engine.close())
 
-    hf = transformers_model(engine.model, config).to(dtype)  # the same dequantized weights, in our dtype
+    # the same dequantized weights, in our dtype
+    hf = transformers_model(engine.model, config).to(dtype)
     hf.set_attn_implementation("sdpa")  # transformers' default attention (the test pins eager)
     ids = torch.tensor([engine.tokenizer.encode(t) for t in texts])
     run_hf(hf, ids[:1], 4)  # warm-up
     theirs = {c: run_hf(hf, ids[:c], ns.new_tokens) for c in ns.concurrency}
     rss_all = peak_rss_mib()
 
-    print(f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} new tokens, greedy; aggregate tokens/s = "
+    print(f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} "
+          f"new tokens, greedy; aggregate tokens/s = "
           "completion tokens / wall time from the start to the last token")
-    print(f"{'concurrency':>11} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'ttft p50 s':>10} {'ttft p99 s':>10}"
+    print(f"{'concurrency':>11} {'ours tok/s':>11} {'hf tok/s':>9} "
+          f"{'ratio':>6} {'ttft p50 s':>10} {'ttft p99 s':>10}"
           f" {'ours tokens':>11}")
     for c in ns.concurrency:
         wall, ttfts, tokens = ours[c]
         hf_wall, hf_tokens = theirs[c]
         rate, hf_rate = tokens / wall, hf_tokens / hf_wall
-        print(f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} {rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
+        print(f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} "
+              f"{rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
               f"{percentile(ttfts, 99):>10.3f} {tokens:>11}")
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end (1 minute)")
     args = engine.model.args
     ours_kv, per_head_kv = bytes_per_token(args, dtype), unabsorbed_bytes_per_token(args, dtype)
-    print(f"\npeak RSS: {rss_ours:.0f} MiB after our runs, {rss_all:.0f} MiB with transformers' model too")
-    print(f"KV cache per token ({dtype}): {ours_kv} bytes latent (kv_lora_rank + qk_rope_head_dim per layer) vs "
+    print(f"\npeak RSS: {rss_ours:.0f} MiB after our runs, "
+          f"{rss_all:.0f} MiB with transformers' model too")
+    print(f"KV cache per token ({dtype}): {ours_kv} bytes latent "
+          f"(kv_lora_rank + qk_rope_head_dim per layer) vs "
           f"{per_head_kv} bytes per-head K/V: {per_head_kv / ours_kv:.1f}x smaller")
 
 

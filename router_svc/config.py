@@ -1,4 +1,5 @@
-"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]`` and ``[metrics]`` sections."""
+"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]`` and ``[metrics]``
+sections."""
 from __future__ import annotations
 
 import dataclasses

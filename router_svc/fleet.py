@@ -74,7 +74,8 @@ class Fleet:
         self._entries: dict[str, WorkerEntry] = {}
         self._by_slot: list[WorkerEntry | None] = []
         self._free: list[int] = []
-        self._groups: dict[tuple[str, int, str], Group] = {}  # (model, precision, gpu) -> its workers
+        # (model, precision, gpu) -> its workers
+        self._groups: dict[tuple[str, int, str], Group] = {}
         self.ejected_until_max = 0.0       # the latest ejection's end: none are ejected after it
         self.busy = np.zeros(0)            # running + waiting, as last reported
         self.kv_usage = np.zeros(0)

@@ -159,7 +159,8 @@ class Registry:
         """Refreshes the local view every refresh_ms, yielding after each try whether Redis
         answered. Survives Redis outages; ends only when cancelled."""
         while True:
-            with contextlib.suppress(RegistryUnavailableError):  # _call logged it, noted the failure
+            # _call logged it, noted the failure
+            with contextlib.suppress(RegistryUnavailableError):
                 await self.refresh()
             yield self.available
             await asyncio.sleep(self._refresh_s)

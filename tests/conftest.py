@@ -20,8 +20,8 @@ from worker_svc.precision import detect_capabilities, resolve_device
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks every test that serves in worker_dtype (through any fixture): `.ci/run` reruns them with
-    `-m dtype_sensitive` and the other CPU dtype forced."""
+    """Marks every test that serves in worker_dtype (through any fixture): `.ci/run` reruns them
+    with `-m dtype_sensitive` and the other CPU dtype forced."""
     for item in items:
         if "worker_dtype" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dtype_sensitive)
@@ -36,15 +36,17 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def worker_dtype() -> str:
-    """The [model] dtype of every engine a test starts without pinning one: "auto" (what the policy picks
-    for this machine) unless INFERMESH_WORKER_MODEL_DTYPE forces one (the e2e mesh hands it to its worker
-    processes); .ci/run reruns the tests that use it with the CPU dtype the policy does not pick."""
+    """The [model] dtype of every engine a test starts without pinning one: "auto" (what the policy
+    picks for this machine) unless INFERMESH_WORKER_MODEL_DTYPE forces one (the e2e mesh hands it to
+    its worker processes); .ci/run reruns the tests that use it with the CPU dtype the policy does
+    not pick."""
     return load_worker_config(None).model.dtype
 
 
 @pytest.fixture(scope="session")
 def served_precision(worker_dtype: str) -> str:
-    """The precision those engines run: the policy's decision for this machine under worker_dtype."""
+    """The precision those engines run: the policy's decision for this machine under
+    worker_dtype."""
     return detect_capabilities(resolve_device(), dtype=worker_dtype).precision
 
 

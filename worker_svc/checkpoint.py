@@ -37,7 +37,8 @@ class CheckpointError(ValueError):
 
 
 def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
-    """Read config.json and check that this engine can serve it -> (the parsed file, the model's hyper-parameters)."""
+    """Read config.json and check that this engine can serve it -> (the parsed file, the model's
+    hyper-parameters)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
@@ -118,7 +119,8 @@ class _ShardReader:
 
 
 def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The checked tensor as stored -> (tensor, its float32 block scale_inv if it is an FP8 linear weight)."""
+    """The checked tensor as stored -> (tensor, its float32 block scale_inv if it is an FP8 linear
+    weight)."""
     tensor, file = reader.get(name)
     where = f"{reader.model_dir / file}: tensor {name}"
     if tensor.shape != expected.shape:
@@ -146,7 +148,8 @@ def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 def load_checkpoint(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, dict[str, Any]]:
-    """Build the model on the meta device and fill it from the checkpoint -> (model in eval mode, config).
+    """Build the model on the meta device and fill it from the checkpoint -> (model in eval mode,
+    config).
 
     dtype: the serving dtype. torch.float8_e4m3fn keeps the checkpoint's FP8 linear weights with
     their block scales (run by kernel.fp8_linear) and serves everything else in bfloat16; any

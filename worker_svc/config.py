@@ -54,21 +54,25 @@ class QuantizationSection:
     use_native_fp8: bool | None = None  # None: FP8 where the hardware runs it
 
 
-# The per-GPU batching knobs operators use in the field: (max_parallel, dynamic_batch_timeout_ms) by a name in the device name
+# The per-GPU batching knobs operators use in the field: (max_parallel, dynamic_batch_timeout_ms) by
+# a name in the device name
 _GPU_BATCHING_DEFAULTS = {"V100": (4, 200), "A100": (8, 150), "MI100": (4, 250)}
 _OTHER_GPU_BATCHING_DEFAULTS = (8, 150)  # a GPU the table does not name: as the A100
-_CPU_BATCHING_DEFAULTS = (32, 0)  # development: a batch as large as the benchmark's concurrency, no holding
+# development: a batch as large as the benchmark's concurrency, no holding
+_CPU_BATCHING_DEFAULTS = (32, 0)
 
 
 @section
 class ParallelSection:
     """Continuous batching: how many sequences run together and how requests wait for a place."""
 
-    max_parallel: int | None = None  # most running sequences; None: the device's default (the table above)
+    # most running sequences; None: the device's default (the table above)
+    max_parallel: int | None = None
     # how long a waiting request may be held to form a larger batch; None: the device's default
     dynamic_batch_timeout_ms: int | None = None
     max_waiting: int = 256  # requests queued past the running batch; more get RESOURCE_EXHAUSTED
-    prefill_chunk_size: int = 256  # prompt tokens computed per step in all, so running decodes never stall long
+    # prompt tokens computed per step in all, so running decodes never stall long
+    prefill_chunk_size: int = 256
 
     def __post_init__(self) -> None:
         if self.max_parallel is not None and self.max_parallel < 1:
@@ -81,7 +85,8 @@ class ParallelSection:
             raise ValueError(f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}")
 
     def resolved(self, device: str, device_name: str) -> ParallelSection:
-        """This section with the unset knobs taken from the defaults for the device ("cuda"/"rocm"/"cpu")."""
+        """This section with the unset knobs taken from the defaults for the device
+        ("cuda"/"rocm"/"cpu")."""
         defaults = _CPU_BATCHING_DEFAULTS if device == "cpu" else next(
             (v for k, v in _GPU_BATCHING_DEFAULTS.items() if k in device_name), _OTHER_GPU_BATCHING_DEFAULTS)
         return dataclasses.replace(
@@ -96,7 +101,8 @@ class CacheSection:
     """The paged MLA latent cache."""
 
     block_size: int = 16  # tokens per block
-    gpu_memory_utilization: float = 0.9  # share of device memory for weights, activations and the cache
+    # share of device memory for weights, activations and the cache
+    gpu_memory_utilization: float = 0.9
     cpu_cache_bytes: int = 64 * 2**20  # the cache's size on a CPU
     enable_prefix_caching: bool = True  # reuse the cache of a prompt prefix already computed
 
@@ -127,9 +133,9 @@ class EngineSection:
     kv_budget_tokens: int = 4096
     # The model: a bundled config of worker_svc/model_configs/ ("DeepSeek-V3", "DeepSeek-V2-Lite",
     # ...), a checkpoint directory or a config.json; or, unset, the sizes below (defaults where
-    # unset: 8B dense, 128 KiB of KV cache per token). index_topk > 0 simulates DeepSeek-V3.2's sparse
-    # attention: each query attends to at most index_topk tokens, after the indexer scored all of
-    # them, reading index_bytes_per_token of cached indexer keys per token.
+    # unset: 8B dense, 128 KiB of KV cache per token). index_topk > 0 simulates DeepSeek-V3.2's
+    # sparse attention: each query attends to at most index_topk tokens, after the indexer scored
+    # all of them, reading index_bytes_per_token of cached indexer keys per token.
     model: str = ""
     total_params_b: float | None = None   # billions of weights held in memory
     active_params_b: float | None = None  # billions read per token (MoE: the active experts)
@@ -137,8 +143,8 @@ class EngineSection:
     index_topk: int | None = None
     index_bytes_per_token: int | None = None
     zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
-    # sim only, attention: FLOPs of one query attending to one cached token (all layers; 0 leaves its
-    # compute out), and (V3.2) of the indexer scoring one cached token for one query.
+    # sim only, attention: FLOPs of one query attending to one cached token (all layers; 0 leaves
+    # its compute out), and (V3.2) of the indexer scoring one cached token for one query.
     attention_flops_per_key: float = 0.0
     index_flops_per_key: float = 0.0
 
@@ -167,7 +173,8 @@ class EngineSection:
                              f"<= total_params_b ({size.params / 1e9})")
 
     def size(self) -> ModelSize:
-        """The simulated model's sizes: the `model`'s config.json's, or the keys' (defaults where unset)."""
+        """The simulated model's sizes: the `model`'s config.json's, or the keys' (defaults where
+        unset)."""
         if self.model:
             return model_size_of(self.model)
         total, active, kv, topk, index = (_SIZE_DEFAULTS[key] if getattr(self, key) is None else getattr(self, key)

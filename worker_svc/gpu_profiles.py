@@ -32,7 +32,8 @@ class GpuProfile:
         return "bf16" if "bf16" in self.flops else "fp16"
 
     def without_fp8(self) -> GpuProfile:
-        """This GPU serving a checkpoint with no FP8 weights (DeepSeek-V2's BF16): the policy's next choice."""
+        """This GPU serving a checkpoint with no FP8 weights (DeepSeek-V2's BF16): the policy's next
+        choice."""
         return dataclasses.replace(self, flops={dtype: f for dtype, f in self.flops.items() if dtype != "fp8"})
 
     @property

@@ -1,12 +1,12 @@
-"""Constrained decoding with llguidance: a request's tools and JSON schema become one grammar, and its
-matcher a token mask per step.
+"""Constrained decoding with llguidance: a request's tools and JSON schema become one grammar, and
+its matcher a token mask per step.
 
 The grammar follows the checkpoint's tool-call format (worker_svc.tool_parser): with tool_choice
-``required`` or a named tool the output must be calls whose arguments match their tool's schema; with
-``auto`` it is text (no special tokens) optionally followed by such calls; with ``none`` text only. A
-``json_schema`` makes the text a JSON value of that schema. JSON is compact (no free whitespace), so a
-model cannot spend its tokens on blanks. Compiled grammars are cached by their text; each sequence gets
-a copy of the compiled matcher.
+``required`` or a named tool the output must be calls whose arguments match their tool's schema;
+with ``auto`` it is text (no special tokens) optionally followed by such calls; with ``none`` text
+only. A ``json_schema`` makes the text a JSON value of that schema. JSON is compact (no free
+whitespace), so a model cannot spend its tokens on blanks. Compiled grammars are cached by their
+text; each sequence gets a copy of the compiled matcher.
 """
 from __future__ import annotations
 
@@ -67,23 +67,26 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     more = ' ("\\n"? call)*' if c.parallel_tool_calls else ""
     lines = [f"start: {start}",
              f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
-             f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> ({" | ".join(f"fn_{i}" for i in range(len(tools)))})']
+             f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> '
+             f'({" | ".join(f"fn_{i}" for i in range(len(tools)))})']
     for i, tool in enumerate(tools):
         header = json.dumps(f"{tool.name}\n```json\n")
-        lines.append(f'fn_{i}: {header} %json {_compact_schema(tool.parameters)} "\\n```" <[{markers.call_end}]>')
+        lines.append(f'fn_{i}: {header} %json {_compact_schema(tool.parameters)} '
+                     f'"\\n```" <[{markers.call_end}]>')
     lines.append("TEXT: /(?s:.+)/")
     return "\n".join(lines) + "\n"
 
 
 def _compact_schema(schema: str) -> str:
-    """The schema with llguidance's compact JSON option (checked to be an object by check_constraints)."""
+    """The schema with llguidance's compact JSON option (checked to be an object by
+    check_constraints)."""
     value = json.loads(schema)
     return json.dumps({**value, "x-guidance": {**value.get("x-guidance", {}), **_COMPACT}})
 
 
 def apply_masks(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor:
-    """The logits with those of the tokens each row's matcher forbids at -inf (rows without a matcher
-    unchanged; no copy when no row has one).
+    """The logits with those of the tokens each row's matcher forbids at -inf (rows without a
+    matcher unchanged; no copy when no row has one).
 
     logits: [N, vocab], row i of matchers[i].
     """

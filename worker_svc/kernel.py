@@ -1,7 +1,9 @@
-"""The FP8 arithmetic of DeepSeek-V3 inference: block scales, activation quantization, block-scaled GEMM.
+"""The FP8 arithmetic of DeepSeek-V3 inference: block scales, activation quantization, block-scaled
+GEMM.
 
 The formulas are those of DeepSeek-V3's inference/kernel.py:
-- weights are FP8 E4M3 with a float32 `scale_inv` per 128x128 block: w[i, j] = q[i, j] * s[i // 128, j // 128];
+- weights are FP8 E4M3 with a float32 `scale_inv` per 128x128 block: w[i, j] = q[i, j] * s[i // 128,
+  j // 128];
 - activations are quantized per token in 1x128 groups with s = amax(|group|) / 448, q = x / s;
 - the GEMM multiplies each 128-wide slice of K in FP8, scales the partial product by
   a_s[m, k] * b_s[n // 128, k] and accumulates in FP32.
@@ -24,15 +26,17 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero group gets a tiny scale instead of 0/0
 _MIN_CUDA_FOR_BLOCKWISE = (12, 9)  # cuBLASLt gained 1x128 / 128x128 block scaling in CUDA 12.9
-# cuBLASLt answers NOT_SUPPORTED to a block-scaled FP8 GEMM whose M is not a multiple of 8 (measured on
-# an H200, CUDA 13.0: M = 1, 2, 3, 17, 65 refused; 8, 16, 64 run), so decode-sized inputs get zero rows.
+# cuBLASLt answers NOT_SUPPORTED to a block-scaled FP8 GEMM whose M is not a multiple of 8 (measured
+# on an H200, CUDA 13.0: M = 1, 2, 3, 17, 65 refused; 8, 16, 64 run), so decode-sized inputs get
+# zero rows.
 _NATIVE_ROW_MULTIPLE = 8
 
 GemmImpl = Literal["auto", "native", "reference"]
 
 
 def block_scale_shape(shape: torch.Size | tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, int]:
-    """Shape of the per-block scales of a [rows, cols] weight: partial edge blocks get their own scale."""
+    """Shape of the per-block scales of a [rows, cols] weight: partial edge blocks get their own
+    scale."""
     return (-(-shape[0] // block_size), -(-shape[1] // block_size))
 
 
@@ -65,7 +69,8 @@ def weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: in
 
 
 def weight_quant(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of weight_dequant: per-block scale = amax / 448 -> (fp8 weight, float32 scale_inv)."""
+    """Inverse of weight_dequant: per-block scale = amax / 448 -> (fp8 weight, float32
+    scale_inv)."""
     _check(weight.dim() == 2, f"weight_quant: weight must be 2-D, got {tuple(weight.shape)}")
     m, n = weight.shape
     sm, sn = block_scale_shape(weight.shape, block_size)
@@ -92,7 +97,8 @@ def pad_to_blocks(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.T
 
 
 def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token 1x128 quantization: x [..., K] -> (fp8 [..., K], float32 scale [..., K / 128]), scale = amax / 448.
+    """Per-token 1x128 quantization: x [..., K] -> (fp8 [..., K], float32 scale [..., K / 128]),
+    scale = amax / 448.
 
     The scale is laid out group-major (stride 1 along the tokens), the layout cuBLASLt reads
     1x128 scales in, so fp8_gemm needs no transposing copy.
@@ -100,7 +106,8 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tens
     _check(x.is_contiguous(), "act_quant: input must be contiguous")
     _check(x.size(-1) % block_size == 0, f"act_quant: last dim {x.size(-1)} is not a multiple of {block_size}")
     groups = x.float().unflatten(-1, (-1, block_size))  # [..., K / 128, 128]
-    amax = groups.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)  # [..., K / 128], group-major in memory
+    # [..., K / 128], group-major in memory
+    amax = groups.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
     return (groups / scale.unsqueeze(-1)).flatten(-2).to(FP8), scale
 
@@ -110,9 +117,9 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tens
 
 @functools.cache
 def native_fp8_gemm_available(device: torch.device) -> bool:
-    """True where torch's block-wise scaled matmul runs: CUDA (not ROCm) sm90, CUDA >= 12.9, torch with
-    `scaled_mm` and ScalingType.BlockWise1x128/128x128. cuBLASLt's DeepSeek-style scaling is sm90-only
-    (sm89 and sm100 reject it), so nothing else gets FP8 GEMMs here."""
+    """True where torch's block-wise scaled matmul runs: CUDA (not ROCm) sm90, CUDA >= 12.9, torch
+    with `scaled_mm` and ScalingType.BlockWise1x128/128x128. cuBLASLt's DeepSeek-style scaling is
+    sm90-only (sm89 and sm100 reject it), so nothing else gets FP8 GEMMs here."""
     if device.type != "cuda" or torch.version.hip or not torch.version.cuda:
         return False
     scaling = getattr(F, "ScalingType", None)
@@ -131,12 +138,14 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     impl: GemmImpl = "auto",
 ) -> torch.Tensor:
-    """y = dequant(a) @ dequant(b).T with block scales and FP32 accumulation -> new [M, N] tensor of out_dtype.
+    """y = dequant(a) @ dequant(b).T with block scales and FP32 accumulation -> new [M, N] tensor of
+    out_dtype.
 
     a: [M, K] fp8 activations, a_scale: [M, K / 128] float32, any strides (from act_quant);
-    b: [N, K] fp8 weight, b_scale: [ceil(N / 128), K / 128] float32 (the checkpoint's weight_scale_inv).
-    impl: "native" = torch's block-wise scaled_mm (sm90 only), "reference" = plain torch,
-    "auto" = native where available and N % 16 == 0 (cuBLASLt's FP8 alignment), else reference.
+    b: [N, K] fp8 weight, b_scale: [ceil(N / 128), K / 128] float32 (the checkpoint's
+    weight_scale_inv). impl: "native" = torch's block-wise scaled_mm (sm90 only), "reference" =
+    plain torch, "auto" = native where available and N % 16 == 0 (cuBLASLt's FP8 alignment), else
+    reference.
     """
     _check(a.dim() == 2 and a.dtype == FP8, f"fp8_gemm: a must be 2-D {FP8}, got {a.dtype} {tuple(a.shape)}")
     _check_weight(b, b_scale, BLOCK_SIZE, "fp8_gemm")
@@ -144,11 +153,13 @@ def fp8_gemm(
     _check(k % BLOCK_SIZE == 0, f"fp8_gemm: K={k} is not a multiple of {BLOCK_SIZE}")
     _check(b.size(1) == k, f"fp8_gemm: a has K={k}, b has K={b.size(1)}")
     _check(a_scale.dtype == torch.float32 and tuple(a_scale.shape) == (m, k // BLOCK_SIZE),
-           f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, got {a_scale.dtype} {tuple(a_scale.shape)}")
+           f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, "
+           f"got {a_scale.dtype} {tuple(a_scale.shape)}")
     _check(a.is_contiguous(), "fp8_gemm: a must be contiguous")
     native = native_fp8_gemm_available(a.device)
     if impl == "native":
-        _check(native, f"fp8_gemm: no native block-wise FP8 GEMM on {a.device} (needs CUDA sm90, CUDA >= 12.9)")
+        _check(native, f"fp8_gemm: no native block-wise FP8 GEMM on "
+                       f"{a.device} (needs CUDA sm90, CUDA >= 12.9)")
         _check(n % 16 == 0, f"fp8_gemm: native GEMM needs N % 16 == 0, got N={n}")
     if impl == "native" or (impl == "auto" and native and n % 16 == 0):
         return _fp8_gemm_blockwise_scaled_mm(a, a_scale, b, b_scale, out_dtype)
@@ -156,10 +167,12 @@ def fp8_gemm(
 
 
 def _fp8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's loop in plain torch: per 128-wide K slice, FP8 products, scaled, summed in FP32."""
+    """The kernel's loop in plain torch: per 128-wide K slice, FP8 products, scaled, summed in
+    FP32."""
     (m, k), n = a.shape, b.size(0)
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    b_scale_rows = b_scale.repeat_interleave(BLOCK_SIZE, 0)[:n]  # [N, K / 128]: scale of weight row n
+    # [N, K / 128]: scale of weight row n
+    b_scale_rows = b_scale.repeat_interleave(BLOCK_SIZE, 0)[:n]
     for i in range(k // BLOCK_SIZE):
         cols = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
         partial = a[:, cols].float() @ b[:, cols].float().T  # exact: FP8 products fit FP32
@@ -170,36 +183,40 @@ def _fp8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 def _fp8_gemm_blockwise_scaled_mm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """torch.nn.functional.scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt, sm90)."""
+    """torch.nn.functional.scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt,
+    sm90)."""
     m, k_blocks = a_scale.shape
     rows = -(-m // _NATIVE_ROW_MULTIPLE) * _NATIVE_ROW_MULTIPLE
     # cuBLASLt's layout contract: 1x128 scales M-major ([M, K/128], stride [1, M]); 128x128 scales
-    # K-major with the K-block count padded to a multiple of 4 ([L4, N/128], stride [1, L4]). Some torch
-    # versions accepted unpadded scales and silently returned wrong results when (K/128) % 4 != 0
-    # (pytorch#166752), so pad those (never read); DeepSeek-V3's shapes need no padding.
+    # K-major with the K-block count padded to a multiple of 4 ([L4, N/128], stride [1, L4]). Some
+    # torch versions accepted unpadded scales and silently returned wrong results when (K/128) % 4
+    # != 0 (pytorch#166752), so pad those (never read); DeepSeek-V3's shapes need no padding.
     if k_blocks % 4:
         b_scale = F.pad(b_scale, (0, -k_blocks % 4))
     y = F.scaled_mm(
-        _pad_rows(a, rows), b.t(),  # [K, N] column-major view of the row-major weight, as cuBLASLt wants
+        # [K, N] column-major view of the row-major weight, as cuBLASLt wants
+        _pad_rows(a, rows), b.t(),
         _token_major(a_scale, rows), F.ScalingType.BlockWise1x128,
         b_scale.t(), F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
-        use_fast_accum=False,  # full FP32 accumulation, not Hopper's reduced-precision fast accumulation
+        # full FP32 accumulation, not Hopper's reduced-precision fast accumulation
+        use_fast_accum=False,
     )
     return y[:m]
 
 
 def _pad_rows(a: torch.Tensor, rows: int) -> torch.Tensor:
-    """a: [M, K] fp8 -> [rows, K] with zero rows appended (their outputs are dropped); padded as bytes,
-    since padding kernels need not support float8."""
+    """a: [M, K] fp8 -> [rows, K] with zero rows appended (their outputs are dropped); padded as
+    bytes, since padding kernels need not support float8."""
     if a.size(0) == rows:
         return a
     return F.pad(a.view(torch.uint8), (0, 0, 0, rows - a.size(0))).view(a.dtype)
 
 
 def _token_major(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """[M, L] scales -> [rows, L] with stride 1 along rows, as cuBLASLt reads 1x128 scales; the padding rows
-    get scale 1. act_quant's output already is token-major (except M = 1, whose strides torch keeps row-major)."""
+    """[M, L] scales -> [rows, L] with stride 1 along rows, as cuBLASLt reads 1x128 scales; the
+    padding rows get scale 1. act_quant's output already is token-major (except M = 1, whose strides
+    torch keeps row-major)."""
     m, groups = scale.shape
     if rows == m and scale.stride(0) == 1 and (groups == 1 or scale.stride(1) == m):
         return scale
@@ -209,9 +226,11 @@ def _token_major(scale: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """y = x @ dequant(weight).T through act_quant and fp8_gemm; x: [..., K] in any float dtype -> [..., N] in x's.
+    """y = x @ dequant(weight).T through act_quant and fp8_gemm; x: [..., K] in any float dtype ->
+    [..., N] in x's.
 
-    weight may be wider than K (padded to whole blocks by `pad_to_blocks`); x is zero-padded to match.
+    weight may be wider than K (padded to whole blocks by `pad_to_blocks`); x is zero-padded to
+    match.
     """
     k, k_padded = x.size(-1), weight.size(1)
     _check(k <= k_padded < k + BLOCK_SIZE, f"fp8_linear: input width {k} does not fit weight {tuple(weight.shape)}")

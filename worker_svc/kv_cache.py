@@ -21,7 +21,8 @@ from worker_svc.model import ModelArgs
 
 @dataclass
 class BlockTable:
-    """The blocks one sequence holds, in position order, and the chain hash of its leading full blocks."""
+    """The blocks one sequence holds, in position order, and the chain hash of its leading full
+    blocks."""
 
     blocks: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks whose hash is known (registered or found in the cache)
@@ -44,8 +45,10 @@ class BlockManager:
         assert num_blocks > 0 and block_size > 0, f"num_blocks={num_blocks}, block_size={block_size}"
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free = list(range(num_blocks - 1, -1, -1))  # never hashed (or evicted); pop() from the end
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed, held by nobody; oldest first
+        # never hashed (or evicted); pop() from the end
+        self._free = list(range(num_blocks - 1, -1, -1))
+        # hashed, held by nobody; oldest first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -67,7 +70,8 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
 
     def match_prefix(self, table: BlockTable, token_ids: list[int]) -> int:
-        """Take the cached blocks that start `token_ids` into an empty table; returns the tokens they cover.
+        """Take the cached blocks that start `token_ids` into an empty table; returns the tokens
+        they cover.
 
         The block holding the last token is never matched: its logits are needed, so it is computed.
         """
@@ -86,7 +90,8 @@ class BlockManager:
         return len(table.blocks) * bs
 
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
-        """Grow `table` to cover `num_tokens` slots; False (and nothing taken) when too few blocks are free."""
+        """Grow `table` to cover `num_tokens` slots; False (and nothing taken) when too few blocks
+        are free."""
         needed = self.blocks_needed(table, num_tokens)
         if needed > self.num_free_blocks:
             return False
@@ -95,14 +100,16 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
-        """Register the blocks whose `block_size` tokens are all computed, so later prompts can match them."""
+        """Register the blocks whose `block_size` tokens are all computed, so later prompts can
+        match them."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         for i in range(table.num_hashed, num_computed // bs):
             h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
             block = table.blocks[i]
-            if h not in self._by_hash:  # a duplicate of a cached block stays private and is freed plainly
+            # a duplicate of a cached block stays private and is freed plainly
+            if h not in self._by_hash:
                 self._by_hash[h], self._hash_of[block] = block, h
             table.num_hashed, table.last_hash = i + 1, h
 
@@ -135,7 +142,8 @@ class BlockManager:
 
 
 def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
-    """Cache bytes per token: the latent and the rope'd key, and (V3.2) the indexer's key, per layer."""
+    """Cache bytes per token: the latent and the rope'd key, and (V3.2) the indexer's key, per
+    layer."""
     return latent_bytes_per_token(args, dtype) + index_bytes_per_token(args, dtype)
 
 
@@ -156,8 +164,8 @@ def unabsorbed_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
 
 
 def cache_budget_bytes(device: torch.device, gpu_memory_utilization: float, cpu_cache_bytes: int) -> int:
-    """On a GPU: the share `gpu_memory_utilization` of device memory minus what is used already (the weights);
-    the rest is left to activations. On a CPU: the configured byte budget."""
+    """On a GPU: the share `gpu_memory_utilization` of device memory minus what is used already (the
+    weights); the rest is left to activations. On a CPU: the configured byte budget."""
     if device.type != "cuda":
         return cpu_cache_bytes
     free, total = torch.cuda.mem_get_info(device)

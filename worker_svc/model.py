@@ -1,11 +1,13 @@
-"""DeepSeek-V3, V3.2 and V2 (model_type deepseek_v3, deepseek_v32, deepseek_v2) forward pass in plain PyTorch.
+"""DeepSeek-V3, V3.2 and V2 (model_type deepseek_v3, deepseek_v32, deepseek_v2) forward pass in
+plain PyTorch.
 
 MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
 output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
 (V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
 group-limited greedy top-k), YaRN RoPE; V3.2 adds DeepSeek Sparse Attention: per layer an `Indexer`
-picks the tokens MLA attends to (worker_svc.indexer). Module and parameter names follow the HF checkpoint
-(`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA, Gate, Expert, MoE, Block).
+picks the tokens MLA attends to (worker_svc.indexer). Module and parameter names follow the HF
+checkpoint (`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's
+words (MLA, Gate, Expert, MoE, Block).
 """
 from __future__ import annotations
 
@@ -20,29 +22,32 @@ from torch import nn
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
 
-# The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores with a
-# selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all experts
-# ("greedy") or within the best groups by their best expert ("group_limited_greedy").
+# The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores
+# with a selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all
+# experts ("greedy") or within the best groups by their best expert ("group_limited_greedy").
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 @dataclass
 class ModelArgs:
-    """Hyper-parameters of a DeepSeek-V3 or V2 model, built from config.json by `model_config.model_args`.
+    """Hyper-parameters of a DeepSeek-V3 or V2 model, built from config.json by
+    `model_config.model_args`.
 
     dim/inter_dim/moe_inter_dim: hidden, dense-MLP and per-expert MLP widths.
     n_layers: decoder layers (MTP layers stored past them are not part of the model).
-    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace); past them
-    every moe_layer_freq-th layer is MoE, the others dense.
+    n_dense_layers: the first layers use a dense MLP instead of MoE (first_k_dense_replace); past
+    them every moe_layer_freq-th layer is MoE, the others dense.
     q_lora_rank: rank of the query compression; 0 means a plain q_proj.
-    kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by heads.
-    n_expert_groups/n_limited_groups: experts are chosen only inside the top `n_limited_groups`
-    groups (n_group/topk_group); route_scale multiplies the (normalised if norm_topk_prob) routing weights.
-    scoring_func/topk_method: the router's scores and expert choice, one of SCORING_FUNCS / TOPK_METHODS.
-    rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type "yarn").
-    index_topk/index_n_heads/index_head_dim: DeepSeek Sparse Attention (V3.2): each query attends to the
-    `index_topk` earlier tokens its lightning indexer scores highest; index_topk 0 means dense attention (V3).
+    kv_lora_rank: width of the cached latent; qk_rope_head_dim: the rope'd key part, shared by
+    heads. n_expert_groups/n_limited_groups: experts are chosen only inside the top
+    `n_limited_groups` groups (n_group/topk_group); route_scale multiplies the (normalised if
+    norm_topk_prob) routing weights. scoring_func/topk_method: the router's scores and expert
+    choice, one of SCORING_FUNCS / TOPK_METHODS.
+    rope_factor/original_seq_len/beta_*/mscale*/rope_attention_factor/rope_truncate: YaRN (rope_type
+    "yarn"). index_topk/index_n_heads/index_head_dim: DeepSeek Sparse Attention (V3.2): each query
+    attends to the `index_topk` earlier tokens its lightning indexer scores highest; index_topk 0
+    means dense attention (V3).
     """
 
     vocab_size: int = 129280
@@ -110,7 +115,8 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
-    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2], scaled by the attention factor."""
+    """Complex rotations for every position: [max_seq_len, qk_rope_head_dim // 2], scaled by the
+    attention factor."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
@@ -121,9 +127,9 @@ def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
 
 
 def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """YaRN as transformers computes it: interpolated frequencies (divided by the factor) blended into the
-    original ones across the correction range, and the cos/sin scale: rope_attention_factor if given, else
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    """YaRN as transformers computes it: interpolated frequencies (divided by the factor) blended
+    into the original ones across the correction range, and the cos/sin scale: rope_attention_factor
+    if given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
     dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
 
     def correction_dim(num_rotations: float) -> float:
@@ -145,7 +151,8 @@ def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, floa
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T, rope_dim/2].
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T,
+    rope_dim/2].
 
     HF's `apply_rotary_pos_emb_interleave` returns the same pairs de-interleaved ([evens, odds]);
     both q and k get one layout, so every q.k dot product is identical. `interleaved=False` rotates
@@ -181,7 +188,8 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer; its weight is in the compute dtype, or FP8 E4M3 as the checkpoint stores it.
+    """A bias-free linear layer; its weight is in the compute dtype, or FP8 E4M3 as the checkpoint
+    stores it.
 
     In FP8 (after `hold_fp8`) it keeps a float32 `weight_scale_inv` per 128x128 block and runs
     act_quant -> fp8_gemm (kernel.fp8_linear): about one byte per weight instead of two or four.
@@ -192,7 +200,8 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale_inv", None)
 
     def hold_fp8(self) -> None:
-        """Before loading: this layer will hold an FP8 weight (K padded to whole blocks) and its block scales."""
+        """Before loading: this layer will hold an FP8 weight (K padded to whole blocks) and its
+        block scales."""
         out_features, k_padded = self.out_features, -(-self.in_features // BLOCK_SIZE) * BLOCK_SIZE
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(out_features, k_padded, dtype=FP8, device=device), requires_grad=False)
@@ -205,7 +214,8 @@ class Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.weight_scale_inv)
 
 
-_WEIGHT_LEFT_UNDER_ROWS = 64  # dense_linear on a CPU: the weight-left GEMM under this many tokens (decode)
+# dense_linear on a CPU: the weight-left GEMM under this many tokens (decode)
+_WEIGHT_LEFT_UNDER_ROWS = 64
 _OUT_CHUNK = 4096  # output features per GEMM there: each chunk's transposing copy stays in cache
 
 
@@ -233,9 +243,11 @@ def _linear(in_features: int, out_features: int) -> Linear:
 
 
 def pack_linears(linears: list[Linear]) -> torch.Tensor | None:
-    """One [sum of out_features, in_features] weight for Linears that read the same input, or None if one holds FP8.
+    """One [sum of out_features, in_features] weight for Linears that read the same input, or None
+    if one holds FP8.
 
-    Each Linear keeps a view into it, so its own forward, state_dict() and the checkpoint names are unchanged.
+    Each Linear keeps a view into it, so its own forward, state_dict() and the checkpoint names are
+    unchanged.
     """
     if any(linear.weight_scale_inv is not None for linear in linears):
         return None
@@ -250,9 +262,9 @@ class KVCache:
 
     kv: [n_layers, num_blocks * block_size, kv_lora_rank + qk_rope_head_dim], the latent (after
     kv_a_layernorm) then k_pe (after RoPE); token slot = block * block_size + offset in the block.
-    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token slot
-    (Hadamard-rotated where the indexer scores in FP8), so it is allocated, freed, preempted and
-    prefix-cached with the latent.
+    index_k (V3.2 only): [n_layers, same slots, index_head_dim], the indexer's key of each token
+    slot (Hadamard-rotated where the indexer scores in FP8), so it is allocated, freed, preempted
+    and prefix-cached with the latent.
     Allocated by `Transformer.setup_cache`; which blocks a sequence holds is the caller's business
     (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
@@ -275,8 +287,9 @@ class KVCache:
 class AttentionGroup:
     """`batch` sequences with `seqlen` new tokens each, packed consecutively from `token_start`.
 
-    key_slots: [batch, L] cache slots of each sequence's keys in position order (padded with slot 0);
-    mask: [batch, seqlen, L] additive, -inf where a key lies after the query (future or padding).
+    key_slots: [batch, L] cache slots of each sequence's keys in position order (padded with slot
+    0); mask: [batch, seqlen, L] additive, -inf where a key lies after the query (future or
+    padding).
     """
 
     token_start: int
@@ -287,7 +300,8 @@ class AttentionGroup:
 
     @classmethod
     def build(cls, token_start: int, query_positions: torch.Tensor, key_slots: torch.Tensor) -> AttentionGroup:
-        """query_positions: [b, s] positions of the new tokens; key_slots: [b, L] slots of positions 0..L-1."""
+        """query_positions: [b, s] positions of the new tokens; key_slots: [b, L] slots of positions
+        0..L-1."""
         batch, seqlen = query_positions.shape
         key_positions = torch.arange(key_slots.size(1), device=key_slots.device)
         future = key_positions > query_positions.unsqueeze(-1)  # [b, s, L]
@@ -299,8 +313,9 @@ class AttentionGroup:
 class BatchLayout:
     """Where the T packed tokens of one forward pass sit (built each step by the model runner).
 
-    positions: [T] position of each token in its sequence; write_slots: [T] cache slot its latent goes to;
-    groups: cover the T tokens in order; logits_index: [N] packed indices whose logits are returned.
+    positions: [T] position of each token in its sequence; write_slots: [T] cache slot its latent
+    goes to; groups: cover the T tokens in order; logits_index: [N] packed indices whose logits are
+    returned.
     """
 
     positions: torch.Tensor
@@ -310,8 +325,10 @@ class BatchLayout:
 
     @classmethod
     def contiguous(cls, batch: int, seqlen: int, start_pos: int, block_size: int, device: torch.device) -> BatchLayout:
-        """`batch` sequences at the same positions, sequence i in block i; logits of each last token."""
-        positions = torch.arange(start_pos, start_pos + seqlen, device=device).expand(batch, seqlen)  # [B, S]
+        """`batch` sequences at the same positions, sequence i in block i; logits of each last
+        token."""
+        # [B, S]
+        positions = torch.arange(start_pos, start_pos + seqlen, device=device).expand(batch, seqlen)
         base = torch.arange(batch, device=device).unsqueeze(1) * block_size  # [B, 1]
         key_slots = base + torch.arange(start_pos + seqlen, device=device)  # [B, L]
         return cls(
@@ -323,7 +340,8 @@ class BatchLayout:
 
 
 class Indexer(nn.Module):
-    """V3.2's lightning indexer: picks, for every query, the index_topk tokens MLA attends to (worker_svc.indexer)."""
+    """V3.2's lightning indexer: picks, for every query, the index_topk tokens MLA attends to
+    (worker_svc.indexer)."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -331,24 +349,29 @@ class Indexer(nn.Module):
         self.wq_b = _linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
         self.wk = _linear(args.dim, args.index_head_dim)
         self.k_norm = LayerNorm(args.index_head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)  # served in float32, as HF keeps it
+        # served in float32, as HF keeps it
+        self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
         self.softmax_scale = args.index_head_dim**-0.5
 
     def forward(
         self, x: torch.Tensor, q_latent: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
     ) -> list[torch.Tensor | None]:
-        """Caches each token's indexer key -> per attention group, [b, s, index_topk] selected positions,
-        or None where no query sees more than index_topk tokens (so all of them are selected)."""
+        """Caches each token's indexer key -> per attention group, [b, s, index_topk] selected
+        positions, or None where no query sees more than index_topk tokens (so all of them are
+        selected)."""
         a = self.args
         q = self.wq_b(q_latent).unflatten(-1, (a.index_n_heads, a.index_head_dim))  # [T, Hi, D]
         q = self._rope(q, freqs_cis)
         k = self._rope(self.k_norm(self.wk(x)).unsqueeze(1), freqs_cis).squeeze(1)  # [T, D]
         fp8 = self.wq_b.weight_scale_inv is not None
-        if fp8:  # served in FP8 (sm90): DeepSeek's FP8 scoring, of rotated q and k (the cache holds rotated keys)
+        # served in FP8 (sm90): DeepSeek's FP8 scoring, of rotated q and k (the cache holds rotated
+        # keys)
+        if fp8:
             q, k = hadamard_rotate(q), hadamard_rotate(k)
         keys = cache.index_k[self.layer_id]
         keys.index_copy_(0, layout.write_slots, k)
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5  # [T, Hi]
+        # [T, Hi]
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * a.index_n_heads**-0.5
         select = select_tokens_fp8 if fp8 else select_tokens
         selections: list[torch.Tensor | None] = []
         for group in layout.groups:
@@ -363,7 +386,8 @@ class Indexer(nn.Module):
         return selections
 
     def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """Non-interleaved RoPE on the leading qk_rope_head_dim features of x: [T, H, index_head_dim]."""
+        """Non-interleaved RoPE on the leading qk_rope_head_dim features of x: [T, H,
+        index_head_dim]."""
         rope, rest = x.split([self.args.qk_rope_head_dim, self.args.index_head_dim - self.args.qk_rope_head_dim], -1)
         return torch.cat([apply_rotary_emb(rope, freqs_cis, interleaved=False), rest], dim=-1)
 
@@ -388,7 +412,8 @@ class MLA(nn.Module):
         self.softmax_scale = args.qk_head_dim**-0.5
         if args.rope_factor > 1 and args.mscale_all_dim:
             self.softmax_scale *= yarn_get_mscale(args.rope_factor, args.mscale_all_dim) ** 2
-        self.wq_kv_a: torch.Tensor | None = None  # set by pack(): the two projections of x as one GEMM
+        # set by pack(): the two projections of x as one GEMM
+        self.wq_kv_a: torch.Tensor | None = None
         self.indexer = Indexer(args, layer_id) if args.sparse else None
 
     def pack(self) -> None:
@@ -399,8 +424,9 @@ class MLA(nn.Module):
         return self.q_a_proj if self.args.q_lora_rank else self.q_proj
 
     def _query_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank + qk_rope_head_dim],
-        the query latent q_a_layernorm(q_a_proj(x)) that V3.2's indexer reads; x itself without q_lora_rank)."""
+        """x: [T, dim] -> (queries [T, H * qk_head_dim], latent and k_pe [T, kv_lora_rank +
+        qk_rope_head_dim], the query latent q_a_layernorm(q_a_proj(x)) that V3.2's indexer reads; x
+        itself without q_lora_rank)."""
         q_proj, kv_proj = self._first_q_proj, self.kv_a_proj_with_mqa
         if self.wq_kv_a is None:
             q, kv = q_proj(x), kv_proj(x)
@@ -412,7 +438,8 @@ class MLA(nn.Module):
         return q, kv, x
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their positions."""
+        """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their
+        positions."""
         a = self.args
         q, kv, q_latent = self._query_and_latent(x)
         q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
@@ -423,24 +450,26 @@ class MLA(nn.Module):
         layer_cache = cache.kv[self.layer_id]  # [slots, c + r]
         layer_cache.index_copy_(0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1))
 
-        # absorb kv_b_proj: q_nope -> latent space (one dot product with [latent, k_pe] scores both parts),
-        # attention output latent -> v
+        # absorb kv_b_proj: q_nope -> latent space (one dot product with [latent, k_pe] scores both
+        # parts), attention output latent -> v
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
         q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
         groups = layout.groups
         chosen = [None] * len(groups) if self.indexer is None else self.indexer(x, q_latent, layout, freqs_cis, cache)
-        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)])  # [T, H, c]
+        # [T, H, c]
+        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)])
         out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
     def _attend(
         self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor, selected: torch.Tensor | None
     ) -> torch.Tensor:
-        """The group's queries over its sequences' cached keys (only the `selected` ones, where the indexer
-        chose) -> latent outputs [b * s, H, c]."""
+        """The group's queries over its sequences' cached keys (only the `selected` ones, where the
+        indexer chose) -> latent outputs [b * s, H, c]."""
         end = group.token_start + group.batch * group.seqlen
-        q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))  # [b, s, H, c + r]
+        # [b, s, H, c + r]
+        q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))
         if selected is not None:
             out = sparse_attend(q, layer_cache, group.key_slots, group.mask, selected, self.softmax_scale,
                                 self.args.kv_lora_rank)
@@ -483,16 +512,19 @@ def _best(grouped: torch.Tensor) -> torch.Tensor:
 
 
 _SCORES = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
-# how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score); greedy: no groups
+# how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score);
+# greedy: no groups
 _GROUP_SCORES = {"noaux_tc": _top2_sum, "group_limited_greedy": _best}
 
 
 class Gate(nn.Module):
-    """Router: scores each expert (sigmoid or softmax), keeps the top-k, optionally only inside the best groups.
+    """Router: scores each expert (sigmoid or softmax), keeps the top-k, optionally only inside the
+    best groups.
 
-    noaux_tc (V3) holds `e_score_correction_bias`: it steers the choice, the weights are the unbiased scores.
-    norm_topk_prob rescales the chosen weights to sum to 1 before route_scale, as vLLM does for both
-    families; transformers' DeepseekV2 ignores the key, and every DeepSeek-V2 checkpoint sets it false.
+    noaux_tc (V3) holds `e_score_correction_bias`: it steers the choice, the weights are the
+    unbiased scores. norm_topk_prob rescales the chosen weights to sum to 1 before route_scale, as
+    vLLM does for both families; transformers' DeepseekV2 ignores the key, and every DeepSeek-V2
+    checkpoint sets it false.
     """
 
     def __init__(self, args: ModelArgs):
@@ -509,7 +541,8 @@ class Gate(nn.Module):
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if a.topk_method in _GROUP_SCORES and a.n_expert_groups > 1:
             grouped = choice.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
-            top_groups = _GROUP_SCORES[a.topk_method](grouped).topk(a.n_limited_groups, dim=-1)[1]  # [T, g]
+            # [T, g]
+            top_groups = _GROUP_SCORES[a.topk_method](grouped).topk(a.n_limited_groups, dim=-1)[1]
             keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
         indices = choice.topk(a.n_activated_experts, dim=-1)[1]
@@ -566,14 +599,18 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
 
     def reset_buffers(self, device: torch.device | str) -> None:
-        """Recompute non-persistent buffers (after building on the meta device and loading weights)."""
+        """Recompute non-persistent buffers (after building on the meta device and loading
+        weights)."""
         self.freqs_cis = precompute_freqs_cis(self.args).to(device)
 
-    @torch.no_grad()  # the packed tensors must not hold the replaced weights through an autograd graph
+    # the packed tensors must not hold the replaced weights through an autograd graph
+    @torch.no_grad()
     def pack_weights(self) -> None:
-        """After loading: projections that read the same input become one GEMM (q_a|kv_a, each MLP's gate|up).
+        """After loading: projections that read the same input become one GEMM (q_a|kv_a, each MLP's
+        gate|up).
 
-        Modules keep views into the packed weights, so state_dict() is unchanged; FP8 weights stay apart.
+        Modules keep views into the packed weights, so state_dict() is unchanged; FP8 weights stay
+        apart.
         """
         for layer in self.layers:
             layer.self_attn.pack()
@@ -591,10 +628,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
-        """tokens: [B, S] at positions start_pos..start_pos+S-1 -> logits of the last position [B, vocab] (fp32).
+        """tokens: [B, S] at positions start_pos..start_pos+S-1 -> logits of the last position [B,
+        vocab] (fp32).
 
-        Positions before start_pos must already be in `cache` (prefill in chunks or decode one token);
-        sequence i lives in block i of a cache from `setup_cache(B, max_seq_len)`.
+        Positions before start_pos must already be in `cache` (prefill in chunks or decode one
+        token); sequence i lives in block i of a cache from `setup_cache(B, max_seq_len)`.
         """
         bsz, seqlen = tokens.shape
         assert start_pos + seqlen <= cache.block_size, f"end_pos={start_pos + seqlen} > block {cache.block_size}"
@@ -604,10 +642,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache) -> torch.Tensor:
-        """tokens: [T] of many sequences packed as `layout` says -> logits [N, vocab] (fp32) at layout.logits_index.
+        """tokens: [T] of many sequences packed as `layout` says -> logits [N, vocab] (fp32) at
+        layout.logits_index.
 
-        One pass for a whole scheduling step: decode tokens and prefill chunks of different sequences,
-        each attending over its own cached positions.
+        One pass for a whole scheduling step: decode tokens and prefill chunks of different
+        sequences, each attending over its own cached positions.
         """
         h = self.embed_tokens(tokens)  # [T, dim]
         freqs_cis = self.freqs_cis[layout.positions]  # [T, r/2]
@@ -617,7 +656,8 @@ class Transformer(nn.Module):
 
 
 def smoke_run() -> torch.Tensor:
-    """A forward pass of a tiny random model: `python -m worker_svc.model`, repeated as a CPU test."""
+    """A forward pass of a tiny random model: `python -m worker_svc.model`, repeated as a CPU
+    test."""
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=512, dim=256, inter_dim=512, n_layers=2, n_heads=4, max_seq_len=64,
                      q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,

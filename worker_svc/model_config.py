@@ -1,12 +1,14 @@
-"""config.json -> ModelArgs: every field the forward pass depends on is read, or the load is refused.
+"""config.json -> ModelArgs: every field the forward pass depends on is read, or the load is
+refused.
 
-transformers' own config class normalises the file first (`AutoConfig.for_model`), so this engine reads
-a checkpoint as transformers does: its defaults for absent keys (`save_pretrained` drops keys equal to
-them), rope settings as `rope_scaling` (older files; it wins when both are present) or `rope_parameters`
-(transformers >= 5), `type` or `rope_type`, `rope_theta` inside the rope dict or beside it. Then anything
-the engine does not implement -- an algorithm (SUPPORTED), a rope type or key (ROPE_KEYS), sizes that
-cannot work together -- raises ConfigError naming the field; nothing falls back to a silent default.
-num_key_value_heads is not read: MLA caches one latent per token, not per head.
+transformers' own config class normalises the file first (`AutoConfig.for_model`), so this engine
+reads a checkpoint as transformers does: its defaults for absent keys (`save_pretrained` drops keys
+equal to them), rope settings as `rope_scaling` (older files; it wins when both are present) or
+`rope_parameters` (transformers >= 5), `type` or `rope_type`, `rope_theta` inside the rope dict or
+beside it. Then anything the engine does not implement -- an algorithm (SUPPORTED), a rope type or
+key (ROPE_KEYS), sizes that cannot work together -- raises ConfigError naming the field; nothing
+falls back to a silent default. num_key_value_heads is not read: MLA caches one latent per token,
+not per head.
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from worker_svc.model import ModelArgs
 
-# Per model_type, the values implemented for each field that selects an algorithm. The first value is what
-# an absent key means where transformers' config class declares no default (DeepseekV3Config has no
-# topk_method, scoring_func or moe_layer_freq: its model is noaux_tc, sigmoid, every layer MoE).
-# Another model family adds an entry here once model.py implements its values.
+# Per model_type, the values implemented for each field that selects an algorithm. The first value
+# is what an absent key means where transformers' config class declares no default (DeepseekV3Config
+# has no topk_method, scoring_func or moe_layer_freq: its model is noaux_tc, sigmoid, every layer
+# MoE). Another model family adds an entry here once model.py implements its values.
 _V3_CHOICES: dict[str, tuple[Any, ...]] = {
     "topk_method": ("noaux_tc",),  # group-limited top-k on bias-corrected scores (model.Gate)
     "scoring_func": ("sigmoid",),
@@ -34,10 +36,12 @@ _V3_CHOICES: dict[str, tuple[Any, ...]] = {
 }
 SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "deepseek_v3": _V3_CHOICES,
-    # V3.2: V3 plus DeepSeek Sparse Attention, whose indexer fields _dsa_args reads from the file itself.
+    # V3.2: V3 plus DeepSeek Sparse Attention, whose indexer fields _dsa_args reads from the file
+    # itself.
     "deepseek_v32": _V3_CHOICES,
-    # DeepseekV2Config has no scoring_func (its model is softmax) and reads n_group/topk_group only for
-    # group_limited_greedy; moe_layer_freq is any positive integer (model.ModelArgs.is_moe_layer).
+    # DeepseekV2Config has no scoring_func (its model is softmax) and reads n_group/topk_group only
+    # for group_limited_greedy; moe_layer_freq is any positive integer
+    # (model.ModelArgs.is_moe_layer).
     "deepseek_v2": {
         "topk_method": ("greedy", "group_limited_greedy"),
         "scoring_func": ("softmax",),
@@ -68,7 +72,8 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
     """The forward pass's hyper-parameters from a parsed config.json; raises ConfigError."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
-        raise ConfigError(f"model_type: {model_type!r} is not served by this engine (need one of {list(SUPPORTED)})")
+        raise ConfigError(f"model_type: {model_type!r} is not served by "
+                          f"this engine (need one of {list(SUPPORTED)})")
     hf = _normalised(config)
     chosen = _check_choices(hf, SUPPORTED[model_type])
     _check_sizes(hf, chosen["topk_method"])
@@ -107,8 +112,9 @@ _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 def _dsa_args(config: dict[str, Any]) -> dict[str, int]:
-    """The indexer's fields of a deepseek_v32 config.json, read from the file itself: transformers' defaults
-    would hide a missing one, and a V3.2 checkpoint without its indexer sizes cannot be served."""
+    """The indexer's fields of a deepseek_v32 config.json, read from the file itself: transformers'
+    defaults would hide a missing one, and a V3.2 checkpoint without its indexer sizes cannot be
+    served."""
     if config.get("model_type") != "deepseek_v32":
         return {}
     for field in _DSA_FIELDS:
@@ -126,10 +132,12 @@ def _dsa_args(config: dict[str, Any]) -> dict[str, int]:
 
 def _normalised(config: dict[str, Any]) -> PreTrainedConfig:
     spelling = _rope_spelling(config)
-    _check_rope_numbers(config.get(spelling) or {}, spelling)  # transformers' own checks would crash on a str
+    # transformers' own checks would crash on a str
+    _check_rope_numbers(config.get(spelling) or {}, spelling)
     try:  # a copy: transformers fills the rope dict in place
         return AutoConfig.for_model(**copy.deepcopy(config))
-    except StrictDataclassClassValidationError as e:  # validate_rope: a missing key, an odd rotary dimension
+    # validate_rope: a missing key, an odd rotary dimension
+    except StrictDataclassClassValidationError as e:
         raise ConfigError(f"{spelling}: {' '.join(str(e).split())}") from None
     except StrictDataclassError as e:  # names the field and the type it expected
         raise ConfigError(" ".join(str(e).split())) from None
@@ -140,12 +148,14 @@ def _normalised(config: dict[str, Any]) -> PreTrainedConfig:
 
 
 def _rope_spelling(config: dict[str, Any]) -> str:
-    """The key the file holds its rope settings under, for error messages (transformers prefers rope_scaling)."""
+    """The key the file holds its rope settings under, for error messages (transformers prefers
+    rope_scaling)."""
     return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
 
 
 def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
-    """field -> the value in effect (an absent key means the first supported value); refuses the rest."""
+    """field -> the value in effect (an absent key means the first supported value); refuses the
+    rest."""
     chosen = {}
     for field, values in supported.items():
         value = hf.rope_parameters.get("rope_type") if field == "rope_type" else getattr(hf, field, values[0])
@@ -174,14 +184,16 @@ def _check_sizes(hf: PreTrainedConfig, topk_method: str) -> None:
 
 
 def _groups(hf: PreTrainedConfig, topk_method: str) -> tuple[int, int]:
-    """(n_group, topk_group); greedy top-k (V2) chooses over all experts, whatever the file says of groups."""
+    """(n_group, topk_group); greedy top-k (V2) chooses over all experts, whatever the file says of
+    groups."""
     if topk_method == "greedy":
         return 1, 1
     return hf.n_group, hf.topk_group
 
 
 def _check_routing(hf: PreTrainedConfig, topk_method: str) -> None:
-    """Group-limited top-k: experts split evenly into n_group groups, the token's experts from topk_group of them."""
+    """Group-limited top-k: experts split evenly into n_group groups, the token's experts from
+    topk_group of them."""
     if topk_method == "greedy":
         return
     for field in ("n_group", "topk_group"):

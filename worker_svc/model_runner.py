@@ -1,4 +1,5 @@
-"""One scheduling step as one forward pass: packs the scheduled tokens and says where they sit in the cache."""
+"""One scheduling step as one forward pass: packs the scheduled tokens and says where they sit in
+the cache."""
 from __future__ import annotations
 
 import torch
@@ -8,13 +9,15 @@ from worker_svc.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the paged latent cache; `execute()` is called once per step by the engine's step loop."""
+    """Owns the paged latent cache; `execute()` is called once per step by the engine's step
+    loop."""
 
     def __init__(self, model: Transformer, cache: KVCache, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
 
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits [N, vocab] (fp32, on the CPU) of the scheduled sequences that sample, in scheduled order."""
+        """Logits [N, vocab] (fp32, on the CPU) of the scheduled sequences that sample, in scheduled
+        order."""
         tokens, layout = self._prepare(output.scheduled)
         return self.model.forward_batch(tokens, layout, self.cache).cpu()
 
@@ -59,7 +62,8 @@ class ModelRunner:
         return groups
 
     def _key_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """[b, length] cache slots of positions 0..length-1 of each sequence; past a sequence's blocks, slot 0."""
+        """[b, length] cache slots of positions 0..length-1 of each sequence; past a sequence's
+        blocks, slot 0."""
         bs = self.cache.block_size
         n_blocks = -(-length // bs)
         padded = [table[:n_blocks] + [0] * (n_blocks - len(table[:n_blocks])) for table in tables]

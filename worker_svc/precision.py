@@ -4,7 +4,8 @@
   quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).
 - sm89 (L40S) and sm100: BF16 -- their FP8 needs a kernel tested here, and cuBLASLt's DeepSeek-style
   block scaling is sm90-only. sm80 and ROCm: BF16. sm70 (V100, no BF16): FP16.
-- A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on sm90.
+- A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on
+  sm90.
 - CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
   (docs/BENCHMARKS.md, "Engine precision"): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
   at 16 and 64 tokens (oneDNN converts); on an AVX512-BF16 EPYC a serving mix of decode batches
@@ -58,8 +59,8 @@ def choose_precision(
     fp8_gemm: a tested block-scaled FP8 GEMM runs on this device (kernel.native_fp8_gemm_available);
     dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch spellings);
     use_native_fp8: None = FP8 where the device runs it, False = never, True = required;
-    fp8_weights: the checkpoint stores FP8 weights with block scales (its quantization_config says fp8).
-    Raises ValueError for an override the hardware or the checkpoint cannot honour.
+    fp8_weights: the checkpoint stores FP8 weights with block scales (its quantization_config says
+    fp8). Raises ValueError for an override the hardware or the checkpoint cannot honour.
     """
     where = f"{device} {compute_capability}".strip()
     if not (device == "cuda" and fp8_gemm):
@@ -110,8 +111,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 def detect_capabilities(
     device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None, fp8_weights: bool = True
 ) -> DeviceCapabilities:
-    """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is filled
-    in after the load."""
+    """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is
+    filled in after the load."""
     fp8_gemm = native_fp8_gemm_available(device)  # False off CUDA sm90
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

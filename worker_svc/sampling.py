@@ -51,7 +51,8 @@ def sample_batch(
     generators: list[torch.Generator],
     output_ids: list[list[int]],
 ) -> list[int]:
-    """logits: [N, vocab] float32, row i of sequence i -> N token ids (greedy rows share one argmax)."""
+    """logits: [N, vocab] float32, row i of sequence i -> N token ids (greedy rows share one
+    argmax)."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.temperature != 0 or p.has_penalties:
@@ -60,9 +61,11 @@ def sample_batch(
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's log-probability of the sampled token, and its `top_n` best alternatives as (id, logprob).
+    """The model's log-probability of the sampled token, and its `top_n` best alternatives as (id,
+    logprob).
 
-    logits: [vocab], before penalties and temperature (the model's own distribution, as OpenAI reports it).
+    logits: [vocab], before penalties and temperature (the model's own distribution, as OpenAI
+    reports it).
     """
     logprobs = logits.log_softmax(-1)
     top = logprobs.topk(top_n) if top_n > 0 else None

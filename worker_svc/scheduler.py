@@ -63,7 +63,8 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
-    """One forward pass: `scheduled` in packed order (single-token sequences first, then prompt chunks)."""
+    """One forward pass: `scheduled` in packed order (single-token sequences first, then prompt
+    chunks)."""
 
     scheduled: list[ScheduledSequence]
     preempted: list[Sequence]
@@ -101,7 +102,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort_request(self, seq_id: int) -> Sequence | None:
-        """Drop a waiting or running sequence and free its blocks; None if it is not here (already finished)."""
+        """Drop a waiting or running sequence and free its blocks; None if it is not here (already
+        finished)."""
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.seq_id == seq_id:
@@ -118,7 +120,8 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def seconds_until_admission(self) -> float | None:
-        """With nothing running: how long the oldest waiting request may still be held (None: none waits)."""
+        """With nothing running: how long the oldest waiting request may still be held (None: none
+        waits)."""
         if not self.waiting:
             return None
         return max(0.0, self.waiting[0].admit_deadline - self._clock())
@@ -142,13 +145,15 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def complete_step(self, output: SchedulerOutput) -> None:
-        """The forward pass of `output` ran: its tokens are in the cache (full blocks join the prefix cache)."""
+        """The forward pass of `output` ran: its tokens are in the cache (full blocks join the
+        prefix cache)."""
         for s in output.scheduled:
             s.seq.num_computed += s.num_tokens
             self.blocks.cache_full_blocks(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
 
     def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        """Blocks for n more tokens of a running sequence, preempting the newest ones; False if seq itself was."""
+        """Blocks for n more tokens of a running sequence, preempting the newest ones; False if seq
+        itself was."""
         while not self.blocks.allocate(seq.block_table, seq.num_computed + n):
             victim = self.running.pop()
             self._preempt(victim)
@@ -174,7 +179,8 @@ class Scheduler:
             return
         if len(self.waiting) < free_slots and self._clock() < self.waiting[0].admit_deadline:
             return  # hold: more requests may come to form a larger batch
-        # alone, a sequence may use every block (the engine checks that the cache holds a whole context)
+        # alone, a sequence may use every block (the engine checks that the cache holds a whole
+        # context)
         watermark = int(_WATERMARK * self.blocks.num_blocks) if self.running else 0
         while self.waiting and budget > 0 and len(self.running) < self._batch_limit():
             seq = self.waiting[0]

@@ -39,8 +39,8 @@ INDEXER_HEAD_WEIGHTS = ".indexer.weights_proj."
 
 
 def is_fp8_linear(name: str) -> bool:
-    """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate, and not
-    the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
+    """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate,
+    and not the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
     return (name.startswith("model.layers.") and name.endswith(_FP8_LINEAR_SUFFIXES)
             and INDEXER_HEAD_WEIGHTS not in name)
 
@@ -111,7 +111,8 @@ class ModelSize:
 
 
 def serving_profile(profile: GpuProfile, size: ModelSize) -> GpuProfile:
-    """``profile`` as it serves ``size``: a BF16 checkpoint (DeepSeek-V2) has no FP8 weights to keep."""
+    """``profile`` as it serves ``size``: a BF16 checkpoint (DeepSeek-V2) has no FP8 weights to
+    keep."""
     return profile if size.fp8_weights else profile.without_fp8()
 
 
@@ -138,8 +139,8 @@ def load_config(source: str | Path) -> dict[str, Any]:
 
 @functools.cache  # a worker's config is checked, then used
 def model_size_of(source: str | Path) -> ModelSize:
-    """The sizes of a checkpoint directory's, a config.json's or a bundled model's config, named after
-    the directory or the bundled model (a file: after its _name_or_path)."""
+    """The sizes of a checkpoint directory's, a config.json's or a bundled model's config, named
+    after the directory or the bundled model (a file: after its _name_or_path)."""
     return model_size(load_config(source), name="" if Path(source).is_file() else Path(source).name)
 
 
@@ -238,7 +239,8 @@ def _attention_tensors(config: dict[str, Any], p: str) -> Iterator[Tensor]:
 
 
 def _indexer_tensors(config: dict[str, Any], p: str) -> Iterator[Tensor]:
-    """V3.2's lightning indexer (model.Indexer): its query from the query latent, one key per token."""
+    """V3.2's lightning indexer (model.Indexer): its query from the query latent, one key per
+    token."""
     h, heads, dim = config["hidden_size"], config["index_n_heads"], config["index_head_dim"]
     linear = _linear_dtype(config)
     yield Tensor(p + "wq_b.weight", (heads * dim, config["q_lora_rank"]), linear)

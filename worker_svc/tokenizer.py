@@ -26,7 +26,8 @@ class Tokenizer:
             raise ValueError(f"{model_dir}: tokenizer_config.json has no chat_template")
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
-        # HF passes tool definitions as the template's `tools`; a template that never reads it would drop them
+        # HF passes tool definitions as the template's `tools`; a template that never reads it would
+        # drop them
         template = jinja2.Environment().parse(self.hf.chat_template)
         self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(template)
 

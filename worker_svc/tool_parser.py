@@ -1,10 +1,11 @@
 """DeepSeek-V3's tool-call output, parsed token by token into OpenAI-shaped call pieces.
 
 A turn's calls come after the model's text as
-``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
-<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``. The markers are single special tokens, so the parser
-switches state on token ids and decodes only the text between them; argument text streams as it is
-decoded, holding back only what may be the closing fence.
+``<｜tool▁calls▁begin｜>`` then per call
+``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n``` <｜tool▁call▁end｜>``, then
+``<｜tool▁calls▁end｜>``. The markers are single special tokens, so the parser switches state on
+token ids and decodes only the text between them; argument text streams as it is decoded, holding
+back only what may be the closing fence.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class ToolCallParser:
         return [ToolCallDelta(self.calls - 1, arguments=piece)] if piece else []
 
     def _close(self) -> list[ToolCallDelta]:
-        """The current call ends: a name still waiting for its newline starts it with empty arguments."""
+        """The current call ends: a name still waiting for its newline starts it with empty
+        arguments."""
         if self._state == "name":
             deltas = [self._start(self._buffer)]
         elif self._state == "args":

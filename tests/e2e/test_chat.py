@@ -39,7 +39,8 @@ def test_chat_completion_with_usage_and_route(client, served_precision):
     assert completion.usage.total_tokens == (completion.usage.prompt_tokens
                                              + completion.usage.completion_tokens)
     assert raw.headers["x-infermesh-worker"].startswith("worker-")
-    assert raw.headers["x-infermesh-precision"] == served_precision  # what the policy picks for this machine
+    # what the policy picks for this machine
+    assert raw.headers["x-infermesh-precision"] == served_precision
 
 
 def test_greedy_is_deterministic_and_streaming_matches(client):

@@ -39,7 +39,8 @@ async def test_a_body_nested_10000_deep_is_a_400(gateway, api_key, path, prefix)
      '{"model": "tiny", "messages": [{"role": "user", "content": "h\\ud800i"}]}',
      "messages.0.content"),
     ("/v1/chat/completions",
-     '{"model": "tiny", "stop": "h\\udfffi", "messages": [{"role": "user", "content": "hi"}]}',
+     '{"model": "tiny", "stop": "h\\udfffi", '
+     '"messages": [{"role": "user", "content": "hi"}]}',
      "stop"),
     ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "h\\uD800i"]}', "prompt.1"),
     ("/v1/messages", '{"model": "tiny", "max_tokens": 8, "messages": '

@@ -49,7 +49,8 @@ async def test_admin_fleet_lists_kind_count_precision_and_memory(mixed, api_key)
     a100, h100 = workers["a100-0"], workers["h100-0"]
     assert (a100["gpu_kind"], a100["gpu_count"], a100["precision"], a100["models"]) == \
         ("A100", 1, "bf16", [MODEL])
-    assert (h100["gpu_kind"], h100["gpu_count"], h100["precision"]) == ("H100", 10, "fp8")  # DeepSeek-V3
+    # DeepSeek-V3
+    assert (h100["gpu_kind"], h100["gpu_count"], h100["precision"]) == ("H100", 10, "fp8")
     assert h100["memory_total_bytes"] == 10 * 80 * 10**9
     assert h100["weight_bytes"] <= h100["memory_used_bytes"] < h100["memory_total_bytes"]
     assert a100["max_parallel"] == 8

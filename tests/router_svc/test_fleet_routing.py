@@ -77,7 +77,8 @@ async def test_two_routers_share_one_registry(redis_server):
 
 
 async def test_workers_advertise_the_architecture_they_serve(redis_server):
-    """A DeepSeek-V3.2 worker says so (model_type and its sparse attention's index_topk); a V3 one is dense."""
+    """A DeepSeek-V3.2 worker says so (model_type and its sparse attention's index_topk); a V3 one
+    is dense."""
     async with (running_router(redis_url=redis_server.url) as router,
                 running_worker(sim_engine("H200", index_topk=2048), router, "v32"),
                 running_worker(sim_engine("H100"), router, "v3")):

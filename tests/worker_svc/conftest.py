@@ -38,7 +38,8 @@ def v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def v32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint as DeepSeek-V3.2: each layer with a sparse-attention indexer (index_topk 12)."""
+    """The tiny checkpoint as DeepSeek-V3.2: each layer with a sparse-attention indexer (index_topk
+    12)."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("v32"), v32=True)
 
 

@@ -61,7 +61,8 @@ def test_safetensors_dtypes_shapes_and_names(tiny_dir: Path):
         rows, cols = shapes[name]
         assert shapes[name + "_scale_inv"] == (-(-rows // 128), -(-cols // 128)), name
     assert shapes["model.layers.0.self_attn.q_a_proj.weight"] == (config["q_lora_rank"], config["hidden_size"])
-    assert f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in dtypes  # MTP layer, skipped at load
+    # MTP layer, skipped at load
+    assert f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in dtypes
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Path):
@@ -174,7 +175,8 @@ def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(v2_dir: Path, v2_lit
             dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 # safe_open is not iterable
         assert set(dtypes.values()) == {"BF16"}
         assert not [n for n in dtypes if n.endswith(("_scale_inv", "e_score_correction_bias"))]
-        assert max(int(n.split(".")[2]) for n in dtypes if n.startswith("model.layers.")) == 2  # no MTP layer
+        # no MTP layer
+        assert max(int(n.split(".")[2]) for n in dtypes if n.startswith("model.layers.")) == 2
         assert ("model.layers.0.self_attn.q_proj.weight" in dtypes) == lite
     again = write_v2_checkpoint(tmp_path, lite=True)
     for name in _FILES:
@@ -209,7 +211,8 @@ def test_unknown_router_is_refused_naming_file_and_field(v2_copy: Path, field: s
 def test_more_experts_than_the_kept_groups_hold_is_refused(v2_copy: Path):
     config = json.loads((v2_copy / "config.json").read_text())
     (v2_copy / "config.json").write_text(json.dumps(config | {"topk_group": 1, "num_experts_per_tok": 3}))
-    with pytest.raises(CheckpointError, match=r"config\.json: num_experts_per_tok: 3 exceeds the 2 experts in the topk_group groups"):
+    with pytest.raises(CheckpointError, match=r"config\.json: num_experts_per_tok: 3 exceeds the 2 experts "
+                                                    r"in the topk_group groups"):
         load_checkpoint(v2_copy)
 
 
@@ -223,7 +226,8 @@ def test_a_missing_gate_tensor_names_file_and_tensor(request: pytest.FixtureRequ
 
 
 def test_moe_layer_freq_interleaves_dense_layers(v2_copy: Path):
-    """DeepSeek's reference code: past first_k_dense_replace, layer i is MoE when i % moe_layer_freq == 0."""
+    """DeepSeek's reference code: past first_k_dense_replace, layer i is MoE when i % moe_layer_freq
+    == 0."""
     config = json.loads((v2_copy / "config.json").read_text())
     args = model_args(config | {"num_hidden_layers": 6, "moe_layer_freq": 2})
     assert [args.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]

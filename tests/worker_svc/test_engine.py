@@ -1,4 +1,5 @@
-"""The async engine on the tiny checkpoint: sampling, finishing, concurrency, cancellation, errors."""
+"""The async engine on the tiny checkpoint: sampling, finishing, concurrency, cancellation,
+errors."""
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,9 @@ async def engine(tiny_dir: Path, worker_dtype: str) -> AsyncIterator[Engine]:
     await engine.close()
 
 
-# Exactness tests compare outputs computed in different batch shapes or chunkings: they pin float32, where
-# those agree to the last token. In bf16 a different shape legitimately rounds differently (test_model.py
-# bounds bf16 against fp32 instead).
+# Exactness tests compare outputs computed in different batch shapes or chunkings: they pin float32,
+# where those agree to the last token. In bf16 a different shape legitimately rounds differently
+# (test_model.py bounds bf16 against fp32 instead).
 EXACT_DTYPE = "float32"
 
 
@@ -110,7 +111,8 @@ async def test_stop_string_and_stop_token(engine: Engine):
 
 
 async def test_loading_leaves_the_step_loop_as_the_only_engine_thread(engine: Engine):
-    """Weights load in a thread that ends (its OpenMP pool goes with it), so the step loop computes alone."""
+    """Weights load in a thread that ends (its OpenMP pool goes with it), so the step loop computes
+    alone."""
     names = [t.name for t in threading.enumerate()]
     assert "worker-step-loop" in names
     assert not [n for n in names if n.startswith("worker-load")]
@@ -135,7 +137,8 @@ async def test_concurrent_streams_interleave(engine: Engine):
     order: list[str] = []
 
     async def consume(name: str) -> None:
-        # a chunk carries every token that queued up while its reader lagged: count tokens, not chunks
+        # a chunk carries every token that queued up while its reader lagged: count tokens, not
+        # chunks
         async for chunk in engine.generate(_request(SamplingParams(temperature=0, max_tokens=30), request_id=name)):
             order.extend([name] * len(chunk.token_ids))
 
@@ -221,8 +224,8 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
     tiny_dir: Path, fp32_engine: Engine, caplog: pytest.LogCaptureFixture
 ):
     expected = await _greedy_texts(fp32_engine, 4, max_tokens=30)
-    # prompts computed 16 tokens per step; a cache of 2 contexts of 64 tokens for 4 sequences of ~59:
-    # the newest are preempted and recomputed
+    # prompts computed 16 tokens per step; a cache of 2 contexts of 64 tokens for 4 sequences of
+    # ~59: the newest are preempted and recomputed
     small = Engine.from_checkpoint(
         tiny_dir, dtype=EXACT_DTYPE, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
         cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
@@ -280,7 +283,8 @@ async def test_penalties_and_logprobs(engine: Engine):
         assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
         for token_id, lp in zip(c.token_ids, c.logprobs, strict=True):
             assert len(lp.top) == 3 and lp.logprob <= 0
-            assert lp.logprob == pytest.approx(lp.top[0].logprob)  # greedy took the most likely token
+            # greedy took the most likely token
+            assert lp.logprob == pytest.approx(lp.top[0].logprob)
             assert lp.token == engine.tokenizer.decode([token_id])
     assert (await _run(engine, _request(SamplingParams(temperature=0, max_tokens=2))))[0].logprobs is None
 
@@ -342,8 +346,9 @@ async def test_per_request_batch_limit_runs_a_request_alone(engine: Engine):
 async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
     request: pytest.FixtureRequest, checkpoint: str
 ):
-    """One code path downstream of the model: the paged latent cache, a batch of prefills in 8-token chunks
-    and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32 pinned)."""
+    """One code path downstream of the model: the paged latent cache, a batch of prefills in 8-token
+    chunks and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32
+    pinned)."""
     model_dir = request.getfixturevalue(checkpoint)
     engine = Engine.from_checkpoint(model_dir, dtype="float32", parallel=ParallelSection(prefill_chunk_size=8),
                                     cache=CacheSection(block_size=4))
@@ -356,7 +361,8 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
         hf = transformers_model(engine.model, read_config(model_dir)[0])
     finally:
         await engine.close()
-    assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)  # the shared prefix was reused
+    # the shared prefix was reused
+    assert all(chunks[-1].cached_prompt_tokens > 0 for chunks in together)
     assert _ids(first) == _ids(together[0])
     for prompt, chunks in zip(prompts, together, strict=True):
         ids = torch.tensor([engine.tokenizer.encode(prompt)])

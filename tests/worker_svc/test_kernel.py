@@ -1,4 +1,5 @@
-"""The FP8 arithmetic on CPU (kernel.py's reference implementation) against the formulas it implements."""
+"""The FP8 arithmetic on CPU (kernel.py's reference implementation) against the formulas it
+implements."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,8 @@ from worker_svc.kernel import (
 )
 
 # E4M3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself; values below
-# the smallest normal (2^-6, in units of the group scale) move by at most half the subnormal step 2^-10.
+# the smallest normal (2^-6, in units of the group scale) move by at most half the subnormal step
+# 2^-10.
 _E4M3_REL_ERROR = 2.0**-4
 _E4M3_SUBNORMAL_ABS_ERROR = 2.0**-10
 # fp8_gemm sums per-block scaled products; dequantize-then-matmul scales first. Same real number,
@@ -68,7 +70,8 @@ def test_weight_dequant_formula():
         for j in range(260):
             expected[i, j] = q[i, j].float() * scale[i // 128, j // 128]
     assert torch.equal(weight_dequant(q, scale), expected)
-    assert (weight_dequant(q, scale) - w).abs().max() < 0.1 * w.abs().max()  # e4m3 keeps ~2 significant bits
+    # e4m3 keeps ~2 significant bits
+    assert (weight_dequant(q, scale) - w).abs().max() < 0.1 * w.abs().max()
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 256, 128), (5, 320, 384), (64, 192, 640)])
@@ -80,7 +83,8 @@ def test_fp8_gemm_matches_dequantize_then_matmul(m, n, k):
     got = fp8_gemm(a_fp8, a_scale, b_fp8, b_scale, out_dtype=torch.float32)
     assert got.shape == (m, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=_GEMM_RTOL, atol=_GEMM_RTOL * float(expected.abs().max()))
-    assert fp8_gemm(a_fp8, a_scale, b_fp8, b_scale).dtype == torch.bfloat16  # DeepSeek's default output
+    # DeepSeek's default output
+    assert fp8_gemm(a_fp8, a_scale, b_fp8, b_scale).dtype == torch.bfloat16
 
 
 def test_fp8_gemm_rejects_bad_inputs():
@@ -109,14 +113,16 @@ def test_act_quant_rejects_non_divisible_or_strided_input():
 
 
 def test_fp8_linear_pads_a_partial_k_block():
-    """A checkpoint weight of width 320 (2.5 blocks), padded at load; the input is padded to match."""
+    """A checkpoint weight of width 320 (2.5 blocks), padded at load; the input is padded to
+    match."""
     x = _randn(3, 7, 320, seed=4).to(torch.bfloat16)
     w_fp8, w_scale = weight_quant(_randn(192, 320, seed=5) / 320**0.5)
     y = fp8_linear(x, pad_to_blocks(w_fp8), w_scale)
     assert y.shape == (3, 7, 192) and y.dtype == torch.bfloat16
     x_fp8, x_scale = act_quant(F.pad(x.float(), (0, 64)))
     expected = _dequant_activations(x_fp8, x_scale)[..., :320] @ weight_dequant(w_fp8, w_scale).T
-    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)  # the bf16 output's rounding
+    # the bf16 output's rounding
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="input width 128 does not fit"):
         fp8_linear(x[..., :128], pad_to_blocks(w_fp8), w_scale)
 
@@ -129,7 +135,8 @@ def test_no_native_fp8_gemm_on_cpu():
                     reason="needs a CUDA sm90 GPU with the native block-wise FP8 GEMM")
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
 def test_native_fp8_gemm_matches_the_reference_at_every_token_count(m):
-    """cuBLASLt refuses M % 8 != 0 (decode batches): fp8_gemm pads those rows and drops their outputs."""
+    """cuBLASLt refuses M % 8 != 0 (decode batches): fp8_gemm pads those rows and drops their
+    outputs."""
     device = torch.device("cuda")
     a_fp8, a_scale = act_quant(_randn(m, 384, seed=m).to(device))
     b_fp8, b_scale = weight_quant(_randn(368, 384, seed=1).to(device) / 384**0.5)

@@ -1,4 +1,5 @@
-"""Cache blocks: allocation, release, prefix caching by block hash, eviction, and the cache's size."""
+"""Cache blocks: allocation, release, prefix caching by block hash, eviction, and the cache's
+size."""
 from __future__ import annotations
 
 import torch
@@ -44,9 +45,11 @@ def test_prefix_match_reuses_full_blocks_but_never_the_last_tokens_block():
     assert manager.match_prefix(second, [*prompt, 7, 8]) == 8
     assert second.blocks == first.blocks[:2]
     exact = BlockTable()
-    assert manager.match_prefix(exact, prompt[:8]) == 4  # the block holding token 8 must be computed
+    # the block holding token 8 must be computed
+    assert manager.match_prefix(exact, prompt[:8]) == 4
     other = BlockTable()
-    assert manager.match_prefix(other, [1, *prompt[1:]]) == 0  # a different first token changes every hash
+    # a different first token changes every hash
+    assert manager.match_prefix(other, [1, *prompt[1:]]) == 0
 
 
 def test_freed_blocks_stay_cached_until_needed():

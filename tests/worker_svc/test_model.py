@@ -1,5 +1,5 @@
-"""Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM
-on the same weights."""
+"""Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM /
+DeepseekV2ForCausalLM on the same weights."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,14 +23,17 @@ from worker_svc.sizing import model_size
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
 GREEDY_STEPS = 32
-# bf16 (what the policy serves on AVX512-BF16/AMX CPUs) against fp32 on the same weights: observed max |diff|
-# 0.8-1.8% of max |logit| on both tiny checkpoints; teacher-forced greedy agreed at 32 (tiny) and 30 (variant)
-# of 32 steps (62 of 64 each over 64), every miss a near-tie in fp32 (gap 0.0001-0.014).
+# bf16 (what the policy serves on AVX512-BF16/AMX CPUs) against fp32 on the same weights: observed
+# max |diff| 0.8-1.8% of max |logit| on both tiny checkpoints; teacher-forced greedy agreed at 32
+# (tiny) and 30 (variant) of 32 steps (62 of 64 each over 64), every miss a near-tie in fp32 (gap
+# 0.0001-0.014).
 BF16_LOGITS_RTOL = 0.03
 BF16_GREEDY_STEPS, BF16_GREEDY_AGREEMENT = 32, 0.9
-BF16_NEAR_TIE = 0.05  # largest fp32 logit gap between fp32's and bf16's greedy choices where they differ
+# largest fp32 logit gap between fp32's and bf16's greedy choices where they differ
+BF16_NEAR_TIE = 0.05
 # FP8 weights on both sides, bf16 compute on both; the FP8 path adds 1x128 activation quantization
-# (~2^-4 relative rounding per element): observed max |diff| 4-6% of max |logit| on the tiny checkpoint.
+# (~2^-4 relative rounding per element): observed max |diff| 4-6% of max |logit| on the tiny
+# checkpoint.
 FP8_LOGITS_RTOL = 0.1
 
 
@@ -72,7 +75,8 @@ def test_last_token_logits_match_transformers(models):
 
 
 def test_a_batch_of_prompts_matches_transformers(models):
-    """Three sequences in one forward pass (each in its own cache block) give transformers' batched logits."""
+    """Three sequences in one forward pass (each in its own cache block) give transformers' batched
+    logits."""
     ours, hf, config = models
     tokens = torch.cat([_prompt(config, 24, seed=seed) for seed in (1, 2, 3)])
     with torch.no_grad():
@@ -102,8 +106,9 @@ def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
                          ids=["yarn", "yarn-attention_factor-untruncated"])
 def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict):
-    """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files rope_scaling (type)
-    with rope_theta beside it. Either way the engine serves YaRN, as transformers does."""
+    """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files
+    rope_scaling (type) with rope_theta beside it. Either way the engine serves YaRN, as
+    transformers does."""
     config = json.loads((variant_dir / "config.json").read_text())
     yarn = {k: v for k, v in config.pop("rope_scaling").items() if k != "type"} | extra
     del config["rope_theta"]
@@ -117,7 +122,8 @@ def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: 
     with torch.no_grad():
         expected = transformers_model(new, new_config)(tokens).logits[:, -1]
     torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
-    # without YaRN and that theta the same weights give other logits: what a misread file would serve
+    # without YaRN and that theta the same weights give other logits: what a misread file would
+    # serve
     new.freqs_cis = precompute_freqs_cis(dataclasses.replace(new.args, rope_type="default", rope_theta=10000.0))
     assert (new(tokens, 0, new.setup_cache(1, 64)) - expected).abs().max() > 100 * LOGITS_ATOL
 
@@ -171,7 +177,8 @@ def test_model_smoke_run():
 
 
 def test_fp8_weights_match_the_dequantized_path(tiny_dir: Path, caplog: pytest.LogCaptureFixture):
-    """The sm90 arithmetic (reference implementation on CPU): FP8 weights + act_quant -> fp8_gemm."""
+    """The sm90 arithmetic (reference implementation on CPU): FP8 weights + act_quant ->
+    fp8_gemm."""
     with caplog.at_level(logging.INFO, logger="worker_svc.checkpoint"):
         fp8, config = load_checkpoint(tiny_dir, FP8)
     assert "FP8 linear weights" in caplog.text
@@ -216,7 +223,8 @@ def test_dense_linear_matches_f_linear(rows: int):
 
 
 def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
-    """q_a|kv_a and each MLP's gate|up are one GEMM; the Linears hold views, so the state dict is unchanged."""
+    """q_a|kv_a and each MLP's gate|up are one GEMM; the Linears hold views, so the state dict is
+    unchanged."""
     model, _ = load_checkpoint(tiny_dir)
     attn, mlp = model.layers[0].self_attn, model.layers[1].mlp.experts[0]
     assert attn.wq_kv_a.data_ptr() == attn.q_a_proj.weight.data_ptr()
@@ -228,7 +236,8 @@ def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
 
 
 def test_model_sizes_count_what_the_model_holds(model_dir: Path):
-    """The simulated engine's size arithmetic (no torch) against the built model and its BF16 cache."""
+    """The simulated engine's size arithmetic (no torch) against the built model and its BF16
+    cache."""
     model, config = load_checkpoint(model_dir)
     sizes = model_size(config)
     assert sizes.params == sum(t.numel() for t in model.state_dict().values())

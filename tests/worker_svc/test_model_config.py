@@ -1,4 +1,5 @@
-"""config.json -> ModelArgs: each field family is read as transformers reads it, or refused by name."""
+"""config.json -> ModelArgs: each field family is read as transformers reads it, or refused by
+name."""
 from __future__ import annotations
 
 import json
@@ -28,13 +29,15 @@ def _config(**changes: Any) -> dict[str, Any]:
         # attention sizes
         ({"q_lora_rank": None}, "q_lora_rank", 0),
         ({"kv_lora_rank": 64, "v_head_dim": 48}, "v_head_dim", 48),
-        # MoE routing; transformers' defaults where a key is absent (save_pretrained drops keys equal to them)
+        # MoE routing; transformers' defaults where a key is absent (save_pretrained drops keys
+        # equal to them)
         ({"norm_topk_prob": False}, "norm_topk_prob", False),
         ({"routed_scaling_factor": 1.5}, "route_scale", 1.5),
         ({"routed_scaling_factor": ...}, "route_scale", 2.5),
         ({"n_group": 4, "topk_group": 2}, "n_limited_groups", 2),
         ({"topk_method": ..., "scoring_func": ...}, "n_expert_groups", 2),
-        ({"first_k_dense_replace": ...}, "n_dense_layers", 3),  # transformers' default: past 2 layers, all dense
+        # transformers' default: past 2 layers, all dense
+        ({"first_k_dense_replace": ...}, "n_dense_layers", 3),
         # norms, vocabulary
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps", 1e-5),
         ({"vocab_size": 2048}, "vocab_size", 2048),
@@ -73,7 +76,8 @@ def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, e
         ({"n_group": None}, "n_group: None is not a positive integer"),
         ({"norm_topk_prob": None}, "norm_topk_prob: None is not true or false"),
         ({"routed_scaling_factor": 0.0}, "routed_scaling_factor: 0.0 is not a positive number"),
-        ({"routed_scaling_factor": 2}, "field 'routed_scaling_factor'.* expected float, got int"),  # as transformers
+        # as transformers
+        ({"routed_scaling_factor": 2}, "field 'routed_scaling_factor'.* expected float, got int"),
         ({"moe_layer_freq": 2}, "moe_layer_freq: 2 is not implemented"),
         ({"moe_layer_freq": True}, "moe_layer_freq: True is not implemented"),
         ({"first_k_dense_replace": -1}, "first_k_dense_replace: -1 is not an integer >= 0"),

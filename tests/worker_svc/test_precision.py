@@ -19,8 +19,10 @@ from worker_svc.precision import (
     ("device", "cc", "fp8_gemm", "cpu_bf16", "expected"),
     [
         ("cuda", "9.0", True, False, "fp8"),  # H100/H200/H800 with torch's block-wise scaled_mm
-        ("cuda", "9.0", False, False, "bf16"),  # Hopper, but a torch/CUDA without the block-wise GEMM
-        ("cuda", "10.0", False, False, "bf16"),  # B200: cuBLASLt's DeepSeek-style scaling is sm90-only
+        # Hopper, but a torch/CUDA without the block-wise GEMM
+        ("cuda", "9.0", False, False, "bf16"),
+        # B200: cuBLASLt's DeepSeek-style scaling is sm90-only
+        ("cuda", "10.0", False, False, "bf16"),
         ("cuda", "8.9", False, False, "bf16"),  # L40S: FP8 only with a tested kernel, none here
         ("cuda", "8.0", False, False, "bf16"),  # A100
         ("cuda", "7.0", False, False, "fp16"),  # V100: no BF16

@@ -29,7 +29,8 @@ def _seq(prompt_len: int, *, max_parallel: int = 8, timeout_s: float = 0.0, firs
 
 
 def _run_step(s: Scheduler) -> SchedulerOutput:
-    """schedule(), then what the engine does after the forward pass: a token for each sequence that samples."""
+    """schedule(), then what the engine does after the forward pass: a token for each sequence that
+    samples."""
     out = s.schedule()
     sampled = [x.seq for x in out.scheduled if x.samples]
     s.complete_step(out)
@@ -54,7 +55,8 @@ def test_decodes_run_beside_a_chunked_prefill_within_the_budget():
     while long.num_computed < 40:
         out = _run_step(s)
         steps.append(out)
-        assert all(_tokens(out)[d.seq_id] == 1 for d in decoders)  # no decode waits for the long prompt
+        # no decode waits for the long prompt
+        assert all(_tokens(out)[d.seq_id] == 1 for d in decoders)
         assert [x.num_tokens for x in out.scheduled][:3] == [1, 1, 1]  # single-token group first
         assert _tokens(out)[long.seq_id] <= 16
     assert [_tokens(o)[long.seq_id] for o in steps] == [16, 16, 8]
@@ -117,7 +119,8 @@ def test_a_request_is_held_for_the_batch_timeout_unless_the_batch_fills():
     s.add_request(pair[0])
     assert _run_step(s).scheduled == []
     s.add_request(pair[1])
-    assert set(_tokens(_run_step(s))) == {p.seq_id for p in pair}  # the batch is full: no more waiting
+    # the batch is full: no more waiting
+    assert set(_tokens(_run_step(s))) == {p.seq_id for p in pair}
 
 
 def test_cache_exhaustion_preempts_the_newest_and_recomputes_it():
@@ -135,7 +138,8 @@ def test_cache_exhaustion_preempts_the_newest_and_recomputes_it():
     out = _run_step(s)
     # recomputed in one chunk, but for its first block, still in the prefix cache
     assert _tokens(out) == {new.seq_id: 4} and new.num_computed == 8
-    assert out.scheduled[0].samples and new.num_cached_prompt_tokens == 0  # usage counts the first admission
+    # usage counts the first admission
+    assert out.scheduled[0].samples and new.num_cached_prompt_tokens == 0
 
 
 def test_abort_frees_the_blocks_of_running_and_waiting_sequences():

@@ -1,4 +1,5 @@
-"""The Worker gRPC service on loopback: admission, cancellation, malformed input, usage and logprobs."""
+"""The Worker gRPC service on loopback: admission, cancellation, malformed input, usage and
+logprobs."""
 from __future__ import annotations
 
 import asyncio

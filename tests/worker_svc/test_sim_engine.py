@@ -59,8 +59,9 @@ def test_roofline_orders_the_gpus_and_grows_with_batch_and_prompt():
     assert h100.decode_step_s(1, 0) == pytest.approx(8e9 / 3.35e12, rel=0.05)
 
 
-# DeepSeek-V3(.2) on 8 x H200, as the simulated fleet configures them: 61 layers of MLA with 128 heads;
-# a latent of 512 + 64 in BF16; V3.2's indexer: 64 heads of 128, keys in FP8 with one float32 scale.
+# DeepSeek-V3(.2) on 8 x H200, as the simulated fleet configures them: 61 layers of MLA with 128
+# heads; a latent of 512 + 64 in BF16; V3.2's indexer: 64 heads of 128, keys in FP8 with one float32
+# scale.
 _MLA = {"total_params_b": 671, "active_params_b": 37, "gpu_count": 8, "kv_bytes_per_token": 61 * 576 * 2,
         "attention_flops_per_key": 61 * 128 * 2 * (576 + 512)}
 _DSA = {"index_topk": 2048, "index_bytes_per_token": 61 * (128 + 4), "index_flops_per_key": 61 * 64 * 2 * 128}
@@ -69,7 +70,8 @@ _DSA = {"index_topk": 2048, "index_bytes_per_token": 61 * (128 + 4), "index_flop
 def test_sparse_attention_past_index_topk_costs_only_the_indexer():
     v3, v32 = sim_engine("H200", **_MLA).roofline, sim_engine("H200", **_MLA, **_DSA).roofline
     topk, profile = _DSA["index_topk"], v32.profile
-    assert v32.decode_step_s(1, 1000, v32.attended(1000)) > v3.decode_step_s(1, 1000)  # the indexer's extra
+    # the indexer's extra
+    assert v32.decode_step_s(1, 1000, v32.attended(1000)) > v3.decode_step_s(1, 1000)
     batch = 64  # of 64k-token contexts: attention, not the weights, sets the step time
     assert v32.decode_step_s(batch, batch * 64_000, batch * topk) < v3.decode_step_s(batch, batch * 64_000) / 3
     # past index_topk each decode step grows by the indexer's bytes and FLOPs per token only
@@ -291,7 +293,8 @@ def test_a_sim_worker_never_imports_torch():
 
 
 def test_bundled_models_have_the_published_sizes():
-    """Counted from the config.json shapes: DeepSeek's own figures (total B, activated B per token)."""
+    """Counted from the config.json shapes: DeepSeek's own figures (total B, activated B per
+    token)."""
     for name, total_b, active_b in [("DeepSeek-V3", 671, 37), ("DeepSeek-V2", 236, 21),
                                     ("DeepSeek-V2.5", 236, 21), ("DeepSeek-V2-Lite", 15.7, 2.4)]:
         assert model_size_of(name).params == pytest.approx(total_b * 1e9, rel=0.01), name
@@ -304,14 +307,17 @@ def test_bundled_models_have_the_published_sizes():
 def test_a_sim_worker_is_sized_by_a_bundled_model():
     lite = sim_engine("A100", model="DeepSeek-V2-Lite")
     assert lite.capabilities.weight_bytes == model_size_of("DeepSeek-V2-Lite").params * 2  # bf16
-    # BF16 weights run BF16 on an H100 too (nothing to keep in FP8); DeepSeek-V3's FP8 weights run FP8
+    # BF16 weights run BF16 on an H100 too (nothing to keep in FP8); DeepSeek-V3's FP8 weights run
+    # FP8
     assert sim_engine("H100", model="DeepSeek-V2-Lite").capabilities.precision == "bf16"
     assert sim_engine("H100", model="DeepSeek-V3", gpu_count=16).capabilities.precision == "fp8"
     # 80 GB x 0.9 less ~31 GB of weights, 31104 bytes a token: about 1.3M tokens of cache
     assert lite.roofline.kv_capacity_tokens == pytest.approx((72e9 - 31.4e9) / 31104, rel=0.01)
-    assert lite.roofline.decode_step_s(1, 0) < sim_engine("A100").roofline.decode_step_s(1, 0)  # 2.4B < 8B active
+    # 2.4B < 8B active
+    assert lite.roofline.decode_step_s(1, 0) < sim_engine("A100").roofline.decode_step_s(1, 0)
     with pytest.raises(ValueError, match="leave no KV cache"):
-        sim_engine("H200", model="DeepSeek-V3", gpu_count=1)  # 671 GB of FP8 weights on one 141 GB GPU
+        # 671 GB of FP8 weights on one 141 GB GPU
+        sim_engine("H200", model="DeepSeek-V3", gpu_count=1)
     assert sim_engine("H200", model="DeepSeek-V3", gpu_count=8).roofline.kv_capacity_tokens > 0
 
 

@@ -29,7 +29,8 @@ _V3_INDEX_TOTAL_SIZE = 688_586_727_753  # model.safetensors.index.json "total_si
 
 @pytest.mark.parametrize("checkpoint", ["tiny_dir", "v2_lite_dir", "v32_dir"])
 def test_the_tiny_checkpoints_tensors_and_bytes_are_the_arithmetics(checkpoint, request):
-    model_dir = request.getfixturevalue(checkpoint)  # FP8 V3, BF16 V2-Lite, FP8 V3.2 with its indexer
+    # FP8 V3, BF16 V2-Lite, FP8 V3.2 with its indexer
+    model_dir = request.getfixturevalue(checkpoint)
     config = load_config(model_dir)
     layers = config["num_hidden_layers"]
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
@@ -56,12 +57,13 @@ def test_the_bundled_configs_are_served_by_the_engine_and_have_the_published_siz
     assert set(bundled_models()) == {"DeepSeek-V3", "DeepSeek-V3.2-Exp", "DeepSeek-V2", "DeepSeek-V2.5",
                                      "DeepSeek-V2-Lite"}
     for name in bundled_models():
-        model_args(load_config(name))  # raises ConfigError for anything the engine does not implement
+        # raises ConfigError for anything the engine does not implement
+        model_args(load_config(name))
     v32, v2 = model_size_of("DeepSeek-V3.2-Exp"), model_size_of("DeepSeek-V2")
     assert abs(v32.checkpoint_params / 685e9 - 1) < 0.005  # "685B" with the MTP layer
     assert v32.kv_bytes_per_token("bf16") == 61 * (512 + 64 + 128) * 2
-    # per layer, the indexer's FP8 wq_b (8192 x 1536) and wk (128 x 7168) with their block scales, BF16
-    # k_norm (weight and bias) and weights_proj (64 x 7168)
+    # per layer, the indexer's FP8 wq_b (8192 x 1536) and wk (128 x 7168) with their block scales,
+    # BF16 k_norm (weight and bias) and weights_proj (64 x 7168)
     indexer = 8192 * 1536 + 64 * 12 * 4 + 128 * 7168 + 56 * 4 + 2 * 128 * 2 + 64 * 7168 * 2
     assert v32.weight_bytes("fp8") - model_size_of("DeepSeek-V3").weight_bytes("fp8") == 61 * indexer
     assert not v2.fp8_weights and v2.weight_bytes("bf16") == v2.stored_bytes == 2 * v2.params
@@ -72,12 +74,15 @@ def test_the_tiny_models_sizes_by_hand():
     size, vocab = model_size(config), config["vocab_size"]  # the BPE's 1024 and the special tokens
     embed_and_head, final_norm = 2 * vocab * 320, 320
     attention = (320 * 192 + 192 + 192 * 4 * (32 + 16)  # q_a, its norm, q_b
-                 + 320 * (160 + 16) + 160 + 160 * 4 * (32 + 32) + 4 * 32 * 320)  # kv_a, norm, kv_b, o
+                 # kv_a, norm, kv_b, o
+                 + 320 * (160 + 16) + 160 + 160 * 4 * (32 + 32) + 4 * 32 * 320)
     dense_layer = 2 * 320 + attention + 3 * 320 * 704
     expert = 3 * 320 * 192
-    moe_layer = 2 * 320 + attention + 8 * 320 + 8 + 8 * expert + expert  # gate, bias, routed, shared
+    # gate, bias, routed, shared
+    moe_layer = 2 * 320 + attention + 8 * 320 + 8 + 8 * expert + expert
     assert size.params == embed_and_head + final_norm + dense_layer + moe_layer
-    assert size.active_params == size.params - (8 - 2) * expert - (vocab - 1) * 320  # and other embedding rows
+    # and other embedding rows
+    assert size.active_params == size.params - (8 - 2) * expert - (vocab - 1) * 320
     assert size.kv_bytes_per_token("fp8") == size.kv_bytes_per_token("bf16") == 2 * (160 + 16) * 2
     assert size.kv_bytes_per_token("fp32") == 2 * (160 + 16) * 4
     assert size.weight_bytes("bf16") == size.weight_bytes("fp16") == 2 * size.params

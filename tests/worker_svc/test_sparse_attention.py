@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM on the same weights,
-through the engine's paged cache, and its checkpoints' errors."""
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM on the
+same weights, through the engine's paged cache, and its checkpoints' errors."""
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +33,8 @@ _WQ_B = "model.layers.1.self_attn.indexer.wq_b.weight"
 
 
 class Reference(NamedTuple):
-    """Our model and transformers' on the same FP32 weights, and transformers' greedy continuation of `prompt`."""
+    """Our model and transformers' on the same FP32 weights, and transformers' greedy continuation
+    of `prompt`."""
 
     ours: Transformer
     hf: DeepseekV32ForCausalLM
@@ -88,7 +89,8 @@ def test_last_token_logits_match_transformers(reference: Reference):
 
 @pytest.mark.parametrize("chunks", [[], [7, 13]], ids=["one-prefill", "chunked-prefill"])
 def test_greedy_generation_matches_transformers(reference: Reference, chunks: list[int]):
-    """A prompt of 40 tokens (> index_topk) and 32 decode steps past it, prefilled whole or in pieces."""
+    """A prompt of 40 tokens (> index_topk) and 32 decode steps past it, prefilled whole or in
+    pieces."""
     ours, prompt = reference.ours, reference.prompt
     cache = ours.setup_cache(1, prompt.size(1) + GREEDY_STEPS)
     pos = 0
@@ -105,7 +107,8 @@ def test_greedy_generation_matches_transformers(reference: Reference, chunks: li
 
 
 def test_attention_is_sparse_past_index_topk(v32_dir: Path):
-    """Up to index_topk tokens the indexer selects them all (dense attention); past it the output changes."""
+    """Up to index_topk tokens the indexer selects them all (dense attention); past it the output
+    changes."""
     sparse, config = load_checkpoint(v32_dir, torch.float32)
     dense, _ = load_checkpoint(v32_dir, torch.float32)
     dense.args.index_topk = 10**6  # the same weights, every token selected
@@ -132,15 +135,17 @@ def test_fp8_serving_keeps_the_indexer_projections_in_fp8(v32_dir: Path):
     indexer = model.layers[1].self_attn.indexer
     assert indexer.wq_b.weight.dtype == indexer.wk.weight.dtype == FP8
     assert indexer.wq_b.weight_scale_inv is not None
-    assert indexer.weights_proj.weight.dtype == torch.float32  # head weights stay fp32, as the router's
+    # head weights stay fp32, as the router's
+    assert indexer.weights_proj.weight.dtype == torch.float32
     assert indexer.k_norm.weight.dtype == torch.bfloat16
     logits = model(torch.arange(5, 45).unsqueeze(0), 0, model.setup_cache(1, 40))
     assert torch.isfinite(logits).all()
 
 
 def test_fp8_scoring_selects_nearly_the_exact_tokens():
-    """DeepSeek's FP8 indexer scoring (Hadamard, FP8 E4M3 per vector) against the exact scores: the same
-    top-k but for the near ties the rounding reorders (observed 98.6% of tokens on these random inputs)."""
+    """DeepSeek's FP8 indexer scoring (Hadamard, FP8 E4M3 per vector) against the exact scores: the
+    same top-k but for the near ties the rounding reorders (observed 98.6% of tokens on these random
+    inputs)."""
     generator = torch.Generator().manual_seed(0)
     seqlen, length, heads, dim, topk = 16, 4096, 8, 128, 2048
     q, keys = torch.randn(1, seqlen, heads, dim, generator=generator), torch.randn(1, length, dim, generator=generator)
@@ -156,8 +161,9 @@ def test_fp8_scoring_selects_nearly_the_exact_tokens():
 async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_transformers(
     v32_dir: Path, v32_reference: Reference, caplog: pytest.LogCaptureFixture
 ):
-    """Sequences of different lengths decode in one batch over the paged cache (latent and indexer keys),
-    prompts computed 16 tokens per step, the newest preempted and recomputed: each continues as alone in HF."""
+    """Sequences of different lengths decode in one batch over the paged cache (latent and indexer
+    keys), prompts computed 16 tokens per step, the newest preempted and recomputed: each continues
+    as alone in HF."""
     per_token = bytes_per_token(v32_reference.ours.args, torch.float32)
     engine = Engine.from_checkpoint(
         v32_dir, dtype="float32", max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
@@ -165,7 +171,8 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     )
     params = SamplingParams(temperature=0, max_tokens=20)  # 32 steps are checked alone, above
     prompts = ["Hello", "Multi-head latent attention caches a compressed latent vector.",
-               "The quick brown fox jumps over the lazy dog. A language model predicts the next token well."]
+               "The quick brown fox jumps over the lazy dog. "
+               "A language model predicts the next token well."]
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
             runs = [_ids(engine, GenerationRequest(str(i), None, p, params)) for i, p in enumerate(prompts)]
@@ -173,7 +180,8 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
         assert "preempting" in caplog.text
         again = await _ids(engine, GenerationRequest("again", None, prompts[2], params))
         caps = worker_info(WorkerConfig(), engine, "127.0.0.1:1").capabilities
-        assert (caps.model_type, caps.index_topk) == ("deepseek_v32", TOPK)  # what the router is told
+        # what the router is told
+        assert (caps.model_type, caps.index_topk) == ("deepseek_v32", TOPK)
     finally:
         await engine.close()
     hf = v32_reference.hf
@@ -182,7 +190,8 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     for prompt, (ids, _) in zip(prompts, results, strict=True):
         expected = _hf_greedy(hf, torch.tensor([engine.tokenizer.encode(prompt)]), len(ids))
         assert ids == expected and len(ids) > 10, prompt
-    assert again[0] == results[2][0] and again[1] > 0  # the prefix's latents and indexer keys were reused
+    # the prefix's latents and indexer keys were reused
+    assert again[0] == results[2][0] and again[1] > 0
 
 
 async def _ids(engine: Engine, request: GenerationRequest) -> tuple[list[int], int]:
@@ -191,7 +200,8 @@ async def _ids(engine: Engine, request: GenerationRequest) -> tuple[list[int], i
     return [t for c in chunks for t in c.token_ids], chunks[-1].cached_prompt_tokens
 
 
-# ----------------------------------------------------------------------------------------- bad input
+# ----------------------------------------------------------------------------------------- bad
+# input
 
 
 @pytest.fixture
@@ -250,7 +260,8 @@ def test_missing_indexer_tensor_is_named(v32_copy: Path):
 def test_wrong_indexer_shape_names_file_and_tensor(v32_copy: Path):
     _rewrite(v32_copy, lambda t: t.update({_WQ_B: t[_WQ_B][:-1].clone()}))
     rows, cols = TINY_DSA["index_n_heads"] * TINY_DSA["index_head_dim"], 192
-    match = rf"model\.safetensors: tensor {_WQ_B} has shape \({rows - 1}, {cols}\), expected \({rows}, {cols}\)"
+    match = (rf"model\.safetensors: tensor {_WQ_B} has shape \({rows - 1}, {cols}\), "
+             rf"expected \({rows}, {cols}\)")
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(v32_copy)
 

@@ -1,5 +1,6 @@
-"""Tool calls on the tiny checkpoint: its template renders DeepSeek-V3's tool format, the parser turns
-that format back into calls, and the engine decodes under grammars inside continuous batching."""
+"""Tool calls on the tiny checkpoint: its template renders DeepSeek-V3's tool format, the parser
+turns that format back into calls, and the engine decodes under grammars inside continuous
+batching."""
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,8 @@ def test_template_renders_tools_calls_and_results(tokenizer: Tokenizer):
     assert rendered.endswith(f"{OUTPUTS_BEGIN}<｜tool▁output▁begin｜>20C<｜tool▁output▁end｜>\n"
                              f"<｜tool▁output▁begin｜>25C<｜tool▁output▁end｜>{OUTPUTS_END}")
     ids = tokenizer.encode_chat(_HISTORY, tools)
-    assert ids.count(tokenizer.hf.convert_tokens_to_ids(CALL_BEGIN)) == 3  # two calls and the format line
+    # two calls and the format line
+    assert ids.count(tokenizer.hf.convert_tokens_to_ids(CALL_BEGIN)) == 3
 
 
 def test_parser_streams_calls_from_the_template_format(tokenizer: Tokenizer):
