@@ -126,6 +126,7 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected {typ.__name__}, got {raw!r}") from None
 
 
+@typing.dataclass_transform(frozen_default=True)
 def section(cls: type[T]) -> type[T]:
     """Decorator for a config section: a frozen dataclass."""
     return dataclasses.dataclass(frozen=True)(cls)

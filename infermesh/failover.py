@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
 
@@ -27,6 +27,10 @@ CALLER_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT
                            grpc.StatusCode.DEADLINE_EXCEEDED})
 
 Worker = TypeVar("Worker")
+Chunks: TypeAlias = AsyncGenerator[common_pb2.GenerateResponse, None]
+# A worker's Generate (streaming) or Complete (one reply) call, as call_chunks reads it.
+GenerateCall: TypeAlias = (grpc.aio.UnaryStreamCall[Any, common_pb2.GenerateResponse]
+                           | grpc.aio.UnaryUnaryCall[Any, common_pb2.GenerateResponse])
 T = TypeVar("T")
 
 
@@ -41,11 +45,11 @@ class StreamFailedError(Exception):
 
 async def stream_from_first(
     workers: Sequence[Worker],
-    open_stream: Callable[[Worker], AsyncIterator[common_pb2.GenerateResponse]],
+    open_stream: Callable[[Worker], Chunks],
     on_failure: Callable[[Worker, grpc.StatusCode, str, bool], None],
     worker_id: Callable[[Worker], str],
     stall_timeout_s: float | None = None,
-) -> AsyncIterator[common_pb2.GenerateResponse]:
+) -> Chunks:
     """The chunks of ``open_stream(worker)`` for the first of ``workers`` that serves the
     request. ``on_failure(worker, code, details, started)`` hears of each worker that
     failed (not of requests the caller got wrong). ``stall_timeout_s``: the longest wait
@@ -95,15 +99,18 @@ def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[g
     return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
 
 
-async def call_chunks(call: grpc.aio.Call, stream: bool,
-                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+async def call_chunks(call: GenerateCall, stream: bool) -> Chunks:
     """The chunks of a Generate call (``stream``) or the one reply of a Complete call, for
     stream_from_first; closing the iterator cancels the call if it still runs."""
     try:
         if not stream:
-            yield await _uncancelled(call, call)  # type: ignore[arg-type]
+            unary = cast(grpc.aio.UnaryUnaryCall[Any, common_pb2.GenerateResponse], call)
+            yield await _uncancelled(call, unary)
             return
-        while (chunk := await _uncancelled(call, call.read())) is not grpc.aio.EOF:
+        reads = cast(grpc.aio.UnaryStreamCall[Any, common_pb2.GenerateResponse], call)
+        # read() returns a response or grpc.aio.EOF at the stream's end
+        while isinstance(chunk := await _uncancelled(call, reads.read()),
+                         common_pb2.GenerateResponse):
             yield chunk
     finally:
         call.cancel()

@@ -17,7 +17,7 @@ Every key a Lua script or a transaction of infermesh touches shares one hash slo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
@@ -130,13 +130,15 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
     if target.mode == "cluster":
         return _RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
                             username=target.username, password=target.password,
-                            max_connections=max_connections, **sockets)
+                            max_connections=max_connections, socket_timeout=timeout_s,
+                            socket_connect_timeout=timeout_s)
     if target.mode == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=dict(sockets))
-        return sentinel.master_for(
+        master: _SentinelMaster = sentinel.master_for(
             target.service, redis_class=_SentinelMaster, connection_pool_class=_BlockingSentinelPool,
             max_connections=max_connections, timeout=timeout_s, db=target.db,
             username=target.username, password=target.password, **sockets, **retry_policy)
+        return master
     return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy))
 
@@ -162,7 +164,8 @@ class _SentinelMaster(redis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+        pool = cast(SentinelConnectionPool, self.connection_pool)  # as master_for built it
+        for sentinel in pool.sentinel_manager.sentinels:
             await sentinel.aclose()
 
 

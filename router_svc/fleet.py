@@ -151,7 +151,7 @@ class Fleet:
         assert entry is not None, f"slot {slot} is free"
         return entry
 
-    def group(self, model: str, precision: common_pb2.Precision.ValueType, gpu: str = "") -> Group:
+    def group(self, model: str, precision: common_pb2.Precision, gpu: str = "") -> Group:
         """The workers serving ``model`` in ``precision`` (UNSPECIFIED: any) on GPU kind ``gpu``
         ("": any); cached until the membership changes."""
         key = (model, precision, gpu)

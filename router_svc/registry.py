@@ -24,8 +24,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from infermesh.pb import common_pb2
 from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
@@ -33,6 +33,8 @@ from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_UNREACHABLE: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
 
 # Renews a worker's hash only while it exists: a heartbeat never resurrects an expired worker.
 _HEARTBEAT_LUA = """
@@ -131,11 +133,10 @@ class Registry:
         """Copies the registry from Redis into the fleet (one round trip for the index, one
         for the workers); drops the workers whose key expired."""
         taken_at = self.fleet.clock()
-        ids = sorted(i.decode() for i in await self._call(self._redis.smembers(self._index_key)))
+        members = await self._call(self._redis.smembers(self._index_key))
+        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in members)
         keys = [self._worker_key + worker_id for worker_id in ids]
-        calls = [call for key in keys for call in (
-            lambda pipe, key=key: pipe.hmget(key, "info", "load", "registered_at"),
-            lambda pipe, key=key: pipe.pttl(key))]
+        calls = [call for key in keys for call in _worker_reads(key)]
         replies = await self._call(self._pipelined(False, calls)) if ids else []
         gone = []
         for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2], strict=True):
@@ -178,7 +179,8 @@ class Registry:
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
 
-    async def _pipelined(self, transaction: bool, calls: list[Callable[[Any], object]]) -> list:
+    async def _pipelined(self, transaction: bool,
+                         calls: Sequence[Callable[[Any], object]]) -> list[Any]:
         """Queues ``calls`` (each given the pipeline) in one pipeline and runs it. Opening
         the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
         async with self._redis.pipeline(transaction=transaction) as pipe:
@@ -186,12 +188,12 @@ class Registry:
                 call(pipe)
             return await pipe.execute()
 
-    async def _call(self, awaitable):
+    async def _call(self, awaitable: Awaitable[T]) -> T:
         """Awaits a Redis call, turning a failure into RegistryUnavailableError and noting
         when Redis is back."""
         try:
             result = await awaitable
-        except (*REDIS_ERRORS, OSError) as e:
+        except _UNREACHABLE as e:
             message = f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
             if self._failure is None:
                 logger.error("%s; answering UNAVAILABLE until it is back", message)
@@ -201,3 +203,9 @@ class Registry:
             logger.info("worker registry (Redis at %s) reachable", self._where)
             self._failure = None
         return result
+
+
+def _worker_reads(key: str) -> tuple[Callable[[Any], object], Callable[[Any], object]]:
+    """The pipeline calls that read one worker's hash and its time to live."""
+    return (lambda pipe: pipe.hmget(key, "info", "load", "registered_at"),
+            lambda pipe: pipe.pttl(key))

@@ -41,7 +41,7 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     """What the choice looks at in a GenerateRequest."""
 
     model: str
-    precision: common_pb2.Precision.ValueType
+    precision: common_pb2.Precision
     prefix_key: int  # 64-bit hash of the prompt's leading bytes
     # How much of the hashed window the prompt fills, 0..1: a short prompt has little
     # cache to reuse, so its affinity counts for less.

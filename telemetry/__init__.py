@@ -15,7 +15,9 @@ import os
 import threading
 import warnings
 
+import grpc
 import opentelemetry.instrumentation.aiohttp_server as otel_aiohttp
+from aiohttp.typedefs import Middleware
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
@@ -65,17 +67,17 @@ _UNTRACED = grpc_filters.negate(grpc_filters.any_of(
     grpc_filters.method_name("Heartbeat"), grpc_filters.health_check()))
 
 
-def grpc_server_interceptors() -> list:
+def grpc_server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """Interceptors for ``grpc.aio.server``: continue the caller's trace."""
     return [aio_server_interceptor(filter_=_UNTRACED)] if tracing_enabled() else []
 
 
-def grpc_client_interceptors() -> list:
+def grpc_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """Interceptors for ``grpc.aio`` channels: carry the trace in metadata."""
     return aio_client_interceptors(filter_=_UNTRACED) if tracing_enabled() else []
 
 
-def aiohttp_middlewares() -> list:
+def aiohttp_middlewares() -> list[Middleware]:
     """The server-span middleware for an aiohttp app, honouring an incoming traceparent."""
     if not tracing_enabled():
         return []

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
+from opentelemetry.util.types import AttributeValue
 
 _tracer = trace.get_tracer("infermesh")
 PROVIDER = "infermesh"
@@ -18,7 +19,7 @@ def model_call_span(operation: str, model: str, *, max_tokens: int | None = None
                     top_p: float | None = None) -> Iterator[trace.Span]:
     """The ``{operation} {model}`` span around one generation (``chat``,
     ``text_completion``), with the request attributes set."""
-    attributes = {gen_ai.GEN_AI_OPERATION_NAME: operation, gen_ai.GEN_AI_REQUEST_MODEL: model,
+    attributes: dict[str, AttributeValue] = {gen_ai.GEN_AI_OPERATION_NAME: operation, gen_ai.GEN_AI_REQUEST_MODEL: model,
                   gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER}
     for key, value in ((gen_ai.GEN_AI_REQUEST_MAX_TOKENS, max_tokens),
                        (gen_ai.GEN_AI_REQUEST_TEMPERATURE, temperature),

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -84,7 +85,20 @@ def watch_fleet(workers: Callable[[], Iterable[tuple[str, str]]]) -> None:
     REGISTRY.register(_FleetCollector(workers))
 
 
-def watch_worker_load(load: Callable[[], object]) -> None:
+class WorkerLoad(Protocol):
+    """What the load gauges read (a common_pb2.Load)."""
+
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def tokens_per_second(self) -> float: ...
+
+
+def watch_worker_load(load: Callable[[], WorkerLoad]) -> None:
     """Exports a worker's load gauges, read at scrape time from ``load()`` (a common_pb2.Load)."""
     QUEUE_DEPTH.set_function(lambda: load().waiting)
     RUNNING_SEQUENCES.set_function(lambda: load().running)

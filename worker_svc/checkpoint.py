@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -75,7 +75,8 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), _SINGLE_FILE)
 
 
-def _open(path: Path, tensor: str | None = None):  # -> a memory-mapped safe_open handle
+def _open(path: Path, tensor: str | None = None) -> safe_open:
+    """A memory-mapped handle on the shard at ``path``."""
     needed_for = f" (needed for tensor {tensor})" if tensor else ""
     if not path.exists():
         raise CheckpointError(f"{path}: shard missing{needed_for}")
@@ -172,7 +173,7 @@ def load_checkpoint(
             name = "lm_head.weight" if key == "lm_head.weight" else f"model.{key}"
             tensor, scale_inv = _read_tensor(reader, name, expected[key])
             if scale_inv is not None and keep_fp8 and not key.endswith(_ABSORBED_WEIGHT):
-                model.get_submodule(key.removesuffix(".weight")).hold_fp8()
+                cast(Linear, model.get_submodule(key.removesuffix(".weight"))).hold_fp8()
                 state[key], state[key + "_scale_inv"] = pad_to_blocks(tensor).to(device), scale_inv.to(device)
                 continue
             if scale_inv is not None:
@@ -193,8 +194,9 @@ def load_checkpoint(
 
 
 def _log_weight_memory(model: Transformer) -> None:
-    fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale_inv is not None]
-    fp8_bytes = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in fp8)
+    fp8 = [(m.weight, m.weight_scale_inv) for m in model.modules()
+           if isinstance(m, Linear) and m.weight_scale_inv is not None]
+    fp8_bytes = sum(weight.nbytes + scale_inv.nbytes for weight, scale_inv in fp8)
     total = sum(t.nbytes for t in model.state_dict().values())
     logger.info("weights: %.1f MiB, of which %d FP8 linear weights with block scales %.1f MiB",
                 total / 2**20, len(fp8), fp8_bytes / 2**20)

@@ -7,7 +7,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_svc.engine_api import DeviceKind, Precision
+from infermesh.names import Precision
+from worker_svc.engine_api import DeviceKind
 
 _PROFILES_PATH = Path(__file__).with_name("gpu_profiles.toml")
 _BYTES_PER_WEIGHT: dict[Precision, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +199,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.weight_scale_inv: torch.Tensor | None
         self.register_buffer("weight_scale_inv", None)
 
     def hold_fp8(self) -> None:
@@ -368,6 +371,8 @@ class Indexer(nn.Module):
         # keys)
         if fp8:
             q, k = hadamard_rotate(q), hadamard_rotate(k)
+        if cache.index_k is None:
+            raise ValueError("a sparse-attention layer needs a cache with indexer keys")
         keys = cache.index_k[self.layer_id]
         keys.index_copy_(0, layout.write_slots, k)
         # [T, Hi]
@@ -511,7 +516,7 @@ def _best(grouped: torch.Tensor) -> torch.Tensor:
     return grouped.amax(dim=-1)
 
 
-_SCORES = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
+_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
 # how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score);
 # greedy: no groups
 _GROUP_SCORES = {"noaux_tc": _top2_sum, "group_limited_greedy": _best}
@@ -532,6 +537,7 @@ class Gate(nn.Module):
         self.args = args
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
         bias = torch.zeros(args.n_routed_experts, dtype=torch.float32) if args.topk_method == "noaux_tc" else None
+        self.e_score_correction_bias: torch.Tensor | None
         self.register_buffer("e_score_correction_bias", bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -612,9 +618,10 @@ class Transformer(nn.Module):
         Modules keep views into the packed weights, so state_dict() is unchanged; FP8 weights stay
         apart.
         """
-        for layer in self.layers:
+        for layer in cast(Iterator[Block], iter(self.layers)):
             layer.self_attn.pack()
-            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [layer.mlp.shared_experts, *layer.mlp.experts]
+            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [
+                layer.mlp.shared_experts, *cast(Iterator[MLP], iter(layer.mlp.experts))]
             for mlp in mlps:
                 mlp.pack()
 

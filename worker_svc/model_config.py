@@ -111,7 +111,7 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
 _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
-def _dsa_args(config: dict[str, Any]) -> dict[str, int]:
+def _dsa_args(config: dict[str, Any]) -> dict[str, Any]:
     """The indexer's fields of a deepseek_v32 config.json, read from the file itself: transformers'
     defaults would hide a missing one, and a V3.2 checkpoint without its indexer sizes cannot be
     served."""

@@ -70,5 +70,5 @@ class ModelRunner:
         pos = torch.arange(length, device=self.device)
         return self._tensor(padded)[:, pos // bs] * bs + pos % bs
 
-    def _tensor(self, values: list) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.engine_api import DeviceCapabilities, DeviceKind, Precision
+from infermesh.names import Precision
+from worker_svc.engine_api import DeviceCapabilities, DeviceKind
 from worker_svc.kernel import FP8, native_fp8_gemm_available
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from worker_svc.engine_api import Precision
+from infermesh.names import Precision
 from worker_svc.gpu_profiles import GpuProfile
 
 _BLOCK = 128  # weight_block_size of DeepSeek's FP8 checkpoints

@@ -8,11 +8,12 @@ end is held back until it is ruled out).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import jinja2
 import jinja2.meta
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -21,7 +22,10 @@ class Tokenizer:
     """Loaded from the checkpoint directory only (never downloaded)."""
 
     def __init__(self, model_dir: str | Path):
-        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if not isinstance(hf, PreTrainedTokenizerFast):  # grammars are compiled from its vocabulary
+            raise ValueError(f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)")
+        self.hf = hf
         if not self.hf.chat_template:
             raise ValueError(f"{model_dir}: tokenizer_config.json has no chat_template")
         self.eos_token_id: int | None = self.hf.eos_token_id
@@ -37,14 +41,19 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """`tools`: OpenAI-shaped function definitions, as HF templates take them."""
-        return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+        # tokenize=False: the rendered text
+        return cast(str, self.hf.apply_chat_template(messages, tools=hf_tools, tokenize=False,
+                                                     add_generation_prompt=True))
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages rendered with the checkpoint's chat template (BOS comes from the template)."""
         return list(self.hf.encode(self.render_chat(messages, tools), add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # one sequence of ids: one string
+        return cast(str, self.hf.decode(ids, skip_special_tokens=True,
+                                        clean_up_tokenization_spaces=False))
 
 
 class IncrementalDetokenizer:
