@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.kernel import (
     FP8,
+    GemmImpl,
     act_quant,
     fp8_gemm,
     fp8_linear,
@@ -60,7 +61,7 @@ def random_fp8_weight(n: int, k: int, device: torch.device) -> tuple[torch.Tenso
     return weight_quant(torch.randn(n, k, device=device, generator=generator) / k**0.5)
 
 
-def check_shapes(device: torch.device, impl: str) -> bool:
+def check_shapes(device: torch.device, impl: GemmImpl) -> bool:
     """Prints the error table for random weights; False if native and reference GEMMs disagree."""
     print(f"\n## Relative error, random FP8 weights, M = 64 tokens ({impl} GEMM)")
     print(f"{'N x K':<14}{'native vs reference':>22}{'FP8 vs BF16 linear':>22}")
@@ -126,7 +127,7 @@ def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     return begin.elapsed_time(end) / 1e3 / iters
 
 
-def time_shapes(device: torch.device, impl: str, tokens: tuple[int, ...], iters: int) -> None:
+def time_shapes(device: torch.device, impl: GemmImpl, tokens: tuple[int, ...], iters: int) -> None:
     print(f"\n## GEMM time, microseconds (speedup = BF16 time "
           f"/ FP8 time; target >= {_TARGET_SPEEDUP} at M >= 64)")
     print(f"{'N x K':<14}{'M':>6}{'BF16':>10}{'FP8 gemm':>10}{'speedup':>9}"
@@ -157,6 +158,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="check this script on a CPU: reference GEMM, M <= 64")
     ns = parser.parse_args()
     torch.manual_seed(0)
+    impl: GemmImpl
+    tokens: tuple[int, ...]
     if ns.dry_run:
         device, impl, tokens, iters = torch.device("cpu"), "reference", (1, 64), 2
         print("DRY RUN on the CPU with the reference GEMM: the figures say nothing about Hopper")

@@ -101,9 +101,9 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
                {name: cpu_after[name] - cpu_before[name] for name in pids})
 
 
-def _grpc_one(stub, model: str, max_tokens: int, unary: bool) -> Callable[[], Awaitable[int]]:
+def _grpc_one(stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub, model: str, max_tokens: int, unary: bool) -> Callable[[], Awaitable[int]]:
     request = common_pb2.GenerateRequest(
-        model=model, messages=[common_pb2.ChatMessage(**m) for m in _MESSAGES],
+        model=model, messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
     if unary:
         async def complete() -> int:

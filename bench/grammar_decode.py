@@ -27,6 +27,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -54,7 +55,7 @@ _LONG = {"type": "object", "properties": {
 def typical_tools() -> tuple[Tool, ...]:
     """Eight functions with the schemas agents send: strings, enums, numbers, arrays, nested
     objects."""
-    def obj(props: dict, required: list[str]) -> str:
+    def obj(props: dict[str, Any], required: list[str]) -> str:
         return json.dumps({"type": "object", "properties": props, "required": required, "additionalProperties": False})
 
     s, i = {"type": "string"}, {"type": "integer", "minimum": 0}

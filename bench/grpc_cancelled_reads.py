@@ -32,13 +32,13 @@ MODES = ("drained", "abandoned", "call_chunks")
 _WARMUP_CALLS = 2000
 
 
-async def _serve(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+async def _serve(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
     for _ in range(16):
         yield b"x" * 64
         await asyncio.sleep(0.002)
 
 
-async def _one(rpc: grpc.aio.UnaryStreamMultiCallable, mode: str) -> None:
+async def _one(rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes], mode: str) -> None:
     call = rpc(b"")
     first = asyncio.Event()
 
@@ -75,7 +75,8 @@ async def _start_server(serve: Callable[..., AsyncIterator[bytes]]) -> tuple[grp
 async def _measure(mode: str, calls: int, concurrency: int) -> float:
     server, port = await _start_server(_serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        rpc = channel.unary_stream("/bench.Stream/Generate")
+        rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            "/bench.Stream/Generate")
 
         async def clients(total: int) -> None:
             async def client(n: int) -> None:
@@ -93,13 +94,14 @@ async def _measure(mode: str, calls: int, concurrency: int) -> float:
 
 
 async def _chunk_cost(streams: int = 500, chunks: int = 64, rounds: int = 3) -> None:
-    async def serve(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def serve(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
         for _ in range(chunks):
             yield b"x" * 64
 
     server, port = await _start_server(serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        rpc = channel.unary_stream("/bench.Stream/Generate")
+        rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            "/bench.Stream/Generate")
 
         async def raw() -> None:
             async for _ in rpc(b""):

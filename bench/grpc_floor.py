@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -32,11 +34,17 @@ _SERVER_CORE, _CLIENT_CORE = 0, 1
 
 
 class _Idle(worker_pb2_grpc.WorkerServicer):
-    async def Generate(self, request, context):
+    async def Generate(self, request: common_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
+                                                         common_pb2.GenerateResponse],
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
         yield common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
-    async def Complete(self, request, context):
+    async def Complete(self, request: common_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
+                                                         common_pb2.GenerateResponse],
+                       ) -> common_pb2.GenerateResponse:
         return common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
                                            finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
@@ -90,7 +98,8 @@ def main() -> int:
         run(_serve(args.serve))
         return 0
     os.sched_setaffinity(0, {_CLIENT_CORE})
-    print(f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, uvloop {uvloop.__version__}; "
+    print(f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
+          f"uvloop {importlib.metadata.version('uvloop')}; "
           f"server on core {_SERVER_CORE}, client on core "
           f"{_CLIENT_CORE}, {args.duration:.0f} s per point")
     print(f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} "

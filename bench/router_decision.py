@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.pb import common_pb2
 from router_svc.config import RoutingSection
-from router_svc.fleet import Fleet
+from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.routing import Chooser, RouteRequest
 
 _KINDS = [  # (device name, precision, max_parallel, decode tokens/s)
@@ -70,7 +70,7 @@ def time_policy(policy: str, workers: int, decisions: int) -> list[float]:
     chooser = Chooser(RoutingSection(policy=policy))
     prefix_bytes = RoutingSection().prefix_bytes
     batch = requests(rng, decisions)
-    open_streams: collections.deque = collections.deque()
+    open_streams: collections.deque[WorkerEntry] = collections.deque()
     concurrent = workers * 3  # streams in flight across the fleet
     times = []
     for request in batch:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
@@ -55,8 +56,8 @@ from worker_svc.sim_engine import SimEngine
 MODEL = "sim-22b"
 FLEET = [("V100", 2), ("A100", 1), ("H100", 1), ("MI100", 2)] * 4  # (GPU profile, GPUs per worker)
 POLICIES = ("round_robin", "least_load", "balanced")
-_ENGINE = {"kind": "sim", "total_params_b": 22.0, "active_params_b": 22.0,
-           "kv_bytes_per_token": 393216}
+_ENGINE = EngineSection(kind="sim", total_params_b=22.0, active_params_b=22.0,
+                        kv_bytes_per_token=393216)
 _SHARED_PREFIXES = 100
 _SHARED_SHARE = 0.75  # of requests that start with one of the shared system prompts
 _SYSTEM_BYTES = (8000, 24000)  # ranges, ~4 bytes a token
@@ -70,7 +71,7 @@ def worker_config(i: int, router_address: str) -> WorkerConfig:
     gpu, count = FLEET[i]
     return WorkerConfig(server=ServerSection(port=0, worker_id=f"{gpu.lower()}-{i:02d}"),
                         router=RouterSection(address=router_address), model=ModelSection(name=MODEL),
-                        engine=EngineSection(gpu=gpu, gpu_count=count, **_ENGINE))
+                        engine=dataclasses.replace(_ENGINE, gpu=gpu, gpu_count=count))
 
 
 async def serve_fleet(router_address: str) -> None:
@@ -113,7 +114,9 @@ def workload(rng: random.Random, count: int, rate_per_s: float) -> list[Request]
     for _ in range(count):
         at += rng.expovariate(rate_per_s)
         if rng.random() < _SHARED_SHARE:
-            messages = (("system", rng.choice(systems)), ("user", words(rng, rng.randrange(*_QUESTION_BYTES))))
+            messages: tuple[tuple[str, str], ...] = (
+                ("system", rng.choice(systems)),
+                ("user", words(rng, rng.randrange(*_QUESTION_BYTES))))
         else:
             messages = (("user", words(rng, rng.randrange(*_UNIQUE_BYTES))),)
         requests.append(Request(at, messages, rng.randrange(*_MAX_TOKENS)))
@@ -196,7 +199,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wait_until(ready, what: str, timeout_s: float = 60.0) -> None:
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:

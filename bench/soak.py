@@ -26,8 +26,9 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -165,7 +166,8 @@ async def _load(base_url: str, keys: list[str], concurrency: int, until: float,
                                for key, c in zip(keys, per_key, strict=True)))
 
 
-async def _measured(load: Callable[[float, list[Outcome]], Awaitable[None]], probe: _Probe,
+async def _measured(load: Callable[[float, list[Outcome]], Coroutine[Any, Any, None]],
+                    probe: _Probe,
                     concurrency: int, duration_s: float,
                     window_s: float) -> list[tuple[Snapshot, list[Outcome]]]:
     outcomes: list[Outcome] = []

@@ -45,7 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
-from worker_svc.model import AttentionGroup, KVCache, ModelArgs, Transformer
+from worker_svc.model import MLA, AttentionGroup, KVCache, ModelArgs, Transformer
 
 V3_ARGS = ModelArgs(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16,
                     max_seq_len=32768, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=64,
@@ -103,6 +103,8 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
     scoring, sparse MLA, FP8 scoring's agreement); all but the first nan where no query sees more
     than index_topk tokens (the model attends densely then)."""
     a, mla = v32.args, v32.layers[0].self_attn
+    assert isinstance(mla, MLA) and mla.indexer is not None and cache.index_k is not None
+    indexer = mla.indexer
     positions = torch.arange(length - seqlen, length, device=device).expand(batch, seqlen)
     key_slots = torch.arange(batch, device=device).unsqueeze(1) * cache.block_size + torch.arange(length, device=device)
     group = AttentionGroup.build(0, positions, key_slots)
@@ -112,14 +114,14 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
     layer_cache, index_keys = cache.kv[0], cache.index_k[0][key_slots]
 
     def select() -> torch.Tensor:
-        return select_tokens(q_index, weights, index_keys, group.mask, a.index_topk, mla.indexer.softmax_scale)
+        return select_tokens(q_index, weights, index_keys, group.mask, a.index_topk, indexer.softmax_scale)
 
     full = fastest_s(lambda: mla._attend(query, group, layer_cache, None), repeats, device)
     if length <= a.index_topk:
         return full, float("nan"), float("nan"), float("nan")
     selected = select()
     fp8 = select_tokens_fp8(hadamard_rotate(q_index), weights, hadamard_rotate(index_keys), group.mask, a.index_topk,
-                            mla.indexer.softmax_scale)
+                            indexer.softmax_scale)
     agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
     q = query.unflatten(0, (batch, seqlen))
     scoring = fastest_s(select, repeats, device)

@@ -88,12 +88,14 @@ def run_hf(hf: PreTrainedModel, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     """(wall seconds, completion tokens) of one generate() over the batch `ids` [B, S]."""
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        # the model is a *ForCausalLM typed as PreTrainedModel, which has no generate()
+        out = hf.generate(  # type: ignore[operator]
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
     return time.perf_counter() - start, (out.size(1) - ids.size(1)) * ids.size(0)
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
@@ -124,7 +126,8 @@ def main() -> None:
     asyncio.run(engine.close())
 
     # the same dequantized weights, in our dtype
-    hf = transformers_model(engine.model, config).to(dtype)
+    # transformers types to() as taking the model itself
+    hf = transformers_model(engine.model, config).to(dtype)  # type: ignore[arg-type]
     hf.set_attn_implementation("sdpa")  # transformers' default attention (the test pins eager)
     ids = torch.tensor([engine.tokenizer.encode(t) for t in texts])
     run_hf(hf, ids[:1], 4)  # warm-up

@@ -27,10 +27,8 @@ CALLER_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT
                            grpc.StatusCode.DEADLINE_EXCEEDED})
 
 Worker = TypeVar("Worker")
+Reply = TypeVar("Reply")
 Chunks: TypeAlias = AsyncGenerator[common_pb2.GenerateResponse, None]
-# A worker's Generate (streaming) or Complete (one reply) call, as call_chunks reads it.
-GenerateCall: TypeAlias = (grpc.aio.UnaryStreamCall[Any, common_pb2.GenerateResponse]
-                           | grpc.aio.UnaryUnaryCall[Any, common_pb2.GenerateResponse])
 T = TypeVar("T")
 
 
@@ -99,19 +97,17 @@ def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[g
     return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
 
 
-async def call_chunks(call: GenerateCall, stream: bool) -> Chunks:
+async def call_chunks(call: grpc.aio.UnaryStreamCall[Any, Reply] | grpc.aio.UnaryUnaryCall[Any, Reply],
+                      stream: bool) -> AsyncGenerator[Reply, None]:
     """The chunks of a Generate call (``stream``) or the one reply of a Complete call, for
     stream_from_first; closing the iterator cancels the call if it still runs."""
     try:
         if not stream:
-            unary = cast(grpc.aio.UnaryUnaryCall[Any, common_pb2.GenerateResponse], call)
-            yield await _uncancelled(call, unary)
+            yield await _uncancelled(call, cast(grpc.aio.UnaryUnaryCall[Any, Reply], call))
             return
-        reads = cast(grpc.aio.UnaryStreamCall[Any, common_pb2.GenerateResponse], call)
-        # read() returns a response or grpc.aio.EOF at the stream's end
-        while isinstance(chunk := await _uncancelled(call, reads.read()),
-                         common_pb2.GenerateResponse):
-            yield chunk
+        reads = cast(grpc.aio.UnaryStreamCall[Any, Reply], call)
+        while (chunk := await _uncancelled(call, reads.read())) is not grpc.aio.EOF:
+            yield cast(Reply, chunk)  # read() is typed as a reply or EOF, which ended the loop
     finally:
         call.cancel()
 

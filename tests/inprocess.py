@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import tempfile
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -93,7 +94,7 @@ async def register_unreachable_worker(router: RunningRouter, worker_id: str = "d
 
 
 def sim_engine(gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64,
-               **engine: object) -> SimEngine:
+               **engine: Any) -> SimEngine:
     """A simulated engine on a GPU profile (max_parallel None: the GPU's default);
     ``engine`` overrides [engine] keys."""
     return SimEngine.from_config(WorkerConfig(

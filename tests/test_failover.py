@@ -22,7 +22,9 @@ class _SlowStream:
         self.then = "wait"
 
     async def generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
+                                                         common_pb2.GenerateResponse],
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
         yield common_pb2.GenerateResponse(token_ids=[1])
         if self.then == "abort":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
@@ -52,7 +54,9 @@ async def slow() -> AsyncIterator[tuple[_SlowStream, grpc.aio.Channel]]:
     await server.stop(None)
 
 
-def _call(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamCall:
+def _call(channel: grpc.aio.Channel,
+          ) -> grpc.aio.UnaryStreamCall[common_pb2.GenerateRequest, common_pb2.GenerateResponse]:
+    rpc: grpc.aio.UnaryStreamMultiCallable[common_pb2.GenerateRequest, common_pb2.GenerateResponse]
     rpc = channel.unary_stream(_METHOD, request_serializer=common_pb2.GenerateRequest.SerializeToString,
                                response_deserializer=common_pb2.GenerateResponse.FromString)
     return rpc(common_pb2.GenerateRequest(), timeout=30)

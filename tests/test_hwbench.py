@@ -139,6 +139,7 @@ async def _bench(*argv: str) -> tuple[int, str]:
         sys.executable, "-m", "infermesh", "bench", *argv, env={**os.environ},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await child.communicate()
+    assert child.returncode is not None  # communicate() waited for the exit
     return child.returncode, err.decode().strip()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -31,7 +32,7 @@ async def cluster_mesh(tmp_path) -> AsyncIterator[tuple[RedisClusterServers, obj
             await gateway.close()
 
 
-async def _json(response, status: int) -> dict:
+async def _json(response, status: int) -> dict[str, Any]:
     assert response.status == status, await response.text()
     return await response.json()
 

@@ -7,8 +7,8 @@ end is held back until it is ruled out).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import jinja2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -39,11 +40,11 @@ def _check_env(module: str, env: dict[str, str]) -> object:
     return load_config(cls, None, prefix, environ=overrides)
 
 
-def _compose() -> dict:
+def _compose() -> dict[str, Any]:
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 
 
-def _k8s() -> list[dict]:
+def _k8s() -> list[dict[str, Any]]:
     return [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
             for doc in yaml.safe_load_all(path.read_text()) if doc]
 

@@ -4,6 +4,7 @@ clients). Each scenario puts the mesh back as it found it."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -23,7 +24,7 @@ async def chaos(tmp_path_factory) -> AsyncIterator[ChaosMesh]:
         yield mesh
 
 
-def _served_and_counted(figures: dict) -> None:
+def _served_and_counted(figures: dict[str, Any]) -> None:
     accounts = figures["accounts"]
     assert accounts.recorded == accounts.delivered  # usage == tokens delivered, per key
     assert accounts.limited_rpm_counted == accounts.limited_served

@@ -37,12 +37,14 @@ def dev_mesh(redis_url: str, ports: tuple[int, int, int]) -> Iterator[tuple[subp
         if runner.poll() is None:
             runner.send_signal(signal.SIGINT)
             runner.wait(_STOP_TIMEOUT_S)
+        assert runner.stdout is not None  # stdout=PIPE
         runner.stdout.close()
 
 
 def _printed_key(runner: subprocess.Popen[str]) -> str:
     deadline = time.monotonic() + _START_TIMEOUT_S
     seen = []
+    assert runner.stdout is not None  # stdout=PIPE
     for line in runner.stdout:
         seen.append(line)
         if line.startswith("OPENAI_API_KEY="):

@@ -5,6 +5,7 @@ import asyncio
 import json
 import secrets
 import time
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,7 +96,7 @@ async def test_no_key_material_in_spans(mesh, api_key, otlp_receiver):
     assert exported and api_key not in exported and api_key[3:15] not in exported
 
 
-async def scrape(port: int | str) -> dict:
+async def scrape(port: int | str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(
             f"http://127.0.0.1:{port}/metrics") as response:
         assert response.status == 200

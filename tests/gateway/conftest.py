@@ -10,6 +10,7 @@ from typing import Any
 import openai
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import CONFIG, create_app
@@ -39,7 +40,7 @@ class GatewayTestServer(TestServer):
         return GatewayRunner(self.app, self.app[CONFIG].server, **kwargs)
 
 
-async def start_gateway(config: GatewayConfig) -> TestClient:
+async def start_gateway(config: GatewayConfig) -> TestClient[web.Request, web.Application]:
     client = TestClient(GatewayTestServer(create_app(config)))
     await client.start_server()
     return client
@@ -51,7 +52,7 @@ def config(redis_server) -> GatewayConfig:
 
 
 @pytest.fixture
-async def gateway(config) -> AsyncIterator[TestClient]:
+async def gateway(config) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     client = await start_gateway(config)
     yield client
     await client.close()
@@ -82,7 +83,7 @@ async def worker(tiny_engine, router):
 
 
 @pytest.fixture
-async def served(redis_server, router, worker) -> AsyncIterator[TestClient]:
+async def served(redis_server, router, worker) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     """A gateway in front of a real router and worker on the tiny model."""
     client = await start_gateway(make_config(redis_server.url, router.address))
     yield client
@@ -90,7 +91,7 @@ async def served(redis_server, router, worker) -> AsyncIterator[TestClient]:
 
 
 @pytest.fixture
-async def gateways(redis_server, router) -> AsyncIterator[list[TestClient]]:
+async def gateways(redis_server, router) -> AsyncIterator[list[TestClient[web.Request, web.Application]]]:
     """Two gateway apps on separate ports sharing Redis and the router: two
     processes' worth of local state."""
     clients = [await start_gateway(make_config(redis_server.url, router.address))
@@ -107,13 +108,13 @@ def auth(key: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def sdk(gateway: TestClient, key: str, base_path: str = "/v1", timeout: float = 10) -> openai.AsyncOpenAI:
+def sdk(gateway: TestClient[web.Request, web.Application], key: str, base_path: str = "/v1", timeout: float = 10) -> openai.AsyncOpenAI:
     """The official SDK pointed at the gateway, without retries."""
     return openai.AsyncOpenAI(base_url=str(gateway.make_url(base_path)), api_key=key,
                               max_retries=0, timeout=timeout)
 
 
-def with_server(config: GatewayConfig, **server: int) -> GatewayConfig:
+def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:
     return dataclasses.replace(config, server=ServerSection(**server))
 
 

@@ -111,6 +111,7 @@ async def _cli(gateway, *args: str, token: str = ADMIN_TOKEN) -> tuple[int, str,
         env={**os.environ, "INFERMESH_ADMIN_URL": str(gateway.make_url("")),
              "INFERMESH_ADMIN_TOKEN": token})
     out, err = await proc.communicate()
+    assert proc.returncode is not None  # communicate() waited for the exit
     return proc.returncode, out.decode(), err.decode()
 
 

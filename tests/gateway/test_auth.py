@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import openai
 import pytest
@@ -11,7 +12,7 @@ from infermesh.redis_server import RedisServer
 from tests.gateway.conftest import CHAT, auth, sdk
 
 
-async def _error(response) -> dict:
+async def _error(response) -> dict[str, Any]:
     assert response.content_type == "application/json"
     return (await response.json())["error"]
 

@@ -3,6 +3,7 @@ the status naming the problem, and no credential in any log line or error body."
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ def _port(gateway) -> int:
     return gateway.server.port
 
 
-def assert_openai_error(response: RawResponse, status: int) -> dict:
+def assert_openai_error(response: RawResponse, status: int) -> dict[str, Any]:
     assert response.status == status, response.body
     assert response.headers["content-type"].startswith("application/json")
     error = response.json()["error"]

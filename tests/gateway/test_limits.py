@@ -6,6 +6,7 @@ import asyncio
 import collections
 import dataclasses
 import time
+from typing import Any
 
 import openai
 import pytest
@@ -22,7 +23,7 @@ from tests.inprocess import MODEL, eventually
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
 
-async def _settled(redis_client, key: str, requests: int) -> dict:
+async def _settled(redis_client, key: str, requests: int) -> dict[str, Any]:
     """The key's usage once ``requests`` requests have been settled."""
     deadline = time.monotonic() + 5
     while (usage := await read_usage(redis_client, key_id(key), 1))["requests"] < requests:

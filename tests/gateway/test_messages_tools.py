@@ -2,6 +2,8 @@
 gateway, router and worker, with the official anthropic SDK."""
 from __future__ import annotations
 
+from typing import Any
+
 import anthropic
 import jsonschema
 import pytest
@@ -21,7 +23,7 @@ def _client(gateway, api_key) -> anthropic.AsyncAnthropic:
                                     max_retries=0, timeout=_SLOW)
 
 
-def _uses(message) -> list[tuple[str, dict]]:
+def _uses(message) -> list[tuple[str, dict[str, Any]]]:
     return [(b.name, b.input) for b in message.content if b.type == "tool_use"]
 
 

@@ -8,6 +8,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
 
 from infermesh import rawhttp
 from tests.gateway.conftest import make_config, start_gateway
@@ -16,7 +18,7 @@ _TIMEOUT_S = 0.5
 
 
 @pytest.fixture
-async def strict_gateway(redis_server) -> AsyncIterator:
+async def strict_gateway(redis_server) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     client = await start_gateway(make_config(
         redis_server.url, header_timeout_s=_TIMEOUT_S, body_timeout_s=_TIMEOUT_S,
         keepalive_timeout_s=_TIMEOUT_S))

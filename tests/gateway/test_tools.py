@@ -4,6 +4,7 @@ weights answer with well-formed calls whose arguments match their schema."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -114,8 +115,8 @@ async def test_round_trip_call_result_next_turn(served, api_key):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
-def _tool(name: str, parameters: dict | None = None) -> dict:
-    function: dict = {"name": name}
+def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
     if parameters is not None:
         function["parameters"] = parameters
     return {"type": "function", "function": function}

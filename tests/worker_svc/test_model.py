@@ -7,17 +7,27 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV3ForCausalLM
+from transformers import PreTrainedModel
 
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.hf_reference import transformers_model
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token
-from worker_svc.model import Linear, MoE, Transformer, dense_linear, precompute_freqs_cis, smoke_run
+from worker_svc.model import (
+    MLA,
+    MLP,
+    Linear,
+    MoE,
+    Transformer,
+    dense_linear,
+    precompute_freqs_cis,
+    smoke_run,
+)
 from worker_svc.sizing import model_size
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
@@ -38,12 +48,12 @@ FP8_LOGITS_RTOL = 0.1
 
 
 @pytest.fixture
-def models(model_dir: Path) -> tuple[Transformer, DeepseekV3ForCausalLM, dict]:
+def models(model_dir: Path) -> tuple[Transformer, PreTrainedModel, dict[str, Any]]:
     ours, config = load_checkpoint(model_dir, torch.float32)
     return ours, transformers_model(ours, config), config
 
 
-def _prompt(config: dict, length: int = 40, seed: int = 0) -> torch.Tensor:
+def _prompt(config: dict[str, Any], length: int = 40, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(5, config["vocab_size"], (1, length), generator=generator)
 
@@ -97,7 +107,7 @@ def test_greedy_generation_matches_transformers(models, chunks):
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
 
 
-def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
+def _checkpoint_with_config(model_dir: Path, out: Path, config: dict[str, Any]) -> Path:
     shutil.copytree(model_dir, out)
     (out / "config.json").write_text(json.dumps(config))
     return out
@@ -105,7 +115,7 @@ def _checkpoint_with_config(model_dir: Path, out: Path, config: dict) -> Path:
 
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
                          ids=["yarn", "yarn-attention_factor-untruncated"])
-def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict):
+def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict[str, Any]):
     """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files
     rope_scaling (type) with rope_theta beside it. Either way the engine serves YaRN, as
     transformers does."""
@@ -226,7 +236,10 @@ def test_projections_of_one_input_are_packed_into_one_weight(tiny_dir: Path):
     """q_a|kv_a and each MLP's gate|up are one GEMM; the Linears hold views, so the state dict is
     unchanged."""
     model, _ = load_checkpoint(tiny_dir)
-    attn, mlp = model.layers[0].self_attn, model.layers[1].mlp.experts[0]
+    attn, moe = model.layers[0].self_attn, model.layers[1].mlp
+    assert isinstance(attn, MLA) and isinstance(moe, MoE)
+    mlp = moe.experts[0]
+    assert isinstance(mlp, MLP) and attn.wq_kv_a is not None and mlp.gate_up is not None
     assert attn.wq_kv_a.data_ptr() == attn.q_a_proj.weight.data_ptr()
     assert torch.equal(attn.wq_kv_a[attn.q_a_proj.out_features :], attn.kv_a_proj_with_mqa.weight)
     assert torch.equal(mlp.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))

@@ -54,7 +54,7 @@ def _config(**changes: Any) -> dict[str, Any]:
          "rms_norm_eps", "vocab_size", "rope_theta", "rope_parameters-theta-inside", "rope_scaling-yarn",
          "yarn-factor-from-lengths", "yarn-attention_factor"],
 )
-def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, expected: Any):
+def test_fields_are_read_as_transformers_reads_them(changes: dict[str, Any], field: str, expected: Any):
     assert getattr(model_args(_config(**changes)), field) == expected
 
 
@@ -107,7 +107,7 @@ def test_fields_are_read_as_transformers_reads_them(changes: dict, field: str, e
          "rope-llama3", "yarn-unknown-key", "partial_rotary_factor", "yarn-no-factor", "yarn-beta-type", "rope_theta-negative",
          "yarn-truncate-type"],
 )
-def test_what_the_engine_does_not_implement_is_refused_by_name(changes: dict, match: str):
+def test_what_the_engine_does_not_implement_is_refused_by_name(changes: dict[str, Any], match: str):
     with pytest.raises(ConfigError, match=match):
         model_args(_config(**changes))
 

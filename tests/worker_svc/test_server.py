@@ -74,7 +74,7 @@ async def test_invalid_utf8_is_invalid_argument_and_the_worker_keeps_serving(tin
                                         response_deserializer=common_pb2.GenerateResponse.FromString)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [r async for r in generate(raw)]
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in (err.value.details() or "")
         assert len([r async for r in stub.Generate(_request(max_tokens=3))]) == 3
 
 
@@ -91,7 +91,7 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [r async for r in stub.Generate(request)]
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in err.value.details()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in (err.value.details() or "")
         assert len(first.token_ids) + sum([len(r.token_ids) async for r in good]) == 8
 
 
@@ -103,7 +103,7 @@ async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny
             await anext(running.__aiter__())
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [r async for r in stub.Generate(_request(max_tokens=2))]
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in (err.value.details() or "")
             running.cancel()
             await eventually(lambda: engine.load().running == 0)
             assert len([r async for r in stub.Generate(_request(max_tokens=2))]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -29,7 +30,7 @@ from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 _TOOLS = (Tool("get_weather", "Weather in a city", json.dumps(WEATHER)),)
-_HISTORY = [{"role": "user", "content": "weather?"},
+_HISTORY: list[dict[str, Any]] = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "Let me look.", "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
                 {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
@@ -52,7 +53,8 @@ def test_template_renders_tools_calls_and_results(tokenizer: Tokenizer):
                              f"<｜tool▁output▁begin｜>25C<｜tool▁output▁end｜>{OUTPUTS_END}")
     ids = tokenizer.encode_chat(_HISTORY, tools)
     # two calls and the format line
-    assert ids.count(tokenizer.hf.convert_tokens_to_ids(CALL_BEGIN)) == 3
+    call_begin = tokenizer.hf.convert_tokens_to_ids(CALL_BEGIN)
+    assert isinstance(call_begin, int) and ids.count(call_begin) == 3
 
 
 def test_parser_streams_calls_from_the_template_format(tokenizer: Tokenizer):
@@ -100,6 +102,7 @@ def test_grammar_text_per_tool_choice(tokenizer: Tokenizer):
     assert "start: TEXT? calls?" in lark_grammar(Constraints(_TOOLS), markers)
     assert "calls" not in lark_grammar(Constraints(_TOOLS, "none"), markers)
     assert lark_grammar(Constraints(json_schema=json.dumps(WEATHER)), markers).startswith("start: %json {")
+    assert tokenizer.eos_token_id is not None
     compiler = GrammarCompiler(tokenizer, len(tokenizer.hf), [tokenizer.eos_token_id])
     assert compiler.matcher(Constraints()) is None
     assert compiler.matcher(Constraints(_TOOLS, "required")) is not compiler.matcher(Constraints(_TOOLS, "required"))
