@@ -13,12 +13,12 @@ import matplotlib.image
 import pytest
 
 from gateway.keys import create_key_at
-from infermesh.__main__ import main
-from infermesh.hwbench import report
-from infermesh.hwbench.load import Sample
-from infermesh.hwbench.plots import SIZE_PX
-from infermesh.hwbench.results import Point, dominates
-from infermesh.redis_server import free_port
+from infermesh.cli import main
+from infermesh.cli.hwbench import report
+from infermesh.cli.hwbench.load import Sample
+from infermesh.cli.hwbench.plots import SIZE_PX
+from infermesh.cli.hwbench.results import Point, dominates
+from infermesh.ports import free_port
 from tests.gateway.conftest import ADMIN_TOKEN, make_config, start_gateway
 from tests.inprocess import running_router, running_worker, sim_engine
 

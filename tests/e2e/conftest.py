@@ -13,8 +13,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from gateway.keys import create_key_at
-from infermesh.mesh import Mesh, MeshSpec
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 MODEL = "tiny-deepseek-v3"

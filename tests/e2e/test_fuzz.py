@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from infermesh import fuzz
-from infermesh.mesh import Mesh, MeshSpec
-from infermesh.redis_server import free_port
+from infermesh.cli import fuzz
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.ports import free_port
 from tests.e2e.conftest import _create_key
 from worker_svc.config import DEFAULT_MODEL_PATH
 

@@ -15,7 +15,7 @@ import openai
 import psutil
 
 from infermesh.ports import port_in_use
-from infermesh.redis_server import free_port
+from infermesh.ports import free_port
 from tests.e2e.conftest import MODEL
 
 _START_TIMEOUT_S = 90.0

@@ -16,7 +16,7 @@ from gateway.app import CONFIG, create_app
 from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
 from gateway.http_server import GatewayRunner
 from gateway.keys import create_key
-from infermesh.redis_server import free_port
+from infermesh.ports import free_port
 from tests.inprocess import running_router, running_worker
 
 ADMIN_TOKEN = "test-admin-token-0123456789"

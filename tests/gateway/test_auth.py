@@ -7,7 +7,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.keys import create_key, disable_key, key_id
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from tests.gateway.conftest import CHAT, auth, sdk
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from gateway.http_server import log_redacted
-from infermesh import rawhttp
+from infermesh.cli import rawhttp
 from infermesh.rawhttp import RawResponse
 from tests.gateway.conftest import ADMIN_TOKEN
 

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from infermesh.pb import common_pb2, router_pb2
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from router_svc.config import RoutingSection
 from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
                              sim_engine, wait_for_workers)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from infermesh.pb import common_pb2
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from infermesh.redis_server import free_port
+from infermesh.ports import free_port
 from tests.inprocess import eventually, running_router, sim_engine, wait_for_workers
 from worker_svc import server as worker_server
 from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
