@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from infermesh.cli import main
+from infermesh.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

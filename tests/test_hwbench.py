@@ -13,7 +13,7 @@ import matplotlib.image
 import pytest
 
 from gateway.keys import create_key_at
-from infermesh.cli import main
+from infermesh.cli.main import main
 from infermesh.cli.hwbench import report
 from infermesh.cli.hwbench.load import Sample
 from infermesh.cli.hwbench.plots import SIZE_PX

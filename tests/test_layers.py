@@ -91,9 +91,9 @@ def test_no_module_imports_a_higher_floor_or_a_sibling_service() -> None:
     graph = import_graph()
     # the check ran on the real tree: the services, the shared floor and the CLI are all there
     assert {"gateway.app", "router_svc.server", "worker_svc.server", "infermesh.config",
-            "telemetry.metrics", "infermesh.cli"} <= set(graph)
+            "telemetry.metrics", "infermesh.cli.main"} <= set(graph)
     assert "infermesh.config" in graph["router_svc.config"]
-    assert "infermesh.cli.mesh" in graph["infermesh.cli"]
+    assert "infermesh.cli.mesh" in graph["infermesh.cli.main"]
     assert "telemetry" in graph["infermesh.grpc_server"]
 
 
