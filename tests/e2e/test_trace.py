@@ -9,7 +9,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL
+from tests.helpers import MODEL
 
 _SERVICES = {"infermesh-gateway", "infermesh-router", "infermesh-worker"}
 

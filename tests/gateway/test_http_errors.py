@@ -8,8 +8,8 @@ import pytest
 
 from gateway.http_server import log_redacted
 from infermesh.cli import rawhttp
-from infermesh.rawhttp import RawResponse
-from tests.gateway.conftest import ADMIN_TOKEN
+from infermesh.cli.rawhttp import RawResponse
+from tests.helpers.gateway import ADMIN_TOKEN
 
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
 

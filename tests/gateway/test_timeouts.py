@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from infermesh.cli import rawhttp
-from tests.gateway.conftest import make_config, start_gateway
+from tests.helpers.gateway import make_config, start_gateway
 
 _TIMEOUT_S = 0.5
 

@@ -11,7 +11,7 @@ from infermesh.cli.redis_server import RedisServer
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
-from tests.router_svc.test_routing import info
+from tests.helpers.fleet import info
 
 
 def registry(url: str, ttl_ms: int = 3000) -> Registry:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.inprocess import eventually
+from tests.helpers.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams

@@ -15,7 +15,7 @@ from worker_svc.engine_api import Constraints, EngineOverloadedError, Generation
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
-from tests.inprocess import sim_engine
+from tests.helpers.inprocess import sim_engine
 
 
 def request(prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None,

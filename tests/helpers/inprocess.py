@@ -21,9 +21,7 @@ from worker_svc.config import EngineSection, ParallelSection, RouterSection, Wor
 from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine import SimEngine
-
-MODEL = "tiny-deepseek-v3"
-
+from tests.helpers import MODEL
 
 class RunningRouter:
     def __init__(self, port: int, stub: router_pb2_grpc.RouterStub, resources: RouterResources) -> None:
