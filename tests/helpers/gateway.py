@@ -45,7 +45,8 @@ def auth(key: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def sdk(gateway: TestClient, key: str, base_path: str = "/v1", timeout: float = 10) -> openai.AsyncOpenAI:
+def sdk(gateway: TestClient, key: str, base_path: str = "/v1",
+        timeout: float = 10) -> openai.AsyncOpenAI:
     """The official SDK pointed at the gateway, without retries."""
     return openai.AsyncOpenAI(base_url=str(gateway.make_url(base_path)), api_key=key,
                               max_retries=0, timeout=timeout)

@@ -11,8 +11,8 @@ import pytest
 
 from infermesh.config import ConfigError
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import (Constraints, EngineClosedError, EngineOverloadedError, GenerationRequest,
-                                   InvalidRequestError, SamplingParams)
+from worker_svc.engine_api import (Constraints, EngineClosedError, EngineOverloadedError,
+                                   GenerationRequest, InvalidRequestError, SamplingParams)
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
