@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from infermesh import rawhttp
-from tests.gateway.conftest import make_config, start_gateway
+from infermesh.cli import rawhttp
+from tests.helpers.gateway import make_config, start_gateway
 
 _TIMEOUT_S = 0.5
 
