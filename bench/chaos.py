@@ -48,13 +48,13 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key, key_id, key_tag  # noqa: E402
-from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.pb import router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.cli.probe import grpc_serving  # noqa: E402
-from infermesh.cli.redis_server import RedisServer  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key, key_id, key_tag
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.probe import grpc_serving
+from infermesh.cli.redis_server import RedisServer
+from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.ports import free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 MODEL = "tiny-deepseek-v3"
 ADMIN_TOKEN = "chaos-admin-token-0123456789"

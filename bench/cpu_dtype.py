@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.model import ModelArgs, dense_linear  # noqa: E402
-from worker_svc.model_config import model_args  # noqa: E402
-from worker_svc.precision import cpu_has_native_bf16  # noqa: E402
-from infermesh.cli.tiny_model import bench_config, tiny_config  # noqa: E402
+from infermesh.cli.tiny_model import bench_config, tiny_config
+from worker_svc.model import ModelArgs, dense_linear
+from worker_svc.model_config import model_args
+from worker_svc.precision import cpu_has_native_bf16
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNK = 256
@@ -54,7 +54,8 @@ def forward_gemms(a: ModelArgs, tokens: int, sequences: int) -> list[tuple[int, 
     first_q = a.q_lora_rank if a.q_lora_rank else a.n_heads * a.qk_head_dim
     routed = tokens * a.n_activated_experts
     gemms = [
-        (tokens, first_q + a.kv_lora_rank + a.qk_rope_head_dim, a.dim, a.n_layers),  # q_a|kv_a (or q|kv_a)
+        # q_a|kv_a (or q|kv_a)
+        (tokens, first_q + a.kv_lora_rank + a.qk_rope_head_dim, a.dim, a.n_layers),
         (tokens, a.dim, a.n_heads * a.v_head_dim, a.n_layers),  # o_proj
         (tokens, 2 * a.inter_dim, a.dim, a.n_dense_layers),  # dense gate|up
         (tokens, a.dim, a.inter_dim, a.n_dense_layers),  # dense down

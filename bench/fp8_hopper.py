@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infermesh.cli.tiny_model import write_tiny_checkpoint
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.kernel import (
     FP8,
@@ -42,7 +43,6 @@ from worker_svc.kernel import (
     weight_dequant,
     weight_quant,
 )
-from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432), (2048, 1408)]  # (N, K) = (out, in)
 TOKENS = (1, 64, 512, 4096)

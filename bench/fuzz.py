@@ -28,12 +28,12 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key_at  # noqa: E402
-from infermesh.cli import fuzz  # noqa: E402
-from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.cli.redis_server import RedisServer  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key_at
+from infermesh.cli import fuzz
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 ADMIN_TOKEN = "bench-fuzz-admin-token-0123456789"
 TIMEOUT_S = 2.0

@@ -41,12 +41,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.keys import create_key  # noqa: E402
-from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
-from infermesh.cli.redis_server import RedisServer  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from gateway.keys import create_key
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
+from infermesh.ports import free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 _MESH_CORE, _LOAD_CORE = 0, 1
 _WARMUP_S = 1.0

@@ -39,15 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 import redis
 
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.cli.probe import grpc_serving  # noqa: E402
-from infermesh.cli.processes import stop_with_parent  # noqa: E402
-from infermesh.cli.redis_server import RedisServer  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
-from worker_svc import server as worker_server  # noqa: E402
-from worker_svc.config import (EngineSection, ModelSection, RouterSection, ServerSection,  # noqa: E402
-                               WorkerConfig)
-from worker_svc.sim_engine import SimEngine  # noqa: E402
+from infermesh.cli.probe import grpc_serving
+from infermesh.cli.processes import stop_with_parent
+from infermesh.cli.redis_server import RedisServer
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.ports import free_port
+from worker_svc import server as worker_server
+from worker_svc.config import (
+    EngineSection,
+    ModelSection,
+    RouterSection,
+    ServerSection,
+    WorkerConfig,
+)
+from worker_svc.sim_engine import SimEngine
 
 MODEL = "sim-22b"
 FLEET = [("V100", 2), ("A100", 1), ("H100", 1), ("MI100", 2)] * 4  # (GPU profile, GPUs per worker)

@@ -36,12 +36,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.mesh_load import Kind, MeshLoad, Outcome  # noqa: E402
-from gateway.keys import create_key  # noqa: E402
-from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.cli.redis_server import RedisServer  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
-from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
+from bench.mesh_load import Kind, MeshLoad, Outcome
+from gateway.keys import create_key
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 SERVICES = ("gateway", "router", "worker0")
 _MIX: tuple[tuple[Kind, float], ...] = (("plain", 0.45), ("stream", 0.45), ("disconnect", 0.10))

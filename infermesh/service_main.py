@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -16,8 +17,8 @@ from typing import TypeVar
 import uvloop
 
 import telemetry
-from telemetry.logs import setup_logging
 from infermesh.config import ConfigError
+from telemetry.logs import setup_logging
 
 C = TypeVar("C")
 
@@ -51,7 +52,5 @@ async def _until_signal(main: Awaitable[None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass

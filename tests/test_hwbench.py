@@ -13,11 +13,11 @@ import matplotlib.image
 import pytest
 
 from gateway.keys import create_key_at
-from infermesh.cli.main import main
 from infermesh.cli.hwbench import report
 from infermesh.cli.hwbench.load import Sample
 from infermesh.cli.hwbench.plots import SIZE_PX
 from infermesh.cli.hwbench.results import Point, dominates
+from infermesh.cli.main import main
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway

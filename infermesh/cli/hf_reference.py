@@ -1,10 +1,18 @@
-"""transformers' DeepseekV3ForCausalLM, DeepseekV32ForCausalLM or DeepseekV2ForCausalLM holding our weights:
-the reference the correctness tests and the throughput benchmark compare the engine against."""
+"""transformers' DeepseekV3ForCausalLM, DeepseekV32ForCausalLM or DeepseekV2ForCausalLM holding our
+weights: the reference the correctness tests and the throughput benchmark compare the engine
+against."""
 from __future__ import annotations
 
 import torch
-from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
-                          DeepseekV32Config, DeepseekV32ForCausalLM, PreTrainedModel)
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    PreTrainedModel,
+)
 
 from worker_svc.model import MoE, Transformer
 
@@ -16,7 +24,8 @@ _MODELS = {
 
 
 def transformers_model(ours: Transformer, config: dict) -> PreTrainedModel:
-    """transformers' model for config's model_type from the same config, holding our dequantized FP32 weights."""
+    """transformers' model for config's model_type from the same config, holding our dequantized
+    FP32 weights."""
     config_class, model_class = _MODELS[config["model_type"]]
     hf_config = config_class(**{k: v for k, v in config.items() if k != "quantization_config"})
     hf_config._attn_implementation = "eager"

@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from infermesh.cli import admin_cli
-from infermesh.cli import plan
-from infermesh.cli.hwbench import cli as bench_cli
 from gateway.keys import create_key_at
+from infermesh.cli import admin_cli, plan
+from infermesh.cli.hwbench import cli as bench_cli
 from infermesh.cli.mesh import Mesh, MeshSpec, ServiceExited
-from infermesh.ports import port_in_use
 from infermesh.cli.redis_server import RedisServer, redis_reachable
+from infermesh.ports import port_in_use
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 logger = logging.getLogger("infermesh")

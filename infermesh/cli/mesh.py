@@ -16,9 +16,9 @@ from typing import IO
 
 import grpc
 
-from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.cli.probe import grpc_serving, http_ok
 from infermesh.cli.processes import stop_with_parent
+from infermesh.pb import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,13 @@ class Mesh:
         worker is registered."""
         deadline = time.monotonic() + timeout_s
         try:
-            self._spawn("router", "router_svc", {"INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
-                                                 "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
-                                                 # a registry of its own, should meshes share a Redis
-                                                 "INFERMESH_ROUTER_REDIS_KEY_PREFIX":
-                                                     f"infermesh:router:{self.spec.router_port}:"})
+            router_env = {
+                "INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
+                "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
+                # a registry of its own, should meshes share a Redis
+                "INFERMESH_ROUTER_REDIS_KEY_PREFIX": f"infermesh:router:{self.spec.router_port}:",
+            }
+            self._spawn("router", "router_svc", router_env)
             self._wait(deadline, "router", self._router_serving)
             for i, port in enumerate(self.spec.worker_ports):
                 self._spawn(f"worker{i}", "worker_svc", {

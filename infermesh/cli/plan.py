@@ -9,8 +9,17 @@ import argparse
 from dataclasses import dataclass
 
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
-from worker_svc.sizing import (DEFAULT_UTILIZATION, ConfigError, ModelSize, bundled_models, fewest_gpus,
-                               index_total_size, model_size_of, sequences_that_fit, serving_profile)
+from worker_svc.sizing import (
+    DEFAULT_UTILIZATION,
+    ConfigError,
+    ModelSize,
+    bundled_models,
+    fewest_gpus,
+    index_total_size,
+    model_size_of,
+    sequences_that_fit,
+    serving_profile,
+)
 
 _GB = 1e9
 
@@ -88,7 +97,8 @@ def render(size: ModelSize, plans: list[KindPlan], args: argparse.Namespace) -> 
         usable = p.gpus * gpu_profiles()[p.kind].memory_bytes * args.utilization
         fit = f"{p.sequences} on {p.gpus}"
         if p.weight_bytes > usable:
-            fit = f"{p.gpus} x {gpu_profiles()[p.kind].memory_bytes / _GB:.0f} GB do not load the weights"
+            memory_gb = gpu_profiles()[p.kind].memory_bytes / _GB
+            fit = f"{p.gpus} x {memory_gb:.0f} GB do not load the weights"
         lines.append(f"| {p.kind} | {p.precision} | {_gb(p.weight_bytes)} | {p.kv_bytes_per_token} "
                      f"| {p.fewest_gpus} | {fit} |")
     return "\n".join(lines)

@@ -92,11 +92,13 @@ class RedisClusterServers:
         ids = [c.execute_command("CLUSTER", "MYID") for c in clients]
         for r, c in enumerate(clients[self._masters:]):
             master_id = ids[r % self._masters]
-            _wait("replica meets its master", lambda: master_id in c.execute_command("CLUSTER", "NODES"))
+            _wait("replica meets its master",
+                  lambda c=c, master_id=master_id: master_id in c.execute_command("CLUSTER", "NODES"))
             c.execute_command("CLUSTER", "REPLICATE", master_id)
         self.wait_ok()
         for c in clients[self._masters:]:
-            _wait("replica in sync", lambda: c.info("replication")["master_link_status"] == "up")
+            _wait("replica in sync",
+                  lambda c=c: c.info("replication")["master_link_status"] == "up")
         for c in clients:
             c.close()
 

@@ -5,12 +5,13 @@
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
 e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE tokenizer with
-DeepSeek's special tokens (tool-call markers included) and chat template, and generation_config.json. The DeepSeek-V2 ones
-(`--v2`, `--v2-lite`) are BF16 throughout with no quantization_config, no routing bias and no MTP
-layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducible: the same call writes byte-identical files.
-`--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint instead: the same model plus each
-layer's sparse-attention indexer (FP8 wq_b and wk, BF16 k_norm and weights_proj), with an index_topk
-small enough that short prompts exercise the sparsity.
+DeepSeek's special tokens (tool-call markers included) and chat template, and
+generation_config.json. The DeepSeek-V2 ones (`--v2`, `--v2-lite`) are BF16 throughout with no
+quantization_config, no routing bias and no MTP layer, as DeepSeek-V2, V2.5 and V2-Lite ship.
+Reproducible: the same call writes byte-identical files. `--v32` writes a DeepSeek-V3.2 (model_type
+deepseek_v32) checkpoint instead: the same model plus each layer's sparse-attention indexer (FP8
+wq_b and wk, BF16 k_norm and weights_proj), with an index_topk small enough that short prompts
+exercise the sparsity.
 """
 from __future__ import annotations
 
@@ -43,21 +44,25 @@ CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁en
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 TOOL_TOKENS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN,
-               OUTPUT_END]  # fmt: skip
+               OUTPUT_END]
 
-# DeepSeek-V3's template in its own tool format, with the tool definitions (HF's `tools`) rendered into the
-# system prompt as DeepSeek's later releases do. An assistant turn after tool results follows OUTPUTS_END
-# directly, as in DeepSeek-V3's template.
+# DeepSeek-V3's template in its own tool format, with the tool definitions (HF's `tools`) rendered
+# into the system prompt as DeepSeek's later releases do. An assistant turn after tool results
+# follows OUTPUTS_END directly, as in DeepSeek-V3's template.
 CHAT_TEMPLATE = (
-    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% if not add_generation_prompt is defined %}{% "
+    "set add_generation_prompt = false %}{% endif %}"
     "{% set ns = namespace(system_prompt='', is_tool=false) %}"
     "{%- for message in messages %}{%- if message['role'] == 'system' %}"
     "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
-    "{%- if tools %}{% set ns.system_prompt = ns.system_prompt + '\n\n## Tools\nYou have access to the following tools:\n' %}"
-    "{%- for tool in tools %}{% set ns.system_prompt = ns.system_prompt + '\n### ' + tool['function']['name'] + "
+    "{%- if tools %}{% set ns.system_prompt = ns.system_prompt + "
+    "'\n\n## Tools\nYou have access to the following tools:\n' %}"
+    "{%- for tool in tools %}{% set ns.system_prompt = "
+    "ns.system_prompt + '\n### ' + tool['function']['name'] + "
     "'\nDescription: ' + (tool['function']['description'] or '') + '\n\nParameters: ' + "
     "(tool['function']['parameters'] | tojson) + '\n' %}{%- endfor %}"
-    "{% set ns.system_prompt = ns.system_prompt + '\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    "{% set ns.system_prompt = ns.system_prompt + '\nIMPORTANT: "
+    "ALWAYS adhere to this exact format for tool use:\n"
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name\n```json\n"
     "tool_call_arguments\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' %}{%- endif %}"
     "{{ bos_token }}{{ ns.system_prompt }}"
@@ -72,12 +77,15 @@ CHAT_TEMPLATE = (
     "{%- if message['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}"
     "{%- for call in message['tool_calls'] %}{%- if not loop.first %}{{ '\n' }}{%- endif %}"
     "{%- set arguments = call['function']['arguments'] %}"
-    "{{ '<｜tool▁call▁begin｜>' + (call['type'] or 'function') + '<｜tool▁sep｜>' + call['function']['name'] + "
-    "'\n```json\n' + (arguments if arguments is string else arguments | tojson) + '\n```<｜tool▁call▁end｜>' }}"
+    "{{ '<｜tool▁call▁begin｜>' + (call['type'] or 'function') "
+    "+ '<｜tool▁sep｜>' + call['function']['name'] + "
+    "'\n```json\n' + (arguments if arguments is string else "
+    "arguments | tojson) + '\n```<｜tool▁call▁end｜>' }}"
     "{%- endfor %}{{ '<｜tool▁calls▁end｜>' }}{%- endif %}"
     "{{ '<｜end▁of▁sentence｜>' }}"
     "{%- elif message['role'] == 'tool' %}"
-    "{%- if ns.is_tool %}{{ '\n' }}{%- else %}{{ '<｜tool▁outputs▁begin｜>' }}{% set ns.is_tool = true %}{%- endif %}"
+    "{%- if ns.is_tool %}{{ '\n' }}{%- else %}{{ "
+    "'<｜tool▁outputs▁begin｜>' }}{% set ns.is_tool = true %}{%- endif %}"
     "{{ '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
     "{%- endif %}{%- endfor %}"
     "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
@@ -103,8 +111,9 @@ TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
 
 
 def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) -> dict[str, Any]:
-    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null (kept for
-    `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's indexer."""
+    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null (kept
+    for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
+    indexer."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -171,14 +180,14 @@ def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) ->
         )
     if v32:
         config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=192,
-                      **TINY_DSA)  # fmt: skip
+                      **TINY_DSA)
     return config
 
 
 def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
-    """config.json of a tiny DeepSeek-V2: softmax router, group-limited greedy over 4 groups of 2 experts,
-    routed_scaling_factor 16, 3 layers, YaRN with DeepSeek-V2's mscale; `lite`: V2-Lite's shape
-    (q_lora_rank null, greedy top-k over all experts, routed_scaling_factor 1)."""
+    """config.json of a tiny DeepSeek-V2: softmax router, group-limited greedy over 4 groups of 2
+    experts, routed_scaling_factor 16, 3 layers, YaRN with DeepSeek-V2's mscale; `lite`: V2-Lite's
+    shape (q_lora_rank null, greedy top-k over all experts, routed_scaling_factor 1)."""
     config = tiny_config(vocab_size)
     for key in ("quantization_config", "num_nextn_predict_layers"):
         del config[key]
@@ -188,10 +197,10 @@ def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
         n_group=4, topk_group=2, routed_scaling_factor=16.0, aux_loss_alpha=0.001, seq_aux=True,
         rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                       "original_max_position_embeddings": 512, "type": "yarn"},
-    )  # fmt: skip
+    )
     if lite:
         config.update(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=3,
-                      routed_scaling_factor=1.0)  # fmt: skip
+                      routed_scaling_factor=1.0)
     return config
 
 
@@ -245,12 +254,14 @@ def _tokenizer_config() -> dict[str, Any]:
 
 
 def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights; linear std 1/sqrt(fan_in) so activations stay O(1) and outputs vary."""
+    """HF-named float32 weights; linear std 1/sqrt(fan_in) so activations stay O(1) and outputs
+    vary."""
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     state = {}
     for key, shape in shapes.items():
-        # the tool tokens' rows come last and apart, so every other weight is drawn as before they were added
+        # the tool tokens' rows come last and apart, so every other weight is drawn as before they
+        # were added
         grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[0] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
         if grown:
             shape = torch.Size([_BPE_VOCAB_SIZE, *shape[1:]])
@@ -270,14 +281,16 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
 
 def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
     """Random embeddings for the tool tokens; zero output rows, so their logit (0) is never a greedy
-    choice over a thousand random ones: unconstrained outputs are those of the model without them."""
+    choice over a thousand random ones: unconstrained outputs are those of the model without
+    them."""
     if key == "lm_head.weight":
         return torch.zeros(len(TOOL_TOKENS), dim)
     return torch.randn(len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS)))
 
 
 def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """A few tensors of the multi-token-prediction layer that real checkpoints store past the last layer."""
+    """A few tensors of the multi-token-prediction layer that real checkpoints store past the last
+    layer."""
     prefix = f"model.layers.{args.n_layers}"
     return {
         f"{prefix}.enorm.weight": torch.ones(args.dim),
@@ -288,7 +301,8 @@ def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.T
 
 
 def _to_checkpoint_format(state: dict[str, torch.Tensor], fp8: bool) -> dict[str, torch.Tensor]:
-    """FP8 + scale_inv for the layers' linear weights (if `fp8`), float32 routing bias, BF16 for the rest."""
+    """FP8 + scale_inv for the layers' linear weights (if `fp8`), float32 routing bias, BF16 for the
+    rest."""
     out = {}
     for name, t in state.items():
         if fp8 and is_fp8_linear(name):
@@ -305,7 +319,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, seed: int = _SEED) -> Path:
-    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`: DeepSeek-V3.2) to out_dir."""
+    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`: DeepSeek-V3.2)
+    to out_dir."""
     tok = train_tokenizer()
     config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32)
     return _write_checkpoint(Path(out_dir), tok, config, seed + variant)
@@ -320,12 +335,13 @@ def bench_config() -> dict[str, Any]:
         num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
         qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1,
-    )  # fmt: skip
+    )
     return config
 
 
 def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
-    """Write the benchmark checkpoint (`bench_config`) to out_dir; reproducible like the tiny one."""
+    """Write the benchmark checkpoint (`bench_config`) to out_dir; reproducible like the tiny
+    one."""
     return _write_checkpoint(Path(out_dir), train_tokenizer(), bench_config(), seed)
 
 
@@ -341,19 +357,21 @@ def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: i
     (out / "model.safetensors").chmod(0o644)  # save_file creates it owner-only
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
-                                                 "temperature": 0.6, "top_p": 0.95})  # fmt: skip
+                                                 "temperature": 0.6, "top_p": 0.95})
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     return out
 
 
 def write_variant_checkpoint(out_dir: str | Path) -> Path:
-    """The second test config: YaRN rope_scaling, n_group 4 / topk_group 2, 3 layers, q_lora_rank null."""
+    """The second test config: YaRN rope_scaling, n_group 4 / topk_group 2, 3 layers, q_lora_rank
+    null."""
     return write_tiny_checkpoint(out_dir, variant=True)
 
 
 def write_v2_checkpoint(out_dir: str | Path, *, lite: bool = False) -> Path:
-    """A tiny DeepSeek-V2 checkpoint (`tiny_v2_config`), or the V2-Lite-shaped one; reproducible like the others."""
+    """A tiny DeepSeek-V2 checkpoint (`tiny_v2_config`), or the V2-Lite-shaped one; reproducible
+    like the others."""
     tok = train_tokenizer()
     return _write_checkpoint(Path(out_dir), tok, tiny_v2_config(tok.get_vocab_size(), lite=lite), _SEED + 2 + lite)
 

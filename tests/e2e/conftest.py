@@ -17,6 +17,7 @@ from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
 from worker_svc.config import DEFAULT_MODEL_PATH
 
+
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """The OTLP/gRPC trace endpoint a collector or Jaeger serves."""
 

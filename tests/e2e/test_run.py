@@ -14,8 +14,7 @@ from contextlib import contextmanager
 import openai
 import psutil
 
-from infermesh.ports import port_in_use
-from infermesh.ports import free_port
+from infermesh.ports import free_port, port_in_use
 from tests.helpers import MODEL
 
 _START_TIMEOUT_S = 90.0

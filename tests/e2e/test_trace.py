@@ -6,6 +6,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families

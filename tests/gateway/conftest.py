@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from gateway.config import GatewayConfig

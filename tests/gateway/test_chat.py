@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from gateway.errors import from_grpc
-from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers import MODEL
+from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually
 
 _MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]

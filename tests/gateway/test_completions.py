@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.helpers.gateway import auth, sdk
 from tests.helpers import MODEL
+from tests.helpers.gateway import auth, sdk
 
 _GREEDY = {"model": MODEL, "prompt": "The mesh says", "temperature": 0, "max_tokens": 6}
 

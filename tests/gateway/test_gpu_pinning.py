@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.helpers.gateway import ADMIN, CHAT, auth, make_config, sdk, start_gateway
 from tests.helpers import MODEL
+from tests.helpers.gateway import ADMIN, CHAT, auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_worker, sim_engine
 
 _REQUEST = {**CHAT, "model": MODEL, "max_tokens": 2, "temperature": 0}

@@ -17,8 +17,8 @@ from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
 from gateway.limits import LIMITER, Admission, Limiter, TokenUsage, duration, read_usage
 from infermesh.cli.redis_server import RedisServer
-from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers import MODEL
+from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}

@@ -8,8 +8,8 @@ import anthropic
 import jsonschema
 import pytest
 
-from tests.helpers.gateway import auth
 from tests.helpers import MODEL
+from tests.helpers.gateway import auth
 from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},

@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.helpers.gateway import auth, sdk
 from tests.helpers import MODEL
+from tests.helpers.gateway import auth, sdk
 from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from infermesh.pb import common_pb2
 from infermesh.cli.redis_server import RedisServer
+from infermesh.pb import common_pb2
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
-from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
+from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
 from tests.helpers.fleet import info
 
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.model_config import model_args
-from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 
 _FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 _NORM = "model.layers.0.input_layernorm.weight"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infermesh.cli.hf_reference import transformers_model
 from tests.helpers.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
@@ -22,7 +23,6 @@ from worker_svc.engine import (
     SamplingParams,
 )
 from worker_svc.engine_api import EngineOverloadedError
-from infermesh.cli.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from worker_svc.checkpoint import load_checkpoint
 from infermesh.cli.hf_reference import transformers_model
+from worker_svc.checkpoint import load_checkpoint
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token
 from worker_svc.model import (

@@ -19,7 +19,6 @@ from worker_svc.config import ParallelSection, RouterSection, ServerSection, Wor
 from worker_svc.engine import Engine
 
 
-
 @contextlib.asynccontextmanager
 async def _worker(engine: Engine) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
     config = WorkerConfig(server=ServerSection(port=0))
@@ -115,7 +114,7 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         alone = common_pb2.GenerateRequest(
             request_id="alone", model=MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
-            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))  # fmt: skip
+            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:

@@ -10,14 +10,19 @@ import sys
 import pytest
 
 from infermesh.config import ConfigError
-from tests.inprocess import sim_engine
+from tests.helpers.inprocess import sim_engine
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import (Constraints, EngineClosedError, EngineOverloadedError,
-                                   GenerationRequest, InvalidRequestError, SamplingParams)
+from worker_svc.engine_api import (
+    Constraints,
+    EngineClosedError,
+    EngineOverloadedError,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
-from tests.helpers.inprocess import sim_engine
 
 
 def request(prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None,

@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.engine import Engine
 from worker_svc.engine_api import (
     Constraints,
@@ -23,7 +24,6 @@ from worker_svc.engine_api import (
     merge_chunks,
 )
 from worker_svc.grammar import GrammarCompiler, lark_grammar
-from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, CALLS_END, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 

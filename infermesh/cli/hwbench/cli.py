@@ -60,7 +60,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="start a simulated fleet of every kind of gpu_profiles.toml (or --gpus) and study it")
     bench.add_argument("--sim-model", default="",
                        help="with --sim: a bundled model's name "
-                            f"({', '.join(bundled_models())}), a checkpoint directory or a config.json; default 8B dense")
+                            f"({', '.join(bundled_models())}), a checkpoint "
+                            f"directory or a config.json; default 8B dense")
 
 
 def run(args: argparse.Namespace) -> int:

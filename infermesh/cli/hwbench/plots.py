@@ -8,9 +8,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a server
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from infermesh.cli.hwbench.results import Point  # noqa: E402
+from infermesh.cli.hwbench.results import Point
 
 SIZE_PX = (800, 500)
 _DPI = 100
@@ -42,7 +42,7 @@ def _by_concurrency(path: Path, points: list[Point], value: Callable[[Point], fl
     for gpu in sorted({p.gpu for p in points}):
         mine = [(p.concurrency, value(p)) for p in points if p.gpu == gpu and value(p) is not None]
         if mine:
-            ax.plot(*zip(*sorted(mine)), marker="o", label=gpu)
+            ax.plot(*zip(*sorted(mine), strict=True), marker="o", label=gpu)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="concurrency", ylabel=label, title=title)
     ax.grid(True, alpha=0.3)

@@ -30,6 +30,7 @@ def load_prices(path: str | Path, kinds: Iterable[str]) -> dict[str, float]:
         price = table[kind]
         if isinstance(price, bool) or not isinstance(price, (int, float)) or not math.isfinite(price) \
                 or price < 0:
-            raise PriceError(f"{path}: {kind} = {price!r}: a price must be a non-negative number of $ per GPU-hour")
+            raise PriceError(f"{path}: {kind} = {price!r}: a price must "
+                             f"be a non-negative number of $ per GPU-hour")
         prices[kind] = float(price)
     return prices

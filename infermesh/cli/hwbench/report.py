@@ -87,7 +87,7 @@ def markdown(meta: dict[str, Any], points: list[Point]) -> str:
             text = "–" if value is None else fmt(value)
             cells.append(f"**{text}**" if field in best and value == best[field] else text)
         lines.append(f"| {p.gpu} | {p.concurrency} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", "\n\n".join(recommendation(points)), ""])
+    return "\n".join([*lines, "", "\n\n".join(recommendation(points)), ""])
 
 
 def pick(values: list[float], how: Callable[..., float]) -> float | None:
@@ -113,8 +113,10 @@ def recommendation(points: list[Point]) -> list[str]:
     if priced:
         cheap = priced[0]
         line = (f"**Cost-first: {cheap.gpu}.** At concurrency {cheap.concurrency} it serves "
-                f"{cheap.output_tokens_per_s:.0f} tokens/s on {cheap.workers * cheap.gpus_per_worker} GPU(s) "
-                f"at ${cheap.usd_per_gpu_hour:.2f}/GPU-hour: ${cheap.usd_per_mtok:.2f} per million output tokens")
+                f"{cheap.output_tokens_per_s:.0f} tokens/s on "
+                f"{cheap.workers * cheap.gpus_per_worker} GPU(s) "
+                f"at ${cheap.usd_per_gpu_hour:.2f}/GPU-hour: "
+                f"${cheap.usd_per_mtok:.2f} per million output tokens")
         other = next((p for p in priced if p.gpu != cheap.gpu), None)
         if other is not None:
             line += (f"; the cheapest other kind, {other.gpu}, costs ${other.usd_per_mtok:.2f} "

@@ -32,7 +32,8 @@ class Endpoint:
 @contextlib.contextmanager
 def simulated_fleet(kinds: list[str], model: str = "") -> Iterator[Endpoint]:
     """The running fleet's endpoint; stops everything on exit. ``model``: the simulated model
-    ([engine] model: a bundled name, a checkpoint directory or a config.json); empty: the 8B default."""
+    ([engine] model: a bundled name, a checkpoint directory or a config.json); empty: the 8B
+    default."""
     name = model_size_of(model).name if model else SIM_MODEL
     token = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="infermesh-bench-") as workdir, \
