@@ -33,7 +33,7 @@ async def retag(client: redis.Redis) -> RetagReport:
     """Renames every untagged key of every indexed API key to its tagged name."""
     report = RetagReport()
     for raw in await client.smembers(INDEX):
-        kid = raw.decode()
+        kid = raw.decode() if isinstance(raw, bytes) else raw
         names = [pattern.format(kid) for pattern in _PER_KEY]
         names += [n.decode() async for n in client.scan_iter(match=f"infermesh:usage:{kid}:d:*")]
         for old in names:

@@ -32,7 +32,8 @@ def openai_event(data: dict[str, Any]) -> bytes:
 
 def anthropic_event(data: dict[str, Any]) -> bytes:
     """An event named by its ``type``, as Anthropic frames them."""
-    return b"event: " + data["type"].encode() + b"\ndata: " + _encode(data).encode() + b"\n\n"
+    event: str = data["type"]
+    return b"event: " + event.encode() + b"\ndata: " + _encode(data).encode() + b"\n\n"
 
 
 async def stream(request: web.Request, headers: dict[str, str], events: AsyncIterator[bytes],

@@ -21,7 +21,7 @@ _LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "quota_tokens", "quota_period_to
                 "quota_period_s")
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds ``keys`` and its actions to the ``python -m infermesh`` parser."""
     keys = commands.add_parser(
         "keys", help="manage API keys through the gateway's admin API "
@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {f: getattr(args, f) for f in (*_LIMIT_FLAGS, "models", "expires_at")
                 if hasattr(args, f)}
     kid = getattr(args, "id", "")
+    call: tuple[str, str, dict[str, Any] | None]
     if args.action == "create":
         call = ("POST", "/admin/keys", {"name": args.name, **settings})
     elif args.action == "list":

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import hypothesis
@@ -22,7 +23,9 @@ import requests
 import schemathesis
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
-from schemathesis import GenerationMode
+from schemathesis import Case, GenerationMode
+from schemathesis.core.result import Err
+from schemathesis.schemas import APIOperation
 
 from gateway.errors import AnthropicErrorBody, ErrorBody
 from infermesh.cli import rawhttp
@@ -99,7 +102,8 @@ def served_model(router_address: str) -> str:
     with grpc.insecure_channel(router_address) as channel:
         reply = router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(),
                                                                timeout=5)
-    return reply.models[0].id
+    model_id: str = reply.models[0].id
+    return model_id
 
 
 def schema_cases(target: Target, max_examples: int, report: FuzzReport) -> None:
@@ -107,13 +111,15 @@ def schema_cases(target: Target, max_examples: int, report: FuzzReport) -> None:
     schema = schemathesis.openapi.from_url(f"{target.base}/openapi.json")
     session = requests.Session()
     for result in schema.get_all_operations():
+        if isinstance(result, Err):  # a document schemathesis cannot read: its own error
+            raise result.err()
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             _run_operation(target, operation, mode, max_examples, session, report)
     session.close()
 
 
-def _run_operation(target: Target, operation, mode: GenerationMode, max_examples: int,
+def _run_operation(target: Target, operation: APIOperation[Any, Any, Any, Any], mode: GenerationMode, max_examples: int,
                    session: requests.Session, report: FuzzReport) -> None:
     steer = mode == GenerationMode.POSITIVE
 
@@ -122,7 +128,7 @@ def _run_operation(target: Target, operation, mode: GenerationMode, max_examples
                          phases=[hypothesis.Phase.generate])
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode),
                       served=st.booleans() if steer else st.just(False))
-    def run(case, served: bool) -> None:
+    def run(case: Case[Any], served: bool) -> None:
         if served and isinstance(case.body, dict) and "model" in case.body:
             _to_served_model(case.body, target.model)
         what = f"{mode.value} {operation.method.upper()} {operation.path}"
@@ -139,7 +145,7 @@ def _run_operation(target: Target, operation, mode: GenerationMode, max_examples
         run()
 
 
-def _to_served_model(body: dict, model: str) -> None:
+def _to_served_model(body: dict[str, Any], model: str) -> None:
     """A valid case on the served model, kept small: the simulated worker then generates."""
     body["model"] = model
     for field, cap in (("max_tokens", 16), ("max_completion_tokens", 16), ("n", 2)):

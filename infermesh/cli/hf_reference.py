@@ -3,6 +3,8 @@ weights: the reference the correctness tests and the throughput benchmark compar
 against."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import (
     DeepseekV2Config,
@@ -23,13 +25,13 @@ _MODELS = {
 }
 
 
-def transformers_model(ours: Transformer, config: dict) -> PreTrainedModel:
+def transformers_model(ours: Transformer, config: dict[str, Any]) -> PreTrainedModel:
     """transformers' model for config's model_type from the same config, holding our dequantized
     FP32 weights."""
     config_class, model_class = _MODELS[config["model_type"]]
     hf_config = config_class(**{k: v for k, v in config.items() if k != "quantization_config"})
     hf_config._attn_implementation = "eager"
-    hf = model_class(hf_config).float().eval()
+    hf: PreTrainedModel = model_class(hf_config).float().eval()
     state = ours.state_dict()
     hf_state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()
                 if ".experts." not in k}

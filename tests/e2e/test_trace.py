@@ -28,7 +28,8 @@ async def chat(mesh, api_key: str, headers: dict[str, str] | None = None, **body
         return await response.text()
 
 
-async def _exported(receiver, trace_id: bytes, done: Callable[[list], bool]) -> list:
+async def _exported(receiver, trace_id: bytes,
+                    done: Callable[[list[Any]], bool]) -> list[Any]:
     """The trace's spans once ``done(spans)`` holds, or as they are after 10 s (each service
     exports in its own batches); the caller asserts on them."""
     deadline = time.monotonic() + 10

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any
 
 import openai
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import CONFIG, create_app
@@ -32,7 +33,7 @@ class GatewayTestServer(TestServer):
         return GatewayRunner(self.app, self.app[CONFIG].server, **kwargs)
 
 
-async def start_gateway(config: GatewayConfig) -> TestClient:
+async def start_gateway(config: GatewayConfig) -> TestClient[web.Request, web.Application]:
     client = TestClient(GatewayTestServer(create_app(config)))
     await client.start_server()
     return client
@@ -45,14 +46,14 @@ def auth(key: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def sdk(gateway: TestClient, key: str, base_path: str = "/v1",
+def sdk(gateway: TestClient[web.Request, web.Application], key: str, base_path: str = "/v1",
         timeout: float = 10) -> openai.AsyncOpenAI:
     """The official SDK pointed at the gateway, without retries."""
     return openai.AsyncOpenAI(base_url=str(gateway.make_url(base_path)), api_key=key,
                               max_retries=0, timeout=timeout)
 
 
-def with_server(config: GatewayConfig, **server: int) -> GatewayConfig:
+def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:
     return dataclasses.replace(config, server=ServerSection(**server))
 
 

@@ -31,7 +31,7 @@ from worker_svc.sizing import ConfigError, bundled_models, model_size_of
 _MEMORY_POLL_S = 0.5
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = commands.add_parser(
         "bench", help="measure every GPU kind of the fleet; write the table, data and plots")
     bench.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", ""),

@@ -42,7 +42,8 @@ class AdminClient:
         if response.status != 200:
             message = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
             raise FleetError(f"the admin API at {self._url} answered {response.status}: {message}")
-        return body["data"]
+        data: list[dict[str, Any]] = body["data"]
+        return data
 
     async def close(self) -> None:
         if self._session is not None:

@@ -9,6 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a server
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from infermesh.cli.hwbench.results import Point
 
@@ -26,11 +28,11 @@ def draw(out: Path, points: list[Point]) -> list[Path]:
     return files
 
 
-def _figure() -> tuple[plt.Figure, plt.Axes]:
+def _figure() -> tuple[Figure, Axes]:
     return plt.subplots(figsize=(SIZE_PX[0] / _DPI, SIZE_PX[1] / _DPI), dpi=_DPI)
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     return path
@@ -53,15 +55,16 @@ def _by_concurrency(path: Path, points: list[Point], value: Callable[[Point], fl
 
 def _frontier(path: Path, points: list[Point]) -> Path:
     fig, ax = _figure()
-    priced = [p for p in points if p.usd_per_mtok is not None]
-    for gpu in sorted({p.gpu for p in priced}):
-        mine = [p for p in priced if p.gpu == gpu]
-        ax.scatter([p.output_tokens_per_s for p in mine], [p.usd_per_mtok for p in mine], label=gpu)
-    frontier = sorted((p for p in priced if p.on_frontier), key=lambda p: p.output_tokens_per_s)
-    ax.plot([p.output_tokens_per_s for p in frontier], [p.usd_per_mtok for p in frontier],
+    priced = [(p.usd_per_mtok, p) for p in points if p.usd_per_mtok is not None]
+    for gpu in sorted({p.gpu for _, p in priced}):
+        mine = [(usd, p) for usd, p in priced if p.gpu == gpu]
+        ax.scatter([p.output_tokens_per_s for _, p in mine], [usd for usd, _ in mine], label=gpu)
+    frontier = sorted(((usd, p) for usd, p in priced if p.on_frontier),
+                      key=lambda pair: pair[1].output_tokens_per_s)
+    ax.plot([p.output_tokens_per_s for _, p in frontier], [usd for usd, _ in frontier],
             color="black", linestyle="--", label="Pareto frontier")
-    for p in frontier:
-        ax.annotate(f"{p.gpu} c={p.concurrency}", (p.output_tokens_per_s, p.usd_per_mtok),
+    for usd, p in frontier:
+        ax.annotate(f"{p.gpu} c={p.concurrency}", (p.output_tokens_per_s, usd),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set(xlabel="output tokens/s", ylabel="$ per million output tokens",
            title="Cost against throughput (lower right is better)")

@@ -96,31 +96,35 @@ def pick(values: list[float], how: Callable[..., float]) -> float | None:
 
 def recommendation(points: list[Point]) -> list[str]:
     """Which kind for latency-first and for cost-first serving, and why, from the numbers."""
-    ok = [p for p in points if p.latency_p99_s is not None]
+    ok = [(p.latency_p99_s, p) for p in points if p.latency_p99_s is not None]
     if not ok:
         return ["No point completed a request: no recommendation."]
-    lowest = min(p.concurrency for p in ok)
-    alone = sorted((p for p in ok if p.concurrency == lowest), key=lambda p: p.latency_p99_s)
-    first = alone[0]
+    lowest = min(p.concurrency for _, p in ok)
+    alone = sorted(((latency, p) for latency, p in ok if p.concurrency == lowest),
+                   key=lambda pair: pair[0])
+    first_latency, first = alone[0]
     text = [f"**Latency-first: {first.gpu}.** At concurrency {lowest} its p99 latency is "
-            f"{first.latency_p99_s:.3f} s ({_ms(first.time_per_output_token_s)} per token, TTFT p99 "
+            f"{first_latency:.3f} s ({_ms(first.time_per_output_token_s)} per token, TTFT p99 "
             f"{first.ttft_p99_s:.3f} s)"]
     if len(alone) > 1:
-        text[0] += (f", {alone[1].latency_p99_s / first.latency_p99_s:.2f}x better than the next, "
-                    f"{alone[1].gpu} ({alone[1].latency_p99_s:.3f} s)")
+        next_latency, runner_up = alone[1]
+        text[0] += (f", {next_latency / first_latency:.2f}x better than the next, "
+                    f"{runner_up.gpu} ({next_latency:.3f} s)")
     text[0] += "."
-    priced = sorted((p for p in ok if p.usd_per_mtok is not None), key=lambda p: p.usd_per_mtok)
+    priced = sorted(((p.usd_per_mtok, p) for _, p in ok if p.usd_per_mtok is not None),
+                    key=lambda pair: pair[0])
     if priced:
-        cheap = priced[0]
+        cheap_usd, cheap = priced[0]
         line = (f"**Cost-first: {cheap.gpu}.** At concurrency {cheap.concurrency} it serves "
                 f"{cheap.output_tokens_per_s:.0f} tokens/s on "
                 f"{cheap.workers * cheap.gpus_per_worker} GPU(s) "
                 f"at ${cheap.usd_per_gpu_hour:.2f}/GPU-hour: "
-                f"${cheap.usd_per_mtok:.2f} per million output tokens")
-        other = next((p for p in priced if p.gpu != cheap.gpu), None)
+                f"${cheap_usd:.2f} per million output tokens")
+        other = next(((usd, p) for usd, p in priced if p.gpu != cheap.gpu), None)
         if other is not None:
-            line += (f"; the cheapest other kind, {other.gpu}, costs ${other.usd_per_mtok:.2f} "
-                     f"(at concurrency {other.concurrency})")
+            other_usd, other_point = other
+            line += (f"; the cheapest other kind, {other_point.gpu}, costs ${other_usd:.2f} "
+                     f"(at concurrency {other_point.concurrency})")
         text.append(line + ".")
     return text
 
