@@ -38,7 +38,7 @@ from gateway.limits import read_usage
 from infermesh.cli.mesh import Mesh, MeshSpec
 from infermesh.cli.redis_cluster import RedisClusterServers
 from infermesh.ports import free_port
-from infermesh.redis_client import redis_client
+from infermesh.redis_client import RedisClient, redis_client
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 _SETTLE_S = 2.0  # for the last settlements, after the load
@@ -104,7 +104,7 @@ async def _scenario(cluster: RedisClusterServers, mesh: Mesh, duration_s: float,
     return _result(outcomes, killed_at, limit, counted, recorded)
 
 
-async def _counted(client, kid: str) -> int:
+async def _counted(client: RedisClient, kid: str) -> int:
     return sum(int(v) for v in (await client.hgetall(f"infermesh:rl:{{{kid}}}:rpm")).values())
 
 

@@ -23,20 +23,19 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-import redis.asyncio as redis
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import keys
-from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestError,
-                            NotFoundError)
+from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, NotFoundError
 from gateway.limits import read_usage
 from gateway.middleware import KEY_STORE, single_header
 from gateway.router_client import ROUTER
 from gateway.validation import STRICT, parse_body, read_json
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2
+from infermesh.redis_client import RedisClient
 
 ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
 
@@ -106,7 +105,7 @@ async def _require_admin(request: web.Request, handler: Handler) -> web.StreamRe
     return await handler(request)
 
 
-def _redis(request: web.Request) -> redis.Redis:
+def _redis(request: web.Request) -> RedisClient:
     return request.config_dict[keys.REDIS]
 
 
@@ -150,7 +149,7 @@ async def revoke(request: web.Request) -> web.Response:
 
 
 async def _stop(request: web.Request,
-                stop: Callable[[redis.Redis, str], Awaitable[bool]]) -> web.Response:
+                stop: Callable[[RedisClient, str], Awaitable[bool]]) -> web.Response:
     kid = request.match_info["id"]
     if not await stop(_redis(request), kid):
         raise _not_found(kid)

@@ -30,7 +30,9 @@ from typing import Any
 import redis.asyncio as redis
 from aiohttp import web
 
-REDIS = web.AppKey("redis", redis.Redis)
+from infermesh.redis_client import RedisClient
+
+REDIS = web.AppKey[RedisClient]("redis")
 
 KEY_PREFIX = "infermesh:key:"
 INDEX = "infermesh:keys"
@@ -100,7 +102,7 @@ def _encode(field: str, value: Any) -> str:
     return str(value)
 
 
-async def create_key(client: redis.Redis, name: str, **values: Any) -> str:
+async def create_key(client: RedisClient, name: str, **values: Any) -> str:
     """Stores a new key's hash under ``name`` and returns the plaintext, the only time it exists.
 
     ``values``: optional fields of the layout above (``expires_at``, ``models``, limits)."""
@@ -109,15 +111,16 @@ async def create_key(client: redis.Redis, name: str, **values: Any) -> str:
     return plaintext
 
 
-async def _store(client: redis.Redis, kid: str, fields: Mapping[str, str]) -> None:
+async def _store(client: RedisClient, kid: str, fields: Mapping[str, str]) -> None:
     # Indexed first: should the second call fail, listing skips an id without a record
     # (``_record``), whereas a record missing from the index would be a working key no
     # operator can list.
     await client.sadd(INDEX, kid)
-    await client.hset(redis_key(kid), mapping=fields)
+    # redis-py's mapping type has invariant keys, which a Mapping[str, str] does not match
+    await client.hset(redis_key(kid), mapping=fields)  # type: ignore[arg-type]
 
 
-async def _discard(client: redis.Redis, kid: str) -> None:
+async def _discard(client: RedisClient, kid: str) -> None:
     await client.delete(redis_key(kid))
     await client.srem(INDEX, kid)
 
@@ -131,11 +134,11 @@ async def create_key_at(redis_url: str, name: str) -> str:
         await client.aclose()
 
 
-async def get_key(client: redis.Redis, kid: str) -> KeyRecord | None:
+async def get_key(client: RedisClient, kid: str) -> KeyRecord | None:
     return _record(kid, await client.hgetall(redis_key(kid)))
 
 
-async def list_keys(client: redis.Redis) -> list[KeyRecord]:
+async def list_keys(client: RedisClient) -> list[KeyRecord]:
     """Every key, oldest first."""
     ids = sorted(_text(k) for k in await client.smembers(INDEX))
     async with client.pipeline(transaction=False) as pipe:
@@ -146,7 +149,7 @@ async def list_keys(client: redis.Redis) -> list[KeyRecord]:
     return sorted(records, key=lambda r: (r.created, r.id))
 
 
-async def update_key(client: redis.Redis, kid: str, changes: Mapping[str, Any]) -> KeyRecord | None:
+async def update_key(client: RedisClient, kid: str, changes: Mapping[str, Any]) -> KeyRecord | None:
     """Sets (or with None, clears) the ``changes`` fields; None when no such key exists.
 
     A revoked key cannot be enabled again."""
@@ -167,7 +170,7 @@ async def update_key(client: redis.Redis, kid: str, changes: Mapping[str, Any]) 
                 if cleared:
                     pipe.hdel(key, *cleared)
                 if kept:
-                    pipe.hset(key, mapping=kept)
+                    pipe.hset(key, mapping=kept)  # type: ignore[arg-type]  # as in _store
                 await pipe.execute()
                 break
             except redis.WatchError:
@@ -175,12 +178,12 @@ async def update_key(client: redis.Redis, kid: str, changes: Mapping[str, Any]) 
     return await get_key(client, kid)
 
 
-async def disable_key(client: redis.Redis, kid: str) -> bool:
+async def disable_key(client: RedisClient, kid: str) -> bool:
     """Marks the key with id ``kid`` disabled; False when no such key exists."""
     return await update_key(client, kid, {"disabled": True}) is not None
 
 
-async def revoke_key(client: redis.Redis, kid: str) -> bool:
+async def revoke_key(client: RedisClient, kid: str) -> bool:
     """Revokes the key for good (its record and usage stay); False when no such key exists."""
     if not await client.exists(redis_key(kid)):
         return False
@@ -188,7 +191,7 @@ async def revoke_key(client: redis.Redis, kid: str) -> bool:
     return True
 
 
-async def rotate_key(client: redis.Redis, kid: str) -> str | None:
+async def rotate_key(client: RedisClient, kid: str) -> str | None:
     """A new key with the old one's name, expiry, models and limits; the old key is
     revoked once the new one is stored. Returns the new plaintext; None when ``kid``
     does not name a usable key, or when it changed meanwhile (e.g. two rotations
@@ -261,7 +264,7 @@ class KeyStore:
     Redis errors propagate: the caller answers 503, never 401 and never admits.
     """
 
-    def __init__(self, client: redis.Redis, cache_ttl_s: float,
+    def __init__(self, client: RedisClient, cache_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = client
         self._cache_ttl_s = cache_ttl_s

@@ -17,7 +17,7 @@ Every key a Lua script or a transaction of infermesh touches shares one hash slo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeAlias, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
@@ -28,6 +28,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisClusterException, RedisError
 
 Mode = Literal["single", "cluster", "sentinel"]
+# What redis_client returns: a client of one server (also behind Sentinel) or of a cluster.
+RedisClient: TypeAlias = redis.Redis | RedisCluster
 
 SCHEMES: dict[str, Mode] = {"redis": "single", "rediss": "single", "unix": "single",
                             "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
@@ -114,7 +116,7 @@ def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
 
 
 def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
-                 retries: bool = True) -> redis.Redis | RedisCluster:
+                 retries: bool = True) -> RedisClient:
     """A client for ``url``. Every call is bounded by ``timeout_s``; a call past
     ``max_connections`` in use waits for one (up to ``timeout_s``) on a single server
     or behind Sentinel; in a cluster the bound is per node and a call past it fails.
