@@ -16,8 +16,8 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_server import GatewayRunner
 from gateway.middleware import AccessLogger
-from infermesh.service_main import service_main
 from infermesh.config import load_config
+from infermesh.service_main import service_main
 
 logger = logging.getLogger("gateway")
 

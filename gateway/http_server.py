@@ -21,16 +21,28 @@ import traceback
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import (BadHttpMessage, BadHttpMethod, BadStatusLine,
-                                     InvalidHeader, InvalidURLError, LineTooLong)
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    BadStatusLine,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from gateway.config import ServerSection
-from gateway.errors import (GatewayError, HeadersTooLargeError, InvalidRequestError,
-                            RequestTimeoutError, UpstreamTimeoutError, UriTooLongError,
-                            error_response)
+from gateway.errors import (
+    GatewayError,
+    HeadersTooLargeError,
+    InvalidRequestError,
+    RequestTimeoutError,
+    UpstreamTimeoutError,
+    UriTooLongError,
+    error_response,
+)
 
 logger = logging.getLogger(__name__)
 

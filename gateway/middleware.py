@@ -16,8 +16,15 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
 from opentelemetry import trace
 
-from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
-                            error_response, from_http_exception, store_unavailable)
+from gateway.errors import (
+    AuthenticationError,
+    Dialect,
+    GatewayError,
+    InvalidRequestError,
+    error_response,
+    from_http_exception,
+    store_unavailable,
+)
 from gateway.keys import ApiKey, KeyStore
 from infermesh.redis_client import REDIS_ERRORS
 from telemetry.metrics import REQUESTS
@@ -45,7 +52,7 @@ async def redact_query_keys(request: web.Request, handler: Handler) -> web.Strea
     ``auth_middleware`` still sees the parameter and refuses the request."""
     names = {name for name in request.query if name.lower() in _QUERY_KEY_NAMES}
     if names:
-        redacted = request.rel_url.update_query({name: "REDACTED" for name in names})
+        redacted = request.rel_url.update_query(dict.fromkeys(names, "REDACTED"))
         request = request.clone(rel_url=redacted)
     return await handler(request)
 

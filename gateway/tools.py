@@ -1,9 +1,9 @@
-"""Tool calling and structured outputs on OpenAI's wire: the request fields (``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``response_format``), their checks, what the worker is asked, and the
-assembly of the worker's tool-call pieces into OpenAI's ``tool_calls``.
+"""Tool calling and structured outputs on OpenAI's wire: the request fields (``tools``,
+``tool_choice``, ``parallel_tool_calls``, ``response_format``), their checks, what the worker is
+asked, and the assembly of the worker's tool-call pieces into OpenAI's ``tool_calls``.
 
-Every schema is checked here (a valid JSON schema, and one the worker's grammar library can enforce),
-so a bad one is a 400 naming its parameter rather than an error from the worker.
+Every schema is checked here (a valid JSON schema, and one the worker's grammar library can
+enforce), so a bad one is a 400 naming its parameter rather than an error from the worker.
 """
 from __future__ import annotations
 
