@@ -216,21 +216,11 @@ async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.Strea
                                   finish_reasons=generation.finish_reasons,
                                   input_tokens=usage.prompt_tokens,
                                   output_tokens=usage.completion_tokens)
-        _observe(plan.model, started, first_token_s, usage)
+        metrics.observe_generation("gateway", plan.model, first_token_s, time.monotonic() - started,
+                                   usage.prompt_tokens, usage.completion_tokens)
         return response
 
 
 def _operation(request: web.Request) -> str:
     """The GenAI operation name of the endpoint."""
     return "text_completion" if request.path.endswith("/v1/completions") else "chat"
-
-
-def _observe(model: str, started: float, first_token_s: float, usage: TokenUsage) -> None:
-    total_s = time.monotonic() - started
-    metrics.REQUEST_DURATION.labels("gateway", model).observe(total_s)
-    metrics.TIME_TO_FIRST_TOKEN.labels("gateway", model).observe(first_token_s)
-    if usage.completion_tokens > 1:
-        metrics.TIME_PER_OUTPUT_TOKEN.labels("gateway", model).observe(
-            (total_s - first_token_s) / (usage.completion_tokens - 1))
-    metrics.TOKENS.labels("gateway", model, "input").inc(usage.prompt_tokens)
-    metrics.TOKENS.labels("gateway", model, "output").inc(usage.completion_tokens)
