@@ -14,7 +14,8 @@ from prometheus_client import REGISTRY
 
 from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
-from gateway.limits import Limiter, TokenUsage, duration, read_usage
+from gateway.limits import Limiter, duration, read_usage
+from gateway.usage import TokenUsage
 from infermesh.redis_server import RedisServer
 from tests.gateway.conftest import auth, make_config, sdk, start_gateway
 from tests.inprocess import MODEL, eventually
