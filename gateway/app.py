@@ -83,7 +83,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
                           max_connections=config.redis.max_connections)
     app[REDIS] = client
-    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
+    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_s)
     limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
                       settle_retry_max=config.limits.settle_retry_max)
     app[LIMITER] = limiter

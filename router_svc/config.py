@@ -62,6 +62,9 @@ class RoutingSection:
     + ``hardware_weight`` x (1 - decode speed / fastest candidate's)
     - ``affinity_weight`` if the worker is the prompt prefix's home."""
 
+    RENAMED = {"eject_cooldown_ms": "eject_cooldown_s (seconds)",
+               "stall_timeout_ms": "stall_timeout_s (seconds)"}
+
     policy: Policy = "balanced"
     # Before the first token, a failed worker call is retried once elsewhere.
     retry_before_first_token: bool = True
@@ -73,11 +76,11 @@ class RoutingSection:
     # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
     affinity_load_factor: float = 1.25
     failures_to_eject: int = 3  # consecutive failed calls that eject a worker
-    eject_cooldown_ms: int = 10000  # how long an ejected worker gets no traffic
+    eject_cooldown_s: float = 10.0  # how long an ejected worker gets no traffic
     # Relayed streams: the longest silence of a worker's stream after its first chunk;
     # past it the worker has failed (stuck) and the stream ends with an error. (A frozen
     # worker is noticed sooner by the channel's keepalive pings, see infermesh.channels.)
-    stall_timeout_ms: int = 30000
+    stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         weights = (self.load_weight, self.kv_weight, self.hardware_weight, self.affinity_weight)
@@ -85,10 +88,10 @@ class RoutingSection:
             raise ValueError("the *_weight keys must be >= 0")
         if self.prefix_bytes < 1 or self.affinity_load_factor < 1:
             raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
-        if self.failures_to_eject < 1 or self.eject_cooldown_ms < 0:
-            raise ValueError("need failures_to_eject >= 1 and eject_cooldown_ms >= 0")
-        if self.stall_timeout_ms <= 0:
-            raise ValueError(f"stall_timeout_ms: must be positive, got {self.stall_timeout_ms}")
+        if self.failures_to_eject < 1 or self.eject_cooldown_s < 0:
+            raise ValueError("need failures_to_eject >= 1 and eject_cooldown_s >= 0")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True)
