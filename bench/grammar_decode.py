@@ -160,7 +160,7 @@ def grammar_s_per_step(n: int, steps: int) -> float:
         mask_s = time.perf_counter() - start
         tokens = torch.multinomial(masked.softmax(-1), 1, generator=generator).flatten().tolist()
         start = time.perf_counter()
-        for matcher, token in zip(matchers, tokens):
+        for matcher, token in zip(matchers, tokens, strict=True):
             assert matcher.consume_token(token), matcher.get_error()
         times.append(mask_s + time.perf_counter() - start)
     return statistics.median(times)
@@ -195,7 +195,8 @@ def main() -> None:
         "json_schema": Constraints(json_schema=json.dumps(_LONG)),
         "tool_choice=required": Constraints((tool,), "required", parallel_tool_calls=False),
     }
-    print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, {engine.capabilities.device_name}), "
+    print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, "
+          f"{engine.capabilities.device_name}), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), llguidance "
           f"{importlib.metadata.version('llguidance')}, {ns.new_tokens} new tokens per request, "
           f"{ns.rounds} interleaved rounds")

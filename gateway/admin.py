@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway import keys
 from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, NotFoundError
 from gateway.limits import read_usage
-from gateway.middleware import KEY_STORE, single_header
 from gateway.mesh_client import MESH
+from gateway.middleware import KEY_STORE, single_header
 from gateway.validation import STRICT, parse_body, read_json
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2

@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from gateway.errors import InvalidRequestError
-from gateway.sampling import sampling_params
-from gateway.usage import TokenUsage
 from gateway.openai_protocol import Name, TextPart, UInt32, joined_text
+from gateway.sampling import sampling_params
 from gateway.tools import ToolName, check_schema
+from gateway.usage import TokenUsage
 from gateway.validation import STRICT, parse_body, refuse_fields
 from infermesh.pb import common_pb2
 

@@ -8,7 +8,6 @@ import prometheus_client
 from aiohttp import web
 
 import telemetry
-from telemetry.metrics import watch_event_loop
 from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
@@ -16,15 +15,23 @@ from gateway.config import GatewayConfig
 from gateway.generation import LIMITS_CONFIG
 from gateway.keys import REDIS, KeyStore
 from gateway.limits import LIMITER, Limiter
+from gateway.mesh_client import MESH, MeshClient
 from gateway.messages import create_message
-from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_CONFIG, add_request_id,
-                                auth_middleware, error_middleware, redact_query_keys)
+from gateway.middleware import (
+    API_PREFIXES,
+    KEY_STORE,
+    REDIS_CONFIG,
+    add_request_id,
+    auth_middleware,
+    error_middleware,
+    redact_query_keys,
+)
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
-from gateway.mesh_client import MESH, MeshClient
 from gateway.validation import SERVER_CONFIG
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
+from telemetry.metrics import watch_event_loop
 
 CONFIG = web.AppKey("config", GatewayConfig)
 

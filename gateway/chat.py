@@ -13,10 +13,20 @@ from aiohttp import web
 from gateway import sse
 from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    FinishReason,
+    chat_choice,
+    chat_chunk,
+    chat_completion,
+    completion_id,
+    now_s,
+    parse_chat_request,
+    token_logprobs,
+    usage,
+    usage_chunk,
+)
 from gateway.tools import ToolCalls, chunk_deltas
-from gateway.openai_protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
-                              chat_completion, completion_id, now_s,
-                              parse_chat_request, token_logprobs, usage, usage_chunk)
 from gateway.validation import estimate_tokens, read_json
 
 

@@ -11,9 +11,14 @@ from typing import Any
 from aiohttp import web
 
 from gateway import sse
-from gateway.completions_protocol import (CompletionRequest, completion_choice,
-                                          completion_logprobs, merge_logprobs,
-                                          parse_completion_request, text_completion)
+from gateway.completions_protocol import (
+    CompletionRequest,
+    completion_choice,
+    completion_logprobs,
+    merge_logprobs,
+    parse_completion_request,
+    text_completion,
+)
 from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
 from gateway.openai_protocol import FinishReason, completion_id, now_s, usage, usage_chunk

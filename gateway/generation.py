@@ -20,11 +20,11 @@ from aiohttp import web
 from gateway.config import LimitsSection
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
 from gateway.limits import LIMITER, Admission, mesh_failed
-from gateway.usage import TokenUsage
+from gateway.mesh_client import MESH, MeshClient
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
 from gateway.openai_protocol import GPU_HEADER, PRECISION_HEADER
+from gateway.usage import TokenUsage
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
-from gateway.mesh_client import MESH, MeshClient
 from infermesh.pb import common_pb2
 from telemetry import genai, metrics
 

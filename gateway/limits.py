@@ -61,18 +61,24 @@ import redis.asyncio as redis
 from aiohttp import web
 
 from gateway.errors import AuthenticationError, RateLimitError
-from telemetry.metrics import (RATE_LIMITED, SETTLEMENTS_DROPPED, SETTLEMENTS_PENDING,
-                               SETTLEMENTS_RETRIED)
 from gateway.keys import key_tag, redis_key
 from gateway.usage import TokenUsage
 from infermesh.redis_client import REDIS_ERRORS
+from telemetry.metrics import (
+    RATE_LIMITED,
+    SETTLEMENTS_DROPPED,
+    SETTLEMENTS_PENDING,
+    SETTLEMENTS_RETRIED,
+)
 
 logger = logging.getLogger(__name__)
 
 _USAGE_DAY_TTL_S = 400 * 86400
 # How long a settlement's done-mark lives: a retry later than this after a try whose reply
 # was lost could count twice; retries normally run within a second of Redis's return.
-_SETTLED_TTL_S = 60  # retries run every 0.5 s once Redis answers; a longer life only grew the keyspace (RELIABILITY.md, Soak)
+# retries run every 0.5 s once Redis answers; a longer life only grew the keyspace (RELIABILITY.md,
+# Soak)
+_SETTLED_TTL_S = 60
 _RETRY_INTERVAL_S = 0.5
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
@@ -204,7 +210,9 @@ end
 if ARGV[8] ~= '' then redis.call('ZREM', KEYS[2], ARGV[8]) end
 if ARGV[10] == '0' then
   -- the mesh failed the request: its request-per-minute unit is given back, no usage
-  if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then redis.call('HINCRBY', KEYS[6], ARGV[1], -1) end
+  if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then
+    redis.call('HINCRBY', KEYS[6], ARGV[1], -1)
+  end
   return 1
 end
 for i = 4, 5 do

@@ -5,8 +5,8 @@ By default the router only chooses (``Route``) and the gateway calls the chosen 
 (``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
-(``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker, opened
-lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
+(``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker,
+opened lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
 """

@@ -17,8 +17,15 @@ from aiohttp.typedefs import Handler
 from opentelemetry import trace
 
 from gateway.config import RedisSection
-from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
-                            error_response, from_http_exception, store_unavailable)
+from gateway.errors import (
+    AuthenticationError,
+    Dialect,
+    GatewayError,
+    InvalidRequestError,
+    error_response,
+    from_http_exception,
+    store_unavailable,
+)
 from gateway.keys import ApiKey, KeyStore
 from infermesh.redis_client import REDIS_ERRORS
 from telemetry.metrics import REQUESTS

@@ -9,10 +9,10 @@ from aiohttp import web
 from gateway.errors import ModelNotFoundError
 from gateway.generation import admit
 from gateway.limits import LIMITER, mesh_failed
-from gateway.usage import TokenUsage
+from gateway.mesh_client import MESH
 from gateway.middleware import API_KEY
 from gateway.openai_protocol import model_list, model_object
-from gateway.mesh_client import MESH
+from gateway.usage import TokenUsage
 from infermesh.pb import router_pb2
 
 

@@ -17,9 +17,15 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from gateway.errors import InvalidRequestError
 from gateway.sampling import sampling_params
+from gateway.tools import (
+    AssistantToolCall,
+    FunctionTool,
+    ResponseFormat,
+    ToolChoice,
+    history_calls,
+    structure,
+)
 from gateway.usage import TokenUsage
-from gateway.tools import (AssistantToolCall, FunctionTool, ResponseFormat, ToolChoice, history_calls,
-                           structure)
 from gateway.validation import STRICT, parse_body, refuse_fields
 from infermesh.names import PRECISIONS, FinishReason, Precision
 from infermesh.pb import common_pb2
@@ -53,7 +59,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None  # null: tool calls only
     name: Annotated[str, Field(max_length=256)] | None = None
-    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None  # assistant turns
+    # assistant turns
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool turns: the call answered
 
     @model_validator(mode="before")

@@ -15,12 +15,12 @@ from opentelemetry import trace
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
-from infermesh.tasks import cancel_and_wait
+from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.tasks import cancel_and_wait
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
-from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
-from infermesh.names import precision_name
+from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
 from router_svc.routing import Chooser, Decision, RouteError, RouteRequest
 from telemetry import metrics
 

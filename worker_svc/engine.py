@@ -23,14 +23,33 @@ import torch
 
 from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine_api import (EngineLoad, GenerationChunk, GenerationRequest, InvalidRequestError, Tool,
-                                   bounded_batching_hints, check_request, completion_budget, drain_chunks)
-from worker_svc.kv_cache import (BlockManager, bytes_per_token, cache_budget_bytes, index_bytes_per_token,
-                                 latent_bytes_per_token)
+from worker_svc.engine_api import (
+    EngineLoad,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    Tool,
+    bounded_batching_hints,
+    check_request,
+    completion_budget,
+    drain_chunks,
+)
 from worker_svc.grammar import GrammarCompiler
+from worker_svc.kv_cache import (
+    BlockManager,
+    bytes_per_token,
+    cache_budget_bytes,
+    index_bytes_per_token,
+    latent_bytes_per_token,
+)
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
-from worker_svc.precision import TORCH_DTYPES, DeviceCapabilities, detect_capabilities, resolve_device
+from worker_svc.precision import (
+    TORCH_DTYPES,
+    DeviceCapabilities,
+    detect_capabilities,
+    resolve_device,
+)
 from worker_svc.scheduler import Scheduler, Sequence
 from worker_svc.step_loop import StepLoop, Stream, emitter
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -50,7 +69,7 @@ class Engine:
     def __init__(
         self, model: Transformer, tokenizer: Tokenizer, capabilities: DeviceCapabilities, device: torch.device,
         max_model_len: int, eos_token_ids: frozenset[int], parallel: ParallelSection, cache: CacheSection,
-    ):  # fmt: skip
+    ):
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
         self.max_model_len = max_model_len
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
@@ -61,11 +80,12 @@ class Engine:
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
         self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
         dtype = model.lm_head.weight.dtype
-        logger.info("latent cache: %d blocks of %d tokens (%.1f MB; per token %d B latent + %d B indexer keys); "
+        logger.info("latent cache: %d blocks of %d tokens (%.1f MB; "
+                    "per token %d B latent + %d B indexer keys); "
                     "max_parallel %d, batch timeout %d ms", blocks.num_blocks, blocks.block_size,
                     kv_cache.nbytes / 2**20, latent_bytes_per_token(model.args, dtype),
                     index_bytes_per_token(model.args, dtype), self.parallel.max_parallel,
-                    self.parallel.dynamic_batch_timeout_ms)  # fmt: skip
+                    self.parallel.dynamic_batch_timeout_ms)
         scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
         runner = ModelRunner(model, kv_cache, device)
         self._loop = StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
@@ -82,11 +102,12 @@ class Engine:
         parallel: ParallelSection | None = None,
         cache: CacheSection | None = None,
     ) -> Engine:
-        """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or in a thread)."""
-        # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more pooled
-        # threads than cores it stops spinning between ops, and each op of the step loop then waits for a
-        # futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a thread that ends
-        # takes its pool along: the step loop's is the process's only one.
+        """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
+        in a thread)."""
+        # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
+        # pooled threads than cores it stops spinning between ops, and each op of the step loop then
+        # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
+        # thread that ends takes its pool along: the step loop's is the process's only one.
         load = functools.partial(cls._load, model_dir, dtype=dtype, use_native_fp8=use_native_fp8,
                                  max_model_len=max_model_len, device=device, parallel=parallel, cache=cache)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
@@ -96,14 +117,14 @@ class Engine:
     def _load(
         cls, model_dir: str | Path, *, dtype: str, use_native_fp8: bool | None, max_model_len: int | None,
         device: str, parallel: ParallelSection | None, cache: CacheSection | None,
-    ) -> Engine:  # fmt: skip
+    ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
         caps = detect_capabilities(torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(caps, weight_bytes=weight_bytes, model_type=config["model_type"],
-                                   index_topk=model.args.index_topk)  # fmt: skip
+                                   index_topk=model.args.index_topk)
         context = config["max_position_embeddings"]
         if max_model_len is not None and not 0 < max_model_len <= context:
             raise ValueError(f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)")
@@ -111,10 +132,11 @@ class Engine:
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
         logger.info("loaded %s: %.1f MB of weights as %s", model_dir, weight_bytes / 2**20, caps.precision)
         return cls(model, tokenizer, caps, torch_device, max_model_len or context, eos,
-                   parallel or ParallelSection(), cache or CacheSection())  # fmt: skip
+                   parallel or ParallelSection(), cache or CacheSection())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts it.
+        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
+        it.
 
         Raises InvalidRequestError or EngineOverloadedError before any chunk.
         """
@@ -174,7 +196,8 @@ class Engine:
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as HF chat templates take it: an assistant turn of only tool calls has no content."""
+    """A message as HF chat templates take it: an assistant turn of only tool calls has no
+    content."""
     if message.get("tool_calls") and not message["content"]:
         return {**message, "content": None}
     return message
@@ -187,7 +210,8 @@ def _tool_definition(tool: Tool) -> dict[str, Any]:
 
 
 def _block_manager(model: Transformer, device: torch.device, max_model_len: int, cache: CacheSection) -> BlockManager:
-    """As many blocks as the memory budget holds; at least one whole context, so any request can finish."""
+    """As many blocks as the memory budget holds; at least one whole context, so any request can
+    finish."""
     per_block = bytes_per_token(model.args, model.lm_head.weight.dtype) * cache.block_size
     budget = cache_budget_bytes(device, cache.gpu_memory_utilization, cache.cpu_cache_bytes)
     num_blocks = budget // per_block
@@ -195,8 +219,10 @@ def _block_manager(model: Transformer, device: torch.device, max_model_len: int,
     if num_blocks < needed:
         knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
         raise ValueError(
-            f"[cache] {knob}: the latent cache would hold {max(num_blocks, 0) * cache.block_size} tokens, fewer "
-            f"than one context of max_model_len={max_model_len} ({needed * per_block} bytes); raise {knob} or "
+            f"[cache] {knob}: the latent cache would hold "
+            f"{max(num_blocks, 0) * cache.block_size} tokens, fewer "
+            f"than one context of max_model_len={max_model_len} "
+            f"({needed * per_block} bytes); raise {knob} or "
             "lower [attention] max_model_len"
         )
     return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)

@@ -73,7 +73,8 @@ class Tool:
 
 @dataclass(frozen=True)
 class Constraints:
-    """What the output must look like: tool calls and/or JSON, enforced by a grammar while decoding."""
+    """What the output must look like: tool calls and/or JSON, enforced by a grammar while
+    decoding."""
 
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
@@ -89,13 +90,13 @@ class Constraints:
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    # chat, rendered with the checkpoint's chat template: OpenAI-shaped dicts (role, content; an assistant
-    # turn's tool_calls, a tool turn's tool_call_id)
+    # chat, rendered with the checkpoint's chat template: OpenAI-shaped dicts (role, content; an
+    # assistant turn's tool_calls, a tool turn's tool_call_id)
     messages: list[dict[str, Any]] | None
     prompt: str | None  # raw text; exactly one of messages/prompt
     sampling: SamplingParams
-    # batching hints, bounded by the worker's limits: run in a batch of at most max_parallel sequences;
-    # wait at most dynamic_batch_timeout_ms for others to form a larger batch
+    # batching hints, bounded by the worker's limits: run in a batch of at most max_parallel
+    # sequences; wait at most dynamic_batch_timeout_ms for others to form a larger batch
     max_parallel: int | None = None
     dynamic_batch_timeout_ms: int | None = None
     constraints: Constraints = Constraints()
@@ -103,7 +104,8 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class ToolCallDelta:
-    """A piece of tool call `index`: its first piece carries id and name, later ones argument text."""
+    """A piece of tool call `index`: its first piece carries id and name, later ones argument
+    text."""
 
     index: int
     id: str = ""
@@ -140,7 +142,8 @@ class EngineLoad:
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before any chunk."""
+    """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before
+    any chunk."""
 
 
 class EngineClosedError(RuntimeError):
@@ -148,7 +151,8 @@ class EngineClosedError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The engine's waiting queue is full; raised by generate() before any chunk (RESOURCE_EXHAUSTED)."""
+    """The engine's waiting queue is full; raised by generate() before any chunk
+    (RESOURCE_EXHAUSTED)."""
 
 
 _MAX_STOP_SEQUENCES = 16
@@ -178,7 +182,8 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed")
     if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError(
-            f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {_MAX_STOP_TOKEN_IDS} are allowed")
+            f"stop_token_ids has {len(p.stop_token_ids)} "
+            f"ids; at most {_MAX_STOP_TOKEN_IDS} are allowed")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
@@ -267,7 +272,8 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_constraints(c: Constraints) -> None:
-    """Raises InvalidRequestError for tools or a schema no engine can enforce, the same on every worker."""
+    """Raises InvalidRequestError for tools or a schema no engine can enforce, the same on every
+    worker."""
     names = [t.name for t in c.tools]
     for i, tool in enumerate(c.tools):
         if not _TOOL_NAME.fullmatch(tool.name):
@@ -311,7 +317,8 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
 
 
 def _merged_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Consecutive pieces of one call as one piece: the first's id and name, the arguments joined."""
+    """Consecutive pieces of one call as one piece: the first's id and name, the arguments
+    joined."""
     merged: list[ToolCallDelta] = []
     for d in deltas:
         if merged and merged[-1].index == d.index and not d.id:
@@ -355,7 +362,8 @@ class InferenceEngine(Protocol):
     max_model_len: int
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts it."""
+        """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts
+        it."""
         ...
 
     def load(self) -> EngineLoad:

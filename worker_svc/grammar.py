@@ -91,8 +91,8 @@ def _compact_schema(schema: str) -> str:
 def apply_masks(
     logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]
 ) -> torch.Tensor:
-    """The logits with those of the tokens each row's matcher forbids at -inf (rows without a matcher
-    unchanged; no copy when no row has one).
+    """The logits with those of the tokens each row's matcher forbids at -inf (rows without a
+    matcher unchanged; no copy when no row has one).
 
     logits: [N, vocab] on the CPU, row i of matchers[i].
     """

@@ -13,15 +13,25 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 import telemetry
-from telemetry import metrics
 from infermesh.channels import CHANNEL_OPTIONS
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import FINISH_REASONS, PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from telemetry import metrics
 from worker_svc.config import WorkerConfig
-from worker_svc.engine_api import (Constraints, EngineOverloadedError, GenerationChunk,
-                                   GenerationRequest, InferenceEngine, InvalidRequestError,
-                                   SamplingParams, TokenLogprob, Tool, ToolChoice, merge_chunks)
+from worker_svc.engine_api import (
+    Constraints,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InferenceEngine,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+    Tool,
+    ToolChoice,
+    merge_chunks,
+)
 from worker_svc.gpu_profiles import gpu_kind
 from worker_svc.sim_engine import SimEngine
 

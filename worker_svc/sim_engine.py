@@ -13,8 +13,9 @@ a KV budget (sizing.py; [engine] gpu_count overrides):
 
 Attention FLOPs count each query's attended tokens (`attention_flops_per_key` each). A DeepSeek-V3.2
 model (`index_topk` > 0, sparse attention) attends to at most index_topk tokens and reads only their
-KV bytes; its indexer still scores the whole context (`index_flops_per_key`, `index_bytes_per_token`),
-so past index_topk a step costs the indexer's linear term, not full attention's.
+KV bytes; its indexer still scores the whole context (`index_flops_per_key`,
+`index_bytes_per_token`), so past index_topk a step costs the indexer's linear term, not full
+attention's.
 
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
@@ -37,9 +38,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker_svc.config import WorkerConfig
-from worker_svc.engine_api import (DecodeRateMeter, DeviceCapabilities, EngineClosedError, EngineLoad,
-                                   EngineOverloadedError, GenerationChunk, GenerationRequest,
-                                   InvalidRequestError, check_request, completion_budget, drain_chunks)
+from worker_svc.engine_api import (
+    DecodeRateMeter,
+    DeviceCapabilities,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    check_request,
+    completion_budget,
+    drain_chunks,
+)
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, serving_profile
 
@@ -102,7 +113,8 @@ class Roofline:
         return min(context_tokens, self.index_topk) if self.index_topk else context_tokens
 
     def prefill_s(self, tokens: int, start: int = 0) -> float:
-        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending to its context."""
+        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending
+        to its context."""
         flops = (tokens * 2 * self.active_params
                  + self.attention_flops_per_key * _keys_attended(start, tokens, self.index_topk))
         if self.index_topk:
@@ -110,8 +122,9 @@ class Roofline:
         return flops / (self.profile.peak_flops * self.gpu_count)
 
     def decode_step_s(self, batch: int, context_tokens: int, attended_tokens: int | None = None) -> float:
-        """One token for each of `batch` sequences holding `context_tokens` in all; `attended_tokens`: the
-        sum of their `attended(context)` (the default, all of the context, is right for dense attention)."""
+        """One token for each of `batch` sequences holding `context_tokens` in all;
+        `attended_tokens`: the sum of their `attended(context)` (the default, all of the context, is
+        right for dense attention)."""
         attended = context_tokens if attended_tokens is None else attended_tokens
         read = self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
         flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
@@ -123,7 +136,8 @@ class Roofline:
 
 
 def _keys_attended(start: int, tokens: int, cap: int) -> int:
-    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap` (0: no cap)."""
+    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap`
+    (0: no cap)."""
     end = start + tokens
 
     def triangle(n: int) -> int:
@@ -170,7 +184,8 @@ class SimEngine:
         if roofline.kv_capacity_tokens < 1:
             raise ValueError(
                 f"the model's {roofline.weight_bytes / 1e9:.0f} GB of weights leave no KV cache in "
-                f"{roofline.gpu_count} x {roofline.profile.name} ({roofline.memory_bytes / 1e9:.0f} GB)")
+                f"{roofline.gpu_count} x {roofline.profile.name} "
+                f"({roofline.memory_bytes / 1e9:.0f} GB)")
         self.roofline = roofline
         profile = roofline.profile
         self.capabilities = DeviceCapabilities(
@@ -215,7 +230,8 @@ class SimEngine:
                    zero_latency=e.zero_latency)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts it."""
+        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
+        it."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         seq = self._new_sequence(request)
@@ -245,8 +261,8 @@ class SimEngine:
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
         check_request(request, len(_WORDS))
         if request.constraints.active:
-            # its words come from no tokenizer a grammar could mask; an answer that ignores the tools
-            # or schema would look like success to the client
+            # its words come from no tokenizer a grammar could mask; an answer that ignores the
+            # tools or schema would look like success to the client
             raise InvalidRequestError("tools and json_schema need a model engine; this worker is simulated")
         text = _prompt_text(request)
         prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
@@ -254,7 +270,8 @@ class SimEngine:
         budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
             raise InvalidRequestError(
-                f"prompt and max_tokens need {prompt_tokens + budget} tokens of KV cache; this worker "
+                f"prompt and max_tokens need {prompt_tokens + budget} "
+                f"tokens of KV cache; this worker "
                 f"holds {self.roofline.kv_capacity_tokens}")
         blocks = _prefix_blocks(text, self._block_tokens)
         seed = params.seed if params.seed is not None else (
@@ -340,7 +357,7 @@ class SimEngine:
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline
         prefill = sum(roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
-                      for s in batch if not s.prefilled)  # fmt: skip
+                      for s in batch if not s.prefilled)
         contexts = [s.context_tokens for s in batch if s.prefilled]
         decode = roofline.decode_step_s(len(contexts), sum(contexts), sum(map(roofline.attended, contexts)))
         return prefill + (decode if contexts else 0.0)

@@ -10,6 +10,7 @@ finished, or aborted when the consumer goes away (its blocks are freed at the ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -20,8 +21,15 @@ import llguidance
 import torch
 
 from infermesh.names import FinishReason
-from worker_svc.engine_api import (DecodeRateMeter, EngineClosedError, EngineLoad, EngineOverloadedError,
-                                   GenerationChunk, SamplingParams, TokenLogprob)
+from worker_svc.engine_api import (
+    DecodeRateMeter,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    SamplingParams,
+    TokenLogprob,
+)
 from worker_svc.grammar import apply_masks
 from worker_svc.model_runner import ModelRunner
 from worker_svc.sampling import sample_batch, token_logprobs
@@ -43,7 +51,8 @@ class Stream:
     stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator
-    emit: Callable[[GenerationChunk | BaseException], None]  # thread-safe: hands an item to the consumer
+    # thread-safe: hands an item to the consumer
+    emit: Callable[[GenerationChunk | BaseException], None]
     matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
     tool_parser: ToolCallParser | None = None  # set when it may call tools
 
@@ -62,7 +71,8 @@ class Stream:
 class StepLoop:
     """The thread that owns the scheduler and the model runner: one forward pass per iteration.
 
-    submit()/abort()/load()/close() are called from the event loop; everything else runs on the thread.
+    submit()/abort()/load()/close() are called from the event loop; everything else runs on the
+    thread.
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int):
@@ -85,7 +95,8 @@ class StepLoop:
                 raise EngineClosedError("engine is closed")
             if self._live >= self._scheduler.max_parallel + self._max_waiting:
                 raise EngineOverloadedError(
-                    f"the worker is full: {self._live} requests for {self._scheduler.max_parallel} places "
+                    f"the worker is full: {self._live} requests "
+                    f"for {self._scheduler.max_parallel} places "
                     f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
                 )
             self._live += 1
@@ -93,7 +104,8 @@ class StepLoop:
             self._lock.notify()
 
     def abort(self, seq_id: int) -> None:
-        """The consumer went away: the sequence is dropped, and its blocks freed, at the next step."""
+        """The consumer went away: the sequence is dropped, and its blocks freed, at the next
+        step."""
         with self._lock:
             self._aborts.append(seq_id)
             self._lock.notify()
@@ -162,10 +174,10 @@ class StepLoop:
         self._scheduler.complete_step(output)
         logits = apply_masks(logits, [st.matcher for st in streams])
         tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
-                              [st.output_ids if st.params.has_penalties else [] for st in streams])  # fmt: skip
+                              [st.output_ids if st.params.has_penalties else [] for st in streams])
         with self._lock:
             self._decode_rate.add(len(tokens))
-        for stream, token, row in zip(streams, tokens, logits):
+        for stream, token, row in zip(streams, tokens, logits, strict=True):
             try:
                 self._append(stream, token, row)
             except Exception as e:
@@ -196,7 +208,7 @@ class StepLoop:
         seq = stream.seq
         stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
                                     seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
-                                    seq.queue_s, calls or None))  # fmt: skip
+                                    seq.queue_s, calls or None))
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)
@@ -208,7 +220,8 @@ class StepLoop:
         return [TokenLogprob(decode([token]), logprob, alternatives)]
 
     def _end(self, seq_id: int, error: BaseException) -> None:
-        """A failed sequence leaves the batch now and frees its blocks; the error ends its stream."""
+        """A failed sequence leaves the batch now and frees its blocks; the error ends its
+        stream."""
         stream = self._forget(seq_id)
         if stream is not None:
             self._scheduler.abort_request(seq_id)
@@ -226,9 +239,8 @@ def emitter(
     loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
 ) -> Callable[[GenerationChunk | BaseException], None]:
     def emit(item: GenerationChunk | BaseException) -> None:
-        try:
+        # RuntimeError: the consumer's event loop is gone; its abort follows
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is gone; its abort follows
-            pass
 
     return emit

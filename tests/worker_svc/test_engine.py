@@ -16,8 +16,13 @@ from tests.helpers.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine
-from worker_svc.engine_api import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
-from worker_svc.engine_api import EngineOverloadedError
+from worker_svc.engine_api import (
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]

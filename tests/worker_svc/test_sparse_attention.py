@@ -20,7 +20,6 @@ from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
 from worker_svc.engine import Engine
 from worker_svc.engine_api import GenerationRequest, SamplingParams
-from infermesh.cli.hf_reference import transformers_model
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token, latent_bytes_per_token

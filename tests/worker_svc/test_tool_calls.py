@@ -14,8 +14,16 @@ import torch
 
 from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.engine import Engine
-from worker_svc.engine_api import (Constraints, GenerationChunk, GenerationRequest, InvalidRequestError,
-                                   SamplingParams, Tool, ToolCallDelta, merge_chunks)
+from worker_svc.engine_api import (
+    Constraints,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    Tool,
+    ToolCallDelta,
+    merge_chunks,
+)
 from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
@@ -172,7 +180,7 @@ async def test_tools_for_a_template_that_cannot_render_them_are_refused(
         assert "<｜tool▁sep｜>get_weather" in engine.tokenizer.render_chat(_HISTORY)
         sampling = SamplingParams(max_tokens=2)
         request = GenerationRequest("r", _HISTORY, None, sampling, constraints=Constraints(_TOOLS))
-        with pytest.raises(InvalidRequestError, match="^tools: this model's chat template cannot"):
+        with pytest.raises(InvalidRequestError, match=r"^tools: this model's chat template cannot"):
             async for _ in engine.generate(request):
                 pass
         history_only = GenerationRequest("r", _HISTORY, None, sampling)
