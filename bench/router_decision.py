@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.pb import common_pb2
-from router_svc.config import RoutingSection
+from router_svc.config import Policy, RoutingSection
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.routing import Chooser, RouteRequest
 
@@ -64,7 +64,7 @@ def requests(rng: random.Random, count: int) -> list[common_pb2.GenerateRequest]
         for _ in range(count)]
 
 
-def time_policy(policy: str, workers: int, decisions: int) -> list[float]:
+def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
     rng = random.Random(1)
     fleet = build_fleet(workers, rng)
     chooser = Chooser(RoutingSection(policy=policy))

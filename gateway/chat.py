@@ -15,7 +15,6 @@ from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
 from gateway.openai_protocol import (
     ChatCompletionRequest,
-    FinishReason,
     chat_choice,
     chat_chunk,
     chat_completion,
@@ -28,6 +27,7 @@ from gateway.openai_protocol import (
 )
 from gateway.tools import ToolCalls, chunk_deltas
 from gateway.validation import estimate_tokens, read_json
+from infermesh.names import FinishReason
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -21,8 +21,9 @@ from gateway.completions_protocol import (
 )
 from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
-from gateway.openai_protocol import FinishReason, completion_id, now_s, usage, usage_chunk
+from gateway.openai_protocol import completion_id, now_s, usage, usage_chunk
 from gateway.validation import estimate_tokens, read_json
+from infermesh.names import FinishReason
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

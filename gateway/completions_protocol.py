@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
-from gateway.openai_protocol import FinishReason, OpenAIGeneration, UInt32, with_precision_header
+from gateway.openai_protocol import OpenAIGeneration, UInt32, with_precision_header
 from gateway.validation import parse_body
+from infermesh.names import FinishReason
 from infermesh.pb import common_pb2
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint

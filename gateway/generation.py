@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -146,7 +146,7 @@ class Generation:
             await stream.aclose()  # cancels the router call if it still runs
 
 
-async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
     """The remaining chunks of several streams, as they arrive."""
     queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
 

@@ -164,7 +164,7 @@ async def update_key(client: RedisClient, kid: str, changes: Mapping[str, Any]) 
                     return None
                 if record.revoked and changes.get("disabled") is False:
                     raise ValueError("a revoked key cannot be enabled again")
-                pipe.multi()
+                pipe.multi()  # type: ignore[no-untyped-call]  # redis-py's MULTI: no annotations
                 cleared = [f for f, v in changes.items() if v is None or v == []]
                 kept = {f: _encode(f, v) for f, v in changes.items() if f not in cleared}
                 if cleared:

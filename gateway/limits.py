@@ -56,14 +56,14 @@ import datetime
 import logging
 import math
 import secrets
+from typing import Any
 
-import redis.asyncio as redis
 from aiohttp import web
 
 from gateway.errors import AuthenticationError, RateLimitError
 from gateway.keys import key_tag, redis_key
 from gateway.usage import TokenUsage
-from infermesh.redis_client import REDIS_ERRORS
+from infermesh.redis_client import REDIS_ERRORS, RedisClient
 from telemetry.metrics import (
     RATE_LIMITED,
     SETTLEMENTS_DROPPED,
@@ -275,7 +275,7 @@ def _day(offset: int = 0) -> str:
 class Limiter:
     """Admits and settles requests against their key's limits; one per gateway process."""
 
-    def __init__(self, client: redis.Redis, lease_ttl_s: float, settle_retry_max: int) -> None:
+    def __init__(self, client: RedisClient, lease_ttl_s: float, settle_retry_max: int) -> None:
         self._redis = client
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._admit = client.register_script(_ADMIT)
@@ -423,7 +423,7 @@ class Limiter:
 LIMITER = web.AppKey("limiter", Limiter)
 
 
-async def read_usage(client: redis.Redis, kid: str, days: int) -> dict[str, object]:
+async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]:
     """A key's lifetime usage, per UTC day for the last ``days`` days, and its quota counters."""
     keys = _keys(kid)
     day_names = [_day(i) for i in range(days)]
@@ -454,7 +454,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _rate_headers(out: list) -> dict[str, str]:
+def _rate_headers(out: list[Any]) -> dict[str, str]:
     headers = {}
     for kind, at in (("requests", 3), ("tokens", 6)):
         if int(out[at]) >= 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class MeshCall:
     """One generation through the mesh: its chunks and, once the first came, its route."""
 
-    chunks: AsyncIterator[common_pb2.GenerateResponse]
+    chunks: AsyncGenerator[common_pb2.GenerateResponse, None]
     route: common_pb2.Route | None = None
 
     def __aiter__(self) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -68,7 +68,7 @@ class MeshClient:
         return call
 
     async def _chunks(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                      ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         await self._wait_connected()
         chunks = (self._relayed(request, stream, call) if self._config.relay
                   else self._direct(request, stream, call))
@@ -97,7 +97,7 @@ class MeshClient:
             raise self._error(e.code(), e.details()) from None
 
     async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         rpc = self._stub.Generate if stream else self._stub.Complete
         grpc_call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
         async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
@@ -107,7 +107,7 @@ class MeshClient:
                 yield chunk
 
     async def _direct(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                      ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
                                        wait_for_ready=False)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
@@ -119,7 +119,7 @@ class MeshClient:
 
     async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,
                            stream: bool, deadline: float, call: MeshCall,
-                           ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                           ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         worker = self._workers.stub(route.address)
         rpc = worker.Generate if stream else worker.Complete

@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -156,7 +156,8 @@ class OpenAIGeneration(BatchingFields):
         request = common_pb2.GenerateRequest(
             request_id=request_id if choice == 0 else f"{request_id}-{choice}",
             model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
-            precision=PRECISIONS[self.precision] if self.precision else 0, gpu=self.gpu or "")
+            precision=PRECISIONS[self.precision] if self.precision else common_pb2.PRECISION_UNSPECIFIED,
+            gpu=self.gpu or "")
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)
@@ -213,7 +214,10 @@ UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "logit_bias", "audio", 
                            "prediction", "web_search_options")
 
 
-def with_precision_header(body: OpenAIGeneration | Any, headers: Mapping[str, str]) -> Any:
+
+G = TypeVar("G", bound=OpenAIGeneration)
+
+def with_precision_header(body: G, headers: Mapping[str, str]) -> G:
     """The precision and GPU kind headers apply when the body names none."""
     header = headers.get(PRECISION_HEADER)
     if body.precision is None and header is not None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, JsonSchemaValue, models_json_schema
 
 from gateway import admin
 from gateway.anthropic_protocol import MessagesRequest
@@ -37,7 +37,7 @@ _REF = "#/components/schemas/{model}"
 _PATH_PARAM = re.compile(r"{(\w+)}")
 _JSON = "application/json"
 _SSE = "text/event-stream"
-_API_KEY = [{"apiKey": []}]
+_API_KEY: list[dict[str, list[str]]] = [{"apiKey": []}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _operations() -> dict[Handler, Operation]:
     """What each handler does."""
     from gateway.app import health, metrics  # the app imports this module
 
-    keys = ({"adminToken": []},)
+    keys: tuple[dict[str, list[str]], ...] = ({"adminToken": []},)
     return {
         create_chat_completion: Operation(
             "createChatCompletion", "Creates a model response for the given chat conversation",
@@ -145,7 +145,7 @@ def build_document(app: web.Application) -> dict[str, Any]:
 
 
 def _operation(operation: Operation, path: str,
-               refs: dict[tuple[type[BaseModel], str], dict[str, Any]]) -> dict[str, Any]:
+               refs: Mapping[tuple[Any, JsonSchemaMode], JsonSchemaValue]) -> dict[str, Any]:
     success: dict[str, Any] = {operation.success: {"schema": {} if operation.success != _JSON
                                                    else {"type": "object"}}}
     if operation.streams:  # with "stream": true

@@ -18,6 +18,7 @@ import sys
 import redis.asyncio as redis
 
 from gateway.keys import INDEX, key_tag
+from infermesh.redis_client import RedisClient
 
 _PER_KEY = ("infermesh:key:{}", "infermesh:rl:{}:rpm", "infermesh:rl:{}:tpm",
             "infermesh:rl:{}:inflight", "infermesh:quota:{}", "infermesh:usage:{}")
@@ -29,7 +30,7 @@ class RetagReport:
     conflicts: list[str] = dataclasses.field(default_factory=list)  # old names left in place
 
 
-async def retag(client: redis.Redis) -> RetagReport:
+async def retag(client: RedisClient) -> RetagReport:
     """Renames every untagged key of every indexed API key to its tagged name."""
     report = RetagReport()
     for raw in await client.smembers(INDEX):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -38,7 +39,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._chooser = Chooser(config.routing)
 
     async def Register(self, request: router_pb2.RegisterRequest,
-                       context: grpc.aio.ServicerContext) -> router_pb2.RegisterResponse:
+                       context: grpc.aio.ServicerContext[router_pb2.RegisterRequest, router_pb2.RegisterResponse]) -> router_pb2.RegisterResponse:
         try:
             await self._registry.register(request.worker, request.load)
         except RegistrationError as e:
@@ -50,7 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ttl_ms=self._config.registry.ttl_ms)
 
     async def Heartbeat(self, request: router_pb2.HeartbeatRequest,
-                        context: grpc.aio.ServicerContext) -> router_pb2.HeartbeatResponse:
+                        context: grpc.aio.ServicerContext[router_pb2.HeartbeatRequest, router_pb2.HeartbeatResponse]) -> router_pb2.HeartbeatResponse:
         try:
             known = await self._registry.heartbeat(request.worker_id, request.load)
         except RegistrationError as e:
@@ -60,7 +61,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.HeartbeatResponse(registered=known)
 
     async def ListModels(self, request: router_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+                         context: grpc.aio.ServicerContext[router_pb2.ListModelsRequest, router_pb2.ListModelsResponse]) -> router_pb2.ListModelsResponse:
         await self._check_registry(context)
         models: dict[str, router_pb2.Model] = {}
         for entry in self._fleet.entries():
@@ -69,10 +70,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     id=name, created=int(entry.registered_at)))
                 model.workers += 1
                 model.created = min(model.created, int(entry.registered_at))
-        return router_pb2.ListModelsResponse(models=sorted(models.values(), key=lambda m: m.id))
+        listed = sorted(models.values(), key=lambda m: m.id)
+        return router_pb2.ListModelsResponse(models=listed)
 
     async def ListWorkers(self, request: router_pb2.ListWorkersRequest,
-                          context: grpc.aio.ServicerContext) -> router_pb2.ListWorkersResponse:
+                          context: grpc.aio.ServicerContext[router_pb2.ListWorkersRequest, router_pb2.ListWorkersResponse]) -> router_pb2.ListWorkersResponse:
         await self._check_registry(context)
         return router_pb2.ListWorkersResponse(workers=[
             router_pb2.WorkerStatus(worker=e.info, load=e.load,
@@ -80,7 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for e in self._fleet.entries()])
 
     async def Generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
         attempts = await self._decide(request, context)
         try:
             async for chunk in self._relayed(attempts, request, context, stream=True):
@@ -89,7 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(e.code, e.details)
 
     async def Complete(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> common_pb2.GenerateResponse:
         attempts = await self._decide(request, context)
         try:
             async with contextlib.aclosing(
@@ -99,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(e.code, e.details)
 
     async def Route(self, request: common_pb2.GenerateRequest,
-                    context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
+                    context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, router_pb2.RouteResponse]) -> router_pb2.RouteResponse:
         attempts = await self._decide(request, context)
         trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
         for worker in attempts:
@@ -107,7 +109,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
     async def ReportFailure(self, request: router_pb2.ReportFailureRequest,
-                            context: grpc.aio.ServicerContext) -> router_pb2.ReportFailureResponse:
+                            context: grpc.aio.ServicerContext[router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse]) -> router_pb2.ReportFailureResponse:
         code = getattr(grpc.StatusCode, request.code, None)
         if not isinstance(code, grpc.StatusCode):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -118,7 +120,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ReportFailureResponse()
 
     async def _decide(self, request: common_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> list[WorkerEntry]:
+                      context: grpc.aio.ServicerContext[Any, Any]) -> list[WorkerEntry]:
         """The workers to try, best first, with the reasons on the span."""
         await self._check_registry(context)
         try:
@@ -130,8 +132,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
 
     def _relayed(self, attempts: list[WorkerEntry], request: common_pb2.GenerateRequest,
-                 context: grpc.aio.ServicerContext, *, stream: bool,
-                 ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                 context: grpc.aio.ServicerContext[Any, Any], *, stream: bool,
+                 ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The first of ``attempts`` that serves the request, relayed; StreamFailedError
         when none does."""
         return stream_from_first(
@@ -140,8 +142,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._config.routing.stall_timeout_s if stream else None)
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext, *, stream: bool,
-                     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                     context: grpc.aio.ServicerContext[Any, Any], *, stream: bool,
+                     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The worker's stream (or, not ``stream``, its Complete reply), the first chunk
         stamped with the route. The worker call carries the caller's remaining deadline;
         closing this iterator cancels it."""
@@ -176,7 +178,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             logger.warning("worker %s failed before the first token (%s: %s)",
                            worker.worker_id, code.name, details)
 
-    async def _check_registry(self, context: grpc.aio.ServicerContext) -> None:
+    async def _check_registry(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         try:
             self._registry.check_available()
         except RegistryUnavailableError as e:

@@ -84,16 +84,26 @@ class ParallelSection:
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}")
 
-    def resolved(self, device: str, device_name: str) -> ParallelSection:
+    def resolved(self, device: str, device_name: str) -> Batching:
         """This section with the unset knobs taken from the defaults for the device
         ("cuda"/"rocm"/"cpu")."""
         defaults = _CPU_BATCHING_DEFAULTS if device == "cpu" else next(
             (v for k, v in _GPU_BATCHING_DEFAULTS.items() if k in device_name), _OTHER_GPU_BATCHING_DEFAULTS)
-        return dataclasses.replace(
-            self,
+        return Batching(
             max_parallel=defaults[0] if self.max_parallel is None else self.max_parallel,
             dynamic_batch_timeout_ms=defaults[1] if self.dynamic_batch_timeout_ms is None
-            else self.dynamic_batch_timeout_ms)
+            else self.dynamic_batch_timeout_ms,
+            max_waiting=self.max_waiting, prefill_chunk_size=self.prefill_chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """A ParallelSection resolved for a device: every knob set."""
+
+    max_parallel: int
+    dynamic_batch_timeout_ms: int
+    max_waiting: int
+    prefill_chunk_size: int
 
 
 @section

@@ -15,7 +15,7 @@ import itertools
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
+    DeviceCapabilities,
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
@@ -44,12 +45,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
-from worker_svc.precision import (
-    TORCH_DTYPES,
-    DeviceCapabilities,
-    detect_capabilities,
-    resolve_device,
-)
+from worker_svc.precision import TORCH_DTYPES, detect_capabilities, resolve_device
 from worker_svc.scheduler import Scheduler, Sequence
 from worker_svc.step_loop import StepLoop, Stream, emitter
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -134,7 +130,7 @@ class Engine:
         return cls(model, tokenizer, caps, torch_device, max_model_len or context, eos,
                    parallel or ParallelSection(), cache or CacheSection())
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it.
 
@@ -154,7 +150,8 @@ class Engine:
         """Stop the step loop; streams still running end with EngineClosedError."""
         await asyncio.to_thread(self._loop.close)
 
-    def _stream(self, request: GenerationRequest) -> tuple[Stream, asyncio.Queue]:
+    def _stream(self, request: GenerationRequest,
+                ) -> tuple[Stream, asyncio.Queue[GenerationChunk | BaseException]]:
         check_request(request, self.model.args.vocab_size)
         prompt_ids = self._prompt_ids(request)
         params = request.sampling
@@ -162,10 +159,8 @@ class Engine:
         markers = self.grammars.markers
         may_call = bool(request.constraints.tools) and request.constraints.tool_choice != "none"
         max_len = len(prompt_ids) + completion_budget(len(prompt_ids), params.max_tokens, self.max_model_len)
-        limits = self.parallel
-        assert limits.max_parallel is not None and limits.dynamic_batch_timeout_ms is not None, "unresolved limits"
-        max_parallel, timeout_ms = bounded_batching_hints(request, limits.max_parallel,
-                                                          limits.dynamic_batch_timeout_ms)
+        max_parallel, timeout_ms = bounded_batching_hints(request, self.parallel.max_parallel,
+                                                          self.parallel.dynamic_batch_timeout_ms)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids), max_parallel, timeout_ms / 1000)
@@ -228,7 +223,7 @@ def _block_manager(model: Transformer, device: torch.device, max_model_len: int,
     return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
 
 
-def _eos_token_ids(model_dir: Path, config: dict, tokenizer: Tokenizer) -> frozenset[int]:
+def _eos_token_ids(model_dir: Path, config: dict[str, Any], tokenizer: Tokenizer) -> frozenset[int]:
     """eos ids from generation_config.json (int or list), else config.json, else the tokenizer."""
     eos = config.get("eos_token_id")
     gen_path = model_dir / "generation_config.json"

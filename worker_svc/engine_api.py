@@ -11,7 +11,7 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -330,7 +330,7 @@ def _merged_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 
 async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
-                       abort: Callable[[], None]) -> AsyncIterator[GenerationChunk]:
+                       abort: Callable[[], None]) -> AsyncGenerator[GenerationChunk, None]:
     """Yields what an engine puts on ``chunks`` up to the last chunk (finish_reason set),
     raising an exception put there; calls ``abort()`` if the consumer stops before the end.
     Chunks that queued up while the consumer was busy come out merged into one: a slow
@@ -342,7 +342,10 @@ async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
             while (not isinstance(ready[-1], BaseException) and ready[-1].finish_reason is None
                    and not chunks.empty()):
                 ready.append(chunks.get_nowait())
-            error = ready.pop() if isinstance(ready[-1], BaseException) else None
+            last = ready[-1]
+            error = last if isinstance(last, BaseException) else None
+            if error is not None:
+                ready.pop()
             if ready:
                 merged = merge_chunks(ready)  # type: ignore[arg-type]  # exceptions popped above
                 finished = merged.finish_reason is not None
@@ -361,7 +364,7 @@ class InferenceEngine(Protocol):
     capabilities: DeviceCapabilities
     max_model_len: int
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts
         it."""
         ...

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -62,22 +62,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                + round(engine_load.kv_cache_usage * caps.kv_cache_bytes))
 
     async def Info(self, request: worker_pb2.InfoRequest,
-                   context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
+                   context: grpc.aio.ServicerContext[worker_pb2.InfoRequest, worker_pb2.InfoResponse]) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(worker=self.info, load=self.load())
 
     async def Generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
             async for chunk in chunks:
                 yield _to_proto(chunk)
 
     async def Complete(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> common_pb2.GenerateResponse:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
             return _to_proto(merge_chunks([chunk async for chunk in chunks]))
 
     async def _chunks(self, request: common_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationChunk]:
+                      context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, Any]) -> AsyncGenerator[GenerationChunk, None]:
         """The engine's chunks for ``request``, timed; bad requests abort the call."""
         if request.model not in self.info.models:
             await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -154,19 +154,21 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     """The generated add_WorkerServicer_to_server, except that Generate and Complete parse
     their own request: one that does not parse (a string that is not UTF-8) fails with
     INVALID_ARGUMENT, where grpc's deserializer would answer UNKNOWN."""
-    async def parse(data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.GenerateRequest:
+    # the request arrives as bytes (no deserializer); the servicer sees the parsed message
+    Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
+
+    async def parse(data: bytes, context: Context) -> common_pb2.GenerateRequest:
         try:
             return common_pb2.GenerateRequest.FromString(data)
         except DecodeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"malformed GenerateRequest ({e}); strings must be UTF-8")
 
-    async def generate(data: bytes, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate(data: bytes, context: Context) -> AsyncIterator[common_pb2.GenerateResponse]:
         async for response in servicer.Generate(await parse(data, context), context):
             yield response
 
-    async def complete(data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.GenerateResponse:
+    async def complete(data: bytes, context: Context) -> common_pb2.GenerateResponse:
         return await servicer.Complete(await parse(data, context), context)
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -226,7 +228,8 @@ def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
 def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
     response = common_pb2.GenerateResponse(
         text=chunk.text, token_ids=chunk.token_ids,
-        finish_reason=FINISH_REASONS.get(chunk.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED))
+        finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED if chunk.finish_reason is None
+        else FINISH_REASONS[chunk.finish_reason])
     if chunk.finish_reason is not None:
         response.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,

@@ -33,7 +33,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -229,7 +229,7 @@ class SimEngine:
                    prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
                    zero_latency=e.zero_latency)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it."""
         if self._closed:

@@ -236,7 +236,7 @@ class StepLoop:
 
 
 def emitter(
-    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[GenerationChunk | BaseException]
 ) -> Callable[[GenerationChunk | BaseException], None]:
     def emit(item: GenerationChunk | BaseException) -> None:
         # RuntimeError: the consumer's event loop is gone; its abort follows

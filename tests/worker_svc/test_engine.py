@@ -296,7 +296,7 @@ async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path, wor
         params = SamplingParams(temperature=0, max_tokens=10)
         first, second = (engine.generate(_request(params, prompt=_prompt(i))) for i in range(2))
         await anext(first)
-        second_task = asyncio.create_task(anext(second))
+        second_task = asyncio.ensure_future(anext(second))
         await asyncio.sleep(0)
         with pytest.raises(EngineOverloadedError, match="max_waiting 1"):
             await anext(engine.generate(_request(params)))
@@ -367,6 +367,8 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
     for prompt, chunks in zip(prompts, together, strict=True):
         ids = torch.tensor([engine.tokenizer.encode(prompt)])
         with torch.no_grad():
-            expected = hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=2)[0, ids.size(1) :].tolist()
+            # the model is a *ForCausalLM typed as PreTrainedModel, which has no generate()
+            expected = hf.generate(  # type: ignore[operator]
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                pad_token_id=2)[0, ids.size(1) :].tolist()
         assert _ids(chunks) == expected, prompt

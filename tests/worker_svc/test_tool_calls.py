@@ -111,6 +111,7 @@ def test_grammar_text_per_tool_choice(tokenizer: Tokenizer):
 
 def test_masks_keep_exactly_what_each_grammar_allows(tokenizer: Tokenizer):
     vocab = len(tokenizer.hf) + 7  # padded past the tokenizer, not a multiple of 32
+    assert tokenizer.eos_token_id is not None
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
     in_string = compiler.matcher(Constraints(json_schema=json.dumps(WEATHER)))
     forced = compiler.matcher(Constraints(_TOOLS, "named", "get_weather"))
