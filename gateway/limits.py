@@ -76,8 +76,8 @@ logger = logging.getLogger(__name__)
 _USAGE_DAY_TTL_S = 400 * 86400
 # How long a settlement's done-mark lives: a retry later than this after a try whose reply
 # was lost could count twice; retries normally run within a second of Redis's return.
-# retries run every 0.5 s once Redis answers; a longer life only grew the keyspace (RELIABILITY.md,
-# Soak)
+# Retries run every 0.5 s once Redis answers; a longer life only grew the keyspace
+# (RELIABILITY.md, Soak).
 _SETTLED_TTL_S = 60
 _RETRY_INTERVAL_S = 0.5
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
