@@ -34,7 +34,8 @@ from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
                                    GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
-                                   Tool, check_constraints, check_sampling, drain_chunks)
+                                   Tool, check_batching_hints, check_constraints, check_sampling,
+                                   drain_chunks)
 from worker_svc.kv_cache import (BlockManager, bytes_per_token, cache_budget_bytes, index_bytes_per_token,
                                  latent_bytes_per_token)
 from worker_svc.grammar import GrammarCompiler, apply_masks
@@ -341,13 +342,13 @@ class Engine:
 
     def _stream(self, request: GenerationRequest) -> tuple[_Stream, asyncio.Queue]:
         check_constraints(request.constraints)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = prompt_token_ids(self.tokenizer, request)
         params = request.sampling
         check_sampling(params, self.model.args.vocab_size)
         matcher = self.grammars.matcher(request.constraints)
         markers = self.grammars.markers
         may_call = bool(request.constraints.tools) and request.constraints.tool_choice != "none"
-        max_len = self._max_len(len(prompt_ids), params.max_tokens)
+        max_len = completion_limit(len(prompt_ids), params.max_tokens, self.max_model_len)
         max_parallel, timeout_ms = self._batching(request)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -366,53 +367,54 @@ class Engine:
         )
         return stream, queue
 
-    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if (request.messages is None) == (request.prompt is None):
-            raise InvalidRequestError("exactly one of messages and prompt must be given")
-        if request.messages is not None:
-            if not request.messages:
-                raise InvalidRequestError("messages is empty")
-            for i, m in enumerate(request.messages):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
-            tools = request.constraints.tools
-            if tools and not self.tokenizer.renders_tools:
-                raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
-            return self.tokenizer.encode_chat([_template_message(m) for m in request.messages],
-                                              [_tool_definition(t) for t in tools])
-        if not request.prompt:
-            raise InvalidRequestError("prompt is empty")
-        return self.tokenizer.encode(request.prompt)
-
-    def _max_len(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Where the sequence stops with `length`: max_tokens past the prompt, or the context."""
-        if prompt_len >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} (the prompt and at "
-                "least one generated token must fit)"
-            )
-        if max_tokens is None:
-            return self.max_model_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {self.max_model_len}"
-            )
-        return prompt_len + max_tokens
-
     def _batching(self, request: GenerationRequest) -> tuple[int, int]:
         """The request's (max_parallel, dynamic_batch_timeout_ms) hints, bounded by this worker's limits."""
         limits = self.parallel
         assert limits.max_parallel is not None and limits.dynamic_batch_timeout_ms is not None, "unresolved limits"
-        if request.max_parallel is not None and request.max_parallel < 1:
-            raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
-        if request.dynamic_batch_timeout_ms is not None and request.dynamic_batch_timeout_ms < 0:
-            raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {request.dynamic_batch_timeout_ms}")
+        check_batching_hints(request)
         max_parallel = min(request.max_parallel or limits.max_parallel, limits.max_parallel)
         timeout_ms = limits.dynamic_batch_timeout_ms
         if request.dynamic_batch_timeout_ms is not None:
             timeout_ms = min(request.dynamic_batch_timeout_ms, timeout_ms)
         return max_parallel, timeout_ms
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The request's prompt as token ids: chat messages rendered with the checkpoint's template, or raw
+    text; every engine serving a checkpoint takes these, so counts and prefix hashes agree across them."""
+    if (request.messages is None) == (request.prompt is None):
+        raise InvalidRequestError("exactly one of messages and prompt must be given")
+    if request.messages is not None:
+        if not request.messages:
+            raise InvalidRequestError("messages is empty")
+        for i, m in enumerate(request.messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
+        tools = request.constraints.tools
+        if tools and not tokenizer.renders_tools:
+            raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
+        return tokenizer.encode_chat([_template_message(m) for m in request.messages],
+                                     [_tool_definition(t) for t in tools])
+    if not request.prompt:
+        raise InvalidRequestError("prompt is empty")
+    return tokenizer.encode(request.prompt)
+
+
+def completion_limit(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Where the sequence stops with `length`: max_tokens past the prompt, or the context."""
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {prompt_len} tokens; max_model_len is {max_model_len} (the prompt and at "
+            "least one generated token must fit)"
+        )
+    if max_tokens is None:
+        return max_model_len
+    if prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"length {max_model_len}"
+        )
+    return prompt_len + max_tokens
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

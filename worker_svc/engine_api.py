@@ -181,6 +181,14 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
 
+def check_batching_hints(request: GenerationRequest) -> None:
+    """Raises InvalidRequestError for batching hints out of range, the same on every worker."""
+    if request.max_parallel is not None and request.max_parallel < 1:
+        raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
+    if request.dynamic_batch_timeout_ms is not None and request.dynamic_batch_timeout_ms < 0:
+        raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {request.dynamic_batch_timeout_ms}")
+
+
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
