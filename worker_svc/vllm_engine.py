@@ -151,8 +151,10 @@ class VllmEngine:
             raise EngineOverloadedError(f"the worker is full: {self._live} requests (max_parallel + "
                                         "max_waiting); retry later")
         self._live += 1
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
+        carrier: dict[str, str] | None = None
+        if self._llm.vllm_config.observability_config.otlp_traces_endpoint:  # vLLM traces too
+            carrier = {}
+            propagate.inject(carrier)
         finished = False
         completion_tokens = 0
         try:
