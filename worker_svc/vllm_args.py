@@ -62,6 +62,7 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     if devices.gpu_count:
         args["gpu_memory_utilization"] = config.cache.gpu_memory_utilization
     else:  # on a CPU vLLM's cache is its own budget; gpu_memory_utilization would reserve a share of RAM
+        _check_cpu_cache(config, checkpoint, precision)
         args["kv_cache_memory_bytes"] = config.cache.cpu_cache_bytes
     args.update(config.engine.vllm)
     return args
@@ -115,6 +116,18 @@ def _check_layout(config: WorkerConfig, devices: Devices, checkpoint: dict[str, 
         raise ConfigError(
             f"[parallel] expert_parallel_size ({ep}) does not divide the checkpoint's {experts} routed experts: "
             f"use a divisor of {experts}")
+
+
+def _check_cpu_cache(config: WorkerConfig, checkpoint: dict[str, Any], precision: Precision) -> None:
+    """vLLM needs one whole context of MLA latents in its cache; on a CPU the budget is known up front."""
+    context = config.attention.max_model_len or int(checkpoint.get("max_position_embeddings", 0))
+    latent = int(checkpoint.get("kv_lora_rank") or 0) + int(checkpoint.get("qk_rope_head_dim") or 0)
+    per_token = latent * int(checkpoint.get("num_hidden_layers", 0)) * (4 if precision == "fp32" else 2)
+    if context * per_token > config.cache.cpu_cache_bytes:
+        raise ConfigError(
+            f"[cache] cpu_cache_bytes ({config.cache.cpu_cache_bytes}) holds no whole context of max_model_len "
+            f"{context} ({context * per_token} bytes of MLA latents): raise cpu_cache_bytes or lower "
+            "[attention] max_model_len")
 
 
 def _read_checkpoint_config(model_path: str) -> dict[str, Any]:

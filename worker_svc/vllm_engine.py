@@ -122,11 +122,10 @@ class VllmEngine:
         if not devices.gpu_count:
             # vLLM binds its OpenMP threads to cores by default: on a shared host, cores others use
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        _check_engine_args(args, config.engine.vllm)
         meter = _LoadMeter()
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stat_logger(meter)])
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"vLLM refused the engine arguments ({_arg_names(args, str(e))}): {e}") from None
         except RuntimeError as e:  # the EngineCore process failed: its traceback is in the log above
             raise ConfigError(
                 f"vLLM's engine failed to start ({e}). If its log says there is no memory for cache blocks, "
@@ -231,9 +230,22 @@ def _devices() -> Devices:
     return Devices(torch.cuda.device_count(), f"{major}.{minor}")
 
 
-def _arg_names(args: dict[str, Any], message: str) -> str:
-    named = [k for k in args if k in message]
-    return ", ".join(named) if named else "(see the message)"
+def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:
+    """Raises ConfigError naming the argument vLLM refuses: vLLM's own messages often do not name it, so
+    each `[engine.vllm]` key is tried alone over the mapped sections."""
+    try:
+        AsyncEngineArgs(**args).create_engine_config()
+        return
+    except (ValueError, TypeError) as e:
+        refusal = e
+    mapped = {k: v for k, v in args.items() if k not in passed}
+    for key, value in passed.items():
+        try:
+            AsyncEngineArgs(**mapped, **{key: value}).create_engine_config()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"[engine.vllm] {key} = {value!r}: vLLM refused it: {e}") from None
+    raise ConfigError(f"vLLM refused the engine arguments of [model], [attention], [cache] and [parallel] "
+                      f"({', '.join(f'{k}={v!r}' for k, v in mapped.items())}): {refusal}") from None
 
 
 def _capabilities(config: WorkerConfig, devices: Devices, served: Precision, llm: AsyncLLM) -> DeviceCapabilities:

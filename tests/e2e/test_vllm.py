@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -89,6 +91,19 @@ def _complete(fleet: Mesh, i: int, content: str, **sampling: object) -> common_p
 
 def _running(fleet: Mesh) -> int:
     return _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).load.running
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
+    ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
+])
+def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
+    worker = subprocess.run(
+        [sys.executable, "-m", "worker_svc"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "vllm", "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
+             "INFERMESH_WORKER_ENGINE_VLLM": engine_args, "INFERMESH_WORKER_SERVER_PORT": str(free_port())})
+    assert worker.returncode != 0
+    assert message in worker.stderr + worker.stdout
 
 
 def test_the_vllm_worker_reports_what_vllm_runs(fleet: Mesh) -> None:
