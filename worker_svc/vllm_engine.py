@@ -29,18 +29,40 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import completion_limit, prompt_token_ids
-from worker_svc.engine_api import (DeviceCapabilities, EngineClosedError, EngineLoad, EngineOverloadedError,
-                                   GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams,
-                                   TokenLogprob, check_batching_hints, check_constraints, check_sampling)
-from worker_svc.precision import choose_precision, cpu_has_native_bf16, detect_capabilities, resolve_device
+from worker_svc.engine_api import (
+    DeviceCapabilities,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+    check_batching_hints,
+    check_constraints,
+    check_sampling,
+)
+from worker_svc.precision import (
+    choose_precision,
+    cpu_has_native_bf16,
+    detect_capabilities,
+    resolve_device,
+)
 from worker_svc.tokenizer import Tokenizer
-from worker_svc.vllm_args import Devices, check_known, engine_args, fp8_checkpoint, known_engine_args
+from worker_svc.vllm_args import (
+    Devices,
+    check_known,
+    engine_args,
+    fp8_checkpoint,
+    known_engine_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +99,7 @@ class _LoadMeter:
 def _stat_logger(meter: _LoadMeter) -> Any:
     """A vLLM stat logger class (vLLM instantiates it per engine) that feeds ``meter``."""
 
-    class _StatLogger(StatLoggerBase):
+    class _StatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM ships no type information
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self._meter = meter
 
@@ -207,8 +229,8 @@ class VllmEngine:
             logprobs = [self._logprob(token, alternatives, sampling.top_logprobs)
                         for token, alternatives in zip(tokens, completion.logprobs or ())]
         queue_s = 0.0
-        stats = out.metrics
-        if done == 0 and stats is not None and getattr(stats, "scheduled_ts", 0) and getattr(stats, "queued_ts", 0):
+        stats = out.metrics  # RequestStateStats: engine-core timestamps, 0 until set
+        if done == 0 and isinstance(stats, RequestStateStats) and stats.scheduled_ts and stats.queued_ts:
             queue_s = max(stats.scheduled_ts - stats.queued_ts, 0.0)
         return GenerationChunk(completion.text, tokens, finish, prompt_tokens, done + len(tokens),
                                out.num_cached_tokens or 0, logprobs, queue_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -17,13 +18,21 @@ import urllib.request
 from collections.abc import Iterator
 
 import grpc
+import jsonschema
 import openai
 import pytest
 
 from infermesh.mesh import Mesh, MeshSpec
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infermesh.pb import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from infermesh.redis_server import free_port
 from tests.e2e.conftest import _create_key
+from tests.gateway.test_tools import WEATHER
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -99,7 +108,7 @@ def _running(fleet: Mesh) -> int:
 ])
 def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
     worker = subprocess.run(
-        [sys.executable, "-m", "worker_svc"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "worker_svc"], capture_output=True, text=True, timeout=120, check=False,
         env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "vllm", "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
              "INFERMESH_WORKER_ENGINE_VLLM": engine_args, "INFERMESH_WORKER_SERVER_PORT": str(free_port())})
     assert worker.returncode != 0
@@ -178,8 +187,8 @@ def test_the_fleet_fails_over_to_the_vllm_worker(fleet: Mesh, client: openai.Ope
 # From here on the vLLM worker is the fleet: the OpenAI SDK's checks go gateway -> router -> vLLM.
 
 def test_sdk_non_streamed_and_streamed_agree_with_usage(fleet: Mesh, client: openai.OpenAI) -> None:
-    request = dict(model=MODEL, temperature=0, max_tokens=10,
-                   messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}])
+    request = {"model": MODEL, "temperature": 0, "max_tokens": 10,
+               "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]}
     raw = client.chat.completions.with_raw_response.create(**request)
     whole = raw.parse()
     assert raw.headers["x-infermesh-worker"] == VLLM
@@ -197,6 +206,14 @@ def test_sdk_errors(fleet: Mesh, client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) -> None:
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json please"}], max_tokens=200, seed=11,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}})
+    assert shaped.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), WEATHER)
 
 
 def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.OpenAI) -> None:

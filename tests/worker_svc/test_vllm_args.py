@@ -51,8 +51,8 @@ def test_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
 @pytest.mark.parametrize("toml, devices, message", [
     ("[quantization]\nuse_native_fp8 = true\n", Devices(8, "8.0"),
      "[quantization] use_native_fp8 = true, but this worker has GPUs of compute capability 8.0"),
-    ("[quantization]\nuse_native_fp8 = true\n", Devices(0), "[quantization] use_native_fp8 = true, but this worker "
-                                                            "has a CPU"),
+    ("[quantization]\nuse_native_fp8 = true\n", Devices(0),
+     "[quantization] use_native_fp8 = true, but this worker has a CPU"),
     ("[parallel]\ntensor_parallel_size = 6\nexpert_parallel_size = 6\n", Devices(8, "9.0"),
      "[parallel] expert_parallel_size (6) does not divide the checkpoint's 256 routed experts"),
     ("[parallel]\ntensor_parallel_size = 8\nexpert_parallel_size = 4\n", H200,
