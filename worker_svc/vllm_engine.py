@@ -26,6 +26,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -246,10 +247,13 @@ _PRECISIONS: dict[torch.dtype, Precision] = {torch.bfloat16: "bf16", torch.float
 
 
 def _devices() -> Devices:
-    if not torch.cuda.is_available():
+    """The GPUs present, asked through vLLM's platform (NVML): initializing CUDA in this process before
+    vLLM starts its GPU workers would force them onto the slower spawn start."""
+    if not current_platform.is_cuda_alike():  # CUDA or ROCm
         return Devices(0)
-    major, minor = torch.cuda.get_device_capability(0)
-    return Devices(torch.cuda.device_count(), f"{major}.{minor}")
+    capability = current_platform.get_device_capability()
+    cc = f"{capability.major}.{capability.minor}" if capability is not None else ""
+    return Devices(current_platform.device_count(), cc)
 
 
 def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:
