@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from vllm_vs_torch import _prompts, _start_worker  # noqa: E402
 
+from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
-from worker_svc.tiny_model import write_tiny_checkpoint  # noqa: E402
 
 
 async def _timed(stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int

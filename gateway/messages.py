@@ -13,11 +13,11 @@ from gateway.errors import UpstreamError
 from gateway.generation import Generation, Plan, serve
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls
-from gateway.validation import estimate_tokens, parse_body, read_json
+from gateway.validation import estimate_tokens, read_json
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    body = parse_body(wire.MessagesRequest, await read_json(request))
+    body = wire.parse_messages_request(await read_json(request))
     prompt = "".join(m.content for m in body.router_messages())
     plan = Plan(model=body.model, requests=[body.generate_request(request[REQUEST_ID])],
                 prompt_estimates=[estimate_tokens(prompt)], prompt_of=[0],

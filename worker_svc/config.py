@@ -7,8 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from infermesh.config import ConfigError, load_config, section
-from telemetry.metrics import MetricsSection
+from infermesh.config import ConfigError, MetricsSection, load_config, section
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sizing import ModelSize, model_size_of
 

@@ -22,7 +22,7 @@ import jsonschema
 import openai
 import pytest
 
-from infermesh.mesh import Mesh, MeshSpec
+from infermesh.cli.mesh import Mesh, MeshSpec
 from infermesh.pb import (
     common_pb2,
     router_pb2,
@@ -30,9 +30,9 @@ from infermesh.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from infermesh.redis_server import free_port
-from tests.e2e.conftest import _create_key
+from infermesh.ports import free_port
 from tests.gateway.test_tools import WEATHER
+from tests.helpers.e2e import new_key
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -78,7 +78,7 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="module")
 def key(e2e_redis) -> str:
-    return _create_key(e2e_redis.url)
+    return new_key(e2e_redis.url)
 
 
 @pytest.fixture
