@@ -224,7 +224,9 @@ class VllmEngine:
         tokens = list(completion.token_ids)
         finish: FinishReason | None = None
         if out.finished:
-            finish = _FINISH_REASONS.get(completion.finish_reason or "", "stop")
+            if completion.finish_reason not in _FINISH_REASONS:  # "abort": vLLM dropped it, not ours
+                raise RuntimeError(f"vLLM ended request {out.request_id} with {completion.finish_reason!r}")
+            finish = _FINISH_REASONS[completion.finish_reason]
         logprobs = None
         if sampling.logprobs:
             logprobs = [self._logprob(token, alternatives, sampling.top_logprobs)
