@@ -9,8 +9,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from gateway.errors import InvalidRequestError
-from gateway.limits import TokenUsage
-from gateway.protocol import Name, TextPart, UInt32, joined_text
+from gateway.sampling import sampling_params
+from gateway.usage import TokenUsage
+from gateway.openai_protocol import Name, TextPart, UInt32, joined_text
 from gateway.tools import ToolName, check_schema
 from gateway.validation import STRICT, parse_body, refuse_fields
 from infermesh.pb import common_pb2
@@ -134,14 +135,8 @@ class MessagesRequest(BaseModel):
         return messages
 
     def generate_request(self, request_id: str) -> common_pb2.GenerateRequest:
-        sampling = common_pb2.SamplingParams(max_tokens=self.max_tokens,
-                                             stop=self.stop_sequences or [])
-        if self.temperature is not None:
-            sampling.temperature = self.temperature
-        if self.top_p is not None:
-            sampling.top_p = self.top_p
-        if self.top_k is not None:
-            sampling.top_k = self.top_k
+        sampling = sampling_params(stop=self.stop_sequences or [], temperature=self.temperature,
+                                   top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
         return common_pb2.GenerateRequest(request_id=request_id, model=self.model,
                                           messages=self.router_messages(), sampling=sampling,
                                           **self._tools())

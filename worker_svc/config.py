@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from infermesh.config import ConfigError, MetricsSection, load_config, section
 from worker_svc.gpu_profiles import gpu_profiles
@@ -122,11 +122,15 @@ _SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_t
                   "index_bytes_per_token": 0}
 
 
+# A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
+EngineKind = Literal["checkpoint", "sim", "vllm"]
+
+
 @section
 class EngineSection:
     """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
 
-    kind: str = "checkpoint"  # checkpoint, sim, or vllm (the checkpoint served by vLLM: `make vllm`)
+    kind: EngineKind = "checkpoint"  # vllm: the checkpoint served by vLLM (`make vllm`)
     # sim only: a profile of gpu_profiles.toml, how many of them, and the model.
     gpu: str = "H100"
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
@@ -154,8 +158,6 @@ class EngineSection:
     vllm: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("checkpoint", "sim", "vllm"):
-            raise ValueError(f"kind: expected checkpoint, sim or vllm, got {self.kind!r}")
         if self.gpu not in gpu_profiles():
             raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
         if self.model:

@@ -13,8 +13,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -35,8 +33,9 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
 from worker_svc.config import WorkerConfig
-from worker_svc.engine import completion_limit, prompt_token_ids
+from worker_svc.engine import prompt_token_ids
 from worker_svc.engine_api import (
+    DecodeRateMeter,
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
@@ -46,9 +45,8 @@ from worker_svc.engine_api import (
     InvalidRequestError,
     SamplingParams,
     TokenLogprob,
-    check_batching_hints,
-    check_constraints,
-    check_sampling,
+    check_request,
+    completion_budget,
 )
 from worker_svc.precision import (
     choose_precision,
@@ -67,7 +65,6 @@ from worker_svc.vllm_args import (
 
 logger = logging.getLogger(__name__)
 
-_RATE_WINDOW_S = 10.0
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 
 
@@ -77,7 +74,7 @@ class _LoadMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._load = EngineLoad(0, 0, 0.0)
-        self._decoded: deque[tuple[float, int]] = deque()  # (when, tokens generated in that step)
+        self._rate = DecodeRateMeter()
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats | None) -> None:
         with self._lock:
@@ -85,16 +82,11 @@ class _LoadMeter:
                 self._load = EngineLoad(scheduler.num_running_reqs, scheduler.num_waiting_reqs, 0.0,
                                         scheduler.kv_cache_usage)
             if iteration is not None and iteration.num_generation_tokens:
-                self._decoded.append((time.monotonic(), iteration.num_generation_tokens))
+                self._rate.add(iteration.num_generation_tokens)
 
     def load(self) -> EngineLoad:
         with self._lock:
-            now = time.monotonic()
-            while self._decoded and self._decoded[0][0] < now - _RATE_WINDOW_S:
-                self._decoded.popleft()
-            tokens = sum(n for _, n in self._decoded)
-            span = now - self._decoded[0][0] if self._decoded else 0.0
-            return dataclasses.replace(self._load, tokens_per_second=tokens / max(span, 1.0))
+            return dataclasses.replace(self._load, tokens_per_second=self._rate.rate())
 
 
 def _stat_logger(meter: _LoadMeter) -> Any:
@@ -202,17 +194,15 @@ class VllmEngine:
 
     def _prepare(self, request: GenerationRequest) -> tuple[TokensPrompt, VllmSamplingParams]:
         """The request checked by the rules every engine applies, as vLLM's prompt and sampling params."""
-        check_constraints(request.constraints)
+        check_request(request, self._vocab_size)
         if request.constraints.tools:
             raise InvalidRequestError("tools: the vllm engine does not serve tool calls yet")
         ids = prompt_token_ids(self.tokenizer, request)
         p = request.sampling
-        check_sampling(p, self._vocab_size)
-        check_batching_hints(request)
-        limit = completion_limit(len(ids), p.max_tokens, self.max_model_len)
+        budget = completion_budget(len(ids), p.max_tokens, self.max_model_len)
         schema = request.constraints.json_schema
         params = VllmSamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=limit - len(ids),
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=budget,
             stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, logprobs=p.top_logprobs if p.logprobs else None,
             output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.config import RouterSection
 from gateway.errors import GatewayError
-from gateway.router_client import RouterClient
+from gateway.mesh_client import MeshClient
 from infermesh.cli import rawhttp
 from infermesh.pb import common_pb2
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
@@ -90,7 +90,7 @@ async def test_grpc_size_limits_are_not_a_rate_limit(router):
     """The router answers an unknown 100 KB model name with a status quoting it, past gRPC's
     metadata limit: the client is told the request is too large, not to retry."""
     await register_unreachable_worker(router)
-    client = RouterClient(RouterSection(address=router.address))
+    client = MeshClient(RouterSection(address=router.address))
     try:
         with pytest.raises(GatewayError) as caught:
             async for _ in client.generate(common_pb2.GenerateRequest(
