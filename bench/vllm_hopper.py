@@ -3,14 +3,17 @@
     .venv/bin/python bench/vllm_hopper.py [--model-dir /tmp/tiny-deepseek-v3-mla-fp8] [--prompts 8]
 
 Needs a Hopper GPU (compute capability 9.x) and the CUDA build of vLLM in .venv. Writes the tiny
-DeepSeek-V3 checkpoint with DeepSeek's attention head sizes and FP8 block-quantized weights (as the real
-checkpoint ships) when missing, then serves it with one worker at a time, `[engine] kind = "vllm"` and
+DeepSeek-V3 checkpoint with DeepSeek's attention head sizes and FP8 block-quantized weights (as the
+real checkpoint ships) when missing, then serves it with one worker at a time, `[engine] kind =
+"vllm"` and
 `"checkpoint"`, and prints:
 - FP8 in effect: the precision each worker reports (Info) must be fp8;
-- greedy agreement: how many leading greedy tokens the two engines share per prompt (FP8 GEMMs of two
+- greedy agreement: how many leading greedy tokens the two engines share per prompt (FP8 GEMMs of
+two
   implementations round differently, so a random model's near-ties may split);
 - TTFT and TPOT (p50) at concurrency 1 and --prompts, streamed over gRPC.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +36,16 @@ from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 
-async def _timed(stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
-                 ) -> tuple[float, float, list[int]]:
+async def _timed(
+    stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
+) -> tuple[float, float, list[int]]:
     """(TTFT, TPOT, token ids) of one greedy streamed request."""
     request = common_pb2.GenerateRequest(
-        request_id=f"hopper-{time.monotonic_ns()}", model=model,
+        request_id=f"hopper-{time.monotonic_ns()}",
+        model=model,
         messages=[common_pb2.ChatMessage(role="user", content=prompt)],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     started = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
@@ -58,8 +64,12 @@ async def _run(port: int, model: str, prompts: list[str], max_tokens: int) -> di
         await _timed(stub, model, "warm up", 8)
         single = [await _timed(stub, model, p, max_tokens) for p in prompts[:1]]
         batch = await asyncio.gather(*(_timed(stub, model, p, max_tokens) for p in prompts))
-        return {"precision": common_pb2.Precision.Name(info.worker.capabilities.precision),
-                "device": info.worker.capabilities.device_name, "single": single, "batch": batch}
+        return {
+            "precision": common_pb2.Precision.Name(info.worker.capabilities.precision),
+            "device": info.worker.capabilities.device_name,
+            "single": single,
+            "batch": batch,
+        }
 
 
 def main() -> None:
@@ -76,7 +86,9 @@ def main() -> None:
     model, prompts = Path(args.model_dir).name, _prompts(args.prompts)
     results = {}
     for kind in ("vllm", "checkpoint"):
-        proc, port = _start_worker(kind, args.model_dir, "auto", args.prompts, Path(args.log_dir) / f"{kind}.log")
+        proc, port = _start_worker(
+            kind, args.model_dir, "auto", args.prompts, Path(args.log_dir) / f"{kind}.log"
+        )
         try:
             results[kind] = asyncio.run(_run(port, model, prompts, args.max_tokens))
         finally:
@@ -87,8 +99,10 @@ def main() -> None:
     fp8 = all(r["precision"] == "PRECISION_FP8" for r in results.values())
     print(f"FP8 in effect on both: {'yes' if fp8 else 'NO'}")
     greedy = [[t for _, _, t in results[k]["batch"]] for k in ("vllm", "checkpoint")]  # type: ignore[union-attr]
-    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-             for x, y in zip(*greedy)]
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        for x, y in zip(*greedy)
+    ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
     for label, c in (("single", 1), ("batch", args.prompts)):
         for kind, r in results.items():

@@ -1,16 +1,19 @@
 """Our torch engine against vLLM on the same checkpoint and CPU, each behind a real worker process.
 
-    .venv/bin/python bench/vllm_vs_torch.py [--model-dir models/tiny-deepseek-v3-mla] [--concurrency 1 8 32]
+    .venv/bin/python bench/vllm_vs_torch.py [--model-dir models/tiny-deepseek-v3-mla] [--concurrency
+    1 8 32]
 
-vLLM is the engine a user would pick instead of ours, so it is our engine's honest reference. One worker
-runs at a time (`[engine] kind = "checkpoint"`, then `"vllm"`), in the same dtype (the precision policy's
-for this machine unless --dtype), with the same limits (max_parallel = the largest concurrency). For each
-concurrency, that many greedy chat requests of distinct prompts start together as gRPC Generate streams;
-aggregate tokens/s is all completion tokens over the wall time from the start to the last token, TTFT is
-per request (p50 and p99); each concurrency runs --repeats times and the median run is shown, after a
-warm-up of every batch shape. Also prints how many leading greedy tokens the two
-engines agree on per prompt (the models' numerics differ from the first token where they diverge).
+vLLM is the engine a user would pick instead of ours, so it is our engine's honest reference. One
+worker runs at a time (`[engine] kind = "checkpoint"`, then `"vllm"`), in the same dtype (the
+precision policy's for this machine unless --dtype), with the same limits (max_parallel = the
+largest concurrency). For each concurrency, that many greedy chat requests of distinct prompts start
+together as gRPC Generate streams; aggregate tokens/s is all completion tokens over the wall time
+from the start to the last token, TTFT is per request (p50 and p99); each concurrency runs --repeats
+times and the median run is shown, after a warm-up of every batch shape. Also prints how many
+leading greedy tokens the two engines agree on per prompt (the models' numerics differ from the
+first token where they diverge).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,13 +55,16 @@ def _prompts(count: int) -> list[str]:
     return [f"Request {i}: {lines[i % len(lines)]}" for i in range(count)]
 
 
-async def _generate(stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
-                    ) -> tuple[float, list[int]]:
+async def _generate(
+    stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
+) -> tuple[float, list[int]]:
     """(TTFT, the token ids) of one greedy streamed request."""
     request = common_pb2.GenerateRequest(
-        request_id=f"bench-{time.monotonic_ns()}", model=model,
+        request_id=f"bench-{time.monotonic_ns()}",
+        model=model,
         messages=[common_pb2.ChatMessage(role="user", content=prompt)],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     started = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
@@ -69,9 +75,11 @@ async def _generate(stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, m
     return first, tokens
 
 
-async def _measure(port: int, model: str, concurrencies: list[int], max_tokens: int, repeats: int
-                   ) -> tuple[list[Run], list[list[int]]]:
-    """The median run (by tokens/s) of `repeats` per concurrency, and the greedy outputs of up to 8 prompts."""
+async def _measure(
+    port: int, model: str, concurrencies: list[int], max_tokens: int, repeats: int
+) -> tuple[list[Run], list[list[int]]]:
+    """The median run (by tokens/s) of `repeats` per concurrency, and the greedy outputs of up to 8
+    prompts."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         for c in sorted(set(concurrencies)):  # warm up every batch shape once
@@ -82,25 +90,40 @@ async def _measure(port: int, model: str, concurrencies: list[int], max_tokens: 
             tries = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                results = await asyncio.gather(*(_generate(stub, model, p, max_tokens) for p in _prompts(c)))
+                results = await asyncio.gather(
+                    *(_generate(stub, model, p, max_tokens) for p in _prompts(c))
+                )
                 wall = time.perf_counter() - started
-                tries.append(Run(c, sum(len(t) for _, t in results), wall, [ttft for ttft, _ in results]))
+                tries.append(
+                    Run(c, sum(len(t) for _, t in results), wall, [ttft for ttft, _ in results])
+                )
             runs.append(sorted(tries, key=lambda r: r.tokens_per_s)[len(tries) // 2])
             if c <= 8 and len(results) > len(greedy):  # the widest run up to 8 prompts
                 greedy = [t for _, t in results]
         return runs, greedy
 
 
-def _start_worker(kind: str, model_dir: str, dtype: str, max_parallel: int, log: Path
-                  ) -> tuple[subprocess.Popen[bytes], int]:
+def _start_worker(
+    kind: str, model_dir: str, dtype: str, max_parallel: int, log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    env = {**os.environ, "INFERMESH_WORKER_ENGINE_KIND": kind, "INFERMESH_WORKER_MODEL_PATH": model_dir,
-           "INFERMESH_WORKER_MODEL_DTYPE": dtype, "INFERMESH_WORKER_SERVER_PORT": str(port),
-           "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": str(max_parallel),
-           "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
-           "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}"}  # no router: the worker serves anyway
-    proc = subprocess.Popen([sys.executable, "-m", "worker_svc"], env=env, cwd=ROOT, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "INFERMESH_WORKER_ENGINE_KIND": kind,
+        "INFERMESH_WORKER_MODEL_PATH": model_dir,
+        "INFERMESH_WORKER_MODEL_DTYPE": dtype,
+        "INFERMESH_WORKER_SERVER_PORT": str(port),
+        "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": str(max_parallel),
+        "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+        "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+    }  # no router: the worker serves anyway
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker_svc"],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + _START_TIMEOUT_S
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         while True:
@@ -114,14 +137,20 @@ def _start_worker(kind: str, model_dir: str, dtype: str, max_parallel: int, log:
                 time.sleep(0.5)
 
 
-def _serve_and_measure(kind: str, args: argparse.Namespace) -> tuple[float, list[Run], list[list[int]]]:
+def _serve_and_measure(
+    kind: str, args: argparse.Namespace
+) -> tuple[float, list[Run], list[list[int]]]:
     started = time.perf_counter()
-    proc, port = _start_worker(kind, args.model_dir, args.dtype, max(args.concurrency),
-                               Path(args.log_dir) / f"{kind}.log")
+    proc, port = _start_worker(
+        kind, args.model_dir, args.dtype, max(args.concurrency), Path(args.log_dir) / f"{kind}.log"
+    )
     start_s = time.perf_counter() - started
     try:
-        runs, greedy = asyncio.run(_measure(port, Path(args.model_dir).name, args.concurrency, args.max_tokens,
-                                            args.repeats))
+        runs, greedy = asyncio.run(
+            _measure(
+                port, Path(args.model_dir).name, args.concurrency, args.max_tokens, args.repeats
+            )
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -138,24 +167,36 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the median is shown")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per concurrency; the median is shown"
+    )
     parser.add_argument("--log-dir", default="/tmp")
     args = parser.parse_args()
     results = {kind: _serve_and_measure(kind, args) for kind in ("checkpoint", "vllm")}
-    print(f"model {args.model_dir}, dtype {args.dtype}, {args.max_tokens} new tokens, greedy; "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"model {args.model_dir}, dtype {args.dtype}, {args.max_tokens} new tokens, greedy; "
+        f"{os.cpu_count()} CPUs"
+    )
     for kind, (start_s, _, _) in results.items():
         print(f"{kind:>10} worker start: {start_s:.1f} s")
-    print(f"{'c':>4} {'tokens torch/vLLM':>17} {'torch tok/s':>12} {'vLLM tok/s':>11} {'torch/vLLM':>11} "
-          f"{'TTFT p50 torch':>15} {'vLLM':>8} {'TTFT p99 torch':>15} {'vLLM':>8}")
+    print(
+        f"{'c':>4} {'tokens torch/vLLM':>17} {'torch tok/s':>12} {'vLLM tok/s':>11} "
+        f"{'torch/vLLM':>11} "
+        f"{'TTFT p50 torch':>15} {'vLLM':>8} {'TTFT p99 torch':>15} {'vLLM':>8}"
+    )
     for ours, theirs in zip(results["checkpoint"][1], results["vllm"][1]):
         tokens = f"{ours.tokens}/{theirs.tokens}"
-        print(f"{ours.concurrency:>4} {tokens:>17} {ours.tokens_per_s:>12.1f} {theirs.tokens_per_s:>11.1f} "
-              f"{ours.tokens_per_s / theirs.tokens_per_s:>11.2f} {_p(ours.ttft_s, 50) * 1000:>12.0f} ms "
-              f"{_p(theirs.ttft_s, 50) * 1000:>5.0f} ms {_p(ours.ttft_s, 99) * 1000:>12.0f} ms "
-              f"{_p(theirs.ttft_s, 99) * 1000:>5.0f} ms")
-    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-             for x, y in zip(results["checkpoint"][2], results["vllm"][2])]
+        print(
+            f"{ours.concurrency:>4} {tokens:>17} {ours.tokens_per_s:>12.1f} "
+            f"{theirs.tokens_per_s:>11.1f} {ours.tokens_per_s / theirs.tokens_per_s:>11.2f} "
+            f"{_p(ours.ttft_s, 50) * 1000:>12.0f} ms "
+            f"{_p(theirs.ttft_s, 50) * 1000:>5.0f} ms {_p(ours.ttft_s, 99) * 1000:>12.0f} ms "
+            f"{_p(theirs.ttft_s, 99) * 1000:>5.0f} ms"
+        )
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        for x, y in zip(results["checkpoint"][2], results["vllm"][2])
+    ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
 
 
