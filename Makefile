@@ -9,8 +9,10 @@ PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
 V32_DIR := models/tiny-deepseek-v32
+MLA_DIR := models/tiny-deepseek-v3-mla
+VLLM_INSTALLED := $(VENV)/.vllm-installed
 
-.PHONY: all venv proto model model-v2 model-v32 run lint test bench clean
+.PHONY: all venv vllm proto model model-v2 model-v32 model-mla run lint test bench clean
 
 all: proto model
 
@@ -20,6 +22,13 @@ $(INSTALLED): requirements.txt
 	touch $@
 
 venv: $(INSTALLED)
+
+# The optional vLLM engine ([engine] kind = "vllm"); --no-deps: see requirements-vllm.txt.
+$(VLLM_INSTALLED): requirements-vllm.txt $(INSTALLED)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm.txt
+	touch $@
+
+vllm: $(VLLM_INSTALLED) model-mla
 
 # Python, .pyi stubs and gRPC stubs from protos/; never edited by hand.
 $(GENERATED): $(PROTOS) $(INSTALLED)
@@ -51,6 +60,13 @@ $(V32_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
 
 model-v32: $(V32_DIR)/config.json
 
+# The tiny model with DeepSeek's attention head sizes and BF16 weights, which vLLM's CPU build serves
+# (its MLA kernels take only a 512 + 64 latent head; its FP8 linear kernels need AMX).
+$(MLA_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
+	$(PY) -m infermesh.cli.tiny_model $(MLA_DIR) --mla --bf16
+
+model-mla: $(MLA_DIR)/config.json
+
 run: proto model
 	$(PY) -m infermesh run
 
@@ -69,4 +85,4 @@ bench: proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS) $(V32_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR)

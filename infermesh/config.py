@@ -9,6 +9,7 @@ Every error names the file or variable and the key at fault.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 import types
@@ -106,6 +107,10 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+    if typing.get_origin(typ) is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{where}: expected a table, got {value!r}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
@@ -119,6 +124,12 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
         return None
     if typing.get_origin(typ) is list:
         return [item.strip() for item in raw.split(",") if item.strip()]
+    if typing.get_origin(typ) is dict:
+        try:
+            value = json.loads(raw)
+        except ValueError as e:
+            raise ConfigError(f"{where}: expected a JSON object, got {raw!r} ({e})") from None
+        return _check_type(value, hint, where)
     if typing.get_origin(typ) is typing.Literal:
         return _check_choice(raw, typ, where)
     if typ is bool:

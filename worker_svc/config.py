@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from infermesh.config import MetricsSection, load_config, section
+from infermesh.config import ConfigError, MetricsSection, load_config, section
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sizing import ModelSize, model_size_of
 
@@ -73,8 +73,15 @@ class ParallelSection:
     max_waiting: int = 256  # requests queued past the running batch; more get RESOURCE_EXHAUSTED
     # prompt tokens computed per step in all, so running decodes never stall long
     prefill_chunk_size: int = 256
+    # Model parallelism across GPUs and nodes: only [engine] kind = "vllm" serves more than one GPU.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1  # > 1: the routed experts spread over the tensor (x data) parallel ranks
 
     def __post_init__(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be at least 1, got {getattr(self, key)}")
         if self.max_parallel is not None and self.max_parallel < 1:
             raise ValueError(f"max_parallel: must be at least 1, got {self.max_parallel}")
         if self.dynamic_batch_timeout_ms is not None and self.dynamic_batch_timeout_ms < 0:
@@ -115,6 +122,7 @@ class CacheSection:
     gpu_memory_utilization: float = 0.9
     cpu_cache_bytes: int = 64 * 2**20  # the cache's size on a CPU
     enable_prefix_caching: bool = True  # reuse the cache of a prompt prefix already computed
+    swap_space: float | None = None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -131,14 +139,14 @@ _SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_t
 
 
 # A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
-EngineKind = Literal["checkpoint", "sim"]
+EngineKind = Literal["checkpoint", "sim", "vllm"]
 
 
 @section
 class EngineSection:
     """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
 
-    kind: EngineKind = "checkpoint"
+    kind: EngineKind = "checkpoint"  # vllm: the checkpoint served by vLLM (`make vllm`)
     # sim only: a profile of gpu_profiles.toml, how many of them, and the model.
     gpu: str = "H100"
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
@@ -161,6 +169,9 @@ class EngineSection:
     # its compute out), and (V3.2) of the indexer scoring one cached token for one query.
     attention_flops_per_key: float = 0.0
     index_flops_per_key: float = 0.0
+    # vllm only: vLLM engine arguments past those the other sections set ([engine.vllm] table; the
+    # environment's INFERMESH_WORKER_ENGINE_VLLM takes a JSON object)
+    vllm: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.gpu not in gpu_profiles():
@@ -206,6 +217,20 @@ class WorkerConfig:
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
 
+    def __post_init__(self) -> None:
+        if self.engine.kind != "vllm":
+            p = self.parallel
+            many = [k for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+                    if getattr(p, k) > 1]
+            if many:
+                raise ValueError(f"[parallel] {many[0]}: the {self.engine.kind} engine serves on one device; "
+                                 'set [engine] kind = "vllm" to spread a model over GPUs')
+
 
 def load(path: str | None) -> WorkerConfig:
-    return load_config(WorkerConfig, path, "infermesh_worker")
+    try:
+        return load_config(WorkerConfig, path, "infermesh_worker")
+    except ConfigError:
+        raise
+    except ValueError as e:  # a check across sections (WorkerConfig.__post_init__)
+        raise ConfigError(f"{path or 'worker config'}: {e}") from None

@@ -153,7 +153,7 @@ class Engine:
     def _stream(self, request: GenerationRequest,
                 ) -> tuple[Stream, asyncio.Queue[GenerationChunk | BaseException]]:
         check_request(request, self.model.args.vocab_size)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = prompt_token_ids(self.tokenizer, request)
         params = request.sampling
         matcher = self.grammars.matcher(request.constraints)
         markers = self.grammars.markers
@@ -178,16 +178,19 @@ class Engine:
         )
         return stream, queue
 
-    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        """The prompt's token ids (check_request has checked its shape)."""
-        if request.messages is not None:
-            tools = request.constraints.tools
-            if tools and not self.tokenizer.renders_tools:
-                raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
-            return self.tokenizer.encode_chat([_template_message(m) for m in request.messages],
-                                              [_tool_definition(t) for t in tools])
-        assert request.prompt is not None, "check_request: exactly one of messages and prompt"
-        return self.tokenizer.encode(request.prompt)
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt's token ids (check_request has checked its shape): chat messages rendered with the
+    checkpoint's template, or raw text. Every engine serving a checkpoint takes these, so prompt counts
+    and usage agree across engines."""
+    if request.messages is not None:
+        tools = request.constraints.tools
+        if tools and not tokenizer.renders_tools:
+            raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
+        return tokenizer.encode_chat([_template_message(m) for m in request.messages],
+                                     [_tool_definition(t) for t in tools])
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
+    return tokenizer.encode(request.prompt)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -321,10 +321,13 @@ async def create_server(config: WorkerConfig, engine: InferenceEngine) -> tuple[
 
 
 async def load_engine(config: WorkerConfig) -> InferenceEngine:
-    """The engine ``[engine] kind`` names. Only the checkpoint engine imports torch, so a
+    """The engine ``[engine] kind`` names. Only the checkpoint and vllm engines import torch, so a
     simulated worker process stays small."""
     if config.engine.kind == "sim":
         return SimEngine.from_config(config)
+    if config.engine.kind == "vllm":
+        from worker_svc.vllm_engine import VllmEngine
+        return await VllmEngine.start(config)
     from worker_svc.engine import Engine
     return await asyncio.to_thread(
         Engine.from_checkpoint, config.model.path, dtype=config.model.dtype,

@@ -1,6 +1,6 @@
 """Write a tiny random DeepSeek-V3 (or V2) checkpoint in exactly the real on-disk format.
 
-    python -m infermesh.cli.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
+    python -m infermesh.cli.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32] [--mla] [--bf16]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
@@ -106,14 +106,19 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 """
 
 
+# DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head, and
+# its output disagrees with transformers unless the nope and value widths are 128 too
+MLA_HEAD = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 # V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
 TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
 
 
-def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) -> dict[str, Any]:
-    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null (kept
-    for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
-    indexer."""
+def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False, mla: bool = False,
+                bf16: bool = False) -> dict[str, Any]:
+    """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null
+    (kept for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
+    indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require;
+    `bf16`: BF16 weights, no quantization_config (vLLM's CPU FP8 linear kernels need AMX)."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -178,6 +183,10 @@ def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False) ->
                 "type": "yarn",
             },
         )
+    if mla:
+        config.update(MLA_HEAD)
+    if bf16:
+        del config["quantization_config"]
     if v32:
         config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=192,
                       **TINY_DSA)
@@ -318,11 +327,12 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, seed: int = _SEED) -> Path:
-    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`: DeepSeek-V3.2)
-    to out_dir."""
+def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, mla: bool = False,
+                          bf16: bool = False, seed: int = _SEED) -> Path:
+    """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`:
+    DeepSeek-V3.2; `mla`: DeepSeek's latent sizes; `bf16`: BF16 weights) to out_dir."""
     tok = train_tokenizer()
-    config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32)
+    config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32, mla=mla, bf16=bf16)
     return _write_checkpoint(Path(out_dir), tok, config, seed + variant)
 
 
@@ -385,15 +395,18 @@ def main(argv: list[str] | None = None) -> None:
     kind.add_argument("--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy")
     kind.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy")
     parser.add_argument("--v32", action="store_true", help="DeepSeek-V3.2: add the sparse-attention indexer")
+    parser.add_argument("--mla", action="store_true",
+                        help="DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), as vLLM's CPU MLA needs")
+    parser.add_argument("--bf16", action="store_true", help="BF16 weights without a quantization_config")
     ns = parser.parse_args(argv)
-    if ns.bench and ns.v32:
-        parser.error("--v32 applies to the tiny model and --variant, not --bench")
+    if (ns.bench or ns.v2 or ns.v2_lite) and (ns.v32 or ns.mla or ns.bf16):
+        parser.error("--v32, --mla and --bf16 apply to the tiny model and --variant")
     if ns.bench:
         print(write_bench_checkpoint(ns.out_dir))
     elif ns.v2 or ns.v2_lite:
         print(write_v2_checkpoint(ns.out_dir, lite=ns.v2_lite))
     else:
-        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant, v32=ns.v32))
+        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant, v32=ns.v32, mla=ns.mla, bf16=ns.bf16))
 
 
 if __name__ == "__main__":

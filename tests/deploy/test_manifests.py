@@ -3,7 +3,9 @@ manifests tell the services (commands, environment, config files, ports)
 is what the code reads."""
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from gateway.config import GatewayConfig
 from infermesh.config import env_names, load_config
 from router_svc.config import RouterConfig
 from worker_svc.config import WorkerConfig
+from worker_svc.config import load as load_worker_config
+from worker_svc.vllm_args import Devices, engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # module → (config class, env prefix); the probe is the health-check helper.
@@ -21,6 +25,7 @@ SERVICES = {"gateway": (GatewayConfig, "infermesh_gateway"),
             "router_svc": (RouterConfig, "infermesh_router"),
             "worker_svc": (WorkerConfig, "infermesh_worker")}
 SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_IP"}
+_VLLM_CONFIGS = ["worker-vllm-h200.toml", "worker-vllm-h100x2.toml"]  # configmap keys
 OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
 
 
@@ -73,7 +78,8 @@ def test_compose_gpu_worker_reserves_gpus():
 
 @pytest.mark.parametrize("module, key", [("router_svc", "router.toml"),
                                          ("gateway", "gateway.toml"),
-                                         ("worker_svc", "worker.toml")])
+                                         ("worker_svc", "worker.toml"),
+                                         *(("worker_svc", key) for key in _VLLM_CONFIGS)])
 def test_configmap_files_load(tmp_path, module, key):
     configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
     path = tmp_path / key
@@ -89,7 +95,7 @@ def test_deployments_match_their_services():
     deployments = [d for d in docs if d["kind"] == "Deployment"]
     for deployment in deployments:
         container = deployment["spec"]["template"]["spec"]["containers"][0]
-        if "command" not in container:
+        if "command" not in container or container["command"][0] == "vllm":  # vLLM's own: see below
             continue
         module = _module(container["command"])
         env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
@@ -111,6 +117,59 @@ def test_deployments_match_their_services():
         if module == "worker_svc":
             assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
             assert "nvidia.com/gpu.product" in deployment["spec"]["template"]["spec"]["nodeSelector"]
+
+
+def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict]:
+    """The configmap's vLLM worker config, over DeepSeek-V3's config.json, and its Deployment."""
+    configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
+    path = tmp_path / key
+    path.write_text(configmap["data"][key])
+    config = load_worker_config(str(path))
+    checkpoint = tmp_path / "DeepSeek-V3"
+    checkpoint.mkdir(exist_ok=True)
+    shutil.copy(DEPLOY.parent / "worker_svc" / "model_configs" / "DeepSeek-V3.json", checkpoint / "config.json")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(checkpoint)))
+    deployment = next(d for d in _k8s() if d["kind"] == "Deployment" and any(
+        e.get("value", "").endswith(key) for e in d["spec"]["template"]["spec"]["containers"][0].get("env", [])))
+    return config, deployment
+
+
+@pytest.mark.parametrize("key", _VLLM_CONFIGS)
+def test_vllm_workers_fit_their_nodes(tmp_path, key):
+    """DeepSeek-V3's FP8 weights over the GPUs the Deployment asks for map onto vLLM's arguments without
+    one of the field's errors (FP8 on Hopper, the layout matching the GPUs and nodes)."""
+    config, deployment = _vllm_worker(key, tmp_path)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    args = engine_args(config, Devices(gpus, "9.0"), "fp8")
+    nodes = args.get("nnodes", 1)
+    assert args["tensor_parallel_size"] * args["pipeline_parallel_size"] == gpus * nodes
+    assert config.engine.kind == "vllm" and config.quantization.use_native_fp8
+    assert "/dev/shm" in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+def test_the_second_h100_node_runs_vllm_headless_with_node_0_s_sizes(tmp_path):
+    config, _ = _vllm_worker("worker-vllm-h100x2.toml", tmp_path)
+    args = engine_args(config, Devices(8, "9.0"), "fp8")
+    docs = _k8s()
+    follower = next(d for d in docs if d["kind"] == "Deployment"
+                    and d["spec"]["template"]["spec"]["containers"][0].get("command", [""])[0] == "vllm")
+    container = follower["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    flags = dict(zip(command[4::2], command[5::2]))
+    assert command[:4] == ["vllm", "serve", "/models/DeepSeek-V3", "--headless"]
+    assert flags == {"--tensor-parallel-size": str(args["tensor_parallel_size"]),
+                     "--pipeline-parallel-size": str(args["pipeline_parallel_size"]),
+                     "--max-model-len": str(args["max_model_len"]),
+                     "--gpu-memory-utilization": str(args["gpu_memory_utilization"]),
+                     "--nnodes": str(args["nnodes"]), "--node-rank": "1",
+                     "--master-addr": args["master_addr"], "--master-port": str(args["master_port"])}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # master_addr is a Service selecting node 0's worker pod, which exposes master_port
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == args["master_addr"])
+    head = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == args["master_addr"])
+    assert service["spec"]["selector"].items() <= head["spec"]["template"]["metadata"]["labels"].items()
+    assert args["master_port"] in {p["containerPort"] for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]}
 
 
 def test_gateway_autoscales_and_services_select_pods():

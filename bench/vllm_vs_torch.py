@@ -1,0 +1,204 @@
+"""Our torch engine against vLLM on the same checkpoint and CPU, each behind a real worker process.
+
+    .venv/bin/python bench/vllm_vs_torch.py [--model-dir models/tiny-deepseek-v3-mla] [--concurrency
+    1 8 32]
+
+vLLM is the engine a user would pick instead of ours, so it is our engine's honest reference. One
+worker runs at a time (`[engine] kind = "checkpoint"`, then `"vllm"`), in the same dtype (the
+precision policy's for this machine unless --dtype), with the same limits (max_parallel = the
+largest concurrency). For each concurrency, that many greedy chat requests of distinct prompts start
+together as gRPC Generate streams; aggregate tokens/s is all completion tokens over the wall time
+from the start to the last token, TTFT is per request (p50 and p99); each concurrency runs --repeats
+times and the median run is shown, after a warm-up of every batch shape. Also prints how many
+leading greedy tokens the two engines agree on per prompt (the models' numerics differ from the
+first token where they diverge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infermesh.cli.tiny_model import CORPUS  # noqa: E402
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
+
+_START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Run:
+    concurrency: int
+    tokens: int
+    wall_s: float
+    ttft_s: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def _prompts(count: int) -> list[str]:
+    lines = [line for line in CORPUS.splitlines() if line]
+    return [f"Request {i}: {lines[i % len(lines)]}" for i in range(count)]
+
+
+async def _generate(
+    stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
+) -> tuple[float, list[int]]:
+    """(TTFT, the token ids) of one greedy streamed request."""
+    request = common_pb2.GenerateRequest(
+        request_id=f"bench-{time.monotonic_ns()}",
+        model=model,
+        messages=[common_pb2.ChatMessage(role="user", content=prompt)],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
+    started = time.perf_counter()
+    first = 0.0
+    tokens: list[int] = []
+    async for chunk in stub.Generate(request, timeout=600):
+        if chunk.token_ids and not first:
+            first = time.perf_counter() - started
+        tokens.extend(chunk.token_ids)
+    return first, tokens
+
+
+async def _measure(
+    port: int, model: str, concurrencies: list[int], max_tokens: int, repeats: int
+) -> tuple[list[Run], list[list[int]]]:
+    """The median run (by tokens/s) of `repeats` per concurrency, and the greedy outputs of up to 8
+    prompts."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for c in sorted(set(concurrencies)):  # warm up every batch shape once
+            await asyncio.gather(*(_generate(stub, model, p, 8) for p in _prompts(c)))
+        runs = []
+        greedy: list[list[int]] = []
+        for c in concurrencies:
+            tries = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                results = await asyncio.gather(
+                    *(_generate(stub, model, p, max_tokens) for p in _prompts(c))
+                )
+                wall = time.perf_counter() - started
+                tries.append(
+                    Run(c, sum(len(t) for _, t in results), wall, [ttft for ttft, _ in results])
+                )
+            runs.append(sorted(tries, key=lambda r: r.tokens_per_s)[len(tries) // 2])
+            if c <= 8 and len(results) > len(greedy):  # the widest run up to 8 prompts
+                greedy = [t for _, t in results]
+        return runs, greedy
+
+
+def _start_worker(
+    kind: str, model_dir: str, dtype: str, max_parallel: int, log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "INFERMESH_WORKER_ENGINE_KIND": kind,
+        "INFERMESH_WORKER_MODEL_PATH": model_dir,
+        "INFERMESH_WORKER_MODEL_DTYPE": dtype,
+        "INFERMESH_WORKER_SERVER_PORT": str(port),
+        "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": str(max_parallel),
+        "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+        "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+    }  # no router: the worker serves anyway
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker_svc"],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        while True:
+            try:
+                worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=2)
+                return proc, port
+            except grpc.RpcError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(f"{kind} worker did not start; see {log}") from None
+                time.sleep(0.5)
+
+
+def _serve_and_measure(
+    kind: str, args: argparse.Namespace
+) -> tuple[float, list[Run], list[list[int]]]:
+    started = time.perf_counter()
+    proc, port = _start_worker(
+        kind, args.model_dir, args.dtype, max(args.concurrency), Path(args.log_dir) / f"{kind}.log"
+    )
+    start_s = time.perf_counter() - started
+    try:
+        runs, greedy = asyncio.run(
+            _measure(
+                port, Path(args.model_dir).name, args.concurrency, args.max_tokens, args.repeats
+            )
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return start_s, runs, greedy
+
+
+def _p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default="models/tiny-deepseek-v3-mla")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per concurrency; the median is shown"
+    )
+    parser.add_argument("--log-dir", default="/tmp")
+    args = parser.parse_args()
+    results = {kind: _serve_and_measure(kind, args) for kind in ("checkpoint", "vllm")}
+    print(
+        f"model {args.model_dir}, dtype {args.dtype}, {args.max_tokens} new tokens, greedy; "
+        f"{os.cpu_count()} CPUs"
+    )
+    for kind, (start_s, _, _) in results.items():
+        print(f"{kind:>10} worker start: {start_s:.1f} s")
+    print(
+        f"{'c':>4} {'tokens torch/vLLM':>17} {'torch tok/s':>12} {'vLLM tok/s':>11} "
+        f"{'torch/vLLM':>11} "
+        f"{'TTFT p50 torch':>15} {'vLLM':>8} {'TTFT p99 torch':>15} {'vLLM':>8}"
+    )
+    for ours, theirs in zip(results["checkpoint"][1], results["vllm"][1]):
+        tokens = f"{ours.tokens}/{theirs.tokens}"
+        print(
+            f"{ours.concurrency:>4} {tokens:>17} {ours.tokens_per_s:>12.1f} "
+            f"{theirs.tokens_per_s:>11.1f} {ours.tokens_per_s / theirs.tokens_per_s:>11.2f} "
+            f"{_p(ours.ttft_s, 50) * 1000:>12.0f} ms "
+            f"{_p(theirs.ttft_s, 50) * 1000:>5.0f} ms {_p(ours.ttft_s, 99) * 1000:>12.0f} ms "
+            f"{_p(theirs.ttft_s, 99) * 1000:>5.0f} ms"
+        )
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        for x, y in zip(results["checkpoint"][2], results["vllm"][2])
+    ]
+    print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""vLLM behind the worker, for real: one mesh of a vLLM worker and a torch worker serving the same
+tiny DeepSeek-V3 checkpoint (DeepSeek's attention head sizes, BF16 weights, served in float32 by
+both), a router and a gateway. vLLM takes tens of seconds to start, so the module shares the one
+mesh; its last tests stop the torch worker (failover) and then talk to the vLLM worker alone.
+
+Skipped when vLLM is not installed (`make vllm`), unless INFERMESH_REQUIRE_VLLM is set (CI), and
+when vLLM's CPU build cannot run on this CPU (the worker dies of an illegal instruction)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.pb import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from infermesh.ports import free_port
+from tests.gateway.test_tools import WEATHER
+from tests.helpers.e2e import new_key
+
+MODEL_PATH = "models/tiny-deepseek-v3-mla"
+MODEL = "tiny-deepseek-v3-mla"
+VLLM, TORCH = "vllm-worker", "torch-worker"
+_DTYPE = "float32"  # both engines in one dtype, so greedy decoding can be compared token for token
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("INFERMESH_REQUIRE_VLLM"):
+        pytest.fail(
+            "INFERMESH_REQUIRE_VLLM is set but vLLM is not installed: run `make vllm`",
+            pytrace=False,
+        )
+    pytest.skip("vLLM is not installed: `make vllm` installs it", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
+    if not os.path.exists(f"{MODEL_PATH}/config.json"):
+        pytest.fail(f"{MODEL_PATH} is missing: `make model-mla` writes it", pytrace=False)
+    metrics_port = free_port()
+    spec = MeshSpec(
+        redis_url=e2e_redis.url,
+        model_path=MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=(free_port(), free_port()),
+        env={
+            "INFERMESH_WORKER_MODEL_DTYPE": _DTYPE,
+            "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+        },
+        worker_env=(
+            {
+                "INFERMESH_WORKER_ENGINE_KIND": "vllm",
+                "INFERMESH_WORKER_SERVER_WORKER_ID": VLLM,
+                "INFERMESH_WORKER_METRICS_PORT": str(metrics_port),
+                "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+            },
+            {
+                "INFERMESH_WORKER_SERVER_WORKER_ID": TORCH,
+                "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+            },
+        ),
+        log_dir=tmp_path_factory.mktemp("vllm-mesh"),
+    )
+    mesh = Mesh(spec)
+    try:
+        mesh.start(timeout_s=240)
+    except Exception as e:
+        log = (spec.log_dir / "worker0.log").read_text(errors="replace")
+        if "Illegal instruction" in log or "SIGILL" in log:
+            pytest.skip(
+                f"vLLM's CPU build cannot run on this CPU (illegal instruction): {log[-500:]}"
+            )
+        raise RuntimeError(f"mesh did not start: {e}\n{log[-4000:]}") from e
+    mesh.metrics_port = metrics_port  # type: ignore[attr-defined]
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def key(e2e_redis) -> str:
+    return new_key(e2e_redis.url)
+
+
+@pytest.fixture
+def client(fleet: Mesh, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.spec.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def _worker(fleet: Mesh, i: int) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(
+        grpc.insecure_channel(f"127.0.0.1:{fleet.spec.worker_ports[i]}")
+    )
+
+
+def _complete(fleet: Mesh, i: int, content: str, **sampling: object) -> common_pb2.GenerateResponse:
+    request = common_pb2.GenerateRequest(
+        request_id=f"direct-{i}-{time.monotonic_ns()}",
+        model=MODEL,
+        messages=[common_pb2.ChatMessage(role="user", content=content)],
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+    return _worker(fleet, i).Complete(request, timeout=120)
+
+
+def _running(fleet: Mesh) -> int:
+    return _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).load.running
+
+
+@pytest.mark.parametrize(
+    "engine_args, message",
+    [
+        ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
+        ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
+    ],
+)
+def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
+    worker = subprocess.run(
+        [sys.executable, "-m", "worker_svc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={
+            **os.environ,
+            "INFERMESH_WORKER_ENGINE_KIND": "vllm",
+            "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
+            "INFERMESH_WORKER_ENGINE_VLLM": engine_args,
+            "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
+        },
+    )
+    assert worker.returncode != 0
+    assert message in worker.stderr + worker.stdout
+
+
+def test_the_vllm_worker_reports_what_vllm_runs(fleet: Mesh) -> None:
+    info = _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).worker
+    assert info.worker_id == VLLM and list(info.models) == [MODEL]
+    caps = info.capabilities
+    # the dtype vLLM runs, as the worker asked it
+    assert caps.device == "cpu" and caps.precision == common_pb2.PRECISION_FP32
+    assert caps.model_type == "deepseek_v3" and caps.weight_bytes > 0
+
+
+def test_greedy_output_and_usage_match_the_torch_engine(fleet: Mesh) -> None:
+    for prompt in ("Say hello to the mesh.", "What is the capital of France?"):
+        ours, theirs = (_complete(fleet, i, prompt, temperature=0, max_tokens=4) for i in (1, 0))
+        assert list(theirs.token_ids) == list(ours.token_ids), prompt
+        assert theirs.text == ours.text
+        assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens  # one prompt path
+        assert (
+            theirs.usage.completion_tokens == 4
+            and theirs.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        )
+
+
+def test_stop_strings_token_ids_and_logprobs(fleet: Mesh) -> None:
+    free = _complete(fleet, 0, "Hello", temperature=0, max_tokens=8)
+    assert len(free.token_ids) == 8
+    stopped = _complete(
+        fleet, 0, "Hello", temperature=0, max_tokens=8, stop_token_ids=[free.token_ids[2]]
+    )
+    assert list(stopped.token_ids) == list(free.token_ids[:3])
+    assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
+    if free.text:
+        stop = free.text[len(free.text) // 2 :][:2]
+        cut = _complete(fleet, 0, "Hello", temperature=0, max_tokens=8, stop=[stop])
+        assert cut.text == free.text[: free.text.index(stop)]
+        assert cut.finish_reason == common_pb2.FINISH_REASON_STOP
+    scored = _complete(
+        fleet, 0, "Hello", temperature=0, max_tokens=3, logprobs=True, top_logprobs=2
+    )
+    assert len(scored.logprobs) == 3
+    assert all(
+        len(lp.top) == 2 and lp.top[0].logprob == pytest.approx(lp.logprob)
+        for lp in scored.logprobs
+    )
+    seeded = [
+        _complete(fleet, 0, "Hello", temperature=1.0, seed=7, max_tokens=6, presence_penalty=0.5)
+        for _ in range(2)
+    ]
+    assert list(seeded[0].token_ids) == list(seeded[1].token_ids)
+
+
+def test_the_router_balances_the_mixed_fleet(fleet: Mesh, client: openai.OpenAI) -> None:
+    def one(i: int) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=24, messages=[{"role": "user", "content": f"Count to {i}."}]
+        )
+        return raw.headers["x-infermesh-worker"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        served = list(pool.map(one, range(16)))
+    assert set(served) == {VLLM, TORCH}, served
+
+
+def test_metrics_port_serves_vllm_s_metrics(fleet: Mesh) -> None:
+    url = f"http://127.0.0.1:{fleet.metrics_port}/metrics"  # type: ignore[attr-defined]
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert "vllm:num_requests_running" in text and "infermesh_" in text
+
+
+def test_the_fleet_fails_over_to_the_vllm_worker(fleet: Mesh, client: openai.OpenAI) -> None:
+    fleet.kill("worker1")  # the torch worker crashes
+    served = [
+        client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": f"Hi {i}"}]
+        ).headers["x-infermesh-worker"]
+        for i in range(4)
+    ]
+    assert served == [VLLM] * 4
+    with grpc.insecure_channel(fleet.spec.router_address) as channel:
+        deadline = time.monotonic() + 30
+        while True:  # the router drops the dead worker once its heartbeats stop
+            workers = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=10
+            )
+            if [w.worker.worker_id for w in workers.workers] == [
+                VLLM
+            ] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert [w.worker.worker_id for w in workers.workers] == [VLLM]
+
+
+# From here on the vLLM worker is the fleet: the OpenAI SDK's checks go gateway -> router -> vLLM.
+
+
+def test_sdk_non_streamed_and_streamed_agree_with_usage(fleet: Mesh, client: openai.OpenAI) -> None:
+    request = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 10,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+        ],
+    }
+    raw = client.chat.completions.with_raw_response.create(**request)
+    whole = raw.parse()
+    assert raw.headers["x-infermesh-worker"] == VLLM
+    assert whole.usage.completion_tokens == 10 and whole.choices[0].finish_reason == "length"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 10
+    chunks = list(
+        client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == whole.choices[0].message.content
+    )
+    assert chunks[-1].usage == whole.usage
+
+
+def test_sdk_errors(fleet: Mesh, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(
+            model=MODEL, max_tokens=10**6, messages=[{"role": "user", "content": "x"}]
+        )
+    with pytest.raises(openai.BadRequestError, match="tool"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            ],
+        )
+
+
+def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) -> None:
+    shaped = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "json please"}],
+        max_tokens=200,
+        seed=11,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER},
+        },
+    )
+    assert shaped.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), WEATHER)
+
+
+def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=900,
+        stream=True,
+        temperature=1.0,
+        messages=[{"role": "user", "content": "Tell a long story."}],
+    )
+    next(iter(stream))
+    deadline = time.monotonic() + 30
+    while _running(fleet) != 1:
+        assert time.monotonic() < deadline, "vLLM never reported the request running"
+        time.sleep(0.1)
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while _running(fleet) != 0:
+        assert time.monotonic() < deadline, "vLLM kept running the dropped request"
+        time.sleep(0.1)

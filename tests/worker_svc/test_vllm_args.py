@@ -1,0 +1,165 @@
+"""The worker's config as vLLM engine arguments, and the field's misconfigurations named before vLLM
+starts: pure functions, checked here for GPU layouts this machine does not have."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infermesh.config import ConfigError
+from worker_svc import config as worker_config
+from worker_svc.vllm_args import Devices, check_known, engine_args
+
+H200 = Devices(8, "9.0")
+
+
+def _checkpoint(tmp_path: Path, **overrides: object) -> Path:
+    config = {
+        "model_type": "deepseek_v3",
+        "n_routed_experts": 256,
+        "num_hidden_layers": 61,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "max_position_embeddings": 163840,
+        "quantization_config": {"quant_method": "fp8"},
+        **overrides,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _config(tmp_path: Path, toml: str, **checkpoint: object) -> worker_config.WorkerConfig:
+    path = tmp_path / "worker.toml"
+    model = _checkpoint(tmp_path, **checkpoint)
+    path.write_text(
+        f'[model]\npath = "{model}"\nname = "deepseek-v3"\n[engine]\nkind = "vllm"\n{toml}'
+    )
+    return worker_config.load(str(path))
+
+
+def test_the_field_s_sections_map_onto_engine_arguments(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path,
+        "[parallel]\ntensor_parallel_size = 8\nexpert_parallel_size = 8\n"
+        "[attention]\nmax_model_len = 32768\n[cache]\ngpu_memory_utilization = 0.85\n"
+        '[engine.vllm]\nmax_num_batched_tokens = 8192\nkv_cache_dtype = "fp8"\n',
+    )
+    args = engine_args(config, H200, "fp8")
+    assert args == {
+        "model": str(tmp_path),
+        "served_model_name": "deepseek-v3",
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 8,
+        "pipeline_parallel_size": 1,
+        "enable_expert_parallel": True,
+        "enable_prefix_caching": True,
+        "max_num_seqs": 8,
+        "max_model_len": 32768,
+        "gpu_memory_utilization": 0.85,
+        "max_num_batched_tokens": 8192,
+        "kv_cache_dtype": "fp8",
+    }
+
+
+def test_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path,
+        "[parallel]\ntensor_parallel_size = 8\npipeline_parallel_size = 2\n"
+        '[engine.vllm]\nnnodes = 2\nnode_rank = 0\nmaster_addr = "10.0.0.1"\n',
+    )
+    args = engine_args(config, Devices(8, "9.0"), "fp8")
+    assert (args["tensor_parallel_size"], args["pipeline_parallel_size"], args["nnodes"]) == (
+        8,
+        2,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    "toml, devices, message",
+    [
+        (
+            "[quantization]\nuse_native_fp8 = true\n",
+            Devices(8, "8.0"),
+            "[quantization] use_native_fp8 = true, but this worker has GPUs of compute capability",
+        ),
+        (
+            "[quantization]\nuse_native_fp8 = true\n",
+            Devices(0),
+            "[quantization] use_native_fp8 = true, but this worker has a CPU",
+        ),
+        (
+            "[parallel]\ntensor_parallel_size = 6\nexpert_parallel_size = 6\n",
+            Devices(8, "9.0"),
+            "[parallel] expert_parallel_size (6) does not divide the checkpoint's 256",
+        ),
+        (
+            "[parallel]\ntensor_parallel_size = 8\nexpert_parallel_size = 4\n",
+            H200,
+            "[parallel] expert_parallel_size (4) must equal tensor_parallel_size (8)",
+        ),
+        (
+            "[parallel]\ntensor_parallel_size = 16\n",
+            H200,
+            ("[parallel] tensor_parallel_size (16) x pipeline_parallel_size (1) = 16 GPUs, but "
+             "8 GPU(s) x 1 node(s)"),
+        ),
+    ],
+)
+def test_the_field_s_failures_name_the_key_and_the_fix(
+    tmp_path: Path, toml: str, devices: Devices, message: str
+) -> None:
+    config = _config(tmp_path, toml)
+    with pytest.raises(ConfigError) as error:
+        engine_args(config, devices, "fp8")
+    assert str(error.value).startswith(message)
+
+
+def test_a_cpu_cache_without_room_for_one_context(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path,
+        "[cache]\ncpu_cache_bytes = 1048576\n",
+        max_position_embeddings=2048,
+        num_hidden_layers=2,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"\[cache\] cpu_cache_bytes .* raise cpu_cache_bytes or lower "
+        r"\[attention\] max_model_len",
+    ):
+        engine_args(config, Devices(0), "bf16")
+    fits = _config(
+        tmp_path,
+        "[attention]\nmax_model_len = 256\n[cache]\ncpu_cache_bytes = 1048576\n",
+        max_position_embeddings=2048,
+        num_hidden_layers=2,
+    )
+    assert engine_args(fits, Devices(0), "bf16")["kv_cache_memory_bytes"] == 1048576
+
+
+def test_an_unknown_engine_argument_is_named() -> None:
+    with pytest.raises(
+        ConfigError, match=r"\[engine.vllm\] tensor_paralel_size: not an engine argument"
+    ):
+        check_known({"tensor_paralel_size": 8}, {"tensor_parallel_size"})
+
+
+def test_parallel_sizes_need_the_vllm_engine(tmp_path: Path) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text("[parallel]\ntensor_parallel_size = 8\n")
+    with pytest.raises(
+        ConfigError, match=r'\[parallel\] tensor_parallel_size: .* set \[engine\] kind = "vllm"'
+    ):
+        worker_config.load(str(path))
+
+
+def test_engine_arguments_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFERMESH_WORKER_ENGINE_VLLM", '{"enforce_eager": true}')
+    assert _config(tmp_path, "").engine.vllm == {"enforce_eager": True}
+    monkeypatch.setenv("INFERMESH_WORKER_ENGINE_VLLM", "enforce_eager")
+    with pytest.raises(ConfigError, match="INFERMESH_WORKER_ENGINE_VLLM: expected a JSON object"):
+        _config(tmp_path, "")
