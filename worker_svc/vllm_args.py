@@ -27,6 +27,11 @@ _DTYPES: dict[Precision, str] = {
     "fp16": "float16",
     "fp32": "float32",
 }
+# vLLM's CPU RoPE kernel (0.32, used in eager mode) reads q and k as [tokens, heads * head_size]
+# with the token stride taken from dim -2: MLA's 3-D q and strided k_pe get rotated at wrong
+# positions and k_pe's rotation overwrites the latent, so every step of 2+ tokens goes wrong.
+# Switching the custom op off runs vLLM's PyTorch RoPE, which is right for every layout.
+_CPU_ROPE_KERNEL_OFF = "-rotary_embedding"
 # Hopper (sm90) and Ada (sm89) have FP8 tensor cores; vLLM's block-scaled FP8 GEMMs run there
 _NATIVE_FP8_CC = (8, 9)
 
@@ -72,6 +77,7 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     else:  # on a CPU: vLLM's cache budget (gpu_memory_utilization would reserve a share of RAM)
         _check_cpu_cache(config, checkpoint, precision)
         args["kv_cache_memory_bytes"] = config.cache.cpu_cache_bytes
+        args["compilation_config"] = {"custom_ops": [_CPU_ROPE_KERNEL_OFF]}
     args.update(config.engine.vllm)
     return args
 

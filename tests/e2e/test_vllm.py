@@ -72,6 +72,9 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
                 "INFERMESH_WORKER_SERVER_WORKER_ID": VLLM,
                 "INFERMESH_WORKER_METRICS_PORT": str(metrics_port),
                 "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+                # eager: vLLM then runs its CPU kernels (torch.compile would replace them), among
+                # them the RoPE one the worker must switch off; and it starts without compiling
+                "INFERMESH_WORKER_ENGINE_VLLM": '{"enforce_eager": true}',
             },
             {
                 "INFERMESH_WORKER_SERVER_WORKER_ID": TORCH,
@@ -162,12 +165,18 @@ def test_the_vllm_worker_reports_what_vllm_runs(fleet: Mesh) -> None:
 
 def test_greedy_output_and_usage_match_the_torch_engine(fleet: Mesh) -> None:
     for prompt in ("Say hello to the mesh.", "What is the capital of France?"):
-        ours, theirs = (_complete(fleet, i, prompt, temperature=0, max_tokens=4) for i in (1, 0))
+        ours, theirs = (
+            _complete(fleet, i, prompt, temperature=0, max_tokens=16, logprobs=True) for i in (1, 0)
+        )
         assert list(theirs.token_ids) == list(ours.token_ids), prompt
+        # the same numbers, not just the same argmax: a wrong RoPE still picks most tokens right
+        assert [lp.logprob for lp in theirs.logprobs] == pytest.approx(
+            [lp.logprob for lp in ours.logprobs], abs=1e-3
+        ), prompt
         assert theirs.text == ours.text
         assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens  # one prompt path
         assert (
-            theirs.usage.completion_tokens == 4
+            theirs.usage.completion_tokens == 16
             and theirs.finish_reason == common_pb2.FINISH_REASON_LENGTH
         )
 

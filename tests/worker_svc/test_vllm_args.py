@@ -139,6 +139,20 @@ def test_a_cpu_cache_without_room_for_one_context(tmp_path: Path) -> None:
     assert engine_args(fits, Devices(0), "bf16")["kv_cache_memory_bytes"] == 1048576
 
 
+def test_on_a_cpu_vllm_rotates_with_its_pytorch_rope(tmp_path: Path) -> None:
+    # its CPU RoPE kernel mangles MLA's 3-D q and strided k_pe (tests/e2e/test_vllm.py shows it)
+    args = engine_args(_config(tmp_path, "", max_position_embeddings=256), Devices(0), "bf16")
+    assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    overridden = _config(
+        tmp_path,
+        '[engine.vllm]\ncompilation_config = {custom_ops = ["none"]}\n',
+        max_position_embeddings=256,
+    )
+    assert engine_args(overridden, Devices(0), "bf16")["compilation_config"] == {
+        "custom_ops": ["none"]
+    }
+
+
 def test_an_unknown_engine_argument_is_named() -> None:
     with pytest.raises(
         ConfigError, match=r"\[engine.vllm\] tensor_paralel_size: not an engine argument"
