@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,7 @@ class VllmEngine:
             meter,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; closing the iterator aborts the vLLM request."""
         if self._closed:
             raise EngineClosedError("engine is closed")

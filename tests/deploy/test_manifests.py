@@ -119,7 +119,7 @@ def test_deployments_match_their_services():
             assert "nvidia.com/gpu.product" in deployment["spec"]["template"]["spec"]["nodeSelector"]
 
 
-def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict]:
+def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict[str, Any]]:
     """The configmap's vLLM worker config, over DeepSeek-V3's config.json, and its Deployment."""
     configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
     path = tmp_path / key

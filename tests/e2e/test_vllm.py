@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 from collections.abc import Iterator
 
 import grpc
@@ -32,8 +33,8 @@ from infermesh.pb import (
     worker_pb2_grpc,
 )
 from infermesh.ports import free_port
-from tests.gateway.test_tools import WEATHER
 from tests.helpers.e2e import new_key
+from tests.helpers.tools import WEATHER
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -84,6 +85,7 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
     try:
         mesh.start(timeout_s=240)
     except Exception as e:
+        assert spec.log_dir is not None
         log = (spec.log_dir / "worker0.log").read_text(errors="replace")
         if "Illegal instruction" in log or "SIGILL" in log:
             pytest.skip(
@@ -111,7 +113,7 @@ def _worker(fleet: Mesh, i: int) -> worker_pb2_grpc.WorkerStub:
     )
 
 
-def _complete(fleet: Mesh, i: int, content: str, **sampling: object) -> common_pb2.GenerateResponse:
+def _complete(fleet: Mesh, i: int, content: str, **sampling: Any) -> common_pb2.GenerateResponse:
     request = common_pb2.GenerateRequest(
         request_id=f"direct-{i}-{time.monotonic_ns()}",
         model=MODEL,
@@ -245,7 +247,7 @@ def test_the_fleet_fails_over_to_the_vllm_worker(fleet: Mesh, client: openai.Ope
 
 
 def test_sdk_non_streamed_and_streamed_agree_with_usage(fleet: Mesh, client: openai.OpenAI) -> None:
-    request = {
+    request: dict[str, Any] = {
         "model": MODEL,
         "temperature": 0,
         "max_tokens": 10,
@@ -298,7 +300,7 @@ def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) ->
         },
     )
     assert shaped.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(shaped.choices[0].message.content), WEATHER)
+    jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), WEATHER)
 
 
 def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.OpenAI) -> None:
