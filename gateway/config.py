@@ -89,12 +89,23 @@ class RouterSection:
     # where gateways cannot reach the workers. Relaying costs the router two message
     # hops per chunk (docs/BENCHMARKS.md).
     relay: bool = False
+    # true: requests to a worker travel over a few long-lived Worker.Serve streams per worker
+    # (messages, not calls: docs/BENCHMARKS.md); false: one gRPC call per request.
+    worker_streams: bool = True
+    # Streams per worker; more than one where one stream's flow-control window limits.
+    streams_per_worker: int = 1
+    # A request's chunks its client has not read yet, at most; past them (a client reading
+    # slower than the worker writes) the request ends with an error, the others go on.
+    stream_buffer_chunks: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
                      "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("streams_per_worker", "stream_buffer_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @section

@@ -1,8 +1,10 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses (``Route``) and the gateway calls the chosen worker
-(``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
+By default the router only chooses (``Route``) and the gateway asks the chosen worker over
+its long-lived ``Worker.Serve`` streams (``gateway.worker_streams``; with
+``[router] worker_streams = false``, one call per request: ``Generate`` for a streamed
+request, ``Complete``, a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
 (``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker, opened
@@ -24,6 +26,7 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
+from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -42,10 +45,15 @@ class RouterClient:
             interceptors=telemetry.grpc_client_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels()
+        self._streams = (WorkerStreams(self._workers, per_worker=config.streams_per_worker,
+                                       buffered_chunks=config.stream_buffer_chunks)
+                         if config.worker_streams else None)
         self._reports: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
         await asyncio.gather(*self._reports, return_exceptions=True)
+        if self._streams is not None:
+            await self._streams.close()
         await self._workers.close()
         await self._channel.close()
 
@@ -104,10 +112,14 @@ class RouterClient:
                            stream: bool, deadline: float,
                            ) -> AsyncIterator[common_pb2.GenerateResponse]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        worker = self._workers.stub(route.address)
-        rpc = worker.Generate if stream else worker.Complete
-        call = rpc(request, timeout=timeout, wait_for_ready=False)
-        async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
+        if self._streams is not None:
+            chunks = self._streams.generate(route.address, request, whole=not stream,
+                                            timeout_s=timeout)
+        else:
+            worker = self._workers.stub(route.address)
+            rpc = worker.Generate if stream else worker.Complete
+            chunks = call_chunks(rpc(request, timeout=timeout, wait_for_ready=False), stream)
+        async with contextlib.aclosing(chunks):
             first = True
             async for chunk in chunks:
                 if first:
