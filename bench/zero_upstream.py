@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 
 import uvloop
 from aiohttp import web
@@ -98,7 +99,7 @@ async def _models(request: web.Request) -> web.Response:
 STEPS = web.AppKey("steps", StepLoop)
 
 
-async def _step_loop(app: web.Application) -> object:
+async def _step_loop(app: web.Application) -> AsyncIterator[None]:
     app[STEPS] = StepLoop()
     task = asyncio.create_task(app[STEPS].run())
     yield

@@ -50,6 +50,11 @@ class RouterClient:
                          if config.worker_streams else None)
         self._reports: set[asyncio.Task[None]] = set()
 
+    @property
+    def worker_streams(self) -> WorkerStreams | None:
+        """The long-lived streams to workers; None with ``[router] worker_streams = false``."""
+        return self._streams
+
     async def close(self) -> None:
         await asyncio.gather(*self._reports, return_exceptions=True)
         if self._streams is not None:

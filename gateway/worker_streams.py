@@ -204,6 +204,10 @@ class WorkerStreams:
             if not opened.finished:
                 stream.cancel(opened)
 
+    def streams(self, address: str) -> int:
+        """How many streams to the worker at ``address`` are open."""
+        return sum(not s.broken for s in self._streams.get(address, ()))
+
     def _stream(self, address: str) -> _Stream:
         pool = self._streams.setdefault(address, [])
         for broken in [s for s in pool if s.broken]:

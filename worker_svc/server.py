@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -76,7 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except RequestFailedError as e:
             await context.abort(e.code, e.details)
 
-    async def chunks(self, request: common_pb2.GenerateRequest) -> AsyncIterator[GenerationChunk]:
+    async def chunks(self, request: common_pb2.GenerateRequest,
+                     ) -> AsyncGenerator[GenerationChunk, None]:
         """The engine's chunks for ``request``, timed under the current span; a request this
         worker cannot serve raises RequestFailedError with its status."""
         if request.model not in self.info.models:

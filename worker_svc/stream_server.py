@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -77,7 +77,7 @@ class StreamSession:
         self._reading = True
         self._stream_span = trace.get_current_span().get_span_context()
 
-    async def responses(self) -> AsyncIterator[worker_pb2.StreamResponse]:
+    async def responses(self) -> AsyncGenerator[worker_pb2.StreamResponse, None]:
         """The stream's messages until the caller has closed its side and every request
         ended; closing this iterator cancels the requests still running."""
         reader = asyncio.create_task(self._read())
