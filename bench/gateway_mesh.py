@@ -16,8 +16,8 @@ For each concurrency, closed-loop clients send for --duration seconds (after a w
 these paths (--paths): ``direct`` (gRPC to the worker), ``router`` (gRPC to the router, which
 relays), ``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
 calls the worker itself: the default), ``calls`` (the same through a second gateway with
-``[router] worker_streams = false``: one gRPC call per request instead of the long-lived
-stream), ``relay`` (through a gateway with ``[router] relay = true``), ``upstream`` (HTTP straight
+``[router] streams = false``: gRPC calls of each request's own instead of the long-lived
+streams), ``relay`` (through a gateway with ``[router] relay = true``), ``upstream`` (HTTP straight
 to bench/zero_upstream.py, a zero-latency OpenAI-compatible server with its own step loop on
 core 1) and ``litellm`` (LiteLLM's proxy, one worker, no database, on core 0, in front of that
 upstream; --litellm names its executable, installed in a venv of its own). Non-streamed with 16
@@ -302,7 +302,7 @@ def main() -> int:
                     "upstream": f"http://127.0.0.1:{proxy.upstream_port}/v1",
                     "litellm": f"http://127.0.0.1:{proxy.proxy_port}/v1"}
             pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway")}
-            for path, env in (("calls", {"INFERMESH_GATEWAY_ROUTER_WORKER_STREAMS": "false"}),
+            for path, env in (("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
                               ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"})):
                 if path in args.paths:
                     port = free_port()

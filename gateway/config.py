@@ -89,9 +89,10 @@ class RouterSection:
     # where gateways cannot reach the workers. Relaying costs the router two message
     # hops per chunk (docs/BENCHMARKS.md).
     relay: bool = False
-    # true: requests to a worker travel over a few long-lived Worker.Serve streams per worker
-    # (messages, not calls: docs/BENCHMARKS.md); false: one gRPC call per request.
-    worker_streams: bool = True
+    # true: route decisions and requests to workers travel over long-lived streams that all
+    # requests share (Router.RouteStream; a few Worker.Serve streams per worker): messages,
+    # not calls (docs/BENCHMARKS.md); false: gRPC calls of each request's own.
+    streams: bool = True
     # Streams per worker; more than one where one stream's flow-control window limits.
     streams_per_worker: int = 1
     # A request's chunks its client has not read yet, at most; past them (a client reading

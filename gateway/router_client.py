@@ -1,10 +1,11 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses (``Route``) and the gateway asks the chosen worker over
-its long-lived ``Worker.Serve`` streams (``gateway.worker_streams``; with
-``[router] worker_streams = false``, one call per request: ``Generate`` for a streamed
-request, ``Complete``, a cheaper unary call, otherwise),
+By default the router only chooses and the gateway asks the chosen worker itself, both over
+long-lived streams shared by all requests (``Router.RouteStream``: ``gateway.route_stream``;
+``Worker.Serve``: ``gateway.worker_streams``); with ``[router] streams = false`` they are
+calls of each request's own (``Route``, then ``Generate`` for a streamed request, ``Complete``,
+a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
 (``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker, opened
@@ -26,6 +27,7 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
+from gateway.route_stream import RouteStream
 from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
@@ -47,18 +49,21 @@ class RouterClient:
         self._workers = WorkerChannels()
         self._streams = (WorkerStreams(self._workers, per_worker=config.streams_per_worker,
                                        buffered_chunks=config.stream_buffer_chunks)
-                         if config.worker_streams else None)
+                         if config.streams else None)
+        self._route_stream = RouteStream(self._stub) if config.streams else None
         self._reports: set[asyncio.Task[None]] = set()
 
     @property
     def worker_streams(self) -> WorkerStreams | None:
-        """The long-lived streams to workers; None with ``[router] worker_streams = false``."""
+        """The long-lived streams to workers; None with ``[router] streams = false``."""
         return self._streams
 
     async def close(self) -> None:
         await asyncio.gather(*self._reports, return_exceptions=True)
         if self._streams is not None:
             await self._streams.close()
+        if self._route_stream is not None:
+            await self._route_stream.close()
         await self._workers.close()
         await self._channel.close()
 
@@ -104,11 +109,14 @@ class RouterClient:
 
     async def _direct(self, request: common_pb2.GenerateRequest, stream: bool,
                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
-                                       wait_for_ready=False)
+        if self._route_stream is not None:
+            workers = await self._route_stream.route(request, self._config.control_timeout_s)
+        else:
+            workers = list((await self._stub.Route(request, timeout=self._config.control_timeout_s,
+                                                   wait_for_ready=False)).workers)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
-                reply.workers, lambda route: self._from_worker(route, request, stream, deadline),
+                workers, lambda route: self._from_worker(route, request, stream, deadline),
                 self._report_failure, lambda route: route.worker_id,
                 self._config.stall_timeout_s if stream else None):
             yield chunk
@@ -138,8 +146,12 @@ class RouterClient:
         """Tells the router, in the background, so it ejects a worker that keeps failing."""
         logger.warning("worker %s failed %s the first token (%s: %s)", route.worker_id,
                        "after" if started else "before", code.name, details)
-        report = asyncio.create_task(self._report(router_pb2.ReportFailureRequest(
-            worker_id=route.worker_id, code=code.name, details=details)))
+        failure = router_pb2.ReportFailureRequest(worker_id=route.worker_id, code=code.name,
+                                                  details=details)
+        if self._route_stream is not None:
+            self._route_stream.report_failure(failure)
+            return
+        report = asyncio.create_task(self._report(failure))
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
 

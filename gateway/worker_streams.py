@@ -4,7 +4,8 @@ bidirectional streams per worker, so that a request costs messages, not calls.
 A request is opened on a stream by a stream-local id (its open carries the generation
 request, its deadline and trace context) and cancelled by that id when its reader stops
 early. One reader task per stream hands each chunk to its request's buffer; one writer
-task sends what requests opened and cancelled meanwhile as one message. Per-request flow
+task sends what requests opened and cancelled meanwhile as one message
+(``infermesh.bidi``). Per-request flow
 control: a request's buffer holds at most ``buffered_chunks`` chunks its reader has not
 taken; past that (an HTTP client reading slower than the worker writes) that request ends
 with ``ClientTooSlowError`` and is cancelled on the worker, while the stream and its other
@@ -25,6 +26,7 @@ from opentelemetry import propagate
 
 import telemetry
 from gateway.errors import GatewayError
+from infermesh.bidi import MessageBatcher, call_error, status_code
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -34,11 +36,6 @@ class ClientTooSlowError(GatewayError):
 
     status = 500
     code = "client_too_slow"
-
-
-def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """A request's end as the failed call it stands for."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class _Request:
@@ -94,49 +91,34 @@ class _Stream:
         self._buffered_chunks = buffered_chunks
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
-        self._opens: list[worker_pb2.OpenRequest] = []
-        self._cancels: list[int] = []
-        self._send = asyncio.Event()
         self.broken = False
         # The stream outlives the request that opened it: its call, span and tasks belong
         # to no request's trace.
         token = otel_context.attach(otel_context.Context())
         try:
             self._call = stub.Serve(wait_for_ready=False)
+            self._outgoing = MessageBatcher(self._call, worker_pb2.StreamRequest)
             self._reader = asyncio.create_task(self._read())
-            self._writer = asyncio.create_task(self._write())
         finally:
             otel_context.detach(token)
 
     def open(self, request: common_pb2.GenerateRequest, *, whole: bool,
              timeout_s: float) -> _Request:
         if self.broken:
-            raise _status(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
+            raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
         opened = _Request(next(self._ids), self._buffered_chunks)
         self._requests[opened.id] = opened
-        message = worker_pb2.OpenRequest(id=opened.id, request=request, whole=whole,
-                                         timeout_ms=max(1, round(timeout_s * 1000)))
+        message = self._outgoing.message.open.add(
+            id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000)))
         if telemetry.tracing_enabled():
             propagate.inject(message.trace_context)
-        self._opens.append(message)
-        self._send.set()
+        self._outgoing.changed()
         return opened
 
     def cancel(self, opened: _Request) -> None:
         if self._requests.pop(opened.id, None) is not None and not self.broken:
-            self._cancels.append(opened.id)
-            self._send.set()
-
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._send.wait()
-                self._send.clear()
-                message = worker_pb2.StreamRequest(open=self._opens, cancel=self._cancels)
-                self._opens, self._cancels = [], []
-                await self._call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the reader sees the call's end and fails its requests
+            self._outgoing.message.cancel.append(opened.id)
+            self._outgoing.changed()
 
     async def _read(self) -> None:
         error: grpc.aio.AioRpcError | None = None
@@ -149,7 +131,7 @@ class _Stream:
                     if entry.code:
                         del self._requests[entry.id]
                         opened.finished = True
-                        opened.fail(_status(_CODES[entry.code], entry.details))
+                        opened.fail(call_error(status_code(entry.code), entry.details))
                     elif not opened.push(entry.chunk):
                         self.cancel(opened)
                     elif opened.finished:
@@ -158,19 +140,16 @@ class _Stream:
             error = e
         finally:
             self.broken = True
-            self._writer.cancel()
             requests, self._requests = self._requests, {}
             for opened in requests.values():
-                opened.fail(_status(error.code(), error.details() or error.code().name)
+                opened.fail(call_error(error.code(), error.details() or error.code().name)
                             if error is not None else
-                            _status(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream"))
+                            call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream"))
+            await self._outgoing.close()
 
     async def close(self) -> None:
         self._call.cancel()
-        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+        await asyncio.gather(self._reader, self._outgoing.close(), return_exceptions=True)
 
 
 class WorkerStreams:
@@ -194,7 +173,7 @@ class WorkerStreams:
         cancels the request on the worker."""
         stream = self._stream(address)
         opened = stream.open(request, whole=whole, timeout_s=timeout_s)
-        expiry = asyncio.get_running_loop().call_later(timeout_s, opened.fail, _status(
+        expiry = asyncio.get_running_loop().call_later(timeout_s, opened.fail, call_error(
             grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
         try:
             while (chunk := await opened.next()) is not None:
