@@ -28,24 +28,24 @@ $(GENERATED): $(PROTOS) $(INSTALLED)
 proto: $(GENERATED)
 
 # The embedded default model: a tiny DeepSeek-V3 checkpoint with random weights.
-$(MODEL_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
-	$(PY) -m worker_svc.tiny_model $(MODEL_DIR)
+$(MODEL_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
+	$(PY) -m infermesh.cli.tiny_model $(MODEL_DIR)
 
 model: $(MODEL_DIR)/config.json
 
 # Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
 
-models/tiny-deepseek-v2/config.json: $(GENERATED) worker_svc/tiny_model.py
-	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2 --v2
+models/tiny-deepseek-v2/config.json: $(GENERATED) infermesh/cli/tiny_model.py
+	$(PY) -m infermesh.cli.tiny_model models/tiny-deepseek-v2 --v2
 
-models/tiny-deepseek-v2-lite/config.json: $(GENERATED) worker_svc/tiny_model.py
-	$(PY) -m worker_svc.tiny_model models/tiny-deepseek-v2-lite --v2-lite
+models/tiny-deepseek-v2-lite/config.json: $(GENERATED) infermesh/cli/tiny_model.py
+	$(PY) -m infermesh.cli.tiny_model models/tiny-deepseek-v2-lite --v2-lite
 
 model-v2: $(addsuffix /config.json,$(V2_MODEL_DIRS))
 # The same tiny model as DeepSeek-V3.2 (sparse attention): `make model-v32`, then `--model $(V32_DIR)`.
-$(V32_DIR)/config.json: $(GENERATED) worker_svc/tiny_model.py
-	$(PY) -m worker_svc.tiny_model $(V32_DIR) --v32
+$(V32_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
+	$(PY) -m infermesh.cli.tiny_model $(V32_DIR) --v32
 
 model-v32: $(V32_DIR)/config.json
 

@@ -49,10 +49,11 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.keys import create_key, key_id, key_tag  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.pb import router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.probe import grpc_serving  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
+from infermesh.cli.probe import grpc_serving  # noqa: E402
+from infermesh.cli.redis_server import RedisServer  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
 MODEL = "tiny-deepseek-v3"

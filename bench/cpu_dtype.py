@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker_svc.model import ModelArgs, dense_linear  # noqa: E402
 from worker_svc.model_config import model_args  # noqa: E402
 from worker_svc.precision import cpu_has_native_bf16  # noqa: E402
-from worker_svc.tiny_model import bench_config, tiny_config  # noqa: E402
+from infermesh.cli.tiny_model import bench_config, tiny_config  # noqa: E402
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNK = 256

@@ -39,7 +39,7 @@ from worker_svc.kernel import (  # noqa: E402
     weight_dequant,
     weight_quant,
 )
-from worker_svc.tiny_model import write_tiny_checkpoint  # noqa: E402
+from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432), (2048, 1408)]  # (N, K) = (out, in)
 TOKENS = (1, 64, 512, 4096)

@@ -4,7 +4,7 @@ worker, and LiteLLM's proxy against the same load sent straight to its upstream,
     .venv/bin/python bench/gateway_mesh.py [--duration 5] [--concurrency 1 16 64]
         [--paths direct mesh upstream litellm] [--litellm /path/to/venv/bin/litellm]
 
-Starts Redis, the router, one worker and the gateway as processes (infermesh.mesh), the
+Starts Redis, the router, one worker and the gateway as processes (infermesh.cli.mesh), the
 worker on the simulated engine in zero-latency mode (INFERMESH_WORKER_ENGINE_KIND=sim,
 INFERMESH_WORKER_ENGINE_ZERO_LATENCY=true: tokens cost nothing, so what is measured is the
 mesh). Pinned as the reference figures were taken: gateway and router together on core 0,
@@ -52,9 +52,10 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.keys import create_key  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
+from infermesh.cli.redis_server import RedisServer  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
 _MESH_CORE, _LOAD_CORE = 0, 1

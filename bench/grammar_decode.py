@@ -39,7 +39,7 @@ from worker_svc.config import ParallelSection  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
 from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool  # noqa: E402
 from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar  # noqa: E402
-from worker_svc.tiny_model import write_bench_checkpoint  # noqa: E402
+from infermesh.cli.tiny_model import write_bench_checkpoint  # noqa: E402
 from worker_svc.tokenizer import Tokenizer  # noqa: E402
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"

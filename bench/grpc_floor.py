@@ -26,7 +26,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.pb import common_pb2, worker_pb2_grpc  # noqa: E402
-from infermesh.redis_server import free_port  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 
 _SERVER_CORE, _CLIENT_CORE = 0, 1
 

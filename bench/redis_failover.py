@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.mesh_load import MeshLoad, Outcome  # noqa: E402
 from gateway.keys import create_key, key_id, update_key  # noqa: E402
 from gateway.limits import read_usage  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
 from infermesh.redis_client import redis_client  # noqa: E402
-from infermesh.redis_cluster import RedisClusterServers  # noqa: E402
-from infermesh.redis_server import free_port  # noqa: E402
+from infermesh.cli.redis_cluster import RedisClusterServers  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
 _SETTLE_S = 2.0  # for the last settlements, after the load

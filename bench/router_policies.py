@@ -39,9 +39,10 @@ import grpc  # noqa: E402
 import redis  # noqa: E402
 
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-from infermesh.probe import grpc_serving  # noqa: E402
-from infermesh.processes import stop_with_parent  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
+from infermesh.cli.probe import grpc_serving  # noqa: E402
+from infermesh.cli.processes import stop_with_parent  # noqa: E402
+from infermesh.cli.redis_server import RedisServer  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 from worker_svc import server as worker_server  # noqa: E402
 from worker_svc.config import (EngineSection, ModelSection, RouterSection, ServerSection,  # noqa: E402
                                WorkerConfig)

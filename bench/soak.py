@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mesh_load import Kind, MeshLoad, Outcome  # noqa: E402
 from gateway.keys import create_key  # noqa: E402
-from infermesh.mesh import Mesh, MeshSpec  # noqa: E402
-from infermesh.redis_server import RedisServer, free_port  # noqa: E402
+from infermesh.cli.mesh import Mesh, MeshSpec  # noqa: E402
+from infermesh.cli.redis_server import RedisServer  # noqa: E402
+from infermesh.ports import free_port  # noqa: E402
 from worker_svc.config import DEFAULT_MODEL_PATH  # noqa: E402
 
 SERVICES = ("gateway", "router", "worker0")

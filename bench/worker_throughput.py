@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/worker_throughput.py [--model-dir models/bench-deepseek-v3] [--concurrency 1 8 32]
 
-On the ~73M-parameter benchmark checkpoint (written by `worker_svc.tiny_model --bench` when missing),
+On the ~73M-parameter benchmark checkpoint (written by `infermesh.cli.tiny_model --bench` when missing),
 in the dtype the precision policy picks for this machine, greedy, prompts of --prompt-tokens tokens
 (distinct from their first token, so the prefix cache does not help) and --new-tokens new tokens:
 
@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import PreTrainedModel  # noqa: E402
 
-from worker_svc.hf_reference import transformers_model  # noqa: E402
+from infermesh.cli.hf_reference import transformers_model  # noqa: E402
 from worker_svc.checkpoint import read_config  # noqa: E402
 from worker_svc.config import ParallelSection  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
 from worker_svc.engine_api import GenerationRequest, SamplingParams  # noqa: E402
 from worker_svc.kv_cache import bytes_per_token, unabsorbed_bytes_per_token  # noqa: E402
-from worker_svc.tiny_model import CORPUS, write_bench_checkpoint  # noqa: E402
+from infermesh.cli.tiny_model import CORPUS, write_bench_checkpoint  # noqa: E402
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
 

@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_server import GatewayRunner
 from gateway.middleware import AccessLogger
-from infermesh.cli import service_main
+from infermesh.service_main import service_main
 from infermesh.config import load_config
 
 logger = logging.getLogger("gateway")

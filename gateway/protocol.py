@@ -85,7 +85,7 @@ class StreamOptions(BaseModel):
 
 
 class BatchingFields(BaseModel):
-    """Per-request batching hints (SPEC: integers, else 400), top level or in ``extra_body``."""
+    """Per-request batching hints (integers, else 400), top level or in ``extra_body``."""
     model_config = STRICT
     max_parallel: UInt32 | None = None
     dynamic_batch_timeout_ms: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None

@@ -129,3 +129,10 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
 def section(cls: type[T]) -> type[T]:
     """Decorator for a config section: a frozen dataclass."""
     return dataclasses.dataclass(frozen=True)(cls)
+
+
+@section
+class MetricsSection:
+    """``[metrics]`` of the router and the worker: the HTTP side port of /metrics."""
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: no side port (several workers on one host would collide)

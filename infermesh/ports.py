@@ -1,4 +1,5 @@
-"""Whether a loopback port is free for a service to listen on, and who holds it if not."""
+"""Whether a loopback port is free for a service to listen on, and who holds it if not;
+a free one to listen on."""
 from __future__ import annotations
 
 import socket
@@ -19,6 +20,14 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
         except OSError:
             return _holder(port)
     return None
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _holder(port: int) -> str:

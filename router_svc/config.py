@@ -4,9 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from infermesh.config import load_config, section
+from infermesh.config import MetricsSection, load_config, section
 from infermesh.redis_client import check_redis_url
-from telemetry.metrics import MetricsSection
 
 Policy = Literal["balanced", "least_load", "round_robin"]
 

@@ -11,11 +11,10 @@ import logging
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
-
-from infermesh.config import section
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +53,19 @@ SETTLEMENTS_DROPPED = Counter("infermesh_usage_settlements_dropped",
                               "Usage settlements lost: more than [limits] settle_retry_max waited")
 
 
-@section
-class MetricsSection:
-    """``[metrics]`` of the router and the worker: the HTTP side port of /metrics."""
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: no side port (several workers on one host would collide)
+class MetricsEndpoint(Protocol):
+    """Where /metrics is served: a service's ``[metrics]`` config section
+    (infermesh.config.MetricsSection), taken as a value so telemetry depends on no config
+    loader."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
 
 
-def serve_metrics(config: MetricsSection) -> None:
+def serve_metrics(config: MetricsEndpoint) -> None:
     """Serves /metrics on the configured side port, from a thread."""
     if config.port:
         start_http_server(config.port, addr=config.host)

@@ -12,7 +12,7 @@ import pytest
 # using grpc; set before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine import Engine

@@ -13,14 +13,15 @@ import matplotlib.image
 import pytest
 
 from gateway.keys import create_key_at
-from infermesh.__main__ import main
-from infermesh.hwbench import report
-from infermesh.hwbench.load import Sample
-from infermesh.hwbench.plots import SIZE_PX
-from infermesh.hwbench.results import Point, dominates
-from infermesh.redis_server import free_port
-from tests.gateway.conftest import ADMIN_TOKEN, make_config, start_gateway
-from tests.inprocess import running_router, running_worker, sim_engine
+from infermesh.cli.main import main
+from infermesh.cli.hwbench import report
+from infermesh.cli.hwbench.load import Sample
+from infermesh.cli.hwbench.plots import SIZE_PX
+from infermesh.cli.hwbench.results import Point, dominates
+from infermesh.ports import free_port
+from tests.helpers import MODEL
+from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 KINDS = ["H100", "A100", "V100"]  # fastest first, by their profiles' bandwidth
 _SMALL = ["--concurrency", "1,4", "--requests", "4", "--prompt-tokens", "50", "--max-tokens", "24",
@@ -129,7 +130,7 @@ async def test_a_wrong_key_and_an_unknown_kind_against_a_running_gateway(redis_s
     assert wrong_key[0] == 2
     assert wrong_key[1].startswith("bench: the gateway refused the API key (401): ")
     assert "sk-wrong" not in wrong_key[1]
-    assert unknown_kind == (2, "bench: unknown GPU kind 'V100': kinds serving tiny-deepseek-v3: A100")
+    assert unknown_kind == (2, f"bench: unknown GPU kind 'V100': kinds serving {MODEL}: A100")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

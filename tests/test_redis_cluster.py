@@ -13,9 +13,10 @@ from redis.crc import key_slot
 from bench.redis_failover import run as run_failover
 from gateway.keys import key_id
 from infermesh.redis_client import redis_client
-from infermesh.redis_cluster import RedisClusterServers, SentinelServers
-from tests.gateway.conftest import ADMIN, auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, running_router, running_worker, sim_engine
+from infermesh.cli.redis_cluster import RedisClusterServers, SentinelServers
+from tests.helpers.gateway import ADMIN, auth, make_config, sdk, start_gateway
+from tests.helpers import MODEL
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

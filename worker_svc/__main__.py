@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from infermesh.cli import service_main
+from infermesh.service_main import service_main
 from worker_svc import config, server
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from infermesh.config import load_config, section
-from telemetry.metrics import MetricsSection
+from infermesh.config import MetricsSection, load_config, section
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sizing import ModelSize, model_size_of
 

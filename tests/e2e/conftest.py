@@ -2,7 +2,6 @@
 processes on free loopback ports, exporting traces to a test OTLP receiver."""
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -12,13 +11,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from gateway.keys import create_key_at
-from infermesh.mesh import Mesh, MeshSpec
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
+from tests.helpers.e2e import new_key
 from worker_svc.config import DEFAULT_MODEL_PATH
-
-MODEL = "tiny-deepseek-v3"
-
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """The OTLP/gRPC trace endpoint a collector or Jaeger serves."""
@@ -96,15 +93,11 @@ def workerless_mesh(otlp_receiver, tmp_path_factory) -> Iterator[tuple[Mesh, str
         mesh = _start_mesh(redis_server.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"),
                            workers=0)
         try:
-            yield mesh, _create_key(redis_server.url)
+            yield mesh, new_key(redis_server.url)
         finally:
             mesh.stop()
 
 
 @pytest.fixture(scope="session")
 def api_key(e2e_redis) -> str:
-    return _create_key(e2e_redis.url)
-
-
-def _create_key(redis_url: str) -> str:
-    return asyncio.run(create_key_at(redis_url, "e2e"))
+    return new_key(e2e_redis.url)

@@ -9,7 +9,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.helpers import MODEL
 
 _GREEDY = dict(model=MODEL, temperature=0, max_tokens=12,
                messages=[{"role": "system", "content": "You are terse."},

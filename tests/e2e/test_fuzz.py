@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from infermesh import fuzz
-from infermesh.mesh import Mesh, MeshSpec
-from infermesh.redis_server import free_port
-from tests.e2e.conftest import _create_key
+from infermesh.cli import fuzz
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.ports import free_port
+from tests.helpers.e2e import new_key
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 ADMIN_TOKEN = "fuzz-admin-token-0123456789abcdef"
@@ -35,7 +35,7 @@ def fuzz_mesh(e2e_redis, otlp_receiver, tmp_path_factory) -> Iterator[Mesh]:
 
 def test_fuzzing_the_mesh_finds_nothing(fuzz_mesh, e2e_redis, otlp_receiver):
     spec = fuzz_mesh.spec
-    api_key = _create_key(e2e_redis.url)
+    api_key = new_key(e2e_redis.url)
     target = fuzz.Target(base=f"http://127.0.0.1:{spec.gateway_port}", port=spec.gateway_port,
                          api_key=api_key, admin_token=ADMIN_TOKEN, model=fuzz.served_model(spec.router_address))
     pids = {name: fuzz_mesh.pid(name) for name in ("gateway", "router", "worker0")}

@@ -15,8 +15,8 @@ import openai
 import psutil
 
 from infermesh.ports import port_in_use
-from infermesh.redis_server import free_port
-from tests.e2e.conftest import MODEL
+from infermesh.ports import free_port
+from tests.helpers import MODEL
 
 _START_TIMEOUT_S = 90.0
 _STOP_TIMEOUT_S = 15.0

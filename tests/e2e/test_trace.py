@@ -5,11 +5,12 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL
+from tests.helpers import MODEL
 
 _SERVICES = {"infermesh-gateway", "infermesh-router", "infermesh-worker"}
 
@@ -26,6 +27,15 @@ async def chat(mesh, api_key: str, headers: dict[str, str] | None = None, **body
         return await response.text()
 
 
+async def _exported(receiver, trace_id: bytes, done: Callable[[list], bool]) -> list:
+    """The trace's spans once ``done(spans)`` holds, or as they are after 10 s (each service
+    exports in its own batches); the caller asserts on them."""
+    deadline = time.monotonic() + 10
+    while not done(receiver.spans(trace_id)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return receiver.spans(trace_id)
+
+
 async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
     receiver, _ = otlp_receiver
     trace_id, parent_id = secrets.token_bytes(16), secrets.token_bytes(8)
@@ -40,10 +50,7 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
         return ({service for service, _ in spans} == _SERVICES
                 and all(span.parent_span_id in ids | {parent_id} for _, span in spans))
 
-    deadline = time.monotonic() + 10
-    while not complete(receiver.spans(trace_id)) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    spans = receiver.spans(trace_id)
+    spans = await _exported(receiver, trace_id, complete)
     assert {service for service, _ in spans} == _SERVICES
 
     by_id = {span.span_id: (service, span) for service, span in spans}
@@ -92,8 +99,12 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
 
 
 async def test_no_key_material_in_spans(mesh, api_key, otlp_receiver):
-    await chat(mesh, api_key, max_tokens=2)
-    await asyncio.sleep(0.5)
+    trace_id, parent_id = secrets.token_bytes(16), secrets.token_bytes(8)
+    await chat(mesh, api_key, {"traceparent": f"00-{trace_id.hex()}-{parent_id.hex()}-01"},
+               max_tokens=2)
+    # this request's spans have arrived from every service
+    await _exported(otlp_receiver[0], trace_id,
+                    lambda spans: {service for service, _ in spans} == _SERVICES)
     exported = "".join(str(span) for _, span in otlp_receiver[0].spans())
     assert exported and api_key not in exported and api_key[3:15] not in exported
 

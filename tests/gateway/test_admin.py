@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AdminSection
-from tests.gateway.conftest import ADMIN, ADMIN_TOKEN, CHAT, auth, start_gateway
+from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth, start_gateway
 
 _REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.keys import create_key, disable_key, key_id
-from infermesh.redis_server import RedisServer
-from tests.gateway.conftest import CHAT, auth, sdk
+from infermesh.cli.redis_server import RedisServer
+from tests.helpers.gateway import CHAT, auth, sdk
 
 
 async def _error(response) -> dict:

@@ -7,10 +7,10 @@ import pytest
 from gateway.config import RouterSection
 from gateway.errors import GatewayError
 from gateway.router_client import RouterClient
-from infermesh import rawhttp
+from infermesh.cli import rawhttp
 from infermesh.pb import common_pb2
-from tests.gateway.conftest import ADMIN, ADMIN_TOKEN, CHAT, auth
-from tests.inprocess import register_unreachable_worker
+from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
+from tests.helpers.inprocess import register_unreachable_worker
 
 _DEEP = "[" * 10_000 + "]" * 10_000
 _MESSAGE = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

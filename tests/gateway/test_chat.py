@@ -8,8 +8,9 @@ import grpc
 import pytest
 
 from gateway.errors import from_grpc
-from tests.gateway.conftest import auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, eventually
+from tests.helpers.gateway import auth, make_config, sdk, start_gateway
+from tests.helpers import MODEL
+from tests.helpers.inprocess import eventually
 
 _MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
 _GREEDY = {"model": MODEL, "messages": _MESSAGES, "temperature": 0, "max_tokens": 8}

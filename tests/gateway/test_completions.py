@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.conftest import auth, sdk
-from tests.inprocess import MODEL
+from tests.helpers.gateway import auth, sdk
+from tests.helpers import MODEL
 
 _GREEDY = {"model": MODEL, "prompt": "The mesh says", "temperature": 0, "max_tokens": 6}
 

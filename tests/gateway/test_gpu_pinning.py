@@ -5,8 +5,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.conftest import ADMIN, CHAT, auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, running_worker, sim_engine
+from tests.helpers.gateway import ADMIN, CHAT, auth, make_config, sdk, start_gateway
+from tests.helpers import MODEL
+from tests.helpers.inprocess import running_worker, sim_engine
 
 _REQUEST = {**CHAT, "model": MODEL, "max_tokens": 2, "temperature": 0}
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from gateway.http_server import log_redacted
-from infermesh import rawhttp
-from infermesh.rawhttp import RawResponse
-from tests.gateway.conftest import ADMIN_TOKEN
+from infermesh.cli import rawhttp
+from infermesh.cli.rawhttp import RawResponse
+from tests.helpers.gateway import ADMIN_TOKEN
 
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
 

@@ -14,10 +14,11 @@ from prometheus_client import REGISTRY
 
 from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
-from gateway.limits import Limiter, TokenUsage, duration, read_usage
-from infermesh.redis_server import RedisServer
-from tests.gateway.conftest import auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, eventually
+from gateway.limits import LIMITER, Admission, Limiter, TokenUsage, duration, read_usage
+from infermesh.cli.redis_server import RedisServer
+from tests.helpers.gateway import auth, make_config, sdk, start_gateway
+from tests.helpers import MODEL
+from tests.helpers.inprocess import eventually
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -29,6 +30,17 @@ async def _settled(redis_client, key: str, requests: int) -> dict:
         assert time.monotonic() < deadline, usage
         await asyncio.sleep(0.02)
     return usage
+
+
+async def _admitted_once_free(limiter: Limiter, key: str) -> Admission:
+    """The admission ``limiter`` gets once the key's slot frees, within 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return await limiter.admit(key, 0)
+        except RateLimitError:
+            assert time.monotonic() < deadline, "the slot never freed"
+            await asyncio.sleep(0.05)
 
 
 async def test_rpm_admits_exactly_the_limit_across_two_gateways(gateways, redis_client):
@@ -173,13 +185,15 @@ async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
     live = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     with pytest.raises(RateLimitError):
         await live.admit(key_id(key), 0)
-    await asyncio.sleep(1.1)
-    held = await live.admit(key_id(key), 0)
+    held = await _admitted_once_free(live, key_id(key))  # the dead slot expired
     renewal = asyncio.create_task(live.renew_leases())
     try:
-        await asyncio.sleep(1.5)
-        with pytest.raises(RateLimitError):
-            await dead.admit(key_id(key), 0)
+        # held past its 1 s life, and refused to the other gateway at every moment of it
+        held_until = time.monotonic() + 1.5
+        while time.monotonic() < held_until:
+            with pytest.raises(RateLimitError):
+                await dead.admit(key_id(key), 0)
+            await asyncio.sleep(0.1)
     finally:
         renewal.cancel()
     await live.settle(held, TokenUsage())
@@ -219,7 +233,7 @@ async def test_usage_settled_while_redis_is_down_is_recorded_once_it_is_back(tmp
         server.stop()
         limiter.settle_soon(admission, TokenUsage(prompt_tokens=7, completion_tokens=11))
         await eventually(lambda: limiter.pending_settlements == 1)
-        await asyncio.sleep(1.0)  # retries fail while it is down; the settlement is kept
+        await limiter.drain()  # a retry while it is down fails; the settlement is kept
         assert limiter.pending_settlements == 1
         server.start()
         usage = await _settled(client, key, 1)
@@ -273,7 +287,7 @@ async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_cl
                                       headers=auth(key))
         assert response.status == 503, await response.text()
         assert (await response.json())["error"]["code"] == "router_unavailable"
-    await asyncio.sleep(0.2)  # settlements run in the background
+    await gateway.app[LIMITER].drain()  # settlements run in the background
     usage = await read_usage(redis_client, key_id(key), 1)
     assert (usage["requests"], usage["in_flight"], usage["quota_consumed_tokens"]) == (0, 0, 0)
     buckets = await redis_client.hgetall(f"infermesh:rl:{key_id(key)}:rpm")

@@ -8,7 +8,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from infermesh.redis_server import free_port
+from infermesh.ports import free_port
 
 _REPO = Path(__file__).resolve().parents[2]
 

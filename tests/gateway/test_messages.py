@@ -7,8 +7,8 @@ import json
 import anthropic
 import pytest
 
-from tests.gateway.conftest import auth
-from tests.inprocess import MODEL
+from tests.helpers.gateway import auth
+from tests.helpers import MODEL
 
 # This SDK's create() no longer names temperature; the API still takes it.
 _GREEDY = {"model": MODEL, "max_tokens": 8, "system": "be brief", "extra_body": {"temperature": 0},

@@ -6,9 +6,9 @@ import anthropic
 import jsonschema
 import pytest
 
-from tests.gateway.conftest import auth
-from tests.gateway.test_tools import _SLOW, SCHEMAS, TIME, WEATHER
-from tests.inprocess import MODEL
+from tests.helpers.gateway import auth
+from tests.helpers import MODEL
+from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
          {"name": "get_time", "input_schema": TIME}]
@@ -18,7 +18,7 @@ _ASK = {"model": MODEL, "max_tokens": 300, "tools": TOOLS,
 
 def _client(gateway, api_key) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=str(gateway.make_url("")), api_key=api_key,
-                                    max_retries=0, timeout=_SLOW)
+                                    max_retries=0, timeout=SLOW_TIMEOUT_S)
 
 
 def _uses(message) -> list[tuple[str, dict]]:

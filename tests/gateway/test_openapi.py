@@ -7,7 +7,7 @@ from aiohttp import web
 from openapi_spec_validator import validate
 
 from gateway.protocol import ChatCompletionRequest
-from tests.gateway.conftest import make_config, start_gateway
+from tests.helpers.gateway import make_config, start_gateway
 
 
 def _routes(app: web.Application) -> set[tuple[str, str]]:

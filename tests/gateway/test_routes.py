@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import create_app
-from tests.gateway.conftest import CHAT, auth, sdk
+from tests.helpers.gateway import CHAT, auth, sdk
 
 
 @pytest.mark.parametrize("path", ["/v1/v1/chat/completions", "/api/v1/chat/completions",

@@ -7,8 +7,10 @@ import dataclasses
 
 from gateway.config import RouterSection
 from router_svc.config import RoutingSection
-from tests.gateway.conftest import CHAT, auth, make_config, sdk, start_gateway
-from tests.inprocess import MODEL, eventually, register_unreachable_worker, running_router, running_worker
+from tests.helpers.gateway import CHAT, auth, make_config, sdk, start_gateway
+from tests.helpers import MODEL
+from tests.helpers.inprocess import (eventually, register_unreachable_worker, running_router,
+                                     running_worker)
 
 _GREEDY = {**CHAT, "model": MODEL, "temperature": 0, "max_tokens": 6}
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from infermesh import rawhttp
-from tests.gateway.conftest import make_config, start_gateway
+from infermesh.cli import rawhttp
+from tests.helpers.gateway import make_config, start_gateway
 
 _TIMEOUT_S = 0.5
 

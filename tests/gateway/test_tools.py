@@ -8,24 +8,15 @@ import json
 import jsonschema
 import pytest
 
-from tests.gateway.conftest import auth, sdk
-from tests.inprocess import MODEL
+from tests.helpers.gateway import auth, sdk
+from tests.helpers import MODEL
+from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}},
-        "required": ["utc_offset"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 _ASK = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS,
         "max_tokens": 300, "seed": 7, "parallel_tool_calls": False}
-
-
-# a few hundred constrained tokens: seconds on a quiet machine, much longer on a loaded one
-_SLOW = 100
 
 
 def _calls(message) -> list[tuple[str, str]]:
@@ -44,7 +35,7 @@ def _assert_valid_calls(message) -> None:
     ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
 ])
 async def test_forced_tool_call_is_valid_streamed_and_not(served, api_key, tool_choice, names):
-    async with sdk(served, api_key, timeout=_SLOW) as client:
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         completion = await client.chat.completions.create(**_ASK, tool_choice=tool_choice)
         async with client.chat.completions.stream(**_ASK, tool_choice=tool_choice) as stream:
             streamed = await stream.get_final_completion()
@@ -77,7 +68,7 @@ async def test_json_schema_and_json_object_outputs_validate(served, api_key):
                      "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "json please"}], "max_tokens": 200,
            "seed": 11}
-    async with sdk(served, api_key, timeout=_SLOW) as client:
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         shaped = await client.chat.completions.create(**ask, response_format=schema_format)
         async with client.chat.completions.stream(**ask, response_format=schema_format) as stream:
             streamed = await stream.get_final_completion()
@@ -93,7 +84,7 @@ async def test_json_schema_and_json_object_outputs_validate(served, api_key):
 
 
 async def test_tool_choice_none_never_calls(served, api_key):
-    async with sdk(served, api_key, timeout=_SLOW) as client:
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         for seed in range(3):
             completion = await client.chat.completions.create(
                 **{**_ASK, "max_tokens": 24, "seed": seed}, tool_choice="none")
@@ -102,7 +93,7 @@ async def test_tool_choice_none_never_calls(served, api_key):
 
 
 async def test_round_trip_call_result_next_turn(served, api_key):
-    async with sdk(served, api_key, timeout=_SLOW) as client:
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         first = await client.chat.completions.create(**_ASK, tool_choice="required")
         call = first.choices[0].message.tool_calls[0]
         history = [*_ASK["messages"],

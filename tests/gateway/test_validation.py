@@ -5,7 +5,7 @@ import pytest
 
 from gateway.protocol import parse_chat_request
 from infermesh.pb import common_pb2
-from tests.gateway.conftest import CHAT, auth, sdk, start_gateway, with_server
+from tests.helpers.gateway import CHAT, auth, sdk, start_gateway, with_server
 
 _USER = [{"role": "user", "content": "hi"}]
 

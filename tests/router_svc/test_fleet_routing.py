@@ -10,10 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from infermesh.pb import common_pb2, router_pb2
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
-                             sim_engine, wait_for_workers)
+from tests.helpers import MODEL
+from tests.helpers.inprocess import (eventually, register_unreachable_worker, running_router,
+                                     running_worker, sim_engine, wait_for_workers)
 
 FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
 

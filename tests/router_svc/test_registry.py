@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 
 from infermesh.pb import common_pb2
-from infermesh.redis_server import RedisServer
+from infermesh.cli.redis_server import RedisServer
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 from router_svc.registry import Registry, RegistrationError, RegistryUnavailableError
-from tests.router_svc.test_routing import info
+from tests.helpers.fleet import info
 
 
 def registry(url: str, ttl_ms: int = 3000) -> Registry:
@@ -46,9 +47,15 @@ async def test_worker_is_gone_soon_after_its_heartbeats_stop(redis_server):
     try:
         await a.register(info("w1"), common_pb2.Load())
         await a.register(info("w2"), common_pb2.Load())
-        for _ in range(4):  # w1 keeps heartbeating through router b, w2 falls silent
-            await asyncio.sleep(0.15)
+        # w1 keeps heartbeating through router b, w2 falls silent until b sees it gone
+        deadline = time.monotonic() + 5
+        while True:
+            await asyncio.sleep(0.1)  # the heartbeat cadence, well inside the 400 ms life
             assert await b.heartbeat("w1", common_pb2.Load())
+            await b.refresh()
+            if ids(b) == ["w1"]:
+                break
+            assert time.monotonic() < deadline, ids(b)
         await a.refresh()
         await b.refresh()
         assert ids(a) == ids(b) == ["w1"]

@@ -14,8 +14,9 @@ from infermesh.pb import common_pb2
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet
 from router_svc.routing import Chooser, RouteError, RouteRequest, prefix_key
+from tests.helpers.fleet import BF16, info
 
-FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
+FP8 = common_pb2.PRECISION_FP8
 ANY = common_pb2.PRECISION_UNSPECIFIED
 
 
@@ -25,15 +26,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def info(worker_id: str, models=("m",), precision=BF16, max_parallel: int = 4,
-         speed: float = 100.0) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
-        worker_id=worker_id, address=f"127.0.0.1:{1000 + len(worker_id)}", models=list(models),
-        capabilities=common_pb2.Capabilities(device="cuda", precision=precision,
-                                             max_parallel=max_parallel,
-                                             decode_tokens_per_second=speed))
 
 
 def fleet_of(*infos: common_pb2.WorkerInfo, clock: Clock | None = None) -> Fleet:

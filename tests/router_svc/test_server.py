@@ -7,8 +7,9 @@ import pytest
 
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, eventually, register_unreachable_worker, running_router, running_worker,
-                             sim_engine, wait_for_workers)
+from tests.helpers import MODEL
+from tests.helpers.inprocess import (eventually, register_unreachable_worker, running_router,
+                                     running_worker, sim_engine, wait_for_workers)
 
 
 def request() -> common_pb2.GenerateRequest:

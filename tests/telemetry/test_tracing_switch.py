@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 import telemetry
 from gateway.app import create_app
-from tests.gateway.conftest import make_config
+from tests.helpers.gateway import make_config
 
 
 async def _trace_header(redis_url: str) -> str | None:

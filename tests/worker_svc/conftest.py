@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.tiny_model import write_tiny_checkpoint, write_v2_checkpoint, write_variant_checkpoint
+from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint, write_variant_checkpoint
 
 
 @pytest.fixture(scope="session")

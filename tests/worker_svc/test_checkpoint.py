@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.model_config import model_args
-from worker_svc.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
+from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 
 _FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 _NORM = "model.layers.0.input_layernorm.weight"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.inprocess import eventually
+from tests.helpers.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.engine_api import EngineOverloadedError
-from worker_svc.hf_reference import transformers_model
+from infermesh.cli.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]

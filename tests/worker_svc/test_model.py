@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import DeepseekV3ForCausalLM
 
 from worker_svc.checkpoint import load_checkpoint
-from worker_svc.hf_reference import transformers_model
+from infermesh.cli.hf_reference import transformers_model
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token
 from worker_svc.model import Linear, MoE, Transformer, dense_linear, precompute_freqs_cis, smoke_run

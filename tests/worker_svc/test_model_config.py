@@ -10,7 +10,7 @@ import pytest
 
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.model_config import ConfigError, model_args
-from worker_svc.tiny_model import tiny_config
+from infermesh.cli.tiny_model import tiny_config
 
 _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 0.8}  # fmt: skip

@@ -10,13 +10,13 @@ import grpc
 import pytest
 
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from infermesh.redis_server import free_port
-from tests.inprocess import eventually, running_router, sim_engine, wait_for_workers
+from infermesh.ports import free_port
+from tests.helpers import MODEL
+from tests.helpers.inprocess import eventually, running_router, sim_engine, wait_for_workers
 from worker_svc import server as worker_server
 from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
 from worker_svc.engine import Engine
 
-_MODEL = "tiny-deepseek-v3"
 
 
 @contextlib.asynccontextmanager
@@ -31,7 +31,7 @@ async def _worker(engine: Engine) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerS
 
 
 def _request(prompt: str = "Hello there", **sampling) -> common_pb2.GenerateRequest:
-    return common_pb2.GenerateRequest(request_id="r", model=_MODEL, prompt=prompt,
+    return common_pb2.GenerateRequest(request_id="r", model=MODEL, prompt=prompt,
                                       sampling=common_pb2.SamplingParams(temperature=0, **sampling))
 
 
@@ -85,7 +85,7 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
             (_request("word " * 3000), "max_model_len"),
             (_request(max_tokens=5000), "exceeds the context"),
-            (common_pb2.GenerateRequest(request_id="r", model=_MODEL, prompt="hi",
+            (common_pb2.GenerateRequest(request_id="r", model=MODEL, prompt="hi",
                                         batching=common_pb2.BatchingHints(max_parallel=0)), "max_parallel"),
         ]:  # fmt: skip
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -113,7 +113,7 @@ async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny
 async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         alone = common_pb2.GenerateRequest(
-            request_id="alone", model=_MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
+            request_id="alone", model=MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
             batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))  # fmt: skip
         running: list[int] = []
 

@@ -11,11 +11,12 @@ import pytest
 
 from infermesh.config import ConfigError
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import Constraints, EngineOverloadedError, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine_api import (Constraints, EngineClosedError, EngineOverloadedError,
+                                   GenerationRequest, InvalidRequestError, SamplingParams)
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
-from tests.inprocess import sim_engine
+from tests.helpers.inprocess import sim_engine
 
 
 def request(prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None,
@@ -272,7 +273,7 @@ async def test_close_ends_running_streams():
     stream = engine.generate(request(max_tokens=1000))
     await anext(stream)
     await engine.close()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(EngineClosedError, match="closed"):
         async for _ in stream:
             pass
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infermesh.__main__ import main
+from infermesh.cli.main import main
 from worker_svc.checkpoint import load_checkpoint
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token

@@ -17,13 +17,13 @@ from transformers import DeepseekV32ForCausalLM
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
 from worker_svc.engine import Engine, GenerationRequest, SamplingParams
-from worker_svc.hf_reference import transformers_model
+from infermesh.cli.hf_reference import transformers_model
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
 from worker_svc.kernel import FP8
 from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token, latent_bytes_per_token
 from worker_svc.model import Transformer
 from worker_svc.server import worker_info
-from worker_svc.tiny_model import TINY_DSA
+from infermesh.cli.tiny_model import TINY_DSA
 
 # FP32 on both sides; observed max |diff| ~4e-6 on logits of magnitude ~3.5.
 LOGITS_ATOL = 1e-4

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.tiny_model import ASSISTANT, BOS, USER
+from infermesh.cli.tiny_model import ASSISTANT, BOS, USER
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _MULTIBYTE = "Hello 世界! 深度求索 🚀🎉👍🏽 naïve café — 한국어 Привет ok"

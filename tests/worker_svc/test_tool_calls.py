@@ -13,7 +13,7 @@ from worker_svc.engine import Engine
 from worker_svc.engine_api import (Constraints, GenerationChunk, GenerationRequest, InvalidRequestError,
                                    SamplingParams, Tool, ToolCallDelta, merge_chunks)
 from worker_svc.grammar import GrammarCompiler, lark_grammar
-from worker_svc.tiny_model import CALL_BEGIN, CALLS_BEGIN, CALLS_END, OUTPUTS_BEGIN, OUTPUTS_END
+from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, CALLS_END, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 

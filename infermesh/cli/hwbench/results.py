@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infermesh.hwbench.fleet import Kind
-from infermesh.hwbench.load import Sample
+from infermesh.cli.hwbench.fleet import Kind
+from infermesh.cli.hwbench.load import Sample
 
 
 @dataclass(frozen=True)

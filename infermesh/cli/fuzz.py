@@ -24,9 +24,9 @@ from pydantic import BaseModel, ValidationError
 from schemathesis import GenerationMode
 
 from gateway.errors import AnthropicErrorBody, ErrorBody
-from infermesh import rawhttp
+from infermesh.cli import rawhttp
 from infermesh.pb import router_pb2, router_pb2_grpc
-from infermesh.redis_server import free_port
+from infermesh.ports import free_port
 
 _HEALTH_CHECKS = list(hypothesis.HealthCheck)
 _CHAT = "/v1/chat/completions"

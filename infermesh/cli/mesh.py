@@ -17,8 +17,8 @@ from typing import IO
 import grpc
 
 from infermesh.pb import router_pb2, router_pb2_grpc
-from infermesh.probe import grpc_serving, http_ok
-from infermesh.processes import stop_with_parent
+from infermesh.cli.probe import grpc_serving, http_ok
+from infermesh.cli.processes import stop_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Readiness probes: ``python -m infermesh.probe grpc HOST:PORT`` or
-``python -m infermesh.probe http URL`` exits 0 when the service answers
+"""Readiness probes: ``python -m infermesh.cli.probe grpc HOST:PORT`` or
+``python -m infermesh.cli.probe http URL`` exits 0 when the service answers
 healthy. Container health checks and the dev runner use them."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
 def main(argv: list[str]) -> int:
     checks = {"grpc": grpc_serving, "http": http_ok}
     if len(argv) != 2 or argv[0] not in checks:
-        print("usage: python -m infermesh.probe grpc HOST:PORT | http URL", file=sys.stderr)
+        print("usage: python -m infermesh.cli.probe grpc HOST:PORT | http URL", file=sys.stderr)
         return 2
     return 0 if checks[argv[0]](argv[1]) else 1
 

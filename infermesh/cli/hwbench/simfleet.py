@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.keys import create_key_at
-from infermesh.mesh import Mesh, MeshSpec
-from infermesh.redis_server import RedisServer, free_port
+from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.redis_server import RedisServer
+from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.sizing import model_size_of
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a server
 import matplotlib.pyplot as plt  # noqa: E402
 
-from infermesh.hwbench.results import Point  # noqa: E402
+from infermesh.cli.hwbench.results import Point  # noqa: E402
 
 SIZE_PX = (800, 500)
 _DPI = 100

@@ -1,0 +1,59 @@
+"""The real gateway app under test on a loopback port, and what requests to it carry."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import openai
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import CONFIG, create_app
+from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
+from gateway.http_server import GatewayRunner
+from infermesh.ports import free_port
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+def make_config(redis_url: str, router_address: str | None = None, **server: Any) -> GatewayConfig:
+    return GatewayConfig(
+        server=ServerSection(**server),
+        # generous: 200 concurrent requests share this one event loop in the limit tests
+        redis=RedisSection(url=redis_url, timeout_s=3.0),
+        router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
+        admin=AdminSection(token=ADMIN_TOKEN),
+    )
+
+
+class GatewayTestServer(TestServer):
+    """The app served as ``python -m gateway`` serves it: through ``GatewayRunner``."""
+
+    async def _make_runner(self, **kwargs: Any) -> GatewayRunner:
+        return GatewayRunner(self.app, self.app[CONFIG].server, **kwargs)
+
+
+async def start_gateway(config: GatewayConfig) -> TestClient:
+    client = TestClient(GatewayTestServer(create_app(config)))
+    await client.start_server()
+    return client
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def sdk(gateway: TestClient, key: str, base_path: str = "/v1",
+        timeout: float = 10) -> openai.AsyncOpenAI:
+    """The official SDK pointed at the gateway, without retries."""
+    return openai.AsyncOpenAI(base_url=str(gateway.make_url(base_path)), api_key=key,
+                              max_retries=0, timeout=timeout)
+
+
+def with_server(config: GatewayConfig, **server: int) -> GatewayConfig:
+    return dataclasses.replace(config, server=ServerSection(**server))
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
