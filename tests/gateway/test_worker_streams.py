@@ -15,8 +15,8 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.router_client import ROUTER
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.gateway.conftest import make_config, sdk, start_gateway
-from tests.inprocess import MODEL, RunningWorker, eventually, running_worker, sim_engine
+from tests.helpers.gateway import make_config, sdk, start_gateway
+from tests.helpers.inprocess import MODEL, RunningWorker, eventually, running_worker, sim_engine
 from worker_svc.sim_engine import SimEngine
 
 

@@ -6,8 +6,8 @@ import grpc
 
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import RoutingSection
-from tests.inprocess import (MODEL, register_unreachable_worker, running_router, running_worker,
-                             sim_engine)
+from tests.helpers.inprocess import (MODEL, register_unreachable_worker, running_router,
+                                     running_worker, sim_engine)
 
 
 def _ask(ask_id: int, model: str = MODEL) -> router_pb2.RouteAsk:
