@@ -3,6 +3,7 @@ worker, and LiteLLM's proxy against the same load sent straight to its upstream,
 
     .venv/bin/python bench/gateway_mesh.py [--duration 5] [--concurrency 1 16 64]
         [--paths direct mesh upstream litellm] [--litellm /path/to/venv/bin/litellm]
+        [--gateway-processes 1] [--unpinned]
 
 Starts Redis, the router, one worker and the gateway as processes (infermesh.cli.mesh), the
 worker on the simulated engine in zero-latency mode (INFERMESH_WORKER_ENGINE_KIND=sim,
@@ -106,7 +107,7 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaitable[Answer]],
-                   pids: dict[str, int]) -> Run:
+                   pids: dict[str, int], pin: bool) -> Run:
     """Closed loop: ``concurrency`` clients each sending ``one()`` back to back."""
     loop = asyncio.get_running_loop()
 
@@ -119,7 +120,7 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
     await clients(loop.time() + _WARMUP_S, [], [])
-    for name, pid in pids.items():
+    for name, pid in pids.items() if pin else ():
         _pin(pid, _LOAD_CORE if name in _LOAD_SIDE else _MESH_CORE)
     cpu_before, started = _cpu(pids), time.perf_counter()
     latencies: list[float] = []
@@ -178,7 +179,8 @@ async def _model(session: aiohttp.ClientSession, base_url: str, key: str) -> str
 
 async def _bench(args: argparse.Namespace, urls: dict[str, str], key: str, router_address: str,
                  worker_address: str, pids: dict[str, int]) -> None:
-    os.sched_setaffinity(0, {_LOAD_CORE})
+    if not args.unpinned:
+        os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session, \
             grpc.aio.insecure_channel(worker_address) as worker_channel, \
@@ -202,7 +204,8 @@ async def _bench(args: argparse.Namespace, urls: dict[str, str], key: str, route
                                             _LITELLM_KEY, _LITELLM_MODEL, max_tokens, stream)
                 references: dict[str, Run] = {}
                 for path in args.paths:
-                    run = await _measure(concurrency, args.duration, paths[path], pids)
+                    run = await _measure(concurrency, args.duration, paths[path], pids,
+                                         not args.unpinned)
                     references.setdefault(path, run)
                     reference = references.get(_REFERENCE.get(path, "direct"), run)
                     served_cpu_s = run.cpu_s[_SERVED_BY[path]] if path in _SERVED_BY else 0.0
@@ -278,6 +281,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--paths", nargs="+", choices=_PATHS,
                         default=["direct", "mesh", "upstream", "litellm"])
+    parser.add_argument("--gateway-processes", type=int, default=1,
+                        help="[server] processes of the mesh's gateways")
+    parser.add_argument("--unpinned", action="store_true",
+                        help="pin nothing: every process on any core")
     parser.add_argument("--litellm", default=None,
                         help="LiteLLM's executable (its own venv); needed for path litellm")
     args = parser.parse_args()
@@ -296,7 +303,8 @@ def main() -> int:
                  "INFERMESH_WORKER_ENGINE_KIND": "sim",
                  "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
                  "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-                 "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024"})
+                 "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+                 "INFERMESH_GATEWAY_SERVER_PROCESSES": str(args.gateway_processes)})
         litellm = args.litellm if "litellm" in args.paths else None
         with Mesh(spec) as mesh, _LiteLLM(Path(workdir), litellm) as proxy:
             urls = {"mesh": spec.base_url,
@@ -312,9 +320,12 @@ def main() -> int:
                     pids[_SERVED_BY[path]] = mesh.pid(_SERVED_BY[path])
             pids.update(proxy.pids())
             key = asyncio.run(_create_key(redis_server.url))
+            pinning = ("unpinned" if args.unpinned else
+                       f"gateway+router (and LiteLLM) on core {_MESH_CORE}, worker (and "
+                       f"upstream)+load on core {_LOAD_CORE}")
             print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
-                  f"{args.duration:.0f} s per point; gateway+router (and LiteLLM) on core "
-                  f"{_MESH_CORE}, worker (and upstream)+load on core {_LOAD_CORE}", flush=True)
+                  f"{args.duration:.0f} s per point; {args.gateway_processes} gateway "
+                  f"process(es); {pinning}", flush=True)
             asyncio.run(_bench(args, urls, key, spec.router_address,
                                f"127.0.0.1:{spec.worker_ports[0]}", pids))
     return 0

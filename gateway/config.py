@@ -29,10 +29,17 @@ class ServerSection:
     body_timeout_s: float = 60.0
     # An idle keep-alive connection is closed after this long (no answer: nothing was asked).
     keepalive_timeout_s: float = 75.0
+    # Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections), so
+    # that one gateway uses every core; each keeps its own streams to router and workers.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.processes < 1:
+            raise ValueError(f"processes must be >= 1, got {self.processes}")
+        if self.processes > 1 and self.port == 0:
+            raise ValueError("processes > 1 needs a fixed port, not 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
