@@ -16,7 +16,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 import telemetry
-from infermesh.bidi import MessageBatcher, call_error, status_code
+from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -72,6 +72,7 @@ class RouteStream:
                     timeout_s: float) -> list[common_pb2.Route]:
         """The workers to try, best first; raises ``grpc.aio.AioRpcError`` as Route would
         (DEADLINE_EXCEEDED after ``timeout_s``)."""
+        check_size(request)
         call = self._current()
         ask_id = next(self._ids)
         decided = asyncio.get_running_loop().create_future()

@@ -26,7 +26,7 @@ from opentelemetry import propagate
 
 import telemetry
 from gateway.errors import GatewayError
-from infermesh.bidi import MessageBatcher, call_error, status_code
+from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -106,6 +106,7 @@ class _Stream:
              timeout_s: float) -> _Request:
         if self.broken:
             raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
+        check_size(request)
         opened = _Request(next(self._ids), self._buffered_chunks)
         self._requests[opened.id] = opened
         message = self._outgoing.message.open.add(
