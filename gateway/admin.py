@@ -33,7 +33,7 @@ from gateway.errors import (AuthenticationError, GatewayError, InvalidRequestErr
                             NotFoundError)
 from gateway.limits import read_usage
 from gateway.middleware import KEY_STORE, single_header
-from gateway.router_client import ROUTER
+from gateway.mesh_client import MESH
 from gateway.validation import STRICT, parse_body, read_json
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2
@@ -178,7 +178,7 @@ async def usage(request: web.Request) -> web.Response:
 
 
 async def fleet(request: web.Request) -> web.Response:
-    workers = await request.config_dict[ROUTER].list_workers()
+    workers = await request.config_dict[MESH].list_workers()
     return web.json_response({"object": "list", "data": [
         _worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)]})
 

@@ -9,10 +9,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from gateway.errors import InvalidRequestError
-from gateway.limits import TokenUsage
-from gateway.protocol import Name, TextPart, UInt32, joined_text
+from gateway.sampling import sampling_params
+from gateway.usage import TokenUsage
+from gateway.openai_protocol import Name, TextPart, UInt32, joined_text
 from gateway.tools import ToolName, check_schema
-from gateway.validation import STRICT
+from gateway.validation import STRICT, parse_body, refuse_fields
 from infermesh.pb import common_pb2
 
 StopReason = Literal["end_turn", "max_tokens", "tool_use"]
@@ -91,6 +92,24 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = STRICT
+    format: OutputFormat | None = None
+    # `effort` is accepted and ignored: how long to think, for a model that does not think
+
+
+class Thinking(BaseModel):
+    """Only what a model without thinking blocks serves: none, or the model's own choice."""
+    model_config = STRICT
+    type: Literal["disabled", "adaptive"]
+
+
 class MessagesRequest(BaseModel):
     """The body of ``POST /v1/messages``."""
     model_config = STRICT
@@ -105,6 +124,8 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    thinking: Thinking | None = None
 
     def router_messages(self) -> list[common_pb2.ChatMessage]:
         messages = [r for m in self.messages for r in m.router_messages()]
@@ -114,20 +135,14 @@ class MessagesRequest(BaseModel):
         return messages
 
     def generate_request(self, request_id: str) -> common_pb2.GenerateRequest:
-        sampling = common_pb2.SamplingParams(max_tokens=self.max_tokens,
-                                             stop=self.stop_sequences or [])
-        if self.temperature is not None:
-            sampling.temperature = self.temperature
-        if self.top_p is not None:
-            sampling.top_p = self.top_p
-        if self.top_k is not None:
-            sampling.top_k = self.top_k
+        sampling = sampling_params(stop=self.stop_sequences or [], temperature=self.temperature,
+                                   top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
         return common_pb2.GenerateRequest(request_id=request_id, model=self.model,
                                           messages=self.router_messages(), sampling=sampling,
                                           **self._tools())
 
     def _tools(self) -> dict[str, Any]:
-        """The request's tools and tool choice; 400s naming the bad parameter."""
+        """The request's tools, tool choice and output format; 400s naming the bad parameter."""
         tools = self.tools or []
         names = [t.name for t in tools]
         if len(set(names)) < len(names):
@@ -136,6 +151,9 @@ class MessagesRequest(BaseModel):
             common_pb2.Tool(name=t.name, description=t.description or "",
                             parameters_json=check_schema(t.input_schema, f"tools.{i}.input_schema"))
             for i, t in enumerate(tools)]}
+        output = self.output_config.format if self.output_config else None
+        if output is not None:
+            fields["json_schema"] = check_schema(output.schema_, "output_config.format.schema")
         choice = self.tool_choice
         if choice is None:
             return fields
@@ -148,6 +166,17 @@ class MessagesRequest(BaseModel):
         fields.update(tool_choice=_TOOL_CHOICES[choice.type], tool_name=choice.name or "",
                       single_tool_call=choice.disable_parallel_tool_use)
         return fields
+
+
+# Anthropic fields this gateway does not implement (server-side tools and context editing):
+# refused rather than dropped (README lists the fields still ignored)
+UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management")
+
+
+def parse_messages_request(body: Any) -> MessagesRequest:
+    request = parse_body(MessagesRequest, body)
+    refuse_fields(body, UNSUPPORTED_MESSAGES_FIELDS)
+    return request
 
 
 _TOOL_CHOICES = {"auto": common_pb2.TOOL_CHOICE_AUTO, "any": common_pb2.TOOL_CHOICE_REQUIRED,

@@ -13,16 +13,16 @@ from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
-from gateway.generation import COMPLETION_RESERVE
+from gateway.generation import LIMITS_CONFIG
 from gateway.keys import REDIS, KeyStore
 from gateway.limits import LIMITER, Limiter
 from gateway.messages import create_message
-from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_RETRY_AFTER_S, add_request_id,
+from gateway.middleware import (API_PREFIXES, KEY_STORE, REDIS_CONFIG, add_request_id,
                                 auth_middleware, error_middleware, redact_query_keys)
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
-from gateway.router_client import ROUTER, RouterClient
-from gateway.validation import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from gateway.mesh_client import MESH, MeshClient
+from gateway.validation import SERVER_CONFIG
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 
@@ -35,14 +35,13 @@ def create_app(config: GatewayConfig) -> web.Application:
         middlewares=[redact_query_keys, *telemetry.aiohttp_middlewares(), error_middleware,
                      auth_middleware])
     app[CONFIG] = config
-    app[MAX_BODY_BYTES] = config.server.max_body_bytes
-    app[BODY_TIMEOUT_S] = config.server.body_timeout_s
-    app[REDIS_RETRY_AFTER_S] = config.redis.retry_after_s
-    app[COMPLETION_RESERVE] = config.limits.default_completion_reserve
+    app[SERVER_CONFIG] = config.server
+    app[REDIS_CONFIG] = config.redis
+    app[LIMITS_CONFIG] = config.limits
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
-    app.cleanup_ctx.append(_router_ctx)
+    app.cleanup_ctx.append(_mesh_ctx)
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
     app.on_startup.append(publish_document)
@@ -84,7 +83,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
                           max_connections=config.redis.max_connections)
     app[REDIS] = client
-    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_ms / 1000)
+    app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_s)
     limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
                       settle_retry_max=config.limits.settle_retry_max)
     app[LIMITER] = limiter
@@ -97,8 +96,8 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     await client.aclose()
 
 
-async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = RouterClient(app[CONFIG].router)
-    app[ROUTER] = client
+async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
+    client = MeshClient(app[CONFIG].router)
+    app[MESH] = client
     yield
     await client.close()

@@ -11,10 +11,10 @@ from typing import Any
 from aiohttp import web
 
 from gateway import sse
-from gateway.generation import Generation, Plan, finish_reason, serve
+from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls, chunk_deltas
-from gateway.protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
+from gateway.openai_protocol import (ChatCompletionRequest, FinishReason, chat_choice, chat_chunk,
                               chat_completion, completion_id, now_s,
                               parse_chat_request, token_logprobs, usage, usage_chunk)
 from gateway.validation import estimate_tokens, read_json
@@ -29,13 +29,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
                 prompt_of=[0] * body.n, max_tokens=body.token_limit(), stream=body.stream)
 
-    async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
+    async with generate(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(request, headers, _events(body, generation),
                                     lambda e: sse.openai_event(e.body()), sse.OPENAI_DONE)
         return await _collect(body, generation, headers)
-
-    return await serve(request, plan, respond)
 
 
 async def _collect(body: ChatCompletionRequest, generation: Generation,

@@ -14,9 +14,9 @@ from gateway import sse
 from gateway.completions_protocol import (CompletionRequest, completion_choice,
                                           completion_logprobs, merge_logprobs,
                                           parse_completion_request, text_completion)
-from gateway.generation import Generation, Plan, finish_reason, serve
+from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
-from gateway.protocol import FinishReason, completion_id, now_s, usage, usage_chunk
+from gateway.openai_protocol import FinishReason, completion_id, now_s, usage, usage_chunk
 from gateway.validation import estimate_tokens, read_json
 
 
@@ -32,13 +32,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 stream=body.stream)
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 
-    async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
+    async with generate(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(request, headers, _events(body, generation, echoes),
                                     lambda e: sse.openai_event(e.body()), sse.OPENAI_DONE)
         return await _collect(body, generation, echoes, headers)
-
-    return await serve(request, plan, respond)
 
 
 async def _collect(body: CompletionRequest, generation: Generation, echoes: list[str],

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
-from gateway.protocol import FinishReason, OpenAIGeneration, UInt32, with_precision_header
+from gateway.openai_protocol import FinishReason, OpenAIGeneration, UInt32, with_precision_header
 from gateway.validation import parse_body
 from infermesh.pb import common_pb2
 

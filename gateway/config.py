@@ -55,10 +55,12 @@ class ServerSection:
 class RedisSection:
     # One server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:port,...)
     # or Sentinel (redis+sentinel://host:port,.../service): see infermesh.redis_client.
+    RENAMED = {"key_cache_ttl_ms": "key_cache_ttl_s (seconds)"}
+
     url: str = "redis://127.0.0.1:6379/0"
     # Positive authentications are cached this long; a revoked key keeps
     # working in this process for at most this time.
-    key_cache_ttl_ms: int = 1000
+    key_cache_ttl_s: float = 1.0
     # Bounds every Redis call so an unreachable Redis answers 503 quickly; also how long a
     # request waits for a free connection when all max_connections are busy.
     timeout_s: float = 1.0
@@ -68,8 +70,8 @@ class RedisSection:
 
     def __post_init__(self) -> None:
         check_redis_url(self.url)
-        if not 0 <= self.key_cache_ttl_ms <= 1000:  # revocation must reach every process in 1 s
-            raise ValueError(f"key_cache_ttl_ms must be 0..1000, got {self.key_cache_ttl_ms}")
+        if not 0 <= self.key_cache_ttl_s <= 1:  # revocation must reach every process in 1 s
+            raise ValueError(f"key_cache_ttl_s must be 0..1, got {self.key_cache_ttl_s}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_connections < 1:

@@ -1,5 +1,5 @@
 """One request's generation, for every endpoint: admission against the key's
-limits, the router streams of its choices, and settlement however it ends.
+limits, the mesh calls of its choices, and settlement however it ends.
 
 Each choice (``n``, or one per prompt of a batched legacy completion) is one
 router call. Every stream is read up to its first chunk before anything is
@@ -13,20 +13,22 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from gateway.config import LimitsSection
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
-from gateway.limits import LIMITER, Admission, TokenUsage, mesh_failed
+from gateway.limits import LIMITER, Admission, mesh_failed
+from gateway.usage import TokenUsage
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
-from gateway.protocol import GPU_HEADER, PRECISION_HEADER
+from gateway.openai_protocol import GPU_HEADER, PRECISION_HEADER
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
-from gateway.router_client import ROUTER, RouterClient
+from gateway.mesh_client import MESH, MeshClient
 from infermesh.pb import common_pb2
 from telemetry import genai, metrics
 
-COMPLETION_RESERVE = web.AppKey("completion_reserve", int)
+LIMITS_CONFIG = web.AppKey("limits_config", LimitsSection)
 
 Chunk = common_pb2.GenerateResponse
 
@@ -54,9 +56,10 @@ def finish_reason(chunk: Chunk) -> FinishReason | None:
 class Generation:
     """The router streams of one plan, read together; tracks the usage they report."""
 
-    def __init__(self, router: RouterClient, plan: Plan) -> None:
+    def __init__(self, mesh: MeshClient, plan: Plan) -> None:
         self._plan = plan
-        self._streams = [router.generate(r, stream=plan.stream) for r in plan.requests]
+        self._calls = [mesh.generate(r, stream=plan.stream) for r in plan.requests]
+        self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)
         self._reported: list[common_pb2.Usage | None] = [None] * len(plan.requests)
@@ -81,14 +84,15 @@ class Generation:
         self._firsts = firsts  # type: ignore[assignment]
 
     def route_headers(self) -> dict[str, str]:
-        first = self._firsts[0]
-        if not first.HasField("route"):
+        """Where the first choice runs, once started."""
+        route = self._calls[0].route
+        if route is None:
             return {}
-        headers = {"x-infermesh-worker": first.route.worker_id}
-        if first.route.precision in PRECISION_NAMES:
-            headers[PRECISION_HEADER] = PRECISION_NAMES[first.route.precision]
-        if first.route.gpu_kind:
-            headers[GPU_HEADER] = first.route.gpu_kind
+        headers = {"x-infermesh-worker": route.worker_id}
+        if route.precision in PRECISION_NAMES:
+            headers[PRECISION_HEADER] = PRECISION_NAMES[route.precision]
+        if route.gpu_kind:
+            headers[GPU_HEADER] = route.gpu_kind
         return headers
 
     async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:
@@ -171,9 +175,6 @@ async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[in
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-Respond = Callable[[Generation, dict[str, str]], Awaitable[web.StreamResponse]]
-
-
 async def admit(request: web.Request, model: str | None, reserve_tokens: int) -> Admission:
     """Admits the request against its key's model list and limits (403, 401, 429)."""
     key = request[API_KEY]
@@ -182,11 +183,13 @@ async def admit(request: web.Request, model: str | None, reserve_tokens: int) ->
     return await request.app[LIMITER].admit(key.id, reserve_tokens)
 
 
-async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.StreamResponse:
-    """Admits, runs ``plan`` and answers with ``respond(generation, headers)``;
-    settles the key's usage however the request ends (as not served when the mesh failed
-    it before its first token, see ``gateway.limits``). The ``{operation} {model}``
-    span and the latency metrics cover the whole generation."""
+@contextlib.asynccontextmanager
+async def generate(request: web.Request, plan: Plan) -> AsyncIterator[tuple[Generation, dict[str, str]]]:
+    """Admits and starts ``plan``; the handler answers from the generation and the response
+    headers it yields (admission's and the route's). Settles the key's usage however the
+    request ends (as not served when the mesh failed it before its first token, see
+    ``gateway.limits``). The ``{operation} {model}`` span and the latency metrics cover the
+    whole generation."""
     request[MODEL] = plan.model
     sampling = plan.requests[0].sampling
     started = time.monotonic()
@@ -195,8 +198,8 @@ async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.Strea
             temperature=sampling.temperature if sampling.HasField("temperature") else None,
             top_p=sampling.top_p if sampling.HasField("top_p") else None) as span:
         admission = await admit(request, plan.model,
-                                plan.reserve(request.app[COMPLETION_RESERVE]))
-        generation = Generation(request.app[ROUTER], plan)
+                                plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve))
+        generation = Generation(request.app[MESH], plan)
         served = True
         try:
             try:
@@ -205,8 +208,7 @@ async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.Strea
                 served = not mesh_failed(e)
                 raise
             first_token_s = time.monotonic() - started
-            response = await respond(generation, {**admission.headers,
-                                                  **generation.route_headers()})
+            yield generation, {**admission.headers, **generation.route_headers()}
         finally:
             usage = generation.usage()
             request.app[LIMITER].settle_soon(admission, usage, served=served)
@@ -216,21 +218,10 @@ async def serve(request: web.Request, plan: Plan, respond: Respond) -> web.Strea
                                   finish_reasons=generation.finish_reasons,
                                   input_tokens=usage.prompt_tokens,
                                   output_tokens=usage.completion_tokens)
-        _observe(plan.model, started, first_token_s, usage)
-        return response
+        metrics.observe_generation("gateway", plan.model, first_token_s, time.monotonic() - started,
+                                   usage.prompt_tokens, usage.completion_tokens)
 
 
 def _operation(request: web.Request) -> str:
     """The GenAI operation name of the endpoint."""
     return "text_completion" if request.path.endswith("/v1/completions") else "chat"
-
-
-def _observe(model: str, started: float, first_token_s: float, usage: TokenUsage) -> None:
-    total_s = time.monotonic() - started
-    metrics.REQUEST_DURATION.labels("gateway", model).observe(total_s)
-    metrics.TIME_TO_FIRST_TOKEN.labels("gateway", model).observe(first_token_s)
-    if usage.completion_tokens > 1:
-        metrics.TIME_PER_OUTPUT_TOKEN.labels("gateway", model).observe(
-            (total_s - first_token_s) / (usage.completion_tokens - 1))
-    metrics.TOKENS.labels("gateway", model, "input").inc(usage.prompt_tokens)
-    metrics.TOKENS.labels("gateway", model, "output").inc(usage.completion_tokens)

@@ -66,6 +66,7 @@ from gateway.errors import AuthenticationError, RateLimitError
 from telemetry.metrics import (RATE_LIMITED, SETTLEMENTS_DROPPED, SETTLEMENTS_PENDING,
                                SETTLEMENTS_RETRIED)
 from gateway.keys import key_tag, redis_key
+from gateway.usage import TokenUsage
 from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -222,13 +223,6 @@ _ADMITTED, _UNAUTHORIZED = 0, 1
 _LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute",
                 "concurrency": "concurrent requests", "quota": "token quota",
                 "quota_period": "token quota of this period"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenUsage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,34 +10,37 @@ from aiohttp import web
 from gateway import anthropic_protocol as wire
 from gateway import sse
 from gateway.errors import UpstreamError
-from gateway.generation import Generation, Plan, serve
+from gateway.generation import Generation, Plan, generate
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls
-from gateway.validation import estimate_tokens, parse_body, read_json
+from gateway.validation import estimate_tokens, read_json
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    body = parse_body(wire.MessagesRequest, await read_json(request))
+    body = wire.parse_messages_request(await read_json(request))
     prompt = "".join(m.content for m in body.router_messages())
     plan = Plan(model=body.model, requests=[body.generate_request(request[REQUEST_ID])],
                 prompt_estimates=[estimate_tokens(prompt)], prompt_of=[0],
                 max_tokens=body.max_tokens, stream=body.stream)
 
-    async def respond(generation: Generation, headers: dict[str, str]) -> web.StreamResponse:
+    async with generate(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(request, headers, _events(body, generation),
                                     lambda e: sse.anthropic_event(e.anthropic_body()))
-        texts, stop, calls = [], None, ToolCalls()
-        async for _, chunk in generation.chunks():
-            texts.append(chunk.text)
-            calls.add(chunk.tool_calls)
-            stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-        return web.json_response(wire.message(wire.message_id(), body.model, "".join(texts),
-                                              _stop_reason(stop), generation.usage(),
-                                              calls.message_field()),
-                                 headers=headers)
+        return await _collect(body, generation, headers)
 
-    return await serve(request, plan, respond)
+
+async def _collect(body: wire.MessagesRequest, generation: Generation,
+                   headers: dict[str, str]) -> web.Response:
+    texts, stop, calls = [], None, ToolCalls()
+    async for _, chunk in generation.chunks():
+        texts.append(chunk.text)
+        calls.add(chunk.tool_calls)
+        stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
+    return web.json_response(wire.message(wire.message_id(), body.model, "".join(texts),
+                                          _stop_reason(stop), generation.usage(),
+                                          calls.message_field()),
+                             headers=headers)
 
 
 def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:

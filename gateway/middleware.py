@@ -16,6 +16,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
 from opentelemetry import trace
 
+from gateway.config import RedisSection
 from gateway.errors import (AuthenticationError, Dialect, GatewayError, InvalidRequestError,
                             error_response, from_http_exception, store_unavailable)
 from gateway.keys import ApiKey, KeyStore
@@ -29,7 +30,7 @@ API_KEY = web.RequestKey("api_key", ApiKey)
 TRACE_ID = web.RequestKey("trace_id", str)
 MODEL = web.RequestKey("model", str)  # the model asked for, once the body is read
 KEY_STORE = web.AppKey("key_store", KeyStore)
-REDIS_RETRY_AFTER_S = web.AppKey("redis_retry_after_s", int)
+REDIS_CONFIG = web.AppKey("redis_config", RedisSection)
 # Path prefixes of the API bases ("/v1/" and the configured alias) that need a key.
 API_PREFIXES = web.AppKey("api_prefixes", tuple[str, ...])
 
@@ -67,7 +68,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         error = e
     except REDIS_ERRORS as e:
         logger.warning("key and limit store unavailable: %s", type(e).__name__)
-        error = store_unavailable(request.config_dict[REDIS_RETRY_AFTER_S])
+        error = store_unavailable(request.config_dict[REDIS_CONFIG].retry_after_s)
     except web.HTTPException as e:
         if e.status < 400:  # redirects are answers, not errors
             raise

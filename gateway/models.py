@@ -8,10 +8,11 @@ from aiohttp import web
 
 from gateway.errors import ModelNotFoundError
 from gateway.generation import admit
-from gateway.limits import LIMITER, TokenUsage, mesh_failed
+from gateway.limits import LIMITER, mesh_failed
+from gateway.usage import TokenUsage
 from gateway.middleware import API_KEY
-from gateway.protocol import model_list, model_object
-from gateway.router_client import ROUTER
+from gateway.openai_protocol import model_list, model_object
+from gateway.mesh_client import MESH
 from infermesh.pb import router_pb2
 
 
@@ -36,7 +37,7 @@ async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model],
     admission = await admit(request, None, 0)
     served = True
     try:
-        models = await request.app[ROUTER].list_models()
+        models = await request.app[MESH].list_models()
     except Exception as e:
         served = not mesh_failed(e)
         raise

@@ -26,7 +26,7 @@ from gateway.completions_protocol import CompletionRequest
 from gateway.errors import AnthropicErrorBody, ErrorBody
 from gateway.messages import create_message
 from gateway.models import list_models, retrieve_model
-from gateway.protocol import ChatCompletionRequest
+from gateway.openai_protocol import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from gateway.config import ServerSection
 from gateway.errors import InvalidRequestError, RequestTimeoutError, RequestTooLargeError
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
-BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+SERVER_CONFIG = web.AppKey("server_config", ServerSection)  # body size and read time limits
 
 # A \uD800-\uDFFF escape: JSON decodes an unpaired one into a str no encoder accepts.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -43,19 +43,19 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def _read(request: web.Request) -> bytes:
-    limit = request.config_dict[MAX_BODY_BYTES]
+    server = request.config_dict[SERVER_CONFIG]
+    limit = server.max_body_bytes
     too_large = RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes")
     if request.content_length is not None and request.content_length > limit:
         raise too_large
-    timeout_s = request.config_dict[BODY_TIMEOUT_S]
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(server.body_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
     except TimeoutError:
         raise RequestTimeoutError(
-            f"The request body did not arrive within {timeout_s:g} s") from None
+            f"The request body did not arrive within {server.body_timeout_s:g} s") from None
     except web.RequestPayloadError:
         raise InvalidRequestError("The request body could not be read: its chunked framing "
                                   "or Content-Encoding is broken") from None

@@ -69,6 +69,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, env_prefix: str,
                    environ: Mapping[str, str]) -> Any:
+    _check_renamed(cls, values, origin, env_prefix, environ)
     hints = typing.get_type_hints(cls)
     unknown = set(values) - set(hints)
     if unknown:
@@ -99,6 +100,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     typ, optional = _scalar_type(hint)
     if value is None and optional:
         return None
+    if typing.get_origin(typ) is typing.Literal:
+        return _check_choice(value, typ, where)
     if typing.get_origin(typ) is list:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
@@ -116,6 +119,8 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
         return None
     if typing.get_origin(typ) is list:
         return [item.strip() for item in raw.split(",") if item.strip()]
+    if typing.get_origin(typ) is typing.Literal:
+        return _check_choice(raw, typ, where)
     if typ is bool:
         if raw.lower() in _TRUE | _FALSE:
             return raw.lower() in _TRUE
@@ -124,6 +129,26 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
         return typ(raw)
     except ValueError:
         raise ConfigError(f"{where}: expected {typ.__name__}, got {raw!r}") from None
+
+
+def _check_choice(value: Any, literal: Any, where: str) -> Any:
+    """A value of a ``Literal[...]`` mode type: one of its choices, else a ConfigError."""
+    choices = typing.get_args(literal)
+    if value not in choices:
+        raise ConfigError(f"{where}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def _check_renamed(cls: type, values: dict[str, Any], origin: str, env_prefix: str,
+                   environ: Mapping[str, str]) -> None:
+    """A section's ``RENAMED`` maps an old key to what replaced it: a config still using
+    it fails, naming file (or variable) and key, instead of being silently ignored."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        env_name = f"{env_prefix}_{old}".upper()
+        if env_name in environ:
+            raise ConfigError(f"{env_name}: {old} was renamed {new}")
+        if old in values:
+            raise ConfigError(f"{origin} {old}: {old} was renamed {new}")
 
 
 def section(cls: type[T]) -> type[T]:

@@ -81,7 +81,7 @@ class Registry:
 
     def __init__(self, redis_config: RedisSection, config: RegistrySection, fleet: Fleet) -> None:
         # No client-side retries: a failed call is reported now, the refresh loop retries.
-        self._redis = redis_client(redis_config.url, timeout_s=redis_config.timeout_ms / 1000,
+        self._redis = redis_client(redis_config.url, timeout_s=redis_config.timeout_s,
                                    retries=False)
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
         self._where = parse_redis_url(redis_config.url).where()

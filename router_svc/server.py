@@ -167,7 +167,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return stream_from_first(
             attempts, lambda worker: self._relay(worker, request, context, stream=stream),
             self._failed, lambda worker: worker.worker_id,
-            self._config.routing.stall_timeout_ms / 1000 if stream else None)
+            self._config.routing.stall_timeout_s if stream else None)
 
     async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext, *, stream: bool,
@@ -199,7 +199,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Counts a worker's failure toward its ejection (a busy worker is not broken)."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             routing = self._config.routing
-            self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_ms / 1000)
+            self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_s)
         if not started:
             trace.get_current_span().add_event("infermesh.route.failover", {
                 "worker_id": worker.worker_id, "code": code.name, "details": details})

@@ -65,6 +65,19 @@ class MetricsEndpoint(Protocol):
     def port(self) -> int: ...
 
 
+def observe_generation(service: str, model: str, first_token_s: float, total_s: float,
+                       input_tokens: int, output_tokens: int) -> None:
+    """One finished generation's latency (duration, TTFT, TPOT over the tokens after the
+    first) and token counts, the same way in the gateway and the worker."""
+    REQUEST_DURATION.labels(service, model).observe(total_s)
+    TIME_TO_FIRST_TOKEN.labels(service, model).observe(first_token_s)
+    if output_tokens > 1:
+        TIME_PER_OUTPUT_TOKEN.labels(service, model).observe(
+            (total_s - first_token_s) / (output_tokens - 1))
+    TOKENS.labels(service, model, "input").inc(input_tokens)
+    TOKENS.labels(service, model, "output").inc(output_tokens)
+
+
 def serve_metrics(config: MetricsEndpoint) -> None:
     """Serves /metrics on the configured side port, from a thread."""
     if config.port:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import pytest
 
@@ -15,6 +16,10 @@ class _Server:
     debug: bool = False
     tags: list[str] = dataclasses.field(default_factory=list)
     path: str | None = None
+    mode: Literal["fast", "safe"] = "fast"
+    timeout_s: float = 1.0
+
+    RENAMED = {"timeout_ms": "timeout_s (seconds)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,8 @@ def test_defaults_then_file_then_environment(tmp_path):
     ('[server]\nport = "x"\n', "[server] port: expected int, got str 'x'"),
     ('[server]\nprot = 1\n', "[server] prot: unknown key"),
     ('[srv]\n', "unknown section [srv]"),
+    ('[server]\nmode = "slow"\n', "[server] mode: expected one of fast, safe, got 'slow'"),
+    ('[server]\ntimeout_ms = 500\n', "[server] timeout_ms: timeout_ms was renamed timeout_s (seconds)"),
     ('[server\n', "invalid TOML"),
 ])
 def test_file_errors_name_file_and_key(tmp_path, text, message):
@@ -51,6 +58,10 @@ def test_environment_errors_name_variable():
         load_config(_Config, None, "svc", environ={"SVC_SERVER_PORT": "abc"})
     with pytest.raises(ConfigError, match="SVC_SERVER_DEBUG: expected a boolean"):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_DEBUG": "maybe"})
+    with pytest.raises(ConfigError, match="SVC_SERVER_MODE: expected one of fast, safe, got 'slow'"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_MODE": "slow"})
+    with pytest.raises(ConfigError, match="SVC_SERVER_TIMEOUT_MS: timeout_ms was renamed timeout_s"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_TIMEOUT_MS": "500"})
 
 
 def test_missing_file(tmp_path):
@@ -60,4 +71,5 @@ def test_missing_file(tmp_path):
 
 def test_env_names_cover_every_key():
     assert env_names(_Config, "svc") == {f"SVC_SERVER_{k}" for k in
-                                         ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH")}
+                                         ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH",
+                                                   "MODE", "TIMEOUT_S")}

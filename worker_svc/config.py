@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 from infermesh.config import MetricsSection, load_config, section
 from worker_svc.gpu_profiles import gpu_profiles
@@ -113,11 +114,15 @@ _SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_t
                   "index_bytes_per_token": 0}
 
 
+# A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
+EngineKind = Literal["checkpoint", "sim"]
+
+
 @section
 class EngineSection:
     """Which engine serves: the checkpoint at [model] path, or a simulated GPU (no model)."""
 
-    kind: str = "checkpoint"  # checkpoint or sim
+    kind: EngineKind = "checkpoint"
     # sim only: a profile of gpu_profiles.toml, how many of them, and the model.
     gpu: str = "H100"
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
@@ -142,8 +147,6 @@ class EngineSection:
     index_flops_per_key: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("checkpoint", "sim"):
-            raise ValueError(f"kind: expected checkpoint or sim, got {self.kind!r}")
         if self.gpu not in gpu_profiles():
             raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
         if self.model:

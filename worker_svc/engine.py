@@ -1,11 +1,8 @@
-"""The async engine the gRPC server calls: requests in, streamed text chunks out.
+"""The async front of the DeepSeek-V3 engine: requests in, streamed text chunks out.
 
-`generate()` validates a request, turns it into a scheduler `Sequence` and reads its chunks from
-an asyncio queue. Model compute runs in one background thread (`_StepLoop`): each iteration is
-one scheduling step and one batched forward pass over every running sequence (worker_svc.scheduler,
-worker_svc.model_runner), then sampling, detokenization and stop checks for the sequences that got
-a token. Request lifecycle: waiting -> running -> finished, or aborted when the consumer goes
-away (its blocks are freed at the next step).
+`generate()` checks a request (engine_api's request front), tokenizes it, turns it into a
+scheduler `Sequence` and reads its chunks from an asyncio queue that the engine core
+(worker_svc.step_loop, one background thread) fills.
 """
 from __future__ import annotations
 
@@ -18,234 +15,30 @@ import itertools
 import json
 import logging
 import secrets
-import threading
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import llguidance
 import torch
 
-from infermesh.names import FinishReason
 from worker_svc.checkpoint import load_checkpoint, read_config
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine_api import (EngineClosedError, EngineLoad, EngineOverloadedError, GenerationChunk,
-                                   GenerationRequest, InvalidRequestError, SamplingParams, TokenLogprob,
-                                   Tool, check_constraints, check_sampling, drain_chunks)
+from worker_svc.engine_api import (EngineLoad, GenerationChunk, GenerationRequest, InvalidRequestError, Tool,
+                                   bounded_batching_hints, check_request, completion_budget, drain_chunks)
 from worker_svc.kv_cache import (BlockManager, bytes_per_token, cache_budget_bytes, index_bytes_per_token,
                                  latent_bytes_per_token)
-from worker_svc.grammar import GrammarCompiler, apply_masks
+from worker_svc.grammar import GrammarCompiler
 from worker_svc.model import Transformer
 from worker_svc.model_runner import ModelRunner
 from worker_svc.precision import TORCH_DTYPES, DeviceCapabilities, detect_capabilities, resolve_device
-from worker_svc.sampling import sample_batch, token_logprobs
-from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
+from worker_svc.scheduler import Scheduler, Sequence
+from worker_svc.step_loop import StepLoop, Stream, emitter
 from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 from worker_svc.tool_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
-_RATE_WINDOW_S = 10.0
 
-
-
-@dataclass
-class _Stream:
-    """The engine's side of one request: how it samples and stops, and where its chunks go."""
-
-    seq: Sequence
-    request_id: str
-    params: SamplingParams
-    max_len: int  # prompt + completion limit
-    stop_token_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator
-    emit: Callable[[GenerationChunk | BaseException], None]  # thread-safe: hands an item to the consumer
-    matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
-    tool_parser: ToolCallParser | None = None  # set when it may call tools
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.seq.token_ids[self.seq.num_prompt_tokens :]
-
-    def finish_reason(self, token: int) -> FinishReason | None:
-        if token in self.stop_token_ids:
-            return "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
-        if len(self.seq.token_ids) >= self.max_len:
-            return "length"
-        return None
-
-
-class _StepLoop:
-    """The thread that owns the scheduler and the model runner: one forward pass per iteration.
-
-    submit()/abort()/load()/close() are called from the event loop; everything else runs on the thread.
-    """
-
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int):
-        self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
-        self._max_waiting = max_waiting
-        self._lock = threading.Condition()
-        self._incoming: list[_Stream] = []
-        self._aborts: list[int] = []
-        self._closed = False
-        self._streams: dict[int, _Stream] = {}  # seq_id -> stream, thread only
-        self._live = 0  # submitted and not ended: what the waiting bound counts
-        self._load = EngineLoad(0, 0, 0.0)
-        self._decode_times: deque[tuple[float, int]] = deque()  # (when, tokens sampled in that step)
-        self._thread = threading.Thread(target=self._run, name="worker-step-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, stream: _Stream) -> None:
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError("engine is closed")
-            if self._live >= self._scheduler.max_parallel + self._max_waiting:
-                raise EngineOverloadedError(
-                    f"the worker is full: {self._live} requests for {self._scheduler.max_parallel} places "
-                    f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
-                )
-            self._live += 1
-            self._incoming.append(stream)
-            self._lock.notify()
-
-    def abort(self, seq_id: int) -> None:
-        """The consumer went away: the sequence is dropped, and its blocks freed, at the next step."""
-        with self._lock:
-            self._aborts.append(seq_id)
-            self._lock.notify()
-
-    def load(self) -> EngineLoad:
-        with self._lock:
-            now = time.monotonic()
-            while self._decode_times and self._decode_times[0][0] < now - _RATE_WINDOW_S:
-                self._decode_times.popleft()
-            tokens = sum(n for _, n in self._decode_times)
-            span = now - self._decode_times[0][0] if self._decode_times else 0.0
-            rate = tokens / max(span, 1.0)
-            return dataclasses.replace(self._load, waiting=self._load.waiting + len(self._incoming),
-                                       tokens_per_second=rate)  # fmt: skip
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify()
-        self._thread.join()
-
-    # ------------------------------------------------------------------------------ the thread
-
-    def _run(self) -> None:
-        while self._take_requests():
-            output = self._scheduler.schedule()
-            self._publish_load()  # before a chunk of this step reaches a consumer
-            if output.scheduled:
-                self._step(output)
-                self._publish_load()
-            else:
-                self._idle()
-        error = EngineClosedError("engine closed during generation")
-        for seq_id in list(self._streams):
-            self._end(seq_id, error)
-        self._publish_load()
-
-    def _take_requests(self) -> bool:
-        """Hand new and aborted requests to the scheduler; False once the engine is closed."""
-        with self._lock:
-            incoming, aborts = self._incoming, self._aborts
-            self._incoming, self._aborts = [], []
-            closed = self._closed
-        for stream in incoming:
-            self._streams[stream.seq.seq_id] = stream
-            self._scheduler.add_request(stream.seq)
-        for seq_id in aborts:
-            if self._forget(seq_id) is not None:
-                self._scheduler.abort_request(seq_id)
-        return not closed
-
-    def _idle(self) -> None:
-        """Nothing to compute: sleep until a request arrives, or a held one may be admitted."""
-        with self._lock:
-            if not (self._incoming or self._aborts or self._closed):
-                self._lock.wait(self._scheduler.seconds_until_admission())
-
-    def _publish_load(self) -> None:
-        s = self._scheduler
-        with self._lock:
-            self._load = EngineLoad(len(s.running), len(s.waiting), 0.0, s.blocks.usage)
-
-    def _step(self, output: SchedulerOutput) -> None:
-        try:
-            logits = self._runner.execute(output)
-        except Exception as e:  # a model/runtime failure ends this step's requests, not the engine
-            logger.exception("forward pass over %d sequences failed", len(output.scheduled))
-            for s in output.scheduled:
-                self._end(s.seq.seq_id, e)
-            return
-        streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
-        self._scheduler.complete_step(output)
-        logits = apply_masks(logits, [st.matcher for st in streams])
-        tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
-                              [st.output_ids if st.params.has_penalties else [] for st in streams])  # fmt: skip
-        with self._lock:
-            self._decode_times.append((time.monotonic(), len(tokens)))
-        for stream, token, row in zip(streams, tokens, logits):
-            try:
-                self._append(stream, token, row)
-            except Exception as e:
-                logger.exception("request %s failed", stream.request_id)
-                self._end(stream.seq.seq_id, e)
-
-    def _append(self, stream: _Stream, token: int, logits: torch.Tensor) -> None:
-        """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
-        stream.seq.token_ids.append(token)
-        if stream.matcher is not None and not stream.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the request's grammar: {stream.matcher.get_error()}")
-        finish = stream.finish_reason(token)
-        detok = stream.detokenizer
-        calls = stream.tool_parser.add(token) if stream.tool_parser is not None else None
-        if calls is not None:  # a token of the tool calls: no text
-            text = detok.flush()  # text held back for a possible stop string is text after all
-            if finish == "length":
-                calls += stream.tool_parser.finish()  # type: ignore[union-attr]
-        elif token in stream.stop_token_ids:
-            text = detok.flush()
-        else:
-            text = detok.add(token)
-            if detok.stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += detok.flush()
-        logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
-        seq = stream.seq
-        stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
-                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
-                                    seq.queue_s, calls or None))  # fmt: skip
-        if finish is not None:
-            self._forget(seq.seq_id)
-            self._scheduler.finish_request(seq)
-
-    def _logprobs(self, logits: torch.Tensor, token: int, params: SamplingParams) -> list[TokenLogprob]:
-        logprob, top = token_logprobs(logits, token, params.top_logprobs)
-        decode = self._tokenizer.decode
-        alternatives = tuple(TokenLogprob(decode([i]), lp) for i, lp in top)
-        return [TokenLogprob(decode([token]), logprob, alternatives)]
-
-    def _end(self, seq_id: int, error: BaseException) -> None:
-        """A failed sequence leaves the batch now and frees its blocks; the error ends its stream."""
-        stream = self._forget(seq_id)
-        if stream is not None:
-            self._scheduler.abort_request(seq_id)
-            stream.emit(error)
-
-    def _forget(self, seq_id: int) -> _Stream | None:
-        stream = self._streams.pop(seq_id, None)
-        if stream is not None:
-            with self._lock:
-                self._live -= 1
-        return stream
 
 
 # ----------------------------------------------------------------------------------------- engine
@@ -275,7 +68,7 @@ class Engine:
                     self.parallel.dynamic_batch_timeout_ms)  # fmt: skip
         scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
         runner = ModelRunner(model, kv_cache, device)
-        self._loop = _StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
+        self._loop = StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
 
     @classmethod
     def from_checkpoint(
@@ -339,20 +132,22 @@ class Engine:
         """Stop the step loop; streams still running end with EngineClosedError."""
         await asyncio.to_thread(self._loop.close)
 
-    def _stream(self, request: GenerationRequest) -> tuple[_Stream, asyncio.Queue]:
-        check_constraints(request.constraints)
+    def _stream(self, request: GenerationRequest) -> tuple[Stream, asyncio.Queue]:
+        check_request(request, self.model.args.vocab_size)
         prompt_ids = self._prompt_ids(request)
         params = request.sampling
-        check_sampling(params, self.model.args.vocab_size)
         matcher = self.grammars.matcher(request.constraints)
         markers = self.grammars.markers
         may_call = bool(request.constraints.tools) and request.constraints.tool_choice != "none"
-        max_len = self._max_len(len(prompt_ids), params.max_tokens)
-        max_parallel, timeout_ms = self._batching(request)
+        max_len = len(prompt_ids) + completion_budget(len(prompt_ids), params.max_tokens, self.max_model_len)
+        limits = self.parallel
+        assert limits.max_parallel is not None and limits.dynamic_batch_timeout_ms is not None, "unresolved limits"
+        max_parallel, timeout_ms = bounded_batching_hints(request, limits.max_parallel,
+                                                          limits.dynamic_batch_timeout_ms)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(next(self._seq_ids), list(prompt_ids), len(prompt_ids), max_parallel, timeout_ms / 1000)
-        stream = _Stream(
+        stream = Stream(
             seq=seq,
             request_id=request.request_id,
             params=params,
@@ -360,59 +155,22 @@ class Engine:
             stop_token_ids=self._eos_token_ids | frozenset(params.stop_token_ids),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=torch.Generator().manual_seed(seed),
-            emit=_emitter(asyncio.get_running_loop(), queue),
+            emit=emitter(asyncio.get_running_loop(), queue),
             matcher=matcher,
             tool_parser=ToolCallParser(self.tokenizer, markers) if may_call and markers is not None else None,
         )
         return stream, queue
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if (request.messages is None) == (request.prompt is None):
-            raise InvalidRequestError("exactly one of messages and prompt must be given")
+        """The prompt's token ids (check_request has checked its shape)."""
         if request.messages is not None:
-            if not request.messages:
-                raise InvalidRequestError("messages is empty")
-            for i, m in enumerate(request.messages):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
             tools = request.constraints.tools
             if tools and not self.tokenizer.renders_tools:
                 raise InvalidRequestError("tools: this model's chat template cannot render tool definitions")
             return self.tokenizer.encode_chat([_template_message(m) for m in request.messages],
                                               [_tool_definition(t) for t in tools])
-        if not request.prompt:
-            raise InvalidRequestError("prompt is empty")
+        assert request.prompt is not None, "check_request: exactly one of messages and prompt"
         return self.tokenizer.encode(request.prompt)
-
-    def _max_len(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Where the sequence stops with `length`: max_tokens past the prompt, or the context."""
-        if prompt_len >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} (the prompt and at "
-                "least one generated token must fit)"
-            )
-        if max_tokens is None:
-            return self.max_model_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {self.max_model_len}"
-            )
-        return prompt_len + max_tokens
-
-    def _batching(self, request: GenerationRequest) -> tuple[int, int]:
-        """The request's (max_parallel, dynamic_batch_timeout_ms) hints, bounded by this worker's limits."""
-        limits = self.parallel
-        assert limits.max_parallel is not None and limits.dynamic_batch_timeout_ms is not None, "unresolved limits"
-        if request.max_parallel is not None and request.max_parallel < 1:
-            raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
-        if request.dynamic_batch_timeout_ms is not None and request.dynamic_batch_timeout_ms < 0:
-            raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {request.dynamic_batch_timeout_ms}")
-        max_parallel = min(request.max_parallel or limits.max_parallel, limits.max_parallel)
-        timeout_ms = limits.dynamic_batch_timeout_ms
-        if request.dynamic_batch_timeout_ms is not None:
-            timeout_ms = min(request.dynamic_batch_timeout_ms, timeout_ms)
-        return max_parallel, timeout_ms
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -442,18 +200,6 @@ def _block_manager(model: Transformer, device: torch.device, max_model_len: int,
             "lower [attention] max_model_len"
         )
     return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-
-
-def _emitter(
-    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
-) -> Callable[[GenerationChunk | BaseException], None]:
-    def emit(item: GenerationChunk | BaseException) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is gone; its abort follows
-            pass
-
-    return emit
 
 
 def _eos_token_ids(model_dir: Path, config: dict, tokenizer: Tokenizer) -> frozenset[int]:

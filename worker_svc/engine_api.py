@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -179,6 +181,86 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
             f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {_MAX_STOP_TOKEN_IDS} are allowed")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
+
+
+def check_prompt(request: GenerationRequest) -> None:
+    """Raises InvalidRequestError unless the request has exactly one of messages (each with
+    string role and content) and prompt, not empty."""
+    if (request.messages is None) == (request.prompt is None):
+        raise InvalidRequestError("exactly one of messages and prompt must be given")
+    if request.messages is not None:
+        if not request.messages:
+            raise InvalidRequestError("messages is empty")
+        for i, m in enumerate(request.messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
+    elif not request.prompt:
+        raise InvalidRequestError("prompt is empty")
+
+
+def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """How many tokens the completion may have: max_tokens, or what is left of the context.
+    Raises InvalidRequestError when the prompt, or the prompt and max_tokens, do not fit."""
+    if prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (the prompt and "
+            "at least one generated token must fit)")
+    if max_tokens is None:
+        return max_model_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"length {max_model_len}")
+    return max_tokens
+
+
+def check_batching_hints(request: GenerationRequest) -> None:
+    if request.max_parallel is not None and request.max_parallel < 1:
+        raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
+    timeout_ms = request.dynamic_batch_timeout_ms
+    if timeout_ms is not None and timeout_ms < 0:
+        raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
+
+
+def bounded_batching_hints(request: GenerationRequest, max_parallel: int,
+                           dynamic_batch_timeout_ms: int) -> tuple[int, int]:
+    """The request's (max_parallel, dynamic_batch_timeout_ms) hints bounded by the worker's."""
+    timeout_ms = request.dynamic_batch_timeout_ms
+    return (min(request.max_parallel or max_parallel, max_parallel),
+            dynamic_batch_timeout_ms if timeout_ms is None else min(timeout_ms, dynamic_batch_timeout_ms))
+
+
+def check_request(request: GenerationRequest, vocab_size: int) -> None:
+    """The checks every engine makes before it tokenizes: prompt, sampling, output constraints,
+    batching hints. A caller gets the same answer, worded the same, from any worker."""
+    check_prompt(request)
+    check_sampling(request.sampling, vocab_size)
+    check_constraints(request.constraints)
+    check_batching_hints(request)
+
+
+class DecodeRateMeter:
+    """Tokens decoded per second over the last ``window_s``: what EngineLoad reports.
+    Not thread-safe: an engine with a step thread calls it under its lock."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window_s = window_s
+        self._steps: deque[tuple[float, int]] = deque()  # (when, tokens decoded in that step)
+        self._tokens = 0  # the sum of _steps' counts
+
+    def add(self, tokens: int) -> None:
+        self._steps.append((time.monotonic(), tokens))
+        self._tokens += tokens
+
+    def rate(self) -> float:
+        """The window's tokens over the time since its first step (at least one second, so a
+        single step does not read as a burst)."""
+        now = time.monotonic()
+        while self._steps and self._steps[0][0] < now - self._window_s:
+            self._tokens -= self._steps.popleft()[1]
+        span = now - self._steps[0][0] if self._steps else 0.0
+        return self._tokens / max(span, 1.0)
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

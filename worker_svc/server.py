@@ -84,9 +84,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise RequestFailedError(grpc.StatusCode.NOT_FOUND,
                                      f"model {request.model!r} is not served here; "
                                      f"served: {', '.join(self.info.models)}")
-        if bool(request.messages) == bool(request.prompt):
-            raise RequestFailedError(grpc.StatusCode.INVALID_ARGUMENT,
-                                     "exactly one of messages and prompt must be given")
         caps = self.info.capabilities
         trace.get_current_span().set_attributes({
             "infermesh.worker_id": self.info.worker_id, "infermesh.device": caps.device,
@@ -159,14 +156,8 @@ class _Timing:
         tracer.start_span("decode", start_time=self._first_ns,
                           attributes={**attributes, "gen_ai.usage.output_tokens": self._tokens}
                           ).end(end_time=ended_ns)
-        first_s, total_s = (self._first_ns - self._started_ns) / 1e9, (ended_ns - self._started_ns) / 1e9
-        metrics.TIME_TO_FIRST_TOKEN.labels("worker", self._model).observe(first_s)
-        metrics.REQUEST_DURATION.labels("worker", self._model).observe(total_s)
-        if self._tokens > 1:
-            metrics.TIME_PER_OUTPUT_TOKEN.labels("worker", self._model).observe(
-                (total_s - first_s) / (self._tokens - 1))
-        metrics.TOKENS.labels("worker", self._model, "input").inc(self._prompt_tokens)
-        metrics.TOKENS.labels("worker", self._model, "output").inc(self._tokens)
+        metrics.observe_generation("worker", self._model, (self._first_ns - self._started_ns) / 1e9,
+                                   (ended_ns - self._started_ns) / 1e9, self._prompt_tokens, self._tokens)
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker_svc.config import WorkerConfig
-from worker_svc.engine_api import (DeviceCapabilities, EngineClosedError, EngineLoad,
+from worker_svc.engine_api import (DecodeRateMeter, DeviceCapabilities, EngineClosedError, EngineLoad,
                                    EngineOverloadedError, GenerationChunk, GenerationRequest,
-                                   InvalidRequestError, check_sampling, drain_chunks)
+                                   InvalidRequestError, check_request, completion_budget, drain_chunks)
 from worker_svc.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, serving_profile
 
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 _BYTES_PER_TOKEN = 4  # prompt text is counted as ~4 UTF-8 bytes a token
 _DEFAULT_MAX_MODEL_LEN = 32768
-_RATE_WINDOW_S = 10.0
 _WORDS = ("the", "mesh", "routes", "each", "request", "to", "a", "worker", "that", "serves",
           "it", "well", "and", "streams", "tokens", "back", "fast", "on", "every", "GPU",
           "with", "low", "latency", "high", "throughput", "cache", "prefix", "batch", "model",
@@ -192,8 +191,7 @@ class SimEngine:
         self._prefix_cache: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._block_tokens = prefix_block_tokens  # 0: no prefix caching
         self._prefix_cache_blocks = roofline.kv_capacity_tokens // max(prefix_block_tokens, 1)
-        self._emitted: collections.deque[tuple[float, int]] = collections.deque()
-        self._emitted_in_window = 0  # the sum of _emitted's counts, kept as it changes
+        self._decode_rate = DecodeRateMeter()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -227,11 +225,8 @@ class SimEngine:
                 yield chunk
 
     def load(self) -> EngineLoad:
-        now = time.monotonic()
-        while self._emitted and now - self._emitted[0][0] > _RATE_WINDOW_S:
-            self._emitted_in_window -= self._emitted.popleft()[1]
         return EngineLoad(running=len(self._running), waiting=len(self._waiting),
-                          tokens_per_second=self._emitted_in_window / _RATE_WINDOW_S,
+                          tokens_per_second=self._decode_rate.rate(),
                           kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens)
 
     async def close(self) -> None:
@@ -248,25 +243,15 @@ class SimEngine:
     # ------------------------------------------------------------------ admission
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        text = _prompt_text(request)
-        prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
-        if prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {prompt_tokens} tokens; max_model_len is {self.max_model_len} (the prompt "
-                "and at least one generated token must fit)")
-        params = request.sampling
-        check_sampling(params, len(_WORDS))
+        check_request(request, len(_WORDS))
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the tools
             # or schema would look like success to the client
             raise InvalidRequestError("tools and json_schema need a model engine; this worker is simulated")
-        budget = self.max_model_len - prompt_tokens
-        if params.max_tokens is not None:
-            if prompt_tokens + params.max_tokens > self.max_model_len:
-                raise InvalidRequestError(
-                    f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) must be within "
-                    f"the context length {self.max_model_len}")
-            budget = params.max_tokens
+        text = _prompt_text(request)
+        prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
+        params = request.sampling
+        budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
             raise InvalidRequestError(
                 f"prompt and max_tokens need {prompt_tokens + budget} tokens of KV cache; this worker "
@@ -350,8 +335,7 @@ class SimEngine:
                 if seq in self._running:  # not aborted during the step
                     self._advance(seq)
                     emitted += 1
-            self._emitted.append((time.monotonic(), emitted))
-            self._emitted_in_window += emitted
+            self._decode_rate.add(emitted)
 
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline
@@ -389,14 +373,10 @@ class SimEngine:
 
 
 def _prompt_text(request: GenerationRequest) -> str:
-    if (request.messages is None) == (request.prompt is None):
-        raise InvalidRequestError("exactly one of messages and prompt must be given")
+    """The prompt as text (check_request has checked its shape)."""
     if request.messages is not None:
-        if not request.messages:
-            raise InvalidRequestError("messages is empty")
         return "".join(f"<|{m['role']}|>{m['content']}\n" for m in request.messages)
-    if not request.prompt:
-        raise InvalidRequestError("prompt is empty")
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
     return request.prompt
 
 

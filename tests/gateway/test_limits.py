@@ -14,7 +14,8 @@ from prometheus_client import REGISTRY
 
 from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id
-from gateway.limits import LIMITER, Admission, Limiter, TokenUsage, duration, read_usage
+from gateway.limits import LIMITER, Admission, Limiter, duration, read_usage
+from gateway.usage import TokenUsage
 from infermesh.cli.redis_server import RedisServer
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers import MODEL

@@ -2,6 +2,8 @@
 gateway, router and worker, with the official anthropic SDK."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import jsonschema
 import pytest
@@ -59,6 +61,20 @@ async def test_tool_result_round_trip(served, api_key):
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+async def test_output_format_answers_json_of_the_schema(served, api_key):
+    ask = {"model": MODEL, "max_tokens": 300, "messages": [{"role": "user", "content": "weather?"}],
+           "output_config": {"format": {"type": "json_schema", "schema": WEATHER}, "effort": "low"},
+           "thinking": {"type": "adaptive"}, "extra_body": {"seed": 3}}
+    async with _client(served, api_key) as client:
+        message = await client.messages.create(**ask)
+        async with client.messages.stream(**ask) as stream:
+            streamed = await stream.get_final_message()
+    assert message.stop_reason == "end_turn" and streamed.stop_reason == "end_turn"
+    for answer in (message, streamed):
+        assert [b.type for b in answer.content] == ["text"]
+        jsonschema.validate(json.loads(answer.content[0].text), WEATHER)
+
+
 @pytest.mark.parametrize("change, param", [
     ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}]}, "tools.0.input_schema"),
     ({"tools": [{"input_schema": WEATHER}]}, "tools.0.name"),
@@ -66,6 +82,11 @@ async def test_tool_result_round_trip(served, api_key):
     ({"tools": [{"name": "f", "input_schema": TIME}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice.name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+     "output_config.format.schema"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
+    ({"container": "container_1"}, "container"),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]}, "mcp_servers"),
 ])
 async def test_bad_tools_are_400_naming_the_parameter(served, api_key, change, param):
     body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **change}

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.router_client import ROUTER
+from gateway.mesh_client import MESH
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import MODEL, RunningWorker, eventually, running_worker, sim_engine
@@ -64,7 +64,7 @@ async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
         # every token its own SSE event: the worker sends each engine step's chunk apart
         assert [len(events) for events in results[:40]] == [8] * 40
         assert results[40:] == [8] * 20
-        streams = gateway.app[ROUTER].worker_streams
+        streams = gateway.app[MESH].worker_streams
         assert streams is not None and streams.streams(sim_worker.servicer.info.address) == 1
     finally:
         await gateway.close()

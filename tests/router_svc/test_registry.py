@@ -16,7 +16,7 @@ from tests.helpers.fleet import info
 
 
 def registry(url: str, ttl_ms: int = 3000) -> Registry:
-    return Registry(RedisSection(url=url, timeout_ms=300),
+    return Registry(RedisSection(url=url, timeout_s=0.3),
                     RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
                     Fleet(ttl_s=ttl_ms / 1000))
 

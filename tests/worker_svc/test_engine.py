@@ -13,7 +13,8 @@ import torch
 from tests.helpers.inprocess import eventually
 from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine import Engine, GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
+from worker_svc.engine import Engine
+from worker_svc.engine_api import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from worker_svc.engine_api import EngineOverloadedError
 from infermesh.cli.hf_reference import transformers_model
 from worker_svc.kv_cache import bytes_per_token

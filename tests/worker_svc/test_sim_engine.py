@@ -118,7 +118,7 @@ def test_a_model_config_that_cannot_be_read_names_the_key():
 
 
 def test_engine_config_section_errors_name_the_key():
-    for env, message in [({"INFERMESH_WORKER_ENGINE_KIND": "gpu"}, "kind: expected checkpoint or sim"),
+    for env, message in [({"INFERMESH_WORKER_ENGINE_KIND": "gpu"}, "INFERMESH_WORKER_ENGINE_KIND: expected one of checkpoint, sim"),
                          ({"INFERMESH_WORKER_ENGINE_GPU": "B200"}, "gpu: unknown profile 'B200'"),
                          ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b"),
                          ({"INFERMESH_WORKER_ENGINE_INDEX_TOPK": "-1"}, "index_topk")]:

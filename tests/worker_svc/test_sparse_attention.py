@@ -16,7 +16,8 @@ from transformers import DeepseekV32ForCausalLM
 
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
-from worker_svc.engine import Engine, GenerationRequest, SamplingParams
+from worker_svc.engine import Engine
+from worker_svc.engine_api import GenerationRequest, SamplingParams
 from infermesh.cli.hf_reference import transformers_model
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
 from worker_svc.kernel import FP8

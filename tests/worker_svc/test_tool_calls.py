@@ -8,12 +8,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
+from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.engine import Engine
 from worker_svc.engine_api import (Constraints, GenerationChunk, GenerationRequest, InvalidRequestError,
                                    SamplingParams, Tool, ToolCallDelta, merge_chunks)
-from worker_svc.grammar import GrammarCompiler, lark_grammar
-from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, CALLS_END, OUTPUTS_BEGIN, OUTPUTS_END
+from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 
@@ -95,6 +96,27 @@ def test_grammar_text_per_tool_choice(tokenizer: Tokenizer):
     assert compiler.matcher(Constraints(_TOOLS, "required")) is not compiler.matcher(Constraints(_TOOLS, "required"))
 
 
+def test_masks_keep_exactly_what_each_grammar_allows(tokenizer: Tokenizer):
+    vocab = len(tokenizer.hf) + 7  # padded past the tokenizer, not a multiple of 32
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    in_string = compiler.matcher(Constraints(json_schema=json.dumps(WEATHER)))
+    forced = compiler.matcher(Constraints(_TOOLS, "named", "get_weather"))
+    assert in_string is not None and forced is not None
+    assert in_string.consume_tokens(tokenizer.hf.encode('{"city":"', add_special_tokens=False))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    masked = apply_masks(logits, [in_string, None, forced])
+    assert torch.equal(masked[1], logits[1])
+    allowed_counts = []
+    for row, matcher in ((0, in_string), (2, forced)):
+        bits = int.from_bytes(matcher.compute_bitmask(), "little")
+        allowed = [t for t in range(vocab) if bits >> t & 1]
+        expected = torch.full((vocab,), float("-inf"))
+        expected[allowed] = logits[row, allowed]
+        assert torch.equal(masked[row], expected)
+        allowed_counts.append(len(allowed))
+    assert allowed_counts[0] > 100 and allowed_counts[1] == 1  # many in a string; one forced
+
+
 async def test_constrained_and_free_sequences_share_a_batch(tiny_engine: Engine):
     def request(i: int, constraints: Constraints) -> GenerationRequest:
         return GenerationRequest(f"r{i}", [{"role": "user", "content": "weather in Paris?"}], None,
@@ -115,10 +137,40 @@ async def test_constrained_and_free_sequences_share_a_batch(tiny_engine: Engine)
     jsonschema.validate(json.loads(merged[0].arguments), WEATHER)
 
 
-def test_a_template_without_tools_is_known(tiny_dir: Path, tmp_path: Path):
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# DeepSeek-V3's own template renders the calls and results of the history but never reads `tools`:
+# the definitions would be dropped, so the engine refuses them
+_CALLS_ONLY_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'tool' %}"
+    "{{ '<｜tool▁output▁begin｜>' + m['content'] + '<｜tool▁output▁end｜>' }}"
+    "{% else %}{{ '<｜Assistant｜>' + (m['content'] or '') }}"
+    "{% for c in m['tool_calls'] or [] %}"
+    "{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + c['function']['name'] }}"
+    "{{ '<｜tool▁call▁end｜>' }}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+
+async def test_tools_for_a_template_that_cannot_render_them_are_refused(
+    tiny_dir: Path, tmp_path: Path
+):
+    for path in tiny_dir.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = _CALLS_ONLY_TEMPLATE
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert not Tokenizer(tmp_path).renders_tools
+    engine = Engine.from_checkpoint(tmp_path, dtype="float32")
+    try:
+        assert not engine.tokenizer.renders_tools
+        assert "<｜tool▁sep｜>get_weather" in engine.tokenizer.render_chat(_HISTORY)
+        sampling = SamplingParams(max_tokens=2)
+        request = GenerationRequest("r", _HISTORY, None, sampling, constraints=Constraints(_TOOLS))
+        with pytest.raises(InvalidRequestError, match="^tools: this model's chat template cannot"):
+            async for _ in engine.generate(request):
+                pass
+        history_only = GenerationRequest("r", _HISTORY, None, sampling)
+        assert len([c async for c in engine.generate(history_only)]) == 2
+    finally:
+        await engine.close()

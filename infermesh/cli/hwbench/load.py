@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import openai
 
-from gateway.protocol import GPU_HEADER
+from gateway.openai_protocol import GPU_HEADER
 
 _BYTES_PER_TOKEN = 4  # English words run ~4 bytes a token; the reported usage says how many it was
 _WORD = "abcdefghijklmnopqrstuvwxyz"

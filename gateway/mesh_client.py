@@ -36,7 +36,17 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class RouterClient:
+class MeshCall:
+    """One generation through the mesh: its chunks and, once the first came, its route."""
+
+    chunks: AsyncIterator[common_pb2.GenerateResponse]
+    route: common_pb2.Route | None = None
+
+    def __aiter__(self) -> AsyncIterator[common_pb2.GenerateResponse]:
+        return self.chunks
+
+
+class MeshClient:
     """Calls the router (and the workers it chooses) for the gateway's handlers; safe to
     share across requests."""
 
@@ -67,14 +77,19 @@ class RouterClient:
         await self._workers.close()
         await self._channel.close()
 
-    async def generate(self, request: common_pb2.GenerateRequest, *, stream: bool,
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """The generation's chunks, the first stamped with its route; closing the iterator
+    def generate(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
+        """The generation, its route known once the first chunk came; closing its chunks
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
         may then come as one chunk)."""
+        call = MeshCall()
+        call.chunks = self._chunks(request, stream, call)
+        return call
+
+    async def _chunks(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
+                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
         await self._wait_connected()
-        chunks = (self._relayed(request, stream) if self._config.relay
-                  else self._direct(request, stream))
+        chunks = (self._relayed(request, stream, call) if self._config.relay
+                  else self._direct(request, stream, call))
         try:
             async for chunk in chunks:
                 yield chunk
@@ -99,15 +114,17 @@ class RouterClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e.code(), e.details()) from None
 
-    async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool,
+    async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         rpc = self._stub.Generate if stream else self._stub.Complete
-        call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
-        async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
+        grpc_call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
+        async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
             async for chunk in chunks:
+                if call.route is None and chunk.HasField("route"):  # the router stamps its first
+                    call.route = chunk.route
                 yield chunk
 
-    async def _direct(self, request: common_pb2.GenerateRequest, stream: bool,
+    async def _direct(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
         if self._route_stream is not None:
             workers = await self._route_stream.route(request, self._config.control_timeout_s)
@@ -116,13 +133,13 @@ class RouterClient:
                                                    wait_for_ready=False)).workers)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
-                workers, lambda route: self._from_worker(route, request, stream, deadline),
+                workers, lambda route: self._from_worker(route, request, stream, deadline, call),
                 self._report_failure, lambda route: route.worker_id,
                 self._config.stall_timeout_s if stream else None):
             yield chunk
 
     async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,
-                           stream: bool, deadline: float,
+                           stream: bool, deadline: float, call: MeshCall,
                            ) -> AsyncIterator[common_pb2.GenerateResponse]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         if self._streams is not None:
@@ -133,12 +150,8 @@ class RouterClient:
             rpc = worker.Generate if stream else worker.Complete
             chunks = call_chunks(rpc(request, timeout=timeout, wait_for_ready=False), stream)
         async with contextlib.aclosing(chunks):
-            first = True
             async for chunk in chunks:
-                if first:
-                    chunk.route.CopyFrom(route)
-                    chunk.route.ClearField("address")
-                    first = False
+                call.route = route  # the worker that answered: the fallback, if the first failed
                 yield chunk
 
     def _report_failure(self, route: common_pb2.Route, code: grpc.StatusCode, details: str,
@@ -195,4 +208,4 @@ class RouterClient:
         return mapped
 
 
-ROUTER = web.AppKey("router", RouterClient)
+MESH = web.AppKey("mesh", MeshClient)

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from gateway.errors import InvalidRequestError
-from gateway.limits import TokenUsage
+from gateway.sampling import sampling_params
+from gateway.usage import TokenUsage
 from gateway.tools import (AssistantToolCall, FunctionTool, ResponseFormat, ToolChoice, history_calls,
                            structure)
 from gateway.validation import STRICT, parse_body, refuse_fields
@@ -124,19 +125,12 @@ class OpenAIGeneration(BatchingFields):
     def sampling(self, choice: int) -> common_pb2.SamplingParams:
         """The router's sampling parameters for choice ``choice`` of ``n``: each choice
         gets its own seed, so n seeded choices differ yet repeat."""
-        sampling = common_pb2.SamplingParams(
-            stop=self.stop_list(), presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0)
-        if self.temperature is not None:
-            sampling.temperature = self.temperature
-        if self.top_p is not None:
-            sampling.top_p = self.top_p
-        if self.token_limit() is not None:
-            sampling.max_tokens = self.token_limit()
-        if self.seed is not None:
-            # OpenAI seeds are signed; the proto's are not
-            sampling.seed = (self.seed + choice) % 2**64
-        return sampling
+        # OpenAI seeds are signed; the proto's are not
+        return sampling_params(
+            stop=self.stop_list(), temperature=self.temperature, top_p=self.top_p,
+            max_tokens=self.token_limit(),
+            seed=None if self.seed is None else (self.seed + choice) % 2**64,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     def batching(self) -> common_pb2.BatchingHints | None:
         hints = common_pb2.BatchingHints()

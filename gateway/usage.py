@@ -1,0 +1,11 @@
+"""Token counts of one request: what the wire formats report and the rate limiter settles."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenUsage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
