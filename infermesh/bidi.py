@@ -34,7 +34,8 @@ def split(message: Message, budget: int = MAX_MESSAGE_BYTES) -> list[Message]:
     size = 0
     for field, values in message.ListFields():
         for value in values:
-            item = (value.ByteSize() if isinstance(value, ProtoMessage) else 10) + 8  # + tag, length
+            # its bytes, with room for its tag and length
+            item = (value.ByteSize() if isinstance(value, ProtoMessage) else 10) + 8
             if size and size + item > budget:
                 parts.append(type(message)())
                 size = 0

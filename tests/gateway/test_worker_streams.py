@@ -163,8 +163,10 @@ async def _slow_reader(port: int, api_key: str, body: dict[str, object]) -> sock
 async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server, router,
                                                                     api_key):
     engine = sim_engine("H100", max_parallel=64, max_waiting=64, zero_latency=True)
+    # the fast streams are shorter than the bound: however slowly a loaded machine lets their
+    # clients read, only the slow one can overflow
     gateway = await start_gateway(_config(redis_server.url, router.address,
-                                          stream_buffer_chunks=16))
+                                          stream_buffer_chunks=256))
     try:
         async with running_worker(engine, router, "fast"), sdk(gateway, api_key) as client:
             slow = await _slow_reader(gateway.port, api_key, {**_chat(30_000), "stream": True})
