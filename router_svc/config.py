@@ -41,17 +41,24 @@ class RedisSection:
 
 @section
 class RegistrySection:
-    heartbeat_interval_ms: int = 1000
-    ttl_ms: int = 3000  # a worker silent this long is dropped
+    RENAMED = {"heartbeat_interval_ms": "heartbeat_interval_s (seconds)",
+               "ttl_ms": "ttl_s (seconds)", "refresh_ms": "refresh_s (seconds)"}
+    heartbeat_interval_s: float = 1.0
+    ttl_s: float = 3.0  # a worker silent this long is dropped
     # How often this router re-reads the registry from Redis into its local view, which is
     # what every routing decision reads.
-    refresh_ms: int = 250
+    refresh_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.heartbeat_interval_ms <= 0 or self.ttl_ms <= self.heartbeat_interval_ms:
-            raise ValueError("need 0 < heartbeat_interval_ms < ttl_ms")
-        if not 0 < self.refresh_ms < self.ttl_ms:
-            raise ValueError("need 0 < refresh_ms < ttl_ms")
+        if self.heartbeat_interval_s <= 0 or self.ttl_s <= self.heartbeat_interval_s:
+            raise ValueError("need 0 < heartbeat_interval_s < ttl_s")
+        if not 0 < self.refresh_s < self.ttl_s:
+            raise ValueError("need 0 < refresh_s < ttl_s")
+
+    @property
+    def ttl_ms(self) -> int:
+        """The TTL as Redis's PEXPIRE takes it."""
+        return round(self.ttl_s * 1000)
 
 
 @section

@@ -1,7 +1,7 @@
 """This router's local view of the live workers: what every routing decision reads.
 
 The shared registry lives in Redis (registry.py); each router copies it here every
-``[registry] refresh_ms`` and applies its own Register/Heartbeat calls at once, so a decision
+``[registry] refresh_s`` and applies its own Register/Heartbeat calls at once, so a decision
 never waits on Redis. The figures a decision scores (load, KV use, in-flight streams, speed,
 ejection) are kept in numpy arrays indexed by a slot per worker, so that scoring a thousand
 workers is a handful of vector operations. Called from the router's event loop only.

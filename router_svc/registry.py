@@ -4,7 +4,7 @@ alive by heartbeats, gone when their key's TTL runs out.
 Every router of a mesh reads and writes the same keys, so they share one view:
 
 - ``{<key_prefix>}worker:<id>``: a hash {info, load (serialized protos), registered_at},
-  with a TTL of ``[registry] ttl_ms`` that each heartbeat renews;
+  with a TTL of ``[registry] ttl_s`` that each heartbeat renews;
 - ``{<key_prefix>}workers``: the set of ids, pruned of those whose key expired
   (``[redis] key_prefix``, by default ``infermesh:router:``).
 
@@ -12,7 +12,7 @@ The prefix is a hash tag: in a Redis Cluster the whole registry (a few hundred s
 hashes at most) lives in one slot, so registering stays one transaction.
 
 Routing decisions never read Redis: each router copies the registry into its local
-:class:`~router_svc.fleet.Fleet` every ``refresh_ms`` (one pipelined round trip) and applies
+:class:`~router_svc.fleet.Fleet` every ``refresh_s`` (one pipelined round trip) and applies
 the Register/Heartbeat calls it handles itself at once. When Redis cannot be reached the
 registry says so (:class:`RegistryUnavailableError`), the router answers UNAVAILABLE, and the
 refresh loop keeps trying until Redis is back.
@@ -89,7 +89,8 @@ class Registry:
         self._worker_key = f"{tag}worker:"
         self._index_key = f"{tag}workers"
         self._ttl_ms = config.ttl_ms
-        self._refresh_s = config.refresh_ms / 1000
+        self._ttl_s = config.ttl_s
+        self._refresh_s = config.refresh_s
         self.fleet = fleet
         self._failure: str | None = "the worker registry has not been read from Redis yet"
         self._info_bytes: dict[str, bytes] = {}  # as last read, to parse only what changed
@@ -114,7 +115,7 @@ class Registry:
             lambda pipe: pipe.pexpire(key, self._ttl_ms),
             lambda pipe: pipe.sadd(self._index_key, info.worker_id),
             lambda pipe: pipe.hget(key, "registered_at")]))
-        self.fleet.upsert(info, load, float(replies[-1]), self._ttl_ms / 1000)
+        self.fleet.upsert(info, load, float(replies[-1]), self._ttl_s)
 
     async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
         """Refreshes a worker; False when it is unknown and must register again."""
@@ -122,7 +123,7 @@ class Registry:
         known = await self._call(self._heartbeat(
             keys=[self._worker_key + worker_id], args=[load.SerializeToString(), self._ttl_ms]))
         if known:
-            self.fleet.heartbeat(worker_id, load, self._ttl_ms / 1000)
+            self.fleet.heartbeat(worker_id, load, self._ttl_s)
         else:
             self.fleet.remove(worker_id)
         return bool(known)
@@ -156,7 +157,7 @@ class Registry:
                 self._info_bytes.pop(entry.worker_id, None)
 
     async def run(self) -> AsyncIterator[bool]:
-        """Refreshes the local view every refresh_ms, yielding after each try whether Redis
+        """Refreshes the local view every refresh_s, yielding after each try whether Redis
         answered. Survives Redis outages; ends only when cancelled."""
         while True:
             try:

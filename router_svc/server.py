@@ -47,7 +47,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return router_pb2.RegisterResponse(
-            heartbeat_interval_ms=self._config.registry.heartbeat_interval_ms,
+            heartbeat_interval_ms=round(self._config.registry.heartbeat_interval_s * 1000),
             ttl_ms=self._config.registry.ttl_ms)
 
     async def Heartbeat(self, request: router_pb2.HeartbeatRequest,
@@ -246,7 +246,7 @@ class RunningRouter:
 async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, RunningRouter]:
     """Starts the router on the configured address (port 0: a free port). Starts even when
     Redis is down: it answers UNAVAILABLE (health NOT_SERVING) until Redis is back."""
-    registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_ms / 1000))
+    registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_s))
     channels = WorkerChannels()
     servicer = RouterServicer(config, registry, channels)
     server, port, health = await create_grpc_server(

@@ -43,7 +43,7 @@ async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, 
     # the dead worker never heartbeats: a TTL longer than the test keeps it registered, so that
     # what removes it from routing is the gateway's failure reports, not expiry (a loaded
     # machine took over the default 3 s for the four requests)
-    async with running_router(ttl_ms=60_000, redis_url=redis_server.url, routing=routing) as router, \
+    async with running_router(ttl_s=60, redis_url=redis_server.url, routing=routing) as router, \
             running_worker(tiny_engine, router, "live"):
         await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))

@@ -38,18 +38,18 @@ class RunningWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_router(ttl_ms: int = 3000, redis_url: str | None = None,
+async def running_router(ttl_s: float = 3.0, redis_url: str | None = None,
                          routing: RoutingSection | None = None, port: int = 0,
                          ) -> AsyncIterator[RunningRouter]:
     """A router on ``port`` (0: a free one) with its registry in Redis at ``redis_url``
     (None: a throwaway Redis of its own). Routers given the same URL share one registry."""
     if redis_url is None:
         with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
-            async with running_router(ttl_ms, redis_server.url, routing, port) as router:
+            async with running_router(ttl_s, redis_server.url, routing, port) as router:
                 yield router
         return
     config = RouterConfig(server=ServerSection(port=port), redis=RedisSection(url=redis_url),
-                          registry=RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
+                          registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
                           routing=routing or RoutingSection())
     server, port, resources = await create_router(config)
     try:

@@ -66,7 +66,7 @@ async def test_two_routers_share_one_registry(redis_server):
         assert (await served_by(b, generate())).worker_id == "w1"
         models = await b.stub.ListModels(router_pb2.ListModelsRequest())
         assert [(m.id, m.workers) for m in models.models] == [(MODEL, 1)]
-    async with running_router(redis_url=redis_server.url, ttl_ms=500) as c:
+    async with running_router(redis_url=redis_server.url, ttl_s=0.5) as c:
         await wait_for_workers(c, lambda ids: not ids)  # silent: gone for every router
 
 

@@ -15,10 +15,10 @@ from router_svc.registry import Registry, RegistrationError, RegistryUnavailable
 from tests.helpers.fleet import info
 
 
-def registry(url: str, ttl_ms: int = 3000) -> Registry:
+def registry(url: str, ttl_s: float = 3.0) -> Registry:
     return Registry(RedisSection(url=url, timeout_s=0.3),
-                    RegistrySection(heartbeat_interval_ms=100, ttl_ms=ttl_ms, refresh_ms=50),
-                    Fleet(ttl_s=ttl_ms / 1000))
+                    RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
+                    Fleet(ttl_s=ttl_s))
 
 
 def ids(r: Registry) -> list[str]:
@@ -43,7 +43,7 @@ async def test_two_routers_share_registrations_and_heartbeats(redis_server):
 
 
 async def test_worker_is_gone_soon_after_its_heartbeats_stop(redis_server):
-    a, b = registry(redis_server.url, ttl_ms=400), registry(redis_server.url, ttl_ms=400)
+    a, b = registry(redis_server.url, ttl_s=0.4), registry(redis_server.url, ttl_s=0.4)
     try:
         await a.register(info("w1"), common_pb2.Load())
         await a.register(info("w2"), common_pb2.Load())

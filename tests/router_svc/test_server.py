@@ -30,7 +30,7 @@ async def test_generate_is_relayed_with_route_and_usage(tiny_engine):
 
 
 async def test_models_listed_and_worker_gone_after_silence(tiny_engine):
-    async with running_router(ttl_ms=500) as router:
+    async with running_router(ttl_s=0.5) as router:
         async with running_worker(tiny_engine, router):
             models = await router.stub.ListModels(router_pb2.ListModelsRequest())
             assert [(m.id, m.workers) for m in models.models] == [(MODEL, 1)]

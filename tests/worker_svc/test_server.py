@@ -161,7 +161,7 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
     try:
         for outage_s in (0.0, 4.0):
             await asyncio.sleep(outage_s)
-            async with running_router(ttl_ms=1000, redis_url=redis_server.url,
+            async with running_router(ttl_s=1.0, redis_url=redis_server.url,
                                       port=int(address.rsplit(":", 1)[1])) as router:
                 back = loop.time()
                 await wait_for_workers(router, lambda ids: "comeback" in ids)
