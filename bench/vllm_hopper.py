@@ -34,7 +34,6 @@ from bench.vllm_vs_torch import _prompts, _start_worker  # noqa: E402
 from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
-
 _Timed = tuple[float, float, list[int]]  # TTFT, TPOT, token ids
 
 

@@ -59,6 +59,8 @@ import secrets
 from typing import Any
 
 from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from gateway.errors import AuthenticationError, RateLimitError
 from gateway.keys import key_tag, redis_key
@@ -267,6 +269,20 @@ def _keys(kid: str) -> dict[str, str]:
             "quota": f"infermesh:quota:{tag}", "usage": f"infermesh:usage:{tag}"}
 
 
+def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | float]]:
+    """The keys and arguments of the settlement script for ``settlement``."""
+    admission = settlement.admission
+    usage = settlement.usage if settlement.served else TokenUsage()
+    keys = _keys(admission.key_id)
+    return ([keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
+             f"{keys['usage']}:d:{_day()}", keys["rpm"],
+             f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}"],
+            [admission.second, admission.reserve, int(admission.tokens_windowed),
+             admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
+             usage.cached_tokens, admission.lease, _USAGE_DAY_TTL_S, int(settlement.served),
+             _SETTLED_TTL_S])
+
+
 def _day(offset: int = 0) -> str:
     today = datetime.datetime.now(datetime.UTC).date()
     return (today - datetime.timedelta(days=offset)).isoformat()
@@ -281,7 +297,9 @@ class Limiter:
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
-        self._settling: set[asyncio.Task[None]] = set()
+        self._unsettled: list[_Settlement] = []  # for the next round trip
+        self._settler: asyncio.Task[None] | None = None
+        self._settle_loaded = False
         # settlements that failed, oldest first, for retry_settlements
         self._failed: collections.deque[_Settlement] = collections.deque()
         self._retry_max = settle_retry_max
@@ -317,42 +335,65 @@ class Limiter:
         and counts nothing (a choice's first tokens, when another choice of the request
         failed, were never delivered). Runs at most once per admission, however often it
         is called."""
-        self._leases.pop(admission.lease, None)
-        if not served:
-            usage = TokenUsage()
-        keys = _keys(admission.key_id)
-        await self._settle(
-            keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
-                  f"{keys['usage']}:d:{_day()}", keys["rpm"],
-                  f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}"],
-            args=[admission.second, admission.reserve, int(admission.tokens_windowed),
-                  admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
-                  usage.cached_tokens, admission.lease,
-                  _USAGE_DAY_TTL_S, int(served), _SETTLED_TTL_S])
+        await self._settle_all([_Settlement(admission, usage, served)])
+
+    async def _settle_all(self, settlements: list[_Settlement]) -> None:
+        """``settle`` for each of ``settlements``, in one round trip to Redis. The script is
+        idempotent per admission, so the whole batch is sent again after Redis had to load
+        it (NOSCRIPT: new or restarted). A Redis Cluster's pipelines refuse scripts: there
+        the settlements go out together, each its own call."""
+        for settlement in settlements:
+            self._leases.pop(settlement.admission.lease, None)
+        calls = [_settle_call(settlement) for settlement in settlements]
+        if isinstance(self._redis, RedisCluster):
+            await asyncio.gather(*(self._settle(keys=keys, args=args) for keys, args in calls))
+            return
+        if not self._settle_loaded:  # once per process: one round trip, not a NOSCRIPT and two
+            await self._redis.script_load(_SETTLE)
+            self._settle_loaded = True
+        try:
+            await self._settle_pipelined(calls)
+        except NoScriptError:
+            await self._redis.script_load(_SETTLE)
+            await self._settle_pipelined(calls)
+
+    async def _settle_pipelined(
+        self, calls: list[tuple[list[str], list[str | int | float]]]
+    ) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+            await pipe.execute()
 
     def settle_soon(self, admission: Admission, usage: TokenUsage, *, served: bool = True,
                     ) -> None:
         """Settles in the background: also when the request's task is being cancelled
-        (a client that went away), and without delaying the response; a settlement that
-        fails is retried by ``retry_settlements``."""
-        settlement = _Settlement(admission, usage, served)
-        task = asyncio.get_running_loop().create_task(self._settle_or_keep(settlement))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        (a client that went away), and without delaying the response. Settlements that
+        come while one round trip is out go together in the next (one pipeline for all
+        keys); a settlement that fails is retried by ``retry_settlements``."""
+        self._unsettled.append(_Settlement(admission, usage, served))
+        if self._settler is None:
+            self._settler = asyncio.get_running_loop().create_task(self._settle_unsettled())
 
     @property
     def pending_settlements(self) -> int:
         """Settlements that failed and wait for Redis."""
         return len(self._failed)
 
-    async def _settle_or_keep(self, settlement: _Settlement) -> None:
+    async def _settle_unsettled(self) -> None:
         try:
-            await self.settle(settlement.admission, settlement.usage, served=settlement.served)
-        except REDIS_ERRORS as e:
-            if not self._failed:
-                logger.warning("could not record usage (%s); keeping settlements to retry",
-                               type(e).__name__)
-            self._keep(settlement)
+            while self._unsettled:
+                batch, self._unsettled = self._unsettled, []
+                try:
+                    await self._settle_all(batch)
+                except REDIS_ERRORS as e:
+                    if not self._failed:
+                        logger.warning("could not record usage (%s); keeping settlements to "
+                                       "retry", type(e).__name__)
+                    for settlement in batch:
+                        self._keep(settlement)
+        finally:
+            self._settler = None
 
     def _keep(self, settlement: _Settlement) -> None:
         self._failed.append(settlement)
@@ -394,8 +435,8 @@ class Limiter:
     async def drain(self) -> None:
         """At shutdown: waits for the settlements in flight and tries the kept ones once
         more; those that still fail are lost (logged)."""
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self._settler is not None:
+            await asyncio.gather(self._settler, return_exceptions=True)
         await self._flush()
         if self._failed:
             logger.error("%d usage settlements lost at shutdown: Redis unreachable",

@@ -1,8 +1,11 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses (``Route``) and the gateway calls the chosen worker
-(``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
+By default the router only chooses and the gateway asks the chosen worker itself, both over
+long-lived streams shared by all requests (``Router.RouteStream``: ``gateway.route_stream``;
+``Worker.Serve``: ``gateway.worker_streams``); with ``[router] streams = false`` they are
+calls of each request's own (``Route``, then ``Generate`` for a streamed request, ``Complete``,
+a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
 (``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker,
@@ -24,6 +27,8 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
+from gateway.route_stream import RouteStream
+from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -52,10 +57,23 @@ class MeshClient:
             interceptors=telemetry.grpc_client_interceptors())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels()
+        self._streams = (WorkerStreams(self._workers, per_worker=config.streams_per_worker,
+                                       buffered_chunks=config.stream_buffer_chunks)
+                         if config.streams else None)
+        self._route_stream = RouteStream(self._stub) if config.streams else None
         self._reports: set[asyncio.Task[None]] = set()
+
+    @property
+    def worker_streams(self) -> WorkerStreams | None:
+        """The long-lived streams to workers; None with ``[router] streams = false``."""
+        return self._streams
 
     async def close(self) -> None:
         await asyncio.gather(*self._reports, return_exceptions=True)
+        if self._streams is not None:
+            await self._streams.close()
+        if self._route_stream is not None:
+            await self._route_stream.close()
         await self._workers.close()
         await self._channel.close()
 
@@ -108,11 +126,14 @@ class MeshClient:
 
     async def _direct(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
-                                       wait_for_ready=False)
+        if self._route_stream is not None:
+            workers = await self._route_stream.route(request, self._config.control_timeout_s)
+        else:
+            workers = list((await self._stub.Route(request, timeout=self._config.control_timeout_s,
+                                                   wait_for_ready=False)).workers)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
-                reply.workers, lambda route: self._from_worker(route, request, stream, deadline, call),
+                workers, lambda route: self._from_worker(route, request, stream, deadline, call),
                 self._report_failure, lambda route: route.worker_id,
                 self._config.stall_timeout_s if stream else None):
             yield chunk
@@ -121,10 +142,14 @@ class MeshClient:
                            stream: bool, deadline: float, call: MeshCall,
                            ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        worker = self._workers.stub(route.address)
-        rpc = worker.Generate if stream else worker.Complete
-        grpc_call = rpc(request, timeout=timeout, wait_for_ready=False)
-        async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
+        if self._streams is not None:
+            chunks = self._streams.generate(route.address, request, whole=not stream,
+                                            timeout_s=timeout)
+        else:
+            worker = self._workers.stub(route.address)
+            rpc = worker.Generate if stream else worker.Complete
+            chunks = call_chunks(rpc(request, timeout=timeout, wait_for_ready=False), stream)
+        async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 call.route = route  # the worker that answered: the fallback, if the first failed
                 yield chunk
@@ -134,8 +159,12 @@ class MeshClient:
         """Tells the router, in the background, so it ejects a worker that keeps failing."""
         logger.warning("worker %s failed %s the first token (%s: %s)", route.worker_id,
                        "after" if started else "before", code.name, details)
-        report = asyncio.create_task(self._report(router_pb2.ReportFailureRequest(
-            worker_id=route.worker_id, code=code.name, details=details)))
+        failure = router_pb2.ReportFailureRequest(worker_id=route.worker_id, code=code.name,
+                                                  details=details)
+        if self._route_stream is not None:
+            self._route_stream.report_failure(failure)
+            return
+        report = asyncio.create_task(self._report(failure))
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
 

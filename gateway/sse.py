@@ -53,9 +53,7 @@ async def stream(request: web.Request, headers: dict[str, str], events: AsyncIte
         except Exception:
             logger.exception("stream of request %s failed", request[REQUEST_ID])
             await response.write(error_event(GatewayError("The stream failed")))
-        if end:
-            await response.write(end)
-        await response.write_eof()
+        await response.write_eof(end)  # the end marker and the stream's end in one write
     except ConnectionResetError:
         logger.info("client closed the stream of request %s", request[REQUEST_ID])
     return response

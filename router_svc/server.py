@@ -19,6 +19,7 @@ from infermesh.grpc_server import create_grpc_server
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.tasks import cancel_and_wait
+from router_svc import route_stream
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
@@ -102,34 +103,63 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Route(self, request: common_pb2.GenerateRequest,
                     context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, router_pb2.RouteResponse]) -> router_pb2.RouteResponse:
-        attempts = await self._decide(request, context)
+        await self._check_registry(context)
+        try:
+            return self.route(request)
+        except RouteError as e:
+            await context.abort(e.code, str(e))
+            raise
+
+    async def RouteStream(self, requests: AsyncIterator[router_pb2.RouteStreamRequest],
+                          context: grpc.aio.ServicerContext[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse],
+                          ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
+        async with contextlib.aclosing(route_stream.answer(self, requests)) as responses:
+            async for response in responses:
+                yield response
+
+    async def ReportFailure(self, request: router_pb2.ReportFailureRequest,
+                            context: grpc.aio.ServicerContext[router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse]) -> router_pb2.ReportFailureResponse:
+        try:
+            self.report_failure(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return router_pb2.ReportFailureResponse()
+
+    def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
+        """Counts a routed worker's failure that a caller saw; ValueError for a bad code."""
+        code = getattr(grpc.StatusCode, request.code, None)
+        if not isinstance(code, grpc.StatusCode):
+            raise ValueError(f"code must be a gRPC status name, got {request.code!r}")
+        worker = self._fleet.get(request.worker_id)
+        if worker is not None:
+            self._failed(worker, code, request.details, started=False)
+
+    def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
+        """Route's answer, the workers counted as routed to; raises RouteError or
+        RegistryUnavailableError."""
+        attempts = self.decide(request)
         trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
         for worker in attempts:
             self._fleet.routed_to(worker)
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
-    async def ReportFailure(self, request: router_pb2.ReportFailureRequest,
-                            context: grpc.aio.ServicerContext[router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse]) -> router_pb2.ReportFailureResponse:
-        code = getattr(grpc.StatusCode, request.code, None)
-        if not isinstance(code, grpc.StatusCode):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"code must be a gRPC status name, got {request.code!r}")
-        worker = self._fleet.get(request.worker_id)
-        if worker is not None:
-            self._failed(worker, code, request.details, started=False)
-        return router_pb2.ReportFailureResponse()
+    def decide(self, request: common_pb2.GenerateRequest) -> list[WorkerEntry]:
+        """The workers to try, best first, with the reasons on the current span; raises
+        RouteError or RegistryUnavailableError."""
+        self._registry.check_available()
+        decision = self._chooser.choose(
+            self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes))
+        _record_decision(trace.get_current_span(), decision)
+        return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
 
     async def _decide(self, request: common_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> list[WorkerEntry]:
-        """The workers to try, best first, with the reasons on the span."""
         await self._check_registry(context)
         try:
-            decision = self._chooser.choose(
-                self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes))
+            return self.decide(request)
         except RouteError as e:
             await context.abort(e.code, str(e))
-        _record_decision(trace.get_current_span(), decision)
-        return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
+            raise  # abort raises; this keeps the type checker informed
 
     def _relayed(self, attempts: list[WorkerEntry], request: common_pb2.GenerateRequest,
                  context: grpc.aio.ServicerContext[Any, Any], *, stream: bool,

@@ -69,20 +69,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
             async for chunk in chunks:
-                yield _to_proto(chunk)
+                yield to_proto(chunk)
 
     async def Complete(self, request: common_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> common_pb2.GenerateResponse:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-            return _to_proto(merge_chunks([chunk async for chunk in chunks]))
+            return to_proto(merge_chunks([chunk async for chunk in chunks]))
 
     async def _chunks(self, request: common_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, Any]) -> AsyncGenerator[GenerationChunk, None]:
-        """The engine's chunks for ``request``, timed; bad requests abort the call."""
+        """The engine's chunks for ``request``; a failed request aborts the call."""
+        try:
+            async with contextlib.aclosing(self.chunks(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except RequestFailedError as e:
+            await context.abort(e.code, e.details)
+
+    async def chunks(self, request: common_pb2.GenerateRequest,
+                     ) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks for ``request``, timed under the current span; a request this
+        worker cannot serve raises RequestFailedError with its status."""
         if request.model not in self.info.models:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served here; "
-                                f"served: {', '.join(self.info.models)}")
+            raise RequestFailedError(grpc.StatusCode.NOT_FOUND,
+                                     f"model {request.model!r} is not served here; "
+                                     f"served: {', '.join(self.info.models)}")
         caps = self.info.capabilities
         trace.get_current_span().set_attributes({
             "infermesh.worker_id": self.info.worker_id, "infermesh.device": caps.device,
@@ -96,12 +107,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield chunk
         except InvalidRequestError as e:
             timing.status = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestFailedError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except EngineOverloadedError as e:
             timing.status = "RESOURCE_EXHAUSTED"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise RequestFailedError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             timing.end()
+
+
+class RequestFailedError(Exception):
+    """A request the worker does not serve, with the gRPC status it ends with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class _Timing:
@@ -157,6 +177,8 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     # the request arrives as bytes (no deserializer); the servicer sees the parsed message
     Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
 
+    from worker_svc import stream_server  # it builds on this module's servicer
+
     async def parse(data: bytes, context: Context) -> common_pb2.GenerateRequest:
         try:
             return common_pb2.GenerateRequest.FromString(data)
@@ -179,6 +201,7 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info, request_deserializer=worker_pb2.InfoRequest.FromString,
             response_serializer=worker_pb2.InfoResponse.SerializeToString),
+        "Serve": stream_server.serve_handler(servicer),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
@@ -225,7 +248,7 @@ def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
         json_schema=request.json_schema or None)
 
 
-def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
+def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
     response = common_pb2.GenerateResponse(
         text=chunk.text, token_ids=chunk.token_ids,
         finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED if chunk.finish_reason is None

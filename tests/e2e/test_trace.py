@@ -67,8 +67,11 @@ async def test_one_trace_spans_all_three_services(mesh, api_key, otlp_receiver):
             chain.append(service)
         return chain
 
+    # the request's span on the worker: its own, in the request's trace, linked to the span of
+    # the long-lived stream it travelled on (a trace of its own), not one span per message
     worker_server = next(span for service, span in spans if service == "infermesh-worker"
-                         and span.name.endswith("Worker/Generate"))
+                         and span.name == "infermesh.v1.Worker/Serve request")
+    assert [link.trace_id != trace_id for link in worker_server.links] == [True]
     # the router chose (Route), the gateway streamed from the worker: both under the gateway
     router_server = next(span for service, span in spans if service == "infermesh-router"
                          and span.name.endswith("Router/Route"))

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import jsonschema

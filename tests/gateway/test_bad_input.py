@@ -2,6 +2,8 @@
 unpaired surrogates, non-ASCII digits, oversized names, two credentials."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.config import RouterSection
@@ -9,6 +11,7 @@ from gateway.errors import GatewayError
 from gateway.mesh_client import MeshClient
 from infermesh.cli import rawhttp
 from infermesh.pb import common_pb2
+from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
 from tests.helpers.inprocess import register_unreachable_worker
 
@@ -89,9 +92,10 @@ async def test_a_100_kb_model_name_is_a_400_naming_model(gateway, api_key, path,
 
 async def test_grpc_size_limits_are_not_a_rate_limit(router):
     """The router answers an unknown 100 KB model name with a status quoting it, past gRPC's
-    metadata limit: the client is told the request is too large, not to retry."""
+    metadata limit (a Route call's; on the route stream the decision carries it in its
+    message): the client is told the request is too large, not to retry."""
     await register_unreachable_worker(router)
-    client = MeshClient(RouterSection(address=router.address))
+    client = MeshClient(RouterSection(address=router.address, streams=False))
     try:
         with pytest.raises(GatewayError) as caught:
             async for _ in client.generate(common_pb2.GenerateRequest(
@@ -121,3 +125,21 @@ async def test_a_key_that_is_not_utf8_is_a_401(gateway):
         "GET", "/v1/models", [("Authorization", "Bearer sk-\udcff\udcfe")]))
     assert response.status == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_a_request_past_the_message_size_limit_fails_alone_on_the_streams(router, worker):
+    """A request too large for one gRPC message is a 413 of its own: sent on a stream shared with
+    other requests it would end the stream, and them with it."""
+    client = MeshClient(RouterSection(address=router.address))
+
+    async def ask(prompt: str) -> list[common_pb2.GenerateResponse]:
+        return [chunk async for chunk in client.generate(common_pb2.GenerateRequest(
+            request_id="r", model=MODEL, prompt=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=2)), stream=True)]
+    try:
+        huge, small = await asyncio.gather(ask("x" * 5_000_000), ask("hi"),
+                                           return_exceptions=True)
+    finally:
+        await client.close()
+    assert isinstance(huge, GatewayError) and huge.status == 413
+    assert not isinstance(small, BaseException) and small[-1].finish_reason
