@@ -30,6 +30,7 @@ of 64 tokens delivered one event per token shows 64 plus its role, finish and us
 CPU milliseconds per request of the process that served the path on core 0 (gateway or LiteLLM)
 and of the router.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,12 @@ _START_TIMEOUT_S = 120.0
 _MESSAGES = [{"role": "user", "content": "Benchmark the mesh, please."}]
 _PATHS = ("direct", "router", "mesh", "calls", "relay", "upstream", "litellm")
 _REFERENCE = {"litellm": "upstream"}  # else direct
-_SERVED_BY = {"mesh": "gateway", "calls": "calls-gateway", "relay": "relay-gateway",
-              "litellm": "litellm"}
+_SERVED_BY = {
+    "mesh": "gateway",
+    "calls": "calls-gateway",
+    "relay": "relay-gateway",
+    "litellm": "litellm",
+}
 _LITELLM_KEY = "sk-bench-litellm-0123456789abcdef"
 _LITELLM_MODEL = "zero"
 
@@ -102,11 +107,17 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
     def of(pid: int) -> float:
         process = psutil.Process(pid)
         return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
     return {name: of(pid) for name, pid in pids.items()}
 
 
-async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaitable[Answer]],
-                   pids: dict[str, int], pin: bool) -> Run:
+async def _measure(
+    concurrency: int,
+    duration_s: float,
+    one: Callable[[], Awaitable[Answer]],
+    pids: dict[str, int],
+    pin: bool,
+) -> Run:
     """Closed loop: ``concurrency`` clients each sending ``one()`` back to back."""
     loop = asyncio.get_running_loop()
 
@@ -116,6 +127,7 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
                 started = time.perf_counter()
                 answers.append(await one())
                 latencies.append(time.perf_counter() - started)
+
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
     await clients(loop.time() + _WARMUP_S, [], [])
@@ -127,17 +139,32 @@ async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaita
     await clients(loop.time() + duration_s, latencies, answers)
     elapsed = time.perf_counter() - started
     cpu_after = _cpu(pids)
-    return Run(len(latencies), sum(t for t, _ in answers), sum(e for _, e in answers), elapsed,
-               latencies, {name: cpu_after[name] - cpu_before[name] for name in pids})
+    return Run(
+        len(latencies),
+        sum(t for t, _ in answers),
+        sum(e for _, e in answers),
+        elapsed,
+        latencies,
+        {name: cpu_after[name] - cpu_before[name] for name in pids},
+    )
 
 
-def _grpc_one(stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub, model: str, max_tokens: int, unary: bool) -> Callable[[], Awaitable[Answer]]:
+def _grpc_one(
+    stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub,
+    model: str,
+    max_tokens: int,
+    unary: bool,
+) -> Callable[[], Awaitable[Answer]]:
     request = common_pb2.GenerateRequest(
-        model=model, messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+        model=model,
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     if unary:
+
         async def complete() -> Answer:
             return len((await stub.Complete(request)).token_ids), 0
+
         return complete
 
     async def one() -> Answer:
@@ -145,14 +172,23 @@ def _grpc_one(stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub, mod
         async for chunk in stub.Generate(request):
             tokens += len(chunk.token_ids)
         return tokens, 0
+
     return one
 
 
-def _http_one(session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int,
-              stream: bool) -> Callable[[], Awaitable[Answer]]:
-    body = json.dumps({"model": model, "messages": _MESSAGES, "temperature": 0,
-                       "max_tokens": max_tokens, "stream": stream,
-                       **({"stream_options": {"include_usage": True}} if stream else {})})
+def _http_one(
+    session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int, stream: bool
+) -> Callable[[], Awaitable[Answer]]:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": _MESSAGES,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
+    )
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
     async def one() -> Answer:
@@ -167,55 +203,85 @@ def _http_one(session: aiohttp.ClientSession, url: str, key: str, model: str, ma
                     last = line
                     events += 1
             return json.loads(last[6:])["usage"]["completion_tokens"], events
+
     return one
 
 
 async def _model(session: aiohttp.ClientSession, base_url: str, key: str) -> str:
-    async with session.get(f"{base_url}/models",
-                           headers={"Authorization": f"Bearer {key}"}) as response:
+    async with session.get(
+        f"{base_url}/models", headers={"Authorization": f"Bearer {key}"}
+    ) as response:
         return (await response.json())["data"][0]["id"]
 
 
-async def _bench(args: argparse.Namespace, urls: dict[str, str], key: str, router_address: str,
-                 worker_address: str, pids: dict[str, int]) -> None:
+async def _bench(
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    key: str,
+    router_address: str,
+    worker_address: str,
+    pids: dict[str, int],
+) -> None:
     if not args.unpinned:
         os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session, \
-            grpc.aio.insecure_channel(worker_address) as worker_channel, \
-            grpc.aio.insecure_channel(router_address) as router_channel:
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        grpc.aio.insecure_channel(worker_address) as worker_channel,
+        grpc.aio.insecure_channel(router_address) as router_channel,
+    ):
         model = await _model(session, urls["mesh"], key)
         worker = worker_pb2_grpc.WorkerStub(worker_channel)
         router = router_pb2_grpc.RouterStub(router_channel)
-        print(f"{'mode':<10} {'c':>3} {'path':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'ev/req':>7} {'core0 ms CPU/req':>17} "
-              f"{'rt ms CPU/req':>14}", flush=True)
+        print(
+            f"{'mode':<10} {'c':>3} {'path':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'ev/req':>7} {'core0 ms CPU/req':>17} "
+            f"{'rt ms CPU/req':>14}",
+            flush=True,
+        )
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
                 paths: dict[str, Callable[[], Awaitable[Answer]]] = {
                     "direct": _grpc_one(worker, model, max_tokens, unary=not stream),
-                    "router": _grpc_one(router, model, max_tokens, unary=not stream)}
+                    "router": _grpc_one(router, model, max_tokens, unary=not stream),
+                }
                 for path in ("mesh", "calls", "relay"):
-                    paths[path] = _http_one(session, f"{urls.get(path)}/chat/completions", key,
-                                            model, max_tokens, stream)
+                    paths[path] = _http_one(
+                        session,
+                        f"{urls.get(path)}/chat/completions",
+                        key,
+                        model,
+                        max_tokens,
+                        stream,
+                    )
                 for path in ("upstream", "litellm"):
-                    paths[path] = _http_one(session, f"{urls.get(path)}/chat/completions",
-                                            _LITELLM_KEY, _LITELLM_MODEL, max_tokens, stream)
+                    paths[path] = _http_one(
+                        session,
+                        f"{urls.get(path)}/chat/completions",
+                        _LITELLM_KEY,
+                        _LITELLM_MODEL,
+                        max_tokens,
+                        stream,
+                    )
                 references: dict[str, Run] = {}
                 for path in args.paths:
-                    run = await _measure(concurrency, args.duration, paths[path], pids,
-                                         not args.unpinned)
+                    run = await _measure(
+                        concurrency, args.duration, paths[path], pids, not args.unpinned
+                    )
                     references.setdefault(path, run)
                     reference = references.get(_REFERENCE.get(path, "direct"), run)
                     served_cpu_s = run.cpu_s[_SERVED_BY[path]] if path in _SERVED_BY else 0.0
                     events = f"{run.events / run.requests:>7.1f}" if run.events else f"{'':>7}"
-                    print(f"{mode:<10} {concurrency:>3} {path:<8} "
-                          f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
-                          f"{run.pct(0.99):>8.2f} {run.pct(0.5) - reference.pct(0.5):>8.2f} "
-                          f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
-                          f"{run.tokens / run.elapsed_s:>9.0f} {events} "
-                          f"{served_cpu_s * 1000 / run.requests:>17.3f} "
-                          f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}", flush=True)
+                    print(
+                        f"{mode:<10} {concurrency:>3} {path:<8} "
+                        f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
+                        f"{run.pct(0.99):>8.2f} {run.pct(0.5) - reference.pct(0.5):>8.2f} "
+                        f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
+                        f"{run.tokens / run.elapsed_s:>9.0f} {events} "
+                        f"{served_cpu_s * 1000 / run.requests:>17.3f} "
+                        f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}",
+                        flush=True,
+                    )
 
 
 class _LiteLLM:
@@ -228,8 +294,13 @@ class _LiteLLM:
 
     def __enter__(self) -> _LiteLLM:
         self._processes["upstream"] = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("zero_upstream.py")),
-             "--port", str(self.upstream_port)])
+            [
+                sys.executable,
+                str(Path(__file__).with_name("zero_upstream.py")),
+                "--port",
+                str(self.upstream_port),
+            ]
+        )
         self._wait(self.upstream_port, "/v1/models", "the zero-latency upstream")
         if self._executable is not None:
             config = self._workdir / "litellm.yaml"
@@ -239,13 +310,26 @@ class _LiteLLM:
                 "    litellm_params:\n"
                 f"      model: openai/{_LITELLM_MODEL}\n"
                 f"      api_base: http://127.0.0.1:{self.upstream_port}/v1\n"
-                "      api_key: sk-upstream\n")
+                "      api_key: sk-upstream\n"
+            )
             log = (self._workdir / "litellm.log").open("wb")
             self._processes["litellm"] = subprocess.Popen(
-                [self._executable, "--config", str(config), "--host", "127.0.0.1",
-                 "--port", str(self.proxy_port), "--num_workers", "1"],
-                cwd=self._workdir, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "LITELLM_MASTER_KEY": _LITELLM_KEY, "LITELLM_LOG": "ERROR"})
+                [
+                    self._executable,
+                    "--config",
+                    str(config),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.proxy_port),
+                    "--num_workers",
+                    "1",
+                ],
+                cwd=self._workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "LITELLM_MASTER_KEY": _LITELLM_KEY, "LITELLM_LOG": "ERROR"},
+            )
             self._wait(self.proxy_port, "/health/liveliness", "LiteLLM's proxy")
         return self
 
@@ -259,8 +343,9 @@ class _LiteLLM:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1):
                     return
             except OSError:
-                if time.monotonic() > deadline or any(p.poll() is not None
-                                                      for p in self._processes.values()):
+                if time.monotonic() > deadline or any(
+                    p.poll() is not None for p in self._processes.values()
+                ):
                     raise RuntimeError(f"{what} did not start") from None
                 time.sleep(0.2)
 
@@ -278,40 +363,60 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--paths", nargs="+", choices=_PATHS,
-                        default=["direct", "mesh", "upstream", "litellm"])
-    parser.add_argument("--gateway-processes", type=int, default=1,
-                        help="[server] processes of the mesh's gateways")
-    parser.add_argument("--unpinned", action="store_true",
-                        help="pin nothing: every process on any core")
-    parser.add_argument("--litellm", default=None,
-                        help="LiteLLM's executable (its own venv); needed for path litellm")
+    parser.add_argument(
+        "--paths", nargs="+", choices=_PATHS, default=["direct", "mesh", "upstream", "litellm"]
+    )
+    parser.add_argument(
+        "--gateway-processes", type=int, default=1, help="[server] processes of the mesh's gateways"
+    )
+    parser.add_argument(
+        "--unpinned", action="store_true", help="pin nothing: every process on any core"
+    )
+    parser.add_argument(
+        "--litellm",
+        default=None,
+        help="LiteLLM's executable (its own venv); needed for path litellm",
+    )
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
-        print("needs two cores: gateway and router on one, worker and load on the other",
-              file=sys.stderr)
+        print(
+            "needs two cores: gateway and router on one, worker and load on the other",
+            file=sys.stderr,
+        )
         return 1
     if "litellm" in args.paths and args.litellm is None:
         print("path litellm needs --litellm (e.g. a venv's bin/litellm)", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         spec = MeshSpec(
-            redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-            router_port=free_port(), worker_ports=(free_port(),), log_dir=Path(workdir),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
-                 "INFERMESH_WORKER_ENGINE_KIND": "sim",
-                 "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-                 "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-                 "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
-                 "INFERMESH_GATEWAY_SERVER_PROCESSES": str(args.gateway_processes)})
+            redis_url=redis_server.url,
+            model_path=DEFAULT_MODEL_PATH,
+            gateway_port=free_port(),
+            router_port=free_port(),
+            worker_ports=(free_port(),),
+            log_dir=Path(workdir),
+            env={
+                "OTEL_SDK_DISABLED": "true",
+                "INFERMESH_LOG_LEVEL": "WARNING",
+                "INFERMESH_WORKER_ENGINE_KIND": "sim",
+                "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+                "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+                "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+                "INFERMESH_GATEWAY_SERVER_PROCESSES": str(args.gateway_processes),
+            },
+        )
         litellm = args.litellm if "litellm" in args.paths else None
         with Mesh(spec) as mesh, _LiteLLM(Path(workdir), litellm) as proxy:
-            urls = {"mesh": spec.base_url,
-                    "upstream": f"http://127.0.0.1:{proxy.upstream_port}/v1",
-                    "litellm": f"http://127.0.0.1:{proxy.proxy_port}/v1"}
+            urls = {
+                "mesh": spec.base_url,
+                "upstream": f"http://127.0.0.1:{proxy.upstream_port}/v1",
+                "litellm": f"http://127.0.0.1:{proxy.proxy_port}/v1",
+            }
             pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway")}
-            for path, env in (("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
-                              ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"})):
+            for path, env in (
+                ("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
+                ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"}),
+            ):
                 if path in args.paths:
                     port = free_port()
                     mesh.add_gateway(_SERVED_BY[path], port, env)
@@ -319,14 +424,23 @@ def main() -> int:
                     pids[_SERVED_BY[path]] = mesh.pid(_SERVED_BY[path])
             pids.update(proxy.pids())
             key = asyncio.run(_create_key(redis_server.url))
-            pinning = ("unpinned" if args.unpinned else
-                       f"gateway+router (and LiteLLM) on core {_MESH_CORE}, worker (and "
-                       f"upstream)+load on core {_LOAD_CORE}")
-            print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
-                  f"{args.duration:.0f} s per point; {args.gateway_processes} gateway "
-                  f"process(es); {pinning}", flush=True)
-            asyncio.run(_bench(args, urls, key, spec.router_address,
-                               f"127.0.0.1:{spec.worker_ports[0]}", pids))
+            pinning = (
+                "unpinned"
+                if args.unpinned
+                else f"gateway+router (and LiteLLM) on core {_MESH_CORE}, worker (and "
+                f"upstream)+load on core {_LOAD_CORE}"
+            )
+            print(
+                f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
+                f"{args.duration:.0f} s per point; {args.gateway_processes} gateway "
+                f"process(es); {pinning}",
+                flush=True,
+            )
+            asyncio.run(
+                _bench(
+                    args, urls, key, spec.router_address, f"127.0.0.1:{spec.worker_ports[0]}", pids
+                )
+            )
     return 0
 
 

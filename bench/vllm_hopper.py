@@ -109,8 +109,8 @@ def main() -> None:
     print(f"FP8 in effect on both: {'yes' if fp8 else 'NO'}")
     greedy = [[t for _, _, t in results[k].batch] for k in ("vllm", "checkpoint")]
     agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-        for x, y in zip(*greedy)
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(*greedy, strict=True)
     ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
     for label, c in (("single", 1), ("batch", args.prompts)):

@@ -8,6 +8,7 @@ sequence per step (a step costs nothing: the loop only yields to the event loop 
 steps), and a streamed answer is one SSE event per token. Every answer is ``max_tokens``
 tokens long.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,33 +59,51 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     max_tokens = int(body.get("max_tokens") or 16)
     prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
     created, ident, model = int(time.time()), "chatcmpl-zero", body["model"]
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-             "total_tokens": prompt_tokens + max_tokens}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": max_tokens,
+        "total_tokens": prompt_tokens + max_tokens,
+    }
     queue = steps.start(max_tokens)
     try:
         if not body.get("stream"):
             while await queue.get():
                 pass
-            return web.json_response({
-                "id": ident, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "finish_reason": "length", "message": {
-                    "role": "assistant", "content": _WORD * max_tokens}}],
-                "usage": usage})
+            return web.json_response(
+                {
+                    "id": ident,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "length",
+                            "message": {"role": "assistant", "content": _WORD * max_tokens},
+                        }
+                    ],
+                    "usage": usage,
+                }
+            )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        frame = {"id": ident, "object": "chat.completion.chunk", "created": created,
-                 "model": model}
+        frame = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
         while True:
             left = await queue.get()
-            choice = {"index": 0, "delta": {"content": _WORD},
-                      "finish_reason": None if left else "length"}
-            await response.write(b"data: " + json.dumps({**frame, "choices": [choice]}).encode()
-                                 + b"\n\n")
+            choice = {
+                "index": 0,
+                "delta": {"content": _WORD},
+                "finish_reason": None if left else "length",
+            }
+            await response.write(
+                b"data: " + json.dumps({**frame, "choices": [choice]}).encode() + b"\n\n"
+            )
             if not left:
                 break
         if (body.get("stream_options") or {}).get("include_usage"):
-            await response.write(b"data: " + json.dumps({**frame, "choices": [], "usage": usage})
-                                 .encode() + b"\n\n")
+            await response.write(
+                b"data: " + json.dumps({**frame, "choices": [], "usage": usage}).encode() + b"\n\n"
+            )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -3,6 +3,7 @@
 The config file may also be named by ``INFERMESH_GATEWAY_CONFIG``; every key
 can be overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,20 +36,30 @@ async def serve(config: GatewayConfig) -> None:
     ``[server] processes`` > 1, beside that many - 1 sibling processes on the same port."""
     telemetry.instrument_redis()
     siblings = start_siblings(config.server.processes - 1)
-    runner = GatewayRunner(create_app(config), config.server, access_log_class=AccessLogger,
-                           handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+    runner = GatewayRunner(
+        create_app(config),
+        config.server,
+        access_log_class=AccessLogger,
+        handler_cancellation=True,
+        shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+    )
     await runner.setup()
     gc.freeze()  # start-up's objects stay out of every later collection
     try:
         try:
-            await web.TCPSite(runner, config.server.host, config.server.port,
-                              reuse_port=config.server.processes > 1).start()
+            await web.TCPSite(
+                runner,
+                config.server.host,
+                config.server.port,
+                reuse_port=config.server.processes > 1,
+            ).start()
         except OSError as e:
             logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
             raise
         host, port = runner.addresses[0][:2]
-        logger.info("gateway listening on http://%s:%d/v1 (router %s)", host, port,
-                    config.router.address)
+        logger.info(
+            "gateway listening on http://%s:%d/v1 (router %s)", host, port, config.router.address
+        )
         await asyncio.Event().wait()
     finally:
         try:

@@ -5,6 +5,7 @@ Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
 overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,10 +46,14 @@ class ServerSection:
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.alias_base and (not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
-                                or self.alias_base in ("/v1", "/admin")):
-            raise ValueError(f"alias_base must be a path such as /api (not /v1 or /admin), "
-                             f"got {self.alias_base!r}")
+        if self.alias_base and (
+            not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
+            or self.alias_base in ("/v1", "/admin")
+        ):
+            raise ValueError(
+                f"alias_base must be a path such as /api (not /v1 or /admin), "
+                f"got {self.alias_base!r}"
+            )
 
 
 @section
@@ -109,8 +114,12 @@ class RouterSection:
     stream_buffer_chunks: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
-                     "stall_timeout_s"):
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "control_timeout_s",
+            "stall_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("streams_per_worker", "stream_buffer_chunks"):
@@ -133,8 +142,9 @@ class LimitsSection:
 
     def __post_init__(self) -> None:
         if self.default_completion_reserve < 0:
-            raise ValueError(f"default_completion_reserve must be >= 0, "
-                             f"got {self.default_completion_reserve}")
+            raise ValueError(
+                f"default_completion_reserve must be >= 0, got {self.default_completion_reserve}"
+            )
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if self.settle_retry_max < 0:
@@ -145,6 +155,7 @@ class LimitsSection:
 class AdminSection:
     """The admin API (/admin/keys) credential: the token itself, or better its SHA-256 hex.
     With neither set the admin API refuses every call."""
+
     token: str = ""
     token_sha256: str = ""
 

@@ -1,6 +1,7 @@
 """Serving ``POST /v1/messages``: Anthropic's Messages API over the same mesh,
 keys and limits, so Claude-style clients work with the gateway's keys
 (``x-api-key`` or Bearer). Errors use Anthropic's shape (see ``gateway.errors``)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -19,28 +20,45 @@ from gateway.validation import estimate_tokens, read_json
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = wire.parse_messages_request(await read_json(request))
     prompt = "".join(m.content for m in body.router_messages())
-    plan = Plan(model=body.model, requests=[body.generate_request(request[REQUEST_ID])],
-                prompt_estimates=[estimate_tokens(prompt)], prompt_of=[0],
-                max_tokens=body.max_tokens, stream=body.stream)
+    plan = Plan(
+        model=body.model,
+        requests=[body.generate_request(request[REQUEST_ID])],
+        prompt_estimates=[estimate_tokens(prompt)],
+        prompt_of=[0],
+        max_tokens=body.max_tokens,
+        stream=body.stream,
+    )
 
     async with generate(request, plan) as (generation, headers):
         if body.stream:
-            return await sse.stream(request, headers, _events(body, generation),
-                                    lambda e: sse.anthropic_event(e.anthropic_body()))
+            return await sse.stream(
+                request,
+                headers,
+                _events(body, generation),
+                lambda e: sse.anthropic_event(e.anthropic_body()),
+            )
         return await _collect(body, generation, headers)
 
 
-async def _collect(body: wire.MessagesRequest, generation: Generation,
-                   headers: dict[str, str]) -> web.Response:
+async def _collect(
+    body: wire.MessagesRequest, generation: Generation, headers: dict[str, str]
+) -> web.Response:
     texts, stop, calls = [], None, ToolCalls()
     async for _, chunk in generation.chunks():
         texts.append(chunk.text)
         calls.add(chunk.tool_calls)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    return web.json_response(wire.message(wire.message_id(), body.model, "".join(texts),
-                                          _stop_reason(stop), generation.usage(),
-                                          calls.message_field()),
-                             headers=headers)
+    return web.json_response(
+        wire.message(
+            wire.message_id(),
+            body.model,
+            "".join(texts),
+            _stop_reason(stop),
+            generation.usage(),
+            calls.message_field(),
+        ),
+        headers=headers,
+    )
 
 
 def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:

@@ -6,6 +6,7 @@ An ask is answered by its id; the router still makes every decision. The stream 
 on first use and again after it broke; a break fails the asks waiting on it with its status,
 as failed Route calls would.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,9 @@ class RouteStream:
         self._ids = itertools.count(1)
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def route(self, request: common_pb2.GenerateRequest,
-                    timeout_s: float) -> list[common_pb2.Route]:
+    async def route(
+        self, request: common_pb2.GenerateRequest, timeout_s: float
+    ) -> list[common_pb2.Route]:
         """The workers to try, best first; raises ``grpc.aio.AioRpcError`` as Route would
         (DEADLINE_EXCEEDED after ``timeout_s``)."""
         check_size(request)
@@ -85,8 +87,9 @@ class RouteStream:
             async with asyncio.timeout(timeout_s):
                 decision = await decided
         except TimeoutError:
-            raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             "the router did not decide in time") from None
+            raise call_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "the router did not decide in time"
+            ) from None
         finally:
             call.waiting.pop(ask_id, None)
         if decision.code:

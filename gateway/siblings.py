@@ -1,6 +1,7 @@
 """``[server] processes = N``: the first gateway process starts N - 1 more like itself (same
 arguments and environment, one process each) that listen on the same port with SO_REUSEPORT,
 and stops them when it stops."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,10 @@ def start_siblings(count: int) -> list[subprocess.Popen[bytes]]:
     if os.environ.get(_SIBLING_ENV):
         return []
     env = {**os.environ, _SIBLING_ENV: "1"}
-    return [subprocess.Popen([sys.executable, "-m", "gateway", *sys.argv[1:]], env=env)
-            for _ in range(count)]
+    return [
+        subprocess.Popen([sys.executable, "-m", "gateway", *sys.argv[1:]], env=env)
+        for _ in range(count)
+    ]
 
 
 async def stop_siblings(siblings: list[subprocess.Popen[bytes]], timeout_s: float) -> None:

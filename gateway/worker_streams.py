@@ -13,6 +13,7 @@ requests go on. A stream that breaks fails every request still open on it with t
 stream's status, as a failed call would (``infermesh.failover`` then tries the fallback
 worker before the first chunk, and ends the request cleanly after it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,9 +55,12 @@ class _Request:
     def push(self, chunk: common_pb2.GenerateResponse) -> bool:
         """Buffers ``chunk``; False when the buffer overflowed (the request then failed)."""
         if len(self._chunks) >= self._limit:
-            self.fail(ClientTooSlowError(
-                f"The client read the stream too slowly: more than {self._limit} chunks waited "
-                "for it, so the request was ended"))
+            self.fail(
+                ClientTooSlowError(
+                    f"The client read the stream too slowly: more than {self._limit} chunks waited "
+                    "for it, so the request was ended"
+                )
+            )
             return False
         self._chunks.append(chunk)
         if chunk.finish_reason:
@@ -102,15 +106,17 @@ class _Stream:
         finally:
             otel_context.detach(token)
 
-    def open(self, request: common_pb2.GenerateRequest, *, whole: bool,
-             timeout_s: float) -> _Request:
+    def open(
+        self, request: common_pb2.GenerateRequest, *, whole: bool, timeout_s: float
+    ) -> _Request:
         if self.broken:
             raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
         check_size(request)
         opened = _Request(next(self._ids), self._buffered_chunks)
         self._requests[opened.id] = opened
         message = self._outgoing.message.open.add(
-            id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000)))
+            id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
+        )
         if telemetry.tracing_enabled():
             propagate.inject(message.trace_context)
         self._outgoing.changed()
@@ -143,9 +149,11 @@ class _Stream:
             self.broken = True
             requests, self._requests = self._requests, {}
             for opened in requests.values():
-                opened.fail(call_error(error.code(), error.details() or error.code().name)
-                            if error is not None else
-                            call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream"))
+                opened.fail(
+                    call_error(error.code(), error.details() or error.code().name)
+                    if error is not None
+                    else call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
+                )
             await self._outgoing.close()
 
     async def close(self) -> None:
@@ -165,17 +173,25 @@ class WorkerStreams:
         self._turn = itertools.count()
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def generate(self, address: str, request: common_pb2.GenerateRequest, *,
-                       whole: bool, timeout_s: float,
-                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    async def generate(
+        self,
+        address: str,
+        request: common_pb2.GenerateRequest,
+        *,
+        whole: bool,
+        timeout_s: float,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The request's chunks from the worker at ``address`` (``whole``: only the last, the
         whole completion). Fails as the call would: ``grpc.aio.AioRpcError`` with the
         worker's status, DEADLINE_EXCEEDED after ``timeout_s``. Closing the iterator early
         cancels the request on the worker."""
         stream = self._stream(address)
         opened = stream.open(request, whole=whole, timeout_s=timeout_s)
-        expiry = asyncio.get_running_loop().call_later(timeout_s, opened.fail, call_error(
-            grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
+        expiry = asyncio.get_running_loop().call_later(
+            timeout_s,
+            opened.fail,
+            call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+        )
         try:
             while (chunk := await opened.next()) is not None:
                 yield chunk

@@ -1,4 +1,5 @@
 """The sending side of a long-lived bidirectional gRPC call that many requests share."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,10 @@ def check_size(request: ProtoMessage) -> None:
     and wording gRPC gives a call whose message is too large."""
     size = request.ByteSize()
     if size > MAX_MESSAGE_BYTES:
-        raise call_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"Sent message larger than max ({size} vs. {MAX_MESSAGE_BYTES})")
+        raise call_error(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Sent message larger than max ({size} vs. {MAX_MESSAGE_BYTES})",
+        )
 
 
 def split(message: Message, budget: int = MAX_MESSAGE_BYTES) -> list[Message]:

@@ -5,8 +5,10 @@ The asks of one message are decided together, in order, and answered in one mess
 decision is made exactly as Route makes it (the same chooser, the same span attributes),
 on a span of its own in the ask's trace, linked to the stream's span.
 """
+
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -23,32 +25,36 @@ if TYPE_CHECKING:
 _tracer = trace.get_tracer(__name__)
 
 
-async def answer(servicer: RouterServicer,
-                 requests: AsyncIterator[router_pb2.RouteStreamRequest],
-                 ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
+async def answer(
+    servicer: RouterServicer,
+    requests: AsyncIterator[router_pb2.RouteStreamRequest],
+) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
     stream_span = trace.get_current_span().get_span_context()
     links = [trace.Link(stream_span)] if stream_span.is_valid else []
     async for message in requests:
         for failure in message.failures:
-            try:
+            # a report the router cannot read changes nothing; the caller goes on
+            with contextlib.suppress(ValueError):
                 servicer.report_failure(failure)
-            except ValueError:
-                pass  # a report the router cannot read changes nothing; the caller goes on
         if message.asks:
             yield router_pb2.RouteStreamResponse(
-                decisions=[_decide(servicer, ask, links) for ask in message.asks])
+                decisions=[_decide(servicer, ask, links) for ask in message.asks]
+            )
 
 
-def _decide(servicer: RouterServicer, ask: router_pb2.RouteAsk,
-            links: list[trace.Link]) -> router_pb2.RouteDecision:
+def _decide(
+    servicer: RouterServicer, ask: router_pb2.RouteAsk, links: list[trace.Link]
+) -> router_pb2.RouteDecision:
     parent = propagate.extract(dict(ask.trace_context))
-    with _tracer.start_as_current_span("infermesh.v1.Router/Route", context=parent,
-                                       kind=trace.SpanKind.SERVER, links=links):
+    with _tracer.start_as_current_span(
+        "infermesh.v1.Router/Route", context=parent, kind=trace.SpanKind.SERVER, links=links
+    ):
         try:
             reply = servicer.route(ask.request)
         except RouteError as e:
             return router_pb2.RouteDecision(id=ask.id, code=e.code.value[0], details=str(e))
         except RegistryUnavailableError as e:
-            return router_pb2.RouteDecision(id=ask.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                            details=f"{e}; retry later")
+            return router_pb2.RouteDecision(
+                id=ask.id, code=grpc.StatusCode.UNAVAILABLE.value[0], details=f"{e}; retry later"
+            )
         return router_pb2.RouteDecision(id=ask.id, workers=reply.workers)

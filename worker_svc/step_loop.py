@@ -7,6 +7,7 @@ each stream's thread-safe `emit`; the async front (worker_svc.engine.Engine) val
 tokenizes requests and hands them over as `Stream`s. Request lifecycle: waiting -> running ->
 finished, or aborted when the consumer goes away (its blocks are freed at the next step).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,7 +63,9 @@ class Stream:
 
     def finish_reason(self, token: int) -> FinishReason | None:
         if token in self.stop_token_ids:
-            return "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
+            return (
+                "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
+            )
         if len(self.seq.token_ids) >= self.max_len:
             return "length"
         return None
@@ -75,7 +78,9 @@ class StepLoop:
     thread.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int):
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int
+    ):
         self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
         self._max_waiting = max_waiting
         self._lock = threading.Condition()
@@ -112,8 +117,11 @@ class StepLoop:
 
     def load(self) -> EngineLoad:
         with self._lock:
-            return dataclasses.replace(self._load, waiting=self._load.waiting + len(self._incoming),
-                                       tokens_per_second=self._decode_rate.rate())
+            return dataclasses.replace(
+                self._load,
+                waiting=self._load.waiting + len(self._incoming),
+                tokens_per_second=self._decode_rate.rate(),
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -173,8 +181,12 @@ class StepLoop:
         streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
         self._scheduler.complete_step(output)
         logits = apply_masks(logits, [st.matcher for st in streams])
-        tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
-                              [st.output_ids if st.params.has_penalties else [] for st in streams])
+        tokens = sample_batch(
+            logits,
+            [st.params for st in streams],
+            [st.generator for st in streams],
+            [st.output_ids if st.params.has_penalties else [] for st in streams],
+        )
         with self._lock:
             self._decode_rate.add(len(tokens))
         for stream, token, row in zip(streams, tokens, logits, strict=True):
@@ -188,7 +200,9 @@ class StepLoop:
         """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
         stream.seq.token_ids.append(token)
         if stream.matcher is not None and not stream.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the request's grammar: {stream.matcher.get_error()}")
+            raise RuntimeError(
+                f"token {token} broke the request's grammar: {stream.matcher.get_error()}"
+            )
         finish = stream.finish_reason(token)
         detok = stream.detokenizer
         calls = stream.tool_parser.add(token) if stream.tool_parser is not None else None
@@ -206,14 +220,26 @@ class StepLoop:
                 text += detok.flush()
         logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
         seq = stream.seq
-        stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
-                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
-                                    seq.queue_s, calls or None))
+        stream.emit(
+            GenerationChunk(
+                text,
+                [token],
+                finish,
+                seq.num_prompt_tokens,
+                len(seq.token_ids) - seq.num_prompt_tokens,
+                seq.num_cached_prompt_tokens,
+                logprobs,
+                seq.queue_s,
+                calls or None,
+            )
+        )
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)
 
-    def _logprobs(self, logits: torch.Tensor, token: int, params: SamplingParams) -> list[TokenLogprob]:
+    def _logprobs(
+        self, logits: torch.Tensor, token: int, params: SamplingParams
+    ) -> list[TokenLogprob]:
         logprob, top = token_logprobs(logits, token, params.top_logprobs)
         decode = self._tokenizer.decode
         alternatives = tuple(TokenLogprob(decode([i]), lp) for i, lp in top)

@@ -11,6 +11,7 @@ for it meanwhile, so a stalled reader costs memory for at most the bound.
 Each request is a span of its own in the trace it came with (its open's trace context),
 linked to the stream's span, not one span per message.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,12 @@ class _Outbox:
 class StreamSession:
     """One Serve call: reads opens and cancels, runs the requests, yields the outbox."""
 
-    def __init__(self, servicer: WorkerServicer, requests: AsyncIterator[bytes],
-                 outbox_chunks: int = OUTBOX_CHUNKS) -> None:
+    def __init__(
+        self,
+        servicer: WorkerServicer,
+        requests: AsyncIterator[bytes],
+        outbox_chunks: int = OUTBOX_CHUNKS,
+    ) -> None:
         self._servicer = servicer
         self._requests = requests
         self._outbox = _Outbox(outbox_chunks)
@@ -105,9 +110,13 @@ class StreamSession:
                         task.cancel()
                 for opened in message.open:
                     if opened.id in self._running:
-                        self._outbox.put_nowait(_failure(
-                            opened.id, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request id {opened.id} is already open on this stream"))
+                        self._outbox.put_nowait(
+                            _failure(
+                                opened.id,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request id {opened.id} is already open on this stream",
+                            )
+                        )
                         continue
                     self._running[opened.id] = asyncio.create_task(self._serve(opened))
         finally:
@@ -118,15 +127,22 @@ class StreamSession:
         parent = propagate.extract(dict(opened.trace_context))
         links = [trace.Link(self._stream_span)] if self._stream_span.is_valid else []
         try:
-            with _tracer.start_as_current_span("infermesh.v1.Worker/Serve request", context=parent,
-                                               kind=trace.SpanKind.SERVER, links=links):
+            with _tracer.start_as_current_span(
+                "infermesh.v1.Worker/Serve request",
+                context=parent,
+                kind=trace.SpanKind.SERVER,
+                links=links,
+            ):
                 async with asyncio.timeout(opened.timeout_ms / 1000 if opened.timeout_ms else None):
                     await self._generate(opened)
         except RequestFailedError as e:
             self._outbox.put_nowait(_failure(opened.id, e.code, e.details))
         except TimeoutError:
-            self._outbox.put_nowait(_failure(opened.id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                             "the request's deadline passed"))
+            self._outbox.put_nowait(
+                _failure(
+                    opened.id, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"
+                )
+            )
         except EngineClosedError as e:
             self._outbox.put_nowait(_failure(opened.id, grpc.StatusCode.UNAVAILABLE, str(e)))
         finally:
@@ -150,17 +166,22 @@ def _failure(request_id: int, code: grpc.StatusCode, details: str) -> worker_pb2
 def serve_handler(servicer: WorkerServicer) -> grpc.RpcMethodHandler[Any, Any]:
     """The Serve method's handler; it parses the caller's messages itself, so that one that
     does not parse ends the stream with INVALID_ARGUMENT rather than grpc's UNKNOWN."""
-    async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any],
-                    ) -> AsyncIterator[worker_pb2.StreamResponse]:
+
+    async def serve(
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.StreamResponse]:
         session = StreamSession(servicer, requests)
         try:
             async with contextlib.aclosing(session.responses()) as responses:
                 async for response in responses:
                     yield response
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"malformed StreamRequest ({e}); strings must be UTF-8")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed StreamRequest ({e}); strings must be UTF-8",
+            )
 
     return grpc.stream_stream_rpc_method_handler(
-        serve, response_serializer=worker_pb2.StreamResponse.SerializeToString)
-
+        serve, response_serializer=worker_pb2.StreamResponse.SerializeToString
+    )

@@ -292,7 +292,7 @@ class VllmEngine:
         if sampling.logprobs:
             logprobs = [
                 self._logprob(token, alternatives, sampling.top_logprobs)
-                for token, alternatives in zip(tokens, completion.logprobs or ())
+                for token, alternatives in zip(tokens, completion.logprobs or (), strict=False)
             ]
         queue_s = 0.0
         stats = out.metrics  # RequestStateStats: engine-core timestamps, 0 until set

@@ -1,4 +1,5 @@
 """``python -m gateway`` as the mesh runs it: a process configured by environment."""
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,25 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=_REPO, text=True,
-                            env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=_REPO,
+        text=True,
+        env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def test_serves_on_the_configured_port_and_stops_on_sigterm(redis_server):
     port = free_port()
-    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": str(port),
-                 "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
-                 "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}"})
+    proc = _run(
+        {
+            "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+            "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+            "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+        }
+    )
     try:
         line = proc.stdout.readline()
         while line and "listening" not in line:
@@ -60,10 +70,14 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
 
 def test_processes_share_the_port_and_stop_together(redis_server):
     port = free_port()
-    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": str(port),
-                 "INFERMESH_GATEWAY_SERVER_PROCESSES": "2",
-                 "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
-                 "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}"})
+    proc = _run(
+        {
+            "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+            "INFERMESH_GATEWAY_SERVER_PROCESSES": "2",
+            "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+            "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+        }
+    )
     try:
         listening = 0
         while listening < 2:  # both write to the one stdout

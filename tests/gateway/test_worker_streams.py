@@ -1,5 +1,6 @@
 """Many requests over one long-lived Worker.Serve stream per gateway-worker pair: real gateway,
 router, worker (simulated engine) and Redis, the official SDK as the client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,12 @@ def _config(redis_url: str, router_address: str, **router: Any) -> GatewayConfig
 
 
 def _chat(max_tokens: int) -> dict[str, object]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 @pytest.fixture
@@ -47,22 +52,28 @@ async def sim_worker(router, engine) -> AsyncIterator[RunningWorker]:
 
 
 async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
-        redis_server, router, sim_worker, api_key):
+    redis_server, router, sim_worker, api_key
+):
     gateway = await start_gateway(_config(redis_server.url, router.address))
     try:
         async with sdk(gateway, api_key) as client:
+
             async def streamed() -> list[str]:
                 stream = await client.chat.completions.create(**_chat(8), stream=True)
-                return [c.choices[0].delta.content async for c in stream
-                        if c.choices and c.choices[0].delta.content]
+                return [
+                    c.choices[0].delta.content
+                    async for c in stream
+                    if c.choices and c.choices[0].delta.content
+                ]
 
             async def whole() -> int:
                 answer = await client.chat.completions.create(**_chat(8))
                 assert answer.choices[0].finish_reason == "length"
                 return answer.usage.completion_tokens
 
-            results = await asyncio.gather(*(streamed() for _ in range(40)),
-                                           *(whole() for _ in range(20)))
+            results = await asyncio.gather(
+                *(streamed() for _ in range(40)), *(whole() for _ in range(20))
+            )
         # every token its own SSE event: the worker sends each engine step's chunk apart
         assert [len(events) for events in results[:40]] == [8] * 40
         assert results[40:] == [8] * 20
@@ -73,8 +84,12 @@ async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
 
 
 def _open(request_id: int, max_tokens: int) -> worker_pb2.OpenRequest:
-    return worker_pb2.OpenRequest(id=request_id, request=common_pb2.GenerateRequest(
-        model=MODEL, prompt="count", sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
+    return worker_pb2.OpenRequest(
+        id=request_id,
+        request=common_pb2.GenerateRequest(
+            model=MODEL, prompt="count", sampling=common_pb2.SamplingParams(max_tokens=max_tokens)
+        ),
+    )
 
 
 async def test_a_cancel_in_the_middle_of_a_batch_ends_only_that_request(sim_worker, engine):
@@ -105,8 +120,9 @@ async def test_a_cancel_in_the_middle_of_a_batch_ends_only_that_request(sim_work
 async def test_a_bad_open_fails_that_request_not_the_stream(sim_worker):
     async with grpc.aio.insecure_channel(sim_worker.servicer.info.address) as channel:
         call = worker_pb2_grpc.WorkerStub(channel).Serve()
-        wrong = worker_pb2.OpenRequest(id=7, request=common_pb2.GenerateRequest(model="nope",
-                                                                                prompt="x"))
+        wrong = worker_pb2.OpenRequest(
+            id=7, request=common_pb2.GenerateRequest(model="nope", prompt="x")
+        )
         await call.write(worker_pb2.StreamRequest(open=[wrong, _open(8, 2)]))
         await call.done_writing()
         entries = [entry async for response in call for entry in response.chunks]
@@ -116,12 +132,15 @@ async def test_a_bad_open_fails_that_request_not_the_stream(sim_worker):
 
 
 async def test_a_worker_that_dies_with_50_requests_open_fails_each_cleanly(
-        redis_server, router, api_key):
+    redis_server, router, api_key
+):
     engine = sim_engine("H100", max_parallel=64, max_waiting=64)
     gateway = await start_gateway(_config(redis_server.url, router.address))
     try:
-        async with running_worker(engine, router, "doomed") as worker, \
-                sdk(gateway, api_key) as client:
+        async with (
+            running_worker(engine, router, "doomed") as worker,
+            sdk(gateway, api_key) as client,
+        ):
             started = 0
 
             async def one() -> BaseException | None:
@@ -140,8 +159,9 @@ async def test_a_worker_that_dies_with_50_requests_open_fails_each_cleanly(
             await eventually(lambda: started == 50, timeout_s=20)
             await worker.server.stop(grace=None)
             errors = await asyncio.wait_for(asyncio.gather(*requests), timeout=10)
-        assert all(isinstance(e, openai.APIError) and "failed mid-stream" in e.message
-                   for e in errors), errors
+        assert all(
+            isinstance(e, openai.APIError) and "failed mid-stream" in e.message for e in errors
+        ), errors
     finally:
         await gateway.close()
         await engine.close()
@@ -155,27 +175,34 @@ async def _slow_reader(port: int, api_key: str, body: dict[str, object]) -> sock
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     data = json.dumps(body).encode()
-    await asyncio.get_running_loop().sock_sendall(sock, (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-        f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n").encode() + data)
+    await asyncio.get_running_loop().sock_sendall(
+        sock,
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        + data,
+    )
     return sock
 
 
-async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server, router,
-                                                                    api_key):
+async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server, router, api_key):
     engine = sim_engine("H100", max_parallel=64, max_waiting=64, zero_latency=True)
     # the fast streams are shorter than the bound: however slowly a loaded machine lets their
     # clients read, only the slow one can overflow
-    gateway = await start_gateway(_config(redis_server.url, router.address,
-                                          stream_buffer_chunks=256))
+    gateway = await start_gateway(
+        _config(redis_server.url, router.address, stream_buffer_chunks=256)
+    )
     try:
         async with running_worker(engine, router, "fast"), sdk(gateway, api_key) as client:
             slow = await _slow_reader(gateway.port, api_key, {**_chat(30_000), "stream": True})
             try:
+
                 async def fast() -> int:
                     stream = await client.chat.completions.create(
-                        **_chat(200), stream=True, stream_options={"include_usage": True})
+                        **_chat(200), stream=True, stream_options={"include_usage": True}
+                    )
                     return [c async for c in stream][-1].usage.completion_tokens
 
                 # the slow request overflows its buffer and is cancelled on the worker

@@ -1,5 +1,6 @@
 """Router.RouteStream: route decisions and failure reports for many requests over one stream,
 against a real router with real (simulated-engine) workers on loopback."""
+
 from __future__ import annotations
 
 import grpc
@@ -16,16 +17,24 @@ from tests.helpers.inprocess import (
 
 
 def _ask(ask_id: int, model: str = MODEL) -> router_pb2.RouteAsk:
-    return router_pb2.RouteAsk(id=ask_id, request=common_pb2.GenerateRequest(
-        model=model, prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=4)))
+    return router_pb2.RouteAsk(
+        id=ask_id,
+        request=common_pb2.GenerateRequest(
+            model=model, prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=4)
+        ),
+    )
 
 
 async def test_one_message_of_asks_is_answered_in_one_message_by_id():
-    async with running_router(routing=RoutingSection(policy="least_load")) as router, \
-            running_worker(sim_engine(), router, "a"), running_worker(sim_engine(), router, "b"):
+    async with (
+        running_router(routing=RoutingSection(policy="least_load")) as router,
+        running_worker(sim_engine(), router, "a"),
+        running_worker(sim_engine(), router, "b"),
+    ):
         call = router.stub.RouteStream()
-        await call.write(router_pb2.RouteStreamRequest(
-            asks=[_ask(1), _ask(2), _ask(3, model="nope"), _ask(4)]))
+        await call.write(
+            router_pb2.RouteStreamRequest(asks=[_ask(1), _ask(2), _ask(3, model="nope"), _ask(4)])
+        )
         response = await call.read()
         decisions = {d.id: d for d in response.decisions}
         assert sorted(decisions) == [1, 2, 3, 4]
@@ -41,8 +50,10 @@ async def test_one_message_of_asks_is_answered_in_one_message_by_id():
 
 async def test_failure_reports_on_the_stream_eject_the_worker():
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
-    async with running_router(routing=routing) as router, \
-            running_worker(sim_engine(), router, "live"):
+    async with (
+        running_router(routing=routing) as router,
+        running_worker(sim_engine(), router, "live"),
+    ):
         await register_unreachable_worker(router)
         call = router.stub.RouteStream()
         report = router_pb2.ReportFailureRequest(worker_id="dead", code="UNAVAILABLE")
