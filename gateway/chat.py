@@ -87,7 +87,7 @@ async def _collect(
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
     """The stream's chunks: role, text and tool-call deltas, finish reason per choice, then usage
-    if asked for."""
+    if asked for. The events of one worker chunk go out as one write."""
     cid, created, with_usage = completion_id(), now_s(), body.include_usage
 
     def chunk(
@@ -102,16 +102,20 @@ async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncI
             )
         )
 
-    for i in range(generation.choices):
-        yield chunk(i, {"role": "assistant", "content": ""})
+    yield b"".join(
+        chunk(i, {"role": "assistant", "content": ""}) for i in range(generation.choices)
+    )
     async for i, item in generation.chunks():
+        events: list[bytes] = []
         if item.text or item.logprobs:
             logprobs = token_logprobs(item.logprobs) if body.logprobs and item.logprobs else None
-            yield chunk(i, {"content": item.text}, logprobs=logprobs)
+            events.append(chunk(i, {"content": item.text}, logprobs=logprobs))
         if item.tool_calls:
-            yield chunk(i, {"tool_calls": chunk_deltas(item.tool_calls)})
+            events.append(chunk(i, {"tool_calls": chunk_deltas(item.tool_calls)}))
         finish = finish_reason(item)
         if finish is not None:
-            yield chunk(i, {}, finish)
+            events.append(chunk(i, {}, finish))
+        if events:
+            yield b"".join(events)
     if with_usage:
         yield sse.openai_event(usage_chunk(cid, created, body.model, usage(generation.usage())))

@@ -4,7 +4,8 @@ keys and limits, so Claude-style clients work with the gateway's keys
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from aiohttp import web
 
@@ -68,19 +69,22 @@ def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:
 
 
 async def _events(body: wire.MessagesRequest, generation: Generation) -> AsyncIterator[bytes]:
-    for event in wire.stream_start(wire.message_id(), body.model):
-        yield sse.anthropic_event(event)
+    """The stream's events; those of one worker chunk go out as one write."""
+    yield _joined(wire.stream_start(wire.message_id(), body.model))
     stop, block = None, 0  # block: the content block open now (0: the text)
     async for _, chunk in generation.chunks():
-        if chunk.text:
-            yield sse.anthropic_event(wire.text_delta(chunk.text))
+        events = [wire.text_delta(chunk.text)] if chunk.text else []
         for piece in chunk.tool_calls:
             if piece.id:
                 block = piece.index + 1
-                for event in wire.tool_use_start(block, piece.id, piece.name):
-                    yield sse.anthropic_event(event)
+                events.extend(wire.tool_use_start(block, piece.id, piece.name))
             if piece.arguments:
-                yield sse.anthropic_event(wire.input_json_delta(block, piece.arguments))
+                events.append(wire.input_json_delta(block, piece.arguments))
+        if events:
+            yield _joined(events)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    for event in wire.stream_end(_stop_reason(stop), generation.usage(), block):
-        yield sse.anthropic_event(event)
+    yield _joined(wire.stream_end(_stop_reason(stop), generation.usage(), block))
+
+
+def _joined(events: Iterable[dict[str, Any]]) -> bytes:
+    return b"".join(sse.anthropic_event(event) for event in events)
