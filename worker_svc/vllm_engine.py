@@ -5,9 +5,11 @@ vLLM's `AsyncLLM` runs in this process (its EngineCore and GPU workers in child 
 the batching, tensor/expert/pipeline parallelism and FP8 kernels. The worker keeps its own front: it
 renders the chat template and tokenizes as for the torch engine and hands vLLM token ids, checks
 requests with the same rules, and bounds the waiting queue; vLLM detokenizes, applies stop strings
-and samples. Load comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a
-stat logger, and vLLM's Prometheus metrics land in the process's default registry, which the
-worker's metrics port serves.
+and samples, enforcing the worker's grammar of a request's tools and JSON schema with its guidance
+backend. With tools, the worker decodes the tokens itself (worker_svc.completion_decoder), as the
+torch engine does, into text and tool-call pieces. Load comes from vLLM's own scheduler stats
+(running, waiting, KV-cache use) through a stat logger, and vLLM's Prometheus metrics land in the
+process's default registry, which the worker's metrics port serves.
 """
 
 from __future__ import annotations

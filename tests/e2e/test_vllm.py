@@ -132,6 +132,10 @@ def _running(fleet: Mesh) -> int:
     [
         ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
         ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
+        (
+            '{"structured_outputs_config": {"backend": "xgrammar"}}',
+            "[engine.vllm] structured_outputs_config: the worker sets it",
+        ),
     ],
 )
 def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
