@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from worker_svc.checkpoint import load_checkpoint, read_config
+from worker_svc.completion_decoder import CompletionDecoder
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
@@ -49,8 +50,7 @@ from worker_svc.model_runner import ModelRunner
 from worker_svc.precision import TORCH_DTYPES, detect_capabilities, resolve_device
 from worker_svc.scheduler import Scheduler, Sequence
 from worker_svc.step_loop import StepLoop, Stream, emitter
-from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker_svc.tool_parser import ToolCallParser
+from worker_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +203,6 @@ class Engine:
         prompt_ids = prompt_token_ids(self.tokenizer, request)
         params = request.sampling
         matcher = self.grammars.matcher(request.constraints)
-        markers = self.grammars.markers
-        may_call = bool(request.constraints.tools) and request.constraints.tool_choice != "none"
         max_len = len(prompt_ids) + completion_budget(
             len(prompt_ids), params.max_tokens, self.max_model_len
         )
@@ -222,13 +220,12 @@ class Engine:
             params=params,
             max_len=max_len,
             stop_token_ids=self._eos_token_ids | frozenset(params.stop_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            decoder=CompletionDecoder(
+                self.tokenizer, params.stop, request.constraints, self.grammars.markers
+            ),
             generator=torch.Generator().manual_seed(seed),
             emit=emitter(asyncio.get_running_loop(), queue),
             matcher=matcher,
-            tool_parser=ToolCallParser(self.tokenizer, markers)
-            if may_call and markers is not None
-            else None,
         )
         return stream, queue
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from infermesh.names import FinishReason
+from worker_svc.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.engine_api import (
     DecodeRateMeter,
     EngineClosedError,
@@ -35,8 +35,7 @@ from worker_svc.grammar import apply_masks
 from worker_svc.model_runner import ModelRunner
 from worker_svc.sampling import sample_batch, token_logprobs
 from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
-from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker_svc.tool_parser import ToolCallParser
+from worker_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +49,15 @@ class Stream:
     params: SamplingParams
     max_len: int  # prompt + completion limit
     stop_token_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
+    decoder: CompletionDecoder  # its tokens as text, tool calls and finish reason
     generator: torch.Generator
     # thread-safe: hands an item to the consumer
     emit: Callable[[GenerationChunk | BaseException], None]
     matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
-    tool_parser: ToolCallParser | None = None  # set when it may call tools
 
     @property
     def output_ids(self) -> list[int]:
         return self.seq.token_ids[self.seq.num_prompt_tokens :]
-
-    def finish_reason(self, token: int) -> FinishReason | None:
-        if token in self.stop_token_ids:
-            return (
-                "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
-            )
-        if len(self.seq.token_ids) >= self.max_len:
-            return "length"
-        return None
 
 
 class StepLoop:
@@ -203,26 +192,18 @@ class StepLoop:
             raise RuntimeError(
                 f"token {token} broke the request's grammar: {stream.matcher.get_error()}"
             )
-        finish = stream.finish_reason(token)
-        detok = stream.detokenizer
-        calls = stream.tool_parser.add(token) if stream.tool_parser is not None else None
-        if calls is not None:  # a token of the tool calls: no text
-            text = detok.flush()  # text held back for a possible stop string is text after all
-            if finish == "length":
-                calls += stream.tool_parser.finish()  # type: ignore[union-attr]
-        elif token in stream.stop_token_ids:
-            text = detok.flush()
-        else:
-            text = detok.add(token)
-            if detok.stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += detok.flush()
+        end: TokenEnd | None = None
+        if token in stream.stop_token_ids:
+            end = "stop_token"
+        elif len(stream.seq.token_ids) >= stream.max_len:
+            end = "length"
+        decoded = stream.decoder.add(token, end)
+        finish = decoded.finish
         logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
         seq = stream.seq
         stream.emit(
             GenerationChunk(
-                text,
+                decoded.text,
                 [token],
                 finish,
                 seq.num_prompt_tokens,
@@ -230,7 +211,7 @@ class StepLoop:
                 seq.num_cached_prompt_tokens,
                 logprobs,
                 seq.queue_s,
-                calls or None,
+                decoded.tool_calls or None,
             )
         )
         if finish is not None:

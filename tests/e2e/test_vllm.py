@@ -34,7 +34,7 @@ from infermesh.pb import (
 )
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
-from tests.helpers.tools import WEATHER
+from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -132,6 +132,10 @@ def _running(fleet: Mesh) -> int:
     [
         ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
         ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
+        (
+            '{"structured_outputs_config": {"backend": "xgrammar"}}',
+            "[engine.vllm] structured_outputs_config: the worker sets it",
+        ),
     ],
 )
 def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
@@ -278,14 +282,6 @@ def test_sdk_errors(fleet: Mesh, client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=MODEL, max_tokens=10**6, messages=[{"role": "user", "content": "x"}]
         )
-    with pytest.raises(openai.BadRequestError, match="tool"):
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "x"}],
-            tools=[
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-            ],
-        )
 
 
 def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) -> None:
@@ -321,3 +317,49 @@ def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.Op
     while _running(fleet) != 0:
         assert time.monotonic() < deadline, "vLLM kept running the dropped request"
         time.sleep(0.1)
+
+
+_ASK_TOOLS: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "tools": TOOLS,
+    "max_tokens": 200,
+    "seed": 7,
+    "parallel_tool_calls": False,
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_sdk_forced_tool_call_is_valid_streamed_and_not(
+    fleet: Mesh, client: openai.OpenAI, tool_choice: Any, names: set[str]
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(**_ASK_TOOLS, tool_choice=tool_choice)
+    assert raw.headers["x-infermesh-worker"] == VLLM
+    choice = raw.parse().choices[0]
+    with client.chat.completions.stream(**_ASK_TOOLS, tool_choice=tool_choice) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for answer in (choice, streamed):
+        assert answer.finish_reason == "tool_calls"
+        calls = answer.message.tool_calls or []
+        assert len(calls) == 1  # parallel_tool_calls false
+        call = calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    seeded = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert [
+        (c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []
+    ] == seeded
+
+
+def test_sdk_tool_choice_none_never_calls(fleet: Mesh, client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        **{**_ASK_TOOLS, "max_tokens": 16}, tool_choice="none"
+    ).choices[0]
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")

@@ -12,20 +12,8 @@ import pytest
 
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk
-from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
+from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TOOLS, WEATHER
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": WEATHER,
-            "strict": True,
-        },
-    },
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
 _ASK = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "weather in Paris?"}],

@@ -15,6 +15,18 @@ TIME = {
     "additionalProperties": False,
 }
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER,
+            "strict": True,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
 
 # a few hundred constrained tokens: seconds on a quiet machine, much longer on a loaded one
 SLOW_TIMEOUT_S = 100
