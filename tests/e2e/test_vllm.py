@@ -82,19 +82,21 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
         log_dir=tmp_path_factory.mktemp("vllm-mesh"),
     )
     mesh = Mesh(spec)
-    try:
-        mesh.start(timeout_s=240)
-    except Exception as e:
-        assert spec.log_dir is not None
-        log = (spec.log_dir / "worker0.log").read_text(errors="replace")
-        if "Illegal instruction" in log or "SIGILL" in log:
-            pytest.skip(
-                f"vLLM's CPU build cannot run on this CPU (illegal instruction): {log[-500:]}"
-            )
-        raise RuntimeError(f"mesh did not start: {e}\n{log[-4000:]}") from e
-    mesh.metrics_port = metrics_port  # type: ignore[attr-defined]
-    yield mesh
-    mesh.stop()
+    try:  # stopped whatever happens: a half-started vLLM leaves engine processes behind
+        try:
+            mesh.start(timeout_s=240)
+        except Exception as e:
+            assert spec.log_dir is not None
+            log = (spec.log_dir / "worker0.log").read_text(errors="replace")
+            if "Illegal instruction" in log or "SIGILL" in log:
+                pytest.skip(
+                    f"vLLM's CPU build cannot run on this CPU (illegal instruction): {log[-500:]}"
+                )
+            raise RuntimeError(f"mesh did not start: {e}\n{log[-4000:]}") from e
+        mesh.metrics_port = metrics_port  # type: ignore[attr-defined]
+        yield mesh
+    finally:
+        mesh.stop()
 
 
 @pytest.fixture(scope="module")
