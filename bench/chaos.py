@@ -28,6 +28,7 @@ received (a simulated token is one word), and the limited key's requests-per-min
 counter equals the requests it was served (nothing the mesh failed is counted). The
 tests in tests/e2e/test_faults.py run each scenario briefly and assert these outcomes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,10 @@ LIMITED_RPM = 100_000  # the limited key's requests per minute: it must count ex
 _FAILURE_PAUSE_S = 0.1  # a client that got an error waits this long, as a real one would
 _ENV = {
     "OTEL_SDK_DISABLED": "true",
-    "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_ENGINE_GPU": "L40S",
-    "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16", "INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "16",
+    "INFERMESH_WORKER_ENGINE_KIND": "sim",
+    "INFERMESH_WORKER_ENGINE_GPU": "L40S",
+    "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16",
+    "INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "16",
     "INFERMESH_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN,
     "INFERMESH_GATEWAY_ROUTER_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
     "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
@@ -74,6 +77,7 @@ _ENV = {
 @dataclasses.dataclass
 class Result:
     """One streamed request as its client saw it (times: time.monotonic())."""
+
     key: str
     sent: float
     ended: float = 0.0
@@ -101,10 +105,17 @@ class ChaosMesh:
         self.redis = RedisServer(workdir=workdir / "redis", persistent=True)
         (workdir / "redis").mkdir()
         (workdir / "logs").mkdir()
-        self.mesh = Mesh(MeshSpec(
-            redis_url=self.redis.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-            router_port=free_port(), worker_ports=tuple(free_port() for _ in range(workers)),
-            env=_ENV, log_dir=workdir / "logs"))
+        self.mesh = Mesh(
+            MeshSpec(
+                redis_url=self.redis.url,
+                model_path=DEFAULT_MODEL_PATH,
+                gateway_port=free_port(),
+                router_port=free_port(),
+                worker_ports=tuple(free_port() for _ in range(workers)),
+                env=_ENV,
+                log_dir=workdir / "logs",
+            )
+        )
         self.keys: list[str] = []
         self.limited_key = ""
         self._relay_url = ""
@@ -137,8 +148,12 @@ class ChaosMesh:
         true``: the router relays the workers' streams (and applies its stall timeout)."""
         if not self._relay_url:
             port = free_port()
-            await asyncio.to_thread(self.mesh.add_gateway, "relay-gateway", port,
-                                    {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"})
+            await asyncio.to_thread(
+                self.mesh.add_gateway,
+                "relay-gateway",
+                port,
+                {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"},
+            )
             self._relay_url = f"http://127.0.0.1:{port}/v1"
         return self._relay_url
 
@@ -149,7 +164,8 @@ class ChaosMesh:
     async def routed_workers(self) -> set[str]:
         async with grpc.aio.insecure_channel(self.mesh.spec.router_address) as channel:
             reply = await router_pb2_grpc.RouterStub(channel).ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=1)
+                router_pb2.ListWorkersRequest(), timeout=1
+            )
         return {w.worker.worker_id for w in reply.workers}
 
     async def wait_for_workers(self, count: int, timeout_s: float = 30.0) -> None:
@@ -163,15 +179,21 @@ class ChaosMesh:
             await asyncio.sleep(0.05)
 
 
-async def stream_chat(session: aiohttp.ClientSession, base_url: str, key: str,
-                      max_tokens: int) -> Result:
+async def stream_chat(
+    session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int
+) -> Result:
     """One streamed chat completion, every SSE event timed."""
     result = Result(key=key, sent=time.monotonic())
-    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "Tell the chaos monkey a story."}]}
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "Tell the chaos monkey a story."}],
+    }
     try:
-        async with session.post(f"{base_url}/chat/completions", json=body,
-                                headers={"Authorization": f"Bearer {key}"}) as response:
+        async with session.post(
+            f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as response:
             result.status = response.status
             result.worker = response.headers.get("x-infermesh-worker", "")
             result.retry_after = response.headers.get("Retry-After")
@@ -210,8 +232,9 @@ async def _read_events(response: aiohttp.ClientResponse, result: Result) -> None
 
 
 @contextlib.asynccontextmanager
-async def load(base_url: str, keys: Sequence[str], concurrency: int,
-               max_tokens: int) -> AsyncIterator[list[Result]]:
+async def load(
+    base_url: str, keys: Sequence[str], concurrency: int, max_tokens: int
+) -> AsyncIterator[list[Result]]:
     """Closed-loop clients for the time of the block; the list fills as requests end."""
     results: list[Result] = []
     stop = asyncio.Event()
@@ -237,6 +260,7 @@ async def load(base_url: str, keys: Sequence[str], concurrency: int,
 @dataclasses.dataclass
 class Accounts:
     """What Redis recorded against what the clients received, per key."""
+
     recorded: dict[str, tuple[int, int]]  # key -> (requests, completion tokens)
     delivered: dict[str, tuple[int, int]]
     limited_rpm_counted: int
@@ -244,32 +268,41 @@ class Accounts:
 
     @property
     def consistent(self) -> bool:
-        return (self.recorded == self.delivered
-                and self.limited_rpm_counted == self.limited_served)
+        return self.recorded == self.delivered and self.limited_rpm_counted == self.limited_served
 
 
-async def accounts(chaos: ChaosMesh, results: Sequence[Result], timeout_s: float = 15.0,
-                   ) -> Accounts:
+async def accounts(
+    chaos: ChaosMesh,
+    results: Sequence[Result],
+    timeout_s: float = 15.0,
+) -> Accounts:
     """Waits (up to ``timeout_s``: settlements may wait for Redis) until Redis holds the
     usage of every served request, then compares. A request the client was served is a
     200; it counts whether or not a worker failed after its first token."""
-    delivered = {k: (sum(1 for r in results if r.key == k and r.status == 200),
-                     sum(r.tokens for r in results if r.key == k and r.status == 200))
-                 for k in chaos.all_keys}
+    delivered = {
+        k: (
+            sum(1 for r in results if r.key == k and r.status == 200),
+            sum(r.tokens for r in results if r.key == k and r.status == 200),
+        )
+        for k in chaos.all_keys
+    }
     async with aioredis.Redis.from_url(chaos.redis.url) as client:
         deadline = time.monotonic() + timeout_s
         while True:
             recorded = {}
             for k in chaos.all_keys:
                 usage = await client.hgetall(f"infermesh:usage:{key_tag(key_id(k))}")
-                recorded[k] = (int(usage.get(b"requests", 0)),
-                               int(usage.get(b"completion_tokens", 0)))
+                recorded[k] = (
+                    int(usage.get(b"requests", 0)),
+                    int(usage.get(b"completion_tokens", 0)),
+                )
             if recorded == delivered or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
         buckets = await client.hgetall(f"infermesh:rl:{key_tag(key_id(chaos.limited_key))}:rpm")
-    return Accounts(recorded, delivered, sum(int(v) for v in buckets.values()),
-                    delivered[chaos.limited_key][0])
+    return Accounts(
+        recorded, delivered, sum(int(v) for v in buckets.values()), delivered[chaos.limited_key][0]
+    )
 
 
 def _statuses(results: Sequence[Result]) -> dict[str, int]:
@@ -291,12 +324,21 @@ async def _reset_usage(chaos: ChaosMesh) -> None:
     """Usage and counters from zero, so each scenario's accounts stand alone."""
     async with aioredis.Redis.from_url(chaos.redis.url) as client:
         for k in chaos.all_keys:
-            await client.delete(f"infermesh:usage:{key_tag(key_id(k))}", f"infermesh:rl:{key_tag(key_id(k))}:rpm")
+            await client.delete(
+                f"infermesh:usage:{key_tag(key_id(k))}", f"infermesh:rl:{key_tag(key_id(k))}:rpm"
+            )
 
 
-async def worker_fault(chaos: ChaosMesh, *, freeze_s: float | None, concurrency: int,
-                       before_s: float, after_s: float, max_tokens: int, relay: bool = False,
-                       ) -> dict[str, object]:
+async def worker_fault(
+    chaos: ChaosMesh,
+    *,
+    freeze_s: float | None,
+    concurrency: int,
+    before_s: float,
+    after_s: float,
+    max_tokens: int,
+    relay: bool = False,
+) -> dict[str, object]:
     """Worker 0 SIGKILLed (``freeze_s`` None) or SIGSTOPped for ``freeze_s`` mid-run;
     ``relay``: through a gateway whose router relays the streams."""
     await _reset_usage(chaos)
@@ -315,18 +357,26 @@ async def worker_fault(chaos: ChaosMesh, *, freeze_s: float | None, concurrency:
             chaos.mesh.signal("worker0", signal.SIGCONT)
         await asyncio.sleep(after_s)
     hit = [r for r in results if r.worker == victim and r.sent < struck < r.ended]
-    cut = [r for r in hit if r.status == 200 and r.first_token_at is not None
-           and r.first_token_at < struck and not r.finished]
+    cut = [
+        r
+        for r in hit
+        if r.status == 200
+        and r.first_token_at is not None
+        and r.first_token_at < struck
+        and not r.finished
+    ]
     figures = {
-        "requests": len(results), "statuses": _statuses(results),
+        "requests": len(results),
+        "statuses": _statuses(results),
         "failed (not 200)": sum(1 for r in results if r.status != 200),
         "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
         "in flight on the worker": len(hit),
         "cut mid-stream (error event + [DONE])": sum(1 for r in cut if r.error_event and r.done),
         "cut mid-stream, other ending": sum(1 for r in cut if not (r.error_event and r.done)),
         "left routing after s": round(left_routing_s, 2),
-        "longest silence of a stream s": round(max((r.longest_silence_s for r in results),
-                                                   default=0), 2),
+        "longest silence of a stream s": round(
+            max((r.longest_silence_s for r in results), default=0), 2
+        ),
         "accounts": await accounts(chaos, results),
     }
     if freeze_s is None:
@@ -344,8 +394,16 @@ async def _seconds_until_gone(chaos: ChaosMesh, worker: str, timeout_s: float) -
     return time.monotonic() - started
 
 
-async def outage(chaos: ChaosMesh, what: str, *, down_s: float, concurrency: int,
-                 before_s: float, after_s: float, max_tokens: int) -> dict[str, object]:
+async def outage(
+    chaos: ChaosMesh,
+    what: str,
+    *,
+    down_s: float,
+    concurrency: int,
+    before_s: float,
+    after_s: float,
+    max_tokens: int,
+) -> dict[str, object]:
     """Redis (``what`` "redis") stopped, or the router ("router") SIGKILLed, for ``down_s``
     under load, then started again; the figures of the outage and of the recovery."""
     await _reset_usage(chaos)
@@ -368,20 +426,24 @@ async def outage(chaos: ChaosMesh, what: str, *, down_s: float, concurrency: int
     during = [r for r in results if down_at <= r.sent and r.ended <= back_at]
     # recovery, from when the probe saw the service back: the first request sent after the
     # fault that was served, and the end of the last one that failed (<= 0: none after)
-    first_ok = min((r.sent for r in results if r.sent >= down_at and r.status == 200),
-                   default=float("nan"))
+    first_ok = min(
+        (r.sent for r in results if r.sent >= down_at and r.status == 200), default=float("nan")
+    )
     last_failure = max((r.ended for r in results if r.status != 200), default=back_at)
     failing = [r.ended - r.sent for r in during if r.status != 200]
     return {
-        "requests": len(results), "statuses": _statuses(results),
+        "requests": len(results),
+        "statuses": _statuses(results),
         "in flight at the fault": len(in_flight),
         "in flight, completed": sum(1 for r in in_flight if r.finished and r.done),
         "during the outage": _statuses(during),
         "401 at any time": sum(1 for r in results if r.status == 401),
-        "503 without Retry-After": sum(1 for r in results
-                                       if r.status == 503 and r.retry_after is None),
-        "failure latency p50/p99/max s": [round(_percentile(failing, q), 3)
-                                          for q in (0.5, 0.99, 1.0)],
+        "503 without Retry-After": sum(
+            1 for r in results if r.status == 503 and r.retry_after is None
+        ),
+        "failure latency p50/p99/max s": [
+            round(_percentile(failing, q), 3) for q in (0.5, 0.99, 1.0)
+        ],
         "first served request sent, s after return": round(first_ok - back_at, 2),
         "last failure ended, s after return": round(last_failure - back_at, 2),
         "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
@@ -398,46 +460,63 @@ async def _until_serving(address: str, timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
-async def revocations(chaos: ChaosMesh, count: int, concurrency: int, max_tokens: int,
-                      ) -> dict[str, object]:
+async def revocations(
+    chaos: ChaosMesh,
+    count: int,
+    concurrency: int,
+    max_tokens: int,
+) -> dict[str, object]:
     """Seconds from the admin call that revokes a key to the first 401 on each of two
     gateway processes, whose clients use the key without pause, while ``concurrency``
     other clients stream through both gateways."""
     second_port = free_port()
     await asyncio.to_thread(chaos.mesh.add_gateway, "gateway2", second_port)
-    gateways = [f"http://127.0.0.1:{chaos.mesh.spec.gateway_port}",
-                f"http://127.0.0.1:{second_port}"]
+    gateways = [
+        f"http://127.0.0.1:{chaos.mesh.spec.gateway_port}",
+        f"http://127.0.0.1:{second_port}",
+    ]
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     delays: list[list[float]] = [[], []]
-    async with (load(f"{gateways[0]}/v1", chaos.keys, concurrency // 2, max_tokens),
-                load(f"{gateways[1]}/v1", chaos.keys, concurrency - concurrency // 2, max_tokens),
-                aiohttp.ClientSession() as session):
+    async with (
+        load(f"{gateways[0]}/v1", chaos.keys, concurrency // 2, max_tokens),
+        load(f"{gateways[1]}/v1", chaos.keys, concurrency - concurrency // 2, max_tokens),
+        aiohttp.ClientSession() as session,
+    ):
         for _ in range(count):
-            async with session.post(f"{gateways[0]}/admin/keys", json={"name": "revoked"},
-                                    headers=admin) as response:
+            async with session.post(
+                f"{gateways[0]}/admin/keys", json={"name": "revoked"}, headers=admin
+            ) as response:
                 created = await response.json()
             for base in gateways:  # warm: each gateway has authenticated (and cached) it
                 await until_status(session, base, created["key"], 200)
             started = time.monotonic()
-            watchers = [asyncio.create_task(until_status(session, base, created["key"], 401))
-                        for base in gateways]
-            async with session.post(f"{gateways[1]}/admin/keys/{created['id']}/revoke",
-                                    headers=admin) as response:
+            watchers = [
+                asyncio.create_task(until_status(session, base, created["key"], 401))
+                for base in gateways
+            ]
+            async with session.post(
+                f"{gateways[1]}/admin/keys/{created['id']}/revoke", headers=admin
+            ) as response:
                 assert response.status == 200, await response.text()
             for i, ended in enumerate(await asyncio.gather(*watchers)):
                 delays[i].append(ended - started)
-    return {f"gateway{i + 1} to 401 p50/p99/max s": [round(_percentile(d, q), 3)
-                                                     for q in (0.5, 0.99, 1.0)]
-            for i, d in enumerate(delays)}
+    return {
+        f"gateway{i + 1} to 401 p50/p99/max s": [
+            round(_percentile(d, q), 3) for q in (0.5, 0.99, 1.0)
+        ]
+        for i, d in enumerate(delays)
+    }
 
 
-async def until_status(session: aiohttp.ClientSession, base: str, key: str, status: int,
-                       timeout_s: float = 10.0) -> float:
+async def until_status(
+    session: aiohttp.ClientSession, base: str, key: str, status: int, timeout_s: float = 10.0
+) -> float:
     """Lists models with ``key`` until the answer has ``status``; returns when it did."""
     deadline = time.monotonic() + timeout_s
     while True:
-        async with session.get(f"{base}/v1/models",
-                               headers={"Authorization": f"Bearer {key}"}) as response:
+        async with session.get(
+            f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}
+        ) as response:
             if response.status == status:
                 return time.monotonic()
         if time.monotonic() > deadline:
@@ -448,29 +527,47 @@ def _print(name: str, figures: dict[str, object]) -> None:
     print(f"\n== {name}")
     for label, value in figures.items():
         if isinstance(value, Accounts):
-            print(f"  usage recorded == tokens delivered, per "
-                  f"key: {value.recorded == value.delivered}"
-                  f" (served {sum(r for r, _ in value.delivered.values())} requests, "
-                  f"{sum(t for _, t in value.delivered.values())} tokens)")
-            print(f"  limited key's rpm counter == requests served: {value.limited_rpm_counted} "
-                  f"== {value.limited_served}")
+            print(
+                f"  usage recorded == tokens delivered, per "
+                f"key: {value.recorded == value.delivered}"
+                f" (served {sum(r for r, _ in value.delivered.values())} requests, "
+                f"{sum(t for _, t in value.delivered.values())} tokens)"
+            )
+            print(
+                f"  limited key's rpm counter == requests served: {value.limited_rpm_counted} "
+                f"== {value.limited_served}"
+            )
         else:
             print(f"  {label}: {value}")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenario", default="all",
-                        choices=["all", "worker-kill", "worker-freeze", "worker-freeze-relay",
-                                 "redis-restart", "router-restart", "revocation"])
+    parser.add_argument(
+        "--scenario",
+        default="all",
+        choices=[
+            "all",
+            "worker-kill",
+            "worker-freeze",
+            "worker-freeze-relay",
+            "redis-restart",
+            "router-restart",
+            "revocation",
+        ],
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--down-s", type=float, default=10.0)
     parser.add_argument("--before-s", type=float, default=5.0)
     parser.add_argument("--after-s", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--revocations", type=int, default=100)
-    parser.add_argument("--workdir", type=Path, help="an empty directory for Redis's file and "
-                        "the services' logs, kept afterwards (default: a temporary one)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="an empty directory for Redis's file and "
+        "the services' logs, kept afterwards (default: a temporary one)",
+    )
     args = parser.parse_args()
     if args.workdir is not None:
         await _run(args, args.workdir)
@@ -483,27 +580,40 @@ async def _run(args: argparse.Namespace, workdir: Path) -> None:
     def wanted(scenario: str) -> bool:
         return args.scenario in ("all", scenario)
 
-    common = {"concurrency": args.concurrency, "before_s": args.before_s,
-              "after_s": args.after_s, "max_tokens": args.max_tokens}
+    common = {
+        "concurrency": args.concurrency,
+        "before_s": args.before_s,
+        "after_s": args.after_s,
+        "max_tokens": args.max_tokens,
+    }
     async with ChaosMesh(workdir) as chaos:
         if wanted("worker-kill"):
             _print("worker SIGKILLed", await worker_fault(chaos, freeze_s=None, **common))
         if wanted("worker-freeze"):
-            _print(f"worker SIGSTOPped for {args.down_s:g} s", await worker_fault(
-                chaos, freeze_s=args.down_s, **common))
+            _print(
+                f"worker SIGSTOPped for {args.down_s:g} s",
+                await worker_fault(chaos, freeze_s=args.down_s, **common),
+            )
         if wanted("worker-freeze-relay"):
-            _print(f"worker SIGSTOPped for {args.down_s:g} s, streams relayed by the router",
-                   await worker_fault(chaos, freeze_s=args.down_s, relay=True, **common))
+            _print(
+                f"worker SIGSTOPped for {args.down_s:g} s, streams relayed by the router",
+                await worker_fault(chaos, freeze_s=args.down_s, relay=True, **common),
+            )
         if wanted("redis-restart"):
-            _print(f"Redis stopped for {args.down_s:g} s", await outage(
-                chaos, "redis", down_s=args.down_s, **common))
+            _print(
+                f"Redis stopped for {args.down_s:g} s",
+                await outage(chaos, "redis", down_s=args.down_s, **common),
+            )
         if wanted("router-restart"):
-            _print(f"router SIGKILLed for {args.down_s:g} s", await outage(
-                chaos, "router", down_s=args.down_s, **common))
+            _print(
+                f"router SIGKILLed for {args.down_s:g} s",
+                await outage(chaos, "router", down_s=args.down_s, **common),
+            )
         if wanted("revocation"):
-            _print(f"revocation, {args.revocations} keys, two gateways",
-                   await revocations(chaos, args.revocations, args.concurrency,
-                                     args.max_tokens))
+            _print(
+                f"revocation, {args.revocations} keys, two gateways",
+                await revocations(chaos, args.revocations, args.concurrency, args.max_tokens),
+            )
 
 
 if __name__ == "__main__":

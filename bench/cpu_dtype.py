@@ -23,6 +23,7 @@ and whether they agree.
 Models: the tiny checkpoint, the ~73M benchmark checkpoint (tiny_model.bench_config) and any
 --config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,18 @@ def forward_gemms(a: ModelArgs, tokens: int, sequences: int) -> list[tuple[int, 
         (tokens, a.dim, a.inter_dim, a.n_dense_layers),  # dense down
         (tokens, 2 * a.n_shared_experts * a.moe_inter_dim, a.dim, moe_layers),  # shared gate|up
         (tokens, a.dim, a.n_shared_experts * a.moe_inter_dim, moe_layers),  # shared down
-        (-(-routed // a.n_routed_experts), 2 * a.moe_inter_dim, a.dim, moe_layers * min(a.n_routed_experts, routed)),
-        (-(-routed // a.n_routed_experts), a.dim, a.moe_inter_dim, moe_layers * min(a.n_routed_experts, routed)),
+        (
+            -(-routed // a.n_routed_experts),
+            2 * a.moe_inter_dim,
+            a.dim,
+            moe_layers * min(a.n_routed_experts, routed),
+        ),
+        (
+            -(-routed // a.n_routed_experts),
+            a.dim,
+            a.moe_inter_dim,
+            moe_layers * min(a.n_routed_experts, routed),
+        ),
         (sequences, a.vocab_size, a.dim, 1),  # lm_head on each sequence's last token
     ]
     if a.q_lora_rank:
@@ -74,9 +85,14 @@ _clock = time.perf_counter  # main() sets time.thread_time for --cpu-time
 
 
 @cache
-def time_gemm(rows: int, out_features: int, in_features: int, dtype: torch.dtype, repeats: int) -> float:
+def time_gemm(
+    rows: int, out_features: int, in_features: int, dtype: torch.dtype, repeats: int
+) -> float:
     """Median seconds of the engine's dense_linear([rows, in] -> [rows, out]) in dtype."""
-    x, w = torch.randn(rows, in_features, dtype=dtype), torch.randn(out_features, in_features, dtype=dtype)
+    x, w = (
+        torch.randn(rows, in_features, dtype=dtype),
+        torch.randn(out_features, in_features, dtype=dtype),
+    )
     for _ in range(3):
         dense_linear(x, w)
     times = []
@@ -87,7 +103,9 @@ def time_gemm(rows: int, out_features: int, in_features: int, dtype: torch.dtype
     return statistics.median(times)
 
 
-def forward_time(a: ModelArgs, tokens: int, sequences: int, dtype: torch.dtype, repeats: int) -> float:
+def forward_time(
+    a: ModelArgs, tokens: int, sequences: int, dtype: torch.dtype, repeats: int
+) -> float:
     gemms = forward_gemms(a, tokens, sequences)
     return sum(calls * time_gemm(rows, n, k, dtype, repeats) for rows, n, k, calls in gemms)
 
@@ -97,7 +115,9 @@ def bench_model(name: str, a: ModelArgs, repeats: int) -> float:
     print(f"\n## {name}")
     print(f"{'forward pass':<22}{'fp32 ms':>10}{'bf16 ms':>10}{'fp32/bf16':>11}")
     per_token = dict.fromkeys(DTYPES, 0.0)  # the mix: seconds per generated token
-    passes = [(f"decode B={b}", b, b) for b in DECODE_BATCHES] + [(f"prefill {PREFILL_CHUNK}", PREFILL_CHUNK, 1)]
+    passes = [(f"decode B={b}", b, b) for b in DECODE_BATCHES] + [
+        (f"prefill {PREFILL_CHUNK}", PREFILL_CHUNK, 1)
+    ]
     for label, tokens, sequences in passes:
         t32, t16 = (forward_time(a, tokens, sequences, dtype, repeats) for dtype in DTYPES)
         print(f"{label:<22}{t32 * 1e3:>10.3f}{t16 * 1e3:>10.3f}{t32 / t16:>11.2f}")
@@ -105,32 +125,45 @@ def bench_model(name: str, a: ModelArgs, repeats: int) -> float:
         per_token[torch.float32] += share * t32 / tokens
         per_token[torch.bfloat16] += share * t16 / tokens
     ratio = per_token[torch.float32] / per_token[torch.bfloat16]
-    print(f"serving mix, per generated token: fp32 {per_token[torch.float32] * 1e3:.3f} ms, "
-          f"bf16 {per_token[torch.bfloat16] * 1e3:.3f} ms, fp32/bf16 {ratio:.2f}")
+    print(
+        f"serving mix, per generated token: fp32 {per_token[torch.float32] * 1e3:.3f} ms, "
+        f"bf16 {per_token[torch.bfloat16] * 1e3:.3f} ms, fp32/bf16 {ratio:.2f}"
+    )
     return ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=[], type=Path, help="an extra config.json")
+    parser.add_argument(
+        "--config", action="append", default=[], type=Path, help="an extra config.json"
+    )
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed in its own CPU time")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="one thread, timed in its own CPU time"
+    )
     ns = parser.parse_args()
     torch.manual_seed(0)
     if ns.cpu_time:
         global _clock
         _clock = time.thread_time
         torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_clock.__name__}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"native bf16 {cpu_has_native_bf16()}")
-    models = {"tiny checkpoint": model_args(tiny_config(1024)), "bench 73M": model_args(bench_config())}
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_clock.__name__}, "
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native bf16 {cpu_has_native_bf16()}"
+    )
+    models = {
+        "tiny checkpoint": model_args(tiny_config(1024)),
+        "bench 73M": model_args(bench_config()),
+    }
     models |= {str(p): model_args(json.loads(p.read_text())) for p in ns.config}
     ratios = [bench_model(name, args, ns.repeats) for name, args in models.items()]
     measured = "bf16" if min(ratios) > 1 else "fp32" if max(ratios) < 1 else "mixed"
     rule = "bf16" if cpu_has_native_bf16() else "fp32"
-    print(f"\nserving mix faster in: {measured}; rule "
-          f"(cpu_has_native_bf16): {rule}; agree: {measured == rule}")
+    print(
+        f"\nserving mix faster in: {measured}; rule "
+        f"(cpu_has_native_bf16): {rule}; agree: {measured == rule}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
    including act_quant. Target: FP8 >= 1.5x BF16 at M >= 64.
 Without a CUDA sm90 device that runs torch's block-wise scaled_mm it says so and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,14 @@ def check_shapes(device: torch.device, impl: GemmImpl) -> bool:
         x_fp8, x_scale = act_quant(x)
         try:
             native = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, out_dtype=torch.float32, impl=impl)
-            reference = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, out_dtype=torch.float32, impl="reference")
+            reference = fp8_gemm(
+                x_fp8, x_scale, w_fp8, w_scale, out_dtype=torch.float32, impl="reference"
+            )
             kernel_error = rel_error(native, reference)
-            linear_error = rel_error(fp8_linear(x, w_fp8, w_scale), F.linear(x, weight_dequant(w_fp8, w_scale).bfloat16()))
+            linear_error = rel_error(
+                fp8_linear(x, w_fp8, w_scale),
+                F.linear(x, weight_dequant(w_fp8, w_scale).bfloat16()),
+            )
         except Exception as e:  # one failing shape must not hide the others' figures
             print(f"{f'{n}x{k}':<14}  FAILED: {type(e).__name__}: {e}")
             ok = False
@@ -85,18 +91,28 @@ def check_shapes(device: torch.device, impl: GemmImpl) -> bool:
 
 
 def check_tiny_checkpoint(device: torch.device) -> None:
-    model_dir = _TINY_DIR if (_TINY_DIR / "config.json").exists() else write_tiny_checkpoint(tempfile.mkdtemp())
+    model_dir = (
+        _TINY_DIR
+        if (_TINY_DIR / "config.json").exists()
+        else write_tiny_checkpoint(tempfile.mkdtemp())
+    )
     fp8, config = load_checkpoint(model_dir, FP8, device)
     bf16, _ = load_checkpoint(model_dir, torch.bfloat16, device)
     fp8_cpu, _ = load_checkpoint(model_dir, FP8, "cpu")
     print(f"\n## Tiny checkpoint ({model_dir}): last-token logits, relative error")
     print(f"{'prompt tokens':<15}{'FP8 vs BF16':>14}{f'FP8 {device.type} vs FP8 cpu':>24}")
     for length in (1, 17, 64):
-        tokens = torch.randint(5, config["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
-        logits = {name: m(tokens.to(m.lm_head.weight.device), 0, m.setup_cache(1, length)).cpu()
-                  for name, m in (("fp8", fp8), ("bf16", bf16), ("fp8_cpu", fp8_cpu))}
-        print(f"{length:<15}{rel_error(logits['fp8'], logits['bf16']):>14.2e}"
-              f"{rel_error(logits['fp8'], logits['fp8_cpu']):>24.2e}")
+        tokens = torch.randint(
+            5, config["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length)
+        )
+        logits = {
+            name: m(tokens.to(m.lm_head.weight.device), 0, m.setup_cache(1, length)).cpu()
+            for name, m in (("fp8", fp8), ("bf16", bf16), ("fp8_cpu", fp8_cpu))
+        }
+        print(
+            f"{length:<15}{rel_error(logits['fp8'], logits['bf16']):>14.2e}"
+            f"{rel_error(logits['fp8'], logits['fp8_cpu']):>24.2e}"
+        )
 
 
 def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -128,10 +144,14 @@ def time_s(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
 
 def time_shapes(device: torch.device, impl: GemmImpl, tokens: tuple[int, ...], iters: int) -> None:
-    print(f"\n## GEMM time, microseconds (speedup = BF16 time "
-          f"/ FP8 time; target >= {_TARGET_SPEEDUP} at M >= 64)")
-    print(f"{'N x K':<14}{'M':>6}{'BF16':>10}{'FP8 gemm':>10}{'speedup':>9}"
-          f"{'FP8+quant':>11}{'speedup':>9}  target")
+    print(
+        f"\n## GEMM time, microseconds (speedup = BF16 time "
+        f"/ FP8 time; target >= {_TARGET_SPEEDUP} at M >= 64)"
+    )
+    print(
+        f"{'N x K':<14}{'M':>6}{'BF16':>10}{'FP8 gemm':>10}{'speedup':>9}"
+        f"{'FP8+quant':>11}{'speedup':>9}  target"
+    )
     for n, k in SHAPES:
         w_fp8, w_scale = random_fp8_weight(n, k, device)
         w_bf16 = weight_dequant(w_fp8, w_scale).bfloat16()
@@ -147,15 +167,19 @@ def time_shapes(device: torch.device, impl: GemmImpl, tokens: tuple[int, ...], i
                 print(f"{f'{n}x{k}':<14}{m:>6}  FAILED: {type(e).__name__}: {e}")
                 continue
             verdict = "" if m < 64 else "met" if t_bf16 / t_gemm >= _TARGET_SPEEDUP else "MISSED"
-            print(f"{f'{n}x{k}':<14}{m:>6}{t_bf16 * 1e6:>10.1f}"
-                  f"{t_gemm * 1e6:>10.1f}{t_bf16 / t_gemm:>9.2f}"
-                  f"{t_linear * 1e6:>11.1f}{t_bf16 / t_linear:>9.2f}  {verdict}")
+            print(
+                f"{f'{n}x{k}':<14}{m:>6}{t_bf16 * 1e6:>10.1f}"
+                f"{t_gemm * 1e6:>10.1f}{t_bf16 / t_gemm:>9.2f}"
+                f"{t_linear * 1e6:>11.1f}{t_bf16 / t_linear:>9.2f}  {verdict}"
+            )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--dry-run", action="store_true", help="check this script on a CPU: reference GEMM, M <= 64")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check this script on a CPU: reference GEMM, M <= 64"
+    )
     ns = parser.parse_args()
     torch.manual_seed(0)
     impl: GemmImpl
@@ -166,19 +190,29 @@ def main() -> int:
     else:
         device, impl, tokens, iters = torch.device("cuda"), "native", TOKENS, ns.iters
         if not torch.cuda.is_available() or not native_fp8_gemm_available(device):
-            found = torch.cuda.get_device_name() + f" (sm{''.join(map(str, torch.cuda.get_device_capability()))})" \
-                if torch.cuda.is_available() else "no CUDA device"
-            print(f"No CUDA sm90 device with torch's block-wise FP8 "
-                  f"GEMM here ({found}; torch {torch.__version__}, "
-                  f"CUDA {torch.version.cuda}). This check needs an H100/H200/H800; nothing measured.")
+            found = (
+                torch.cuda.get_device_name()
+                + f" (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+                if torch.cuda.is_available()
+                else "no CUDA device"
+            )
+            print(
+                f"No CUDA sm90 device with torch's block-wise FP8 "
+                f"GEMM here ({found}; torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}). This check needs an H100/H200/H800; nothing measured."
+            )
             return 0
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+        print(
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     ok = check_shapes(device, impl)
     check_tiny_checkpoint(device)
     time_shapes(device, impl, tokens, iters)
     if not ok:
-        print(f"\nFAIL: the native GEMM disagrees with the reference "
-              f"beyond {_NATIVE_VS_REFERENCE_MAX:g} (or failed)")
+        print(
+            f"\nFAIL: the native GEMM disagrees with the reference "
+            f"beyond {_NATIVE_VS_REFERENCE_MAX:g} (or failed)"
+        )
     return 0 if ok else 1
 
 

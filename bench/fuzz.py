@@ -14,6 +14,7 @@ and --idle idle keep-alive connections. Prints cases run, the statuses, failures
 any process restarted, the gateway's RSS after the first round and at the end, and
 whether the API key or admin token appears in any log line or response body.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,18 +43,26 @@ SERVICES = ("gateway", "router", "worker0")
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--examples", type=int, default=100,
-                        help="schemathesis cases per operation and mode, per round")
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=100,
+        help="schemathesis cases per operation and mode, per round",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--slow", type=int, default=20, help="slow clients of each kind")
     parser.add_argument("--idle", type=int, default=500, help="idle keep-alive connections")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer(workdir=Path(tmp)) as redis_server:
         spec = MeshSpec(
-            redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-            router_port=free_port(), worker_ports=(free_port(),),
+            redis_url=redis_server.url,
+            model_path=DEFAULT_MODEL_PATH,
+            gateway_port=free_port(),
+            router_port=free_port(),
+            worker_ports=(free_port(),),
             env={"OTEL_SDK_DISABLED": "true", **fuzz.mesh_env(ADMIN_TOKEN, TIMEOUT_S)},
-            log_dir=Path(tmp))
+            log_dir=Path(tmp),
+        )
         with Mesh(spec) as mesh:
             api_key = asyncio.run(create_key_at(redis_server.url, "fuzz"))
             return _fuzz(args, mesh, api_key)
@@ -61,9 +70,13 @@ def main() -> int:
 
 def _fuzz(args: argparse.Namespace, mesh: Mesh, api_key: str) -> int:
     spec = mesh.spec
-    target = fuzz.Target(base=f"http://127.0.0.1:{spec.gateway_port}", port=spec.gateway_port,
-                         api_key=api_key, admin_token=ADMIN_TOKEN,
-                         model=fuzz.served_model(spec.router_address))
+    target = fuzz.Target(
+        base=f"http://127.0.0.1:{spec.gateway_port}",
+        port=spec.gateway_port,
+        api_key=api_key,
+        admin_token=ADMIN_TOKEN,
+        model=fuzz.served_model(spec.router_address),
+    )
     pids = {name: mesh.pid(name) for name in SERVICES}
     gateway = psutil.Process(pids["gateway"])
     report = fuzz.FuzzReport()
@@ -73,9 +86,11 @@ def _fuzz(args: argparse.Namespace, mesh: Mesh, api_key: str) -> int:
         fuzz.schema_cases(target, args.examples, report)
         asyncio.run(fuzz.raw_cases(target, report))
         rss.append(gateway.memory_info().rss)
-        print(f"round {round_ + 1}: {report.cases} cases, {len(report.failures)} failures, "
-              f"gateway RSS {rss[-1] / 2**20:.1f} MiB ({time.monotonic() - started:.0f} s)",
-              flush=True)
+        print(
+            f"round {round_ + 1}: {report.cases} cases, {len(report.failures)} failures, "
+            f"gateway RSS {rss[-1] / 2**20:.1f} MiB ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
     asyncio.run(fuzz.slow_clients(target, args.slow, args.idle, TIMEOUT_S, report))
     time.sleep(TIMEOUT_S)  # the slow clients' connections are gone
     mesh.check_alive()
@@ -84,17 +99,22 @@ def _fuzz(args: argparse.Namespace, mesh: Mesh, api_key: str) -> int:
     logs = [mesh.log(name) for name in SERVICES]
     leaks = fuzz.leaked([api_key, ADMIN_TOKEN], logs, report.bodies)
     growth = end_rss / rss[0] - 1
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
+        f"{time.monotonic() - started:.0f} s"
+    )
     print(f"cases run: {report.cases}; statuses: {dict(sorted(report.statuses.items()))}")
     print(f"failures found: {len(report.failures)}")
     for failure in report.failures[:50]:
         print(f"  {failure}")
     print(f"processes restarted: {restarted or 'none'}")
-    print(f"gateway RSS: {rss[0] / 2**20:.1f} MiB after round 1, {end_rss / 2**20:.1f} MiB at "
-          f"the end ({growth:+.1%})")
-    print(f"credentials in {len(logs)} logs and {len(report.bodies)} bodies: "
-          f"{leaks[:10] or 'none'}")
+    print(
+        f"gateway RSS: {rss[0] / 2**20:.1f} MiB after round 1, {end_rss / 2**20:.1f} MiB at "
+        f"the end ({growth:+.1%})"
+    )
+    print(
+        f"credentials in {len(logs)} logs and {len(report.bodies)} bodies: {leaks[:10] or 'none'}"
+    )
     return 0 if not report.failures and not restarted and not leaks and growth <= 0.1 else 1
 
 

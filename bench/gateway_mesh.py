@@ -1,6 +1,9 @@
-"""Gateway overhead (issue #4): the whole mesh against the same load sent straight to the worker.
+"""Gateway overhead (issues #4, #16): the whole mesh against the same load sent straight to the
+worker, and LiteLLM's proxy against the same load sent straight to its upstream, in one run.
 
     .venv/bin/python bench/gateway_mesh.py [--duration 5] [--concurrency 1 16 64]
+        [--paths direct mesh upstream litellm] [--litellm /path/to/venv/bin/litellm]
+        [--gateway-processes 1] [--unpinned]
 
 Starts Redis, the router, one worker and the gateway as processes (infermesh.cli.mesh), the
 worker on the simulated engine in zero-latency mode (INFERMESH_WORKER_ENGINE_KIND=sim,
@@ -11,15 +14,23 @@ off (OTEL_SDK_DISABLED) and the API key has no limits, but its admission and set
 scripts run as for any key.
 
 For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by
-four paths: ``direct`` (gRPC to the worker), ``router`` (gRPC to the router, which relays),
-``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
-calls the worker itself: the default) and ``relay`` (the same through a second gateway with
-``[router] relay = true``); non-streamed with 16 tokens (the gRPC paths then call the unary
-Complete RPCs, as the gateway does for a non-streamed request) and streamed with 64 tokens
-(Generate). Prints requests/s, p50/p99 latency and what the path adds to direct, streamed
-tokens/s, and CPU milliseconds per request of the gateway that served the path and of the
-router.
+these paths (--paths): ``direct`` (gRPC to the worker), ``router`` (gRPC to the router, which
+relays), ``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
+calls the worker itself: the default), ``calls`` (the same through a second gateway with
+``[router] streams = false``: gRPC calls of each request's own instead of the long-lived
+streams), ``relay`` (through a gateway with ``[router] relay = true``), ``upstream`` (HTTP straight
+to bench/zero_upstream.py, a zero-latency OpenAI-compatible server with its own step loop on
+core 1) and ``litellm`` (LiteLLM's proxy, one worker, no database, on core 0, in front of that
+upstream; --litellm names its executable, installed in a venv of its own). Non-streamed with 16
+tokens (the gRPC paths then call the unary Complete RPCs, as the gateway did for a non-streamed
+request) and streamed with 64 tokens (Generate). Prints requests/s, p50/p99 latency and what the
+path adds to its reference (``direct`` for the mesh's paths, ``upstream`` for ``litellm``),
+streamed tokens/s, the SSE events a client received per streamed request (``ev/req``; a stream
+of 64 tokens delivered one event per token shows 64 plus its role, finish and usage events), and
+CPU milliseconds per request of the process that served the path on core 0 (gateway or LiteLLM)
+and of the router.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +38,11 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,14 +62,30 @@ from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 _MESH_CORE, _LOAD_CORE = 0, 1
+_LOAD_SIDE = {"worker0", "upstream"}  # processes pinned with the load generator
 _WARMUP_S = 1.0
+_START_TIMEOUT_S = 120.0
 _MESSAGES = [{"role": "user", "content": "Benchmark the mesh, please."}]
+_PATHS = ("direct", "router", "mesh", "calls", "relay", "upstream", "litellm")
+_REFERENCE = {"litellm": "upstream"}  # else direct
+_SERVED_BY = {
+    "mesh": "gateway",
+    "calls": "calls-gateway",
+    "relay": "relay-gateway",
+    "litellm": "litellm",
+}
+_LITELLM_KEY = "sk-bench-litellm-0123456789abcdef"
+_LITELLM_MODEL = "zero"
+
+# One answer: (tokens, SSE events received; 0 for a gRPC path).
+Answer = tuple[int, int]
 
 
 @dataclass
 class Run:
     requests: int
     tokens: int
+    events: int
     elapsed_s: float
     latencies_s: list[float]
     cpu_s: dict[str, float]  # per process name, over the run
@@ -67,145 +96,351 @@ class Run:
 
 
 def _pin(pid: int, core: int) -> None:
-    for thread in psutil.Process(pid).threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-            os.sched_setaffinity(thread.id, {core})
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for process in processes:
+        for thread in process.threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(thread.id, {core})
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
+    def of(pid: int) -> float:
+        process = psutil.Process(pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
+    return {name: of(pid) for name, pid in pids.items()}
 
 
-async def _measure(concurrency: int, duration_s: float, one: Callable[[], Awaitable[int]],
-                   pids: dict[str, int]) -> Run:
-    """Closed loop: ``concurrency`` clients each sending ``one()`` (returns tokens) back to back."""
+async def _measure(
+    concurrency: int,
+    duration_s: float,
+    one: Callable[[], Awaitable[Answer]],
+    pids: dict[str, int],
+    pin: bool,
+) -> Run:
+    """Closed loop: ``concurrency`` clients each sending ``one()`` back to back."""
     loop = asyncio.get_running_loop()
 
-    async def clients(until: float, latencies: list[float], tokens: list[int]) -> None:
+    async def clients(until: float, latencies: list[float], answers: list[Answer]) -> None:
         async def client() -> None:
             while loop.time() < until:
                 started = time.perf_counter()
-                tokens.append(await one())
+                answers.append(await one())
                 latencies.append(time.perf_counter() - started)
+
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
     await clients(loop.time() + _WARMUP_S, [], [])
-    for name, pid in pids.items():
-        _pin(pid, _LOAD_CORE if name == "worker0" else _MESH_CORE)
+    for name, pid in pids.items() if pin else ():
+        _pin(pid, _LOAD_CORE if name in _LOAD_SIDE else _MESH_CORE)
     cpu_before, started = _cpu(pids), time.perf_counter()
     latencies: list[float] = []
-    tokens: list[int] = []
-    await clients(loop.time() + duration_s, latencies, tokens)
+    answers: list[Answer] = []
+    await clients(loop.time() + duration_s, latencies, answers)
     elapsed = time.perf_counter() - started
     cpu_after = _cpu(pids)
-    return Run(len(latencies), sum(tokens), elapsed, latencies,
-               {name: cpu_after[name] - cpu_before[name] for name in pids})
+    return Run(
+        len(latencies),
+        sum(t for t, _ in answers),
+        sum(e for _, e in answers),
+        elapsed,
+        latencies,
+        {name: cpu_after[name] - cpu_before[name] for name in pids},
+    )
 
 
-def _grpc_one(stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub, model: str, max_tokens: int, unary: bool) -> Callable[[], Awaitable[int]]:
+def _grpc_one(
+    stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub,
+    model: str,
+    max_tokens: int,
+    unary: bool,
+) -> Callable[[], Awaitable[Answer]]:
     request = common_pb2.GenerateRequest(
-        model=model, messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+        model=model,
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     if unary:
-        async def complete() -> int:
-            return len((await stub.Complete(request)).token_ids)
+
+        async def complete() -> Answer:
+            return len((await stub.Complete(request)).token_ids), 0
+
         return complete
 
-    async def one() -> int:
+    async def one() -> Answer:
         tokens = 0
         async for chunk in stub.Generate(request):
             tokens += len(chunk.token_ids)
-        return tokens
+        return tokens, 0
+
     return one
 
 
-def _http_one(session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int,
-              stream: bool) -> Callable[[], Awaitable[int]]:
-    body = json.dumps({"model": model, "messages": _MESSAGES, "temperature": 0,
-                       "max_tokens": max_tokens, "stream": stream,
-                       **({"stream_options": {"include_usage": True}} if stream else {})})
+def _http_one(
+    session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int, stream: bool
+) -> Callable[[], Awaitable[Answer]]:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": _MESSAGES,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
+    )
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
-    async def one() -> int:
+    async def one() -> Answer:
         async with session.post(url, data=body, headers=headers) as response:
             if response.status != 200:
                 raise RuntimeError(f"{response.status}: {await response.text()}")
             if not stream:
-                return (await response.json())["usage"]["completion_tokens"]
-            last = b""
+                return (await response.json())["usage"]["completion_tokens"], 0
+            last, events = b"", 0
             async for line in response.content:
                 if line.startswith(b"data: {"):
                     last = line
-            return json.loads(last[6:])["usage"]["completion_tokens"]
+                    events += 1
+            return json.loads(last[6:])["usage"]["completion_tokens"], events
+
     return one
 
 
-async def _bench(args: argparse.Namespace, mesh: Mesh, relay_url: str, key: str,
-                 pids: dict[str, int]) -> None:
-    spec = mesh.spec
-    os.sched_setaffinity(0, {_LOAD_CORE})
+async def _model(session: aiohttp.ClientSession, base_url: str, key: str) -> str:
+    async with session.get(
+        f"{base_url}/models", headers={"Authorization": f"Bearer {key}"}
+    ) as response:
+        return (await response.json())["data"][0]["id"]
+
+
+async def _bench(
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    key: str,
+    router_address: str,
+    worker_address: str,
+    pids: dict[str, int],
+) -> None:
+    if not args.unpinned:
+        os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{spec.worker_ports[0]}") as worker_channel, \
-            grpc.aio.insecure_channel(spec.router_address) as router_channel:
-        async with session.get(f"{spec.base_url}/models",
-                               headers={"Authorization": f"Bearer {key}"}) as response:
-            model = (await response.json())["data"][0]["id"]
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        grpc.aio.insecure_channel(worker_address) as worker_channel,
+        grpc.aio.insecure_channel(router_address) as router_channel,
+    ):
+        model = await _model(session, urls["mesh"], key)
         worker = worker_pb2_grpc.WorkerStub(worker_channel)
         router = router_pb2_grpc.RouterStub(router_channel)
-        url = f"{spec.base_url}/chat/completions"
-        print(f"{'mode':<10} {'c':>3} {'path':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'gw ms CPU/req':>14} "
-              f"{'rt ms CPU/req':>14}", flush=True)
-        gateway_of = {"mesh": "gateway", "relay": "relay-gateway"}
+        print(
+            f"{'mode':<10} {'c':>3} {'path':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'ev/req':>7} {'core0 ms CPU/req':>17} "
+            f"{'rt ms CPU/req':>14}",
+            flush=True,
+        )
         for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
             for concurrency in args.concurrency:
-                paths = {"direct": _grpc_one(worker, model, max_tokens, unary=not stream),
-                         "router": _grpc_one(router, model, max_tokens, unary=not stream),
-                         "mesh": _http_one(session, url, key, model, max_tokens, stream),
-                         "relay": _http_one(session, f"{relay_url}/chat/completions", key, model,
-                                            max_tokens, stream)}
-                direct: Run | None = None
-                for path, one in paths.items():
-                    run = await _measure(concurrency, args.duration, one, pids)
-                    direct = direct or run
-                    gateway_cpu_s = run.cpu_s[gateway_of[path]] if path in gateway_of else 0.0
-                    print(f"{mode:<10} {concurrency:>3} {path:<7} "
-                          f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
-                          f"{run.pct(0.99):>8.2f} {run.pct(0.5) - direct.pct(0.5):>8.2f} "
-                          f"{run.pct(0.99) - direct.pct(0.99):>8.2f} "
-                          f"{run.tokens / run.elapsed_s:>9.0f} "
-                          f"{gateway_cpu_s * 1000 / run.requests:>14.3f} "
-                          f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}", flush=True)
+                paths: dict[str, Callable[[], Awaitable[Answer]]] = {
+                    "direct": _grpc_one(worker, model, max_tokens, unary=not stream),
+                    "router": _grpc_one(router, model, max_tokens, unary=not stream),
+                }
+                for path in ("mesh", "calls", "relay"):
+                    paths[path] = _http_one(
+                        session,
+                        f"{urls.get(path)}/chat/completions",
+                        key,
+                        model,
+                        max_tokens,
+                        stream,
+                    )
+                for path in ("upstream", "litellm"):
+                    paths[path] = _http_one(
+                        session,
+                        f"{urls.get(path)}/chat/completions",
+                        _LITELLM_KEY,
+                        _LITELLM_MODEL,
+                        max_tokens,
+                        stream,
+                    )
+                references: dict[str, Run] = {}
+                for path in args.paths:
+                    run = await _measure(
+                        concurrency, args.duration, paths[path], pids, not args.unpinned
+                    )
+                    references.setdefault(path, run)
+                    reference = references.get(_REFERENCE.get(path, "direct"), run)
+                    served_cpu_s = run.cpu_s[_SERVED_BY[path]] if path in _SERVED_BY else 0.0
+                    events = f"{run.events / run.requests:>7.1f}" if run.events else f"{'':>7}"
+                    print(
+                        f"{mode:<10} {concurrency:>3} {path:<8} "
+                        f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
+                        f"{run.pct(0.99):>8.2f} {run.pct(0.5) - reference.pct(0.5):>8.2f} "
+                        f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
+                        f"{run.tokens / run.elapsed_s:>9.0f} {events} "
+                        f"{served_cpu_s * 1000 / run.requests:>17.3f} "
+                        f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}",
+                        flush=True,
+                    )
+
+
+class _LiteLLM:
+    """The zero-latency upstream and LiteLLM's proxy in front of it, as processes."""
+
+    def __init__(self, workdir: Path, executable: str | None) -> None:
+        self.upstream_port, self.proxy_port = free_port(), free_port()
+        self._workdir, self._executable = workdir, executable
+        self._processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> _LiteLLM:
+        self._processes["upstream"] = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("zero_upstream.py")),
+                "--port",
+                str(self.upstream_port),
+            ]
+        )
+        self._wait(self.upstream_port, "/v1/models", "the zero-latency upstream")
+        if self._executable is not None:
+            config = self._workdir / "litellm.yaml"
+            config.write_text(
+                "model_list:\n"
+                f"  - model_name: {_LITELLM_MODEL}\n"
+                "    litellm_params:\n"
+                f"      model: openai/{_LITELLM_MODEL}\n"
+                f"      api_base: http://127.0.0.1:{self.upstream_port}/v1\n"
+                "      api_key: sk-upstream\n"
+            )
+            log = (self._workdir / "litellm.log").open("wb")
+            self._processes["litellm"] = subprocess.Popen(
+                [
+                    self._executable,
+                    "--config",
+                    str(config),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.proxy_port),
+                    "--num_workers",
+                    "1",
+                ],
+                cwd=self._workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "LITELLM_MASTER_KEY": _LITELLM_KEY, "LITELLM_LOG": "ERROR"},
+            )
+            self._wait(self.proxy_port, "/health/liveliness", "LiteLLM's proxy")
+        return self
+
+    def pids(self) -> dict[str, int]:
+        return {name: process.pid for name, process in self._processes.items()}
+
+    def _wait(self, port: int, path: str, what: str) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline or any(
+                    p.poll() is not None for p in self._processes.values()
+                ):
+                    raise RuntimeError(f"{what} did not start") from None
+                time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self._processes.values():
+            process.terminate()
+        for process in self._processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--paths", nargs="+", choices=_PATHS, default=["direct", "mesh", "upstream", "litellm"]
+    )
+    parser.add_argument(
+        "--gateway-processes", type=int, default=1, help="[server] processes of the mesh's gateways"
+    )
+    parser.add_argument(
+        "--unpinned", action="store_true", help="pin nothing: every process on any core"
+    )
+    parser.add_argument(
+        "--litellm",
+        default=None,
+        help="LiteLLM's executable (its own venv); needed for path litellm",
+    )
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
-        print("needs two cores: gateway and router on one, worker and load on the other",
-              file=sys.stderr)
+        print(
+            "needs two cores: gateway and router on one, worker and load on the other",
+            file=sys.stderr,
+        )
+        return 1
+    if "litellm" in args.paths and args.litellm is None:
+        print("path litellm needs --litellm (e.g. a venv's bin/litellm)", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         spec = MeshSpec(
-            redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-            router_port=free_port(), worker_ports=(free_port(),), log_dir=Path(workdir),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
-                 "INFERMESH_WORKER_ENGINE_KIND": "sim",
-                 "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-                 "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-                 "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024"})
-        relay_port = free_port()
-        with Mesh(spec) as mesh:
-            mesh.add_gateway("relay-gateway", relay_port, {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"})
+            redis_url=redis_server.url,
+            model_path=DEFAULT_MODEL_PATH,
+            gateway_port=free_port(),
+            router_port=free_port(),
+            worker_ports=(free_port(),),
+            log_dir=Path(workdir),
+            env={
+                "OTEL_SDK_DISABLED": "true",
+                "INFERMESH_LOG_LEVEL": "WARNING",
+                "INFERMESH_WORKER_ENGINE_KIND": "sim",
+                "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+                "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+                "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+                "INFERMESH_GATEWAY_SERVER_PROCESSES": str(args.gateway_processes),
+            },
+        )
+        litellm = args.litellm if "litellm" in args.paths else None
+        with Mesh(spec) as mesh, _LiteLLM(Path(workdir), litellm) as proxy:
+            urls = {
+                "mesh": spec.base_url,
+                "upstream": f"http://127.0.0.1:{proxy.upstream_port}/v1",
+                "litellm": f"http://127.0.0.1:{proxy.proxy_port}/v1",
+            }
+            pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway")}
+            for path, env in (
+                ("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
+                ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"}),
+            ):
+                if path in args.paths:
+                    port = free_port()
+                    mesh.add_gateway(_SERVED_BY[path], port, env)
+                    urls[path] = f"http://127.0.0.1:{port}/v1"
+                    pids[_SERVED_BY[path]] = mesh.pid(_SERVED_BY[path])
+            pids.update(proxy.pids())
             key = asyncio.run(_create_key(redis_server.url))
-            pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway", "relay-gateway")}
-            print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
-                  f"{args.duration:.0f} s per point; gateway+router on core {_MESH_CORE}, "
-                  f"worker+load on core {_LOAD_CORE}", flush=True)
-            asyncio.run(_bench(args, mesh, f"http://127.0.0.1:{relay_port}/v1", key, pids))
+            pinning = (
+                "unpinned"
+                if args.unpinned
+                else f"gateway+router (and LiteLLM) on core {_MESH_CORE}, worker (and "
+                f"upstream)+load on core {_LOAD_CORE}"
+            )
+            print(
+                f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores, "
+                f"{args.duration:.0f} s per point; {args.gateway_processes} gateway "
+                f"process(es); {pinning}",
+                flush=True,
+            )
+            asyncio.run(
+                _bench(
+                    args, urls, key, spec.router_address, f"127.0.0.1:{spec.worker_ports[0]}", pids
+                )
+            )
     return 0
 
 

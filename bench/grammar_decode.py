@@ -21,6 +21,7 @@ costs.
    the mask), against the free step time of (1) at the same concurrency.
 3. Grammar compile time for a typical tool set (8 functions), cold and from the compiler's cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,17 +55,32 @@ from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
 from worker_svc.tokenizer import Tokenizer
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
-_LONG = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 14}, "notes": {"type": "string", "minLength": 4000}},
-    "required": ["city", "unit", "days", "notes"], "additionalProperties": False}
+_LONG = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "notes": {"type": "string", "minLength": 4000},
+    },
+    "required": ["city", "unit", "days", "notes"],
+    "additionalProperties": False,
+}
 
 
 def typical_tools() -> tuple[Tool, ...]:
     """Eight functions with the schemas agents send: strings, enums, numbers, arrays, nested
     objects."""
+
     def obj(props: dict[str, Any], required: list[str]) -> str:
-        return json.dumps({"type": "object", "properties": props, "required": required, "additionalProperties": False})
+        return json.dumps(
+            {
+                "type": "object",
+                "properties": props,
+                "required": required,
+                "additionalProperties": False,
+            }
+        )
 
     s, i = {"type": "string"}, {"type": "integer", "minimum": 0}
     return (
@@ -72,16 +88,56 @@ def typical_tools() -> tuple[Tool, ...]:
         Tool("search_web", "", obj({"query": s, "max_results": i}, ["query"])),
         Tool("read_file", "", obj({"path": s, "offset": i, "limit": i}, ["path"])),
         Tool("write_file", "", obj({"path": s, "content": s}, ["path", "content"])),
-        Tool("run_command", "", obj({"command": s, "timeout_s": {"type": "number"}, "env": {
-            "type": "object", "additionalProperties": s}}, ["command"])),
-        Tool("send_email", "", obj({"to": {"type": "array", "items": s, "minItems": 1}, "subject": s, "body": s},
-                                   ["to", "subject", "body"])),
-        Tool("create_event", "", obj({"title": s, "start": {"type": "string", "format": "date-time"},
-                                      "attendees": {"type": "array", "items": {"type": "object", "properties": {
-                                          "email": s, "optional": {"type": "boolean"}}, "required": ["email"]}}},
-                                     ["title", "start"])),
-        Tool("query_db", "", obj({"sql": s, "params": {"type": "array", "items": {"anyOf": [s, i, {"type": "null"}]}}},
-                                 ["sql"])),
+        Tool(
+            "run_command",
+            "",
+            obj(
+                {
+                    "command": s,
+                    "timeout_s": {"type": "number"},
+                    "env": {"type": "object", "additionalProperties": s},
+                },
+                ["command"],
+            ),
+        ),
+        Tool(
+            "send_email",
+            "",
+            obj(
+                {"to": {"type": "array", "items": s, "minItems": 1}, "subject": s, "body": s},
+                ["to", "subject", "body"],
+            ),
+        ),
+        Tool(
+            "create_event",
+            "",
+            obj(
+                {
+                    "title": s,
+                    "start": {"type": "string", "format": "date-time"},
+                    "attendees": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"email": s, "optional": {"type": "boolean"}},
+                            "required": ["email"],
+                        },
+                    },
+                },
+                ["title", "start"],
+            ),
+        ),
+        Tool(
+            "query_db",
+            "",
+            obj(
+                {
+                    "sql": s,
+                    "params": {"type": "array", "items": {"anyOf": [s, i, {"type": "null"}]}},
+                },
+                ["sql"],
+            ),
+        ),
     )
 
 
@@ -131,8 +187,12 @@ def big_tokenizer() -> PreTrainedTokenizerFast:
     tok = RawTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=32000, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=32000,
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator((Path(f).read_text(errors="replace") for f in files), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
@@ -188,22 +248,30 @@ def main() -> None:
     ns = parser.parse_args()
     if not (ns.model_dir / "config.json").exists():
         write_bench_checkpoint(ns.model_dir)
-    engine = Engine.from_checkpoint(ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency)))
+    engine = Engine.from_checkpoint(
+        ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency))
+    )
     tool = Tool("get_weather", "Weather in a city", json.dumps(_LONG))
     modes = {
         "free": Constraints(),
         "json_schema": Constraints(json_schema=json.dumps(_LONG)),
         "tool_choice=required": Constraints((tool,), "required", parallel_tool_calls=False),
     }
-    print(f"model {ns.model_dir.name} ({engine.capabilities.precision}, "
-          f"{engine.capabilities.device_name}), "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), llguidance "
-          f"{importlib.metadata.version('llguidance')}, {ns.new_tokens} new tokens per request, "
-          f"{ns.rounds} interleaved rounds")
-    print("grammar alone: masks computed and applied, matchers advanced, for as many sequences "
-          "over a 32000-token vocabulary (share: of the free step)")
-    print("concurrency | mode                 | best wall ms/step (ratio) | median wall (ratio) | "
-          "median CPU (ratio) | each round's wall ms")
+    print(
+        f"model {ns.model_dir.name} ({engine.capabilities.precision}, "
+        f"{engine.capabilities.device_name}), "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), llguidance "
+        f"{importlib.metadata.version('llguidance')}, {ns.new_tokens} new tokens per request, "
+        f"{ns.rounds} interleaved rounds"
+    )
+    print(
+        "grammar alone: masks computed and applied, matchers advanced, for as many sequences "
+        "over a 32000-token vocabulary (share: of the free step)"
+    )
+    print(
+        "concurrency | mode                 | best wall ms/step (ratio) | median wall (ratio) | "
+        "median CPU (ratio) | each round's wall ms"
+    )
     json_grammar_32k()  # trains the tokenizer outside the rounds
     for n in ns.concurrency:
         prompts = same_prompts(engine.tokenizer, tool, n)
@@ -219,14 +287,17 @@ def main() -> None:
         wall = {mode: statistics.median(r.wall_s for r in rs) for mode, rs in runs.items()}
         cpu = {mode: statistics.median(r.cpu_s for r in rs) for mode, rs in runs.items()}
         for mode, rs in runs.items():
-            best_, wall_, cpu_ = (f"{d[mode] * 1e3:7.2f} ({d[mode] / d['free']:.3f})"
-                                  for d in (best, wall, cpu))
+            best_, wall_, cpu_ = (
+                f"{d[mode] * 1e3:7.2f} ({d[mode] / d['free']:.3f})" for d in (best, wall, cpu)
+            )
             rounds = " ".join(f"{r.wall_s * 1e3:.1f}" for r in rs)
             print(f"{n:11d} | {mode:20s} | {best_:25s} | {wall_:19s} | {cpu_:18s} | {rounds}")
         grammar, share = min(alone), min(alone) / best["free"]
         rounds = " ".join(f"{a * 1e3:.2f}" for a in alone)
-        print(f"{n:11d} | grammar alone        | {grammar * 1e3:7.2f} (share {share:.1%}) "
-              f"| {'':19s} | {'':18s} | {rounds}")
+        print(
+            f"{n:11d} | grammar alone        | {grammar * 1e3:7.2f} (share {share:.1%}) "
+            f"| {'':19s} | {'':18s} | {rounds}"
+        )
     cold, cached = compile_s(engine.tokenizer, engine.model.args.vocab_size)
     print(f"compile, 8-tool auto grammar: cold {cold * 1e3:.1f} ms, cached {cached * 1e3:.3f} ms")
     asyncio.run(engine.close())

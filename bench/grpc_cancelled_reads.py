@@ -11,6 +11,7 @@ through ``infermesh.failover.call_chunks``. Prints RSS growth per call after a w
 then what ``call_chunks`` costs: time per chunk of 500 concurrent streams of 64 chunks read
 raw and through it, three rounds alternating, and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ MODES = ("drained", "abandoned", "call_chunks")
 _WARMUP_CALLS = 2000
 
 
-async def _serve(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
+async def _serve(
+    request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+) -> AsyncIterator[bytes]:
     for _ in range(16):
         yield b"x" * 64
         await asyncio.sleep(0.002)
@@ -65,8 +68,13 @@ async def _one(rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes], mode: str) 
 async def _start_server(serve: Callable[..., AsyncIterator[bytes]]) -> tuple[grpc.aio.Server, int]:
     """A server streaming ``serve``'s chunks at /bench.Stream/Generate on a free loopback port."""
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Stream", {"Generate": grpc.unary_stream_rpc_method_handler(serve)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "bench.Stream", {"Generate": grpc.unary_stream_rpc_method_handler(serve)}
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -76,12 +84,14 @@ async def _measure(mode: str, calls: int, concurrency: int) -> float:
     server, port = await _start_server(_serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
-            "/bench.Stream/Generate")
+            "/bench.Stream/Generate"
+        )
 
         async def clients(total: int) -> None:
             async def client(n: int) -> None:
                 for _ in range(n):
                     await _one(rpc, mode)
+
             await asyncio.gather(*(client(total // concurrency) for _ in range(concurrency)))
 
         await clients(_WARMUP_CALLS)
@@ -94,14 +104,17 @@ async def _measure(mode: str, calls: int, concurrency: int) -> float:
 
 
 async def _chunk_cost(streams: int = 500, chunks: int = 64, rounds: int = 3) -> None:
-    async def serve(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> AsyncIterator[bytes]:
+    async def serve(
+        request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
         for _ in range(chunks):
             yield b"x" * 64
 
     server, port = await _start_server(serve)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         rpc: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
-            "/bench.Stream/Generate")
+            "/bench.Stream/Generate"
+        )
 
         async def raw() -> None:
             async for _ in rpc(b""):
@@ -117,9 +130,11 @@ async def _chunk_cost(streams: int = 500, chunks: int = 64, rounds: int = 3) -> 
                 start = time.perf_counter()
                 await asyncio.gather(*(read() for _ in range(streams)))
                 per_chunk[name] = (time.perf_counter() - start) / (streams * chunks) * 1e6
-            print(f"round {i}: raw {per_chunk['raw']:.1f} us/chunk, call_chunks "
-                  f"{per_chunk['call_chunks']:.1f} us/chunk "
-                  f"(x{per_chunk['call_chunks'] / per_chunk['raw']:.2f})")
+            print(
+                f"round {i}: raw {per_chunk['raw']:.1f} us/chunk, call_chunks "
+                f"{per_chunk['call_chunks']:.1f} us/chunk "
+                f"(x{per_chunk['call_chunks'] / per_chunk['raw']:.2f})"
+            )
     await server.stop(None)
 
 
@@ -134,9 +149,21 @@ def main() -> int:
         return 0
     print(f"grpcio {grpc.__version__}; {args.calls} calls per mode at c={args.concurrency}")
     for mode in MODES:
-        child = subprocess.run([sys.executable, __file__, "--mode", mode, "--calls", str(args.calls),
-                                "--concurrency", str(args.concurrency)],
-                               check=True, capture_output=True, text=True)
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--mode",
+                mode,
+                "--calls",
+                str(args.calls),
+                "--concurrency",
+                str(args.concurrency),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         print(f"{mode:>12}: RSS +{float(child.stdout):.3f} KB per call")
     asyncio.run(_chunk_cost())
     return 0

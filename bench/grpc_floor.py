@@ -9,6 +9,7 @@ per call of each side, on asyncio's default loop and on uvloop. These are floors
 mesh: a request through the gateway makes two such calls (Router.Route, then
 Worker.Complete or Worker.Generate) and the router serves one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,19 +35,23 @@ _SERVER_CORE, _CLIENT_CORE = 0, 1
 
 
 class _Idle(worker_pb2_grpc.WorkerServicer):
-    async def Generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
-                                                         common_pb2.GenerateResponse],
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        yield common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
-                                          finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    async def Generate(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        yield common_pb2.GenerateResponse(
+            text="x" * 64, token_ids=range(16), finish_reason=common_pb2.FINISH_REASON_LENGTH
+        )
 
-    async def Complete(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
-                                                         common_pb2.GenerateResponse],
-                       ) -> common_pb2.GenerateResponse:
-        return common_pb2.GenerateResponse(text="x" * 64, token_ids=range(16),
-                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    async def Complete(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> common_pb2.GenerateResponse:
+        return common_pb2.GenerateResponse(
+            text="x" * 64, token_ids=range(16), finish_reason=common_pb2.FINISH_REASON_LENGTH
+        )
 
 
 async def _serve(port: int) -> None:
@@ -57,8 +62,9 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _call(address: str, rpc: str, concurrency: int, duration_s: float,
-                server: psutil.Process) -> tuple[float, float, float]:
+async def _call(
+    address: str, rpc: str, concurrency: int, duration_s: float, server: psutil.Process
+) -> tuple[float, float, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         request = common_pb2.GenerateRequest(model="m", prompt="hello")
@@ -81,8 +87,11 @@ async def _call(address: str, rpc: str, concurrency: int, duration_s: float,
         started = time.perf_counter()
         await asyncio.gather(*(client(started + duration_s) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-        return (calls / elapsed, (time.process_time() - client_before) / calls * 1e6,
-                (sum(server.cpu_times()[:2]) - server_before) / calls * 1e6)
+        return (
+            calls / elapsed,
+            (time.process_time() - client_before) / calls * 1e6,
+            (sum(server.cpu_times()[:2]) - server_before) / calls * 1e6,
+        )
 
 
 def main() -> int:
@@ -90,7 +99,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server child's port
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     run = uvloop.run if args.loop == "uvloop" else asyncio.run
     if args.serve:
@@ -98,12 +109,16 @@ def main() -> int:
         run(_serve(args.serve))
         return 0
     os.sched_setaffinity(0, {_CLIENT_CORE})
-    print(f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
-          f"uvloop {importlib.metadata.version('uvloop')}; "
-          f"server on core {_SERVER_CORE}, client on core "
-          f"{_CLIENT_CORE}, {args.duration:.0f} s per point")
-    print(f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} "
-          f"{'client us/call':>15} {'server us/call':>15}")
+    print(
+        f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
+        f"uvloop {importlib.metadata.version('uvloop')}; "
+        f"server on core {_SERVER_CORE}, client on core "
+        f"{_CLIENT_CORE}, {args.duration:.0f} s per point"
+    )
+    print(
+        f"{'loop':<8} {'rpc':<7} {'c':>3} {'calls/s':>8} "
+        f"{'client us/call':>15} {'server us/call':>15}"
+    )
     for loop in ("asyncio", "uvloop"):
         port = free_port()
         child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--loop", loop])
@@ -114,9 +129,13 @@ def main() -> int:
             for rpc in ("unary", "stream"):
                 for concurrency in args.concurrency:
                     rate, client_us, server_us = (uvloop.run if loop == "uvloop" else asyncio.run)(
-                        _call(f"127.0.0.1:{port}", rpc, concurrency, args.duration, server))
-                    print(f"{loop:<8} {rpc:<7} {concurrency:>3} {rate:>8.0f} {client_us:>15.0f} "
-                          f"{server_us:>15.0f}", flush=True)
+                        _call(f"127.0.0.1:{port}", rpc, concurrency, args.duration, server)
+                    )
+                    print(
+                        f"{loop:<8} {rpc:<7} {concurrency:>3} {rate:>8.0f} {client_us:>15.0f} "
+                        f"{server_us:>15.0f}",
+                        flush=True,
+                    )
         finally:
             child.terminate()
             child.wait()

@@ -1,6 +1,7 @@
 """Load for the reliability scenarios (bench/soak.py, bench/redis_failover.py): closed-loop
 clients sending chat completions to a gateway over plain HTTP, each request recorded as an
 :class:`Outcome` (when, status, error code, tokens served), never raising."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,14 @@ class MeshLoad:
     """Sends requests of the kinds ``pick()`` chooses to ``base_url`` with ``key``.
     A ``disconnect`` request is a stream the client drops after its first content chunk."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, key: str, model: str,
-                 max_tokens: int = 16) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        key: str,
+        model: str,
+        max_tokens: int = 16,
+    ) -> None:
         self._session = session
         self._url = f"{base_url}/chat/completions"
         self._headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
@@ -50,9 +57,14 @@ class MeshLoad:
 
     async def one(self, kind: Kind) -> Outcome:
         stream = kind != "plain"
-        body = {"model": self._model, "messages": _MESSAGES, "max_tokens": self._max_tokens,
-                "temperature": 0, "stream": stream,
-                **({"stream_options": {"include_usage": True}} if stream else {})}
+        body = {
+            "model": self._model,
+            "messages": _MESSAGES,
+            "max_tokens": self._max_tokens,
+            "temperature": 0,
+            "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
         started = time.monotonic()
         try:
             async with self._session.post(self._url, json=body, headers=self._headers) as response:
@@ -61,21 +73,31 @@ class MeshLoad:
                     return Outcome(kind, started, time.monotonic(), response.status, code)
                 if not stream:
                     usage = (await response.json())["usage"]
-                    return Outcome(kind, started, time.monotonic(), 200, tokens=usage["total_tokens"])
+                    return Outcome(
+                        kind, started, time.monotonic(), 200, tokens=usage["total_tokens"]
+                    )
                 code, tokens = await _read_stream(response, stop_early=kind == "disconnect")
                 return Outcome(kind, started, time.monotonic(), 200, code, tokens)
         except (TimeoutError, aiohttp.ClientError) as e:
             return Outcome(kind, started, time.monotonic(), 0, type(e).__name__)
 
-    async def run(self, concurrency: int, until: float, pick: Callable[[], Kind],
-                  outcomes: list[Outcome], pace_s: float = 0.0) -> None:
+    async def run(
+        self,
+        concurrency: int,
+        until: float,
+        pick: Callable[[], Kind],
+        outcomes: list[Outcome],
+        pace_s: float = 0.0,
+    ) -> None:
         """``concurrency`` clients send back to back (``pace_s`` apart) until ``until``
         (time.monotonic()), appending to ``outcomes``."""
+
         async def client() -> None:
             while time.monotonic() < until:
                 outcomes.append(await self.one(pick()))
                 if pace_s:
                     await asyncio.sleep(pace_s * random.uniform(0.5, 1.5))
+
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 

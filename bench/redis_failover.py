@@ -17,6 +17,7 @@ the cluster lost (answered 200 but missing from the new master's counter: writes
 master had acknowledged and not yet replicated), and usage lost (tokens served minus
 tokens recorded) against the tokens of the requests that ended in the outage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,26 +70,46 @@ class FailoverResult:
 def mesh_spec(redis_url: str, log_dir: Path, **env: str) -> MeshSpec:
     """One simulated zero-latency worker, the router and the gateway on ``redis_url``."""
     return MeshSpec(
-        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-        router_port=free_port(), worker_ports=(free_port(),), log_dir=log_dir,
-        env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
-             "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-             "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-             "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024", **env})
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=(free_port(),),
+        log_dir=log_dir,
+        env={
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_LOG_LEVEL": "WARNING",
+            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+            "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+            "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+            "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+            **env,
+        },
+    )
 
 
-async def _scenario(cluster: RedisClusterServers, mesh: Mesh, duration_s: float, kill_at_s: float,
-                    concurrency: int, headroom: int, pace_s: float) -> FailoverResult:
+async def _scenario(
+    cluster: RedisClusterServers,
+    mesh: Mesh,
+    duration_s: float,
+    kill_at_s: float,
+    concurrency: int,
+    headroom: int,
+    pace_s: float,
+) -> FailoverResult:
     client = redis_client(cluster.url, timeout_s=2.0)
     # counted from the start (a key counts only the limits it has), lowered at the kill
     key = await create_key(client, "failover", rpm=1_000_000)
     kid = key_id(key)
     outcomes: list[Outcome] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        load = MeshLoad(session, mesh.spec.base_url, key, Path(DEFAULT_MODEL_PATH).name, max_tokens=8)
+        load = MeshLoad(
+            session, mesh.spec.base_url, key, Path(DEFAULT_MODEL_PATH).name, max_tokens=8
+        )
         start = time.monotonic()
         running = asyncio.create_task(
-            load.run(concurrency, start + duration_s, lambda: "plain", outcomes, pace_s))
+            load.run(concurrency, start + duration_s, lambda: "plain", outcomes, pace_s)
+        )
         await asyncio.sleep(kill_at_s)
         limit = await _counted(client, kid) + headroom
         await update_key(client, kid, {"rpm": limit})
@@ -108,29 +129,43 @@ async def _counted(client: RedisClient, kid: str) -> int:
     return sum(int(v) for v in (await client.hgetall(f"infermesh:rl:{{{kid}}}:rpm")).values())
 
 
-def _result(outcomes: list[Outcome], killed_at: float, limit: int, counted: int,
-            recorded: int) -> FailoverResult:
+def _result(
+    outcomes: list[Outcome], killed_at: float, limit: int, counted: int, recorded: int
+) -> FailoverResult:
     failed = [o for o in outcomes if o.ended >= killed_at and o.status not in (200, 429)]
     outage_end = max((o.ended for o in failed), default=killed_at)
-    first_ok = min((o.ended for o in outcomes if o.ok and o.started > killed_at),
-                   default=float("nan"))
+    first_ok = min(
+        (o.ended for o in outcomes if o.ok and o.started > killed_at), default=float("nan")
+    )
     ok = [o for o in outcomes if o.ok]
     return FailoverResult(
-        statuses=dict(collections.Counter((o.status, o.code) for o in outcomes)), limit=limit,
-        admitted=len(ok), counted=counted, outage_s=outage_end - killed_at,
-        first_ok_after_s=first_ok - killed_at, served_tokens=sum(o.tokens for o in ok),
+        statuses=dict(collections.Counter((o.status, o.code) for o in outcomes)),
+        limit=limit,
+        admitted=len(ok),
+        counted=counted,
+        outage_s=outage_end - killed_at,
+        first_ok_after_s=first_ok - killed_at,
+        served_tokens=sum(o.tokens for o in ok),
         recorded_tokens=recorded,
-        outage_tokens=sum(o.tokens for o in ok
-                          if killed_at - _MARGIN_S <= o.ended <= outage_end + _MARGIN_S))
+        outage_tokens=sum(
+            o.tokens for o in ok if killed_at - _MARGIN_S <= o.ended <= outage_end + _MARGIN_S
+        ),
+    )
 
 
-def run(workdir: Path, duration_s: float, kill_at_s: float, concurrency: int, headroom: int,
-        pace_s: float) -> FailoverResult:
+def run(
+    workdir: Path,
+    duration_s: float,
+    kill_at_s: float,
+    concurrency: int,
+    headroom: int,
+    pace_s: float,
+) -> FailoverResult:
     """The whole scenario: cluster, mesh, load, kill; returns what was measured."""
-    with RedisClusterServers(workdir) as cluster, \
-            Mesh(mesh_spec(cluster.url, workdir)) as mesh:
-        return asyncio.run(_scenario(cluster, mesh, duration_s, kill_at_s, concurrency,
-                                     headroom, pace_s))
+    with RedisClusterServers(workdir) as cluster, Mesh(mesh_spec(cluster.url, workdir)) as mesh:
+        return asyncio.run(
+            _scenario(cluster, mesh, duration_s, kill_at_s, concurrency, headroom, pace_s)
+        )
 
 
 def main() -> int:
@@ -138,21 +173,31 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     parser.add_argument("--kill-at", type=float, default=8.0, help="seconds into the load")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--headroom", type=int, default=300,
-                        help="admissions the limit leaves after the kill")
-    parser.add_argument("--pace", type=float, default=0.05, help="seconds between a client's requests")
+    parser.add_argument(
+        "--headroom", type=int, default=300, help="admissions the limit leaves after the kill"
+    )
+    parser.add_argument(
+        "--pace", type=float, default=0.05, help="seconds between a client's requests"
+    )
     args = parser.parse_args()
     assert args.duration < 60, "the rpm window is 60 s: keep the run inside one"
     with tempfile.TemporaryDirectory() as workdir:
-        r = run(Path(workdir), args.duration, args.kill_at, args.concurrency, args.headroom,
-                args.pace)
+        r = run(
+            Path(workdir), args.duration, args.kill_at, args.concurrency, args.headroom, args.pace
+        )
     print(f"requests by (status, code): {sorted(r.statuses.items())}")
-    print(f"outage after the kill: {r.outage_s:.2f} s; first 200 after it: {r.first_ok_after_s:.2f} s")
-    print(f"rpm limit {r.limit}: admitted {r.admitted}, counted {r.counted}, "
-          f"lost admissions {r.lost_admissions}")
-    print(f"tokens served {r.served_tokens}, recorded {r.recorded_tokens}, lost {r.lost_tokens} "
-          f"(negative: recorded twice; tokens of the 200s that ended in the outage: "
-          f"{r.outage_tokens})")
+    print(
+        f"outage after the kill: {r.outage_s:.2f} s; first 200 after it: {r.first_ok_after_s:.2f} s"
+    )
+    print(
+        f"rpm limit {r.limit}: admitted {r.admitted}, counted {r.counted}, "
+        f"lost admissions {r.lost_admissions}"
+    )
+    print(
+        f"tokens served {r.served_tokens}, recorded {r.recorded_tokens}, lost {r.lost_tokens} "
+        f"(negative: recorded twice; tokens of the 200s that ended in the outage: "
+        f"{r.outage_tokens})"
+    )
     return 0
 
 

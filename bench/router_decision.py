@@ -10,6 +10,7 @@ and an older one ends, so loads and in-flight counts move as in service. Redis i
 path: the registry is copied into the Fleet in the background (router_svc/registry.py).
 Prints p50/p99/max per policy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,26 +43,45 @@ def build_fleet(workers: int, rng: random.Random) -> Fleet:
     for i in range(workers):
         name, precision, max_parallel, speed = _KINDS[i % len(_KINDS)]
         info = common_pb2.WorkerInfo(
-            worker_id=f"worker-{i:04d}", address=f"10.0.{i // 250}.{i % 250}:50061",
+            worker_id=f"worker-{i:04d}",
+            address=f"10.0.{i // 250}.{i % 250}:50061",
             models=[_MODELS[i % 5 == 0]],  # a fifth serve the second model
             capabilities=common_pb2.Capabilities(
-                device="cuda", device_name=name, precision=precision, max_parallel=max_parallel,
-                decode_tokens_per_second=speed))
+                device="cuda",
+                device_name=name,
+                precision=precision,
+                max_parallel=max_parallel,
+                decode_tokens_per_second=speed,
+            ),
+        )
         running = rng.randrange(max_parallel + 1)
-        load = common_pb2.Load(running=running, waiting=rng.randrange(3) if running == max_parallel else 0,
-                               kv_cache_usage=rng.random())
+        load = common_pb2.Load(
+            running=running,
+            waiting=rng.randrange(3) if running == max_parallel else 0,
+            kv_cache_usage=rng.random(),
+        )
         fleet.upsert(info, load, registered_at=0, expires_in_s=3)
     return fleet
 
 
 def requests(rng: random.Random, count: int) -> list[common_pb2.GenerateRequest]:
-    systems = [" ".join(rng.choice("abcdefghij") * rng.randrange(1, 8) for _ in range(200))
-               for _ in range(_PROMPT_PREFIXES)]
-    return [common_pb2.GenerateRequest(
-        model=_MODELS[0], precision=rng.choice([common_pb2.PRECISION_UNSPECIFIED] * 4 + [common_pb2.PRECISION_FP8]),
-        messages=[common_pb2.ChatMessage(role="system", content=rng.choice(systems)),
-                  common_pb2.ChatMessage(role="user", content=f"question {rng.random()}")])
-        for _ in range(count)]
+    systems = [
+        " ".join(rng.choice("abcdefghij") * rng.randrange(1, 8) for _ in range(200))
+        for _ in range(_PROMPT_PREFIXES)
+    ]
+    return [
+        common_pb2.GenerateRequest(
+            model=_MODELS[0],
+            precision=rng.choice(
+                [common_pb2.PRECISION_UNSPECIFIED] * 4 + [common_pb2.PRECISION_FP8]
+            ),
+            messages=[
+                common_pb2.ChatMessage(role="system", content=rng.choice(systems)),
+                common_pb2.ChatMessage(role="user", content=f"question {rng.random()}"),
+            ],
+        )
+        for _ in range(count)
+    ]
 
 
 def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
@@ -81,11 +101,13 @@ def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
-    return times[decisions // 10:]  # after warm-up
+    return times[decisions // 10 :]  # after warm-up
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=20000)
     args = parser.parse_args()

@@ -16,6 +16,7 @@ The model: 22B dense parameters, 384 KiB of KV cache per token; the 32 GB GPUs (
 hold it on two GPUs, the others on one. Throughput: completion tokens of the requests that
 finished / the time from the first request sent to the last one done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ from worker_svc.sim_engine import SimEngine
 MODEL = "sim-22b"
 FLEET = [("V100", 2), ("A100", 1), ("H100", 1), ("MI100", 2)] * 4  # (GPU profile, GPUs per worker)
 POLICIES = ("round_robin", "least_load", "balanced")
-_ENGINE = EngineSection(kind="sim", total_params_b=22.0, active_params_b=22.0,
-                        kv_bytes_per_token=393216)
+_ENGINE = EngineSection(
+    kind="sim", total_params_b=22.0, active_params_b=22.0, kv_bytes_per_token=393216
+)
 _SHARED_PREFIXES = 100
 _SHARED_SHARE = 0.75  # of requests that start with one of the shared system prompts
 _SYSTEM_BYTES = (8000, 24000)  # ranges, ~4 bytes a token
@@ -70,9 +72,12 @@ _REQUEST_TIMEOUT_S = 120.0
 
 def worker_config(i: int, router_address: str) -> WorkerConfig:
     gpu, count = FLEET[i]
-    return WorkerConfig(server=ServerSection(port=0, worker_id=f"{gpu.lower()}-{i:02d}"),
-                        router=RouterSection(address=router_address), model=ModelSection(name=MODEL),
-                        engine=dataclasses.replace(_ENGINE, gpu=gpu, gpu_count=count))
+    return WorkerConfig(
+        server=ServerSection(port=0, worker_id=f"{gpu.lower()}-{i:02d}"),
+        router=RouterSection(address=router_address),
+        model=ModelSection(name=MODEL),
+        engine=dataclasses.replace(_ENGINE, gpu=gpu, gpu_count=count),
+    )
 
 
 async def serve_fleet(router_address: str) -> None:
@@ -82,7 +87,9 @@ async def serve_fleet(router_address: str) -> None:
         config = worker_config(i, router_address)
         server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
         servers.append(server)
-        reporters.append(asyncio.create_task(worker_server.report_to_router(router_address, servicer)))
+        reporters.append(
+            asyncio.create_task(worker_server.report_to_router(router_address, servicer))
+        )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
@@ -92,6 +99,7 @@ async def serve_fleet(router_address: str) -> None:
 
 
 # ------------------------------------------------------------------------------ workload
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -117,7 +125,8 @@ def workload(rng: random.Random, count: int, rate_per_s: float) -> list[Request]
         if rng.random() < _SHARED_SHARE:
             messages: tuple[tuple[str, str], ...] = (
                 ("system", rng.choice(systems)),
-                ("user", words(rng, rng.randrange(*_QUESTION_BYTES))))
+                ("user", words(rng, rng.randrange(*_QUESTION_BYTES))),
+            )
         else:
             messages = (("user", words(rng, rng.randrange(*_UNIQUE_BYTES))),)
         requests.append(Request(at, messages, rng.randrange(*_MAX_TOKENS)))
@@ -146,6 +155,7 @@ def fleet_capacity_per_s() -> float:
 
 # ------------------------------------------------------------------------------ measurement
 
+
 @dataclasses.dataclass
 class Outcome:
     ttft_s: float | None = None
@@ -160,10 +170,14 @@ async def send(stub: router_pb2_grpc.RouterStub, request: Request, start: float)
     await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
     sent = time.monotonic()
     outcome = Outcome()
-    call = stub.Generate(common_pb2.GenerateRequest(
-        model=MODEL, messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in request.messages],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=request.max_tokens)),
-        timeout=_REQUEST_TIMEOUT_S)
+    call = stub.Generate(
+        common_pb2.GenerateRequest(
+            model=MODEL,
+            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in request.messages],
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=request.max_tokens),
+        ),
+        timeout=_REQUEST_TIMEOUT_S,
+    )
     try:
         async for chunk in call:
             if outcome.ttft_s is None:
@@ -187,8 +201,9 @@ async def run_workload(router_address: str, requests: list[Request]) -> tuple[li
 
 
 def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, *args], env={**os.environ, **env},
-                            preexec_fn=stop_with_parent)
+    return subprocess.Popen(
+        [sys.executable, *args], env={**os.environ, **env}, preexec_fn=stop_with_parent
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -210,7 +225,9 @@ def wait_until(ready: Callable[[], bool], what: str, timeout_s: float = 60.0) ->
 
 def registered(router_address: str) -> int:
     with grpc.insecure_channel(router_address) as channel:
-        reply = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=1)
+        reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=1
+        )
     return len(reply.workers)
 
 
@@ -218,9 +235,15 @@ def measure(policy: str, redis_url: str, requests: list[Request]) -> tuple[list[
     redis.Redis.from_url(redis_url).flushall()
     port = free_port()
     env = {"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "ERROR"}
-    router = spawn(["-m", "router_svc"], {**env, "INFERMESH_ROUTER_SERVER_PORT": str(port),
-                                          "INFERMESH_ROUTER_REDIS_URL": redis_url,
-                                          "INFERMESH_ROUTER_ROUTING_POLICY": policy})
+    router = spawn(
+        ["-m", "router_svc"],
+        {
+            **env,
+            "INFERMESH_ROUTER_SERVER_PORT": str(port),
+            "INFERMESH_ROUTER_REDIS_URL": redis_url,
+            "INFERMESH_ROUTER_ROUTING_POLICY": policy,
+        },
+    )
     fleet = None
     try:
         wait_until(lambda: grpc_serving(f"127.0.0.1:{port}"), "the router")
@@ -237,15 +260,25 @@ def summarize(policy: str, outcomes: list[Outcome], makespan_s: float) -> dict[s
     ttfts = sorted(o.ttft_s for o in outcomes if o.ttft_s is not None)
     done = [o for o in outcomes if o.done_s is not None]
     q = statistics.quantiles(ttfts, n=100)
-    return {"p50": q[49], "p99": q[98], "tokens_per_s": sum(o.tokens for o in done) / makespan_s,
-            "done": len(done), "errors": len(outcomes) - len(done), "makespan": makespan_s,
-            "cached": sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1)}
+    return {
+        "p50": q[49],
+        "p99": q[98],
+        "tokens_per_s": sum(o.tokens for o in done) / makespan_s,
+        "done": len(done),
+        "errors": len(outcomes) - len(done),
+        "makespan": makespan_s,
+        "cached": sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=600)
-    parser.add_argument("--load", type=float, default=0.85, help="arrival rate / estimated fleet capacity")
+    parser.add_argument(
+        "--load", type=float, default=0.85, help="arrival rate / estimated fleet capacity"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fleet", metavar="ROUTER_ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,22 +289,29 @@ def main() -> None:
     capacity = fleet_capacity_per_s()
     rate = args.load * capacity
     requests = workload(random.Random(args.seed), args.requests, rate)
-    print(f"fleet: {len(FLEET)} simulated workers ({', '.join(sorted({g for g, _ in FLEET}))}), "
-          f"estimated capacity {capacity:.1f} requests/s; "
-          f"offered {rate:.1f}/s, {args.requests} requests",
-          flush=True)
+    print(
+        f"fleet: {len(FLEET)} simulated workers ({', '.join(sorted({g for g, _ in FLEET}))}), "
+        f"estimated capacity {capacity:.1f} requests/s; "
+        f"offered {rate:.1f}/s, {args.requests} requests",
+        flush=True,
+    )
     results = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         for policy in POLICIES:
             results[policy] = summarize(policy, *measure(policy, redis_server.url, requests))
             r = results[policy]
-            print(f"{policy:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  p99 {r['p99'] * 1000:7.0f} ms  "
-                  f"{r['tokens_per_s']:7.0f} tokens/s  prefix "
-                  f"cache {r['cached']:4.0%}  done {r['done']}  "
-                  f"errors {r['errors']}  makespan {r['makespan']:.1f} s", flush=True)
+            print(
+                f"{policy:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  p99 {r['p99'] * 1000:7.0f} ms  "
+                f"{r['tokens_per_s']:7.0f} tokens/s  prefix "
+                f"cache {r['cached']:4.0%}  done {r['done']}  "
+                f"errors {r['errors']}  makespan {r['makespan']:.1f} s",
+                flush=True,
+            )
     base, best = results["round_robin"], results["balanced"]
-    print(f"balanced vs round_robin: p99 TTFT x{best['p99'] / base['p99']:.2f} (target <= 0.5), "
-          f"throughput x{best['tokens_per_s'] / base['tokens_per_s']:.2f} (target >= 1.2)")
+    print(
+        f"balanced vs round_robin: p99 TTFT x{best['p99'] / base['p99']:.2f} (target <= 0.5), "
+        f"throughput x{best['tokens_per_s'] / base['tokens_per_s']:.2f} (target >= 1.2)"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ disconnects, RSS at the end within 10 % of the first window's, p99 of the last w
 within 20 % of the second's, and, idle after the load against idle after the warm-up, no
 more file descriptors or tasks, the same Redis keys and no concurrency lease left.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ class SoakResult:
         return [o for _, outcomes in self.windows for o in outcomes if is_error(o)]
 
     def p99_ms(self, window: int) -> float:
-        latencies = sorted(o.latency_s for o in self.windows[window][1]
-                           if o.ok and o.kind != "disconnect")
+        latencies = sorted(
+            o.latency_s for o in self.windows[window][1] if o.ok and o.kind != "disconnect"
+        )
         return latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000
 
 
@@ -82,14 +84,23 @@ def is_error(outcome: Outcome) -> bool:
 
 def mesh_spec(redis_url: str, log_dir: Path, gpu: str) -> MeshSpec:
     return MeshSpec(
-        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-        router_port=free_port(), worker_ports=(free_port(),), log_dir=log_dir,
-        env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING",
-             "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_ENGINE_GPU": gpu,
-             "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-             "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
-             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_METRICS_PORT": str(free_port())})
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=(free_port(),),
+        log_dir=log_dir,
+        env={
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_LOG_LEVEL": "WARNING",
+            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+            "INFERMESH_WORKER_ENGINE_GPU": gpu,
+            "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+            "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+            "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+            "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+        },
+    )
 
 
 class _Probe:
@@ -101,7 +112,8 @@ class _Probe:
         self._metrics = {
             "gateway": f"http://127.0.0.1:{mesh.spec.gateway_port}/metrics",
             "router": f"http://127.0.0.1:{env['INFERMESH_ROUTER_METRICS_PORT']}/metrics",
-            "worker0": f"http://127.0.0.1:{env['INFERMESH_WORKER_METRICS_PORT']}/metrics"}
+            "worker0": f"http://127.0.0.1:{env['INFERMESH_WORKER_METRICS_PORT']}/metrics",
+        }
         self._redis = aioredis.Redis.from_url(redis_url)
         self._session = session
         self._start = time.monotonic()
@@ -112,12 +124,18 @@ class _Probe:
         async for name in self._redis.scan_iter(match="infermesh:rl:*:inflight"):
             leases += await self._redis.zcard(name)
         # one marker per settled request, expiring on its own (gateway.limits): not growth
-        settled = sum([1 async for _ in self._redis.scan_iter(match="infermesh:settled:*", count=1000)])
+        settled = sum(
+            [1 async for _ in self._redis.scan_iter(match="infermesh:settled:*", count=1000)]
+        )
         return Snapshot(
             at_s=time.monotonic() - self._start,
             rss_mb={n: p.memory_info().rss / 2**20 for n, p in self._procs.items()},
-            fds={n: p.num_fds() for n, p in self._procs.items()}, tasks=tasks,
-            redis_keys=await self._redis.dbsize() - settled, leases=leases, live=live)
+            fds={n: p.num_fds() for n, p in self._procs.items()},
+            tasks=tasks,
+            redis_keys=await self._redis.dbsize() - settled,
+            leases=leases,
+            live=live,
+        )
 
     async def _tasks(self, url: str) -> int:
         async with self._session.get(url) as response:
@@ -134,11 +152,14 @@ def _pick() -> Kind:
     return random.choices([k for k, _ in _MIX], [w for _, w in _MIX])[0]
 
 
-async def _soak(mesh: Mesh, redis_url: str, duration_s: float, window_s: float,
-                concurrency: int) -> SoakResult:
+async def _soak(
+    mesh: Mesh, redis_url: str, duration_s: float, window_s: float, concurrency: int
+) -> SoakResult:
     client = aioredis.Redis.from_url(redis_url)
-    keys = [await create_key(client, f"soak-{i}", **({"max_concurrent": concurrency} if i == 0 else {}))
-            for i in range(_KEYS)]
+    keys = [
+        await create_key(client, f"soak-{i}", **({"max_concurrent": concurrency} if i == 0 else {}))
+        for i in range(_KEYS)
+    ]
     await client.aclose()
     load = functools.partial(_load, mesh.spec.base_url, keys, concurrency)
     async with aiohttp.ClientSession() as session:
@@ -157,20 +178,28 @@ async def _soak(mesh: Mesh, redis_url: str, duration_s: float, window_s: float,
     return SoakResult(windows, idle_before, idle_after)
 
 
-async def _load(base_url: str, keys: list[str], concurrency: int, until: float,
-                outcomes: list[Outcome]) -> None:
+async def _load(
+    base_url: str, keys: list[str], concurrency: int, until: float, outcomes: list[Outcome]
+) -> None:
     """``concurrency`` clients spread over ``keys`` until ``until``, on connections of their own."""
     model = Path(DEFAULT_MODEL_PATH).name
     per_key = [concurrency // len(keys) + (i < concurrency % len(keys)) for i in range(len(keys))]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(MeshLoad(session, base_url, key, model).run(c, until, _pick, outcomes)
-                               for key, c in zip(keys, per_key, strict=True)))
+        await asyncio.gather(
+            *(
+                MeshLoad(session, base_url, key, model).run(c, until, _pick, outcomes)
+                for key, c in zip(keys, per_key, strict=True)
+            )
+        )
 
 
-async def _measured(load: Callable[[float, list[Outcome]], Coroutine[Any, Any, None]],
-                    probe: _Probe,
-                    concurrency: int, duration_s: float,
-                    window_s: float) -> list[tuple[Snapshot, list[Outcome]]]:
+async def _measured(
+    load: Callable[[float, list[Outcome]], Coroutine[Any, Any, None]],
+    probe: _Probe,
+    concurrency: int,
+    duration_s: float,
+    window_s: float,
+) -> list[tuple[Snapshot, list[Outcome]]]:
     outcomes: list[Outcome] = []
     start = time.monotonic()
     running = asyncio.create_task(load(start + duration_s, outcomes))
@@ -185,38 +214,53 @@ async def _measured(load: Callable[[float, list[Outcome]], Coroutine[Any, Any, N
     return windows
 
 
-def run(workdir: Path, duration_s: float, window_s: float, concurrency: int,
-        gpu: str = "H200") -> SoakResult:
+def run(
+    workdir: Path, duration_s: float, window_s: float, concurrency: int, gpu: str = "H200"
+) -> SoakResult:
     """The whole soak on a fresh Redis and mesh; returns what was measured."""
-    with RedisServer(workdir=workdir) as redis_server, \
-            Mesh(mesh_spec(redis_server.url, workdir, gpu)) as mesh:
+    with (
+        RedisServer(workdir=workdir) as redis_server,
+        Mesh(mesh_spec(redis_server.url, workdir, gpu)) as mesh,
+    ):
         return asyncio.run(_soak(mesh, redis_server.url, duration_s, window_s, concurrency))
 
 
 def _print(result: SoakResult) -> None:
-    print(f"{'t s':>6} {'reqs':>6} {'errors':>6} {'p99 ms':>7} "
-          + " ".join(f"{n + ' rss/fd/tasks':>22}" for n in SERVICES) + f" {'redis':>6} {'live':>5}")
+    print(
+        f"{'t s':>6} {'reqs':>6} {'errors':>6} {'p99 ms':>7} "
+        + " ".join(f"{n + ' rss/fd/tasks':>22}" for n in SERVICES)
+        + f" {'redis':>6} {'live':>5}"
+    )
     for snapshot, outcomes in [(result.idle_before, []), *result.windows, (result.idle_after, [])]:
         errors = sum(1 for o in outcomes if is_error(o))
-        p99 = (sorted(o.latency_s for o in outcomes if o.ok and o.kind != "disconnect") or [0])
-        print(f"{snapshot.at_s:>6.0f} {len(outcomes):>6} {errors:>6} "
-              f"{p99[min(len(p99) - 1, int(0.99 * len(p99)))] * 1000:>7.1f} "
-              + " ".join(f"{snapshot.rss_mb[n]:>10.1f}/{snapshot.fds[n]:>4}/{snapshot.tasks[n]:>5}"
-                         for n in SERVICES) + f" {snapshot.redis_keys:>6} {snapshot.live:>5}")
+        p99 = sorted(o.latency_s for o in outcomes if o.ok and o.kind != "disconnect") or [0]
+        print(
+            f"{snapshot.at_s:>6.0f} {len(outcomes):>6} {errors:>6} "
+            f"{p99[min(len(p99) - 1, int(0.99 * len(p99)))] * 1000:>7.1f} "
+            + " ".join(
+                f"{snapshot.rss_mb[n]:>10.1f}/{snapshot.fds[n]:>4}/{snapshot.tasks[n]:>5}"
+                for n in SERVICES
+            )
+            + f" {snapshot.redis_keys:>6} {snapshot.live:>5}"
+        )
     first, last = result.windows[0][0], result.windows[-1][0]
     before, after = result.idle_before, result.idle_after
     by_kind = {k: sum(1 for _, w in result.windows for o in w if o.kind == k) for k, _ in _MIX}
     print(f"requests by kind: {by_kind}; errors other than the disconnects: {len(result.errors())}")
     for name in SERVICES:
-        print(f"{name}: RSS {first.rss_mb[name]:.1f} -> {last.rss_mb[name]:.1f} MB "
-              f"({(last.rss_mb[name] / first.rss_mb[name] - 1) * 100:+.1f} %); idle fds "
-              f"{before.fds[name]} -> {after.fds[name]}, idle tasks {before.tasks[name]} -> "
-              f"{after.tasks[name]}")
+        print(
+            f"{name}: RSS {first.rss_mb[name]:.1f} -> {last.rss_mb[name]:.1f} MB "
+            f"({(last.rss_mb[name] / first.rss_mb[name] - 1) * 100:+.1f} %); idle fds "
+            f"{before.fds[name]} -> {after.fds[name]}, idle tasks {before.tasks[name]} -> "
+            f"{after.tasks[name]}"
+        )
     print(f"redis keys idle {before.redis_keys} -> {after.redis_keys}; leases left {after.leases}")
     if len(result.windows) >= 2:
         second, final = result.p99_ms(1), result.p99_ms(-1)
-        print(f"p99 second window {second:.1f} ms, last window {final:.1f} ms "
-              f"({(final / second - 1) * 100:+.1f} %)")
+        print(
+            f"p99 second window {second:.1f} ms, last window {final:.1f} ms "
+            f"({(final / second - 1) * 100:+.1f} %)"
+        )
 
 
 def main() -> int:
@@ -227,9 +271,12 @@ def main() -> int:
     parser.add_argument("--gpu", default="H200", help="the simulated worker's GPU profile")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores; "
-              f"{args.duration:.0f} s at c={args.concurrency}, windows of {args.window:.0f} s, "
-              f"simulated {args.gpu}", flush=True)
+        print(
+            f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores; "
+            f"{args.duration:.0f} s at c={args.concurrency}, windows of {args.window:.0f} s, "
+            f"simulated {args.gpu}",
+            flush=True,
+        )
         _print(run(Path(workdir), args.duration, args.window, args.concurrency, args.gpu))
     return 0
 

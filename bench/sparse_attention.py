@@ -30,6 +30,7 @@ Prints the V3.2 / V3 ratios and the first context lengths where V3.2's decode st
 take under 95% of V3's (smaller differences are within this machine's noise).
 Only torch is needed (it runs with plain python3 on a GPU machine with --device cuda).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
 from worker_svc.model import MLA, AttentionGroup, KVCache, ModelArgs, Transformer
 
-V3_ARGS = ModelArgs(vocab_size=1024, dim=512, inter_dim=1536, n_layers=2, n_heads=16,
-                    max_seq_len=32768, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=64,
-                    qk_rope_head_dim=64, v_head_dim=64, moe_inter_dim=256, n_dense_layers=1,
-                    n_routed_experts=8, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
+V3_ARGS = ModelArgs(
+    vocab_size=1024,
+    dim=512,
+    inter_dim=1536,
+    n_layers=2,
+    n_heads=16,
+    max_seq_len=32768,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=64,
+    v_head_dim=64,
+    moe_inter_dim=256,
+    n_dense_layers=1,
+    n_routed_experts=8,
+    n_activated_experts=2,
+    n_expert_groups=1,
+    n_limited_groups=1,
+)
 V32_ARGS = dataclasses.replace(V3_ARGS, index_topk=2048, index_n_heads=8, index_head_dim=128)
 _CHEAPER = 0.95  # V3.2 / V3 time ratio that counts as cheaper
 
@@ -60,7 +76,9 @@ def build(device: torch.device) -> tuple[Transformer, Transformer]:
     torch.manual_seed(0)
     v32 = Transformer(V32_ARGS)
     for name, p in v32.named_parameters():
-        nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=p.size(-1) ** -0.5)
+        nn.init.normal_(
+            p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=p.size(-1) ** -0.5
+        )
     v3 = Transformer(V3_ARGS)
     v3.load_state_dict({k: v for k, v in v32.state_dict().items() if ".indexer." not in k})
     return v3.to(device).eval(), v32.to(device).eval()
@@ -90,15 +108,29 @@ def fastest_s(fn: Callable[[], object], repeats: int, device: torch.device) -> f
     return min(times[1:])
 
 
-def step_s(model: Transformer, cache: KVCache, batch: int, seqlen: int, start: int, repeats: int,
-           device: torch.device) -> float:
+def step_s(
+    model: Transformer,
+    cache: KVCache,
+    batch: int,
+    seqlen: int,
+    start: int,
+    repeats: int,
+    device: torch.device,
+) -> float:
     tokens = torch.randint(5, V3_ARGS.vocab_size, (batch, seqlen), device=device)
     return fastest_s(lambda: model(tokens, start, cache), repeats, device)
 
 
 @torch.inference_mode()
-def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int, length: int, repeats: int,
-                      device: torch.device) -> tuple[float, float, float, float]:
+def attention_split_s(
+    v32: Transformer,
+    cache: KVCache,
+    batch: int,
+    seqlen: int,
+    length: int,
+    repeats: int,
+    device: torch.device,
+) -> tuple[float, float, float, float]:
     """One layer, `batch` x `seqlen` queries ending at position length-1: (full MLA, indexer
     scoring, sparse MLA, FP8 scoring's agreement); all but the first nan where no query sees more
     than index_topk tokens (the model attends densely then)."""
@@ -106,35 +138,56 @@ def attention_split_s(v32: Transformer, cache: KVCache, batch: int, seqlen: int,
     assert isinstance(mla, MLA) and mla.indexer is not None and cache.index_k is not None
     indexer = mla.indexer
     positions = torch.arange(length - seqlen, length, device=device).expand(batch, seqlen)
-    key_slots = torch.arange(batch, device=device).unsqueeze(1) * cache.block_size + torch.arange(length, device=device)
+    key_slots = torch.arange(batch, device=device).unsqueeze(1) * cache.block_size + torch.arange(
+        length, device=device
+    )
     group = AttentionGroup.build(0, positions, key_slots)
-    query = torch.randn(batch * seqlen, a.n_heads, a.kv_lora_rank + a.qk_rope_head_dim, device=device)
+    query = torch.randn(
+        batch * seqlen, a.n_heads, a.kv_lora_rank + a.qk_rope_head_dim, device=device
+    )
     q_index = torch.randn(batch, seqlen, a.index_n_heads, a.index_head_dim, device=device)
     weights = torch.randn(batch, seqlen, a.index_n_heads, device=device)
     layer_cache, index_keys = cache.kv[0], cache.index_k[0][key_slots]
 
     def select() -> torch.Tensor:
-        return select_tokens(q_index, weights, index_keys, group.mask, a.index_topk, indexer.softmax_scale)
+        return select_tokens(
+            q_index, weights, index_keys, group.mask, a.index_topk, indexer.softmax_scale
+        )
 
     full = fastest_s(lambda: mla._attend(query, group, layer_cache, None), repeats, device)
     if length <= a.index_topk:
         return full, float("nan"), float("nan"), float("nan")
     selected = select()
-    fp8 = select_tokens_fp8(hadamard_rotate(q_index), weights, hadamard_rotate(index_keys), group.mask, a.index_topk,
-                            indexer.softmax_scale)
+    fp8 = select_tokens_fp8(
+        hadamard_rotate(q_index),
+        weights,
+        hadamard_rotate(index_keys),
+        group.mask,
+        a.index_topk,
+        indexer.softmax_scale,
+    )
     agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
     q = query.unflatten(0, (batch, seqlen))
     scoring = fastest_s(select, repeats, device)
-    sparse = fastest_s(lambda: sparse_attend(q, layer_cache, key_slots, group.mask, selected, mla.softmax_scale,
-                                            a.kv_lora_rank), repeats, device)
+    sparse = fastest_s(
+        lambda: sparse_attend(
+            q, layer_cache, key_slots, group.mask, selected, mla.softmax_scale, a.kv_lora_rank
+        ),
+        repeats,
+        device,
+    )
     return full, scoring, sparse, agreement
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384]
+    )
     parser.add_argument("--batch", type=int, default=1, help="decode batch")
-    parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (the engine's default is 256)")
+    parser.add_argument(
+        "--chunk", type=int, default=64, help="prefill chunk (the engine's default is 256)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
@@ -143,14 +196,22 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(ns.threads)
     v3, v32 = build(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {device} ({name}), float32; "
-          f"index_topk {V32_ARGS.index_topk}, decode batch {ns.batch}, prefill chunk {ns.chunk}")
-    print(f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} "
-          f"{'ratio':>6} | {'prefill chunk ms: V3':>20} "
-          f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} "
-          f"{'indexer':>7} {'sparse':>7} | "
-          f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}")
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"torch {torch.__version__}, {device} ({name}), float32; "
+        f"index_topk {V32_ARGS.index_topk}, decode batch {ns.batch}, prefill chunk {ns.chunk}"
+    )
+    print(
+        f"{'context':>8} | {'decode ms: V3':>13} {'V3.2':>7} "
+        f"{'ratio':>6} | {'prefill chunk ms: V3':>20} "
+        f"{'V3.2':>7} {'ratio':>6} | {'1 layer decode ms: full':>23} "
+        f"{'indexer':>7} {'sparse':>7} | "
+        f"{'1 layer chunk ms: full':>22} {'indexer':>7} {'sparse':>7} | {'FP8 agreement':>13}"
+    )
     crossover: dict[str, int] = {}
     for length in ns.contexts:
         row = []
@@ -168,14 +229,19 @@ def main() -> None:
             if ratio < _CHEAPER and what not in crossover:
                 crossover[what] = length
         ms = [1e3 * t for t in (*split_decode[:3], *split_chunk[:3])]
-        print(f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} "
-              f"{d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
-              f"{1e3 * c32:>7.1f} {c32 / c3:>6.2f} | {ms[0]:>23.3f} {ms[1]:>7.3f} {ms[2]:>7.3f} | "
-              f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f} | {split_chunk[3]:>13.4f}")
+        print(
+            f"{length:>8} | {1e3 * d3:>13.2f} {1e3 * d32:>7.2f} "
+            f"{d32 / d3:>6.2f} | {1e3 * c3:>20.1f} "
+            f"{1e3 * c32:>7.1f} {c32 / c3:>6.2f} | {ms[0]:>23.3f} {ms[1]:>7.3f} {ms[2]:>7.3f} | "
+            f"{ms[3]:>22.1f} {ms[4]:>7.1f} {ms[5]:>7.1f} | {split_chunk[3]:>13.4f}"
+        )
     for what in ("decode step", "prefill chunk"):
         at = crossover.get(what)
-        print(f"V3.2's {what} is cheaper than V3's from context {at} on" if at
-              else f"V3.2's {what} was not cheaper at any context measured")
+        print(
+            f"V3.2's {what} is cheaper than V3's from context {at} on"
+            if at
+            else f"V3.2's {what} was not cheaper at any context measured"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,17 +29,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from vllm_vs_torch import _prompts, _start_worker  # noqa: E402
-
+from bench.vllm_vs_torch import _prompts, _start_worker  # noqa: E402
 from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+_Timed = tuple[float, float, list[int]]  # TTFT, TPOT, token ids
 
 
 async def _timed(
     stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
-) -> tuple[float, float, list[int]]:
+) -> _Timed:
     """(TTFT, TPOT, token ids) of one greedy streamed request."""
     request = common_pb2.GenerateRequest(
         request_id=f"hopper-{time.monotonic_ns()}",
@@ -57,19 +58,27 @@ async def _timed(
     return first, (total - first) / max(len(tokens) - 1, 1), tokens
 
 
-async def _run(port: int, model: str, prompts: list[str], max_tokens: int) -> dict[str, object]:
+@dataclasses.dataclass
+class _Served:
+    precision: str
+    device: str
+    single: list[_Timed]  # one prompt alone
+    batch: list[_Timed]  # all prompts at once
+
+
+async def _run(port: int, model: str, prompts: list[str], max_tokens: int) -> _Served:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
         await _timed(stub, model, "warm up", 8)
         single = [await _timed(stub, model, p, max_tokens) for p in prompts[:1]]
         batch = await asyncio.gather(*(_timed(stub, model, p, max_tokens) for p in prompts))
-        return {
-            "precision": common_pb2.Precision.Name(info.worker.capabilities.precision),
-            "device": info.worker.capabilities.device_name,
-            "single": single,
-            "batch": batch,
-        }
+        return _Served(
+            precision=common_pb2.Precision.Name(info.worker.capabilities.precision),
+            device=info.worker.capabilities.device_name,
+            single=single,
+            batch=list(batch),
+        )
 
 
 def main() -> None:
@@ -84,7 +93,7 @@ def main() -> None:
     if not (Path(args.model_dir) / "config.json").exists():
         write_tiny_checkpoint(args.model_dir, mla=True)
     model, prompts = Path(args.model_dir).name, _prompts(args.prompts)
-    results = {}
+    results: dict[str, _Served] = {}
     for kind in ("vllm", "checkpoint"):
         proc, port = _start_worker(
             kind, args.model_dir, "auto", args.prompts, Path(args.log_dir) / f"{kind}.log"
@@ -95,20 +104,20 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=120)
     for kind, r in results.items():
-        print(f"{kind:>10}: {r['precision']} on {r['device']}")
-    fp8 = all(r["precision"] == "PRECISION_FP8" for r in results.values())
+        print(f"{kind:>10}: {r.precision} on {r.device}")
+    fp8 = all(r.precision == "PRECISION_FP8" for r in results.values())
     print(f"FP8 in effect on both: {'yes' if fp8 else 'NO'}")
-    greedy = [[t for _, _, t in results[k]["batch"]] for k in ("vllm", "checkpoint")]  # type: ignore[union-attr]
+    greedy = [[t for _, _, t in results[k].batch] for k in ("vllm", "checkpoint")]
     agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-        for x, y in zip(*greedy)
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(*greedy, strict=True)
     ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
     for label, c in (("single", 1), ("batch", args.prompts)):
         for kind, r in results.items():
-            runs = r[label]
-            ttft = statistics.median(t for t, _, _ in runs) * 1000  # type: ignore[union-attr]
-            tpot = statistics.median(t for _, t, _ in runs) * 1000  # type: ignore[union-attr]
+            runs = r.single if label == "single" else r.batch
+            ttft = statistics.median(t for t, _, _ in runs) * 1000
+            tpot = statistics.median(t for _, t, _ in runs) * 1000
             print(f"c={c:<3} {kind:>10}: TTFT p50 {ttft:7.1f} ms  TPOT p50 {tpot:6.2f} ms")
     if not fp8:
         sys.exit(1)

@@ -184,7 +184,7 @@ def main() -> None:
         f"{'torch/vLLM':>11} "
         f"{'TTFT p50 torch':>15} {'vLLM':>8} {'TTFT p99 torch':>15} {'vLLM':>8}"
     )
-    for ours, theirs in zip(results["checkpoint"][1], results["vllm"][1]):
+    for ours, theirs in zip(results["checkpoint"][1], results["vllm"][1], strict=True):
         tokens = f"{ours.tokens}/{theirs.tokens}"
         print(
             f"{ours.concurrency:>4} {tokens:>17} {ours.tokens_per_s:>12.1f} "
@@ -194,8 +194,8 @@ def main() -> None:
             f"{_p(theirs.ttft_s, 99) * 1000:>5.0f} ms"
         )
     agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-        for x, y in zip(results["checkpoint"][2], results["vllm"][2])
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(results["checkpoint"][2], results["vllm"][2], strict=True)
     ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
 

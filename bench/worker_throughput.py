@@ -18,6 +18,7 @@ missing), in the dtype the precision policy picks for this machine, greedy, prom
 Prints a table with the ratio ours / transformers, TTFT p50/p99, peak RSS (after our runs, then
 after transformers'), and the KV cache bytes per token against an un-absorbed per-head cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,9 @@ def prompts(engine: Engine, count: int, length: int) -> list[str]:
     return out
 
 
-async def run_ours(engine: Engine, texts: list[str], new_tokens: int) -> tuple[float, list[float], int]:
+async def run_ours(
+    engine: Engine, texts: list[str], new_tokens: int
+) -> tuple[float, list[float], int]:
     """(wall seconds, TTFT per request, completion tokens) for all prompts at once."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     start = time.perf_counter()
@@ -90,13 +93,23 @@ def run_hf(hf: PreTrainedModel, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     with torch.inference_mode():
         # the model is a *ForCausalLM typed as PreTrainedModel, which has no generate()
         out = hf.generate(  # type: ignore[operator]
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
     return time.perf_counter() - start, (out.size(1) - ids.size(1)) * ids.size(0)
 
 
 def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def main() -> None:
@@ -110,12 +123,16 @@ def main() -> None:
         print(f"writing the benchmark checkpoint to {ns.model_dir}")
         write_bench_checkpoint(ns.model_dir)
     config, _ = read_config(ns.model_dir)
-    engine = Engine.from_checkpoint(ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency)))
+    engine = Engine.from_checkpoint(
+        ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency))
+    )
     dtype = engine.model.lm_head.weight.dtype
-    print(f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {engine.capabilities.device_name}, "
-          f"precision {engine.capabilities.precision}, "
-          f"{sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M parameters")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} at the start; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {engine.capabilities.device_name}, "
+        f"precision {engine.capabilities.precision}, "
+        f"{sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M parameters"
+    )
     texts = prompts(engine, max(ns.concurrency), ns.prompt_tokens)
     asyncio.run(run_ours(engine, texts[:2], 4))  # warm-up
     ours: dict[int, tuple[float, list[float], int]] = {}
@@ -134,27 +151,37 @@ def main() -> None:
     theirs = {c: run_hf(hf, ids[:c], ns.new_tokens) for c in ns.concurrency}
     rss_all = peak_rss_mib()
 
-    print(f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} "
-          f"new tokens, greedy; aggregate tokens/s = "
-          "completion tokens / wall time from the start to the last token")
-    print(f"{'concurrency':>11} {'ours tok/s':>11} {'hf tok/s':>9} "
-          f"{'ratio':>6} {'ttft p50 s':>10} {'ttft p99 s':>10}"
-          f" {'ours tokens':>11}")
+    print(
+        f"\n{ns.prompt_tokens}-token prompts, {ns.new_tokens} "
+        f"new tokens, greedy; aggregate tokens/s = "
+        "completion tokens / wall time from the start to the last token"
+    )
+    print(
+        f"{'concurrency':>11} {'ours tok/s':>11} {'hf tok/s':>9} "
+        f"{'ratio':>6} {'ttft p50 s':>10} {'ttft p99 s':>10}"
+        f" {'ours tokens':>11}"
+    )
     for c in ns.concurrency:
         wall, ttfts, tokens = ours[c]
         hf_wall, hf_tokens = theirs[c]
         rate, hf_rate = tokens / wall, hf_tokens / hf_wall
-        print(f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} "
-              f"{rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
-              f"{percentile(ttfts, 99):>10.3f} {tokens:>11}")
+        print(
+            f"{c:>11} {rate:>11.1f} {hf_rate:>9.1f} "
+            f"{rate / hf_rate:>5.2f}x {percentile(ttfts, 50):>10.3f} "
+            f"{percentile(ttfts, 99):>10.3f} {tokens:>11}"
+        )
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end (1 minute)")
     args = engine.model.args
     ours_kv, per_head_kv = bytes_per_token(args, dtype), unabsorbed_bytes_per_token(args, dtype)
-    print(f"\npeak RSS: {rss_ours:.0f} MiB after our runs, "
-          f"{rss_all:.0f} MiB with transformers' model too")
-    print(f"KV cache per token ({dtype}): {ours_kv} bytes latent "
-          f"(kv_lora_rank + qk_rope_head_dim per layer) vs "
-          f"{per_head_kv} bytes per-head K/V: {per_head_kv / ours_kv:.1f}x smaller")
+    print(
+        f"\npeak RSS: {rss_ours:.0f} MiB after our runs, "
+        f"{rss_all:.0f} MiB with transformers' model too"
+    )
+    print(
+        f"KV cache per token ({dtype}): {ours_kv} bytes latent "
+        f"(kv_lora_rank + qk_rope_head_dim per layer) vs "
+        f"{per_head_kv} bytes per-head K/V: {per_head_kv / ours_kv:.1f}x smaller"
+    )
 
 
 if __name__ == "__main__":

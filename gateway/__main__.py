@@ -3,9 +3,11 @@
 The config file may also be named by ``INFERMESH_GATEWAY_CONFIG``; every key
 can be overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 """
+
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 
@@ -16,6 +18,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.http_server import GatewayRunner
 from gateway.middleware import AccessLogger
+from gateway.siblings import start_siblings, stop_siblings
 from infermesh.config import load_config
 from infermesh.service_main import service_main
 
@@ -29,23 +32,40 @@ def load(path: str | None) -> GatewayConfig:
 
 
 async def serve(config: GatewayConfig) -> None:
-    """Serves until cancelled, then drains requests for up to ``_SHUTDOWN_TIMEOUT_S``."""
+    """Serves until cancelled, then drains requests for up to ``_SHUTDOWN_TIMEOUT_S``; with
+    ``[server] processes`` > 1, beside that many - 1 sibling processes on the same port."""
     telemetry.instrument_redis()
-    runner = GatewayRunner(create_app(config), config.server, access_log_class=AccessLogger,
-                           handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+    siblings = start_siblings(config.server.processes - 1)
+    runner = GatewayRunner(
+        create_app(config),
+        config.server,
+        access_log_class=AccessLogger,
+        handler_cancellation=True,
+        shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+    )
     await runner.setup()
+    gc.freeze()  # start-up's objects stay out of every later collection
     try:
         try:
-            await web.TCPSite(runner, config.server.host, config.server.port).start()
+            await web.TCPSite(
+                runner,
+                config.server.host,
+                config.server.port,
+                reuse_port=config.server.processes > 1,
+            ).start()
         except OSError as e:
             logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
             raise
         host, port = runner.addresses[0][:2]
-        logger.info("gateway listening on http://%s:%d/v1 (router %s)", host, port,
-                    config.router.address)
+        logger.info(
+            "gateway listening on http://%s:%d/v1 (router %s)", host, port, config.router.address
+        )
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        try:
+            await runner.cleanup()
+        finally:
+            await stop_siblings(siblings, _SHUTDOWN_TIMEOUT_S + 5)
 
 
 def main(argv: list[str] | None = None) -> int:

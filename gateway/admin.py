@@ -17,6 +17,7 @@ credentials, and the admin token is not an API key.
     GET    /admin/fleet                the router's workers: models, GPU kind and count,
                                        precision, memory, max_parallel, load
 """
+
 from __future__ import annotations
 
 import hmac
@@ -47,8 +48,9 @@ Limit = Annotated[int, Field(ge=1, le=2**53)] | None
 class _KeyFields(BaseModel):
     model_config = STRICT
     expires_at: Annotated[int, Field(ge=0)] | None = None
-    models: list[Annotated[str, Field(min_length=1, max_length=256,
-                                      pattern=r"^[^,]+$")]] | None = None
+    models: list[Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^,]+$")]] | None = (
+        None
+    )
     rpm: Limit = None
     tpm: Limit = None
     max_concurrent: Limit = None
@@ -68,6 +70,7 @@ class KeyUpdate(_KeyFields):
 
 class UsageQuery(BaseModel):
     """The query of ``GET /admin/keys/{id}/usage``: strings, so not strict."""
+
     model_config = ConfigDict(extra="ignore")
     days: Annotated[int, Field(ge=1, le=_MAX_USAGE_DAYS)] = 7
 
@@ -95,13 +98,16 @@ def create_admin_app(token_sha256: str | None) -> web.Application:
 async def _require_admin(request: web.Request, handler: Handler) -> web.StreamResponse:
     expected = request.app[ADMIN_TOKEN_SHA256]
     if not expected:
-        raise AdminDisabledError("The admin API is disabled: configure [admin] token_sha256 "
-                            "(INFERMESH_GATEWAY_ADMIN_TOKEN_SHA256)")
+        raise AdminDisabledError(
+            "The admin API is disabled: configure [admin] token_sha256 "
+            "(INFERMESH_GATEWAY_ADMIN_TOKEN_SHA256)"
+        )
     scheme, _, presented = (single_header(request, "Authorization") or "").partition(" ")
     digest = keys.key_id(presented.strip())
     if scheme.lower() != "bearer" or not hmac.compare_digest(digest, expected):
-        raise AuthenticationError("Missing or wrong admin token ('Authorization: Bearer ...')",
-                                  code="invalid_admin_token")
+        raise AuthenticationError(
+            "Missing or wrong admin token ('Authorization: Bearer ...')", code="invalid_admin_token"
+        )
     return await handler(request)
 
 
@@ -148,8 +154,9 @@ async def revoke(request: web.Request) -> web.Response:
     return await _stop(request, keys.revoke_key)
 
 
-async def _stop(request: web.Request,
-                stop: Callable[[RedisClient, str], Awaitable[bool]]) -> web.Response:
+async def _stop(
+    request: web.Request, stop: Callable[[RedisClient, str], Awaitable[bool]]
+) -> web.Response:
     kid = request.match_info["id"]
     if not await stop(_redis(request), kid):
         raise _not_found(kid)
@@ -178,27 +185,41 @@ async def usage(request: web.Request) -> web.Response:
 
 async def fleet(request: web.Request) -> web.Response:
     workers = await request.config_dict[MESH].list_workers()
-    return web.json_response({"object": "list", "data": [
-        _worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [_worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)],
+        }
+    )
 
 
 def _worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
     info, caps, load = status.worker, status.worker.capabilities, status.load
-    return {"worker_id": info.worker_id, "models": list(info.models), "gpu_kind": caps.gpu_kind,
-            "gpu_count": caps.gpu_count, "device_name": caps.device_name,
-            "precision": precision_name(caps.precision), "memory_total_bytes": caps.memory_total_bytes,
-            "memory_used_bytes": load.memory_used_bytes, "weight_bytes": caps.weight_bytes,
-            "max_parallel": caps.max_parallel, "running": load.running, "waiting": load.waiting,
-            "kv_cache_usage": load.kv_cache_usage,
-            "last_heartbeat_age_s": round(status.last_heartbeat_age_s, 3)}
+    return {
+        "worker_id": info.worker_id,
+        "models": list(info.models),
+        "gpu_kind": caps.gpu_kind,
+        "gpu_count": caps.gpu_count,
+        "device_name": caps.device_name,
+        "precision": precision_name(caps.precision),
+        "memory_total_bytes": caps.memory_total_bytes,
+        "memory_used_bytes": load.memory_used_bytes,
+        "weight_bytes": caps.weight_bytes,
+        "max_parallel": caps.max_parallel,
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_cache_usage": load.kv_cache_usage,
+        "last_heartbeat_age_s": round(status.last_heartbeat_age_s, 3),
+    }
 
 
 async def _record(request: web.Request, kid: str) -> keys.KeyRecord:
     return _found(await keys.get_key(_redis(request), kid), request, kid)
 
 
-def _found(record: keys.KeyRecord | None, request: web.Request,
-           kid: str | None = None) -> keys.KeyRecord:
+def _found(
+    record: keys.KeyRecord | None, request: web.Request, kid: str | None = None
+) -> keys.KeyRecord:
     if record is None:
         raise _not_found(kid or request.match_info["id"])
     return record

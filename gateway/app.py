@@ -1,4 +1,5 @@
 """``create_app(config)``: the gateway's routes, middlewares and shared objects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,13 @@ CONFIG = web.AppKey("config", GatewayConfig)
 def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[redact_query_keys, *telemetry.aiohttp_middlewares(), error_middleware,
-                     auth_middleware])
+        middlewares=[
+            redact_query_keys,
+            *telemetry.aiohttp_middlewares(),
+            error_middleware,
+            auth_middleware,
+        ],
+    )
     app[CONFIG] = config
     app[SERVER_CONFIG] = config.server
     app[REDIS_CONFIG] = config.redis
@@ -73,8 +79,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition of this process's metrics."""
-    return web.Response(body=prometheus_client.generate_latest(),
-                        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=prometheus_client.generate_latest(),
+        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
+    )
 
 
 async def _watch_event_loop(app: web.Application) -> None:
@@ -87,12 +95,18 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     # turn (up to timeout_s) where redis-py's default pool fails it at once, which would
     # answer 503 under load. redis-py retries a call on a new connection when one fails:
     # after a Redis restart the pool still holds connections to the old process.
-    client = redis_client(config.redis.url, timeout_s=config.redis.timeout_s,
-                          max_connections=config.redis.max_connections)
+    client = redis_client(
+        config.redis.url,
+        timeout_s=config.redis.timeout_s,
+        max_connections=config.redis.max_connections,
+    )
     app[REDIS] = client
     app[KEY_STORE] = KeyStore(client, cache_ttl_s=config.redis.key_cache_ttl_s)
-    limiter = Limiter(client, lease_ttl_s=config.limits.lease_ttl_s,
-                      settle_retry_max=config.limits.settle_retry_max)
+    limiter = Limiter(
+        client,
+        lease_ttl_s=config.limits.lease_ttl_s,
+        settle_retry_max=config.limits.settle_retry_max,
+    )
     app[LIMITER] = limiter
     renewal = asyncio.create_task(limiter.renew_leases())
     retries = asyncio.create_task(limiter.retry_settlements())

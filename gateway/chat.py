@@ -3,6 +3,7 @@
 ``n`` choices are ``n`` router calls (choice ``i`` seeded ``seed + i``); streamed,
 their chunks interleave as they arrive, each tagged with its choice index.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -33,21 +34,32 @@ from infermesh.names import FinishReason
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse_chat_request(await read_json(request), request.headers)
     messages = body.router_messages()
-    plan = Plan(model=body.model,
-                requests=[body.generate_request(request[REQUEST_ID], i, messages=messages)
-                          for i in range(body.n)],
-                prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
-                prompt_of=[0] * body.n, max_tokens=body.token_limit(), stream=body.stream)
+    plan = Plan(
+        model=body.model,
+        requests=[
+            body.generate_request(request[REQUEST_ID], i, messages=messages) for i in range(body.n)
+        ],
+        prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
+        prompt_of=[0] * body.n,
+        max_tokens=body.token_limit(),
+        stream=body.stream,
+    )
 
     async with generate(request, plan) as (generation, headers):
         if body.stream:
-            return await sse.stream(request, headers, _events(body, generation),
-                                    lambda e: sse.openai_event(e.body()), sse.OPENAI_DONE)
+            return await sse.stream(
+                request,
+                headers,
+                _events(body, generation),
+                lambda e: sse.openai_event(e.body()),
+                sse.OPENAI_DONE,
+            )
         return await _collect(body, generation, headers)
 
 
-async def _collect(body: ChatCompletionRequest, generation: Generation,
-                   headers: dict[str, str]) -> web.Response:
+async def _collect(
+    body: ChatCompletionRequest, generation: Generation, headers: dict[str, str]
+) -> web.Response:
     texts: list[list[str]] = [[] for _ in range(generation.choices)]
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
     finishes: list[FinishReason | None] = [None] * generation.choices
@@ -57,35 +69,53 @@ async def _collect(body: ChatCompletionRequest, generation: Generation,
         logprobs[i].extend(token_logprobs(chunk.logprobs))
         calls[i].add(chunk.tool_calls)
         finishes[i] = finish_reason(chunk) or finishes[i]
-    choices = [chat_choice(i, "".join(texts[i]), finishes[i],  # type: ignore[arg-type]
-                           logprobs[i] if body.logprobs and logprobs[i] else None,
-                           calls[i].message_field())
-               for i in range(generation.choices)]
-    completion = chat_completion(completion_id(), now_s(), body.model, choices,
-                                 usage(generation.usage()))
+    choices = [
+        chat_choice(
+            i,
+            "".join(texts[i]),
+            finishes[i],  # type: ignore[arg-type]
+            logprobs[i] if body.logprobs and logprobs[i] else None,
+            calls[i].message_field(),
+        )
+        for i in range(generation.choices)
+    ]
+    completion = chat_completion(
+        completion_id(), now_s(), body.model, choices, usage(generation.usage())
+    )
     return web.json_response(completion, headers=headers)
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
     """The stream's chunks: role, text and tool-call deltas, finish reason per choice, then usage
-    if asked for."""
+    if asked for. The events of one worker chunk go out as one write."""
     cid, created, with_usage = completion_id(), now_s(), body.include_usage
 
-    def chunk(i: int, delta: dict[str, Any], finish: FinishReason | None = None,
-              logprobs: list[dict[str, Any]] | None = None) -> bytes:
-        return sse.openai_event(chat_chunk(cid, created, body.model, i, delta, finish, logprobs,
-                                           with_usage_field=with_usage))
+    def chunk(
+        i: int,
+        delta: dict[str, Any],
+        finish: FinishReason | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        return sse.openai_event(
+            chat_chunk(
+                cid, created, body.model, i, delta, finish, logprobs, with_usage_field=with_usage
+            )
+        )
 
-    for i in range(generation.choices):
-        yield chunk(i, {"role": "assistant", "content": ""})
+    yield b"".join(
+        chunk(i, {"role": "assistant", "content": ""}) for i in range(generation.choices)
+    )
     async for i, item in generation.chunks():
+        events: list[bytes] = []
         if item.text or item.logprobs:
             logprobs = token_logprobs(item.logprobs) if body.logprobs and item.logprobs else None
-            yield chunk(i, {"content": item.text}, logprobs=logprobs)
+            events.append(chunk(i, {"content": item.text}, logprobs=logprobs))
         if item.tool_calls:
-            yield chunk(i, {"tool_calls": chunk_deltas(item.tool_calls)})
+            events.append(chunk(i, {"tool_calls": chunk_deltas(item.tool_calls)}))
         finish = finish_reason(item)
         if finish is not None:
-            yield chunk(i, {}, finish)
+            events.append(chunk(i, {}, finish))
+        if events:
+            yield b"".join(events)
     if with_usage:
         yield sse.openai_event(usage_chunk(cid, created, body.model, usage(generation.usage())))

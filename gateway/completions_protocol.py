@@ -1,5 +1,6 @@
 """Legacy text completions on the wire (``POST /v1/completions``): the request
 model and OpenAI-format ``text_completion`` builders."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -18,6 +19,7 @@ _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 class CompletionRequest(OpenAIGeneration):
     """The body of ``POST /v1/completions``; a list of prompts is one batch, each
     prompt with ``n`` choices (choice ``p * n + j``)."""
+
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=128)]
     max_tokens: UInt32 | None = _DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
@@ -54,11 +56,16 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
     return with_precision_header(parse_body(CompletionRequest, body), headers)
 
 
-def completion_logprobs(items: Iterable[common_pb2.TokenLogprob],
-                        text_offset: int) -> dict[str, list[Any]]:
+def completion_logprobs(
+    items: Iterable[common_pb2.TokenLogprob], text_offset: int
+) -> dict[str, list[Any]]:
     """The legacy ``logprobs`` object; offsets count characters from ``text_offset``."""
-    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                 "text_offset": []}
+    out: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for t in items:
         out["tokens"].append(t.token)
         out["token_logprobs"].append(t.logprob)
@@ -73,16 +80,24 @@ def merge_logprobs(into: dict[str, list[Any]], more: dict[str, list[Any]]) -> No
         into[field].extend(values)
 
 
-def completion_choice(index: int, text: str, finish_reason: FinishReason | None,
-                      logprobs: dict[str, list[Any]] | None) -> dict[str, Any]:
+def completion_choice(
+    index: int, text: str, finish_reason: FinishReason | None, logprobs: dict[str, list[Any]] | None
+) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def text_completion(cid: str, created: int, model: str, choices: list[dict[str, Any]],
-                    usage: dict[str, Any] | None) -> dict[str, Any]:
+def text_completion(
+    cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> dict[str, Any]:
     """A ``text_completion`` object: the whole answer, or one streamed chunk."""
-    completion = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                  "choices": choices, "system_fingerprint": None}
+    completion = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if usage is not None:
         completion["usage"] = usage
     return completion

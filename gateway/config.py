@@ -5,6 +5,7 @@ Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
 overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,19 +30,30 @@ class ServerSection:
     body_timeout_s: float = 60.0
     # An idle keep-alive connection is closed after this long (no answer: nothing was asked).
     keepalive_timeout_s: float = 75.0
+    # Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections), so
+    # that one gateway uses every core; each keeps its own streams to router and workers.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.processes < 1:
+            raise ValueError(f"processes must be >= 1, got {self.processes}")
+        if self.processes > 1 and self.port == 0:
+            raise ValueError("processes > 1 needs a fixed port, not 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.alias_base and (not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
-                                or self.alias_base in ("/v1", "/admin")):
-            raise ValueError(f"alias_base must be a path such as /api (not /v1 or /admin), "
-                             f"got {self.alias_base!r}")
+        if self.alias_base and (
+            not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
+            or self.alias_base in ("/v1", "/admin")
+        ):
+            raise ValueError(
+                f"alias_base must be a path such as /api (not /v1 or /admin), "
+                f"got {self.alias_base!r}"
+            )
 
 
 @section
@@ -91,12 +103,28 @@ class RouterSection:
     # where gateways cannot reach the workers. Relaying costs the router two message
     # hops per chunk (docs/BENCHMARKS.md).
     relay: bool = False
+    # true: route decisions and requests to workers travel over long-lived streams that all
+    # requests share (Router.RouteStream; a few Worker.Serve streams per worker): messages,
+    # not calls (docs/BENCHMARKS.md); false: gRPC calls of each request's own.
+    streams: bool = True
+    # Streams per worker; more than one where one stream's flow-control window limits.
+    streams_per_worker: int = 1
+    # A request's chunks its client has not read yet, at most; past them (a client reading
+    # slower than the worker writes) the request ends with an error, the others go on.
+    stream_buffer_chunks: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
-                     "stall_timeout_s"):
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "control_timeout_s",
+            "stall_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("streams_per_worker", "stream_buffer_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @section
@@ -114,8 +142,9 @@ class LimitsSection:
 
     def __post_init__(self) -> None:
         if self.default_completion_reserve < 0:
-            raise ValueError(f"default_completion_reserve must be >= 0, "
-                             f"got {self.default_completion_reserve}")
+            raise ValueError(
+                f"default_completion_reserve must be >= 0, got {self.default_completion_reserve}"
+            )
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if self.settle_retry_max < 0:
@@ -126,6 +155,7 @@ class LimitsSection:
 class AdminSection:
     """The admin API (/admin/keys) credential: the token itself, or better its SHA-256 hex.
     With neither set the admin API refuses every call."""
+
     token: str = ""
     token_sha256: str = ""
 

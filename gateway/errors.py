@@ -7,6 +7,7 @@ Handlers raise a ``GatewayError`` subclass; the error middleware turns it into
 failures from the router, Redis failures and aiohttp's own HTTP exceptions are
 mapped here too. Messages never carry key material.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,11 +20,20 @@ from pydantic import BaseModel
 Dialect = Literal["openai", "anthropic"]
 
 # Anthropic names its error types by status.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    408: "timeout_error", 413: "request_too_large", 414: "invalid_request_error",
-                    429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error",
-                    504: "timeout_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    414: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 class ErrorDetail(BaseModel):
@@ -35,6 +45,7 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     """OpenAI's error shape: every error the gateway answers outside /v1/messages."""
+
     error: ErrorDetail
 
 
@@ -45,6 +56,7 @@ class AnthropicErrorDetail(BaseModel):
 
 class AnthropicErrorBody(BaseModel):
     """Anthropic's error shape: the errors of /v1/messages."""
+
     type: Literal["error"]
     error: AnthropicErrorDetail
 
@@ -56,9 +68,16 @@ class GatewayError(Exception):
     type: str = "server_error"
     code: str | None = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after_s: int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -70,13 +89,19 @@ class GatewayError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type,
-                                           param=self.param, code=self.code)).model_dump()
+        return ErrorBody(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        ).model_dump()
 
     def anthropic_body(self) -> dict[str, Any]:
-        return AnthropicErrorBody(type="error", error=AnthropicErrorDetail(
-            type=_ANTHROPIC_TYPES.get(self.status, "api_error"),
-            message=self.message)).model_dump()
+        return AnthropicErrorBody(
+            type="error",
+            error=AnthropicErrorDetail(
+                type=_ANTHROPIC_TYPES.get(self.status, "api_error"), message=self.message
+            ),
+        ).model_dump()
 
     def dialect_body(self, dialect: Dialect) -> dict[str, Any]:
         return self.anthropic_body() if dialect == "anthropic" else self.body()
@@ -150,7 +175,9 @@ def store_unavailable(retry_after_s: int) -> GatewayError:
     nobody is told their key is wrong."""
     return ServiceUnavailableError(
         "The gateway cannot check API keys and limits right now; try again shortly",
-        code="auth_unavailable", retry_after_s=retry_after_s)
+        code="auth_unavailable",
+        retry_after_s=retry_after_s,
+    )
 
 
 def base_url(request: web.Request) -> str:
@@ -176,11 +203,14 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> Gateway
                 break
         return NotFoundError(
             f"Unknown URL ({where}). The base URL of this API is {base_url(request)}; "
-            f"clients append paths such as /chat/completions to it.{hint}")
+            f"clients append paths such as /chat/completions to it.{hint}"
+        )
     if exc.status == 405:
         allow = exc.headers.get("Allow", "")
-        return MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}; "
-                                     f"allowed: {allow}", headers={"Allow": allow})
+        return MethodNotAllowedError(
+            f"Method {request.method} is not allowed on {request.path}; allowed: {allow}",
+            headers={"Allow": allow},
+        )
     if exc.status == 413:
         return RequestTooLargeError("Request body is too large")
     if exc.status < 500:
@@ -188,8 +218,9 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> Gateway
     return GatewayError(exc.reason)
 
 
-def from_grpc(code: grpc.StatusCode, details: str, *, router_reachable: bool,
-              retry_after_s: int) -> GatewayError:
+def from_grpc(
+    code: grpc.StatusCode, details: str, *, router_reachable: bool, retry_after_s: int
+) -> GatewayError:
     """Maps a generation's gRPC status; ``router_reachable`` tells a router's own
     UNAVAILABLE (no worker now) from a connection that failed."""
     if code == grpc.StatusCode.NOT_FOUND:
@@ -200,16 +231,21 @@ def from_grpc(code: grpc.StatusCode, details: str, *, router_reachable: bool,
         return InvalidRequestError(details, param="precision")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _GRPC_SIZE_LIMIT.search(details):
         # gRPC's own size limits, not a busy mesh: retrying the same request cannot succeed
-        return RequestTooLargeError("The request (or its answer) exceeds the mesh's gRPC "
-                                    "message or metadata size limits")
+        return RequestTooLargeError(
+            "The request (or its answer) exceeds the mesh's gRPC message or metadata size limits"
+        )
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RateLimitError(details, retry_after_s=retry_after_s)
     if code == grpc.StatusCode.UNAVAILABLE and not router_reachable:
-        return ServiceUnavailableError("The inference router is unreachable; try again shortly",
-                                       code="router_unavailable", retry_after_s=retry_after_s)
+        return ServiceUnavailableError(
+            "The inference router is unreachable; try again shortly",
+            code="router_unavailable",
+            retry_after_s=retry_after_s,
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ServiceUnavailableError(details or "No worker can take the request now",
-                                       retry_after_s=retry_after_s)
+        return ServiceUnavailableError(
+            details or "No worker can take the request now", retry_after_s=retry_after_s
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeoutError("The request took longer than the gateway's deadline")
     return UpstreamError(f"The inference router failed ({code.name})")

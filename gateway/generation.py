@@ -7,6 +7,7 @@ answered, so a failure before the first token (unknown model, no worker, router
 down) is a plain HTTP error. Tokens are counted as they pass, so a stream the
 client abandoned is still settled with what it consumed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,7 @@ Chunk = common_pb2.GenerateResponse
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one HTTP request asks of the router: one ``GenerateRequest`` per choice."""
+
     model: str
     requests: list[common_pb2.GenerateRequest]
     prompt_estimates: list[int]  # per distinct prompt
@@ -74,8 +76,9 @@ class Generation:
         if len(self._streams) == 1:
             firsts: list[Chunk | BaseException | None] = [await anext(self._streams[0], None)]
         else:
-            firsts = await asyncio.gather(*(anext(s, None) for s in self._streams),
-                                          return_exceptions=True)
+            firsts = await asyncio.gather(
+                *(anext(s, None) for s in self._streams), return_exceptions=True
+            )
         for first in firsts:
             if isinstance(first, BaseException):
                 raise first
@@ -184,7 +187,9 @@ async def admit(request: web.Request, model: str | None, reserve_tokens: int) ->
 
 
 @contextlib.asynccontextmanager
-async def generate(request: web.Request, plan: Plan) -> AsyncIterator[tuple[Generation, dict[str, str]]]:
+async def generate(
+    request: web.Request, plan: Plan
+) -> AsyncIterator[tuple[Generation, dict[str, str]]]:
     """Admits and starts ``plan``; the handler answers from the generation and the response
     headers it yields (admission's and the route's). Settles the key's usage however the
     request ends (as not served when the mesh failed it before its first token, see
@@ -194,11 +199,15 @@ async def generate(request: web.Request, plan: Plan) -> AsyncIterator[tuple[Gene
     sampling = plan.requests[0].sampling
     started = time.monotonic()
     with genai.model_call_span(
-            _operation(request), plan.model, max_tokens=plan.max_tokens,
-            temperature=sampling.temperature if sampling.HasField("temperature") else None,
-            top_p=sampling.top_p if sampling.HasField("top_p") else None) as span:
-        admission = await admit(request, plan.model,
-                                plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve))
+        _operation(request),
+        plan.model,
+        max_tokens=plan.max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+    ) as span:
+        admission = await admit(
+            request, plan.model, plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve)
+        )
         generation = Generation(request.app[MESH], plan)
         served = True
         try:
@@ -214,12 +223,22 @@ async def generate(request: web.Request, plan: Plan) -> AsyncIterator[tuple[Gene
             request.app[LIMITER].settle_soon(admission, usage, served=served)
             with contextlib.suppress(GatewayError):
                 await generation.aclose()
-            genai.record_response(span, response_id=request[REQUEST_ID], model=plan.model,
-                                  finish_reasons=generation.finish_reasons,
-                                  input_tokens=usage.prompt_tokens,
-                                  output_tokens=usage.completion_tokens)
-        metrics.observe_generation("gateway", plan.model, first_token_s, time.monotonic() - started,
-                                   usage.prompt_tokens, usage.completion_tokens)
+            genai.record_response(
+                span,
+                response_id=request[REQUEST_ID],
+                model=plan.model,
+                finish_reasons=generation.finish_reasons,
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+            )
+        metrics.observe_generation(
+            "gateway",
+            plan.model,
+            first_token_s,
+            time.monotonic() - started,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+        )
 
 
 def _operation(request: web.Request) -> str:

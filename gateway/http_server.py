@@ -13,6 +13,7 @@ arrive within ``body_timeout_s`` is a 408 (``gateway.validation.read_json``).
 ``GatewayRunner`` is ``web.AppRunner`` with connections of that class; ``python -m gateway``
 and the tests serve the app through it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,8 +97,9 @@ class GatewayRequestHandler(RequestHandler):
         """Queues a 408 as if the parser had produced it: answered in turn, then closed."""
         self._header_timer = None
         self._refused = True
-        self._messages.append((_ErrInfo(status=408, exc=HeadersTimeoutError(), message=""),
-                               EMPTY_PAYLOAD))
+        self._messages.append(
+            (_ErrInfo(status=408, exc=HeadersTimeoutError(), message=""), EMPTY_PAYLOAD)
+        )
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -105,8 +107,9 @@ class GatewayRequestHandler(RequestHandler):
         self._stop_headers()
         super().connection_lost(exc)
 
-    async def finish_response(self, request: web.BaseRequest, response: web.StreamResponse,
-                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+    async def finish_response(
+        self, request: web.BaseRequest, response: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
         if response.status == 408:
             # aiohttp goes on reading the unread body for lingering_time (10 s) before it
             # closes, so that the client reads the answer before the reset its next bytes
@@ -114,33 +117,44 @@ class GatewayRequestHandler(RequestHandler):
             self._lingering_time = min(self._lingering_time, _LINGER_AFTER_408_S)
         return await super().finish_response(request, response, start_time)
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500,
-                     exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         """An OpenAI-shaped error for a request the parser refused (or one whose handler
         failed outside the app's error middleware); always closes the connection."""
         error = self._error(status, exc)
         if error.status >= 500:
-            self.log_exception("request from %s answered %d", request.remote, error.status,
-                               exc_info=exc)
+            self.log_exception(
+                "request from %s answered %d", request.remote, error.status, exc_info=exc
+            )
         else:
-            logger.warning("malformed HTTP request from %s answered %d: %s", request.remote,
-                           error.status, type(exc).__name__)
+            logger.warning(
+                "malformed HTTP request from %s answered %d: %s",
+                request.remote,
+                error.status,
+                type(exc).__name__,
+            )
         if request.writer.output_size > 0:  # the answer has begun: only closing is left
             raise ConnectionError("the response had begun when the request failed")
         response = error_response(error)
         response.force_close()
         return response
 
-    def log_exception(self, message: str, *args: Any,
-                      exc_info: BaseException | None = None, **kwargs: Any) -> None:
+    def log_exception(
+        self, message: str, *args: Any, exc_info: BaseException | None = None, **kwargs: Any
+    ) -> None:
         """aiohttp's own error logging (an unhandled exception, say), redacted."""
         log_redacted(message, *args, exc=exc_info)
 
     def _error(self, status: int, exc: BaseException | None) -> GatewayError:
         if isinstance(exc, HeadersTimeoutError):
-            return RequestTimeoutError(f"The request's headers did not arrive within "
-                                       f"{self._header_timeout_s:g} s")
+            return RequestTimeoutError(
+                f"The request's headers did not arrive within {self._header_timeout_s:g} s"
+            )
         if isinstance(exc, LineTooLong) and self._request_line_bytes > self.max_line_size:
             return UriTooLongError(f"The request line is longer than {self.max_line_size} bytes")
         if isinstance(exc, LineTooLong):
@@ -151,8 +165,9 @@ class GatewayRequestHandler(RequestHandler):
             return UpstreamTimeoutError("The request took longer than the gateway's deadline")
         if status >= 500:
             return GatewayError("The gateway failed to handle the request")
-        return InvalidRequestError(f"Malformed HTTP request: {_reason(exc)}",
-                                   code="malformed_request")
+        return InvalidRequestError(
+            f"Malformed HTTP request: {_reason(exc)}", code="malformed_request"
+        )
 
 
 def log_redacted(message: str, *args: Any, exc: BaseException | None = None) -> None:
@@ -161,8 +176,12 @@ def log_redacted(message: str, *args: Any, exc: BaseException | None = None) -> 
     if exc is None:
         logger.error(message, *args)
         return
-    logger.error(message + ": %s\n%s", *args, type(exc).__name__,
-                 "".join(traceback.format_tb(exc.__traceback__)))
+    logger.error(
+        message + ": %s\n%s",
+        *args,
+        type(exc).__name__,
+        "".join(traceback.format_tb(exc.__traceback__)),
+    )
 
 
 def _reason(exc: BaseException | None) -> str:
@@ -190,8 +209,9 @@ class _GatewayServer(web.Server):
         self._header_timeout_s = header_timeout_s
 
     def __call__(self) -> GatewayRequestHandler:
-        return GatewayRequestHandler(self, loop=self._loop,
-                                     header_timeout_s=self._header_timeout_s, **self._kwargs)
+        return GatewayRequestHandler(
+            self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs
+        )
 
 
 class GatewayRunner(web.AppRunner):
@@ -204,7 +224,11 @@ class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         # aiohttp has no hook for the protocol class: the server it built, rebuilt with ours.
         built = await super()._make_server()
-        return _GatewayServer(built.request_handler, request_factory=built.request_factory,
-                              handler_cancellation=built.handler_cancellation,
-                              loop=asyncio.get_running_loop(),
-                              header_timeout_s=self._header_timeout_s, **built._kwargs)
+        return _GatewayServer(
+            built.request_handler,
+            request_factory=built.request_factory,
+            handler_cancellation=built.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            header_timeout_s=self._header_timeout_s,
+            **built._kwargs,
+        )

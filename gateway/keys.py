@@ -18,6 +18,7 @@ index lives in another slot: nothing updates it in the same transaction as a key
 The hex digest doubles as the key's id for operators; the plaintext exists only in
 the answer to ``create_key``/``rotate_key``. Revoking is final; disabling is not.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,14 @@ _PLAINTEXT_PREFIX = "sk-"
 _RANDOM_BYTES = 32  # 256 bits
 _CACHE_MAX_ENTRIES = 10_000
 
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "quota_tokens", "quota_period_tokens",
-                "quota_period_s")
+LIMIT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "quota_tokens",
+    "quota_period_tokens",
+    "quota_period_s",
+)
 # Fields an operator may change after creation.
 UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS)
 
@@ -64,6 +71,7 @@ def redis_key(kid: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class KeyRecord:
     """A key's metadata as an operator sees it: never the plaintext."""
+
     id: str
     name: str
     created: int
@@ -76,8 +84,11 @@ class KeyRecord:
     rotated_from: str | None = None
 
     def usable(self, now_s: float) -> bool:
-        return (not self.disabled and not self.revoked
-                and (self.expires_at is None or self.expires_at > now_s))
+        return (
+            not self.disabled
+            and not self.revoked
+            and (self.expires_at is None or self.expires_at > now_s)
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -145,7 +156,9 @@ async def list_keys(client: RedisClient) -> list[KeyRecord]:
         for kid in ids:
             pipe.hgetall(redis_key(kid))
         rows = await pipe.execute()
-    records = [r for r in (_record(kid, row) for kid, row in zip(ids, rows, strict=True)) if r is not None]
+    records = [
+        r for r in (_record(kid, row) for kid, row in zip(ids, rows, strict=True)) if r is not None
+    ]
     return sorted(records, key=lambda r: (r.created, r.id))
 
 
@@ -203,8 +216,12 @@ async def rotate_key(client: RedisClient, kid: str) -> str | None:
         return None
     plaintext = _PLAINTEXT_PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
     new_id = key_id(plaintext)
-    values = {"expires_at": old.expires_at, "models": old.models or None, **old.limits,
-              "rotated_from": kid}
+    values = {
+        "expires_at": old.expires_at,
+        "models": old.models or None,
+        **old.limits,
+        "rotated_from": kid,
+    }
     await _store(client, new_id, _fields(old.name, values))
     snapshot = [item for pair in raw.items() for item in pair]
     if await client.eval(_REVOKE_UNCHANGED, 1, redis_key(kid), new_id, *snapshot):
@@ -232,12 +249,17 @@ def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | Non
     if not fields:
         return None
     return KeyRecord(
-        id=kid, name=fields.get("name", ""), created=int(fields.get("created", "0")),
-        disabled=fields.get("disabled", "0") != "0", revoked=fields.get("revoked", "0") == "1",
+        id=kid,
+        name=fields.get("name", ""),
+        created=int(fields.get("created", "0")),
+        disabled=fields.get("disabled", "0") != "0",
+        revoked=fields.get("revoked", "0") == "1",
         expires_at=int(float(fields["expires_at"])) if "expires_at" in fields else None,
         models=tuple(m for m in fields.get("models", "").split(",") if m),
         limits={f: int(fields[f]) for f in LIMIT_FIELDS if f in fields},
-        rotated_to=fields.get("rotated_to"), rotated_from=fields.get("rotated_from"))
+        rotated_to=fields.get("rotated_to"),
+        rotated_from=fields.get("rotated_from"),
+    )
 
 
 def _text(value: bytes | str) -> str:
@@ -247,6 +269,7 @@ def _text(value: bytes | str) -> str:
 @dataclasses.dataclass(frozen=True)
 class ApiKey:
     """An authenticated key, as handlers see it: never the plaintext."""
+
     id: str
     name: str
     models: tuple[str, ...] = ()  # empty: every model
@@ -264,8 +287,9 @@ class KeyStore:
     Redis errors propagate: the caller answers 503, never 401 and never admits.
     """
 
-    def __init__(self, client: RedisClient, cache_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, client: RedisClient, cache_ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._redis = client
         self._cache_ttl_s = cache_ttl_s
         self._clock = clock

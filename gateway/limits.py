@@ -47,6 +47,7 @@ logged (by key id). Each settlement marks itself done in Redis
 (``infermesh:settled:{<id>}:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
 reply was lost (it ran, but the connection dropped) does not count twice.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +60,8 @@ import secrets
 from typing import Any
 
 from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from gateway.errors import AuthenticationError, RateLimitError
 from gateway.keys import key_tag, redis_key
@@ -226,14 +229,19 @@ return 1
 """
 
 _ADMITTED, _UNAUTHORIZED = 0, 1
-_LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute",
-                "concurrency": "concurrent requests", "quota": "token quota",
-                "quota_period": "token quota of this period"}
+_LIMIT_NAMES = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "concurrency": "concurrent requests",
+    "quota": "token quota",
+    "quota_period": "token quota of this period",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """An admitted request's claim on its key's limits, released by ``Limiter.settle``."""
+
     key_id: str
     second: int
     reserve: int
@@ -262,9 +270,45 @@ def mesh_failed(error: BaseException) -> bool:
 def _keys(kid: str) -> dict[str, str]:
     # One hash tag for all: each script below touches one hash slot (Redis Cluster).
     tag = key_tag(kid)
-    return {"key": redis_key(kid), "rpm": f"infermesh:rl:{tag}:rpm",
-            "tpm": f"infermesh:rl:{tag}:tpm", "inflight": f"infermesh:rl:{tag}:inflight",
-            "quota": f"infermesh:quota:{tag}", "usage": f"infermesh:usage:{tag}"}
+    return {
+        "key": redis_key(kid),
+        "rpm": f"infermesh:rl:{tag}:rpm",
+        "tpm": f"infermesh:rl:{tag}:tpm",
+        "inflight": f"infermesh:rl:{tag}:inflight",
+        "quota": f"infermesh:quota:{tag}",
+        "usage": f"infermesh:usage:{tag}",
+    }
+
+
+def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | float]]:
+    """The keys and arguments of the settlement script for ``settlement``."""
+    admission = settlement.admission
+    usage = settlement.usage if settlement.served else TokenUsage()
+    keys = _keys(admission.key_id)
+    return (
+        [
+            keys["tpm"],
+            keys["inflight"],
+            keys["quota"],
+            keys["usage"],
+            f"{keys['usage']}:d:{_day()}",
+            keys["rpm"],
+            f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}",
+        ],
+        [
+            admission.second,
+            admission.reserve,
+            int(admission.tokens_windowed),
+            admission.quota_field,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            admission.lease,
+            _USAGE_DAY_TTL_S,
+            int(settlement.served),
+            _SETTLED_TTL_S,
+        ],
+    )
 
 
 def _day(offset: int = 0) -> str:
@@ -281,7 +325,9 @@ class Limiter:
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
-        self._settling: set[asyncio.Task[None]] = set()
+        self._unsettled: list[_Settlement] = []  # for the next round trip
+        self._settler: asyncio.Task[None] | None = None
+        self._settle_loaded = False
         # settlements that failed, oldest first, for retry_settlements
         self._failed: collections.deque[_Settlement] = collections.deque()
         self._retry_max = settle_retry_max
@@ -295,10 +341,12 @@ class Limiter:
         lease = secrets.token_hex(8)
         out = await self._admit(
             keys=[keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
-            args=[reserve_tokens, lease, self._lease_ttl_ms])
+            args=[reserve_tokens, lease, self._lease_ttl_ms],
+        )
         if out[0] == _UNAUTHORIZED:
             raise AuthenticationError(
-                "Incorrect API key provided, or the key is disabled or expired.")
+                "Incorrect API key provided, or the key is disabled or expired."
+            )
         headers = _rate_headers(out)
         if out[0] != _ADMITTED:
             RATE_LIMITED.labels(limit=_text(out[1])).inc()
@@ -306,53 +354,95 @@ class Limiter:
         held = bool(out[12])
         if held:
             self._leases[lease] = keys["inflight"]
-        return Admission(key_id=kid, second=int(out[9]), reserve=reserve_tokens,
-                         tokens_windowed=bool(out[10]), quota_field=_text(out[11]),
-                         lease=lease if held else "", headers=headers, id=lease)
+        return Admission(
+            key_id=kid,
+            second=int(out[9]),
+            reserve=reserve_tokens,
+            tokens_windowed=bool(out[10]),
+            quota_field=_text(out[11]),
+            lease=lease if held else "",
+            headers=headers,
+            id=lease,
+        )
 
-    async def settle(self, admission: Admission, usage: TokenUsage, *, served: bool = True,
-                     ) -> None:
+    async def settle(
+        self,
+        admission: Admission,
+        usage: TokenUsage,
+        *,
+        served: bool = True,
+    ) -> None:
         """Replaces the reservation with ``usage``, frees the slot, counts the usage; not
         ``served`` (the mesh failed the request): gives its request-per-minute unit back
         and counts nothing (a choice's first tokens, when another choice of the request
         failed, were never delivered). Runs at most once per admission, however often it
         is called."""
-        self._leases.pop(admission.lease, None)
-        if not served:
-            usage = TokenUsage()
-        keys = _keys(admission.key_id)
-        await self._settle(
-            keys=[keys["tpm"], keys["inflight"], keys["quota"], keys["usage"],
-                  f"{keys['usage']}:d:{_day()}", keys["rpm"],
-                  f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}"],
-            args=[admission.second, admission.reserve, int(admission.tokens_windowed),
-                  admission.quota_field, usage.prompt_tokens, usage.completion_tokens,
-                  usage.cached_tokens, admission.lease,
-                  _USAGE_DAY_TTL_S, int(served), _SETTLED_TTL_S])
+        await self._settle_all([_Settlement(admission, usage, served)])
 
-    def settle_soon(self, admission: Admission, usage: TokenUsage, *, served: bool = True,
-                    ) -> None:
+    async def _settle_all(self, settlements: list[_Settlement]) -> None:
+        """``settle`` for each of ``settlements``, in one round trip to Redis. The script is
+        idempotent per admission, so the whole batch is sent again after Redis had to load
+        it (NOSCRIPT: new or restarted). A Redis Cluster's pipelines refuse scripts: there
+        the settlements go out together, each its own call."""
+        for settlement in settlements:
+            self._leases.pop(settlement.admission.lease, None)
+        calls = [_settle_call(settlement) for settlement in settlements]
+        if isinstance(self._redis, RedisCluster):
+            await asyncio.gather(*(self._settle(keys=keys, args=args) for keys, args in calls))
+            return
+        if not self._settle_loaded:  # once per process: one round trip, not a NOSCRIPT and two
+            await self._redis.script_load(_SETTLE)
+            self._settle_loaded = True
+        try:
+            await self._settle_pipelined(calls)
+        except NoScriptError:
+            await self._redis.script_load(_SETTLE)
+            await self._settle_pipelined(calls)
+
+    async def _settle_pipelined(
+        self, calls: list[tuple[list[str], list[str | int | float]]]
+    ) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+            await pipe.execute()
+
+    def settle_soon(
+        self,
+        admission: Admission,
+        usage: TokenUsage,
+        *,
+        served: bool = True,
+    ) -> None:
         """Settles in the background: also when the request's task is being cancelled
-        (a client that went away), and without delaying the response; a settlement that
-        fails is retried by ``retry_settlements``."""
-        settlement = _Settlement(admission, usage, served)
-        task = asyncio.get_running_loop().create_task(self._settle_or_keep(settlement))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        (a client that went away), and without delaying the response. Settlements that
+        come while one round trip is out go together in the next (one pipeline for all
+        keys); a settlement that fails is retried by ``retry_settlements``."""
+        self._unsettled.append(_Settlement(admission, usage, served))
+        if self._settler is None:
+            self._settler = asyncio.get_running_loop().create_task(self._settle_unsettled())
 
     @property
     def pending_settlements(self) -> int:
         """Settlements that failed and wait for Redis."""
         return len(self._failed)
 
-    async def _settle_or_keep(self, settlement: _Settlement) -> None:
+    async def _settle_unsettled(self) -> None:
         try:
-            await self.settle(settlement.admission, settlement.usage, served=settlement.served)
-        except REDIS_ERRORS as e:
-            if not self._failed:
-                logger.warning("could not record usage (%s); keeping settlements to retry",
-                               type(e).__name__)
-            self._keep(settlement)
+            while self._unsettled:
+                batch, self._unsettled = self._unsettled, []
+                try:
+                    await self._settle_all(batch)
+                except REDIS_ERRORS as e:
+                    if not self._failed:
+                        logger.warning(
+                            "could not record usage (%s); keeping settlements to retry",
+                            type(e).__name__,
+                        )
+                    for settlement in batch:
+                        self._keep(settlement)
+        finally:
+            self._settler = None
 
     def _keep(self, settlement: _Settlement) -> None:
         self._failed.append(settlement)
@@ -361,9 +451,13 @@ class Limiter:
             SETTLEMENTS_DROPPED.inc()
             self._dropped += 1
             if self._dropped % 1000 == 1:  # the first of each thousand: no flood of lines
-                logger.error("usage settlement of key %s dropped: more than %d wait for Redis "
-                             "([limits] settle_retry_max); %d dropped so far",
-                             lost.admission.key_id[:12], self._retry_max, self._dropped)
+                logger.error(
+                    "usage settlement of key %s dropped: more than %d wait for Redis "
+                    "([limits] settle_retry_max); %d dropped so far",
+                    lost.admission.key_id[:12],
+                    self._retry_max,
+                    self._dropped,
+                )
         SETTLEMENTS_PENDING.set(len(self._failed))
 
     async def retry_settlements(self) -> None:
@@ -378,8 +472,7 @@ class Limiter:
         while self._failed:
             settlement = self._failed[0]
             try:
-                await self.settle(settlement.admission, settlement.usage,
-                                  served=settlement.served)
+                await self.settle(settlement.admission, settlement.usage, served=settlement.served)
             except REDIS_ERRORS:
                 break
             if self._failed and self._failed[0] is settlement:  # not dropped meanwhile
@@ -388,18 +481,22 @@ class Limiter:
         if flushed:
             SETTLEMENTS_RETRIED.inc(flushed)
             SETTLEMENTS_PENDING.set(len(self._failed))
-            logger.info("recorded %d usage settlements that had waited for Redis; %d still wait",
-                        flushed, len(self._failed))
+            logger.info(
+                "recorded %d usage settlements that had waited for Redis; %d still wait",
+                flushed,
+                len(self._failed),
+            )
 
     async def drain(self) -> None:
         """At shutdown: waits for the settlements in flight and tries the kept ones once
         more; those that still fail are lost (logged)."""
-        if self._settling:
-            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self._settler is not None:
+            await asyncio.gather(self._settler, return_exceptions=True)
         await self._flush()
         if self._failed:
-            logger.error("%d usage settlements lost at shutdown: Redis unreachable",
-                         len(self._failed))
+            logger.error(
+                "%d usage settlements lost at shutdown: Redis unreachable", len(self._failed)
+            )
 
     async def renew_leases(self) -> None:
         """Runs until cancelled: pushes back the expiry of this process's concurrency slots."""
@@ -436,11 +533,14 @@ async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]
         rows = await pipe.execute()
     quota = {_text(k): int(v) for k, v in rows[-2].items()}
     period = {k: v for k, v in quota.items() if k.startswith("p:")}
-    return {"id": kid, **_counts(rows[0]),
-            "daily": [{"date": d, **_counts(r)} for d, r in zip(day_names, rows[1:-2], strict=True)],
-            "quota_consumed_tokens": quota.get("total", 0),
-            "quota_period_consumed_tokens": next(iter(period.values()), 0),
-            "in_flight": rows[-1]}
+    return {
+        "id": kid,
+        **_counts(rows[0]),
+        "daily": [{"date": d, **_counts(r)} for d, r in zip(day_names, rows[1:-2], strict=True)],
+        "quota_consumed_tokens": quota.get("total", 0),
+        "quota_period_consumed_tokens": next(iter(period.values()), 0),
+        "in_flight": rows[-1],
+    }
 
 
 def _counts(raw: dict[bytes, bytes]) -> dict[str, int]:
@@ -473,20 +573,31 @@ def duration(ms: int) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
-def _limit_error(which: str, retry_ms: int, reserve: int,
-                 headers: dict[str, str]) -> RateLimitError:
+def _limit_error(
+    which: str, retry_ms: int, reserve: int, headers: dict[str, str]
+) -> RateLimitError:
     limit = _LIMIT_NAMES[which]
     if retry_ms < 0:
         if which == "quota":
             message = "You exceeded the token quota of this API key."
         else:
-            message = (f"This request reserves {reserve} tokens, more than the key's {limit} "
-                       f"allows; lower max_tokens or the prompt.")
-        return RateLimitError(message, code="insufficient_quota", type="insufficient_quota",
-                              headers={**headers, "x-should-retry": "false"})
+            message = (
+                f"This request reserves {reserve} tokens, more than the key's {limit} "
+                f"allows; lower max_tokens or the prompt."
+            )
+        return RateLimitError(
+            message,
+            code="insufficient_quota",
+            type="insufficient_quota",
+            headers={**headers, "x-should-retry": "false"},
+        )
     retry_s = max(1, math.ceil(retry_ms / 1000))
     kind = "tokens" if which in ("tokens", "quota_period") else "requests"
     code = "insufficient_quota" if which == "quota_period" else "rate_limit_exceeded"
-    return RateLimitError(f"Rate limit reached: {limit} of this API key. "
-                          f"Please try again in {duration(retry_ms)}.",
-                          code=code, type=kind, retry_after_s=retry_s, headers=headers)
+    return RateLimitError(
+        f"Rate limit reached: {limit} of this API key. Please try again in {duration(retry_ms)}.",
+        code=code,
+        type=kind,
+        retry_after_s=retry_s,
+        headers=headers,
+    )

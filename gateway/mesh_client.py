@@ -1,8 +1,11 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses (``Route``) and the gateway calls the chosen worker
-(``Generate`` for a streamed request, ``Complete``, a cheaper unary call, otherwise),
+By default the router only chooses and the gateway asks the chosen worker itself, both over
+long-lived streams shared by all requests (``Router.RouteStream``: ``gateway.route_stream``;
+``Worker.Serve``: ``gateway.worker_streams``); with ``[router] streams = false`` they are
+calls of each request's own (``Route``, then ``Generate`` for a streamed request, ``Complete``,
+a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
 (``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker,
@@ -10,6 +13,7 @@ opened lazily and closed in the app's cleanup context. Calls never wait for a pe
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +28,8 @@ from aiohttp import web
 import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
+from gateway.route_stream import RouteStream
+from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -48,14 +54,35 @@ class MeshClient:
     def __init__(self, config: RouterSection) -> None:
         self._config = config
         self._channel = grpc.aio.insecure_channel(
-            config.address, options=CHANNEL_OPTIONS,
-            interceptors=telemetry.grpc_client_interceptors())
+            config.address,
+            options=CHANNEL_OPTIONS,
+            interceptors=telemetry.grpc_client_interceptors(),
+        )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels()
+        self._streams = (
+            WorkerStreams(
+                self._workers,
+                per_worker=config.streams_per_worker,
+                buffered_chunks=config.stream_buffer_chunks,
+            )
+            if config.streams
+            else None
+        )
+        self._route_stream = RouteStream(self._stub) if config.streams else None
         self._reports: set[asyncio.Task[None]] = set()
+
+    @property
+    def worker_streams(self) -> WorkerStreams | None:
+        """The long-lived streams to workers; None with ``[router] streams = false``."""
+        return self._streams
 
     async def close(self) -> None:
         await asyncio.gather(*self._reports, return_exceptions=True)
+        if self._streams is not None:
+            await self._streams.close()
+        if self._route_stream is not None:
+            await self._route_stream.close()
         await self._workers.close()
         await self._channel.close()
 
@@ -67,11 +94,18 @@ class MeshClient:
         call.chunks = self._chunks(request, stream, call)
         return call
 
-    async def _chunks(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                      ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    async def _chunks(
+        self,
+        request: common_pb2.GenerateRequest,
+        stream: bool,
+        call: MeshCall,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         await self._wait_connected()
-        chunks = (self._relayed(request, stream, call) if self._config.relay
-                  else self._direct(request, stream, call))
+        chunks = (
+            self._relayed(request, stream, call)
+            if self._config.relay
+            else self._direct(request, stream, call)
+        )
         try:
             async for chunk in chunks:
                 yield chunk
@@ -83,10 +117,14 @@ class MeshClient:
             await chunks.aclose()
 
     async def list_models(self) -> list[router_pb2.Model]:
-        return list((await self._control(self._stub.ListModels, router_pb2.ListModelsRequest())).models)
+        return list(
+            (await self._control(self._stub.ListModels, router_pb2.ListModelsRequest())).models
+        )
 
     async def list_workers(self) -> list[router_pb2.WorkerStatus]:
-        return list((await self._control(self._stub.ListWorkers, router_pb2.ListWorkersRequest())).workers)
+        return list(
+            (await self._control(self._stub.ListWorkers, router_pb2.ListWorkersRequest())).workers
+        )
 
     async def _control(self, rpc: Any, request: Any) -> Any:
         """A unary call that is not a generation: bounded by control_timeout_s, errors mapped."""
@@ -96,8 +134,12 @@ class MeshClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e.code(), e.details()) from None
 
-    async def _relayed(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    async def _relayed(
+        self,
+        request: common_pb2.GenerateRequest,
+        stream: bool,
+        call: MeshCall,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         rpc = self._stub.Generate if stream else self._stub.Complete
         grpc_call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
         async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
@@ -106,46 +148,86 @@ class MeshClient:
                     call.route = chunk.route
                 yield chunk
 
-    async def _direct(self, request: common_pb2.GenerateRequest, stream: bool, call: MeshCall,
-                      ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        reply = await self._stub.Route(request, timeout=self._config.control_timeout_s,
-                                       wait_for_ready=False)
+    async def _direct(
+        self,
+        request: common_pb2.GenerateRequest,
+        stream: bool,
+        call: MeshCall,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+        if self._route_stream is not None:
+            workers = await self._route_stream.route(request, self._config.control_timeout_s)
+        else:
+            workers = list(
+                (
+                    await self._stub.Route(
+                        request, timeout=self._config.control_timeout_s, wait_for_ready=False
+                    )
+                ).workers
+            )
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         async for chunk in stream_from_first(
-                reply.workers, lambda route: self._from_worker(route, request, stream, deadline, call),
-                self._report_failure, lambda route: route.worker_id,
-                self._config.stall_timeout_s if stream else None):
+            workers,
+            lambda route: self._from_worker(route, request, stream, deadline, call),
+            self._report_failure,
+            lambda route: route.worker_id,
+            self._config.stall_timeout_s if stream else None,
+        ):
             yield chunk
 
-    async def _from_worker(self, route: common_pb2.Route, request: common_pb2.GenerateRequest,
-                           stream: bool, deadline: float, call: MeshCall,
-                           ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    async def _from_worker(
+        self,
+        route: common_pb2.Route,
+        request: common_pb2.GenerateRequest,
+        stream: bool,
+        deadline: float,
+        call: MeshCall,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        worker = self._workers.stub(route.address)
-        rpc = worker.Generate if stream else worker.Complete
-        grpc_call = rpc(request, timeout=timeout, wait_for_ready=False)
-        async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
+        if self._streams is not None:
+            chunks = self._streams.generate(
+                route.address, request, whole=not stream, timeout_s=timeout
+            )
+        else:
+            worker = self._workers.stub(route.address)
+            rpc = worker.Generate if stream else worker.Complete
+            chunks = call_chunks(rpc(request, timeout=timeout, wait_for_ready=False), stream)
+        async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 call.route = route  # the worker that answered: the fallback, if the first failed
                 yield chunk
 
-    def _report_failure(self, route: common_pb2.Route, code: grpc.StatusCode, details: str,
-                        started: bool) -> None:
+    def _report_failure(
+        self, route: common_pb2.Route, code: grpc.StatusCode, details: str, started: bool
+    ) -> None:
         """Tells the router, in the background, so it ejects a worker that keeps failing."""
-        logger.warning("worker %s failed %s the first token (%s: %s)", route.worker_id,
-                       "after" if started else "before", code.name, details)
-        report = asyncio.create_task(self._report(router_pb2.ReportFailureRequest(
-            worker_id=route.worker_id, code=code.name, details=details)))
+        logger.warning(
+            "worker %s failed %s the first token (%s: %s)",
+            route.worker_id,
+            "after" if started else "before",
+            code.name,
+            details,
+        )
+        failure = router_pb2.ReportFailureRequest(
+            worker_id=route.worker_id, code=code.name, details=details
+        )
+        if self._route_stream is not None:
+            self._route_stream.report_failure(failure)
+            return
+        report = asyncio.create_task(self._report(failure))
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
 
     async def _report(self, failure: router_pb2.ReportFailureRequest) -> None:
         try:
-            await self._stub.ReportFailure(failure, timeout=self._config.control_timeout_s,
-                                           wait_for_ready=False)
+            await self._stub.ReportFailure(
+                failure, timeout=self._config.control_timeout_s, wait_for_ready=False
+            )
         except grpc.aio.AioRpcError as e:
-            logger.warning("could not report worker %s's failure to the router: %s",
-                           failure.worker_id, e.code().name)
+            logger.warning(
+                "could not report worker %s's failure to the router: %s",
+                failure.worker_id,
+                e.code().name,
+            )
 
     async def _wait_connected(self) -> None:
         """Returns once the channel is READY; a 503 when it fails or takes too long."""
@@ -163,17 +245,24 @@ class MeshClient:
             state = self._channel.get_state(try_to_connect=True)
 
     def _unreachable(self) -> GatewayError:
-        return ServiceUnavailableError("The inference router is unreachable; try again shortly",
-                                       code="router_unavailable",
-                                       retry_after_s=self._config.retry_after_s)
+        return ServiceUnavailableError(
+            "The inference router is unreachable; try again shortly",
+            code="router_unavailable",
+            retry_after_s=self._config.retry_after_s,
+        )
 
-    def _error(self, code: grpc.StatusCode, details: str | None, *,
-               from_router: bool = True) -> GatewayError:
+    def _error(
+        self, code: grpc.StatusCode, details: str | None, *, from_router: bool = True
+    ) -> GatewayError:
         """``from_router``: the router's own status, where UNAVAILABLE may mean the router
         itself is gone; otherwise the outcome of the workers it chose."""
         reachable = not from_router or self._channel.get_state() == grpc.ChannelConnectivity.READY
-        mapped = from_grpc(code, details or "", router_reachable=reachable,
-                           retry_after_s=self._config.retry_after_s)
+        mapped = from_grpc(
+            code,
+            details or "",
+            router_reachable=reachable,
+            retry_after_s=self._config.retry_after_s,
+        )
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
         return mapped

@@ -5,6 +5,7 @@ URL), telemetry's server span, ``error_middleware`` (so every answer the span
 sees is already JSON), then ``auth_middleware``. The admin API (``gateway.admin``)
 is a sub-application with its own credential.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,9 @@ async def redact_query_keys(request: web.Request, handler: Handler) -> web.Strea
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure becomes an OpenAI-shaped JSON error; never HTML, never a bare 500."""
     client_id = request.headers.get("x-request-id", "")
-    request[REQUEST_ID] = (client_id if _CLIENT_REQUEST_ID.fullmatch(client_id)
-                           else f"req-{uuid.uuid4().hex}")
+    request[REQUEST_ID] = (
+        client_id if _CLIENT_REQUEST_ID.fullmatch(client_id) else f"req-{uuid.uuid4().hex}"
+    )
     context = trace.get_current_span().get_span_context()
     if context.is_valid:
         request[TRACE_ID] = format(context.trace_id, "032x")
@@ -81,19 +83,30 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         error = from_http_exception(e, request)
     except Exception:
-        logger.exception("unhandled error in %s %s (request %s)", request.method, request.path,
-                         request[REQUEST_ID])
+        logger.exception(
+            "unhandled error in %s %s (request %s)",
+            request.method,
+            request.path,
+            request[REQUEST_ID],
+        )
         error = GatewayError("The gateway failed to handle the request")
     if error.status >= 500:
-        logger.warning("%s %s -> %d %s (request %s)", request.method, request.path, error.status,
-                       error.message, request[REQUEST_ID])
+        logger.warning(
+            "%s %s -> %d %s (request %s)",
+            request.method,
+            request.path,
+            error.status,
+            error.message,
+            request[REQUEST_ID],
+        )
     _count(request, error.status)
     return error_response(error, _dialect(request))
 
 
 def _count(request: web.Request, status: int) -> None:
     if request.path.startswith(request.config_dict[API_PREFIXES]) or request.path.endswith(
-            "/messages"):
+        "/messages"
+    ):
         REQUESTS.labels("gateway", request.get(MODEL, ""), str(status)).inc()
 
 
@@ -109,9 +122,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise InvalidRequestError(
             "API keys are not accepted in the URL query string (URLs end up in logs); "
             "send the key in the Authorization header: 'Authorization: Bearer sk-...'",
-            code="api_key_in_query")
-    if (request.path.startswith(request.config_dict[API_PREFIXES])
-            and request.match_info.http_exception is None):
+            code="api_key_in_query",
+        )
+    if (
+        request.path.startswith(request.config_dict[API_PREFIXES])
+        and request.match_info.http_exception is None
+    ):
         request[API_KEY] = await _authenticate(request)
     return await handler(request)
 
@@ -124,13 +140,15 @@ async def _authenticate(request: web.Request) -> ApiKey:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise AuthenticationError(
-                "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...').")
+                "The Authorization header must use Bearer auth ('Authorization: Bearer sk-...')."
+            )
     else:
         presented = single_header(request, "x-api-key") or ""
         if not presented.strip():
             raise AuthenticationError(
                 "You didn't provide an API key. Send it in the Authorization header "
-                "('Authorization: Bearer sk-...').")
+                "('Authorization: Bearer sk-...')."
+            )
     key = await request.config_dict[KEY_STORE].authenticate(presented.strip())
     if key is None:
         raise AuthenticationError("Incorrect API key provided, or the key is disabled or expired.")
@@ -142,8 +160,11 @@ def single_header(request: web.Request, name: str) -> str | None:
     than one of them silently chosen."""
     values = request.headers.getall(name, [])
     if len(values) > 1:
-        raise InvalidRequestError(f"The request has {len(values)} {name} headers; send one",
-                                  code="ambiguous_credentials", param=name)
+        raise InvalidRequestError(
+            f"The request has {len(values)} {name} headers; send one",
+            code="ambiguous_credentials",
+            param=name,
+        )
     return values[0] if values else None
 
 
@@ -160,5 +181,11 @@ class AccessLogger(AbstractAccessLogger):
     """One line per request, with the path only: a query string may hold secrets."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        self.logger.info("%s %s %s %d %.1fms", request.remote, request.method, request.path,
-                         response.status, time * 1000)
+        self.logger.info(
+            "%s %s %s %d %.1fms",
+            request.remote,
+            request.method,
+            request.path,
+            response.status,
+            time * 1000,
+        )

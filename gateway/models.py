@@ -2,6 +2,7 @@
 
 Both count as requests against the key's limits; a key restricted to some models
 sees only those."""
+
 from __future__ import annotations
 
 from aiohttp import web
@@ -18,8 +19,9 @@ from infermesh.pb import router_pb2
 
 async def list_models(request: web.Request) -> web.Response:
     models, headers = await _visible_models(request)
-    return web.json_response(model_list([model_object(m.id, m.created) for m in models]),
-                             headers=headers)
+    return web.json_response(
+        model_list([model_object(m.id, m.created) for m in models]), headers=headers
+    )
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -29,8 +31,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
         if m.id == wanted:
             return web.json_response(model_object(m.id, m.created), headers=headers)
     served = ", ".join(sorted(m.id for m in models)) or "none"
-    raise ModelNotFoundError(f"model '{wanted}' is not served; served models: {served}",
-                             param="model", headers=headers)
+    raise ModelNotFoundError(
+        f"model '{wanted}' is not served; served models: {served}", param="model", headers=headers
+    )
 
 
 async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model], dict[str, str]]:

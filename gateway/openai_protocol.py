@@ -4,6 +4,7 @@
 they become the router's ``SamplingParams`` and ``BatchingHints``. Responses are
 plain dicts in exactly the shape the OpenAI API returns.
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,7 +75,9 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _shape_of_role(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant turn with tool_calls may omit it)")
+            raise ValueError(
+                "content is required (only an assistant turn with tool_calls may omit it)"
+            )
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
@@ -82,9 +85,12 @@ class ChatMessage(BaseModel):
         return self
 
     def router_message(self) -> common_pb2.ChatMessage:
-        return common_pb2.ChatMessage(role=self.role, content=joined_text(self.content or ""),
-                                      tool_calls=history_calls(self.tool_calls or ()),
-                                      tool_call_id=self.tool_call_id or "")
+        return common_pb2.ChatMessage(
+            role=self.role,
+            content=joined_text(self.content or ""),
+            tool_calls=history_calls(self.tool_calls or ()),
+            tool_call_id=self.tool_call_id or "",
+        )
 
 
 class StreamOptions(BaseModel):
@@ -94,6 +100,7 @@ class StreamOptions(BaseModel):
 
 class BatchingFields(BaseModel):
     """Per-request batching hints (integers, else 400), top level or in ``extra_body``."""
+
     model_config = STRICT
     max_parallel: UInt32 | None = None
     dynamic_batch_timeout_ms: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
@@ -101,6 +108,7 @@ class BatchingFields(BaseModel):
 
 class OpenAIGeneration(BatchingFields):
     """The fields chat and legacy completions share."""
+
     model: Name
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -134,10 +142,14 @@ class OpenAIGeneration(BatchingFields):
         gets its own seed, so n seeded choices differ yet repeat."""
         # OpenAI seeds are signed; the proto's are not
         return sampling_params(
-            stop=self.stop_list(), temperature=self.temperature, top_p=self.top_p,
+            stop=self.stop_list(),
+            temperature=self.temperature,
+            top_p=self.top_p,
             max_tokens=self.token_limit(),
             seed=None if self.seed is None else (self.seed + choice) % 2**64,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
 
     def batching(self) -> common_pb2.BatchingHints | None:
         hints = common_pb2.BatchingHints()
@@ -150,14 +162,25 @@ class OpenAIGeneration(BatchingFields):
                 hints.dynamic_batch_timeout_ms = source.dynamic_batch_timeout_ms
         return hints if hints.ListFields() else None
 
-    def generate_request(self, request_id: str, choice: int, *,
-                         messages: Iterable[common_pb2.ChatMessage] = (),
-                         prompt: str = "") -> common_pb2.GenerateRequest:
+    def generate_request(
+        self,
+        request_id: str,
+        choice: int,
+        *,
+        messages: Iterable[common_pb2.ChatMessage] = (),
+        prompt: str = "",
+    ) -> common_pb2.GenerateRequest:
         request = common_pb2.GenerateRequest(
             request_id=request_id if choice == 0 else f"{request_id}-{choice}",
-            model=self.model, messages=messages, prompt=prompt, sampling=self.sampling(choice),
-            precision=PRECISIONS[self.precision] if self.precision else common_pb2.PRECISION_UNSPECIFIED,
-            gpu=self.gpu or "")
+            model=self.model,
+            messages=messages,
+            prompt=prompt,
+            sampling=self.sampling(choice),
+            precision=PRECISIONS[self.precision]
+            if self.precision
+            else common_pb2.PRECISION_UNSPECIFIED,
+            gpu=self.gpu or "",
+        )
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)
@@ -166,6 +189,7 @@ class OpenAIGeneration(BatchingFields):
 
 class ChatCompletionRequest(OpenAIGeneration):
     """The body of ``POST /v1/chat/completions``."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: UInt32 | None = None
     logprobs: bool = False
@@ -194,9 +218,14 @@ class ChatCompletionRequest(OpenAIGeneration):
     def router_messages(self) -> list[common_pb2.ChatMessage]:
         return [m.router_message() for m in self.messages]
 
-    def generate_request(self, request_id: str, choice: int, *,
-                         messages: Iterable[common_pb2.ChatMessage] = (),
-                         prompt: str = "") -> common_pb2.GenerateRequest:
+    def generate_request(
+        self,
+        request_id: str,
+        choice: int,
+        *,
+        messages: Iterable[common_pb2.ChatMessage] = (),
+        prompt: str = "",
+    ) -> common_pb2.GenerateRequest:
         request = super().generate_request(request_id, choice, messages=messages, prompt=prompt)
         request.MergeFrom(self._structure)
         return request
@@ -204,18 +233,28 @@ class ChatCompletionRequest(OpenAIGeneration):
     @functools.cached_property
     def _structure(self) -> common_pb2.GenerateRequest:
         """Tools, tool choice and response format: checked once for all choices."""
-        return common_pb2.GenerateRequest(**structure(
-            self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format))
+        return common_pb2.GenerateRequest(
+            **structure(
+                self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format
+            )
+        )
 
 
 # OpenAI fields this gateway does not implement: refused rather than dropped, since the answer
 # would not be what the client asked for (README lists the fields still ignored)
-UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "logit_bias", "audio", "modalities",
-                           "prediction", "web_search_options")
-
+UNSUPPORTED_CHAT_FIELDS = (
+    "functions",
+    "function_call",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+)
 
 
 G = TypeVar("G", bound=OpenAIGeneration)
+
 
 def with_precision_header(body: G, headers: Mapping[str, str]) -> G:
     """The precision and GPU kind headers apply when the body names none."""
@@ -224,13 +263,15 @@ def with_precision_header(body: G, headers: Mapping[str, str]) -> G:
         if header not in PRECISIONS:
             raise InvalidRequestError(
                 f"Invalid header {PRECISION_HEADER}: expected fp8, bf16, fp16 or fp32",
-                param=PRECISION_HEADER)
+                param=PRECISION_HEADER,
+            )
         body = body.model_copy(update={"precision": header})
     gpu = headers.get(GPU_HEADER)
     if body.gpu is None and gpu is not None:
         if not re.match(_GPU_KIND, gpu):
-            raise InvalidRequestError(f"Invalid header {GPU_HEADER}: expected a GPU kind such as A100",
-                                      param=GPU_HEADER)
+            raise InvalidRequestError(
+                f"Invalid header {GPU_HEADER}: expected a GPU kind such as A100", param=GPU_HEADER
+            )
         body = body.model_copy(update={"gpu": gpu})
     return body
 
@@ -250,61 +291,104 @@ def now_s() -> int:
 
 
 def usage(tokens: TokenUsage) -> dict[str, Any]:
-    return {"prompt_tokens": tokens.prompt_tokens, "completion_tokens": tokens.completion_tokens,
-            "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens}}
+    return {
+        "prompt_tokens": tokens.prompt_tokens,
+        "completion_tokens": tokens.completion_tokens,
+        "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens},
+    }
 
 
 def token_logprobs(items: Iterable[common_pb2.TokenLogprob]) -> list[dict[str, Any]]:
     """Chat's ``logprobs.content`` entries."""
+
     def entry(t: common_pb2.TokenLogprob) -> dict[str, Any]:
-        return {"token": t.token, "logprob": t.logprob,
-                "bytes": list(t.bytes or t.token.encode())}
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes or t.token.encode())}
+
     return [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in items]
 
 
-def chat_choice(index: int, text: str, finish_reason: FinishReason,
-                logprobs: list[dict[str, Any]] | None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text),
-                               "refusal": None}
+def chat_choice(
+    index: int,
+    text: str,
+    finish_reason: FinishReason,
+    logprobs: list[dict[str, Any]] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text or (None if tool_calls else text),
+        "refusal": None,
+    }
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message,
-            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-            "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_completion(cid: str, created: int, model: str, choices: list[dict[str, Any]],
-                    usage: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(
+    cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
     """A whole ``chat.completion`` object."""
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage, "system_fingerprint": None}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+        "system_fingerprint": None,
+    }
 
 
-def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict[str, Any],
-               finish_reason: FinishReason | None = None,
-               logprobs: list[dict[str, Any]] | None = None,
-               with_usage_field: bool = False) -> dict[str, Any]:
+def chat_chunk(
+    cid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: FinishReason | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``usage: null`` when the stream ends with a usage chunk."""
     chunk: dict[str, Any] = {
-        "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": index, "delta": delta,
-                     "logprobs": None if logprobs is None else {"content": logprobs,
-                                                                "refusal": None},
-                     "finish_reason": finish_reason}],
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                "finish_reason": finish_reason,
+            }
+        ],
     }
     if with_usage_field:
         chunk["usage"] = None
     return chunk
 
 
-def usage_chunk(cid: str, created: int, model: str, usage: dict[str, Any],
-                kind: str = "chat.completion.chunk") -> dict[str, Any]:
+def usage_chunk(
+    cid: str, created: int, model: str, usage: dict[str, Any], kind: str = "chat.completion.chunk"
+) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    return {"id": cid, "object": kind, "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": usage}
+    return {
+        "id": cid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage,
+    }
 
 
 def model_object(model_id: str, created: int) -> dict[str, Any]:
@@ -313,4 +397,3 @@ def model_object(model_id: str, created: int) -> dict[str, Any]:
 
 def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": models}
-

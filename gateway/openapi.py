@@ -6,6 +6,7 @@ handlers validate with (request bodies, the usage query, the error shapes). The
 OpenAI-compatible operations carry OpenAI's operation ids and paths as OpenAI's clients
 call them: the base URL ``/v1`` (or the alias) plus ``/chat/completions`` and so on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,37 +62,81 @@ def _operations() -> dict[Handler, Operation]:
     keys: tuple[dict[str, list[str]], ...] = ({"adminToken": []},)
     return {
         create_chat_completion: Operation(
-            "createChatCompletion", "Creates a model response for the given chat conversation",
-            "OpenAI", ChatCompletionRequest, streams=True, security=tuple(_API_KEY)),
+            "createChatCompletion",
+            "Creates a model response for the given chat conversation",
+            "OpenAI",
+            ChatCompletionRequest,
+            streams=True,
+            security=tuple(_API_KEY),
+        ),
         create_completion: Operation(
-            "createCompletion", "Creates a completion for the provided prompt (legacy)",
-            "OpenAI", CompletionRequest, streams=True, security=tuple(_API_KEY)),
-        list_models: Operation("listModels", "Lists the models the key may use", "OpenAI",
-                               security=tuple(_API_KEY)),
-        retrieve_model: Operation("retrieveModel", "Describes one model", "OpenAI",
-                                  security=tuple(_API_KEY)),
+            "createCompletion",
+            "Creates a completion for the provided prompt (legacy)",
+            "OpenAI",
+            CompletionRequest,
+            streams=True,
+            security=tuple(_API_KEY),
+        ),
+        list_models: Operation(
+            "listModels", "Lists the models the key may use", "OpenAI", security=tuple(_API_KEY)
+        ),
+        retrieve_model: Operation(
+            "retrieveModel", "Describes one model", "OpenAI", security=tuple(_API_KEY)
+        ),
         create_message: Operation(
-            "createMessage", "Creates a message (Anthropic's Messages API)", "Anthropic",
-            MessagesRequest, streams=True,
-            security=({"apiKey": []}, {"anthropicApiKey": []}), errors=AnthropicErrorBody),
+            "createMessage",
+            "Creates a message (Anthropic's Messages API)",
+            "Anthropic",
+            MessagesRequest,
+            streams=True,
+            security=({"apiKey": []}, {"anthropicApiKey": []}),
+            errors=AnthropicErrorBody,
+        ),
         health: Operation("health", "Liveness of this gateway process", "Operations"),
-        metrics: Operation("metrics", "Prometheus metrics of this process", "Operations",
-                           success="text/plain"),
+        metrics: Operation(
+            "metrics", "Prometheus metrics of this process", "Operations", success="text/plain"
+        ),
         openapi_document: Operation("openapi", "This document", "Operations"),
-        admin.create: Operation("createKey", "Creates an API key (its plaintext is shown once)",
-                                "Admin", admin.KeyCreate, status=201, security=keys),
+        admin.create: Operation(
+            "createKey",
+            "Creates an API key (its plaintext is shown once)",
+            "Admin",
+            admin.KeyCreate,
+            status=201,
+            security=keys,
+        ),
         admin.list_all: Operation("listKeys", "Lists the API keys", "Admin", security=keys),
         admin.get: Operation("getKey", "Describes an API key", "Admin", security=keys),
-        admin.update: Operation("updateKey", "Sets (or with null clears) fields of a key",
-                                "Admin", admin.KeyUpdate, security=keys),
+        admin.update: Operation(
+            "updateKey",
+            "Sets (or with null clears) fields of a key",
+            "Admin",
+            admin.KeyUpdate,
+            security=keys,
+        ),
         admin.disable: Operation("disableKey", "Disables a key", "Admin", security=keys),
         admin.revoke: Operation("revokeKey", "Revokes a key for good", "Admin", security=keys),
-        admin.rotate: Operation("rotateKey", "A new key with the same settings; the old one "
-                                "revoked", "Admin", status=201, security=keys),
-        admin.usage: Operation("getKeyUsage", "A key's usage: lifetime, per UTC day, quotas",
-                               "Admin", query=admin.UsageQuery, security=keys),
-        admin.fleet: Operation("listFleet", "The router's workers: models, GPU kind and count, precision, "
-                               "memory, max_parallel, load", "Admin", security=keys),
+        admin.rotate: Operation(
+            "rotateKey",
+            "A new key with the same settings; the old one revoked",
+            "Admin",
+            status=201,
+            security=keys,
+        ),
+        admin.usage: Operation(
+            "getKeyUsage",
+            "A key's usage: lifetime, per UTC day, quotas",
+            "Admin",
+            query=admin.UsageQuery,
+            security=keys,
+        ),
+        admin.fleet: Operation(
+            "listFleet",
+            "The router's workers: models, GPU kind and count, precision, "
+            "memory, max_parallel, load",
+            "Admin",
+            security=keys,
+        ),
     }
 
 
@@ -110,13 +155,13 @@ def served_routes(app: web.Application) -> Iterator[tuple[str, str, Handler]]:
 def build_document(app: web.Application) -> dict[str, Any]:
     operations = _operations()
     models = {m for op in operations.values() for m in (op.body, op.query, op.errors) if m}
-    refs, definitions = models_json_schema([(m, "validation") for m in models],
-                                           ref_template=_REF)
+    refs, definitions = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     paths: dict[str, dict[str, Any]] = {}
     ids: set[str] = set()
     # /v1 first: its operations get the plain ids, an alias's copies the numbered ones
-    for method, path, handler in sorted(served_routes(app),
-                                        key=lambda r: (not r[1].startswith("/v1/"), r[1], r[0])):
+    for method, path, handler in sorted(
+        served_routes(app), key=lambda r: (not r[1].startswith("/v1/"), r[1], r[0])
+    ):
         if handler not in operations:  # tests/gateway/test_openapi.py fails on it
             logger.warning("%s %s is not described in the OpenAPI document", method, path)
             continue
@@ -126,50 +171,73 @@ def build_document(app: web.Application) -> dict[str, Any]:
         paths.setdefault(path, {})[method.lower()] = entry
     return {
         "openapi": "3.1.0",
-        "info": {"title": "infermesh gateway", "version": "1",
-                 "description": "An OpenAI-compatible API (base URL /v1) and Anthropic's "
-                                "Messages API over the mesh's models, and the admin API for "
-                                "API keys."},
+        "info": {
+            "title": "infermesh gateway",
+            "version": "1",
+            "description": "An OpenAI-compatible API (base URL /v1) and Anthropic's "
+            "Messages API over the mesh's models, and the admin API for "
+            "API keys.",
+        },
         "paths": paths,
         "components": {
             "schemas": definitions.get("$defs", {}),
             "securitySchemes": {
-                "apiKey": {"type": "http", "scheme": "bearer",
-                           "description": "An API key: 'Authorization: Bearer sk-...'"},
+                "apiKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "An API key: 'Authorization: Bearer sk-...'",
+                },
                 "anthropicApiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
-                "adminToken": {"type": "http", "scheme": "bearer",
-                               "description": "The admin token ([admin] token)"},
+                "adminToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "The admin token ([admin] token)",
+                },
             },
         },
     }
 
 
-def _operation(operation: Operation, path: str,
-               refs: Mapping[tuple[Any, JsonSchemaMode], JsonSchemaValue]) -> dict[str, Any]:
-    success: dict[str, Any] = {operation.success: {"schema": {} if operation.success != _JSON
-                                                   else {"type": "object"}}}
+def _operation(
+    operation: Operation, path: str, refs: Mapping[tuple[Any, JsonSchemaMode], JsonSchemaValue]
+) -> dict[str, Any]:
+    success: dict[str, Any] = {
+        operation.success: {"schema": {} if operation.success != _JSON else {"type": "object"}}
+    }
     if operation.streams:  # with "stream": true
         success[_SSE] = {"schema": {"type": "string"}}
     entry: dict[str, Any] = {
         "summary": operation.summary,
         "tags": [operation.tag],
-        "parameters": [{"name": name, "in": "path", "required": True,
-                        "schema": {"type": "string"}} for name in _PATH_PARAM.findall(path)],
+        "parameters": [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in _PATH_PARAM.findall(path)
+        ],
         "responses": {
             str(operation.status): {"description": "Success", "content": success},
-            "default": {"description": "An error",
-                        "content": {_JSON: {"schema": refs[(operation.errors, "validation")]}}},
+            "default": {
+                "description": "An error",
+                "content": {_JSON: {"schema": refs[(operation.errors, "validation")]}},
+            },
         },
         "security": list(operation.security),
     }
     if operation.query is not None:
         schema = operation.query.model_json_schema()
-        entry["parameters"] += [{"name": name, "in": "query",
-                                 "required": name in schema.get("required", []),
-                                 "schema": field} for name, field in schema["properties"].items()]
+        entry["parameters"] += [
+            {
+                "name": name,
+                "in": "query",
+                "required": name in schema.get("required", []),
+                "schema": field,
+            }
+            for name, field in schema["properties"].items()
+        ]
     if operation.body is not None:
-        entry["requestBody"] = {"required": True, "content": {
-            _JSON: {"schema": refs[(operation.body, "validation")]}}}
+        entry["requestBody"] = {
+            "required": True,
+            "content": {_JSON: {"schema": refs[(operation.body, "validation")]}},
+        }
     return entry
 
 

@@ -8,6 +8,7 @@ Run it once on the Redis the older gateways used, before moving to a cluster (a 
 needs both names on one server; the older gateways could only use one server). Safe to
 run again: a name already taken by the tagged layout is left alone and reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,14 @@ import redis.asyncio as redis
 from gateway.keys import INDEX, key_tag
 from infermesh.redis_client import RedisClient
 
-_PER_KEY = ("infermesh:key:{}", "infermesh:rl:{}:rpm", "infermesh:rl:{}:tpm",
-            "infermesh:rl:{}:inflight", "infermesh:quota:{}", "infermesh:usage:{}")
+_PER_KEY = (
+    "infermesh:key:{}",
+    "infermesh:rl:{}:rpm",
+    "infermesh:rl:{}:tpm",
+    "infermesh:rl:{}:inflight",
+    "infermesh:quota:{}",
+    "infermesh:usage:{}",
+)
 
 
 @dataclasses.dataclass
@@ -61,7 +68,12 @@ async def _main(redis_url: str) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m gateway.retag", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                        help="the single Redis the older gateways used")
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway.retag", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="the single Redis the older gateways used",
+    )
     sys.exit(asyncio.run(_main(parser.parse_args().redis_url)))

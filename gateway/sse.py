@@ -5,6 +5,7 @@ last error event (then the endpoint's end marker, OpenAI's ``[DONE]``), never a
 cut connection. A client that goes away ends the response quietly; the handler's
 cancellation closes the router calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,11 @@ from gateway.middleware import REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"}
+_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 OPENAI_DONE = b"data: [DONE]\n\n"
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -36,9 +40,13 @@ def anthropic_event(data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + _encode(data).encode() + b"\n\n"
 
 
-async def stream(request: web.Request, headers: dict[str, str], events: AsyncIterator[bytes],
-                 error_event: Callable[[GatewayError], bytes], end: bytes = b"",
-                 ) -> web.StreamResponse:
+async def stream(
+    request: web.Request,
+    headers: dict[str, str],
+    events: AsyncIterator[bytes],
+    error_event: Callable[[GatewayError], bytes],
+    end: bytes = b"",
+) -> web.StreamResponse:
     """Sends ``events``; a failure midway becomes ``error_event(error)``; then ``end``."""
     response = web.StreamResponse(headers={**_HEADERS, **headers})
     await response.prepare(request)
@@ -53,9 +61,7 @@ async def stream(request: web.Request, headers: dict[str, str], events: AsyncIte
         except Exception:
             logger.exception("stream of request %s failed", request[REQUEST_ID])
             await response.write(error_event(GatewayError("The stream failed")))
-        if end:
-            await response.write(end)
-        await response.write_eof()
+        await response.write_eof(end)  # the end marker and the stream's end in one write
     except ConnectionResetError:
         logger.info("client closed the stream of request %s", request[REQUEST_ID])
     return response

@@ -5,6 +5,7 @@ asked, and the assembly of the worker's tool-call pieces into OpenAI's ``tool_ca
 Every schema is checked here (a valid JSON schema, and one the worker's grammar library can
 enforce), so a bad one is a 400 naming its parameter rather than an error from the worker.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,7 +76,9 @@ class JsonSchemaFormat(BaseModel):
     json_schema: JsonSchema
 
 
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
 
 
 class ToolCallFunction(BaseModel):
@@ -86,6 +89,7 @@ class ToolCallFunction(BaseModel):
 
 class AssistantToolCall(BaseModel):
     """A call in an assistant turn of the history."""
+
     model_config = STRICT
     id: Annotated[str, Field(min_length=1)]
     type: Literal["function"]
@@ -98,52 +102,80 @@ def check_schema(schema: dict[str, Any], param: str) -> str:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        raise InvalidRequestError(f"Invalid JSON schema in '{param}': {e.message}", param=param) from None
+        raise InvalidRequestError(
+            f"Invalid JSON schema in '{param}': {e.message}", param=param
+        ) from None
     text = json.dumps(schema)
-    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(text))
+    error = llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema(text)
+    )
     if error:
-        raise InvalidRequestError(f"The JSON schema in '{param}' cannot be enforced: {error}", param=param)
+        raise InvalidRequestError(
+            f"The JSON schema in '{param}' cannot be enforced: {error}", param=param
+        )
     return text
 
 
-def structure(tools: list[FunctionTool] | None, tool_choice: ToolChoice | None, parallel: bool,
-              response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None,
-              ) -> dict[str, Any]:
+def structure(
+    tools: list[FunctionTool] | None,
+    tool_choice: ToolChoice | None,
+    parallel: bool,
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None,
+) -> dict[str, Any]:
     """The ``GenerateRequest`` fields for these request fields; 400s naming the bad one."""
     tools = tools or []
     names = [t.function.name for t in tools]
-    fields: dict[str, Any] = {"tools": [
-        common_pb2.Tool(name=t.function.name, description=t.function.description or "",
-                        parameters_json=check_schema(t.function.parameters or _JSON_OBJECT,
-                                                     f"tools.{i}.function.parameters"))
-        for i, t in enumerate(tools)]}
+    fields: dict[str, Any] = {
+        "tools": [
+            common_pb2.Tool(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters_json=check_schema(
+                    t.function.parameters or _JSON_OBJECT, f"tools.{i}.function.parameters"
+                ),
+            )
+            for i, t in enumerate(tools)
+        ]
+    }
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise InvalidRequestError(f"Invalid value for 'tools': duplicate function names "
-                                  f"{', '.join(duplicates)}", param="tools")
+        raise InvalidRequestError(
+            f"Invalid value for 'tools': duplicate function names {', '.join(duplicates)}",
+            param="tools",
+        )
     if isinstance(tool_choice, NamedToolChoice):
         if tool_choice.function.name not in names:
-            raise InvalidRequestError(f"Invalid value for 'tool_choice': no tool named "
-                                      f"'{tool_choice.function.name}' in 'tools'", param="tool_choice")
+            raise InvalidRequestError(
+                f"Invalid value for 'tool_choice': no tool named "
+                f"'{tool_choice.function.name}' in 'tools'",
+                param="tool_choice",
+            )
         fields.update(tool_choice=common_pb2.TOOL_CHOICE_NAMED, tool_name=tool_choice.function.name)
     elif tool_choice == "required" and not tools:
-        raise InvalidRequestError("Invalid value for 'tool_choice': 'required' needs 'tools'",
-                                  param="tool_choice")
+        raise InvalidRequestError(
+            "Invalid value for 'tool_choice': 'required' needs 'tools'", param="tool_choice"
+        )
     elif tool_choice is not None:
-        fields["tool_choice"] = {"auto": common_pb2.TOOL_CHOICE_AUTO, "none": common_pb2.TOOL_CHOICE_NONE,
-                                 "required": common_pb2.TOOL_CHOICE_REQUIRED}[tool_choice]
+        fields["tool_choice"] = {
+            "auto": common_pb2.TOOL_CHOICE_AUTO,
+            "none": common_pb2.TOOL_CHOICE_NONE,
+            "required": common_pb2.TOOL_CHOICE_REQUIRED,
+        }[tool_choice]
     fields["single_tool_call"] = not parallel
     if isinstance(response_format, JsonObjectFormat):
         fields["json_schema"] = json.dumps(_JSON_OBJECT)
     elif isinstance(response_format, JsonSchemaFormat):
-        fields["json_schema"] = check_schema(response_format.json_schema.schema_,
-                                             "response_format.json_schema.schema")
+        fields["json_schema"] = check_schema(
+            response_format.json_schema.schema_, "response_format.json_schema.schema"
+        )
     return fields
 
 
 def history_calls(calls: Iterable[AssistantToolCall]) -> list[common_pb2.ToolCall]:
-    return [common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-            for c in calls]
+    return [
+        common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+        for c in calls
+    ]
 
 
 class ToolCalls:
@@ -154,8 +186,10 @@ class ToolCalls:
 
     def add(self, deltas: Iterable[common_pb2.ToolCallDelta]) -> None:
         for d in deltas:
-            call = self.calls.setdefault(d.index, {"id": d.id, "type": "function",
-                                                   "function": {"name": d.name, "arguments": ""}})
+            call = self.calls.setdefault(
+                d.index,
+                {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}},
+            )
             call["function"]["arguments"] += d.arguments
 
     def message_field(self) -> list[dict[str, Any]] | None:

@@ -1,4 +1,5 @@
 """Token counts of one request: what the wire formats report and the rate limiter settles."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -5,6 +5,7 @@ conversion); unknown top-level fields are ignored, as clients send fields this
 gateway does not use. Every error names the offending field as a path into the
 input (``messages.0.role``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,10 +56,12 @@ async def _read(request: web.Request) -> bytes:
         raise too_large from None
     except TimeoutError:
         raise RequestTimeoutError(
-            f"The request body did not arrive within {server.body_timeout_s:g} s") from None
+            f"The request body did not arrive within {server.body_timeout_s:g} s"
+        ) from None
     except web.RequestPayloadError:
-        raise InvalidRequestError("The request body could not be read: its chunked framing "
-                                  "or Content-Encoding is broken") from None
+        raise InvalidRequestError(
+            "The request body could not be read: its chunked framing or Content-Encoding is broken"
+        ) from None
 
 
 def _reject_lone_surrogates(body: Any) -> None:
@@ -88,9 +91,11 @@ def _encodable(text: str) -> bool:
 
 def _surrogate_error(path: str) -> None:
     where = f"'{path}'" if path else "the request body"
-    raise InvalidRequestError(f"Invalid value for {where}: it holds an unpaired UTF-16 "
-                              f"surrogate escape (\\ud800-\\udfff), which is not text",
-                              param=path or None)
+    raise InvalidRequestError(
+        f"Invalid value for {where}: it holds an unpaired UTF-16 "
+        f"surrogate escape (\\ud800-\\udfff), which is not text",
+        param=path or None,
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -115,8 +120,10 @@ def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestErro
     # than the type.
     errors = error.errors(include_url=False)
     first = _param(errors[0]["loc"], body)
-    chosen = max((e for e in errors if _param(e["loc"], body).startswith(first)),
-                 key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")))
+    chosen = max(
+        (e for e in errors if _param(e["loc"], body).startswith(first)),
+        key=lambda e: (len(_param(e["loc"], body)), not e["type"].endswith("_type")),
+    )
     param = _param(chosen["loc"], body)
     if chosen["type"] in ("union_tag_invalid", "union_tag_not_found"):  # a block's unknown "type"
         param += "." + chosen["ctx"]["discriminator"].strip("'")

@@ -1,4 +1,5 @@
 """``python -m infermesh``: the developer commands of infermesh.cli."""
+
 from __future__ import annotations
 
 import sys

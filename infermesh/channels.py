@@ -1,5 +1,6 @@
 """One gRPC channel per worker address, reused across requests: the router's relay and
 the gateway's direct calls both dial workers through a pool."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,8 @@ class WorkerChannels:
         stub = self._stubs.get(address)
         if stub is None:
             channel = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors())
+                address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors()
+            )
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

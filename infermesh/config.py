@@ -6,6 +6,7 @@ A service config is a dataclass whose fields are section dataclasses
 environment overrides ``[section] key`` (``INFERMESH_WORKER_MODEL_PATH``).
 Every error names the file or variable and the key at fault.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ class ConfigError(ValueError):
     """A configuration file or variable an operator must fix."""
 
 
-def load_config(cls: type[T], path: str | Path | None, env_prefix: str,
-                environ: Mapping[str, str] | None = None) -> T:
+def load_config(
+    cls: type[T], path: str | Path | None, env_prefix: str, environ: Mapping[str, str] | None = None
+) -> T:
     """Builds ``cls`` from defaults, then the TOML file at ``path``, then the environment."""
     environ = os.environ if environ is None else environ
     sections: dict[str, dict[str, Any]] = {}
@@ -38,24 +40,28 @@ def load_config(cls: type[T], path: str | Path | None, env_prefix: str,
     hints = typing.get_type_hints(cls)
     unknown = set(sections) - set(hints)
     if unknown:
-        raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}]; "
-                          f"known: {', '.join(sorted(hints))}")
+        raise ConfigError(
+            f"{path}: unknown section [{sorted(unknown)[0]}]; known: {', '.join(sorted(hints))}"
+        )
     built = {}
     for name, section_cls in hints.items():
         origin = f"{path}: [{name}]"
         values = sections.get(name, {})
         if not isinstance(values, dict):
             raise ConfigError(f"{origin}: expected a table")
-        built[name] = _build_section(section_cls, values, origin,
-                                     f"{env_prefix}_{name}".upper(), environ)
+        built[name] = _build_section(
+            section_cls, values, origin, f"{env_prefix}_{name}".upper(), environ
+        )
     return cls(**built)
 
 
 def env_names(cls: type, env_prefix: str) -> set[str]:
     """Every environment variable that overrides a key of ``cls``."""
-    return {f"{env_prefix}_{name}_{key}".upper()
-            for name, section_cls in typing.get_type_hints(cls).items()
-            for key in typing.get_type_hints(section_cls)}
+    return {
+        f"{env_prefix}_{name}_{key}".upper()
+        for name, section_cls in typing.get_type_hints(cls).items()
+        for key in typing.get_type_hints(section_cls)
+    }
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -68,14 +74,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
-def _build_section(cls: type, values: dict[str, Any], origin: str, env_prefix: str,
-                   environ: Mapping[str, str]) -> Any:
+def _build_section(
+    cls: type, values: dict[str, Any], origin: str, env_prefix: str, environ: Mapping[str, str]
+) -> Any:
     _check_renamed(cls, values, origin, env_prefix, environ)
     hints = typing.get_type_hints(cls)
     unknown = set(values) - set(hints)
     if unknown:
-        raise ConfigError(f"{origin} {sorted(unknown)[0]}: unknown key; "
-                          f"known: {', '.join(sorted(hints))}")
+        raise ConfigError(
+            f"{origin} {sorted(unknown)[0]}: unknown key; known: {', '.join(sorted(hints))}"
+        )
     kwargs = {}
     for key, hint in hints.items():
         env_name = f"{env_prefix}_{key}".upper()
@@ -150,8 +158,9 @@ def _check_choice(value: Any, literal: Any, where: str) -> Any:
     return value
 
 
-def _check_renamed(cls: type, values: dict[str, Any], origin: str, env_prefix: str,
-                   environ: Mapping[str, str]) -> None:
+def _check_renamed(
+    cls: type, values: dict[str, Any], origin: str, env_prefix: str, environ: Mapping[str, str]
+) -> None:
     """A section's ``RENAMED`` maps an old key to what replaced it: a config still using
     it fails, naming file (or variable) and key, instead of being silently ignored."""
     for old, new in getattr(cls, "RENAMED", {}).items():
@@ -171,5 +180,6 @@ def section(cls: type[T]) -> type[T]:
 @section
 class MetricsSection:
     """``[metrics]`` of the router and the worker: the HTTP side port of /metrics."""
+
     host: str = "127.0.0.1"
     port: int = 0  # 0: no side port (several workers on one host would collide)

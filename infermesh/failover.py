@@ -9,6 +9,7 @@ connection) after its first chunk fails like one that broke the connection; befo
 first chunk silence is queueing or prefill, and a frozen worker is noticed by the
 channel's keepalive pings (``infermesh.channels``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,13 @@ from infermesh.pb import common_pb2
 # Errors that say the request itself is wrong, or the caller's deadline passed: another
 # worker would not do better. (A caller that cancels ends its own task with CancelledError;
 # a CANCELLED status from a worker means the worker went away.)
-CALLER_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                           grpc.StatusCode.DEADLINE_EXCEEDED})
+CALLER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
 
 Worker = TypeVar("Worker")
 Reply = TypeVar("Reply")
@@ -58,8 +64,9 @@ async def stream_from_first(
         started = finished = False
         try:
             async with contextlib.aclosing(open_stream(worker)) as chunks:
-                while (chunk := await _next_chunk(
-                        chunks, stall_timeout_s if started else None)) is not None:
+                while (
+                    chunk := await _next_chunk(chunks, stall_timeout_s if started else None)
+                ) is not None:
                     started = True
                     finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield chunk
@@ -77,28 +84,37 @@ async def stream_from_first(
             raise StreamFailedError(code, details)
         on_failure(worker, code, details, started)
         if started:
-            raise StreamFailedError(code, f"worker {worker_id(worker)} failed mid-stream: {details}")
+            raise StreamFailedError(
+                code, f"worker {worker_id(worker)} failed mid-stream: {details}"
+            )
         failures.append((worker_id(worker), code, details))
     raise StreamFailedError(*_give_up_status(failures))
 
 
-async def _next_chunk(chunks: AsyncIterator[common_pb2.GenerateResponse],
-                      timeout_s: float | None) -> common_pb2.GenerateResponse | None:
+async def _next_chunk(
+    chunks: AsyncIterator[common_pb2.GenerateResponse], timeout_s: float | None
+) -> common_pb2.GenerateResponse | None:
     """The stream's next chunk, None at its end; TimeoutError past ``timeout_s``. Only the
     wait for the worker is timed, never the caller's handling of a chunk."""
     async with asyncio.timeout(timeout_s):
         return await anext(chunks, None)
 
 
-def _give_up_status(failures: list[tuple[str, grpc.StatusCode, str]]) -> tuple[grpc.StatusCode, str]:
+def _give_up_status(
+    failures: list[tuple[str, grpc.StatusCode, str]],
+) -> tuple[grpc.StatusCode, str]:
     summary = "; ".join(f"worker {w}: {code.name} {details}" for w, code, details in failures)
     if failures and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for _, code, _ in failures):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no worker has capacity now; retry later ({summary})"
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"no worker has capacity now; retry later ({summary})",
+        )
     return grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({summary})"
 
 
-async def call_chunks(call: grpc.aio.UnaryStreamCall[Any, Reply] | grpc.aio.UnaryUnaryCall[Any, Reply],
-                      stream: bool) -> AsyncGenerator[Reply, None]:
+async def call_chunks(
+    call: grpc.aio.UnaryStreamCall[Any, Reply] | grpc.aio.UnaryUnaryCall[Any, Reply], stream: bool
+) -> AsyncGenerator[Reply, None]:
     """The chunks of a Generate call (``stream``) or the one reply of a Complete call, for
     stream_from_first; closing the iterator cancels the call if it still runs."""
     try:

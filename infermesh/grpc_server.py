@@ -1,5 +1,6 @@
 """The gRPC server set-up every service shares: tracing interceptors, the
 standard health service and server reflection (so grpcurl works)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -22,8 +23,9 @@ async def create_grpc_server(
 
     ``add_servicers(server, port)`` is called once the port is bound. Returns
     the server, the port and the health servicer, its services SERVING."""
-    server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors(),
-                             options=SERVER_KEEPALIVE_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=telemetry.grpc_server_interceptors(), options=SERVER_KEEPALIVE_OPTIONS
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
@@ -32,8 +34,13 @@ async def create_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = list(service_names)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
     await server.start()
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

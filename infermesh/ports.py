@@ -1,5 +1,6 @@
 """Whether a loopback port is free for a service to listen on, and who holds it if not;
 a free one to listen on."""
+
 from __future__ import annotations
 
 import socket
@@ -31,14 +32,17 @@ def free_port() -> int:
 
 
 def _holder(port: int) -> str:
-    """"pid 123 (python -m gateway)" of the process listening on ``port``, when this user may
+    """ "pid 123 (python -m gateway)" of the process listening on ``port``, when this user may
     see it."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except psutil.Error:
         connections = []
-    pids = {c.pid for c in connections
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+    pids = {
+        c.pid
+        for c in connections
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid
+    }
     for pid in sorted(pids):
         try:
             command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()

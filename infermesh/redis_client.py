@@ -14,6 +14,7 @@ Redis Sentinel names. The gateway and the router build theirs here.
 Every key a Lua script or a transaction of infermesh touches shares one hash slot
 (``{...}`` hash tags), so the same code runs on all three.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,13 @@ Mode = Literal["single", "cluster", "sentinel"]
 # What redis_client returns: a client of one server (also behind Sentinel) or of a cluster.
 RedisClient: TypeAlias = redis.Redis | RedisCluster
 
-SCHEMES: dict[str, Mode] = {"redis": "single", "rediss": "single", "unix": "single",
-                            "redis+cluster": "cluster", "redis+sentinel": "sentinel"}
+SCHEMES: dict[str, Mode] = {
+    "redis": "single",
+    "rediss": "single",
+    "unix": "single",
+    "redis+cluster": "cluster",
+    "redis+sentinel": "sentinel",
+}
 # What a Redis call can raise when Redis is unreachable or failing over: a cluster client
 # also raises RedisClusterException (e.g. a slot no live node serves), not a RedisError.
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
@@ -47,6 +53,7 @@ class RedisUrlError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RedisTarget:
     """What a Redis URL names, parsed once."""
+
     mode: Mode
     url: str  # as given; "single" mode passes it to redis-py as it is
     nodes: tuple[tuple[str, int], ...] = ()  # cluster seeds or Sentinels
@@ -72,8 +79,10 @@ def parse_redis_url(url: str) -> RedisTarget:
     scheme = url.split("://", 1)[0] if "://" in url else ""
     mode = SCHEMES.get(scheme)
     if mode is None:
-        raise RedisUrlError(f"expected one of {', '.join(s + '://' for s in SCHEMES)}, "
-                            f"got {repr(scheme) if scheme else 'no scheme'}")
+        raise RedisUrlError(
+            f"expected one of {', '.join(s + '://' for s in SCHEMES)}, "
+            f"got {repr(scheme) if scheme else 'no scheme'}"
+        )
     if mode == "single":
         return RedisTarget(mode=mode, url=url)
     netloc, _, rest = url.split("://", 1)[1].partition("/")
@@ -81,8 +90,13 @@ def parse_redis_url(url: str) -> RedisTarget:
     username, _, password = credentials.partition(":")
     path = [p for p in rest.split("?", 1)[0].split("/") if p]
     default_port = _DEFAULT_SENTINEL_PORT if mode == "sentinel" else _DEFAULT_PORT
-    target = RedisTarget(mode=mode, url=url, nodes=_nodes(hosts, default_port),
-                         username=unquote(username) or None, password=unquote(password) or None)
+    target = RedisTarget(
+        mode=mode,
+        url=url,
+        nodes=_nodes(hosts, default_port),
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+    )
     if mode == "cluster":
         if path:
             raise RedisUrlError("a redis+cluster:// URL takes no path: a cluster has only db 0")
@@ -91,8 +105,9 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise RedisUrlError("a redis+sentinel:// URL needs /service or /service/db after the hosts")
     if len(path) == 2 and not (path[1].isascii() and path[1].isdigit()):
         raise RedisUrlError(f"database {path[1]!r} is not a number")
-    return dataclasses.replace(target, service=unquote(path[0]),
-                               db=int(path[1]) if len(path) == 2 else 0)
+    return dataclasses.replace(
+        target, service=unquote(path[0]), db=int(path[1]) if len(path) == 2 else 0
+    )
 
 
 def check_redis_url(url: str) -> None:
@@ -115,8 +130,9 @@ def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
     return tuple(nodes)
 
 
-def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
-                 retries: bool = True) -> RedisClient:
+def redis_client(
+    url: str, *, timeout_s: float, max_connections: int = 100, retries: bool = True
+) -> RedisClient:
     """A client for ``url``. Every call is bounded by ``timeout_s``; a call past
     ``max_connections`` in use waits for one (up to ``timeout_s``) on a single server
     or behind Sentinel; in a cluster the bound is per node and a call past it fails.
@@ -126,23 +142,41 @@ def redis_client(url: str, *, timeout_s: float, max_connections: int = 100,
     ``retries=False``: a failed call is reported at once; a cluster client always
     retries, as it must to follow redirections and failovers."""
     target = parse_redis_url(url)
-    retry_policy = ({"retry": Retry(NoBackoff(), 1), "retry_on_error": [ConnectionError]} if retries
-                else {"retry": None})
+    retry_policy = (
+        {"retry": Retry(NoBackoff(), 1), "retry_on_error": [ConnectionError]}
+        if retries
+        else {"retry": None}
+    )
     sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if target.mode == "cluster":
-        return _RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
-                            username=target.username, password=target.password,
-                            max_connections=max_connections, socket_timeout=timeout_s,
-                            socket_connect_timeout=timeout_s)
+        return _RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+            username=target.username,
+            password=target.password,
+            max_connections=max_connections,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
     if target.mode == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=dict(sockets))
         master: _SentinelMaster = sentinel.master_for(
-            target.service, redis_class=_SentinelMaster, connection_pool_class=_BlockingSentinelPool,
-            max_connections=max_connections, timeout=timeout_s, db=target.db,
-            username=target.username, password=target.password, **sockets, **retry_policy)
+            target.service,
+            redis_class=_SentinelMaster,
+            connection_pool_class=_BlockingSentinelPool,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            db=target.db,
+            username=target.username,
+            password=target.password,
+            **sockets,
+            **retry_policy,
+        )
         return master
-    return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy))
+    return redis.Redis.from_pool(
+        redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy
+        )
+    )
 
 
 class _RedisCluster(RedisCluster):

@@ -3,6 +3,7 @@ config, tracing, the event loop and a clean stop on SIGINT/SIGTERM.
 
 Services run on uvloop: aiohttp and grpc.aio both spend less CPU per request on
 it (bench/gateway_mesh.py: the gateway and router ~25 % less, docs/BENCHMARKS.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,22 @@ from telemetry.logs import setup_logging
 C = TypeVar("C")
 
 
-def service_main(name: str, load: Callable[[str | None], C],
-                 serve: Callable[[C], Awaitable[None]], argv: list[str]) -> int:
+def service_main(
+    name: str,
+    load: Callable[[str | None], C],
+    serve: Callable[[C], Awaitable[None]],
+    argv: list[str],
+) -> int:
     """Runs ``serve(config)`` until a signal; returns the process exit code.
 
     The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``;
     a config error is printed (naming file and key) with exit code 2."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
-    parser.add_argument("--config", default=os.environ.get(f"INFERMESH_{name.upper()}_CONFIG"),
-                        help="TOML config file (defaults are built in)")
+    parser.add_argument(
+        "--config",
+        default=os.environ.get(f"INFERMESH_{name.upper()}_CONFIG"),
+        help="TOML config file (defaults are built in)",
+    )
     args = parser.parse_args(argv)
     setup_logging(name)
     try:

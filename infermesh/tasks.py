@@ -1,4 +1,5 @@
 """Stopping background tasks reliably."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """``python -m router_svc [--config router.toml]``"""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]`` and ``[metrics]``
 sections."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,15 +36,20 @@ class RedisSection:
     def __post_init__(self) -> None:
         check_redis_url(self.url)
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
-            raise ValueError(f"key_prefix: must be non-empty without braces, got {self.key_prefix!r}")
+            raise ValueError(
+                f"key_prefix: must be non-empty without braces, got {self.key_prefix!r}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
 
 
 @section
 class RegistrySection:
-    RENAMED = {"heartbeat_interval_ms": "heartbeat_interval_s (seconds)",
-               "ttl_ms": "ttl_s (seconds)", "refresh_ms": "refresh_s (seconds)"}
+    RENAMED = {
+        "heartbeat_interval_ms": "heartbeat_interval_s (seconds)",
+        "ttl_ms": "ttl_s (seconds)",
+        "refresh_ms": "refresh_s (seconds)",
+    }
     heartbeat_interval_s: float = 1.0
     ttl_s: float = 3.0  # a worker silent this long is dropped
     # How often this router re-reads the registry from Redis into its local view, which is
@@ -69,8 +75,10 @@ class RoutingSection:
     + ``hardware_weight`` x (1 - decode speed / fastest candidate's)
     - ``affinity_weight`` if the worker is the prompt prefix's home."""
 
-    RENAMED = {"eject_cooldown_ms": "eject_cooldown_s (seconds)",
-               "stall_timeout_ms": "stall_timeout_s (seconds)"}
+    RENAMED = {
+        "eject_cooldown_ms": "eject_cooldown_s (seconds)",
+        "stall_timeout_ms": "stall_timeout_s (seconds)",
+    }
 
     policy: Policy = "balanced"
     # Before the first token, a failed worker call is retried once elsewhere.

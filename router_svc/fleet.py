@@ -6,6 +6,7 @@ never waits on Redis. The figures a decision scores (load, KV use, in-flight str
 ejection) are kept in numpy arrays indexed by a slot per worker, so that scoring a thousand
 workers is a handful of vector operations. Called from the router's event loop only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,11 +29,11 @@ class Group:
     """The workers that can serve one (model, precision), with the figures of theirs that
     change only with the membership, gathered once for vectorized scoring."""
 
-    slots: np.ndarray         # into the Fleet's arrays
+    slots: np.ndarray  # into the Fleet's arrays
     inverse_capacity: np.ndarray  # 1 / max_parallel
     capacity_share: np.ndarray  # max_parallel / the group's total
-    slowness: np.ndarray      # 1 - decode speed / the fastest's (all 0 when none is known)
-    salt: np.ndarray          # rendezvous hashing identities
+    slowness: np.ndarray  # 1 - decode speed / the fastest's (all 0 when none is known)
+    salt: np.ndarray  # rendezvous hashing identities
     # (i mod n) x 1e-9 for i < 2n: ramp[n - k: 2n - k] rotates tie-breaks by k
     ramp: np.ndarray
 
@@ -41,10 +42,14 @@ class Group:
         capacity = fleet.capacity[slots]
         speed = fleet.speed[slots]
         fastest = speed.max(initial=0.0)
-        return cls(slots=slots, inverse_capacity=1 / capacity,
-                   capacity_share=capacity / max(capacity.sum(), 1),
-                   slowness=1 - speed / fastest if fastest > 0 else np.zeros(len(slots)),
-                   salt=fleet.salt[slots], ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9)
+        return cls(
+            slots=slots,
+            inverse_capacity=1 / capacity,
+            capacity_share=capacity / max(capacity.sum(), 1),
+            slowness=1 - speed / fastest if fastest > 0 else np.zeros(len(slots)),
+            salt=fleet.salt[slots],
+            ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9,
+        )
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -57,8 +62,8 @@ class WorkerEntry:
     salt: int  # the worker's 64-bit identity for rendezvous hashing (stable across routers)
     load: common_pb2.Load
     registered_at: float  # unix seconds
-    expires_at: float     # monotonic seconds: the registry drops it then without a heartbeat
-    updated_at: float     # monotonic seconds of the last change this router saw
+    expires_at: float  # monotonic seconds: the registry drops it then without a heartbeat
+    updated_at: float  # monotonic seconds of the last change this router saw
 
     @property
     def worker_id(self) -> str:
@@ -76,32 +81,41 @@ class Fleet:
         self._free: list[int] = []
         # (model, precision, gpu) -> its workers
         self._groups: dict[tuple[str, int, str], Group] = {}
-        self.ejected_until_max = 0.0       # the latest ejection's end: none are ejected after it
-        self.busy = np.zeros(0)            # running + waiting, as last reported
+        self.ejected_until_max = 0.0  # the latest ejection's end: none are ejected after it
+        self.busy = np.zeros(0)  # running + waiting, as last reported
         self.kv_usage = np.zeros(0)
-        self.capacity = np.ones(0)         # max_parallel
-        self.speed = np.zeros(0)           # decode tokens/s the worker estimates (0: unknown)
+        self.capacity = np.ones(0)  # max_parallel
+        self.speed = np.zeros(0)  # decode tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
-        self.in_flight = np.zeros(0)       # streams this router relays to the worker now
+        self.in_flight = np.zeros(0)  # streams this router relays to the worker now
         # Requests this router routed (without relaying) since the worker's last load report,
         # which will count them: the router's own count is fresher than the last heartbeat.
         self.routed = np.zeros(0)
-        self.busy_now = np.zeros(0)        # max(busy + routed, in_flight)
-        self.failures = np.zeros(0)        # consecutive failed calls
-        self.ejected_until = np.zeros(0)   # monotonic seconds
+        self.busy_now = np.zeros(0)  # max(busy + routed, in_flight)
+        self.failures = np.zeros(0)  # consecutive failed calls
+        self.ejected_until = np.zeros(0)  # monotonic seconds
         self._grow(_INITIAL_SLOTS)
 
     # ------------------------------------------------------------------ membership
 
-    def upsert(self, info: common_pb2.WorkerInfo, load: common_pb2.Load, registered_at: float,
-               expires_in_s: float) -> WorkerEntry:
+    def upsert(
+        self,
+        info: common_pb2.WorkerInfo,
+        load: common_pb2.Load,
+        registered_at: float,
+        expires_in_s: float,
+    ) -> WorkerEntry:
         """Adds or refreshes a worker; a changed WorkerInfo (a re-registration) replaces the old."""
         now = self.clock()
         entry = self._entries.get(info.worker_id)
         if entry is not None and entry.info != info:
             if entry.info.address != info.address:
-                logger.warning("worker %s re-registered from %s (was %s)",
-                               info.worker_id, info.address, entry.info.address)
+                logger.warning(
+                    "worker %s re-registered from %s (was %s)",
+                    info.worker_id,
+                    info.address,
+                    entry.info.address,
+                )
             entry.info = info
             self._groups.clear()
             self._set_static(entry)
@@ -157,11 +171,17 @@ class Fleet:
         key = (model, precision, gpu)
         group = self._groups.get(key)
         if group is None:
-            slots = np.array([e.slot for e in self._entries.values()
-                              if model in e.info.models
-                              and precision in (common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)
-                              and gpu in ("", e.info.capabilities.gpu_kind)],
-                             dtype=np.intp)
+            slots = np.array(
+                [
+                    e.slot
+                    for e in self._entries.values()
+                    if model in e.info.models
+                    and precision
+                    in (common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)
+                    and gpu in ("", e.info.capabilities.gpu_kind)
+                ],
+                dtype=np.intp,
+            )
             group = self._groups[key] = Group.of(self, slots)
         return group
 
@@ -197,8 +217,12 @@ class Fleet:
         self.failures[entry.slot] = 0
         self.ejected_until[entry.slot] = self.clock() + cooldown_s
         self.ejected_until_max = max(self.ejected_until_max, self.ejected_until[entry.slot])
-        logger.warning("worker %s ejected for %.1f s after %d failed calls in a row",
-                       entry.worker_id, cooldown_s, failures_to_eject)
+        logger.warning(
+            "worker %s ejected for %.1f s after %d failed calls in a row",
+            entry.worker_id,
+            cooldown_s,
+            failures_to_eject,
+        )
         return True
 
     # ------------------------------------------------------------------ slots
@@ -207,20 +231,42 @@ class Fleet:
         if not self._free:
             self._grow(len(self._by_slot) * 2)
         slot = self._free.pop()
-        salt = int.from_bytes(hashlib.blake2b(info.worker_id.encode(), digest_size=8).digest(), "little")
-        entry = WorkerEntry(info=info, slot=slot, salt=salt, load=common_pb2.Load(),
-                            registered_at=registered_at, expires_at=now, updated_at=now)
+        salt = int.from_bytes(
+            hashlib.blake2b(info.worker_id.encode(), digest_size=8).digest(), "little"
+        )
+        entry = WorkerEntry(
+            info=info,
+            slot=slot,
+            salt=salt,
+            load=common_pb2.Load(),
+            registered_at=registered_at,
+            expires_at=now,
+            updated_at=now,
+        )
         self._entries[info.worker_id] = entry
         self._by_slot[slot] = entry
-        for array in (self.in_flight, self.routed, self.failures, self.ejected_until, self.busy,
-                      self.busy_now):
+        for array in (
+            self.in_flight,
+            self.routed,
+            self.failures,
+            self.ejected_until,
+            self.busy,
+            self.busy_now,
+        ):
             array[slot] = 0
         self._set_static(entry)
         self._groups.clear()
-        logger.info("worker %s at %s serving %s (%s, index_topk %d; %s %s, %s)", info.worker_id, info.address,
-                    ", ".join(info.models), info.capabilities.model_type or "model_type unknown",
-                    info.capabilities.index_topk, info.capabilities.device, info.capabilities.device_name,
-                    common_pb2.Precision.Name(info.capabilities.precision))
+        logger.info(
+            "worker %s at %s serving %s (%s, index_topk %d; %s %s, %s)",
+            info.worker_id,
+            info.address,
+            ", ".join(info.models),
+            info.capabilities.model_type or "model_type unknown",
+            info.capabilities.index_topk,
+            info.capabilities.device,
+            info.capabilities.device_name,
+            common_pb2.Precision.Name(info.capabilities.precision),
+        )
         return entry
 
     def _set_static(self, entry: WorkerEntry) -> None:
@@ -234,8 +280,18 @@ class Fleet:
 
     def _grow(self, size: int) -> None:
         old = len(self._by_slot)
-        for name in ("busy", "kv_usage", "capacity", "speed", "salt", "in_flight", "routed", "busy_now",
-                     "failures", "ejected_until"):
+        for name in (
+            "busy",
+            "kv_usage",
+            "capacity",
+            "speed",
+            "salt",
+            "in_flight",
+            "routed",
+            "busy_now",
+            "failures",
+            "ejected_until",
+        ):
             array = getattr(self, name)
             grown = np.zeros(size, dtype=array.dtype)
             grown[:old] = array

@@ -17,6 +17,7 @@ the Register/Heartbeat calls it handles itself at once. When Redis cannot be rea
 registry says so (:class:`RegistryUnavailableError`), the router answers UNAVAILABLE, and the
 refresh loop keeps trying until Redis is back.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,7 +66,9 @@ def check_registration(info: common_pb2.WorkerInfo, load: common_pb2.Load) -> No
     for name in ("decode_tokens_per_second", "prefill_tokens_per_second"):
         value = getattr(caps, name)
         if not math.isfinite(value) or value < 0:
-            raise RegistrationError(f"capabilities.{name} = {value} is not a finite non-negative number")
+            raise RegistrationError(
+                f"capabilities.{name} = {value} is not a finite non-negative number"
+            )
     check_load(load)
 
 
@@ -83,8 +86,9 @@ class Registry:
 
     def __init__(self, redis_config: RedisSection, config: RegistrySection, fleet: Fleet) -> None:
         # No client-side retries: a failed call is reported now, the refresh loop retries.
-        self._redis = redis_client(redis_config.url, timeout_s=redis_config.timeout_s,
-                                   retries=False)
+        self._redis = redis_client(
+            redis_config.url, timeout_s=redis_config.timeout_s, retries=False
+        )
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
         self._where = parse_redis_url(redis_config.url).where()
         tag = f"{{{redis_config.key_prefix}}}"
@@ -111,19 +115,28 @@ class Registry:
         key = self._worker_key + info.worker_id
         fields = {"info": info.SerializeToString(), "load": load.SerializeToString()}
         now = repr(time.time())
-        replies = await self._call(self._pipelined(True, [
-            lambda pipe: pipe.hset(key, mapping=fields),
-            lambda pipe: pipe.hsetnx(key, "registered_at", now),
-            lambda pipe: pipe.pexpire(key, self._ttl_ms),
-            lambda pipe: pipe.sadd(self._index_key, info.worker_id),
-            lambda pipe: pipe.hget(key, "registered_at")]))
+        replies = await self._call(
+            self._pipelined(
+                True,
+                [
+                    lambda pipe: pipe.hset(key, mapping=fields),
+                    lambda pipe: pipe.hsetnx(key, "registered_at", now),
+                    lambda pipe: pipe.pexpire(key, self._ttl_ms),
+                    lambda pipe: pipe.sadd(self._index_key, info.worker_id),
+                    lambda pipe: pipe.hget(key, "registered_at"),
+                ],
+            )
+        )
         self.fleet.upsert(info, load, float(replies[-1]), self._ttl_s)
 
     async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
         """Refreshes a worker; False when it is unknown and must register again."""
         check_load(load)
-        known = await self._call(self._heartbeat(
-            keys=[self._worker_key + worker_id], args=[load.SerializeToString(), self._ttl_ms]))
+        known = await self._call(
+            self._heartbeat(
+                keys=[self._worker_key + worker_id], args=[load.SerializeToString(), self._ttl_ms]
+            )
+        )
         if known:
             self.fleet.heartbeat(worker_id, load, self._ttl_s)
         else:
@@ -140,7 +153,9 @@ class Registry:
         calls = [call for key in keys for call in _worker_reads(key)]
         replies = await self._call(self._pipelined(False, calls)) if ids else []
         gone = []
-        for worker_id, (info, load, registered_at), ttl_ms in zip(ids, replies[::2], replies[1::2], strict=True):
+        for worker_id, (info, load, registered_at), ttl_ms in zip(
+            ids, replies[::2], replies[1::2], strict=True
+        ):
             if info is None or ttl_ms < 0:
                 gone.append(worker_id)
                 continue
@@ -170,8 +185,14 @@ class Registry:
     async def close(self) -> None:
         await self._redis.aclose()
 
-    def _apply(self, worker_id: str, info_bytes: bytes, load_bytes: bytes, registered_at: float,
-               expires_in_s: float) -> None:
+    def _apply(
+        self,
+        worker_id: str,
+        info_bytes: bytes,
+        load_bytes: bytes,
+        registered_at: float,
+        expires_in_s: float,
+    ) -> None:
         entry = self.fleet.get(worker_id)
         if entry is not None and self._info_bytes.get(worker_id) == info_bytes:
             info = entry.info
@@ -180,8 +201,9 @@ class Registry:
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
 
-    async def _pipelined(self, transaction: bool,
-                         calls: Sequence[Callable[[Any], object]]) -> list[Any]:
+    async def _pipelined(
+        self, transaction: bool, calls: Sequence[Callable[[Any], object]]
+    ) -> list[Any]:
         """Queues ``calls`` (each given the pipeline) in one pipeline and runs it. Opening
         the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
         async with self._redis.pipeline(transaction=transaction) as pipe:
@@ -195,7 +217,9 @@ class Registry:
         try:
             result = await awaitable
         except _UNREACHABLE as e:
-            message = f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
+            message = (
+                f"the worker registry (Redis at {self._where}) is unreachable: {type(e).__name__}"
+            )
             if self._failure is None:
                 logger.error("%s; answering UNAVAILABLE until it is back", message)
             self._failure = message
@@ -208,5 +232,7 @@ class Registry:
 
 def _worker_reads(key: str) -> tuple[Callable[[Any], object], Callable[[Any], object]]:
     """The pipeline calls that read one worker's hash and its time to live."""
-    return (lambda pipe: pipe.hmget(key, "info", "load", "registered_at"),
-            lambda pipe: pipe.pttl(key))
+    return (
+        lambda pipe: pipe.hmget(key, "info", "load", "registered_at"),
+        lambda pipe: pipe.pttl(key),
+    )

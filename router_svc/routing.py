@@ -11,6 +11,7 @@ passed over, so a hot prefix spreads instead of queueing.
 Everything is vectorized over the candidates' slots in the Fleet's arrays: a decision over a
 thousand workers takes tens of microseconds and no I/O (bench/router_decision.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,9 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
         head = _prompt_head(request, prefix_bytes)
-        return cls(request.model, request.precision, _hash64(head), len(head) / prefix_bytes,
-                   request.gpu)
+        return cls(
+            request.model, request.precision, _hash64(head), len(head) / prefix_bytes, request.gpu
+        )
 
 
 @dataclasses.dataclass
@@ -108,7 +110,7 @@ class Chooser:
             cost += config.hardware_weight * group.slowness
             home = self._affinity_home(group, busy, request.prefix_key)
             cost[home] -= config.affinity_weight * request.prefix_weight
-        cost += group.ramp[n - turn:2 * n - turn]  # equal costs: rotate which wins
+        cost += group.ramp[n - turn : 2 * n - turn]  # equal costs: rotate which wins
         order = [int(cost.argmin())]
         if n > 1:
             cost[order[0]] = np.inf
@@ -116,11 +118,16 @@ class Chooser:
         best = order[0]
         slot = group.slots[best]
         reasons: dict[str, str | float | bool | int] = {
-            "policy": policy, "load": float((busy[best] + 1) * group.inverse_capacity[best]),
-            "candidates": n}
+            "policy": policy,
+            "load": float((busy[best] + 1) * group.inverse_capacity[best]),
+            "candidates": n,
+        }
         if policy == "balanced":
-            reasons |= {"kv_usage": float(fleet.kv_usage[slot]), "hardware": float(group.slowness[best]),
-                        "prefix_home": best == home}
+            reasons |= {
+                "kv_usage": float(fleet.kv_usage[slot]),
+                "hardware": float(group.slowness[best]),
+                "prefix_home": best == home,
+            }
         return Decision([fleet.entry_at(group.slots[i]) for i in order], reasons)
 
     def _affinity_home(self, group: Group, busy: np.ndarray, key: int) -> int:
@@ -157,17 +164,22 @@ def _explain_empty(fleet: Fleet, request: RouteRequest) -> None:
     serving = [e for e in entries if request.model in e.info.models]
     if not serving:
         served = sorted({m for e in entries for m in e.info.models})
-        raise RouteError(grpc.StatusCode.NOT_FOUND,
-                         f"model {request.model!r} is not served; served models: {', '.join(served)}")
+        raise RouteError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {request.model!r} is not served; served models: {', '.join(served)}",
+        )
     kinds = sorted({e.info.capabilities.gpu_kind for e in serving})
     if request.gpu and request.gpu not in kinds:
-        raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"no worker serves {request.model!r} on GPU kind {request.gpu!r}; "
-                         f"available kinds: {', '.join(kinds)}")
+        raise RouteError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"no worker serves {request.model!r} on GPU kind {request.gpu!r}; "
+            f"available kinds: {', '.join(kinds)}",
+        )
     serving = [e for e in serving if request.gpu in ("", e.info.capabilities.gpu_kind)]
     available = sorted({precision_name(e.info.capabilities.precision) for e in serving})
     on_kind = f" on GPU kind {request.gpu!r}" if request.gpu else ""
-    raise RouteError(grpc.StatusCode.FAILED_PRECONDITION,
-                     f"no worker serves {request.model!r}{on_kind} in precision "
-                     f"{precision_name(request.precision)}; available: {', '.join(available)}")
-
+    raise RouteError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"no worker serves {request.model!r}{on_kind} in precision "
+        f"{precision_name(request.precision)}; available: {', '.join(available)}",
+    )

@@ -1,5 +1,6 @@
 """The Router gRPC service: registry RPCs, worker choice (Route) and the relayed Generate
 stream with failover."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from infermesh.grpc_server import create_grpc_server
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.tasks import cancel_and_wait
+from router_svc import route_stream
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
@@ -38,8 +40,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._channels = channels
         self._chooser = Chooser(config.routing)
 
-    async def Register(self, request: router_pb2.RegisterRequest,
-                       context: grpc.aio.ServicerContext[router_pb2.RegisterRequest, router_pb2.RegisterResponse]) -> router_pb2.RegisterResponse:
+    async def Register(
+        self,
+        request: router_pb2.RegisterRequest,
+        context: grpc.aio.ServicerContext[router_pb2.RegisterRequest, router_pb2.RegisterResponse],
+    ) -> router_pb2.RegisterResponse:
         try:
             await self._registry.register(request.worker, request.load)
         except RegistrationError as e:
@@ -48,10 +53,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return router_pb2.RegisterResponse(
             heartbeat_interval_ms=round(self._config.registry.heartbeat_interval_s * 1000),
-            ttl_ms=self._config.registry.ttl_ms)
+            ttl_ms=self._config.registry.ttl_ms,
+        )
 
-    async def Heartbeat(self, request: router_pb2.HeartbeatRequest,
-                        context: grpc.aio.ServicerContext[router_pb2.HeartbeatRequest, router_pb2.HeartbeatResponse]) -> router_pb2.HeartbeatResponse:
+    async def Heartbeat(
+        self,
+        request: router_pb2.HeartbeatRequest,
+        context: grpc.aio.ServicerContext[
+            router_pb2.HeartbeatRequest, router_pb2.HeartbeatResponse
+        ],
+    ) -> router_pb2.HeartbeatResponse:
         try:
             known = await self._registry.heartbeat(request.worker_id, request.load)
         except RegistrationError as e:
@@ -60,29 +71,47 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return router_pb2.HeartbeatResponse(registered=known)
 
-    async def ListModels(self, request: router_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext[router_pb2.ListModelsRequest, router_pb2.ListModelsResponse]) -> router_pb2.ListModelsResponse:
+    async def ListModels(
+        self,
+        request: router_pb2.ListModelsRequest,
+        context: grpc.aio.ServicerContext[
+            router_pb2.ListModelsRequest, router_pb2.ListModelsResponse
+        ],
+    ) -> router_pb2.ListModelsResponse:
         await self._check_registry(context)
         models: dict[str, router_pb2.Model] = {}
         for entry in self._fleet.entries():
             for name in entry.info.models:
-                model = models.setdefault(name, router_pb2.Model(
-                    id=name, created=int(entry.registered_at)))
+                model = models.setdefault(
+                    name, router_pb2.Model(id=name, created=int(entry.registered_at))
+                )
                 model.workers += 1
                 model.created = min(model.created, int(entry.registered_at))
         listed = sorted(models.values(), key=lambda m: m.id)
         return router_pb2.ListModelsResponse(models=listed)
 
-    async def ListWorkers(self, request: router_pb2.ListWorkersRequest,
-                          context: grpc.aio.ServicerContext[router_pb2.ListWorkersRequest, router_pb2.ListWorkersResponse]) -> router_pb2.ListWorkersResponse:
+    async def ListWorkers(
+        self,
+        request: router_pb2.ListWorkersRequest,
+        context: grpc.aio.ServicerContext[
+            router_pb2.ListWorkersRequest, router_pb2.ListWorkersResponse
+        ],
+    ) -> router_pb2.ListWorkersResponse:
         await self._check_registry(context)
-        return router_pb2.ListWorkersResponse(workers=[
-            router_pb2.WorkerStatus(worker=e.info, load=e.load,
-                                    last_heartbeat_age_s=self._fleet.age_s(e))
-            for e in self._fleet.entries()])
+        return router_pb2.ListWorkersResponse(
+            workers=[
+                router_pb2.WorkerStatus(
+                    worker=e.info, load=e.load, last_heartbeat_age_s=self._fleet.age_s(e)
+                )
+                for e in self._fleet.entries()
+            ]
+        )
 
-    async def Generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def Generate(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
         attempts = await self._decide(request, context)
         try:
             async for chunk in self._relayed(attempts, request, context, stream=True):
@@ -90,60 +119,120 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
 
-    async def Complete(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> common_pb2.GenerateResponse:
+    async def Complete(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> common_pb2.GenerateResponse:
         attempts = await self._decide(request, context)
         try:
             async with contextlib.aclosing(
-                    self._relayed(attempts, request, context, stream=False)) as replies:
+                self._relayed(attempts, request, context, stream=False)
+            ) as replies:
                 return await anext(replies)
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
 
-    async def Route(self, request: common_pb2.GenerateRequest,
-                    context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, router_pb2.RouteResponse]) -> router_pb2.RouteResponse:
-        attempts = await self._decide(request, context)
+    async def Route(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, router_pb2.RouteResponse],
+    ) -> router_pb2.RouteResponse:
+        await self._check_registry(context)
+        try:
+            return self.route(request)
+        except RouteError as e:
+            await context.abort(e.code, str(e))
+            raise
+
+    async def RouteStream(
+        self,
+        requests: AsyncIterator[router_pb2.RouteStreamRequest],
+        context: grpc.aio.ServicerContext[
+            router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
+        ],
+    ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
+        async with contextlib.aclosing(route_stream.answer(self, requests)) as responses:
+            async for response in responses:
+                yield response
+
+    async def ReportFailure(
+        self,
+        request: router_pb2.ReportFailureRequest,
+        context: grpc.aio.ServicerContext[
+            router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse
+        ],
+    ) -> router_pb2.ReportFailureResponse:
+        try:
+            self.report_failure(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return router_pb2.ReportFailureResponse()
+
+    def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
+        """Counts a routed worker's failure that a caller saw; ValueError for a bad code."""
+        code = getattr(grpc.StatusCode, request.code, None)
+        if not isinstance(code, grpc.StatusCode):
+            raise ValueError(f"code must be a gRPC status name, got {request.code!r}")
+        worker = self._fleet.get(request.worker_id)
+        if worker is not None:
+            self._failed(worker, code, request.details, started=False)
+
+    def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
+        """Route's answer, the workers counted as routed to; raises RouteError or
+        RegistryUnavailableError."""
+        attempts = self.decide(request)
         trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
         for worker in attempts:
             self._fleet.routed_to(worker)
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
-    async def ReportFailure(self, request: router_pb2.ReportFailureRequest,
-                            context: grpc.aio.ServicerContext[router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse]) -> router_pb2.ReportFailureResponse:
-        code = getattr(grpc.StatusCode, request.code, None)
-        if not isinstance(code, grpc.StatusCode):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"code must be a gRPC status name, got {request.code!r}")
-        worker = self._fleet.get(request.worker_id)
-        if worker is not None:
-            self._failed(worker, code, request.details, started=False)
-        return router_pb2.ReportFailureResponse()
+    def decide(self, request: common_pb2.GenerateRequest) -> list[WorkerEntry]:
+        """The workers to try, best first, with the reasons on the current span; raises
+        RouteError or RegistryUnavailableError."""
+        self._registry.check_available()
+        decision = self._chooser.choose(
+            self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes)
+        )
+        _record_decision(trace.get_current_span(), decision)
+        return decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
 
-    async def _decide(self, request: common_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext[Any, Any]) -> list[WorkerEntry]:
-        """The workers to try, best first, with the reasons on the span."""
+    async def _decide(
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[WorkerEntry]:
         await self._check_registry(context)
         try:
-            decision = self._chooser.choose(
-                self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes))
+            return self.decide(request)
         except RouteError as e:
             await context.abort(e.code, str(e))
-        _record_decision(trace.get_current_span(), decision)
-        return decision.workers[:2 if self._config.routing.retry_before_first_token else 1]
+            raise  # abort raises; this keeps the type checker informed
 
-    def _relayed(self, attempts: list[WorkerEntry], request: common_pb2.GenerateRequest,
-                 context: grpc.aio.ServicerContext[Any, Any], *, stream: bool,
-                 ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    def _relayed(
+        self,
+        attempts: list[WorkerEntry],
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        stream: bool,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The first of ``attempts`` that serves the request, relayed; StreamFailedError
         when none does."""
         return stream_from_first(
-            attempts, lambda worker: self._relay(worker, request, context, stream=stream),
-            self._failed, lambda worker: worker.worker_id,
-            self._config.routing.stall_timeout_s if stream else None)
+            attempts,
+            lambda worker: self._relay(worker, request, context, stream=stream),
+            self._failed,
+            lambda worker: worker.worker_id,
+            self._config.routing.stall_timeout_s if stream else None,
+        )
 
-    async def _relay(self, worker: WorkerEntry, request: common_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext[Any, Any], *, stream: bool,
-                     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+    async def _relay(
+        self,
+        worker: WorkerEntry,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        stream: bool,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The worker's stream (or, not ``stream``, its Complete reply), the first chunk
         stamped with the route. The worker call carries the caller's remaining deadline;
         closing this iterator cancels it."""
@@ -153,7 +242,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         span.set_attribute("infermesh.route.precision", common_pb2.Precision.Name(caps.precision))
         span.set_attribute("infermesh.route.device_name", caps.device_name)
         stub = self._channels.stub(worker.info.address)
-        call = (stub.Generate if stream else stub.Complete)(request, timeout=context.time_remaining())
+        call = (stub.Generate if stream else stub.Complete)(
+            request, timeout=context.time_remaining()
+        )
         self._fleet.started(worker)
         try:
             async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
@@ -167,16 +258,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             self._fleet.ended(worker)
 
-    def _failed(self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool) -> None:
+    def _failed(
+        self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool
+    ) -> None:
         """Counts a worker's failure toward its ejection (a busy worker is not broken)."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             routing = self._config.routing
             self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_s)
         if not started:
-            trace.get_current_span().add_event("infermesh.route.failover", {
-                "worker_id": worker.worker_id, "code": code.name, "details": details})
-            logger.warning("worker %s failed before the first token (%s: %s)",
-                           worker.worker_id, code.name, details)
+            trace.get_current_span().add_event(
+                "infermesh.route.failover",
+                {"worker_id": worker.worker_id, "code": code.name, "details": details},
+            )
+            logger.warning(
+                "worker %s failed before the first token (%s: %s)",
+                worker.worker_id,
+                code.name,
+                details,
+            )
 
     async def _check_registry(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         try:
@@ -187,9 +286,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:
     caps = worker.info.capabilities
-    return common_pb2.Route(worker_id=worker.worker_id, precision=caps.precision, device=caps.device,
-                            device_name=caps.device_name, gpu_kind=caps.gpu_kind,
-                            address=worker.info.address if with_address else "")
+    return common_pb2.Route(
+        worker_id=worker.worker_id,
+        precision=caps.precision,
+        device=caps.device,
+        device_name=caps.device_name,
+        gpu_kind=caps.gpu_kind,
+        address=worker.info.address if with_address else "",
+    )
 
 
 def _record_decision(span: trace.Span, decision: Decision) -> None:
@@ -204,7 +308,9 @@ def _record_decision(span: trace.Span, decision: Decision) -> None:
 class RunningRouter:
     """What create_server started besides the gRPC server: close it after the server stops."""
 
-    def __init__(self, registry: Registry, channels: WorkerChannels, refresher: asyncio.Task[None]) -> None:
+    def __init__(
+        self, registry: Registry, channels: WorkerChannels, refresher: asyncio.Task[None]
+    ) -> None:
         self.registry = registry
         self._channels = channels
         self._refresher = refresher
@@ -223,21 +329,28 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     servicer = RouterServicer(config, registry, channels)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
-        lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s), [_SERVICE_NAME])
+        lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
+        [_SERVICE_NAME],
+    )
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
     refresher = asyncio.create_task(_follow_registry(refreshes, health))
     return server, port, RunningRouter(registry, channels, refresher)
 
 
-async def _follow_registry(refreshes: AsyncIterator[bool], health: health_aio.HealthServicer) -> None:
+async def _follow_registry(
+    refreshes: AsyncIterator[bool], health: health_aio.HealthServicer
+) -> None:
     """Runs the registry's refresh loop; the health service follows Redis's reachability."""
     serving: bool | None = None
     async for available in refreshes:
         if available != serving:
             serving = available
-            status = (health_pb2.HealthCheckResponse.SERVING if available
-                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if available
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", _SERVICE_NAME):
                 await health.set(name, status)
 
@@ -245,13 +358,20 @@ async def _follow_registry(refreshes: AsyncIterator[bool], health: health_aio.He
 async def serve(config: RouterConfig) -> None:
     server, port, router = await create_server(config)
     fleet = router.registry.fleet
-    metrics.watch_fleet(lambda: ((e.info.capabilities.device_name or e.info.capabilities.device,
-                                  precision_name(e.info.capabilities.precision))
-                                 for e in fleet.entries()))
+    metrics.watch_fleet(
+        lambda: (
+            (
+                e.info.capabilities.device_name or e.info.capabilities.device,
+                precision_name(e.info.capabilities.precision),
+            )
+            for e in fleet.entries()
+        )
+    )
     metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
-    logger.info("router listening on %s:%d (policy %s)", config.server.host, port,
-                config.routing.policy)
+    logger.info(
+        "router listening on %s:%d (policy %s)", config.server.host, port, config.routing.policy
+    )
     try:
         await server.wait_for_termination()
     finally:

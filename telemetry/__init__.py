@@ -8,6 +8,7 @@ instrumentations, never by hand. With ``OTEL_SDK_DISABLED=true`` no span is
 ever recorded, so the instrumentations are left out too: they would cost
 every request and every message their time for nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,9 @@ def tracing_enabled() -> bool:
 def setup_tracing(service_name: str) -> TracerProvider:
     """Installs the global tracer provider for this process; call once at start."""
     # shutdown_tracing() flushes with a bound; the SDK's own exit hook has none.
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}),
-                              shutdown_on_exit=False)
+    provider = TracerProvider(
+        resource=Resource.create({SERVICE_NAME: service_name}), shutdown_on_exit=False
+    )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     # An absent collector is an operator's choice in development, not an
@@ -63,8 +65,9 @@ def shutdown_tracing(timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
 
 # Calls made every second or so by every worker or probe: traced, they would
 # bury the requests in Jaeger under one trace per heartbeat.
-_UNTRACED = grpc_filters.negate(grpc_filters.any_of(
-    grpc_filters.method_name("Heartbeat"), grpc_filters.health_check()))
+_UNTRACED = grpc_filters.negate(
+    grpc_filters.any_of(grpc_filters.method_name("Heartbeat"), grpc_filters.health_check())
+)
 
 
 def grpc_server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -1,5 +1,6 @@
 """Log lines as JSON objects carrying the active trace and span ids, so a line
 found in the logs leads to its trace in Jaeger (and back)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(
-                timespec="milliseconds"),
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "service": self._service,
             "logger": record.name,
@@ -46,8 +46,9 @@ def setup_logging(service: str) -> None:
     ``INFERMESH_LOG_LEVEL`` sets the level (default INFO)."""
     handler = logging.StreamHandler()
     if os.environ.get("INFERMESH_LOG_FORMAT", "json") == "text":
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+        )
     else:
         handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()

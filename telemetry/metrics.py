@@ -4,6 +4,7 @@ Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
 (``gen_ai.server.time_to_first_token`` → ``gen_ai_server_time_to_first_token_seconds``);
 the rest are ``infermesh_*``. The gateway serves them at ``/metrics``; the
 router and each worker on an HTTP side port (``[metrics] port``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,38 +19,74 @@ from prometheus_client.core import GaugeMetricFamily
 logger = logging.getLogger(__name__)
 
 # Latency buckets spanning a sub-millisecond relay to a long CPU prefill.
-_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
-                      10, 30, 60)
-_TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
-                    1, 2.5)
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
+_TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
-REQUESTS = Counter("infermesh_requests", "Requests answered, by service, model and status",
-                   ["service", "model", "status"])
-REQUEST_DURATION = Histogram("gen_ai_server_request_duration_seconds",
-                             "Time from request to last token", ["service", "model"],
-                             buckets=_LATENCY_BUCKETS_S)
-TIME_TO_FIRST_TOKEN = Histogram("gen_ai_server_time_to_first_token_seconds",
-                                "Time from request to the first output token",
-                                ["service", "model"], buckets=_LATENCY_BUCKETS_S)
-TIME_PER_OUTPUT_TOKEN = Histogram("gen_ai_server_time_per_output_token_seconds",
-                                  "Time between output tokens after the first",
-                                  ["service", "model"], buckets=_TOKEN_BUCKETS_S)
-TOKENS = Counter("infermesh_tokens", "Tokens processed, by type (input or output)",
-                 ["service", "model", "type"])
+REQUESTS = Counter(
+    "infermesh_requests",
+    "Requests answered, by service, model and status",
+    ["service", "model", "status"],
+)
+REQUEST_DURATION = Histogram(
+    "gen_ai_server_request_duration_seconds",
+    "Time from request to last token",
+    ["service", "model"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "gen_ai_server_time_to_first_token_seconds",
+    "Time from request to the first output token",
+    ["service", "model"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "gen_ai_server_time_per_output_token_seconds",
+    "Time between output tokens after the first",
+    ["service", "model"],
+    buckets=_TOKEN_BUCKETS_S,
+)
+TOKENS = Counter(
+    "infermesh_tokens", "Tokens processed, by type (input or output)", ["service", "model", "type"]
+)
 TOKENS_PER_SECOND = Gauge("infermesh_worker_tokens_per_second", "Recent decode rate")
 QUEUE_DEPTH = Gauge("infermesh_worker_queue_depth", "Requests waiting for a batch slot")
 RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being generated")
 KV_CACHE_USAGE = Gauge("infermesh_worker_kv_cache_usage_ratio", "Fraction of KV cache in use")
-ASYNCIO_TASKS = Gauge("infermesh_asyncio_tasks",
-                      "Tasks alive in the service's event loop; growing at a steady load is a leak")
-RATE_LIMITED = Counter("infermesh_rate_limit_rejections",
-                       "Requests refused by a key's limit, by limit", ["limit"])
-SETTLEMENTS_PENDING = Gauge("infermesh_usage_settlements_pending",
-                            "Usage settlements that failed and wait for Redis to be retried")
-SETTLEMENTS_RETRIED = Counter("infermesh_usage_settlements_retried",
-                              "Usage settlements recorded on a retry, after Redis came back")
-SETTLEMENTS_DROPPED = Counter("infermesh_usage_settlements_dropped",
-                              "Usage settlements lost: more than [limits] settle_retry_max waited")
+ASYNCIO_TASKS = Gauge(
+    "infermesh_asyncio_tasks",
+    "Tasks alive in the service's event loop; growing at a steady load is a leak",
+)
+RATE_LIMITED = Counter(
+    "infermesh_rate_limit_rejections", "Requests refused by a key's limit, by limit", ["limit"]
+)
+SETTLEMENTS_PENDING = Gauge(
+    "infermesh_usage_settlements_pending",
+    "Usage settlements that failed and wait for Redis to be retried",
+)
+SETTLEMENTS_RETRIED = Counter(
+    "infermesh_usage_settlements_retried",
+    "Usage settlements recorded on a retry, after Redis came back",
+)
+SETTLEMENTS_DROPPED = Counter(
+    "infermesh_usage_settlements_dropped",
+    "Usage settlements lost: more than [limits] settle_retry_max waited",
+)
 
 
 class MetricsEndpoint(Protocol):
@@ -64,15 +101,22 @@ class MetricsEndpoint(Protocol):
     def port(self) -> int: ...
 
 
-def observe_generation(service: str, model: str, first_token_s: float, total_s: float,
-                       input_tokens: int, output_tokens: int) -> None:
+def observe_generation(
+    service: str,
+    model: str,
+    first_token_s: float,
+    total_s: float,
+    input_tokens: int,
+    output_tokens: int,
+) -> None:
     """One finished generation's latency (duration, TTFT, TPOT over the tokens after the
     first) and token counts, the same way in the gateway and the worker."""
     REQUEST_DURATION.labels(service, model).observe(total_s)
     TIME_TO_FIRST_TOKEN.labels(service, model).observe(first_token_s)
     if output_tokens > 1:
         TIME_PER_OUTPUT_TOKEN.labels(service, model).observe(
-            (total_s - first_token_s) / (output_tokens - 1))
+            (total_s - first_token_s) / (output_tokens - 1)
+        )
     TOKENS.labels(service, model, "input").inc(input_tokens)
     TOKENS.labels(service, model, "output").inc(output_tokens)
 
@@ -89,8 +133,11 @@ class _FleetCollector:
         self._workers = workers
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily("infermesh_router_workers",
-                                   "Live workers by GPU kind and precision", labels=["gpu", "precision"])
+        family = GaugeMetricFamily(
+            "infermesh_router_workers",
+            "Live workers by GPU kind and precision",
+            labels=["gpu", "precision"],
+        )
         for (gpu, precision), count in Tally(self._workers()).items():
             family.add_metric([gpu, precision], count)
         yield family

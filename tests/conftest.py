@@ -1,4 +1,5 @@
 """Fixtures shared by every test package: real servers on loopback ports."""
+
 from __future__ import annotations
 
 import asyncio

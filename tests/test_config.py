@@ -30,21 +30,35 @@ class _Config:
 def test_defaults_then_file_then_environment(tmp_path):
     path = tmp_path / "svc.toml"
     path.write_text('[server]\nport = 9000\nratio = 1\ntags = ["a"]\n')
-    config = load_config(_Config, path, "svc", environ={"SVC_SERVER_HOST": "0.0.0.0",
-                                                          "SVC_SERVER_DEBUG": "true",
-                                                          "SVC_SERVER_TAGS": "x, y"})
-    assert config.server == _Server(host="0.0.0.0", port=9000, ratio=1.0, debug=True,
-                                    tags=["x", "y"])
+    config = load_config(
+        _Config,
+        path,
+        "svc",
+        environ={
+            "SVC_SERVER_HOST": "0.0.0.0",
+            "SVC_SERVER_DEBUG": "true",
+            "SVC_SERVER_TAGS": "x, y",
+        },
+    )
+    assert config.server == _Server(
+        host="0.0.0.0", port=9000, ratio=1.0, debug=True, tags=["x", "y"]
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[server]\nport = "x"\n', "[server] port: expected int, got str 'x'"),
-    ('[server]\nprot = 1\n', "[server] prot: unknown key"),
-    ('[srv]\n', "unknown section [srv]"),
-    ('[server]\nmode = "slow"\n', "[server] mode: expected one of fast, safe, got 'slow'"),
-    ('[server]\ntimeout_ms = 500\n', "[server] timeout_ms: timeout_ms was renamed timeout_s (seconds)"),
-    ('[server\n', "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[server]\nport = "x"\n', "[server] port: expected int, got str 'x'"),
+        ("[server]\nprot = 1\n", "[server] prot: unknown key"),
+        ("[srv]\n", "unknown section [srv]"),
+        ('[server]\nmode = "slow"\n', "[server] mode: expected one of fast, safe, got 'slow'"),
+        (
+            "[server]\ntimeout_ms = 500\n",
+            "[server] timeout_ms: timeout_ms was renamed timeout_s (seconds)",
+        ),
+        ("[server\n", "invalid TOML"),
+    ],
+)
 def test_file_errors_name_file_and_key(tmp_path, text, message):
     path = tmp_path / "svc.toml"
     path.write_text(text)
@@ -58,9 +72,13 @@ def test_environment_errors_name_variable():
         load_config(_Config, None, "svc", environ={"SVC_SERVER_PORT": "abc"})
     with pytest.raises(ConfigError, match="SVC_SERVER_DEBUG: expected a boolean"):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_DEBUG": "maybe"})
-    with pytest.raises(ConfigError, match="SVC_SERVER_MODE: expected one of fast, safe, got 'slow'"):
+    with pytest.raises(
+        ConfigError, match="SVC_SERVER_MODE: expected one of fast, safe, got 'slow'"
+    ):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_MODE": "slow"})
-    with pytest.raises(ConfigError, match="SVC_SERVER_TIMEOUT_MS: timeout_ms was renamed timeout_s"):
+    with pytest.raises(
+        ConfigError, match="SVC_SERVER_TIMEOUT_MS: timeout_ms was renamed timeout_s"
+    ):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_TIMEOUT_MS": "500"})
 
 
@@ -70,6 +88,7 @@ def test_missing_file(tmp_path):
 
 
 def test_env_names_cover_every_key():
-    assert env_names(_Config, "svc") == {f"SVC_SERVER_{k}" for k in
-                                         ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH",
-                                                   "MODE", "TIMEOUT_S")}
+    assert env_names(_Config, "svc") == {
+        f"SVC_SERVER_{k}"
+        for k in ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH", "MODE", "TIMEOUT_S")
+    }

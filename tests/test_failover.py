@@ -21,10 +21,11 @@ class _SlowStream:
         self.cancelled = asyncio.Event()
         self.then = "wait"
 
-    async def generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest,
-                                                         common_pb2.GenerateResponse],
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
         yield common_pb2.GenerateResponse(token_ids=[1])
         if self.then == "abort":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
@@ -42,10 +43,20 @@ class _SlowStream:
 async def slow() -> AsyncIterator[tuple[_SlowStream, grpc.aio.Channel]]:
     servicer = _SlowStream()
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Slow", {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.generate, request_deserializer=common_pb2.GenerateRequest.FromString,
-            response_serializer=common_pb2.GenerateResponse.SerializeToString)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Slow",
+                {
+                    "Generate": grpc.unary_stream_rpc_method_handler(
+                        servicer.generate,
+                        request_deserializer=common_pb2.GenerateRequest.FromString,
+                        response_serializer=common_pb2.GenerateResponse.SerializeToString,
+                    )
+                },
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -54,11 +65,15 @@ async def slow() -> AsyncIterator[tuple[_SlowStream, grpc.aio.Channel]]:
     await server.stop(None)
 
 
-def _call(channel: grpc.aio.Channel,
-          ) -> grpc.aio.UnaryStreamCall[common_pb2.GenerateRequest, common_pb2.GenerateResponse]:
+def _call(
+    channel: grpc.aio.Channel,
+) -> grpc.aio.UnaryStreamCall[common_pb2.GenerateRequest, common_pb2.GenerateResponse]:
     rpc: grpc.aio.UnaryStreamMultiCallable[common_pb2.GenerateRequest, common_pb2.GenerateResponse]
-    rpc = channel.unary_stream(_METHOD, request_serializer=common_pb2.GenerateRequest.SerializeToString,
-                               response_deserializer=common_pb2.GenerateResponse.FromString)
+    rpc = channel.unary_stream(
+        _METHOD,
+        request_serializer=common_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=common_pb2.GenerateResponse.FromString,
+    )
     return rpc(common_pb2.GenerateRequest(), timeout=30)
 
 

@@ -1,5 +1,6 @@
 """``python -m infermesh bench``: a whole ``--sim`` study on a small fleet, checked on its
 files; and every bad input a clear one-line error before anything is written."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,20 @@ from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 KINDS = ["H100", "A100", "V100"]  # fastest first, by their profiles' bandwidth
-_SMALL = ["--concurrency", "1,4", "--requests", "4", "--prompt-tokens", "50", "--max-tokens", "24",
-          "--warmup", "1", "--repeat", "1"]
+_SMALL = [
+    "--concurrency",
+    "1,4",
+    "--requests",
+    "4",
+    "--prompt-tokens",
+    "50",
+    "--max-tokens",
+    "24",
+    "--warmup",
+    "1",
+    "--repeat",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +59,11 @@ def test_one_row_per_kind_and_concurrency_faster_kinds_faster(study):
         per_token = [at[k]["time_per_output_token_s"] for k in KINDS]
         assert per_token == sorted(per_token), per_token
     by_kind = {p["gpu"]: p for p in points}
-    assert (by_kind["H100"]["precision"], by_kind["A100"]["precision"], by_kind["V100"]["precision"]) == \
-        ("fp8", "bf16", "fp16")
+    assert (
+        by_kind["H100"]["precision"],
+        by_kind["A100"]["precision"],
+        by_kind["V100"]["precision"],
+    ) == ("fp8", "bf16", "fp16")
     assert by_kind["V100"]["memory_used_gb"] >= 16.0  # 8B weights in FP16, as the worker reported
     assert all(p["gpus_per_worker"] == 1 for p in points)
 
@@ -58,7 +74,9 @@ def test_the_frontier_is_exactly_the_non_dominated_points(study):
     for p in points:
         dominated = any(dominates(q, p) for q in points)
         assert p.on_frontier == (not dominated), p
-        expected = {"H100": 2.90, "A100": 1.80, "V100": 0.90}[p.gpu] / 3600 / p.output_tokens_per_s * 1e6
+        expected = (
+            {"H100": 2.90, "A100": 1.80, "V100": 0.90}[p.gpu] / 3600 / p.output_tokens_per_s * 1e6
+        )
         assert p.usd_per_mtok == pytest.approx(expected)
 
 
@@ -87,19 +105,40 @@ def test_csv_and_json_agree_and_the_report_has_every_point(study):
     assert not [p for p in study.iterdir() if p.name.startswith(".partial")]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--sim", "--gpus", "B200"], "unknown GPU kind 'B200'"),
-    (["--sim", "--gpus", "H100", "--prices", "{prices_missing}"], "no price for GPU kind 'H100'"),
-    (["--sim", "--gpus", "V100", "--prices", "{prices_negative}"], "V100 = -1.0: a price must be a non-negative"),
-    (["--sim", "--sim-model", "/nonexistent"], "--sim-model: /nonexistent: not found"),
-    (["--base-url", "http://127.0.0.1:{port}/v1", "--api-key", "sk-x", "--admin-token", "t"], "cannot reach"),
-    (["--base-url", "http://127.0.0.1:{port}/v1", "--api-key", "sk-x"], "INFERMESH_ADMIN_TOKEN"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sim", "--gpus", "B200"], "unknown GPU kind 'B200'"),
+        (
+            ["--sim", "--gpus", "H100", "--prices", "{prices_missing}"],
+            "no price for GPU kind 'H100'",
+        ),
+        (
+            ["--sim", "--gpus", "V100", "--prices", "{prices_negative}"],
+            "V100 = -1.0: a price must be a non-negative",
+        ),
+        (["--sim", "--sim-model", "/nonexistent"], "--sim-model: /nonexistent: not found"),
+        (
+            ["--base-url", "http://127.0.0.1:{port}/v1", "--api-key", "sk-x", "--admin-token", "t"],
+            "cannot reach",
+        ),
+        (
+            ["--base-url", "http://127.0.0.1:{port}/v1", "--api-key", "sk-x"],
+            "INFERMESH_ADMIN_TOKEN",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_nothing_is_written(argv, message, tmp_path, capsys):
     (tmp_path / "missing.toml").write_text("A100 = 1.5\n")
     (tmp_path / "negative.toml").write_text("V100 = -1.0\n")
-    argv = [a.format(prices_missing=tmp_path / "missing.toml", prices_negative=tmp_path / "negative.toml",
-                     port=free_port()) for a in argv]
+    argv = [
+        a.format(
+            prices_missing=tmp_path / "missing.toml",
+            prices_negative=tmp_path / "negative.toml",
+            port=free_port(),
+        )
+        for a in argv
+    ]
     out = tmp_path / "out"
     assert main(["bench", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
@@ -116,15 +155,35 @@ def test_a_concurrency_that_is_not_positive_is_refused(level, capsys):
 
 async def test_a_wrong_key_and_an_unknown_kind_against_a_running_gateway(redis_server, tmp_path):
     api_key = await create_key_at(redis_server.url, "bench")
-    async with running_router() as router, \
-            running_worker(sim_engine("A100", zero_latency=True), router, "a100-0"):
+    async with (
+        running_router() as router,
+        running_worker(sim_engine("A100", zero_latency=True), router, "a100-0"),
+    ):
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         try:
             base = str(gateway.make_url("/v1"))
-            wrong_key = await _bench("--base-url", base, "--api-key", "sk-wrong", "--admin-token", ADMIN_TOKEN,
-                                     "--out", str(tmp_path / "a"))
-            unknown_kind = await _bench("--base-url", base, "--api-key", api_key, "--admin-token", ADMIN_TOKEN,
-                                        "--gpus", "V100", "--out", str(tmp_path / "b"))
+            wrong_key = await _bench(
+                "--base-url",
+                base,
+                "--api-key",
+                "sk-wrong",
+                "--admin-token",
+                ADMIN_TOKEN,
+                "--out",
+                str(tmp_path / "a"),
+            )
+            unknown_kind = await _bench(
+                "--base-url",
+                base,
+                "--api-key",
+                api_key,
+                "--admin-token",
+                ADMIN_TOKEN,
+                "--gpus",
+                "V100",
+                "--out",
+                str(tmp_path / "b"),
+            )
         finally:
             await gateway.close()
     assert wrong_key[0] == 2
@@ -137,8 +196,15 @@ async def test_a_wrong_key_and_an_unknown_kind_against_a_running_gateway(redis_s
 async def _bench(*argv: str) -> tuple[int, str]:
     """The CLI in a child process (the gateway it calls runs in this event loop)."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infermesh", "bench", *argv, env={**os.environ},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "infermesh",
+        "bench",
+        *argv,
+        env={**os.environ},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     _, err = await child.communicate()
     assert child.returncode is not None  # communicate() waited for the exit
     return child.returncode, err.decode().strip()
@@ -152,5 +218,11 @@ def test_an_interrupted_study_says_so_in_every_file(study, tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["meta"]["complete"] is False
     assert "**INTERRUPTED: partial results**" in (tmp_path / "report.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cost_frontier.png", "latency_p99.png", "report.md", "requests.csv", "results.csv",
-        "results.json", "throughput.png"]
+        "cost_frontier.png",
+        "latency_p99.png",
+        "report.md",
+        "requests.csv",
+        "results.csv",
+        "results.json",
+        "throughput.png",
+    ]

@@ -1,5 +1,6 @@
 """The floors of docs/ARCHITECTURE.md, checked on every import of every project module
 (function-level ones included): no module imports a higher floor or a sibling service."""
+
 from __future__ import annotations
 
 import ast
@@ -38,8 +39,9 @@ def project_modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
-def imported_modules(module: str, is_package: bool, source: str,
-                     known: set[str]) -> list[tuple[int, str]]:
+def imported_modules(
+    module: str, is_package: bool, source: str, known: set[str]
+) -> list[tuple[int, str]]:
     """(line, module) of every import in ``source``; ``from a import b`` names ``a.b`` when
     that is a module, so ``from infermesh import cli`` counts as infermesh.cli."""
     found: list[tuple[int, str]] = []
@@ -50,7 +52,7 @@ def imported_modules(module: str, is_package: bool, source: str,
             base = node.module or ""
             if node.level:
                 anchor = module.split(".")
-                anchor = anchor[:len(anchor) - node.level + (1 if is_package else 0)]
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
@@ -90,8 +92,14 @@ def import_graph() -> dict[str, list[str]]:
 def test_no_module_imports_a_higher_floor_or_a_sibling_service() -> None:
     graph = import_graph()
     # the check ran on the real tree: the services, the shared floor and the CLI are all there
-    assert {"gateway.app", "router_svc.server", "worker_svc.server", "infermesh.config",
-            "telemetry.metrics", "infermesh.cli.main"} <= set(graph)
+    assert {
+        "gateway.app",
+        "router_svc.server",
+        "worker_svc.server",
+        "infermesh.config",
+        "telemetry.metrics",
+        "infermesh.cli.main",
+    } <= set(graph)
     assert "infermesh.config" in graph["router_svc.config"]
     assert "infermesh.cli.mesh" in graph["infermesh.cli.main"]
     assert "telemetry" in graph["infermesh.grpc_server"]
@@ -99,11 +107,16 @@ def test_no_module_imports_a_higher_floor_or_a_sibling_service() -> None:
 
 def test_the_check_names_an_import_up_a_floor_or_across() -> None:
     known = set(project_modules())
-    assert violations("worker_svc.engine", False, "def f():\n    import gateway.app\n",
-                      known) == ["worker_svc.engine:2 imports gateway.app, a sibling on its floor"]
+    assert violations("worker_svc.engine", False, "def f():\n    import gateway.app\n", known) == [
+        "worker_svc.engine:2 imports gateway.app, a sibling on its floor"
+    ]
     assert violations("telemetry.metrics", False, "from infermesh import config\n", known) == [
-        "telemetry.metrics:1 imports infermesh.config, a higher floor (infermesh)"]
+        "telemetry.metrics:1 imports infermesh.config, a higher floor (infermesh)"
+    ]
     assert violations("gateway.keys", False, "from infermesh import cli\n", known) == [
-        "gateway.keys:1 imports infermesh.cli, a higher floor (infermesh.cli)"]
-    assert violations("infermesh.cli.mesh", False, "from . import probe\nimport worker_svc\n",
-                      known) == []
+        "gateway.keys:1 imports infermesh.cli, a higher floor (infermesh.cli)"
+    ]
+    assert (
+        violations("infermesh.cli.mesh", False, "from . import probe\nimport worker_svc\n", known)
+        == []
+    )

@@ -1,5 +1,6 @@
 """Redis URLs: one server, Redis Cluster and Sentinel; a bad one is refused by name, never
 with its password."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,35 +34,48 @@ def test_single_server_urls_pass_through():
     assert parse_redis_url("redis://:pw@host:6380/1").where() == "host:6380/1"
 
 
-@pytest.mark.parametrize("url, says", [
-    ("http://:secret@host", "expected one of"),
-    ("secret@host:6379", "no scheme"),
-    ("redis+cluster://:secret@h1:7000/0", "takes no path"),
-    ("redis+cluster://:secret@h1:port", "port is not a number"),
-    ("redis+cluster://:secret@h1:70000", "port is not a number"),
-    ("redis+cluster://:secret@h1:7000,,h2", "is not host"),
-    ("redis+sentinel://:secret@s1:26379", "needs /service"),
-    ("redis+sentinel://:secret@s1/svc/x", "is not a number"),
-    ("redis+sentinel://:secret@s1/svc/1/2", "needs /service"),
-])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("http://:secret@host", "expected one of"),
+        ("secret@host:6379", "no scheme"),
+        ("redis+cluster://:secret@h1:7000/0", "takes no path"),
+        ("redis+cluster://:secret@h1:port", "port is not a number"),
+        ("redis+cluster://:secret@h1:70000", "port is not a number"),
+        ("redis+cluster://:secret@h1:7000,,h2", "is not host"),
+        ("redis+sentinel://:secret@s1:26379", "needs /service"),
+        ("redis+sentinel://:secret@s1/svc/x", "is not a number"),
+        ("redis+sentinel://:secret@s1/svc/1/2", "needs /service"),
+    ],
+)
 def test_a_bad_url_is_refused_by_what_is_wrong_without_its_password(url, says):
     with pytest.raises(RedisUrlError, match=says) as info:
         parse_redis_url(url)
     assert "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize("config, prefix", [(GatewayConfig, "INFERMESH_GATEWAY"),
-                                            (RouterConfig, "INFERMESH_ROUTER")])
+@pytest.mark.parametrize(
+    "config, prefix", [(GatewayConfig, "INFERMESH_GATEWAY"), (RouterConfig, "INFERMESH_ROUTER")]
+)
 def test_services_refuse_a_bad_redis_url_at_start(config, prefix):
     with pytest.raises(ConfigError, match=r"redis.*url: a redis\+cluster:// URL takes no path"):
-        load_config(config, None, prefix.lower(),
-                    {f"{prefix}_REDIS_URL": "redis+cluster://:secret@h1:7000/0"})
-    loaded = load_config(config, None, prefix.lower(),
-                         {f"{prefix}_REDIS_URL": "redis+sentinel://s1,s2/infermesh"})
+        load_config(
+            config,
+            None,
+            prefix.lower(),
+            {f"{prefix}_REDIS_URL": "redis+cluster://:secret@h1:7000/0"},
+        )
+    loaded = load_config(
+        config, None, prefix.lower(), {f"{prefix}_REDIS_URL": "redis+sentinel://s1,s2/infermesh"}
+    )
     assert loaded.redis.url == "redis+sentinel://s1,s2/infermesh"
 
 
 def test_the_registry_prefix_is_a_hash_tag_so_it_takes_no_braces():
     with pytest.raises(ConfigError, match="key_prefix: must be non-empty without braces"):
-        load_config(RouterConfig, None, "infermesh_router",
-                    {"INFERMESH_ROUTER_REDIS_KEY_PREFIX": "mesh{a}:"})
+        load_config(
+            RouterConfig,
+            None,
+            "infermesh_router",
+            {"INFERMESH_ROUTER_REDIS_KEY_PREFIX": "mesh{a}:"},
+        )

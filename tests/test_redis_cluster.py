@@ -1,5 +1,6 @@
 """Gateway and router on a real Redis Cluster (3 masters, 3 replicas) and behind real
 Sentinel, started by the tests from the pinned redis-server; masters killed under load."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,10 @@ _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_t
 async def cluster_mesh(tmp_path) -> AsyncIterator[tuple[RedisClusterServers, object]]:
     """A cluster, and a gateway, router and simulated worker on it."""
     with RedisClusterServers(tmp_path) as cluster:
-        async with running_router(redis_url=cluster.url) as router, \
-                running_worker(sim_engine(zero_latency=True), router):
+        async with (
+            running_router(redis_url=cluster.url) as router,
+            running_worker(sim_engine(zero_latency=True), router),
+        ):
             gateway = await start_gateway(make_config(cluster.url, router.address))
             yield cluster, gateway
             await gateway.close()
@@ -40,18 +43,25 @@ async def _json(response, status: int) -> dict[str, Any]:
 
 async def test_keys_limits_usage_and_registry_work_on_a_cluster(cluster_mesh):
     cluster, gateway = cluster_mesh
-    created = await _json(await gateway.post("/admin/keys", json={"name": "c", "rpm": 3},
-                                             headers=ADMIN), 201)
+    created = await _json(
+        await gateway.post("/admin/keys", json={"name": "c", "rpm": 3}, headers=ADMIN), 201
+    )
     async with sdk(gateway, created["key"]) as client:
         reply = await client.chat.completions.create(**_CHAT)
     assert reply.usage.total_tokens > 0
-    rotated = await _json(await gateway.post(f"/admin/keys/{created['id']}/rotate",
-                                             headers=ADMIN), 201)
+    rotated = await _json(
+        await gateway.post(f"/admin/keys/{created['id']}/rotate", headers=ADMIN), 201
+    )
     assert rotated["limits"] == {"rpm": 3}
-    assert (await gateway.post("/v1/chat/completions", json=_CHAT,
-                               headers=auth(created["key"]))).status == 401
-    statuses = [(await gateway.post("/v1/chat/completions", json=_CHAT,
-                                    headers=auth(rotated["key"]))).status for _ in range(4)]
+    assert (
+        await gateway.post("/v1/chat/completions", json=_CHAT, headers=auth(created["key"]))
+    ).status == 401
+    statuses = [
+        (
+            await gateway.post("/v1/chat/completions", json=_CHAT, headers=auth(rotated["key"]))
+        ).status
+        for _ in range(4)
+    ]
     assert statuses == [200, 200, 200, 429]
     usage = await _json(await gateway.get(f"/admin/keys/{rotated['id']}/usage", headers=ADMIN), 200)
     assert usage["requests"] == 3 and usage["total_tokens"] > 0
@@ -72,11 +82,22 @@ async def test_a_master_killed_under_load_keeps_admissions_within_the_limit(tmp_
     """The whole mesh as processes; the master of the key's slot is killed 2 s into the
     load, with the requests-per-minute limit set to leave 40 more admissions."""
     concurrency = 8
-    r = await asyncio.to_thread(run_failover, tmp_path, duration_s=7.0, kill_at_s=2.0,
-                                concurrency=concurrency, headroom=40, pace_s=0.05)
+    r = await asyncio.to_thread(
+        run_failover,
+        tmp_path,
+        duration_s=7.0,
+        kill_at_s=2.0,
+        concurrency=concurrency,
+        headroom=40,
+        pace_s=0.05,
+    )
     # only these answers: served, over the limit, or Redis (or the registry) unavailable
-    assert set(r.statuses) <= {(200, ""), (429, "rate_limit_exceeded"),
-                               (503, "auth_unavailable"), (503, "service_unavailable")}, r.statuses
+    assert set(r.statuses) <= {
+        (200, ""),
+        (429, "rate_limit_exceeded"),
+        (503, "auth_unavailable"),
+        (503, "service_unavailable"),
+    }, r.statuses
     assert r.statuses.get((429, "rate_limit_exceeded"), 0) > 0, "the limit was never reached"
     assert r.first_ok_after_s < 10, "never served again after the failover"
     # the replica kept the counts: at most the writes in flight at the kill are lost
@@ -89,12 +110,17 @@ async def test_a_master_killed_under_load_keeps_admissions_within_the_limit(tmp_
 
 async def test_gateway_and_router_behind_sentinel_follow_a_failover(tmp_path):
     with SentinelServers(tmp_path) as sentinel:
-        async with running_router(redis_url=sentinel.url) as router, \
-                running_worker(sim_engine(zero_latency=True), router):
+        async with (
+            running_router(redis_url=sentinel.url) as router,
+            running_worker(sim_engine(zero_latency=True), router),
+        ):
             gateway = await start_gateway(make_config(sentinel.url, router.address))
             try:
-                key = (await _json(await gateway.post("/admin/keys", json={"name": "s"},
-                                                      headers=ADMIN), 201))["key"]
+                key = (
+                    await _json(
+                        await gateway.post("/admin/keys", json={"name": "s"}, headers=ADMIN), 201
+                    )
+                )["key"]
                 async with sdk(gateway, key) as client:
                     await client.chat.completions.create(**_CHAT)
                     old = sentinel.master_port()

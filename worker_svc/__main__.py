@@ -1,4 +1,5 @@
 """``python -m worker_svc [--config worker.toml]``"""
+
 from __future__ import annotations
 
 import sys

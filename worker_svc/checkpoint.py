@@ -6,6 +6,7 @@ weights are FP8 E4M3 with a float32 `<name>_scale_inv` per 128x128 block; those 
 load to the serving dtype, or kept in FP8 when the serving dtype is FP8 (sm90, see precision.py).
 Everything the loader rejects raises `CheckpointError` naming the file and the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,12 @@ def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     quant = config.get("quantization_config")
-    if quant is not None and (quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]):
-        raise CheckpointError(f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)")
+    if quant is not None and (
+        quant.get("quant_method") != "fp8" or quant.get("weight_block_size") != [128, 128]
+    ):
+        raise CheckpointError(
+            f"{path}: quantization_config {quant} is not supported (fp8, 128x128 blocks)"
+        )
     try:
         return config, model_args(config)
     except ConfigError as e:
@@ -83,7 +88,9 @@ def _open(path: Path, tensor: str | None = None) -> safe_open:
     try:
         return safe_open(path, framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated safetensors file{needed_for}: {e}") from None
+        raise CheckpointError(
+            f"{path}: corrupt or truncated safetensors file{needed_for}: {e}"
+        ) from None
 
 
 # -------------------------------------------------------------------------------------- weights
@@ -105,13 +112,17 @@ class _ShardReader:
         file = self.weight_map.get(name)
         if file is None:
             listing = _INDEX_FILE if (self.model_dir / _INDEX_FILE).exists() else _SINGLE_FILE
-            raise CheckpointError(f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint")
+            raise CheckpointError(
+                f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint"
+            )
         if file not in self._handles:
             self._handles[file] = _open(self.model_dir / file, name).__enter__()
         try:
             return self._handles[file].get_tensor(name), file
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise CheckpointError(f"{self.model_dir / file}: cannot read tensor {name}: {e}") from None
+            raise CheckpointError(
+                f"{self.model_dir / file}: cannot read tensor {name}: {e}"
+            ) from None
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -119,13 +130,17 @@ class _ShardReader:
         self._handles.clear()
 
 
-def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _read_tensor(
+    reader: _ShardReader, name: str, expected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The checked tensor as stored -> (tensor, its float32 block scale_inv if it is an FP8 linear
     weight)."""
     tensor, file = reader.get(name)
     where = f"{reader.model_dir / file}: tensor {name}"
     if tensor.shape != expected.shape:
-        raise CheckpointError(f"{where} has shape {tuple(tensor.shape)}, expected {tuple(expected.shape)}")
+        raise CheckpointError(
+            f"{where} has shape {tuple(tensor.shape)}, expected {tuple(expected.shape)}"
+        )
     if tensor.dtype == FP8 and is_fp8_linear(name):
         scale, scale_file = reader.get(name + "_scale_inv")
         want = block_scale_shape(tensor.shape)
@@ -136,7 +151,9 @@ def _read_tensor(reader: _ShardReader, name: str, expected: torch.Tensor) -> tup
             )
         return tensor, scale
     if tensor.dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"{where} has dtype {tensor.dtype}, expected FP8 E4M3 (linear) or bf16/fp16/fp32")
+        raise CheckpointError(
+            f"{where} has dtype {tensor.dtype}, expected FP8 E4M3 (linear) or bf16/fp16/fp32"
+        )
     return tensor, None
 
 
@@ -160,8 +177,10 @@ def load_checkpoint(
     config, args = read_config(model_dir)
     keep_fp8 = dtype == FP8
     if keep_fp8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
-        raise CheckpointError(f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
-                              "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16")
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
+            "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16"
+        )
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
         model = Transformer(args)
@@ -174,7 +193,10 @@ def load_checkpoint(
             tensor, scale_inv = _read_tensor(reader, name, expected[key])
             if scale_inv is not None and keep_fp8 and not key.endswith(_ABSORBED_WEIGHT):
                 cast(Linear, model.get_submodule(key.removesuffix(".weight"))).hold_fp8()
-                state[key], state[key + "_scale_inv"] = pad_to_blocks(tensor).to(device), scale_inv.to(device)
+                state[key], state[key + "_scale_inv"] = (
+                    pad_to_blocks(tensor).to(device),
+                    scale_inv.to(device),
+                )
                 continue
             if scale_inv is not None:
                 tensor = weight_dequant(tensor, scale_inv)
@@ -184,7 +206,9 @@ def load_checkpoint(
     used = {"lm_head.weight"} | {f"model.{k}" for k in expected}
     skipped = [n for n in reader.weight_map if n not in used and not n.endswith("_scale_inv")]
     if skipped:  # the MTP layers past num_hidden_layers
-        logger.info("skipped %d checkpoint tensors not used for decoding, e.g. %s", len(skipped), skipped[0])
+        logger.info(
+            "skipped %d checkpoint tensors not used for decoding, e.g. %s", len(skipped), skipped[0]
+        )
     model.load_state_dict(state, assign=True, strict=True)
     del state  # pack_weights replaces some of these tensors: let each go as it does
     model.reset_buffers(device)
@@ -194,9 +218,16 @@ def load_checkpoint(
 
 
 def _log_weight_memory(model: Transformer) -> None:
-    fp8 = [(m.weight, m.weight_scale_inv) for m in model.modules()
-           if isinstance(m, Linear) and m.weight_scale_inv is not None]
+    fp8 = [
+        (m.weight, m.weight_scale_inv)
+        for m in model.modules()
+        if isinstance(m, Linear) and m.weight_scale_inv is not None
+    ]
     fp8_bytes = sum(weight.nbytes + scale_inv.nbytes for weight, scale_inv in fp8)
     total = sum(t.nbytes for t in model.state_dict().values())
-    logger.info("weights: %.1f MiB, of which %d FP8 linear weights with block scales %.1f MiB",
-                total / 2**20, len(fp8), fp8_bytes / 2**20)
+    logger.info(
+        "weights: %.1f MiB, of which %d FP8 linear weights with block scales %.1f MiB",
+        total / 2**20,
+        len(fp8),
+        fp8_bytes / 2**20,
+    )

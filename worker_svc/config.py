@@ -1,6 +1,7 @@
 """Worker configuration, in the sections used in the field (``[server]``,
 ``[model]``, ``[attention]``, ``[quantization]``, ``[parallel]``, ``[cache]``) plus
 ``[router]``, the registry the worker reports to."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,12 +33,14 @@ class RouterSection:
 @section
 class ModelSection:
     path: str = DEFAULT_MODEL_PATH  # a local HF-format checkpoint directory
-    name: str = ""                  # the id clients ask for; empty: the directory's name
-    dtype: str = "auto"             # auto, bfloat16, float16 or float32
+    name: str = ""  # the id clients ask for; empty: the directory's name
+    dtype: str = "auto"  # auto, bfloat16, float16 or float32
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
+            )
 
     @property
     def served_name(self) -> str:
@@ -76,7 +79,9 @@ class ParallelSection:
     # Model parallelism across GPUs and nodes: only [engine] kind = "vllm" serves more than one GPU.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    expert_parallel_size: int = 1  # > 1: the routed experts spread over the tensor (x data) parallel ranks
+    expert_parallel_size: int = (
+        1  # > 1: the routed experts spread over the tensor (x data) parallel ranks
+    )
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
@@ -85,22 +90,35 @@ class ParallelSection:
         if self.max_parallel is not None and self.max_parallel < 1:
             raise ValueError(f"max_parallel: must be at least 1, got {self.max_parallel}")
         if self.dynamic_batch_timeout_ms is not None and self.dynamic_batch_timeout_ms < 0:
-            raise ValueError(f"dynamic_batch_timeout_ms: must be >= 0, got {self.dynamic_batch_timeout_ms}")
+            raise ValueError(
+                f"dynamic_batch_timeout_ms: must be >= 0, got {self.dynamic_batch_timeout_ms}"
+            )
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}")
+            raise ValueError(
+                f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}"
+            )
 
     def resolved(self, device: str, device_name: str) -> Batching:
         """This section with the unset knobs taken from the defaults for the device
         ("cuda"/"rocm"/"cpu")."""
-        defaults = _CPU_BATCHING_DEFAULTS if device == "cpu" else next(
-            (v for k, v in _GPU_BATCHING_DEFAULTS.items() if k in device_name), _OTHER_GPU_BATCHING_DEFAULTS)
+        defaults = (
+            _CPU_BATCHING_DEFAULTS
+            if device == "cpu"
+            else next(
+                (v for k, v in _GPU_BATCHING_DEFAULTS.items() if k in device_name),
+                _OTHER_GPU_BATCHING_DEFAULTS,
+            )
+        )
         return Batching(
             max_parallel=defaults[0] if self.max_parallel is None else self.max_parallel,
-            dynamic_batch_timeout_ms=defaults[1] if self.dynamic_batch_timeout_ms is None
+            dynamic_batch_timeout_ms=defaults[1]
+            if self.dynamic_batch_timeout_ms is None
             else self.dynamic_batch_timeout_ms,
-            max_waiting=self.max_waiting, prefill_chunk_size=self.prefill_chunk_size)
+            max_waiting=self.max_waiting,
+            prefill_chunk_size=self.prefill_chunk_size,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,20 +140,35 @@ class CacheSection:
     gpu_memory_utilization: float = 0.9
     cpu_cache_bytes: int = 64 * 2**20  # the cache's size on a CPU
     enable_prefix_caching: bool = True  # reuse the cache of a prompt prefix already computed
-    swap_space: float | None = None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
+    swap_space: float | None = (
+        None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size: must be at least 1, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.cpu_cache_bytes < 1:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
 
 
-_SIZE_KEYS = ("total_params_b", "active_params_b", "kv_bytes_per_token", "index_topk", "index_bytes_per_token")
-_SIZE_DEFAULTS = {"total_params_b": 8.0, "active_params_b": 8.0, "kv_bytes_per_token": 131072, "index_topk": 0,
-                  "index_bytes_per_token": 0}
+_SIZE_KEYS = (
+    "total_params_b",
+    "active_params_b",
+    "kv_bytes_per_token",
+    "index_topk",
+    "index_bytes_per_token",
+)
+_SIZE_DEFAULTS = {
+    "total_params_b": 8.0,
+    "active_params_b": 8.0,
+    "kv_bytes_per_token": 131072,
+    "index_topk": 0,
+    "index_bytes_per_token": 0,
+}
 
 
 # A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
@@ -159,7 +192,7 @@ class EngineSection:
     # sparse attention: each query attends to at most index_topk tokens, after the indexer scored
     # all of them, reading index_bytes_per_token of cached indexer keys per token.
     model: str = ""
-    total_params_b: float | None = None   # billions of weights held in memory
+    total_params_b: float | None = None  # billions of weights held in memory
     active_params_b: float | None = None  # billions read per token (MoE: the active experts)
     kv_bytes_per_token: int | None = None
     index_topk: int | None = None
@@ -175,7 +208,9 @@ class EngineSection:
 
     def __post_init__(self) -> None:
         if self.gpu not in gpu_profiles():
-            raise ValueError(f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}")
+            raise ValueError(
+                f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}"
+            )
         if self.model:
             try:
                 model_size_of(self.model)
@@ -183,25 +218,42 @@ class EngineSection:
                 raise ValueError(f"model: {e}") from None
         given = [key for key in _SIZE_KEYS if getattr(self, key) is not None]
         if self.model and given:
-            raise ValueError(f"model: {self.model!r} sets the sizes; {', '.join(given)} must be left unset")
+            raise ValueError(
+                f"model: {self.model!r} sets the sizes; {', '.join(given)} must be left unset"
+            )
         size = self.size()
         if self.gpu_count < 0 or size.kv_values_per_token < 1 or self.kv_budget_tokens < 1:
-            raise ValueError("need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1")
-        if min(self.attention_flops_per_key, size.index_topk, size.index_values_per_token,
-               self.index_flops_per_key) < 0:
-            raise ValueError("attention_flops_per_key, index_topk, index_bytes_per_token and "
-                             "index_flops_per_key must be >= 0")
+            raise ValueError(
+                "need gpu_count >= 0, kv_bytes_per_token >= 1 and kv_budget_tokens >= 1"
+            )
+        if (
+            min(
+                self.attention_flops_per_key,
+                size.index_topk,
+                size.index_values_per_token,
+                self.index_flops_per_key,
+            )
+            < 0
+        ):
+            raise ValueError(
+                "attention_flops_per_key, index_topk, index_bytes_per_token and "
+                "index_flops_per_key must be >= 0"
+            )
         if not 0 < size.active_params <= size.params:
-            raise ValueError(f"need 0 < active_params_b ({size.active_params / 1e9}) "
-                             f"<= total_params_b ({size.params / 1e9})")
+            raise ValueError(
+                f"need 0 < active_params_b ({size.active_params / 1e9}) "
+                f"<= total_params_b ({size.params / 1e9})"
+            )
 
     def size(self) -> ModelSize:
         """The simulated model's sizes: the `model`'s config.json's, or the keys' (defaults where
         unset)."""
         if self.model:
             return model_size_of(self.model)
-        total, active, kv, topk, index = (_SIZE_DEFAULTS[key] if getattr(self, key) is None else getattr(self, key)
-                                          for key in _SIZE_KEYS)
+        total, active, kv, topk, index = (
+            _SIZE_DEFAULTS[key] if getattr(self, key) is None else getattr(self, key)
+            for key in _SIZE_KEYS
+        )
         return ModelSize.of_params("sim", total * 1e9, active * 1e9, int(kv), int(index), int(topk))
 
 
@@ -220,11 +272,16 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.engine.kind != "vllm":
             p = self.parallel
-            many = [k for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
-                    if getattr(p, k) > 1]
+            many = [
+                k
+                for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+                if getattr(p, k) > 1
+            ]
             if many:
-                raise ValueError(f"[parallel] {many[0]}: the {self.engine.kind} engine serves on one device; "
-                                 'set [engine] kind = "vllm" to spread a model over GPUs')
+                raise ValueError(
+                    f"[parallel] {many[0]}: the {self.engine.kind} engine serves on one device; "
+                    'set [engine] kind = "vllm" to spread a model over GPUs'
+                )
 
 
 def load(path: str | None) -> WorkerConfig:

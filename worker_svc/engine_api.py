@@ -4,6 +4,7 @@ Both engines speak it: the DeepSeek-V3 `Engine` (engine.py, torch) and the simul
 `SimEngine` (sim_engine.py, no model). Keeping these types here lets a simulated worker start
 without importing torch, so one machine can host dozens of them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -177,13 +178,18 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         if not low <= getattr(p, name) <= high:
             raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
     if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+        raise InvalidRequestError(
+            f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}"
+        )
     if len(p.stop) > _MAX_STOP_SEQUENCES:
-        raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed")
+        raise InvalidRequestError(
+            f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed"
+        )
     if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError(
             f"stop_token_ids has {len(p.stop_token_ids)} "
-            f"ids; at most {_MAX_STOP_TOKEN_IDS} are allowed")
+            f"ids; at most {_MAX_STOP_TOKEN_IDS} are allowed"
+        )
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
@@ -197,8 +203,11 @@ def check_prompt(request: GenerationRequest) -> None:
         if not request.messages:
             raise InvalidRequestError("messages is empty")
         for i, m in enumerate(request.messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
                 raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
     elif not request.prompt:
         raise InvalidRequestError("prompt is empty")
@@ -210,13 +219,15 @@ def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len:
     if prompt_tokens >= max_model_len:
         raise InvalidRequestError(
             f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (the prompt and "
-            "at least one generated token must fit)")
+            "at least one generated token must fit)"
+        )
     if max_tokens is None:
         return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-            f"length {max_model_len}")
+            f"length {max_model_len}"
+        )
     return max_tokens
 
 
@@ -228,12 +239,17 @@ def check_batching_hints(request: GenerationRequest) -> None:
         raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
 
 
-def bounded_batching_hints(request: GenerationRequest, max_parallel: int,
-                           dynamic_batch_timeout_ms: int) -> tuple[int, int]:
+def bounded_batching_hints(
+    request: GenerationRequest, max_parallel: int, dynamic_batch_timeout_ms: int
+) -> tuple[int, int]:
     """The request's (max_parallel, dynamic_batch_timeout_ms) hints bounded by the worker's."""
     timeout_ms = request.dynamic_batch_timeout_ms
-    return (min(request.max_parallel or max_parallel, max_parallel),
-            dynamic_batch_timeout_ms if timeout_ms is None else min(timeout_ms, dynamic_batch_timeout_ms))
+    return (
+        min(request.max_parallel or max_parallel, max_parallel),
+        dynamic_batch_timeout_ms
+        if timeout_ms is None
+        else min(timeout_ms, dynamic_batch_timeout_ms),
+    )
 
 
 def check_request(request: GenerationRequest, vocab_size: int) -> None:
@@ -277,7 +293,9 @@ def check_constraints(c: Constraints) -> None:
     names = [t.name for t in c.tools]
     for i, tool in enumerate(c.tools):
         if not _TOOL_NAME.fullmatch(tool.name):
-            raise InvalidRequestError(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}")
+            raise InvalidRequestError(
+                f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}"
+            )
         _json_object(tool.parameters, f"tools[{i}].parameters")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -285,7 +303,9 @@ def check_constraints(c: Constraints) -> None:
     if c.tool_choice in ("required", "named") and not c.tools:
         raise InvalidRequestError(f"tool_choice {c.tool_choice!r} needs tools")
     if c.tool_choice == "named" and c.tool_name not in names:
-        raise InvalidRequestError(f"tool_choice names {c.tool_name!r}, which is not one of the tools")
+        raise InvalidRequestError(
+            f"tool_choice names {c.tool_name!r}, which is not one of the tools"
+        )
     if c.json_schema is not None:
         _json_object(c.json_schema, "json_schema")
 
@@ -309,11 +329,16 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
     logprobs = [lp for c in chunks for lp in c.logprobs or ()]
     tool_calls = [d for c in chunks for d in c.tool_calls or ()]
     return GenerationChunk(
-        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
-        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens, cached_prompt_tokens=last.cached_prompt_tokens,
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_prompt_tokens=last.cached_prompt_tokens,
         logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None,
-        queue_s=chunks[0].queue_s, tool_calls=_merged_deltas(tool_calls) or None)
+        queue_s=chunks[0].queue_s,
+        tool_calls=_merged_deltas(tool_calls) or None,
+    )
 
 
 def _merged_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
@@ -329,8 +354,9 @@ def _merged_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     return merged
 
 
-async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
-                       abort: Callable[[], None]) -> AsyncGenerator[GenerationChunk, None]:
+async def drain_chunks(
+    chunks: asyncio.Queue[GenerationChunk | BaseException], abort: Callable[[], None]
+) -> AsyncGenerator[GenerationChunk, None]:
     """Yields what an engine puts on ``chunks`` up to the last chunk (finish_reason set),
     raising an exception put there; calls ``abort()`` if the consumer stops before the end.
     Chunks that queued up while the consumer was busy come out merged into one: a slow
@@ -339,8 +365,11 @@ async def drain_chunks(chunks: asyncio.Queue[GenerationChunk | BaseException],
     try:
         while not finished:
             ready = [await chunks.get()]
-            while (not isinstance(ready[-1], BaseException) and ready[-1].finish_reason is None
-                   and not chunks.empty()):
+            while (
+                not isinstance(ready[-1], BaseException)
+                and ready[-1].finish_reason is None
+                and not chunks.empty()
+            ):
                 ready.append(chunks.get_nowait())
             last = ready[-1]
             error = last if isinstance(last, BaseException) else None

@@ -1,4 +1,5 @@
 """GPU profiles (gpu_profiles.toml): the figures the simulated engine's roofline uses."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +29,20 @@ class GpuProfile:
     def precision(self) -> Precision:
         """What the precision policy (precision.choose_precision) runs here: FP8 on sm90,
         else BF16 where the GPU has it, else FP16."""
-        if "fp8" in self.flops and self.device == "cuda" and self.compute_capability.startswith("9."):
+        if (
+            "fp8" in self.flops
+            and self.device == "cuda"
+            and self.compute_capability.startswith("9.")
+        ):
             return "fp8"
         return "bf16" if "bf16" in self.flops else "fp16"
 
     def without_fp8(self) -> GpuProfile:
         """This GPU serving a checkpoint with no FP8 weights (DeepSeek-V2's BF16): the policy's next
         choice."""
-        return dataclasses.replace(self, flops={dtype: f for dtype, f in self.flops.items() if dtype != "fp8"})
+        return dataclasses.replace(
+            self, flops={dtype: f for dtype, f in self.flops.items() if dtype != "fp8"}
+        )
 
     @property
     def bytes_per_weight(self) -> int:
@@ -60,9 +67,15 @@ def gpu_profiles() -> dict[str, GpuProfile]:
     """Every profile in gpu_profiles.toml, by name."""
     with _PROFILES_PATH.open("rb") as f:
         tables = tomllib.load(f)
-    return {name: GpuProfile(
-        name=name, device=t["device"], device_name=t["device_name"],
-        compute_capability=t["compute_capability"], memory_bytes=int(t["memory_gb"] * 1e9),
-        bandwidth_bytes_per_s=t["bandwidth_gb_s"] * 1e9,
-        flops={dtype: tf * 1e12 for dtype, tf in t["tflops"].items()})
-        for name, t in tables.items()}
+    return {
+        name: GpuProfile(
+            name=name,
+            device=t["device"],
+            device_name=t["device_name"],
+            compute_capability=t["compute_capability"],
+            memory_bytes=int(t["memory_gb"] * 1e9),
+            bandwidth_bytes_per_s=t["bandwidth_gb_s"] * 1e9,
+            flops={dtype: tf * 1e12 for dtype, tf in t["tflops"].items()},
+        )
+        for name, t in tables.items()
+    }

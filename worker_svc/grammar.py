@@ -8,6 +8,7 @@ only. A ``json_schema`` makes the text a JSON value of that schema. JSON is comp
 whitespace), so a model cannot spend its tokens on blanks. Compiled grammars are cached by their
 text; each sequence gets a copy of the compiled matcher.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,10 +37,18 @@ _BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
 class GrammarCompiler:
     """Grammars for one checkpoint's tokenizer; `matcher()` is safe to call from the event loop."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = 256,
+    ):
         self.markers = ToolMarkers.of(tokenizer)
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer.hf, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
         self._compiled = functools.lru_cache(cache_size)(self._compile)
 
     def matcher(self, constraints: Constraints) -> llguidance.LLMatcher | None:
@@ -49,9 +58,13 @@ class GrammarCompiler:
         return self._compiled(lark_grammar(constraints, self.markers)).deep_copy()
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+        )
         if matcher.is_error():
-            raise InvalidRequestError(f"the tools or json_schema cannot be enforced: {matcher.get_error()}")
+            raise InvalidRequestError(
+                f"the tools or json_schema cannot be enforced: {matcher.get_error()}"
+            )
         return matcher
 
 
@@ -59,7 +72,9 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     """The llguidance Lark grammar of `c` (which constrains something)."""
     json_answer = f"%json {_compact_schema(c.json_schema)}" if c.json_schema is not None else None
     if c.tools and markers is None:
-        raise InvalidRequestError("this model's tokenizer has no tool-call tokens: it cannot call tools")
+        raise InvalidRequestError(
+            "this model's tokenizer has no tool-call tokens: it cannot call tools"
+        )
     if not c.tools or c.tool_choice == "none":
         return f"start: {json_answer}\n" if json_answer else "start: TEXT?\nTEXT: /(?s:.+)/\n"
     assert markers is not None
@@ -69,14 +84,18 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
         start = "calls"
     tools = [t for t in c.tools if c.tool_choice != "named" or t.name == c.tool_name]
     more = ' ("\\n"? call)*' if c.parallel_tool_calls else ""
-    lines = [f"start: {start}",
-             f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
-             f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> '
-             f'({" | ".join(f"fn_{i}" for i in range(len(tools)))})']
+    lines = [
+        f"start: {start}",
+        f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
+        f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> '
+        f"({' | '.join(f'fn_{i}' for i in range(len(tools)))})",
+    ]
     for i, tool in enumerate(tools):
         header = json.dumps(f"{tool.name}\n```json\n")
-        lines.append(f'fn_{i}: {header} %json {_compact_schema(tool.parameters)} '
-                     f'"\\n```" <[{markers.call_end}]>')
+        lines.append(
+            f"fn_{i}: {header} %json {_compact_schema(tool.parameters)} "
+            f'"\\n```" <[{markers.call_end}]>'
+        )
     lines.append("TEXT: /(?s:.+)/")
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,7 @@ nearly, not exactly, the same tokens (docs/BENCHMARKS.md).
 Long prefill chunks are processed in slices of queries so that no intermediate tensor holds more
 than `_MAX_ELEMENTS` numbers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,7 +35,12 @@ def query_slices(seqlen: int, elements_per_query: int) -> list[slice]:
 
 
 def select_tokens(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, topk: int, softmax_scale: float
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor,
+    topk: int,
+    softmax_scale: float,
 ) -> torch.Tensor:
     """The `topk` key positions each query scores highest -> [b, s, topk] indices into 0..L-1.
 
@@ -47,14 +53,21 @@ def select_tokens(
     keys = keys.float()
     picked = []
     for part in query_slices(seqlen, batch * heads * keys.size(1)):
-        scores = torch.einsum("bshd,btd->bsht", q[:, part].float(), keys).mul_(softmax_scale).relu_()
+        scores = (
+            torch.einsum("bshd,btd->bsht", q[:, part].float(), keys).mul_(softmax_scale).relu_()
+        )
         index = torch.einsum("bsh,bsht->bst", weights[:, part], scores) + mask[:, part]
         picked.append(index.topk(topk, dim=-1).indices)
     return torch.cat(picked, dim=1)
 
 
 def select_tokens_fp8(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, topk: int, softmax_scale: float
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor,
+    topk: int,
+    softmax_scale: float,
 ) -> torch.Tensor:
     """select_tokens with DeepSeek's FP8 scoring of Hadamard-rotated q and keys (`hadamard_rotate`):
     each vector quantized to FP8 E4M3 with one scale, their FP8 products summed in float32 and

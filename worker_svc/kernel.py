@@ -13,6 +13,7 @@ outputs. `fp8_gemm` has two implementations behind one function: torch's block-w
 (cuBLASLt) where `native_fp8_gemm_available` says it runs (CUDA sm90), and a plain-torch reference
 of the formulas that runs anywhere (CPU tests, other devices).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,7 +35,9 @@ _NATIVE_ROW_MULTIPLE = 8
 GemmImpl = Literal["auto", "native", "reference"]
 
 
-def block_scale_shape(shape: torch.Size | tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+def block_scale_shape(
+    shape: torch.Size | tuple[int, ...], block_size: int = BLOCK_SIZE
+) -> tuple[int, int]:
     """Shape of the per-block scales of a [rows, cols] weight: partial edge blocks get their own
     scale."""
     return (-(-shape[0] // block_size), -(-shape[1] // block_size))
@@ -45,19 +48,30 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, what: str) -> None:
-    _check(weight.dim() == 2 and weight.dtype == FP8, f"{what}: weight must be 2-D {FP8}, got {weight.dtype} "
-           f"{tuple(weight.shape)}")
+def _check_weight(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, what: str
+) -> None:
+    _check(
+        weight.dim() == 2 and weight.dtype == FP8,
+        f"{what}: weight must be 2-D {FP8}, got {weight.dtype} {tuple(weight.shape)}",
+    )
     want = block_scale_shape(weight.shape, block_size)
-    _check(scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == want,
-           f"{what}: scale_inv must be float32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
-    _check(weight.is_contiguous() and scale_inv.is_contiguous(), f"{what}: weight and scale_inv must be contiguous")
+    _check(
+        scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == want,
+        f"{what}: scale_inv must be float32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}",
+    )
+    _check(
+        weight.is_contiguous() and scale_inv.is_contiguous(),
+        f"{what}: weight and scale_inv must be contiguous",
+    )
 
 
 # ---------------------------------------------------------------------------------------- weights
 
 
-def weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def weight_dequant(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
     """w[i, j] = fp8[i, j] * scale_inv[i // block, j // block], as a new float32 tensor.
 
     weight: [M, N] float8_e4m3fn; scale_inv: [ceil(M / block), ceil(N / block)] float32.
@@ -68,13 +82,17 @@ def weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: in
     return weight.float() * scale
 
 
-def weight_quant(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_quant(
+    weight: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of weight_dequant: per-block scale = amax / 448 -> (fp8 weight, float32
     scale_inv)."""
     _check(weight.dim() == 2, f"weight_quant: weight must be 2-D, got {tuple(weight.shape)}")
     m, n = weight.shape
     sm, sn = block_scale_shape(weight.shape, block_size)
-    padded = torch.zeros(sm * block_size, sn * block_size, dtype=torch.float32, device=weight.device)
+    padded = torch.zeros(
+        sm * block_size, sn * block_size, dtype=torch.float32, device=weight.device
+    )
     padded[:m, :n] = weight.float()
     blocks = padded.view(sm, block_size, sn, block_size)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # [sm, sn]
@@ -104,7 +122,10 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tens
     1x128 scales in, so fp8_gemm needs no transposing copy.
     """
     _check(x.is_contiguous(), "act_quant: input must be contiguous")
-    _check(x.size(-1) % block_size == 0, f"act_quant: last dim {x.size(-1)} is not a multiple of {block_size}")
+    _check(
+        x.size(-1) % block_size == 0,
+        f"act_quant: last dim {x.size(-1)} is not a multiple of {block_size}",
+    )
     groups = x.float().unflatten(-1, (-1, block_size))  # [..., K / 128, 128]
     # [..., K / 128], group-major in memory
     amax = groups.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)
@@ -126,7 +147,10 @@ def native_fp8_gemm_available(device: torch.device) -> bool:
     if not hasattr(F, "scaled_mm") or not hasattr(scaling, "BlockWise1x128"):
         return False
     cuda_version = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
-    return cuda_version >= _MIN_CUDA_FOR_BLOCKWISE and torch.cuda.get_device_capability(device) == (9, 0)
+    return cuda_version >= _MIN_CUDA_FOR_BLOCKWISE and torch.cuda.get_device_capability(device) == (
+        9,
+        0,
+    )
 
 
 def fp8_gemm(
@@ -147,26 +171,36 @@ def fp8_gemm(
     plain torch, "auto" = native where available and N % 16 == 0 (cuBLASLt's FP8 alignment), else
     reference.
     """
-    _check(a.dim() == 2 and a.dtype == FP8, f"fp8_gemm: a must be 2-D {FP8}, got {a.dtype} {tuple(a.shape)}")
+    _check(
+        a.dim() == 2 and a.dtype == FP8,
+        f"fp8_gemm: a must be 2-D {FP8}, got {a.dtype} {tuple(a.shape)}",
+    )
     _check_weight(b, b_scale, BLOCK_SIZE, "fp8_gemm")
     (m, k), n = a.shape, b.size(0)
     _check(k % BLOCK_SIZE == 0, f"fp8_gemm: K={k} is not a multiple of {BLOCK_SIZE}")
     _check(b.size(1) == k, f"fp8_gemm: a has K={k}, b has K={b.size(1)}")
-    _check(a_scale.dtype == torch.float32 and tuple(a_scale.shape) == (m, k // BLOCK_SIZE),
-           f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, "
-           f"got {a_scale.dtype} {tuple(a_scale.shape)}")
+    _check(
+        a_scale.dtype == torch.float32 and tuple(a_scale.shape) == (m, k // BLOCK_SIZE),
+        f"fp8_gemm: a_scale must be float32 {(m, k // BLOCK_SIZE)}, "
+        f"got {a_scale.dtype} {tuple(a_scale.shape)}",
+    )
     _check(a.is_contiguous(), "fp8_gemm: a must be contiguous")
     native = native_fp8_gemm_available(a.device)
     if impl == "native":
-        _check(native, f"fp8_gemm: no native block-wise FP8 GEMM on "
-                       f"{a.device} (needs CUDA sm90, CUDA >= 12.9)")
+        _check(
+            native,
+            f"fp8_gemm: no native block-wise FP8 GEMM on "
+            f"{a.device} (needs CUDA sm90, CUDA >= 12.9)",
+        )
         _check(n % 16 == 0, f"fp8_gemm: native GEMM needs N % 16 == 0, got N={n}")
     if impl == "native" or (impl == "auto" and native and n % 16 == 0):
         return _fp8_gemm_blockwise_scaled_mm(a, a_scale, b, b_scale, out_dtype)
     return _fp8_gemm_reference(a, a_scale, b, b_scale).to(out_dtype)
 
 
-def _fp8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+def _fp8_gemm_reference(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
     """The kernel's loop in plain torch: per 128-wide K slice, FP8 products, scaled, summed in
     FP32."""
     (m, k), n = a.shape, b.size(0)
@@ -181,7 +215,11 @@ def _fp8_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 
 
 def _fp8_gemm_blockwise_scaled_mm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_mm with 1x128 activation and 128x128 weight scales (cuBLASLt,
     sm90)."""
@@ -195,9 +233,12 @@ def _fp8_gemm_blockwise_scaled_mm(
         b_scale = F.pad(b_scale, (0, -k_blocks % 4))
     y = F.scaled_mm(
         # [K, N] column-major view of the row-major weight, as cuBLASLt wants
-        _pad_rows(a, rows), b.t(),
-        _token_major(a_scale, rows), F.ScalingType.BlockWise1x128,
-        b_scale.t(), F.ScalingType.BlockWise128x128,
+        _pad_rows(a, rows),
+        b.t(),
+        _token_major(a_scale, rows),
+        F.ScalingType.BlockWise1x128,
+        b_scale.t(),
+        F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
         # full FP32 accumulation, not Hopper's reduced-precision fast accumulation
         use_fast_accum=False,
@@ -220,7 +261,9 @@ def _token_major(scale: torch.Tensor, rows: int) -> torch.Tensor:
     m, groups = scale.shape
     if rows == m and scale.stride(0) == 1 and (groups == 1 or scale.stride(1) == m):
         return scale
-    out = torch.empty_strided((rows, groups), (1, rows), dtype=scale.dtype, device=scale.device).fill_(1.0)
+    out = torch.empty_strided(
+        (rows, groups), (1, rows), dtype=scale.dtype, device=scale.device
+    ).fill_(1.0)
     out[:m].copy_(scale)
     return out
 
@@ -233,7 +276,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     match.
     """
     k, k_padded = x.size(-1), weight.size(1)
-    _check(k <= k_padded < k + BLOCK_SIZE, f"fp8_linear: input width {k} does not fit weight {tuple(weight.shape)}")
+    _check(
+        k <= k_padded < k + BLOCK_SIZE,
+        f"fp8_linear: input width {k} does not fit weight {tuple(weight.shape)}",
+    )
     x2d = x.reshape(-1, k)
     if k_padded != k:
         x2d = F.pad(x2d, (0, k_padded - k))

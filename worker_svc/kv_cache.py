@@ -7,6 +7,7 @@ system prompt) reuses the computed latents. Blocks nobody holds keep their conte
 until they are needed again: free blocks are taken first, then the least recently freed cached
 ones. SHA-256 keeps a crafted prompt from colliding with another tenant's prefix.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +43,9 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        assert num_blocks > 0 and block_size > 0, f"num_blocks={num_blocks}, block_size={block_size}"
+        assert num_blocks > 0 and block_size > 0, (
+            f"num_blocks={num_blocks}, block_size={block_size}"
+        )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         # never hashed (or evicted); pop() from the end
@@ -163,7 +166,9 @@ def unabsorbed_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
     return args.n_layers * per_layer * dtype.itemsize
 
 
-def cache_budget_bytes(device: torch.device, gpu_memory_utilization: float, cpu_cache_bytes: int) -> int:
+def cache_budget_bytes(
+    device: torch.device, gpu_memory_utilization: float, cpu_cache_bytes: int
+) -> int:
     """On a GPU: the share `gpu_memory_utilization` of device memory minus what is used already (the
     weights); the rest is left to activations. On a CPU: the configured byte budget."""
     if device.type != "cuda":

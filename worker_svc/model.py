@@ -9,6 +9,7 @@ picks the tokens MLA attends to (worker_svc.indexer). Module and parameter names
 checkpoint (`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's
 words (MLA, Gate, Expert, MoE, Block).
 """
+
 from __future__ import annotations
 
 import functools
@@ -97,7 +98,10 @@ class ModelArgs:
     def __post_init__(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         assert self.n_routed_experts % self.n_expert_groups == 0, f"n_group={self.n_expert_groups}"
-        assert self.scoring_func in SCORING_FUNCS and self.topk_method in TOPK_METHODS, (self.scoring_func, self.topk_method)
+        assert self.scoring_func in SCORING_FUNCS and self.topk_method in TOPK_METHODS, (
+            self.scoring_func,
+            self.topk_method,
+        )
         assert self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq}"
 
     def is_moe_layer(self, layer_id: int) -> bool:
@@ -135,7 +139,11 @@ def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, floa
     dim, base, factor = args.qk_rope_head_dim, args.rope_theta, args.rope_factor
 
     def correction_dim(num_rotations: float) -> float:
-        return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(args.original_seq_len / (num_rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(args.beta_fast), correction_dim(args.beta_slow)
     if args.rope_truncate:
@@ -148,11 +156,15 @@ def yarn_freqs(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, floa
     if args.rope_attention_factor is not None:
         return freqs, args.rope_attention_factor
     if args.mscale and args.mscale_all_dim:
-        return freqs, yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(factor, args.mscale_all_dim)
+        return freqs, yarn_get_mscale(factor, args.mscale) / yarn_get_mscale(
+            factor, args.mscale_all_dim
+        )
     return freqs, yarn_get_mscale(factor)
 
 
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+def apply_rotary_emb(
+    x: torch.Tensor, freqs_cis: torch.Tensor, interleaved: bool = True
+) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: [T, H, rope_dim]; freqs_cis: [T,
     rope_dim/2].
 
@@ -207,7 +219,9 @@ class Linear(nn.Linear):
         block scales."""
         out_features, k_padded = self.out_features, -(-self.in_features // BLOCK_SIZE) * BLOCK_SIZE
         device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(out_features, k_padded, dtype=FP8, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, k_padded, dtype=FP8, device=device), requires_grad=False
+        )
         scale_shape = block_scale_shape((out_features, k_padded))
         self.weight_scale_inv = torch.empty(scale_shape, dtype=torch.float32, device=device)
 
@@ -231,7 +245,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x @ W.T is as fast or faster.
     """
     rows = x.size(0)
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or rows >= _WEIGHT_LEFT_UNDER_ROWS:
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or rows >= _WEIGHT_LEFT_UNDER_ROWS
+    ):
         return F.linear(x, weight)
     columns = (x if rows > 1 else torch.cat((x, x))).t()  # [in, max(T, 2)]
     out = x.new_empty(rows, weight.size(0))
@@ -255,7 +273,9 @@ def pack_linears(linears: list[Linear]) -> torch.Tensor | None:
     if any(linear.weight_scale_inv is not None for linear in linears):
         return None
     packed = torch.cat([linear.weight for linear in linears])
-    for linear, weight in zip(linears, packed.split([linear.out_features for linear in linears]), strict=True):
+    for linear, weight in zip(
+        linears, packed.split([linear.out_features for linear in linears]), strict=True
+    ):
         linear.weight = nn.Parameter(weight, requires_grad=False)
     return packed
 
@@ -272,9 +292,18 @@ class KVCache:
     (worker_svc.kv_cache), the forward pass only reads and writes the slots a `BatchLayout` names.
     """
 
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         width = args.kv_lora_rank + args.qk_rope_head_dim
-        self.kv = torch.zeros(args.n_layers, num_blocks * block_size, width, dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            args.n_layers, num_blocks * block_size, width, dtype=dtype, device=device
+        )
         self.index_k: torch.Tensor | None = None
         if args.sparse:
             shape = (args.n_layers, num_blocks * block_size, args.index_head_dim)
@@ -302,13 +331,17 @@ class AttentionGroup:
     mask: torch.Tensor
 
     @classmethod
-    def build(cls, token_start: int, query_positions: torch.Tensor, key_slots: torch.Tensor) -> AttentionGroup:
+    def build(
+        cls, token_start: int, query_positions: torch.Tensor, key_slots: torch.Tensor
+    ) -> AttentionGroup:
         """query_positions: [b, s] positions of the new tokens; key_slots: [b, L] slots of positions
         0..L-1."""
         batch, seqlen = query_positions.shape
         key_positions = torch.arange(key_slots.size(1), device=key_slots.device)
         future = key_positions > query_positions.unsqueeze(-1)  # [b, s, L]
-        mask = torch.zeros(future.shape, device=key_slots.device).masked_fill_(future, float("-inf"))
+        mask = torch.zeros(future.shape, device=key_slots.device).masked_fill_(
+            future, float("-inf")
+        )
         return cls(token_start, batch, seqlen, key_slots, mask)
 
 
@@ -327,7 +360,9 @@ class BatchLayout:
     logits_index: torch.Tensor
 
     @classmethod
-    def contiguous(cls, batch: int, seqlen: int, start_pos: int, block_size: int, device: torch.device) -> BatchLayout:
+    def contiguous(
+        cls, batch: int, seqlen: int, start_pos: int, block_size: int, device: torch.device
+    ) -> BatchLayout:
         """`batch` sequences at the same positions, sequence i in block i; logits of each last
         token."""
         # [B, S]
@@ -357,7 +392,12 @@ class Indexer(nn.Module):
         self.softmax_scale = args.index_head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, q_latent: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        layout: BatchLayout,
+        freqs_cis: torch.Tensor,
+        cache: KVCache,
     ) -> list[torch.Tensor | None]:
         """Caches each token's indexer key -> per attention group, [b, s, index_topk] selected
         positions, or None where no query sees more than index_topk tokens (so all of them are
@@ -385,15 +425,24 @@ class Indexer(nn.Module):
                 continue
             end = group.token_start + group.batch * group.seqlen
             shape = (group.batch, group.seqlen)
-            selections.append(select(q[group.token_start : end].unflatten(0, shape),
-                                     weights[group.token_start : end].unflatten(0, shape),
-                                     keys[group.key_slots], group.mask, a.index_topk, self.softmax_scale))
+            selections.append(
+                select(
+                    q[group.token_start : end].unflatten(0, shape),
+                    weights[group.token_start : end].unflatten(0, shape),
+                    keys[group.key_slots],
+                    group.mask,
+                    a.index_topk,
+                    self.softmax_scale,
+                )
+            )
         return selections
 
     def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """Non-interleaved RoPE on the leading qk_rope_head_dim features of x: [T, H,
         index_head_dim]."""
-        rope, rest = x.split([self.args.qk_rope_head_dim, self.args.index_head_dim - self.args.qk_rope_head_dim], -1)
+        rope, rest = x.split(
+            [self.args.qk_rope_head_dim, self.args.index_head_dim - self.args.qk_rope_head_dim], -1
+        )
         return torch.cat([apply_rotary_emb(rope, freqs_cis, interleaved=False), rest], dim=-1)
 
 
@@ -412,7 +461,9 @@ class MLA(nn.Module):
             self.q_proj = _linear(args.dim, args.n_heads * args.qk_head_dim)
         self.kv_a_proj_with_mqa = _linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
-        self.kv_b_proj = _linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim))
+        self.kv_b_proj = _linear(
+            args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
+        )
         self.o_proj = _linear(args.n_heads * args.v_head_dim, args.dim)
         self.softmax_scale = args.qk_head_dim**-0.5
         if args.rope_factor > 1 and args.mscale_all_dim:
@@ -436,24 +487,33 @@ class MLA(nn.Module):
         if self.wq_kv_a is None:
             q, kv = q_proj(x), kv_proj(x)
         else:
-            q, kv = dense_linear(x, self.wq_kv_a).split([q_proj.out_features, kv_proj.out_features], dim=-1)
+            q, kv = dense_linear(x, self.wq_kv_a).split(
+                [q_proj.out_features, kv_proj.out_features], dim=-1
+            )
         if self.args.q_lora_rank:
             q_latent = self.q_a_layernorm(q)
             return self.q_b_proj(q_latent), kv, q_latent
         return q, kv, x
 
-    def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """x: [T, dim], the step's tokens of all sequences packed; freqs_cis: [T, r/2] at their
         positions."""
         a = self.args
         q, kv, q_latent = self._query_and_latent(x)
-        q_nope, q_pe = torch.split(q.unflatten(-1, (self.n_heads, a.qk_head_dim)), [a.qk_nope_head_dim,
-                                   a.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = torch.split(
+            q.unflatten(-1, (self.n_heads, a.qk_head_dim)),
+            [a.qk_nope_head_dim, a.qk_rope_head_dim],
+            dim=-1,
+        )
         q_pe = apply_rotary_emb(q_pe, freqs_cis)  # [T, H, r]
         kv, k_pe = torch.split(kv, [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(1), freqs_cis).squeeze(1)  # [T, r]
         layer_cache = cache.kv[self.layer_id]  # [slots, c + r]
-        layer_cache.index_copy_(0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1))
+        layer_cache.index_copy_(
+            0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1)
+        )
 
         # absorb kv_b_proj: q_nope -> latent space (one dot product with [latent, k_pe] scores both
         # parts), attention output latent -> v
@@ -461,14 +521,24 @@ class MLA(nn.Module):
         q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
         groups = layout.groups
-        chosen = [None] * len(groups) if self.indexer is None else self.indexer(x, q_latent, layout, freqs_cis, cache)
+        chosen = (
+            [None] * len(groups)
+            if self.indexer is None
+            else self.indexer(x, q_latent, layout, freqs_cis, cache)
+        )
         # [T, H, c]
-        out = torch.cat([self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)])
+        out = torch.cat(
+            [self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)]
+        )
         out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
     def _attend(
-        self, query: torch.Tensor, group: AttentionGroup, layer_cache: torch.Tensor, selected: torch.Tensor | None
+        self,
+        query: torch.Tensor,
+        group: AttentionGroup,
+        layer_cache: torch.Tensor,
+        selected: torch.Tensor | None,
     ) -> torch.Tensor:
         """The group's queries over its sequences' cached keys (only the `selected` ones, where the
         indexer chose) -> latent outputs [b * s, H, c]."""
@@ -476,13 +546,24 @@ class MLA(nn.Module):
         # [b, s, H, c + r]
         q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))
         if selected is not None:
-            out = sparse_attend(q, layer_cache, group.key_slots, group.mask, selected, self.softmax_scale,
-                                self.args.kv_lora_rank)
+            out = sparse_attend(
+                q,
+                layer_cache,
+                group.key_slots,
+                group.mask,
+                selected,
+                self.softmax_scale,
+                self.args.kv_lora_rank,
+            )
             return out.flatten(0, 1)
         keys = layer_cache[group.key_slots]  # [b, L, c + r]
-        scores = torch.einsum("bshc,btc->bsht", q, keys) * self.softmax_scale + group.mask.unsqueeze(2)
+        scores = torch.einsum(
+            "bshc,btc->bsht", q, keys
+        ) * self.softmax_scale + group.mask.unsqueeze(2)
         probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
-        return torch.einsum("bsht,btc->bshc", probs, keys[..., : self.args.kv_lora_rank]).flatten(0, 1)
+        return torch.einsum("bsht,btc->bshc", probs, keys[..., : self.args.kv_lora_rank]).flatten(
+            0, 1
+        )
 
 
 class MLP(nn.Module):
@@ -516,7 +597,10 @@ def _best(grouped: torch.Tensor) -> torch.Tensor:
     return grouped.amax(dim=-1)
 
 
-_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"sigmoid": torch.sigmoid, "softmax": functools.partial(torch.softmax, dim=-1)}
+_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softmax": functools.partial(torch.softmax, dim=-1),
+}
 # how a group of experts is ranked (noaux_tc: its two best biased scores; V2: its best score);
 # greedy: no groups
 _GROUP_SCORES = {"noaux_tc": _top2_sum, "group_limited_greedy": _best}
@@ -535,8 +619,14 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
-        bias = torch.zeros(args.n_routed_experts, dtype=torch.float32) if args.topk_method == "noaux_tc" else None
+        self.weight = nn.Parameter(
+            torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32)
+        )
+        bias = (
+            torch.zeros(args.n_routed_experts, dtype=torch.float32)
+            if args.topk_method == "noaux_tc"
+            else None
+        )
         self.e_score_correction_bias: torch.Tensor | None
         self.register_buffer("e_score_correction_bias", bias)
 
@@ -544,12 +634,18 @@ class Gate(nn.Module):
         """x: [T, dim] -> (weights [T, k] in x's dtype, expert indices [T, k])."""
         a = self.args
         scores = _SCORES[a.scoring_func](F.linear(x.float(), self.weight.float()))  # [T, E]
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = (
+            scores
+            if self.e_score_correction_bias is None
+            else scores + self.e_score_correction_bias
+        )
         if a.topk_method in _GROUP_SCORES and a.n_expert_groups > 1:
             grouped = choice.view(x.size(0), a.n_expert_groups, -1)  # [T, G, E/G]
             # [T, g]
             top_groups = _GROUP_SCORES[a.topk_method](grouped).topk(a.n_limited_groups, dim=-1)[1]
-            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(
+                1, top_groups, True
+            )
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
         indices = choice.topk(a.n_activated_experts, dim=-1)[1]
         weights = scores.gather(1, indices)
@@ -562,7 +658,9 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = Gate(args)
-        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim) for _ in range(args.n_routed_experts))
+        self.experts = nn.ModuleList(
+            Expert(args.dim, args.moe_inter_dim) for _ in range(args.n_routed_experts)
+        )
         self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -574,8 +672,12 @@ class MoE(nn.Module):
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         token_idx = order // indices.size(1)
         rows = x[token_idx].split(counts)
-        routed = torch.cat([expert(r) for expert, r in zip(self.experts, rows, strict=True) if r.size(0)])
-        y = torch.zeros_like(x).index_add_(0, token_idx, routed * weights.flatten()[order].unsqueeze(-1))
+        routed = torch.cat(
+            [expert(r) for expert, r in zip(self.experts, rows, strict=True) if r.size(0)]
+        )
+        y = torch.zeros_like(x).index_add_(
+            0, token_idx, routed * weights.flatten()[order].unsqueeze(-1)
+        )
         return (y + self.shared_experts(x)).view(shape)
 
 
@@ -587,7 +689,9 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layout: BatchLayout, freqs_cis: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), layout, freqs_cis, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -620,8 +724,11 @@ class Transformer(nn.Module):
         """
         for layer in cast(Iterator[Block], iter(self.layers)):
             layer.self_attn.pack()
-            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [
-                layer.mlp.shared_experts, *cast(Iterator[MLP], iter(layer.mlp.experts))]
+            mlps = (
+                [layer.mlp]
+                if isinstance(layer.mlp, MLP)
+                else [layer.mlp.shared_experts, *cast(Iterator[MLP], iter(layer.mlp.experts))]
+            )
             for mlp in mlps:
                 mlp.pack()
 
@@ -631,7 +738,9 @@ class Transformer(nn.Module):
         `setup_cache(B, max_seq_len)` gives each of B sequences one block holding its whole context:
         the layout `forward(tokens, start_pos, cache)` uses.
         """
-        return KVCache(self.args, num_blocks, block_size, self.lm_head.weight.dtype, self.lm_head.weight.device)
+        return KVCache(
+            self.args, num_blocks, block_size, self.lm_head.weight.dtype, self.lm_head.weight.device
+        )
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
@@ -642,13 +751,17 @@ class Transformer(nn.Module):
         token); sequence i lives in block i of a cache from `setup_cache(B, max_seq_len)`.
         """
         bsz, seqlen = tokens.shape
-        assert start_pos + seqlen <= cache.block_size, f"end_pos={start_pos + seqlen} > block {cache.block_size}"
+        assert start_pos + seqlen <= cache.block_size, (
+            f"end_pos={start_pos + seqlen} > block {cache.block_size}"
+        )
         assert bsz <= cache.num_blocks, f"batch {bsz} > {cache.num_blocks} blocks"
         layout = BatchLayout.contiguous(bsz, seqlen, start_pos, cache.block_size, tokens.device)
         return self.forward_batch(tokens.flatten(), layout, cache)
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache) -> torch.Tensor:
+    def forward_batch(
+        self, tokens: torch.Tensor, layout: BatchLayout, cache: KVCache
+    ) -> torch.Tensor:
         """tokens: [T] of many sequences packed as `layout` says -> logits [N, vocab] (fp32) at
         layout.logits_index.
 
@@ -666,10 +779,25 @@ def smoke_run() -> torch.Tensor:
     """A forward pass of a tiny random model: `python -m worker_svc.model`, repeated as a CPU
     test."""
     torch.manual_seed(0)
-    args = ModelArgs(vocab_size=512, dim=256, inter_dim=512, n_layers=2, n_heads=4, max_seq_len=64,
-                     q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                     moe_inter_dim=64, n_dense_layers=1, n_routed_experts=8, n_activated_experts=2,
-                     n_expert_groups=2, n_limited_groups=1)
+    args = ModelArgs(
+        vocab_size=512,
+        dim=256,
+        inter_dim=512,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        moe_inter_dim=64,
+        n_dense_layers=1,
+        n_routed_experts=8,
+        n_activated_experts=2,
+        n_expert_groups=2,
+        n_limited_groups=1,
+    )
     model = Transformer(args)
     for p in model.parameters():
         nn.init.normal_(p, std=0.05)

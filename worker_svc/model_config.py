@@ -10,6 +10,7 @@ key (ROPE_KEYS), sizes that cannot work together -- raises ConfigError naming th
 falls back to a silent default. num_key_value_heads is not read: MLA caches one latent per token,
 not per head.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,12 +56,37 @@ SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
 # The rope keys model.precompute_freqs_cis implements, per rope type (transformers' names).
 ROPE_KEYS: dict[str, frozenset[str]] = {
     "default": frozenset({"rope_type", "type", "rope_theta"}),
-    "yarn": frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-                       "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}),
+    "yarn": frozenset(
+        {
+            "rope_type",
+            "type",
+            "rope_theta",
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        }
+    ),
 }
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+)
 _NON_NEGATIVE_INTS = ("first_k_dense_replace", "n_shared_experts")
 
 
@@ -72,8 +98,10 @@ def model_args(config: dict[str, Any]) -> ModelArgs:
     """The forward pass's hyper-parameters from a parsed config.json; raises ConfigError."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
-        raise ConfigError(f"model_type: {model_type!r} is not served by "
-                          f"this engine (need one of {list(SUPPORTED)})")
+        raise ConfigError(
+            f"model_type: {model_type!r} is not served by "
+            f"this engine (need one of {list(SUPPORTED)})"
+        )
     hf = _normalised(config)
     chosen = _check_choices(hf, SUPPORTED[model_type])
     _check_sizes(hf, chosen["topk_method"])
@@ -123,10 +151,14 @@ def _dsa_args(config: dict[str, Any]) -> dict[str, Any]:
         if not (_is_int(config[field]) and config[field] > 0):
             raise ConfigError(f"{field}: must be a positive integer, got {config[field]!r}")
     if not config.get("q_lora_rank"):
-        raise ConfigError("q_lora_rank: deepseek_v32's indexer reads the query latent, so it must be set")
+        raise ConfigError(
+            "q_lora_rank: deepseek_v32's indexer reads the query latent, so it must be set"
+        )
     if config["index_head_dim"] < config["qk_rope_head_dim"]:
-        raise ConfigError(f"index_head_dim: {config['index_head_dim']} is smaller than qk_rope_head_dim "
-                          f"{config['qk_rope_head_dim']}, the indexer's rope part")
+        raise ConfigError(
+            f"index_head_dim: {config['index_head_dim']} is smaller than qk_rope_head_dim "
+            f"{config['qk_rope_head_dim']}, the indexer's rope part"
+        )
     return {field: config[field] for field in _DSA_FIELDS}
 
 
@@ -158,28 +190,61 @@ def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) 
     rest."""
     chosen = {}
     for field, values in supported.items():
-        value = hf.rope_parameters.get("rope_type") if field == "rope_type" else getattr(hf, field, values[0])
+        value = (
+            hf.rope_parameters.get("rope_type")
+            if field == "rope_type"
+            else getattr(hf, field, values[0])
+        )
         # type-strict: True == 1 and 0 == False must not pass for each other
         if not any(type(value) is type(v) and value == v for v in values):
-            raise ConfigError(f"{field}: {value!r} is not implemented by this engine (supported: "
-                              f"{', '.join(repr(v) for v in values)})")
+            raise ConfigError(
+                f"{field}: {value!r} is not implemented by this engine (supported: "
+                f"{', '.join(repr(v) for v in values)})"
+            )
         chosen[field] = value
     return chosen
 
 
 def _check_sizes(hf: PreTrainedConfig, topk_method: str) -> None:
     for field in _POSITIVE_INTS:
-        _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) > 0, field, "is not a positive integer")
+        _require(
+            hf,
+            _is_int(getattr(hf, field)) and getattr(hf, field) > 0,
+            field,
+            "is not a positive integer",
+        )
     for field in _NON_NEGATIVE_INTS:
-        _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) >= 0, field, "is not an integer >= 0")
-    _require(hf, hf.q_lora_rank is None or (_is_int(hf.q_lora_rank) and hf.q_lora_rank >= 0), "q_lora_rank",
-             "is neither null (a plain q_proj) nor an integer >= 0")
-    _require(hf, _is_number(hf.rms_norm_eps) and hf.rms_norm_eps > 0, "rms_norm_eps", "is not a positive number")
+        _require(
+            hf,
+            _is_int(getattr(hf, field)) and getattr(hf, field) >= 0,
+            field,
+            "is not an integer >= 0",
+        )
+    _require(
+        hf,
+        hf.q_lora_rank is None or (_is_int(hf.q_lora_rank) and hf.q_lora_rank >= 0),
+        "q_lora_rank",
+        "is neither null (a plain q_proj) nor an integer >= 0",
+    )
+    _require(
+        hf,
+        _is_number(hf.rms_norm_eps) and hf.rms_norm_eps > 0,
+        "rms_norm_eps",
+        "is not a positive number",
+    )
     _require(hf, type(hf.norm_topk_prob) is bool, "norm_topk_prob", "is not true or false")
-    _require(hf, _is_int(getattr(hf, "moe_layer_freq", 1)) and getattr(hf, "moe_layer_freq", 1) > 0,
-             "moe_layer_freq", "is not a positive integer")
-    _require(hf, _is_number(hf.routed_scaling_factor) and hf.routed_scaling_factor > 0, "routed_scaling_factor",
-             "is not a positive number")
+    _require(
+        hf,
+        _is_int(getattr(hf, "moe_layer_freq", 1)) and getattr(hf, "moe_layer_freq", 1) > 0,
+        "moe_layer_freq",
+        "is not a positive integer",
+    )
+    _require(
+        hf,
+        _is_number(hf.routed_scaling_factor) and hf.routed_scaling_factor > 0,
+        "routed_scaling_factor",
+        "is not a positive number",
+    )
     _check_routing(hf, topk_method)
 
 
@@ -197,14 +262,23 @@ def _check_routing(hf: PreTrainedConfig, topk_method: str) -> None:
     if topk_method == "greedy":
         return
     for field in ("n_group", "topk_group"):
-        _require(hf, _is_int(getattr(hf, field)) and getattr(hf, field) > 0, field, "is not a positive integer")
+        _require(
+            hf,
+            _is_int(getattr(hf, field)) and getattr(hf, field) > 0,
+            field,
+            "is not a positive integer",
+        )
     experts, groups = hf.n_routed_experts, hf.n_group
     _require(hf, experts % groups == 0, "n_group", f"does not divide n_routed_experts ({experts})")
     per_group = experts // groups
     _require(hf, groups == 1 or per_group >= 2, "n_group", "leaves fewer than 2 experts per group")
     _require(hf, hf.topk_group <= groups, "topk_group", f"exceeds n_group ({groups})")
-    _require(hf, hf.num_experts_per_tok <= hf.topk_group * per_group, "num_experts_per_tok",
-             f"exceeds the {hf.topk_group * per_group} experts in the topk_group groups a token may use")
+    _require(
+        hf,
+        hf.num_experts_per_tok <= hf.topk_group * per_group,
+        "num_experts_per_tok",
+        f"exceeds the {hf.topk_group * per_group} experts in the topk_group groups a token may use",
+    )
 
 
 def _require(hf: PreTrainedConfig, ok: bool, field: str, what: str) -> None:
@@ -237,15 +311,19 @@ def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
     rope_type = rope["rope_type"]
     unknown = sorted(set(rope) - ROPE_KEYS[rope_type])
     if unknown:
-        raise ConfigError(f"{spelling}.{unknown[0]}: not implemented for rope_type {rope_type!r} by this engine "
-                          f"(implemented: {', '.join(sorted(ROPE_KEYS[rope_type] - {'type'}))})")
+        raise ConfigError(
+            f"{spelling}.{unknown[0]}: not implemented for rope_type {rope_type!r} by this engine "
+            f"(implemented: {', '.join(sorted(ROPE_KEYS[rope_type] - {'type'}))})"
+        )
     _check_rope_numbers(rope, spelling)
     theta = rope["rope_theta"]
     if rope_type == "default":
         return {"rope_theta": float(theta)}
     original = rope["original_max_position_embeddings"]
     if not (_is_int(original) and original > 0):
-        raise ConfigError(f"{spelling}.original_max_position_embeddings: {original!r} is not a positive integer")
+        raise ConfigError(
+            f"{spelling}.original_max_position_embeddings: {original!r} is not a positive integer"
+        )
     factor = rope["factor"] if rope["factor"] is not None else hf.max_position_embeddings / original
     return {
         "rope_type": "yarn",

@@ -1,5 +1,6 @@
 """One scheduling step as one forward pass: packs the scheduled tokens and says where they sit in
 the cache."""
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,9 @@ class ModelRunner:
             start, table = s.seq.num_computed, s.seq.block_table.blocks
             tokens += s.seq.token_ids[start : start + s.num_tokens]
             positions += range(start, start + s.num_tokens)
-            write_slots += [table[p // bs] * bs + p % bs for p in range(start, start + s.num_tokens)]
+            write_slots += [
+                table[p // bs] * bs + p % bs for p in range(start, start + s.num_tokens)
+            ]
             if s.samples:
                 logits_index.append(len(tokens) - 1)
         layout = BatchLayout(
@@ -45,7 +48,9 @@ class ModelRunner:
     def _groups(self, scheduled: list[ScheduledSequence]) -> list[AttentionGroup]:
         """All single-token sequences attend as one padded batch; each prompt chunk on its own."""
         singles = [s.seq for s in scheduled if s.num_tokens == 1]
-        assert all(s.num_tokens == 1 for s in scheduled[: len(singles)]), "single-token sequences must come first"
+        assert all(s.num_tokens == 1 for s in scheduled[: len(singles)]), (
+            "single-token sequences must come first"
+        )
         groups = []
         if singles:
             query_positions = self._tensor([[seq.num_computed] for seq in singles])  # [b, 1]

@@ -13,6 +13,7 @@
 `[model] dtype` and `[quantization] use_native_fp8` override the choice. `choose_precision` is pure
 so the policy is testable without a GPU; `detect_capabilities` feeds it with what this machine has.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,17 @@ from worker_svc.kernel import FP8, native_fp8_gemm_available
 logger = logging.getLogger(__name__)
 
 _DTYPE_ALIASES: dict[str, Precision] = {
-    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
 }
 TORCH_DTYPES: dict[Precision, torch.dtype] = {
     "fp8": FP8,  # load_checkpoint keeps FP8 linear weights and serves the rest in bfloat16
@@ -75,7 +83,9 @@ def choose_precision(
         raise ValueError(f"use_native_fp8=true {no_fp8}")
     if dtype != "auto":
         if dtype.lower() not in _DTYPE_ALIASES:
-            raise ValueError(f"dtype={dtype!r}: expected auto, {', '.join(sorted(set(_DTYPE_ALIASES.values())))}")
+            raise ValueError(
+                f"dtype={dtype!r}: expected auto, {', '.join(sorted(set(_DTYPE_ALIASES.values())))}"
+            )
         forced = _DTYPE_ALIASES[dtype.lower()]
         if forced == "fp8" and not fp8_capable:
             raise ValueError(f"dtype=fp8 {no_fp8}")
@@ -110,7 +120,11 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def detect_capabilities(
-    device: torch.device, *, dtype: str = "auto", use_native_fp8: bool | None = None, fp8_weights: bool = True
+    device: torch.device,
+    *,
+    dtype: str = "auto",
+    use_native_fp8: bool | None = None,
+    fp8_weights: bool = True,
 ) -> DeviceCapabilities:
     """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is
     filled in after the load."""
@@ -120,15 +134,34 @@ def detect_capabilities(
         kind: DeviceKind = "rocm" if torch.version.hip else "cuda"
         cc = f"{props.major}.{props.minor}" if kind == "cuda" else getattr(props, "gcnArchName", "")
         name, memory = props.name, props.total_memory
-        precision = choose_precision(kind, cc, fp8_gemm=fp8_gemm, dtype=dtype, use_native_fp8=use_native_fp8,
-                                     fp8_weights=fp8_weights)
+        precision = choose_precision(
+            kind,
+            cc,
+            fp8_gemm=fp8_gemm,
+            dtype=dtype,
+            use_native_fp8=use_native_fp8,
+            fp8_weights=fp8_weights,
+        )
     else:
         kind, cc, name = "cpu", "", _cpu_name()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        precision = choose_precision("cpu", cpu_has_bf16=cpu_has_native_bf16(), dtype=dtype,
-                                     use_native_fp8=use_native_fp8, fp8_weights=fp8_weights)
-    logger.info("device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
-                kind, name, cc or "-", "yes" if fp8_gemm else "no", precision, dtype, use_native_fp8)
+        precision = choose_precision(
+            "cpu",
+            cpu_has_bf16=cpu_has_native_bf16(),
+            dtype=dtype,
+            use_native_fp8=use_native_fp8,
+            fp8_weights=fp8_weights,
+        )
+    logger.info(
+        "device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
+        kind,
+        name,
+        cc or "-",
+        "yes" if fp8_gemm else "no",
+        precision,
+        dtype,
+        use_native_fp8,
+    )
     return DeviceCapabilities(kind, name, cc, precision, memory, 0)
 
 

@@ -4,6 +4,7 @@
 without penalties share one argmax; the others get penalties, temperature, top-k, top-p and a
 draw from their own seeded generator.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,9 @@ import torch
 from worker_svc.engine_api import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float
+) -> torch.Tensor:
     """OpenAI's presence/frequency penalties over the tokens generated so far. logits: [vocab]."""
     if not output_ids or (presence == 0 and frequency == 0):
         return logits
@@ -36,7 +39,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, output_ids: list[int]) -> int:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, output_ids: list[int]
+) -> int:
     """logits: [vocab] float32 of one sequence -> one token id."""
     logits = apply_penalties(logits, output_ids, params.presence_penalty, params.frequency_penalty)
     if params.temperature == 0:
@@ -60,7 +65,9 @@ def sample_batch(
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+def token_logprobs(
+    logits: torch.Tensor, token_id: int, top_n: int
+) -> tuple[float, list[tuple[int, float]]]:
     """The model's log-probability of the sampled token, and its `top_n` best alternatives as (id,
     logprob).
 

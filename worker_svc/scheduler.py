@@ -8,6 +8,7 @@ sequence that finishes or is aborted leaves at once and frees its blocks. When t
 out mid-generation the newest running sequence is preempted: its blocks are freed and it is
 recomputed later (with whatever of its prefix is still in the prefix cache).
 """
+
 from __future__ import annotations
 
 import logging
@@ -163,7 +164,11 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        logger.info("cache full: preempting sequence %d (%d tokens), recomputed later", seq.seq_id, seq.num_computed)
+        logger.info(
+            "cache full: preempting sequence %d (%d tokens), recomputed later",
+            seq.seq_id,
+            seq.num_computed,
+        )
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.admit_deadline = float("-inf")

@@ -1,4 +1,5 @@
 """The Worker gRPC service and its registration with the router."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,11 @@ logger = logging.getLogger(__name__)
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
 _TOOL_CHOICES: dict[int, ToolChoice] = {
-    common_pb2.TOOL_CHOICE_AUTO: "auto", common_pb2.TOOL_CHOICE_NONE: "none",
-    common_pb2.TOOL_CHOICE_REQUIRED: "required", common_pb2.TOOL_CHOICE_NAMED: "named"}
+    common_pb2.TOOL_CHOICE_AUTO: "auto",
+    common_pb2.TOOL_CHOICE_NONE: "none",
+    common_pb2.TOOL_CHOICE_REQUIRED: "required",
+    common_pb2.TOOL_CHOICE_NAMED: "named",
+}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -55,39 +59,73 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
         caps = self._engine.capabilities
-        return common_pb2.Load(running=engine_load.running, waiting=engine_load.waiting,
-                               kv_cache_usage=engine_load.kv_cache_usage,
-                               tokens_per_second=engine_load.tokens_per_second,
-                               memory_used_bytes=caps.weight_bytes
-                               + round(engine_load.kv_cache_usage * caps.kv_cache_bytes))
+        return common_pb2.Load(
+            running=engine_load.running,
+            waiting=engine_load.waiting,
+            kv_cache_usage=engine_load.kv_cache_usage,
+            tokens_per_second=engine_load.tokens_per_second,
+            memory_used_bytes=caps.weight_bytes
+            + round(engine_load.kv_cache_usage * caps.kv_cache_bytes),
+        )
 
-    async def Info(self, request: worker_pb2.InfoRequest,
-                   context: grpc.aio.ServicerContext[worker_pb2.InfoRequest, worker_pb2.InfoResponse]) -> worker_pb2.InfoResponse:
+    async def Info(
+        self,
+        request: worker_pb2.InfoRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.InfoRequest, worker_pb2.InfoResponse],
+    ) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(worker=self.info, load=self.load())
 
-    async def Generate(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def Generate(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
             async for chunk in chunks:
-                yield _to_proto(chunk)
+                yield to_proto(chunk)
 
-    async def Complete(self, request: common_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse]) -> common_pb2.GenerateResponse:
+    async def Complete(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
+    ) -> common_pb2.GenerateResponse:
         async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-            return _to_proto(merge_chunks([chunk async for chunk in chunks]))
+            return to_proto(merge_chunks([chunk async for chunk in chunks]))
 
-    async def _chunks(self, request: common_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, Any]) -> AsyncGenerator[GenerationChunk, None]:
-        """The engine's chunks for ``request``, timed; bad requests abort the call."""
+    async def _chunks(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, Any],
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks for ``request``; a failed request aborts the call."""
+        try:
+            async with contextlib.aclosing(self.chunks(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except RequestFailedError as e:
+            await context.abort(e.code, e.details)
+
+    async def chunks(
+        self,
+        request: common_pb2.GenerateRequest,
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks for ``request``, timed under the current span; a request this
+        worker cannot serve raises RequestFailedError with its status."""
         if request.model not in self.info.models:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served here; "
-                                f"served: {', '.join(self.info.models)}")
+            raise RequestFailedError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model!r} is not served here; "
+                f"served: {', '.join(self.info.models)}",
+            )
         caps = self.info.capabilities
-        trace.get_current_span().set_attributes({
-            "infermesh.worker_id": self.info.worker_id, "infermesh.device": caps.device,
-            "infermesh.device_name": caps.device_name,
-            "infermesh.precision": common_pb2.Precision.Name(caps.precision)})
+        trace.get_current_span().set_attributes(
+            {
+                "infermesh.worker_id": self.info.worker_id,
+                "infermesh.device": caps.device,
+                "infermesh.device_name": caps.device_name,
+                "infermesh.precision": common_pb2.Precision.Name(caps.precision),
+            }
+        )
         timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
             async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
@@ -96,12 +134,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield chunk
         except InvalidRequestError as e:
             timing.status = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestFailedError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except EngineOverloadedError as e:
             timing.status = "RESOURCE_EXHAUSTED"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise RequestFailedError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             timing.end()
+
+
+class RequestFailedError(Exception):
+    """A request the worker does not serve, with the gRPC status it ends with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class _Timing:
@@ -140,14 +187,24 @@ class _Timing:
         attributes = {"infermesh.batch_size": self._batch_size}
         admitted_ns = self._started_ns + self._queue_ns
         tracer.start_span("queue", start_time=self._started_ns).end(end_time=admitted_ns)
-        tracer.start_span("prefill", start_time=admitted_ns,
-                          attributes={**attributes, "gen_ai.usage.input_tokens": self._prompt_tokens}
-                          ).end(end_time=self._first_ns)
-        tracer.start_span("decode", start_time=self._first_ns,
-                          attributes={**attributes, "gen_ai.usage.output_tokens": self._tokens}
-                          ).end(end_time=ended_ns)
-        metrics.observe_generation("worker", self._model, (self._first_ns - self._started_ns) / 1e9,
-                                   (ended_ns - self._started_ns) / 1e9, self._prompt_tokens, self._tokens)
+        tracer.start_span(
+            "prefill",
+            start_time=admitted_ns,
+            attributes={**attributes, "gen_ai.usage.input_tokens": self._prompt_tokens},
+        ).end(end_time=self._first_ns)
+        tracer.start_span(
+            "decode",
+            start_time=self._first_ns,
+            attributes={**attributes, "gen_ai.usage.output_tokens": self._tokens},
+        ).end(end_time=ended_ns)
+        metrics.observe_generation(
+            "worker",
+            self._model,
+            (self._first_ns - self._started_ns) / 1e9,
+            (ended_ns - self._started_ns) / 1e9,
+            self._prompt_tokens,
+            self._tokens,
+        )
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
@@ -157,12 +214,16 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     # the request arrives as bytes (no deserializer); the servicer sees the parsed message
     Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
 
+    from worker_svc import stream_server  # it builds on this module's servicer
+
     async def parse(data: bytes, context: Context) -> common_pb2.GenerateRequest:
         try:
             return common_pb2.GenerateRequest.FromString(data)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"malformed GenerateRequest ({e}); strings must be UTF-8")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed GenerateRequest ({e}); strings must be UTF-8",
+            )
 
     async def generate(data: bytes, context: Context) -> AsyncIterator[common_pb2.GenerateResponse]:
         async for response in servicer.Generate(await parse(data, context), context):
@@ -177,8 +238,11 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
         "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=serialize),
         "Complete": grpc.unary_unary_rpc_method_handler(complete, response_serializer=serialize),
         "Info": grpc.unary_unary_rpc_method_handler(
-            servicer.Info, request_deserializer=worker_pb2.InfoRequest.FromString,
-            response_serializer=worker_pb2.InfoResponse.SerializeToString),
+            servicer.Info,
+            request_deserializer=worker_pb2.InfoRequest.FromString,
+            response_serializer=worker_pb2.InfoResponse.SerializeToString,
+        ),
+        "Serve": stream_server.serve_handler(servicer),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
@@ -192,26 +256,35 @@ def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
         top_k=s.top_k if s.HasField("top_k") else 0,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
     hints = request.batching
     return GenerationRequest(
-        request_id=request.request_id, messages=[_message(m) for m in request.messages] or None,
-        prompt=request.prompt or None, sampling=sampling,
+        request_id=request.request_id,
+        messages=[_message(m) for m in request.messages] or None,
+        prompt=request.prompt or None,
+        sampling=sampling,
         max_parallel=hints.max_parallel if hints.HasField("max_parallel") else None,
-        dynamic_batch_timeout_ms=(hints.dynamic_batch_timeout_ms
-                                  if hints.HasField("dynamic_batch_timeout_ms") else None),
-        constraints=_constraints(request))
+        dynamic_batch_timeout_ms=(
+            hints.dynamic_batch_timeout_ms if hints.HasField("dynamic_batch_timeout_ms") else None
+        ),
+        constraints=_constraints(request),
+    )
 
 
 def _message(m: common_pb2.ChatMessage) -> dict[str, Any]:
     """A chat message in OpenAI's shape, as chat templates take it."""
     message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in m.tool_calls]
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
     return message
@@ -220,20 +293,29 @@ def _message(m: common_pb2.ChatMessage) -> dict[str, Any]:
 def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
     return Constraints(
         tools=tuple(Tool(t.name, t.description, t.parameters_json) for t in request.tools),
-        tool_choice=_TOOL_CHOICES.get(request.tool_choice, "auto"), tool_name=request.tool_name,
+        tool_choice=_TOOL_CHOICES.get(request.tool_choice, "auto"),
+        tool_name=request.tool_name,
         parallel_tool_calls=not request.single_tool_call,
-        json_schema=request.json_schema or None)
+        json_schema=request.json_schema or None,
+    )
 
 
-def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
+def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
     response = common_pb2.GenerateResponse(
-        text=chunk.text, token_ids=chunk.token_ids,
-        finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED if chunk.finish_reason is None
-        else FINISH_REASONS[chunk.finish_reason])
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED
+        if chunk.finish_reason is None
+        else FINISH_REASONS[chunk.finish_reason],
+    )
     if chunk.finish_reason is not None:
-        response.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-            cached_prompt_tokens=chunk.cached_prompt_tokens))
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=chunk.prompt_tokens,
+                completion_tokens=chunk.completion_tokens,
+                cached_prompt_tokens=chunk.cached_prompt_tokens,
+            )
+        )
     if chunk.logprobs is not None:
         response.logprobs.extend(_logprob_to_proto(lp) for lp in chunk.logprobs)
     for d in chunk.tool_calls or ():
@@ -242,11 +324,17 @@ def _to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
 
 
 def _logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, bytes=lp.token.encode(),
-                                   top=[_logprob_to_proto(alt) for alt in lp.top])
+    return common_pb2.TokenLogprob(
+        token=lp.token,
+        logprob=lp.logprob,
+        bytes=lp.token.encode(),
+        top=[_logprob_to_proto(alt) for alt in lp.top],
+    )
 
 
-def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> common_pb2.WorkerInfo:
+def worker_info(
+    config: WorkerConfig, engine: InferenceEngine, address: str
+) -> common_pb2.WorkerInfo:
     caps = engine.capabilities
     parallel = config.parallel.resolved(caps.device, caps.device_name)
     return common_pb2.WorkerInfo(
@@ -254,14 +342,21 @@ def worker_info(config: WorkerConfig, engine: InferenceEngine, address: str) -> 
         address=address,
         models=[config.model.served_name],
         capabilities=common_pb2.Capabilities(
-            device=caps.device, device_name=caps.device_name,
-            compute_capability=caps.compute_capability, precision=PRECISIONS[caps.precision],
-            memory_total_bytes=caps.memory_total_bytes, weight_bytes=caps.weight_bytes,
+            device=caps.device,
+            device_name=caps.device_name,
+            compute_capability=caps.compute_capability,
+            precision=PRECISIONS[caps.precision],
+            memory_total_bytes=caps.memory_total_bytes,
+            weight_bytes=caps.weight_bytes,
             max_parallel=parallel.max_parallel,
             decode_tokens_per_second=caps.decode_tokens_per_second,
             prefill_tokens_per_second=caps.prefill_tokens_per_second,
-            model_type=caps.model_type, index_topk=caps.index_topk,
-            gpu_kind=gpu_kind(caps.device, caps.device_name), gpu_count=caps.gpu_count))
+            model_type=caps.model_type,
+            index_topk=caps.index_topk,
+            gpu_kind=gpu_kind(caps.device, caps.device_name),
+            gpu_count=caps.gpu_count,
+        ),
+    )
 
 
 async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:
@@ -272,8 +367,8 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
     router is."""
     info = servicer.info
     async with grpc.aio.insecure_channel(
-            router_address, options=CHANNEL_OPTIONS,
-            interceptors=telemetry.grpc_client_interceptors()) as channel:
+        router_address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors()
+    ) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
         while True:
@@ -281,20 +376,25 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
                 if not registered:
                     reply = await router.Register(
                         router_pb2.RegisterRequest(worker=info, load=servicer.load()),
-                        timeout=_REGISTER_WAIT_S, wait_for_ready=True)
+                        timeout=_REGISTER_WAIT_S,
+                        wait_for_ready=True,
+                    )
                     interval_s = reply.heartbeat_interval_ms / 1000
                     registered = True
                     logger.info("registered with router %s as %s", router_address, info.worker_id)
                 else:
-                    reply = await router.Heartbeat(router_pb2.HeartbeatRequest(
-                        worker_id=info.worker_id, load=servicer.load()), timeout=_REGISTER_WAIT_S)
+                    reply = await router.Heartbeat(
+                        router_pb2.HeartbeatRequest(worker_id=info.worker_id, load=servicer.load()),
+                        timeout=_REGISTER_WAIT_S,
+                    )
                     registered = reply.registered
                 reported_down = False
             except grpc.aio.AioRpcError as e:
                 registered = False
                 if not reported_down:
-                    logger.warning("router %s unreachable (%s); retrying", router_address,
-                                   e.code().name)
+                    logger.warning(
+                        "router %s unreachable (%s); retrying", router_address, e.code().name
+                    )
                     reported_down = True
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     # the router answered (e.g. UNAVAILABLE while its Redis is down): no spin
@@ -303,7 +403,9 @@ async def report_to_router(router_address: str, servicer: WorkerServicer) -> Non
                 await asyncio.sleep(interval_s)
 
 
-async def create_server(config: WorkerConfig, engine: InferenceEngine) -> tuple[grpc.aio.Server, WorkerServicer]:
+async def create_server(
+    config: WorkerConfig, engine: InferenceEngine
+) -> tuple[grpc.aio.Server, WorkerServicer]:
     """Starts the Worker service for ``engine`` (port 0: a free port)."""
     servicer: WorkerServicer | None = None
 
@@ -314,8 +416,10 @@ async def create_server(config: WorkerConfig, engine: InferenceEngine) -> tuple[
         _add_worker_servicer(servicer, server)
 
     server, _, _ = await create_grpc_server(
-        f"{config.server.host}:{config.server.port}", add,
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+        f"{config.server.host}:{config.server.port}",
+        add,
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+    )
     assert servicer is not None, "create_grpc_server did not add the servicer"
     return server, servicer
 
@@ -327,20 +431,33 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         return SimEngine.from_config(config)
     if config.engine.kind == "vllm":
         from worker_svc.vllm_engine import VllmEngine
+
         return await VllmEngine.start(config)
     from worker_svc.engine import Engine
+
     return await asyncio.to_thread(
-        Engine.from_checkpoint, config.model.path, dtype=config.model.dtype,
+        Engine.from_checkpoint,
+        config.model.path,
+        dtype=config.model.dtype,
         use_native_fp8=config.quantization.use_native_fp8,
-        max_model_len=config.attention.max_model_len, parallel=config.parallel, cache=config.cache)
+        max_model_len=config.attention.max_model_len,
+        parallel=config.parallel,
+        cache=config.cache,
+    )
 
 
 async def serve(config: WorkerConfig) -> None:
     engine = await load_engine(config)
     server, servicer = await create_server(config, engine)
     info = servicer.info
-    logger.info("worker %s listening on %s serving %s on %s in %s", info.worker_id, info.address,
-                config.model.served_name, engine.capabilities.device, engine.capabilities.precision)
+    logger.info(
+        "worker %s listening on %s serving %s on %s in %s",
+        info.worker_id,
+        info.address,
+        config.model.served_name,
+        engine.capabilities.device,
+        engine.capabilities.precision,
+    )
     metrics.watch_worker_load(servicer.load)
     metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)

@@ -23,6 +23,7 @@ budget (prompt + max_tokens) free to start; at most max_waiting wait, past that 
 raises EngineOverloadedError. Tokens are words from a fixed list, deterministic per seed.
 Imports no torch: a simulated worker process stays small.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,10 +59,40 @@ logger = logging.getLogger(__name__)
 
 _BYTES_PER_TOKEN = 4  # prompt text is counted as ~4 UTF-8 bytes a token
 _DEFAULT_MAX_MODEL_LEN = 32768
-_WORDS = ("the", "mesh", "routes", "each", "request", "to", "a", "worker", "that", "serves",
-          "it", "well", "and", "streams", "tokens", "back", "fast", "on", "every", "GPU",
-          "with", "low", "latency", "high", "throughput", "cache", "prefix", "batch", "model",
-          "of", "in", "now")
+_WORDS = (
+    "the",
+    "mesh",
+    "routes",
+    "each",
+    "request",
+    "to",
+    "a",
+    "worker",
+    "that",
+    "serves",
+    "it",
+    "well",
+    "and",
+    "streams",
+    "tokens",
+    "back",
+    "fast",
+    "on",
+    "every",
+    "GPU",
+    "with",
+    "low",
+    "latency",
+    "high",
+    "throughput",
+    "cache",
+    "prefix",
+    "batch",
+    "model",
+    "of",
+    "in",
+    "now",
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +136,10 @@ class Roofline:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return int((self.memory_bytes * self.memory_utilization - self.weight_bytes)
-                   // (self.kv_bytes_per_token + self.index_bytes_per_token))
+        return int(
+            (self.memory_bytes * self.memory_utilization - self.weight_bytes)
+            // (self.kv_bytes_per_token + self.index_bytes_per_token)
+        )
 
     def attended(self, context_tokens: int) -> int:
         """Cached tokens one query attends to: all, or with sparse attention at most index_topk."""
@@ -115,24 +148,30 @@ class Roofline:
     def prefill_s(self, tokens: int, start: int = 0) -> float:
         """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending
         to its context."""
-        flops = (tokens * 2 * self.active_params
-                 + self.attention_flops_per_key * _keys_attended(start, tokens, self.index_topk))
+        flops = tokens * 2 * self.active_params + self.attention_flops_per_key * _keys_attended(
+            start, tokens, self.index_topk
+        )
         if self.index_topk:
             flops += self.index_flops_per_key * _keys_attended(start, tokens, 0)
         return flops / (self.profile.peak_flops * self.gpu_count)
 
-    def decode_step_s(self, batch: int, context_tokens: int, attended_tokens: int | None = None) -> float:
+    def decode_step_s(
+        self, batch: int, context_tokens: int, attended_tokens: int | None = None
+    ) -> float:
         """One token for each of `batch` sequences holding `context_tokens` in all;
         `attended_tokens`: the sum of their `attended(context)` (the default, all of the context, is
         right for dense attention)."""
         attended = context_tokens if attended_tokens is None else attended_tokens
-        read = self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
+        read = (
+            self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
+        )
         flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
         if self.index_topk:
             read += context_tokens * self.index_bytes_per_token
             flops += context_tokens * self.index_flops_per_key
-        return (read / (self.profile.bandwidth_bytes_per_s * self.gpu_count)
-                + flops / (self.profile.peak_flops * self.gpu_count))
+        return read / (self.profile.bandwidth_bytes_per_s * self.gpu_count) + flops / (
+            self.profile.peak_flops * self.gpu_count
+        )
 
 
 def _keys_attended(start: int, tokens: int, cap: int) -> int:
@@ -178,24 +217,39 @@ class _Sequence:
 class SimEngine:
     """The worker's engine surface (engine_api.InferenceEngine) on a simulated GPU."""
 
-    def __init__(self, roofline: Roofline, *, max_parallel: int, max_waiting: int,
-                 max_model_len: int = _DEFAULT_MAX_MODEL_LEN, prefix_block_tokens: int = 16,
-                 zero_latency: bool = False) -> None:
+    def __init__(
+        self,
+        roofline: Roofline,
+        *,
+        max_parallel: int,
+        max_waiting: int,
+        max_model_len: int = _DEFAULT_MAX_MODEL_LEN,
+        prefix_block_tokens: int = 16,
+        zero_latency: bool = False,
+    ) -> None:
         if roofline.kv_capacity_tokens < 1:
             raise ValueError(
                 f"the model's {roofline.weight_bytes / 1e9:.0f} GB of weights leave no KV cache in "
                 f"{roofline.gpu_count} x {roofline.profile.name} "
-                f"({roofline.memory_bytes / 1e9:.0f} GB)")
+                f"({roofline.memory_bytes / 1e9:.0f} GB)"
+            )
         self.roofline = roofline
         profile = roofline.profile
         self.capabilities = DeviceCapabilities(
-            device=profile.device, device_name=profile.device_name,
-            compute_capability=profile.compute_capability, precision=profile.precision,
-            memory_total_bytes=roofline.memory_bytes, weight_bytes=roofline.weight_bytes,
+            device=profile.device,
+            device_name=profile.device_name,
+            compute_capability=profile.compute_capability,
+            precision=profile.precision,
+            memory_total_bytes=roofline.memory_bytes,
+            weight_bytes=roofline.weight_bytes,
             decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
-            prefill_tokens_per_second=1 / roofline.prefill_s(1), gpu_count=roofline.gpu_count,
-            kv_cache_bytes=roofline.kv_capacity_tokens * (roofline.kv_bytes_per_token + roofline.index_bytes_per_token),
-            model_type=roofline.size.model_type, index_topk=roofline.index_topk)
+            prefill_tokens_per_second=1 / roofline.prefill_s(1),
+            gpu_count=roofline.gpu_count,
+            kv_cache_bytes=roofline.kv_capacity_tokens
+            * (roofline.kv_bytes_per_token + roofline.index_bytes_per_token),
+            model_type=roofline.size.model_type,
+            index_topk=roofline.index_topk,
+        )
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._max_waiting = max_waiting
@@ -219,15 +273,31 @@ class SimEngine:
         size = e.size()
         profile = serving_profile(gpu_profiles()[e.gpu], size)
         parallel = config.parallel.resolved(profile.device, profile.device_name)
-        kv_budget = parallel.max_parallel * e.kv_budget_tokens * size.kv_bytes_per_token(profile.precision)
-        gpu_count = e.gpu_count or fewest_gpus(size.weight_bytes(profile.precision), kv_budget,
-                                               profile.memory_bytes, cache.gpu_memory_utilization)
-        roofline = Roofline(profile, gpu_count, size, cache.gpu_memory_utilization, e.attention_flops_per_key,
-                            e.index_flops_per_key)
-        return cls(roofline, max_parallel=parallel.max_parallel, max_waiting=parallel.max_waiting,
-                   max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
-                   prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
-                   zero_latency=e.zero_latency)
+        kv_budget = (
+            parallel.max_parallel * e.kv_budget_tokens * size.kv_bytes_per_token(profile.precision)
+        )
+        gpu_count = e.gpu_count or fewest_gpus(
+            size.weight_bytes(profile.precision),
+            kv_budget,
+            profile.memory_bytes,
+            cache.gpu_memory_utilization,
+        )
+        roofline = Roofline(
+            profile,
+            gpu_count,
+            size,
+            cache.gpu_memory_utilization,
+            e.attention_flops_per_key,
+            e.index_flops_per_key,
+        )
+        return cls(
+            roofline,
+            max_parallel=parallel.max_parallel,
+            max_waiting=parallel.max_waiting,
+            max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
+            prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
+            zero_latency=e.zero_latency,
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
@@ -236,14 +306,19 @@ class SimEngine:
             raise EngineClosedError("the engine is closed")
         seq = self._new_sequence(request)
         self._admit(seq)
-        async with contextlib.aclosing(drain_chunks(seq.chunks, lambda: self._abort(seq))) as chunks:
+        async with contextlib.aclosing(
+            drain_chunks(seq.chunks, lambda: self._abort(seq))
+        ) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     def load(self) -> EngineLoad:
-        return EngineLoad(running=len(self._running), waiting=len(self._waiting),
-                          tokens_per_second=self._decode_rate.rate(),
-                          kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens)
+        return EngineLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            tokens_per_second=self._decode_rate.rate(),
+            kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens,
+        )
 
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
@@ -263,7 +338,9 @@ class SimEngine:
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
-            raise InvalidRequestError("tools and json_schema need a model engine; this worker is simulated")
+            raise InvalidRequestError(
+                "tools and json_schema need a model engine; this worker is simulated"
+            )
         text = _prompt_text(request)
         prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
         params = request.sampling
@@ -272,13 +349,23 @@ class SimEngine:
             raise InvalidRequestError(
                 f"prompt and max_tokens need {prompt_tokens + budget} "
                 f"tokens of KV cache; this worker "
-                f"holds {self.roofline.kv_capacity_tokens}")
+                f"holds {self.roofline.kv_capacity_tokens}"
+            )
         blocks = _prefix_blocks(text, self._block_tokens)
-        seed = params.seed if params.seed is not None else (
-            0 if params.temperature == 0 else secrets.randbits(63))
-        return _Sequence(prompt_tokens=prompt_tokens, cached_tokens=self._cached_tokens(blocks, prompt_tokens),
-                         budget=budget, prefix_blocks=blocks, params_stop=params.stop,
-                         stop_token_ids=frozenset(params.stop_token_ids), rng=random.Random(seed))
+        seed = (
+            params.seed
+            if params.seed is not None
+            else (0 if params.temperature == 0 else secrets.randbits(63))
+        )
+        return _Sequence(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=self._cached_tokens(blocks, prompt_tokens),
+            budget=budget,
+            prefix_blocks=blocks,
+            params_stop=params.stop,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            rng=random.Random(seed),
+        )
 
     def _admit(self, seq: _Sequence) -> None:
         if not self._waiting and self._fits(seq):
@@ -288,14 +375,17 @@ class SimEngine:
         else:
             raise EngineOverloadedError(
                 f"{len(self._running)} sequences running and {len(self._waiting)} waiting "
-                f"(max_waiting {self._max_waiting}); retry later")
+                f"(max_waiting {self._max_waiting}); retry later"
+            )
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self._wake.set()
 
     def _fits(self, seq: _Sequence) -> bool:
-        return (len(self._running) < self.max_parallel
-                and self._kv_used + seq.kv_tokens <= self.roofline.kv_capacity_tokens)
+        return (
+            len(self._running) < self.max_parallel
+            and self._kv_used + seq.kv_tokens <= self.roofline.kv_capacity_tokens
+        )
 
     def _start(self, seq: _Sequence) -> None:
         seq.queue_s = time.monotonic() - seq.arrived_at
@@ -345,7 +435,9 @@ class SimEngine:
                 step_end = loop.time()
                 continue
             batch = list(self._running)
-            step_end = max(step_end, loop.time()) + (0.0 if self._zero_latency else self._step_s(batch))
+            step_end = max(step_end, loop.time()) + (
+                0.0 if self._zero_latency else self._step_s(batch)
+            )
             await asyncio.sleep(step_end - loop.time())
             emitted = 0
             for seq in batch:
@@ -356,10 +448,15 @@ class SimEngine:
 
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline
-        prefill = sum(roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
-                      for s in batch if not s.prefilled)
+        prefill = sum(
+            roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
+            for s in batch
+            if not s.prefilled
+        )
         contexts = [s.context_tokens for s in batch if s.prefilled]
-        decode = roofline.decode_step_s(len(contexts), sum(contexts), sum(map(roofline.attended, contexts)))
+        decode = roofline.decode_step_s(
+            len(contexts), sum(contexts), sum(map(roofline.attended, contexts))
+        )
         return prefill + (decode if contexts else 0.0)
 
     def _advance(self, seq: _Sequence) -> None:
@@ -374,17 +471,25 @@ class SimEngine:
             finish, text, ids = "stop", "", []
         else:
             seq.generated += 1
-            stop_at = min((i for s in seq.params_stop if (i := (seq.text + text).find(s)) >= 0),
-                          default=-1)
+            stop_at = min(
+                (i for s in seq.params_stop if (i := (seq.text + text).find(s)) >= 0), default=-1
+            )
             if stop_at >= 0:
-                finish, text = "stop", (seq.text + text)[len(seq.text):stop_at]
+                finish, text = "stop", (seq.text + text)[len(seq.text) : stop_at]
         if finish is None and seq.generated >= seq.budget:
             finish = "length"
         seq.text += text
-        seq.chunks.put_nowait(GenerationChunk(
-            text=text, token_ids=ids, finish_reason=finish, prompt_tokens=seq.prompt_tokens,
-            completion_tokens=seq.generated, cached_prompt_tokens=seq.cached_tokens,
-            queue_s=seq.queue_s))
+        seq.chunks.put_nowait(
+            GenerationChunk(
+                text=text,
+                token_ids=ids,
+                finish_reason=finish,
+                prompt_tokens=seq.prompt_tokens,
+                completion_tokens=seq.generated,
+                cached_prompt_tokens=seq.cached_tokens,
+                queue_s=seq.queue_s,
+            )
+        )
         if finish is not None:
             self._finish(seq)
 
@@ -405,6 +510,6 @@ def _prefix_blocks(text: str, block_tokens: int) -> list[int]:
     block_bytes = block_tokens * _BYTES_PER_TOKEN
     blocks, previous = [], 0
     for start in range(0, len(data) - block_bytes + 1, block_bytes):
-        previous = hash((previous, data[start:start + block_bytes]))
+        previous = hash((previous, data[start : start + block_bytes]))
         blocks.append(previous)
     return blocks

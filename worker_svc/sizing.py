@@ -15,6 +15,7 @@ KV cache holds, per layer and token, the compressed latent and the rope'd key (k
 qk_rope_head_dim values) and, for V3.2, the indexer's key (index_head_dim values), in the serving
 dtype, BF16 under FP8 (worker_svc/kv_cache.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,15 +35,23 @@ _KV_VALUE_BYTES: dict[Precision, int] = {"fp8": 2, "bf16": 2, "fp16": 2, "fp32":
 _BUNDLED = Path(__file__).with_name("model_configs")
 DEFAULT_UTILIZATION = 0.9  # of each GPU's memory for weights and the KV cache ([cache])
 Stored = Literal["fp8", "bf16", "fp32"]
-_FP8_LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")
+_FP8_LINEAR_SUFFIXES = (
+    "_proj.weight",
+    "_proj_with_mqa.weight",
+    ".indexer.wq_b.weight",
+    ".indexer.wk.weight",
+)
 INDEXER_HEAD_WEIGHTS = ".indexer.weights_proj."
 
 
 def is_fp8_linear(name: str) -> bool:
     """Linear weights a DeepSeek-V3(.2) checkpoint stores in FP8 (not embed, lm_head, norms, gate,
     and not the indexer's per-head weights_proj, which V3.2 stores in BF16)."""
-    return (name.startswith("model.layers.") and name.endswith(_FP8_LINEAR_SUFFIXES)
-            and INDEXER_HEAD_WEIGHTS not in name)
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(_FP8_LINEAR_SUFFIXES)
+        and INDEXER_HEAD_WEIGHTS not in name
+    )
 
 
 @dataclass(frozen=True)
@@ -100,14 +109,31 @@ class ModelSize:
         return self.index_values_per_token * _KV_VALUE_BYTES[precision]
 
     @classmethod
-    def of_params(cls, name: str, params: float, active_params: float, kv_bytes_per_token: int,
-                  index_bytes_per_token: int = 0, index_topk: int = 0) -> ModelSize:
+    def of_params(
+        cls,
+        name: str,
+        params: float,
+        active_params: float,
+        kv_bytes_per_token: int,
+        index_bytes_per_token: int = 0,
+        index_topk: int = 0,
+    ) -> ModelSize:
         """A model known only by its sizes (the simulated engine's [engine] keys): dense FP8
         weights, 1 byte each, and a 2-byte KV cache of ``kv_bytes_per_token`` (+ V3.2's
         ``index_bytes_per_token`` when ``index_topk`` > 0)."""
         total, active = int(params), int(active_params)
-        return cls(name, "deepseek_v32" if index_topk else "deepseek_v3", total, active, total, total, total,
-                   math.ceil(kv_bytes_per_token / 2), math.ceil(index_bytes_per_token / 2), index_topk)
+        return cls(
+            name,
+            "deepseek_v32" if index_topk else "deepseek_v3",
+            total,
+            active,
+            total,
+            total,
+            total,
+            math.ceil(kv_bytes_per_token / 2),
+            math.ceil(index_bytes_per_token / 2),
+            index_topk,
+        )
 
 
 def serving_profile(profile: GpuProfile, size: ModelSize) -> GpuProfile:
@@ -128,8 +154,10 @@ def load_config(source: str | Path) -> dict[str, Any]:
     try:
         config = json.loads(file.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(f"{file}: not found (need a checkpoint directory, its config.json, or one of "
-                          f"{', '.join(bundled_models())})") from None
+        raise ConfigError(
+            f"{file}: not found (need a checkpoint directory, its config.json, or one of "
+            f"{', '.join(bundled_models())})"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: not JSON: {e}") from None
     if not isinstance(config, dict):
@@ -161,27 +189,41 @@ def model_size(config: dict[str, Any], name: str = "") -> ModelSize:
         served = list(checkpoint_tensors(config, layers))
         stored = served + list(checkpoint_tensors(config, layers + mtp, first_layer=layers))
         kv_values = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
-        index_values, index_topk = (layers * config["index_head_dim"], config["index_topk"]) if _is_sparse(config) \
+        index_values, index_topk = (
+            (layers * config["index_head_dim"], config["index_topk"])
+            if _is_sparse(config)
             else (0, 0)
+        )
         unused_experts = config["n_routed_experts"] - config["num_experts_per_tok"]
         # an embedding lookup reads one row of the table
         unread = (config["vocab_size"] - 1) * config["hidden_size"]
     except (KeyError, TypeError) as e:
-        raise ConfigError(f"config.json has no usable {e.args[0]!r}: not a DeepSeek-V3/V3.2/V2 config") from None
+        raise ConfigError(
+            f"config.json has no usable {e.args[0]!r}: not a DeepSeek-V3/V3.2/V2 config"
+        ) from None
     params = sum(t.numel for t in served)
     moe_layers = sum(1 for i in range(layers) if _is_moe(config, i))
-    unread += moe_layers * unused_experts * 3 * config["hidden_size"] * config["moe_intermediate_size"]
-    return ModelSize(name=name or config.get("_name_or_path", "") or config.get("model_type", "model"),
-                     model_type=config.get("model_type", ""), params=params, active_params=params - unread,
-                     stored_bytes=sum(t.stored_bytes for t in served),
-                     checkpoint_params=sum(t.numel for t in stored),
-                     checkpoint_bytes=sum(t.stored_bytes for t in stored),
-                     kv_values_per_token=kv_values, index_values_per_token=index_values,
-                     index_topk=index_topk,
-                     fp8_weights="quantization_config" in config)
+    unread += (
+        moe_layers * unused_experts * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    )
+    return ModelSize(
+        name=name or config.get("_name_or_path", "") or config.get("model_type", "model"),
+        model_type=config.get("model_type", ""),
+        params=params,
+        active_params=params - unread,
+        stored_bytes=sum(t.stored_bytes for t in served),
+        checkpoint_params=sum(t.numel for t in stored),
+        checkpoint_bytes=sum(t.stored_bytes for t in stored),
+        kv_values_per_token=kv_values,
+        index_values_per_token=index_values,
+        index_topk=index_topk,
+        fp8_weights="quantization_config" in config,
+    )
 
 
-def checkpoint_tensors(config: dict[str, Any], end_layer: int, first_layer: int = 0) -> Iterator[Tensor]:
+def checkpoint_tensors(
+    config: dict[str, Any], end_layer: int, first_layer: int = 0
+) -> Iterator[Tensor]:
     """The tensors of layers [first_layer, end_layer) by their HF names (first_layer 0: with
     the embeddings, final norm and lm_head; a layer at or past num_hidden_layers: an MTP layer)."""
     h, vocab = config["hidden_size"], config["vocab_size"]
@@ -207,7 +249,9 @@ def _layer_tensors(config: dict[str, Any], i: int) -> Iterator[Tensor]:
         for e in range(experts):
             yield from _mlp_tensors(f"{p}mlp.experts.{e}.", h, inter, linear)
         if config.get("n_shared_experts"):
-            yield from _mlp_tensors(p + "mlp.shared_experts.", h, inter * config["n_shared_experts"], linear)
+            yield from _mlp_tensors(
+                p + "mlp.shared_experts.", h, inter * config["n_shared_experts"], linear
+            )
     else:
         yield from _mlp_tensors(p + "mlp.", h, config["intermediate_size"], linear)
     if i >= config["num_hidden_layers"]:  # an MTP layer: its own embedding and head copies
@@ -262,7 +306,9 @@ def _linear_dtype(config: dict[str, Any]) -> Stored:
 
 def _topk_method(config: dict[str, Any]) -> str:
     """The routing; absent, what transformers' config class means: V3(.2) noaux_tc, V2 greedy."""
-    return config.get("topk_method") or ("greedy" if config.get("model_type") == "deepseek_v2" else "noaux_tc")
+    return config.get("topk_method") or (
+        "greedy" if config.get("model_type") == "deepseek_v2" else "noaux_tc"
+    )
 
 
 def _is_sparse(config: dict[str, Any]) -> bool:
@@ -270,18 +316,30 @@ def _is_sparse(config: dict[str, Any]) -> bool:
 
 
 def _is_moe(config: dict[str, Any], i: int) -> bool:
-    return (config.get("n_routed_experts") or 0) > 0 and i >= config.get("first_k_dense_replace", 0) \
+    return (
+        (config.get("n_routed_experts") or 0) > 0
+        and i >= config.get("first_k_dense_replace", 0)
         and i % config.get("moe_layer_freq", 1) == 0
+    )
 
 
-def fewest_gpus(weight_bytes: int, kv_bytes: int, gpu_memory_bytes: int,
-                utilization: float = DEFAULT_UTILIZATION) -> int:
+def fewest_gpus(
+    weight_bytes: int,
+    kv_bytes: int,
+    gpu_memory_bytes: int,
+    utilization: float = DEFAULT_UTILIZATION,
+) -> int:
     """The fewest GPUs whose usable memory holds the weights plus ``kv_bytes`` of KV cache."""
     return max(1, math.ceil((weight_bytes + kv_bytes) / (gpu_memory_bytes * utilization)))
 
 
-def sequences_that_fit(weight_bytes: int, kv_bytes_per_sequence: int, gpus: int, gpu_memory_bytes: int,
-                       utilization: float = DEFAULT_UTILIZATION) -> int:
+def sequences_that_fit(
+    weight_bytes: int,
+    kv_bytes_per_sequence: int,
+    gpus: int,
+    gpu_memory_bytes: int,
+    utilization: float = DEFAULT_UTILIZATION,
+) -> int:
     """Concurrent sequences of ``kv_bytes_per_sequence`` whose KV cache fits on ``gpus`` GPUs
     beside the weights (0: the weights alone do not fit)."""
     free = gpus * gpu_memory_bytes * utilization - weight_bytes

@@ -7,6 +7,7 @@ each stream's thread-safe `emit`; the async front (worker_svc.engine.Engine) val
 tokenizes requests and hands them over as `Stream`s. Request lifecycle: waiting -> running ->
 finished, or aborted when the consumer goes away (its blocks are freed at the next step).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from infermesh.names import FinishReason
+from worker_svc.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.engine_api import (
     DecodeRateMeter,
     EngineClosedError,
@@ -34,8 +35,7 @@ from worker_svc.grammar import apply_masks
 from worker_svc.model_runner import ModelRunner
 from worker_svc.sampling import sample_batch, token_logprobs
 from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
-from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker_svc.tool_parser import ToolCallParser
+from worker_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +49,15 @@ class Stream:
     params: SamplingParams
     max_len: int  # prompt + completion limit
     stop_token_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
+    decoder: CompletionDecoder  # its tokens as text, tool calls and finish reason
     generator: torch.Generator
     # thread-safe: hands an item to the consumer
     emit: Callable[[GenerationChunk | BaseException], None]
     matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
-    tool_parser: ToolCallParser | None = None  # set when it may call tools
 
     @property
     def output_ids(self) -> list[int]:
         return self.seq.token_ids[self.seq.num_prompt_tokens :]
-
-    def finish_reason(self, token: int) -> FinishReason | None:
-        if token in self.stop_token_ids:
-            return "tool_calls" if self.tool_parser is not None and self.tool_parser.calls else "stop"
-        if len(self.seq.token_ids) >= self.max_len:
-            return "length"
-        return None
 
 
 class StepLoop:
@@ -75,7 +67,9 @@ class StepLoop:
     thread.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int):
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int
+    ):
         self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
         self._max_waiting = max_waiting
         self._lock = threading.Condition()
@@ -112,8 +106,11 @@ class StepLoop:
 
     def load(self) -> EngineLoad:
         with self._lock:
-            return dataclasses.replace(self._load, waiting=self._load.waiting + len(self._incoming),
-                                       tokens_per_second=self._decode_rate.rate())
+            return dataclasses.replace(
+                self._load,
+                waiting=self._load.waiting + len(self._incoming),
+                tokens_per_second=self._decode_rate.rate(),
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -173,8 +170,12 @@ class StepLoop:
         streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
         self._scheduler.complete_step(output)
         logits = apply_masks(logits, [st.matcher for st in streams])
-        tokens = sample_batch(logits, [st.params for st in streams], [st.generator for st in streams],
-                              [st.output_ids if st.params.has_penalties else [] for st in streams])
+        tokens = sample_batch(
+            logits,
+            [st.params for st in streams],
+            [st.generator for st in streams],
+            [st.output_ids if st.params.has_penalties else [] for st in streams],
+        )
         with self._lock:
             self._decode_rate.add(len(tokens))
         for stream, token, row in zip(streams, tokens, logits, strict=True):
@@ -188,32 +189,38 @@ class StepLoop:
         """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
         stream.seq.token_ids.append(token)
         if stream.matcher is not None and not stream.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the request's grammar: {stream.matcher.get_error()}")
-        finish = stream.finish_reason(token)
-        detok = stream.detokenizer
-        calls = stream.tool_parser.add(token) if stream.tool_parser is not None else None
-        if calls is not None:  # a token of the tool calls: no text
-            text = detok.flush()  # text held back for a possible stop string is text after all
-            if finish == "length":
-                calls += stream.tool_parser.finish()  # type: ignore[union-attr]
-        elif token in stream.stop_token_ids:
-            text = detok.flush()
-        else:
-            text = detok.add(token)
-            if detok.stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += detok.flush()
+            raise RuntimeError(
+                f"token {token} broke the request's grammar: {stream.matcher.get_error()}"
+            )
+        end: TokenEnd | None = None
+        if token in stream.stop_token_ids:
+            end = "stop_token"
+        elif len(stream.seq.token_ids) >= stream.max_len:
+            end = "length"
+        decoded = stream.decoder.add(token, end)
+        finish = decoded.finish
         logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
         seq = stream.seq
-        stream.emit(GenerationChunk(text, [token], finish, seq.num_prompt_tokens, len(seq.token_ids) -
-                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens, logprobs,
-                                    seq.queue_s, calls or None))
+        stream.emit(
+            GenerationChunk(
+                decoded.text,
+                [token],
+                finish,
+                seq.num_prompt_tokens,
+                len(seq.token_ids) - seq.num_prompt_tokens,
+                seq.num_cached_prompt_tokens,
+                logprobs,
+                seq.queue_s,
+                decoded.tool_calls or None,
+            )
+        )
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)
 
-    def _logprobs(self, logits: torch.Tensor, token: int, params: SamplingParams) -> list[TokenLogprob]:
+    def _logprobs(
+        self, logits: torch.Tensor, token: int, params: SamplingParams
+    ) -> list[TokenLogprob]:
         logprob, top = token_logprobs(logits, token, params.top_logprobs)
         decode = self._tokenizer.decode
         alternatives = tuple(TokenLogprob(decode([i]), lp) for i, lp in top)

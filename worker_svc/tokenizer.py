@@ -5,6 +5,7 @@
 prefix/read offsets) and never contain a stop string (a possible partial stop string at the
 end is held back until it is ruled out).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,21 +40,30 @@ class Tokenizer:
         """Raw text -> ids, with BOS as the tokenizer's post-processor adds it."""
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """`tools`: OpenAI-shaped function definitions, as HF templates take them."""
         hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         # tokenize=False: the rendered text
-        return cast(str, self.hf.apply_chat_template(messages, tools=hf_tools, tokenize=False,
-                                                     add_generation_prompt=True))
+        return cast(
+            str,
+            self.hf.apply_chat_template(
+                messages, tools=hf_tools, tokenize=False, add_generation_prompt=True
+            ),
+        )
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Messages rendered with the checkpoint's chat template (BOS comes from the template)."""
         return list(self.hf.encode(self.render_chat(messages, tools), add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         # one sequence of ids: one string
-        return cast(str, self.hf.decode(ids, skip_special_tokens=True,
-                                        clean_up_tokenization_spaces=False))
+        return cast(
+            str, self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        )
 
 
 class IncrementalDetokenizer:

@@ -7,6 +7,7 @@ A turn's calls come after the model's text as
 token ids and decodes only the text between them; argument text streams as it is decoded, holding
 back only what may be the closing fence.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -81,7 +82,12 @@ class ToolCallParser:
         return self._close()
 
     def _enter(self, state: str) -> None:
-        self._state, self._piece, self._buffer, self._sent = state, IncrementalDetokenizer(self._tokenizer), "", 0
+        self._state, self._piece, self._buffer, self._sent = (
+            state,
+            IncrementalDetokenizer(self._tokenizer),
+            "",
+            0,
+        )
 
     def _name(self) -> list[ToolCallDelta]:
         if "\n" not in self._buffer:
@@ -98,11 +104,11 @@ class ToolCallParser:
     def _arguments(self, final: bool) -> list[ToolCallDelta]:
         body = self._buffer
         if body.startswith(_ARGS_OPEN):
-            body = body[len(_ARGS_OPEN):]
+            body = body[len(_ARGS_OPEN) :]
         elif _ARGS_OPEN.startswith(body) and not final:
             return []  # the opening fence may still come
         body = body.removesuffix(_ARGS_CLOSE) if final else body[: len(body) - _held_back(body)]
-        piece = body[self._sent:]
+        piece = body[self._sent :]
         self._sent += len(piece)
         return [ToolCallDelta(self.calls - 1, arguments=piece)] if piece else []
 

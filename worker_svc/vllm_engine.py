@@ -5,9 +5,11 @@ vLLM's `AsyncLLM` runs in this process (its EngineCore and GPU workers in child 
 the batching, tensor/expert/pipeline parallelism and FP8 kernels. The worker keeps its own front: it
 renders the chat template and tokenizes as for the torch engine and hands vLLM token ids, checks
 requests with the same rules, and bounds the waiting queue; vLLM detokenizes, applies stop strings
-and samples. Load comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a
-stat logger, and vLLM's Prometheus metrics land in the process's default registry, which the
-worker's metrics port serves.
+and samples, enforcing the worker's grammar of a request's tools and JSON schema with its guidance
+backend. With tools, the worker decodes the tokens itself (worker_svc.completion_decoder), as the
+torch engine does, into text and tool-call pieces. Load comes from vLLM's own scheduler stats
+(running, waiting, KV-cache use) through a stat logger, and vLLM's Prometheus metrics land in the
+process's default registry, which the worker's metrics port serves.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 import torch
 from opentelemetry import propagate
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
@@ -35,6 +39,7 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
+from worker_svc.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.config import WorkerConfig
 from worker_svc.engine import prompt_token_ids
 from worker_svc.engine_api import (
@@ -48,9 +53,11 @@ from worker_svc.engine_api import (
     InvalidRequestError,
     SamplingParams,
     TokenLogprob,
+    ToolCallDelta,
     check_request,
     completion_budget,
 )
+from worker_svc.grammar import lark_grammar
 from worker_svc.precision import (
     choose_precision,
     cpu_has_native_bf16,
@@ -58,6 +65,7 @@ from worker_svc.precision import (
     resolve_device,
 )
 from worker_svc.tokenizer import Tokenizer
+from worker_svc.tool_parser import ToolMarkers
 from worker_svc.vllm_args import (
     Devices,
     check_known,
@@ -133,6 +141,7 @@ class VllmEngine:
         meter: _LoadMeter,
     ) -> None:
         self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
+        self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._max_live = max_live  # running + waiting past which a request gets RESOURCE_EXHAUSTED
@@ -159,6 +168,13 @@ class VllmEngine:
             raise ConfigError(f"[model] dtype: {e}") from None
         check_known(config.engine.vllm, known_engine_args())
         args = engine_args(config, devices, policy)
+        if "structured_outputs_config" in config.engine.vllm:
+            raise ConfigError(
+                "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
+                "backend runs its grammars)"
+            )
+        # the worker's grammars (worker_svc.grammar) are llguidance's Lark
+        args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
         if config.cache.swap_space is not None:
             logger.warning(
                 "[cache] swap_space is ignored: vLLM's V1 engine recomputes preempted sequences"
@@ -206,7 +222,7 @@ class VllmEngine:
             meter,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; closing the iterator aborts the vLLM request."""
         if self._closed:
             raise EngineClosedError("engine is closed")
@@ -223,12 +239,25 @@ class VllmEngine:
             propagate.inject(carrier)
         finished = False
         completion_tokens = 0
+        # with tools, text and calls come from the worker's own decoding of the tokens, as on the
+        # torch engine; vLLM's text (markers skipped) cannot tell a call's arguments from text
+        decoder = (
+            CompletionDecoder(
+                self.tokenizer, request.sampling.stop, request.constraints, self._markers
+            )
+            if request.constraints.tools
+            else None
+        )
         try:
             async for out in self._llm.generate(
                 prompt, params, request.request_id, trace_headers=carrier
             ):
                 chunk = self._chunk(
-                    out, len(prompt["prompt_token_ids"]), completion_tokens, request.sampling
+                    out,
+                    len(prompt["prompt_token_ids"]),
+                    completion_tokens,
+                    request.sampling,
+                    decoder,
                 )
                 completion_tokens = chunk.completion_tokens
                 finished = out.finished
@@ -236,6 +265,8 @@ class VllmEngine:
                     yield chunk
             if not finished:
                 raise EngineClosedError("vLLM ended the request before it finished")
+        except VLLMValidationError as e:  # the grammar, refused before generation starts
+            raise InvalidRequestError(f"the tools or json_schema cannot be enforced: {e}") from None
         finally:
             self._live -= 1
             if not finished:
@@ -252,12 +283,11 @@ class VllmEngine:
         """The request checked by the rules every engine applies, as vLLM's prompt and sampling
         params."""
         check_request(request, self._vocab_size)
-        if request.constraints.tools:
-            raise InvalidRequestError("tools: the vllm engine does not serve tool calls yet")
-        ids = prompt_token_ids(self.tokenizer, request)
+        ids = prompt_token_ids(self.tokenizer, request)  # renders tools as for the torch engine
         p = request.sampling
         budget = completion_budget(len(ids), p.max_tokens, self.max_model_len)
-        schema = request.constraints.json_schema
+        constraints = request.constraints
+        grammar = lark_grammar(constraints, self._markers) if constraints.active else None
         params = VllmSamplingParams(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -271,12 +301,17 @@ class VllmEngine:
             logprobs=p.top_logprobs if p.logprobs else None,
             output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=True,
-            structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None,
+            structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None,
         )
         return TokensPrompt(prompt_token_ids=ids), params
 
     def _chunk(
-        self, out: RequestOutput, prompt_tokens: int, done: int, sampling: SamplingParams
+        self,
+        out: RequestOutput,
+        prompt_tokens: int,
+        done: int,
+        sampling: SamplingParams,
+        decoder: CompletionDecoder | None,
     ) -> GenerationChunk:
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
@@ -288,11 +323,14 @@ class VllmEngine:
                     f"vLLM ended request {out.request_id} with {completion.finish_reason!r}"
                 )
             finish = _FINISH_REASONS[completion.finish_reason]
+        text, calls = completion.text, None
+        if decoder is not None:
+            text, calls, finish = _decode(decoder, tokens, finish, completion.stop_reason)
         logprobs = None
         if sampling.logprobs:
             logprobs = [
                 self._logprob(token, alternatives, sampling.top_logprobs)
-                for token, alternatives in zip(tokens, completion.logprobs or ())
+                for token, alternatives in zip(tokens, completion.logprobs or (), strict=False)
             ]
         queue_s = 0.0
         stats = out.metrics  # RequestStateStats: engine-core timestamps, 0 until set
@@ -304,7 +342,7 @@ class VllmEngine:
         ):
             queue_s = max(stats.scheduled_ts - stats.queued_ts, 0.0)
         return GenerationChunk(
-            completion.text,
+            text,
             tokens,
             finish,
             prompt_tokens,
@@ -312,6 +350,7 @@ class VllmEngine:
             out.num_cached_tokens or 0,
             logprobs,
             queue_s,
+            calls,
         )
 
     def _logprob(self, token: int, alternatives: dict[int, Logprob], top: int) -> TokenLogprob:
@@ -322,6 +361,31 @@ class VllmEngine:
             alternatives[token].logprob,
             tuple(TokenLogprob(decode([i]), lp.logprob) for i, lp in ranked),
         )
+
+
+def _decode(
+    decoder: CompletionDecoder,
+    tokens: list[int],
+    finish: FinishReason | None,
+    stop_reason: int | str | None,
+) -> tuple[str, list[ToolCallDelta] | None, FinishReason | None]:
+    """A delta's tokens through the worker's decoder. vLLM keeps a stop token (an eos, or one of
+    stop_token_ids: its `stop_reason` is not a stop string) as the last of a finished request's
+    tokens; a stop string, which vLLM stopped at too, the decoder finds itself."""
+    last_end: TokenEnd | None = None
+    if finish == "length":
+        last_end = "length"
+    elif finish == "stop" and not isinstance(stop_reason, str):
+        last_end = "stop_token"
+    text, calls, decoded_finish = "", list[ToolCallDelta](), None
+    for i, token in enumerate(tokens):
+        if decoder.stopped:
+            break
+        decoded = decoder.add(token, last_end if i == len(tokens) - 1 else None)
+        text += decoded.text
+        calls += decoded.tool_calls or ()
+        decoded_finish = decoded.finish or decoded_finish
+    return text, calls or None, decoded_finish or finish
 
 
 _PRECISIONS: dict[torch.dtype, Precision] = {

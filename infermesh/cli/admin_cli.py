@@ -5,6 +5,7 @@ the admin token is read from ``INFERMESH_ADMIN_TOKEN`` only, never from the
 command line, where other users could read it. Answers are printed as JSON; a
 created or rotated key's plaintext is in its ``key`` field, shown this once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,23 +18,34 @@ from typing import Any
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 10.0
-_LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "quota_tokens", "quota_period_tokens",
-                "quota_period_s")
+_LIMIT_FLAGS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "quota_tokens",
+    "quota_period_tokens",
+    "quota_period_s",
+)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds ``keys`` and its actions to the ``python -m infermesh`` parser."""
     keys = commands.add_parser(
-        "keys", help="manage API keys through the gateway's admin API "
-                     "(INFERMESH_ADMIN_URL, INFERMESH_ADMIN_TOKEN)")
+        "keys",
+        help="manage API keys through the gateway's admin API "
+        "(INFERMESH_ADMIN_URL, INFERMESH_ADMIN_TOKEN)",
+    )
     actions = keys.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a key; its plaintext is shown once")
     create.add_argument("name")
     _add_settings(create, clearable=False)
     actions.add_parser("list", help="every key, without plaintexts")
-    for action, text in [("get", "one key's settings"), ("disable", "disable a key"),
-                         ("revoke", "revoke a key for good"),
-                         ("rotate", "a new key with the same settings; revokes the old one")]:
+    for action, text in [
+        ("get", "one key's settings"),
+        ("disable", "disable a key"),
+        ("revoke", "revoke a key for good"),
+        ("rotate", "a new key with the same settings; revokes the old one"),
+    ]:
         actions.add_parser(action, help=text).add_argument("id")
     update = actions.add_parser("update", help="change settings; 'none' clears a limit")
     update.add_argument("id")
@@ -49,13 +61,22 @@ def _add_settings(parser: argparse.ArgumentParser, clearable: bool) -> None:
     # Absent flags stay absent (SUPPRESS), so an update sends only what was given.
     value = _int_or_none if clearable else int
     for flag in _LIMIT_FLAGS:
-        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=value,
-                            default=argparse.SUPPRESS)
-    parser.add_argument("--models", type=_models_or_none if clearable else _models,
-                        default=argparse.SUPPRESS,
-                        help="comma-separated models the key may use (default: all)")
-    parser.add_argument("--expires-at", dest="expires_at", type=value,
-                        default=argparse.SUPPRESS, help="unix seconds")
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}", dest=flag, type=value, default=argparse.SUPPRESS
+        )
+    parser.add_argument(
+        "--models",
+        type=_models_or_none if clearable else _models,
+        default=argparse.SUPPRESS,
+        help="comma-separated models the key may use (default: all)",
+    )
+    parser.add_argument(
+        "--expires-at",
+        dest="expires_at",
+        type=value,
+        default=argparse.SUPPRESS,
+        help="unix seconds",
+    )
 
 
 def _int_or_none(text: str) -> int | None:
@@ -72,8 +93,9 @@ def _models_or_none(text: str) -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs one ``keys`` action; prints the answer, or the error on stderr (exit 1)."""
-    settings = {f: getattr(args, f) for f in (*_LIMIT_FLAGS, "models", "expires_at")
-                if hasattr(args, f)}
+    settings = {
+        f: getattr(args, f) for f in (*_LIMIT_FLAGS, "models", "expires_at") if hasattr(args, f)
+    }
     kid = getattr(args, "id", "")
     call: tuple[str, str, dict[str, Any] | None]
     if args.action == "create":
@@ -110,8 +132,12 @@ def _request(method: str, path: str, body: dict[str, Any] | None) -> Any:
         raise _CallFailed("set INFERMESH_ADMIN_TOKEN to the gateway's admin token")
     url = os.environ.get("INFERMESH_ADMIN_URL", _DEFAULT_URL).rstrip("/") + path
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
             return json.loads(response.read())

@@ -7,6 +7,7 @@ A failure is a response with status 5xx, a 4xx not in the error shape of its API
 (two Authorization headers, say), a request the server did not answer, or a slow client
 whose connection was kept. Every response body is kept for the secrets scan.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,14 +41,16 @@ def mesh_env(admin_token: str, timeout_s: float) -> dict[str, str]:
     """The mesh under fuzzing: one zero-latency simulated worker (the gateway is what is fuzzed),
     metrics on free ports, the admin API on, and read timeouts of ``timeout_s`` for the slow
     clients."""
-    return {"INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-            "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
-            "INFERMESH_WORKER_ENGINE_KIND": "sim",
-            "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-            "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
-            "INFERMESH_GATEWAY_SERVER_HEADER_TIMEOUT_S": str(timeout_s),
-            "INFERMESH_GATEWAY_SERVER_BODY_TIMEOUT_S": str(timeout_s),
-            "INFERMESH_GATEWAY_SERVER_KEEPALIVE_TIMEOUT_S": str(timeout_s)}
+    return {
+        "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+        "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+        "INFERMESH_WORKER_ENGINE_KIND": "sim",
+        "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
+        "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+        "INFERMESH_GATEWAY_SERVER_HEADER_TIMEOUT_S": str(timeout_s),
+        "INFERMESH_GATEWAY_SERVER_BODY_TIMEOUT_S": str(timeout_s),
+        "INFERMESH_GATEWAY_SERVER_KEEPALIVE_TIMEOUT_S": str(timeout_s),
+    }
 
 
 @dataclasses.dataclass
@@ -100,8 +103,9 @@ class Target:
 def served_model(router_address: str) -> str:
     """The first model the mesh serves, as the router lists it."""
     with grpc.insecure_channel(router_address) as channel:
-        reply = router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(),
-                                                               timeout=5)
+        reply = router_pb2_grpc.RouterStub(channel).ListModels(
+            router_pb2.ListModelsRequest(), timeout=5
+        )
     model_id: str = reply.models[0].id
     return model_id
 
@@ -119,22 +123,39 @@ def schema_cases(target: Target, max_examples: int, report: FuzzReport) -> None:
     session.close()
 
 
-def _run_operation(target: Target, operation: APIOperation[Any, Any, Any, Any], mode: GenerationMode, max_examples: int,
-                   session: requests.Session, report: FuzzReport) -> None:
+def _run_operation(
+    target: Target,
+    operation: APIOperation[Any, Any, Any, Any],
+    mode: GenerationMode,
+    max_examples: int,
+    session: requests.Session,
+    report: FuzzReport,
+) -> None:
     steer = mode == GenerationMode.POSITIVE
 
-    @hypothesis.settings(max_examples=max_examples, deadline=None, database=None,
-                         suppress_health_check=_HEALTH_CHECKS, derandomize=False,
-                         phases=[hypothesis.Phase.generate])
-    @hypothesis.given(case=operation.as_strategy(generation_mode=mode),
-                      served=st.booleans() if steer else st.just(False))
+    @hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=_HEALTH_CHECKS,
+        derandomize=False,
+        phases=[hypothesis.Phase.generate],
+    )
+    @hypothesis.given(
+        case=operation.as_strategy(generation_mode=mode),
+        served=st.booleans() if steer else st.just(False),
+    )
     def run(case: Case[Any], served: bool) -> None:
         if served and isinstance(case.body, dict) and "model" in case.body:
             _to_served_model(case.body, target.model)
         what = f"{mode.value} {operation.method.upper()} {operation.path}"
         try:
-            response = case.call(base_url=target.base, session=session,
-                                 headers=target.headers_for(operation.path), timeout=30)
+            response = case.call(
+                base_url=target.base,
+                session=session,
+                headers=target.headers_for(operation.path),
+                timeout=30,
+            )
         except requests.RequestException as e:
             report.fail(what, f"no answer: {type(e).__name__}")
             return
@@ -159,18 +180,18 @@ def raw_requests(target: Target) -> Iterator[tuple[str, str, bytes]]:
     """(name, path, request bytes): malformed bodies and headers no schema generates."""
     auth = ("Authorization", f"Bearer {target.api_key}")
     json_type = ("Content-Type", "application/json")
-    chat = {"model": target.model, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": target.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     bodies = {
         "truncated_json": json.dumps(chat).encode()[:-7],
         "deep_nesting": b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
         "deep_objects": b'{"a": ' * 20_000 + b"1" + b"}" * 20_000,
-        "huge_float": json.dumps({**chat, "temperature": 1}).encode().replace(
-            b'"temperature": 1', b'"temperature": 1e999'),
-        "huge_int": json.dumps(chat).encode().replace(b'"max_tokens": 4',
-                                                      b'"max_tokens": ' + b"9" * 5000),
-        "huge_seed": json.dumps(chat).encode().replace(b'"max_tokens": 4',
-                                                       b'"seed": ' + b"9" * 40),
+        "huge_float": json.dumps({**chat, "temperature": 1})
+        .encode()
+        .replace(b'"temperature": 1', b'"temperature": 1e999'),
+        "huge_int": json.dumps(chat)
+        .encode()
+        .replace(b'"max_tokens": 4', b'"max_tokens": ' + b"9" * 5000),
+        "huge_seed": json.dumps(chat).encode().replace(b'"max_tokens": 4', b'"seed": ' + b"9" * 40),
         "invalid_utf8": json.dumps(chat).encode().replace(b"hi", b"h\xff\xfei"),
         "lone_surrogate": json.dumps(chat).encode().replace(b"hi", b"h\\ud800i"),
         "nul_in_content": json.dumps(chat).encode().replace(b"hi", b"h\\u0000i"),
@@ -182,33 +203,84 @@ def raw_requests(target: Target) -> Iterator[tuple[str, str, bytes]]:
     }
     for name, body in bodies.items():
         yield name, _CHAT, rawhttp.request("POST", _CHAT, [auth, json_type], body)
-    yield "text_plain_body", _CHAT, rawhttp.request(
-        "POST", _CHAT, [auth, ("Content-Type", "text/plain")], b"hello")
-    yield "form_body", _CHAT, rawhttp.request(
-        "POST", _CHAT, [auth, ("Content-Type", "application/x-www-form-urlencoded")], b"a=b")
-    yield "json_as_xml", "/admin/keys", rawhttp.request(
-        "POST", "/admin/keys", [("Authorization", f"Bearer {target.admin_token}"),
-                                ("Content-Type", "application/xml")], b"<a/>")
-    yield "many_headers", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [auth] + [(f"X-F{i}", "v") for i in range(500)])
-    yield "long_header", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [auth, ("X-Long", "v" * 70_000)])
+    yield (
+        "text_plain_body",
+        _CHAT,
+        rawhttp.request("POST", _CHAT, [auth, ("Content-Type", "text/plain")], b"hello"),
+    )
+    yield (
+        "form_body",
+        _CHAT,
+        rawhttp.request(
+            "POST", _CHAT, [auth, ("Content-Type", "application/x-www-form-urlencoded")], b"a=b"
+        ),
+    )
+    yield (
+        "json_as_xml",
+        "/admin/keys",
+        rawhttp.request(
+            "POST",
+            "/admin/keys",
+            [
+                ("Authorization", f"Bearer {target.admin_token}"),
+                ("Content-Type", "application/xml"),
+            ],
+            b"<a/>",
+        ),
+    )
+    yield (
+        "many_headers",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [auth] + [(f"X-F{i}", "v") for i in range(500)]),
+    )
+    yield (
+        "long_header",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [auth, ("X-Long", "v" * 70_000)]),
+    )
     yield "long_url", "/v1/models", rawhttp.request("GET", "/v1/models?" + "q" * 70_000, [auth])
-    yield "two_authorizations", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [auth, ("Authorization", "Bearer sk-bogus")])
-    yield "bogus_then_valid", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [("Authorization", "Bearer sk-bogus"), auth])
-    yield "key_then_nul", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [(auth[0], auth[1] + "\x00")])
-    yield "key_in_long_line", "/v1/models", rawhttp.request(
-        "GET", "/v1/models", [(auth[0], auth[1] + "k" * 9000)])
+    yield (
+        "two_authorizations",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [auth, ("Authorization", "Bearer sk-bogus")]),
+    )
+    yield (
+        "bogus_then_valid",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [("Authorization", "Bearer sk-bogus"), auth]),
+    )
+    yield (
+        "key_then_nul",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [(auth[0], auth[1] + "\x00")]),
+    )
+    yield (
+        "key_in_long_line",
+        "/v1/models",
+        rawhttp.request("GET", "/v1/models", [(auth[0], auth[1] + "k" * 9000)]),
+    )
     yield "tls_hello", "/", bytes.fromhex("16030100f5010000f10303") + bytes(60)
-    yield "chunked_garbage", _CHAT, rawhttp.request(
-        "POST", _CHAT, [auth, json_type, ("Transfer-Encoding", "chunked")], b"zz\r\nab\r\n")
-    yield "gzip_garbage", _CHAT, rawhttp.request(
-        "POST", _CHAT, [auth, json_type, ("Content-Encoding", "gzip")], b"not gzip")
-    yield "content_length_lies_short", _CHAT, rawhttp.request(
-        "POST", _CHAT, [auth, json_type, ("Content-Length", "5")], json.dumps(chat).encode())
+    yield (
+        "chunked_garbage",
+        _CHAT,
+        rawhttp.request(
+            "POST", _CHAT, [auth, json_type, ("Transfer-Encoding", "chunked")], b"zz\r\nab\r\n"
+        ),
+    )
+    yield (
+        "gzip_garbage",
+        _CHAT,
+        rawhttp.request(
+            "POST", _CHAT, [auth, json_type, ("Content-Encoding", "gzip")], b"not gzip"
+        ),
+    )
+    yield (
+        "content_length_lies_short",
+        _CHAT,
+        rawhttp.request(
+            "POST", _CHAT, [auth, json_type, ("Content-Length", "5")], json.dumps(chat).encode()
+        ),
+    )
 
 
 # Raw requests a correct gateway may serve; every other one must be refused (4xx).
@@ -227,20 +299,29 @@ async def raw_cases(target: Target, report: FuzzReport) -> None:
             report.failures.append(f"raw {name}: status {response.status}, not refused")
 
 
-async def slow_clients(target: Target, clients: int, idle: int, timeout_s: float,
-                       report: FuzzReport) -> None:
+async def slow_clients(
+    target: Target, clients: int, idle: int, timeout_s: float, report: FuzzReport
+) -> None:
     """``clients`` sending headers and ``clients`` a body a byte every 0.2 s, and ``idle``
     keep-alive connections left idle: each must be answered 408 or closed within
     ``timeout_s`` (the gateway's timeouts) plus a margin."""
     limit = timeout_s + 5
-    body = json.dumps({"model": target.model, "messages": [{"role": "user",
-                                                            "content": "x" * 300}]}).encode()
-    body_head = rawhttp.request("POST", _CHAT, [("Authorization", f"Bearer {target.api_key}"),
-                                                ("Content-Type", "application/json"),
-                                                ("Content-Length", str(len(body)))])
+    body = json.dumps(
+        {"model": target.model, "messages": [{"role": "user", "content": "x" * 300}]}
+    ).encode()
+    body_head = rawhttp.request(
+        "POST",
+        _CHAT,
+        [
+            ("Authorization", f"Bearer {target.api_key}"),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+        ],
+    )
     header_head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
-    trickles = [_trickle(target.port, header_head, b"X-Slow: " + b"a" * 500, limit)
-                for _ in range(clients)]
+    trickles = [
+        _trickle(target.port, header_head, b"X-Slow: " + b"a" * 500, limit) for _ in range(clients)
+    ]
     trickles += [_trickle(target.port, body_head, body, limit) for _ in range(clients)]
     idles = [_idle(target.port, limit) for _ in range(idle)]
     results = await asyncio.gather(*trickles, *idles)
@@ -256,8 +337,9 @@ async def slow_clients(target: Target, clients: int, idle: int, timeout_s: float
             report.cases += 1
 
 
-async def _trickle(port: int, head: bytes, rest: bytes,
-                   limit_s: float) -> tuple[int | None, bytes, str | None]:
+async def _trickle(
+    port: int, head: bytes, rest: bytes, limit_s: float
+) -> tuple[int | None, bytes, str | None]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head)
     loop = asyncio.get_running_loop()
@@ -267,7 +349,7 @@ async def _trickle(port: int, head: bytes, rest: bytes,
         for i in range(len(rest)):
             if read.done() or loop.time() - started > limit_s:
                 break
-            writer.write(rest[i:i + 1])
+            writer.write(rest[i : i + 1])
             await asyncio.wait([read], timeout=0.2)
         try:
             response = await asyncio.wait_for(read, max(limit_s - (loop.time() - started), 0.1))

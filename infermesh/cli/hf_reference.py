@@ -1,6 +1,7 @@
 """transformers' DeepseekV3ForCausalLM, DeepseekV32ForCausalLM or DeepseekV2ForCausalLM holding our
 weights: the reference the correctness tests and the throughput benchmark compare the engine
 against."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,11 @@ def transformers_model(ours: Transformer, config: dict[str, Any]) -> PreTrainedM
     hf_config._attn_implementation = "eager"
     hf: PreTrainedModel = model_class(hf_config).float().eval()
     state = ours.state_dict()
-    hf_state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()
-                if ".experts." not in k}
+    hf_state = {
+        (k if k == "lm_head.weight" else f"model.{k}"): v
+        for k, v in state.items()
+        if ".experts." not in k
+    }
     # transformers stacks each MoE layer's experts into two tensors
     for i, layer in enumerate(ours.layers):
         if not isinstance(layer.mlp, MoE):
@@ -42,9 +46,13 @@ def transformers_model(ours: Transformer, config: dict[str, Any]) -> PreTrainedM
         p = f"layers.{i}.mlp.experts"
         experts = range(config["n_routed_experts"])
         hf_state[f"model.{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([state[f"{p}.{e}.gate_proj.weight"], state[f"{p}.{e}.up_proj.weight"]])
-             for e in experts])
+            [
+                torch.cat([state[f"{p}.{e}.gate_proj.weight"], state[f"{p}.{e}.up_proj.weight"]])
+                for e in experts
+            ]
+        )
         hf_state[f"model.{p}.down_proj"] = torch.stack(
-            [state[f"{p}.{e}.down_proj.weight"] for e in experts])
+            [state[f"{p}.{e}.down_proj.weight"] for e in experts]
+        )
     hf.load_state_dict(hf_state, strict=True)
     return hf

@@ -6,6 +6,7 @@
 ``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
 ``python -m infermesh bench``       measure every GPU kind of a fleet (or, --sim, a simulated one)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,9 @@ def main(argv: list[str]) -> int:
         return plan.run(args)
     if args.command == "bench":
         return bench_cli.run(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s"
+    )
     return run_mesh(args, os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL))
 
 
@@ -59,9 +62,11 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
     for port in (args.gateway_port, args.router_port, args.worker_port):
         holder = port_in_use(port)
         if holder is not None:
-            print(f"port {port} is in use by {holder}; stop it or choose other ports with "
-                  f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
-                  file=sys.stderr)
+            print(
+                f"port {port} is in use by {holder}; stop it or choose other ports with "
+                f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
+                file=sys.stderr,
+            )
             return 1
     # SIGTERM (a supervisor, `timeout`) stops the mesh as Ctrl-C does; SIGINT
     # is set explicitly since a shell may start background jobs ignoring it.
@@ -72,19 +77,29 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         redis_server = _start_redis(redis_url)
         redis_url = redis_server.url
     admin_token = secrets.token_urlsafe(32)
-    spec = MeshSpec(redis_url=redis_url, model_path=args.model, gateway_port=args.gateway_port,
-                    router_port=args.router_port, worker_ports=(args.worker_port,),
-                    env={"INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
-                         # the admin API's token for this run, printed below
-                         "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token})
+    spec = MeshSpec(
+        redis_url=redis_url,
+        model_path=args.model,
+        gateway_port=args.gateway_port,
+        router_port=args.router_port,
+        worker_ports=(args.worker_port,),
+        env={
+            "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
+            # the admin API's token for this run, printed below
+            "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+        },
+    )
     try:
         with Mesh(spec) as mesh:
             key = asyncio.run(create_key_at(redis_url, "make-run development key"))
-            print(f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
-                  f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
-                  f"For `python -m infermesh keys ...`:\n"
-                  f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
-                  f"INFERMESH_ADMIN_TOKEN={admin_token}\n", flush=True)
+            print(
+                f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
+                f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
+                f"For `python -m infermesh keys ...`:\n"
+                f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
+                f"INFERMESH_ADMIN_TOKEN={admin_token}\n",
+                flush=True,
+            )
             while True:
                 mesh.check_alive()
                 time.sleep(0.5)
@@ -107,4 +122,3 @@ def _start_redis(url: str) -> RedisServer:
     Path(".run").mkdir(exist_ok=True)
     logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
     return server.start()
-

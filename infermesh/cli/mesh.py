@@ -1,6 +1,7 @@
 """Starts the services of a mesh as child processes on loopback ports: the
 router, the workers and the gateway. ``make run`` uses it in the
 foreground; the end-to-end tests use it to test the real processes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,11 +76,16 @@ class Mesh:
             self._spawn("router", "router_svc", router_env)
             self._wait(deadline, "router", self._router_serving)
             for i, port in enumerate(self.spec.worker_ports):
-                self._spawn(f"worker{i}", "worker_svc", {
-                    "INFERMESH_WORKER_SERVER_PORT": str(port),
-                    "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
-                    "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
-                    **(self.spec.worker_env[i] if i < len(self.spec.worker_env) else {})})
+                self._spawn(
+                    f"worker{i}",
+                    "worker_svc",
+                    {
+                        "INFERMESH_WORKER_SERVER_PORT": str(port),
+                        "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
+                        "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
+                        **(self.spec.worker_env[i] if i < len(self.spec.worker_env) else {}),
+                    },
+                )
             self.add_gateway("gateway", self.spec.gateway_port, deadline=deadline)
             self._wait(deadline, "workers", self._workers_registered)
         except BaseException:
@@ -87,16 +93,31 @@ class Mesh:
             raise
         return self
 
-    def add_gateway(self, name: str, port: int, env: Mapping[str, str] | None = None, *,
-                    deadline: float | None = None) -> None:
+    def add_gateway(
+        self,
+        name: str,
+        port: int,
+        env: Mapping[str, str] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> None:
         """Starts a gateway on ``port`` in front of this mesh's router and Redis (``env``: its
         own extra variables, e.g. another config); returns once it answers."""
-        self._spawn(name, "gateway", {"INFERMESH_GATEWAY_SERVER_PORT": str(port),
-                                      "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
-                                      "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
-                                      **(env or {})})
-        self._wait(time.monotonic() + _START_TIMEOUT_S if deadline is None else deadline, name,
-                   lambda: http_ok(f"http://127.0.0.1:{port}/health"))
+        self._spawn(
+            name,
+            "gateway",
+            {
+                "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+                "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
+                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
+                **(env or {}),
+            },
+        )
+        self._wait(
+            time.monotonic() + _START_TIMEOUT_S if deadline is None else deadline,
+            name,
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+        )
 
     def pid(self, name: str) -> int:
         """The process id of a service by its name ("router", "worker0", "gateway", ...)."""
@@ -138,8 +159,10 @@ class Mesh:
                     proc.kill()
                     proc.wait()
         except KeyboardInterrupt:  # a second Ctrl-C: no waiting for a clean stop
-            logger.warning("interrupted again: killing %s",
-                           ", ".join(name for name, proc in self._procs if proc.poll() is None))
+            logger.warning(
+                "interrupted again: killing %s",
+                ", ".join(name for name, proc in self._procs if proc.poll() is None),
+            )
             for _, proc in self._procs:
                 proc.kill()
                 proc.wait()
@@ -171,11 +194,16 @@ class Mesh:
             output = (self.spec.log_dir / f"{name}.log").open("ab")
             self._logs.append(output)
         child_env = {**os.environ, **self.spec.env, **env}
-        proc = subprocess.Popen([sys.executable, "-m", module], env=child_env,
-                                stdout=output, stderr=subprocess.STDOUT if output else None,
-                                # Own process group: Ctrl-C reaches only this process,
-                                # which stops the services in order.
-                                process_group=0, preexec_fn=stop_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=child_env,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            # Own process group: Ctrl-C reaches only this process,
+            # which stops the services in order.
+            process_group=0,
+            preexec_fn=stop_with_parent,
+        )
         self._procs.append((name, proc))
 
     def _wait(self, deadline: float, what: str, ready: Callable[[], bool]) -> None:
@@ -192,8 +220,8 @@ class Mesh:
         try:
             with grpc.insecure_channel(self.spec.router_address) as channel:
                 reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
-                    router_pb2.ListWorkersRequest(), timeout=1)
+                    router_pb2.ListWorkersRequest(), timeout=1
+                )
         except grpc.RpcError:  # a router slow to answer (a loaded machine): ask again
             return False
         return len(reply.workers) >= len(self.spec.worker_ports)
-

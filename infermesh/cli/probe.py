@@ -1,6 +1,7 @@
 """Readiness probes: ``python -m infermesh.cli.probe grpc HOST:PORT`` or
 ``python -m infermesh.cli.probe http URL`` exits 0 when the service answers
 healthy. Container health checks and the dev runner use them."""
+
 from __future__ import annotations
 
 import sys
@@ -15,7 +16,8 @@ def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
         except grpc.RpcError:
             return False
     status: int = reply.status

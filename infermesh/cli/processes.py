@@ -1,4 +1,5 @@
 """Child-process hygiene for the processes infermesh starts."""
+
 from __future__ import annotations
 
 import ctypes

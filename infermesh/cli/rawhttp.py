@@ -1,5 +1,6 @@
 """Raw HTTP/1.1 exchanges over a socket, for the tests and bench scripts that send what no
 HTTP client library would (malformed requests, bytes trickled one at a time)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,9 @@ async def read_response(reader: asyncio.StreamReader) -> RawResponse:
     return RawResponse(status, headers, body)
 
 
-async def exchange(port: int, data: bytes, *, timeout_s: float = 10.0,
-                   host: str = "127.0.0.1") -> RawResponse:
+async def exchange(
+    port: int, data: bytes, *, timeout_s: float = 10.0, host: str = "127.0.0.1"
+) -> RawResponse:
     """Sends ``data`` and reads one response."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -44,8 +46,14 @@ async def exchange(port: int, data: bytes, *, timeout_s: float = 10.0,
         writer.close()
 
 
-def request(method: str, path: str, headers: list[tuple[str, str]] | None = None,
-            body: bytes = b"", *, host: str = "127.0.0.1") -> bytes:
+def request(
+    method: str,
+    path: str,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b"",
+    *,
+    host: str = "127.0.0.1",
+) -> bytes:
     """A request's bytes, Connection: close; a Content-Length when there is a body and
     ``headers`` names none."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close"]

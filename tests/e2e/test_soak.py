@@ -1,5 +1,6 @@
 """The soak's short version (bench/soak.py runs the 10-minute one): a mixed load with
 clients dropping streams, on the real processes; nothing fails and nothing grows."""
+
 from __future__ import annotations
 
 import asyncio

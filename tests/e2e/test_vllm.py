@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import jsonschema
@@ -32,8 +33,8 @@ from infermesh.pb import (
     worker_pb2_grpc,
 )
 from infermesh.ports import free_port
-from tests.gateway.test_tools import WEATHER
 from tests.helpers.e2e import new_key
+from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -84,18 +85,21 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
         log_dir=tmp_path_factory.mktemp("vllm-mesh"),
     )
     mesh = Mesh(spec)
-    try:
-        mesh.start(timeout_s=240)
-    except Exception as e:
-        log = (spec.log_dir / "worker0.log").read_text(errors="replace")
-        if "Illegal instruction" in log or "SIGILL" in log:
-            pytest.skip(
-                f"vLLM's CPU build cannot run on this CPU (illegal instruction): {log[-500:]}"
-            )
-        raise RuntimeError(f"mesh did not start: {e}\n{log[-4000:]}") from e
-    mesh.metrics_port = metrics_port  # type: ignore[attr-defined]
-    yield mesh
-    mesh.stop()
+    try:  # stopped whatever happens: a half-started vLLM leaves engine processes behind
+        try:
+            mesh.start(timeout_s=240)
+        except Exception as e:
+            assert spec.log_dir is not None
+            log = (spec.log_dir / "worker0.log").read_text(errors="replace")
+            if "Illegal instruction" in log or "SIGILL" in log:
+                pytest.skip(
+                    f"vLLM's CPU build cannot run on this CPU (illegal instruction): {log[-500:]}"
+                )
+            raise RuntimeError(f"mesh did not start: {e}\n{log[-4000:]}") from e
+        mesh.metrics_port = metrics_port  # type: ignore[attr-defined]
+        yield mesh
+    finally:
+        mesh.stop()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,7 @@ def _worker(fleet: Mesh, i: int) -> worker_pb2_grpc.WorkerStub:
     )
 
 
-def _complete(fleet: Mesh, i: int, content: str, **sampling: object) -> common_pb2.GenerateResponse:
+def _complete(fleet: Mesh, i: int, content: str, **sampling: Any) -> common_pb2.GenerateResponse:
     request = common_pb2.GenerateRequest(
         request_id=f"direct-{i}-{time.monotonic_ns()}",
         model=MODEL,
@@ -133,6 +137,10 @@ def _running(fleet: Mesh) -> int:
     [
         ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
         ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
+        (
+            '{"structured_outputs_config": {"backend": "xgrammar"}}',
+            "[engine.vllm] structured_outputs_config: the worker sets it",
+        ),
     ],
 )
 def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
@@ -254,7 +262,7 @@ def test_the_fleet_fails_over_to_the_vllm_worker(fleet: Mesh, client: openai.Ope
 
 
 def test_sdk_non_streamed_and_streamed_agree_with_usage(fleet: Mesh, client: openai.OpenAI) -> None:
-    request = {
+    request: dict[str, Any] = {
         "model": MODEL,
         "temperature": 0,
         "max_tokens": 10,
@@ -285,14 +293,6 @@ def test_sdk_errors(fleet: Mesh, client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model=MODEL, max_tokens=10**6, messages=[{"role": "user", "content": "x"}]
         )
-    with pytest.raises(openai.BadRequestError, match="tool"):
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "x"}],
-            tools=[
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-            ],
-        )
 
 
 def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) -> None:
@@ -307,7 +307,7 @@ def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) ->
         },
     )
     assert shaped.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(shaped.choices[0].message.content), WEATHER)
+    jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), WEATHER)
 
 
 def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.OpenAI) -> None:
@@ -328,3 +328,49 @@ def test_a_dropped_stream_aborts_the_vllm_request(fleet: Mesh, client: openai.Op
     while _running(fleet) != 0:
         assert time.monotonic() < deadline, "vLLM kept running the dropped request"
         time.sleep(0.1)
+
+
+_ASK_TOOLS: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "tools": TOOLS,
+    "max_tokens": 200,
+    "seed": 7,
+    "parallel_tool_calls": False,
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_sdk_forced_tool_call_is_valid_streamed_and_not(
+    fleet: Mesh, client: openai.OpenAI, tool_choice: Any, names: set[str]
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(**_ASK_TOOLS, tool_choice=tool_choice)
+    assert raw.headers["x-infermesh-worker"] == VLLM
+    choice = raw.parse().choices[0]
+    with client.chat.completions.stream(**_ASK_TOOLS, tool_choice=tool_choice) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for answer in (choice, streamed):
+        assert answer.finish_reason == "tool_calls"
+        calls = answer.message.tool_calls or []
+        assert len(calls) == 1  # parallel_tool_calls false
+        call = calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    seeded = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert [
+        (c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []
+    ] == seeded
+
+
+def test_sdk_tool_choice_none_never_calls(fleet: Mesh, client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        **{**_ASK_TOOLS, "max_tokens": 16}, tool_choice="none"
+    ).choices[0]
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")

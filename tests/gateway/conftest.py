@@ -1,6 +1,7 @@
 """The real gateway app on a loopback port, with a real Redis; the router
 address is a closed port unless a test starts a router of its own (the
 ``router`` and ``worker`` fixtures: real services in-process)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -53,7 +54,9 @@ async def worker(tiny_engine, router):
 
 
 @pytest.fixture
-async def served(redis_server, router, worker) -> AsyncIterator[TestClient[web.Request, web.Application]]:
+async def served(
+    redis_server, router, worker
+) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     """A gateway in front of a real router and worker on the tiny model."""
     client = await start_gateway(make_config(redis_server.url, router.address))
     yield client
@@ -61,11 +64,12 @@ async def served(redis_server, router, worker) -> AsyncIterator[TestClient[web.R
 
 
 @pytest.fixture
-async def gateways(redis_server, router) -> AsyncIterator[list[TestClient[web.Request, web.Application]]]:
+async def gateways(
+    redis_server, router
+) -> AsyncIterator[list[TestClient[web.Request, web.Application]]]:
     """Two gateway apps on separate ports sharing Redis and the router: two
     processes' worth of local state."""
-    clients = [await start_gateway(make_config(redis_server.url, router.address))
-               for _ in range(2)]
+    clients = [await start_gateway(make_config(redis_server.url, router.address)) for _ in range(2)]
     yield clients
     for client in clients:
         await client.close()

@@ -1,5 +1,6 @@
 """The admin API for keys and the ``python -m infermesh keys`` CLI over it,
 against real gateway apps, a real router and a real Redis."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ async def _json(response, status: int = 200):
 
 
 async def test_admin_api_needs_the_admin_token(gateway, api_key, config):
-    for headers in [{}, auth(api_key), {"Authorization": "Bearer wrong-token-1234567"},
-                    {"Authorization": ADMIN_TOKEN}]:
+    for headers in [
+        {},
+        auth(api_key),
+        {"Authorization": "Bearer wrong-token-1234567"},
+        {"Authorization": ADMIN_TOKEN},
+    ]:
         response = await gateway.get("/admin/keys", headers=headers)
         assert (await _json(response, 401))["error"]["code"] == "invalid_admin_token"
     # the admin token is no API key
@@ -41,8 +46,14 @@ async def test_admin_api_needs_the_admin_token(gateway, api_key, config):
 
 async def test_key_lifecycle(gateways, redis_server):
     gateway = gateways[0]
-    created = await _json(await gateway.post("/admin/keys", headers=ADMIN, json={
-        "name": "ci", "rpm": 100, "models": ["tiny"], "expires_at": 2**40, "unknown": 1}), 201)
+    created = await _json(
+        await gateway.post(
+            "/admin/keys",
+            headers=ADMIN,
+            json={"name": "ci", "rpm": 100, "models": ["tiny"], "expires_at": 2**40, "unknown": 1},
+        ),
+        201,
+    )
     key, kid = created["key"], created["id"]
     assert key.startswith("sk-") and len(kid) == 64
     assert created["limits"] == {"rpm": 100} and created["models"] == ["tiny"]
@@ -51,8 +62,11 @@ async def test_key_lifecycle(gateways, redis_server):
 
     response = await gateway.get("/v1/models", headers=auth(key))
     assert response.headers["x-ratelimit-remaining-requests"] == "99"
-    updated = await _json(await gateway.patch(f"/admin/keys/{kid}", headers=ADMIN, json={
-        "rpm": None, "tpm": 5000, "models": None}))
+    updated = await _json(
+        await gateway.patch(
+            f"/admin/keys/{kid}", headers=ADMIN, json={"rpm": None, "tpm": 5000, "models": None}
+        )
+    )
     assert updated["limits"] == {"tpm": 5000} and updated["models"] == []
     response = await gateway.get("/v1/models", headers=auth(key))
     assert "x-ratelimit-limit-requests" not in response.headers  # applies at once
@@ -73,32 +87,41 @@ async def test_key_lifecycle(gateways, redis_server):
 
 @pytest.mark.parametrize("action", ["disable", "revoke"])
 async def test_a_stopped_key_fails_on_every_gateway_within_a_second(gateways, action):
-    created = await _json(await gateways[0].post("/admin/keys", headers=ADMIN,
-                                                 json={"name": "short-lived"}), 201)
+    created = await _json(
+        await gateways[0].post("/admin/keys", headers=ADMIN, json={"name": "short-lived"}), 201
+    )
     for gateway in gateways:  # each caches the key as valid
         assert (await gateway.get("/v1/models", headers=auth(created["key"]))).status == 200
     await _json(await gateways[0].post(f"/admin/keys/{created['id']}/{action}", headers=ADMIN))
     stopped = time.monotonic()
     for gateway in gateways:
-        for method, path, body in [("GET", "/v1/models", None),
-                                   ("POST", "/v1/chat/completions", CHAT)]:
-            while (status := (await gateway.request(method, path, json=body,
-                                                    headers=auth(created["key"]))).status) != 401:
+        for method, path, body in [
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/chat/completions", CHAT),
+        ]:
+            while (
+                status := (
+                    await gateway.request(method, path, json=body, headers=auth(created["key"]))
+                ).status
+            ) != 401:
                 assert status == 200 or status == 404, status  # served until refused
                 await asyncio.sleep(0.05)
     assert time.monotonic() - stopped < 1.0
 
 
-@pytest.mark.parametrize("method, path, body, status, param", [
-    ("POST", "/admin/keys", {"name": "x", "rpm": "ten"}, 400, "rpm"),
-    ("POST", "/admin/keys", {"name": "x", "tpm": 0}, 400, "tpm"),
-    ("POST", "/admin/keys", {"rpm": 5}, 400, "name"),
-    ("POST", "/admin/keys", {"name": "x", "models": ["a,b"]}, 400, "models.0"),
-    ("PATCH", f"/admin/keys/{'0' * 64}", {"rpm": 5}, 404, "id"),
-    ("PATCH", f"/admin/keys/{'0' * 64}", {"name": None}, 400, None),
-    ("POST", f"/admin/keys/{'0' * 64}/revoke", None, 404, "id"),
-    ("GET", f"/admin/keys/{'0' * 64}/usage", None, 404, "id"),
-])
+@pytest.mark.parametrize(
+    "method, path, body, status, param",
+    [
+        ("POST", "/admin/keys", {"name": "x", "rpm": "ten"}, 400, "rpm"),
+        ("POST", "/admin/keys", {"name": "x", "tpm": 0}, 400, "tpm"),
+        ("POST", "/admin/keys", {"rpm": 5}, 400, "name"),
+        ("POST", "/admin/keys", {"name": "x", "models": ["a,b"]}, 400, "models.0"),
+        ("PATCH", f"/admin/keys/{'0' * 64}", {"rpm": 5}, 404, "id"),
+        ("PATCH", f"/admin/keys/{'0' * 64}", {"name": None}, 400, None),
+        ("POST", f"/admin/keys/{'0' * 64}/revoke", None, 404, "id"),
+        ("GET", f"/admin/keys/{'0' * 64}/usage", None, 404, "id"),
+    ],
+)
 async def test_admin_errors_name_the_field(gateway, method, path, body, status, param):
     response = await gateway.request(method, path, json=body, headers=ADMIN)
     assert (await _json(response, status))["error"]["param"] == param
@@ -106,10 +129,20 @@ async def test_admin_errors_name_the_field(gateway, method, path, body, status, 
 
 async def _cli(gateway, *args: str, token: str = ADMIN_TOKEN) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infermesh", "keys", *args, cwd=_REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "INFERMESH_ADMIN_URL": str(gateway.make_url("")),
-             "INFERMESH_ADMIN_TOKEN": token})
+        sys.executable,
+        "-m",
+        "infermesh",
+        "keys",
+        *args,
+        cwd=_REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={
+            **os.environ,
+            "INFERMESH_ADMIN_URL": str(gateway.make_url("")),
+            "INFERMESH_ADMIN_TOKEN": token,
+        },
+    )
     out, err = await proc.communicate()
     assert proc.returncode is not None  # communicate() waited for the exit
     return proc.returncode, out.decode(), err.decode()

@@ -17,14 +17,17 @@ async def _error(response) -> dict[str, Any]:
     return (await response.json())["error"]
 
 
-@pytest.mark.parametrize("headers", [
-    {},
-    {"Authorization": ""},
-    {"Authorization": "sk-abc"},  # no Bearer
-    {"Authorization": "Token sk-abc"},
-    {"Authorization": "Bearer "},
-    {"Authorization": "Bearer sk-not-a-key"},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": ""},
+        {"Authorization": "sk-abc"},  # no Bearer
+        {"Authorization": "Token sk-abc"},
+        {"Authorization": "Bearer "},
+        {"Authorization": "Bearer sk-not-a-key"},
+    ],
+)
 async def test_missing_or_malformed_or_unknown_key_is_401(gateway, headers):
     response = await gateway.post("/v1/chat/completions", json=CHAT, headers=headers)
     assert response.status == 401
@@ -56,8 +59,9 @@ async def test_key_in_query_string_is_refused(gateway, api_key, query):
     assert response.status == 400
 
 
-async def test_redis_down_is_503_not_401_then_recovers(gateway, redis_server, redis_client,
-                                                       tmp_path):
+async def test_redis_down_is_503_not_401_then_recovers(
+    gateway, redis_server, redis_client, tmp_path
+):
     key = await create_key(redis_client, "dev")  # not used yet, so not cached
     redis_server.stop()
     started = time.monotonic()

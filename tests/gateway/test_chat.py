@@ -1,5 +1,6 @@
 """Chat completions through the real gateway app, a real router and a real
 worker on the tiny model (in-process, on loopback ports)."""
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,21 @@ async def gateway(redis_server, router, worker):
 async def test_completion_in_openai_format(gateway, worker, api_key, served_precision):
     async with sdk(gateway, api_key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            **_GREEDY, extra_headers={"x-infermesh-precision": served_precision})
+            **_GREEDY, extra_headers={"x-infermesh-precision": served_precision}
+        )
         completion = raw.parse()
-        parts = await client.chat.completions.create(**{**_GREEDY, "messages": [
-            _MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                       {"type": "text", "text": "b"}]}]})
+        parts = await client.chat.completions.create(
+            **{
+                **_GREEDY,
+                "messages": [
+                    _MESSAGES[0],
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    },
+                ],
+            }
+        )
     choice = completion.choices[0]
     assert completion.object == "chat.completion" and completion.model == MODEL
     assert completion.id.startswith("chatcmpl-")
@@ -46,23 +57,34 @@ async def test_completion_in_openai_format(gateway, worker, api_key, served_prec
 
 async def test_stop_string_and_seed(gateway, api_key):
     async with sdk(gateway, api_key) as client:
-        full = (await client.chat.completions.create(**{**_GREEDY, "max_tokens": 24})
-                ).choices[0].message.content
-        stop = full[len(full) // 2:len(full) // 2 + 2]
-        stopped = await client.chat.completions.create(**{**_GREEDY, "max_tokens": 24, "stop": stop})
-        sampled = [(await client.chat.completions.create(
-            **{**_GREEDY, "temperature": 1.0, "seed": 7})).choices[0].message.content
-            for _ in range(2)]
+        full = (
+            (await client.chat.completions.create(**{**_GREEDY, "max_tokens": 24}))
+            .choices[0]
+            .message.content
+        )
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        stopped = await client.chat.completions.create(
+            **{**_GREEDY, "max_tokens": 24, "stop": stop}
+        )
+        sampled = [
+            (await client.chat.completions.create(**{**_GREEDY, "temperature": 1.0, "seed": 7}))
+            .choices[0]
+            .message.content
+            for _ in range(2)
+        ]
     assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].message.content == full[:full.index(stop)]
+    assert stopped.choices[0].message.content == full[: full.index(stop)]
     assert sampled[0] == sampled[1]
 
 
 async def test_stream_with_usage(gateway, api_key):
     async with sdk(gateway, api_key) as client:
         expected = (await client.chat.completions.create(**_GREEDY)).choices[0].message.content
-    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
-        **_GREEDY, "stream": True, "stream_options": {"include_usage": True}})
+    response = await gateway.post(
+        "/v1/chat/completions",
+        headers=auth(api_key),
+        json={**_GREEDY, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert response.status == 200
     assert response.headers["Content-Type"].startswith("text/event-stream")
     events = (await response.text()).split("\n\n")
@@ -84,15 +106,21 @@ async def test_stream_through_the_sdk(gateway, api_key):
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
 
 
-@pytest.mark.parametrize("body, status, code, param", [
-    ({**_GREEDY, "model": "nope"}, 404, "model_not_found", "model"),
-    ({**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, None, None),
-    ({**_GREEDY, "precision": "fp8"}, 400, None, "precision"),
-])
-async def test_router_and_worker_refusals_are_http_errors(gateway, api_key, body, status, code, param):
+@pytest.mark.parametrize(
+    "body, status, code, param",
+    [
+        ({**_GREEDY, "model": "nope"}, 404, "model_not_found", "model"),
+        ({**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, None, None),
+        ({**_GREEDY, "precision": "fp8"}, 400, None, "precision"),
+    ],
+)
+async def test_router_and_worker_refusals_are_http_errors(
+    gateway, api_key, body, status, code, param
+):
     for stream in (False, True):
-        response = await gateway.post("/v1/chat/completions", headers=auth(api_key),
-                                      json={**body, "stream": stream})
+        response = await gateway.post(
+            "/v1/chat/completions", headers=auth(api_key), json={**body, "stream": stream}
+        )
         assert response.status == status
         error = (await response.json())["error"]
         assert (error["code"], error["param"]) == (code, param) and error["message"]
@@ -109,8 +137,11 @@ async def test_no_worker_is_503_with_retry_after(redis_server, router, api_key):
 
 
 async def test_worker_lost_mid_stream_ends_with_an_error_event(gateway, worker, api_key):
-    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
-        "model": MODEL, "messages": _MESSAGES, "stream": True})  # runs to the context end
+    response = await gateway.post(
+        "/v1/chat/completions",
+        headers=auth(api_key),
+        json={"model": MODEL, "messages": _MESSAGES, "stream": True},
+    )  # runs to the context end
     assert response.status == 200
     await response.content.readline()
     await worker.server.stop(grace=None)
@@ -121,8 +152,11 @@ async def test_worker_lost_mid_stream_ends_with_an_error_event(gateway, worker, 
 
 
 async def test_client_disconnect_frees_the_sequence(gateway, worker, api_key):
-    response = await gateway.post("/v1/chat/completions", headers=auth(api_key), json={
-        "model": MODEL, "messages": _MESSAGES, "stream": True})
+    response = await gateway.post(
+        "/v1/chat/completions",
+        headers=auth(api_key),
+        json={"model": MODEL, "messages": _MESSAGES, "stream": True},
+    )
     await response.content.readline()
     assert worker.servicer.load().running == 1
     response.close()
@@ -140,11 +174,14 @@ async def test_models(gateway, api_key):
     assert error["code"] == "model_not_found" and MODEL in error["message"]
 
 
-@pytest.mark.parametrize("code, status, retry", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
-    (grpc.StatusCode.INTERNAL, 502, False),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, False),
-])
+@pytest.mark.parametrize(
+    "code, status, retry",
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
+        (grpc.StatusCode.INTERNAL, 502, False),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, False),
+    ],
+)
 def test_other_router_statuses_map_to_http(code, status, retry):
     error = from_grpc(code, "x", router_reachable=True, retry_after_s=1)
     assert error.status == status and (error.retry_after_s is not None) == retry
@@ -153,8 +190,12 @@ def test_other_router_statuses_map_to_http(code, status, retry):
 async def test_n_choices_streamed_and_not(gateway, api_key):
     async with sdk(gateway, api_key) as client:
         completion = await client.chat.completions.create(**_GREEDY, n=3)
-        chunks = [c async for c in await client.chat.completions.create(
-            **_GREEDY, n=2, stream=True, stream_options={"include_usage": True})]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                **_GREEDY, n=2, stream=True, stream_options={"include_usage": True}
+            )
+        ]
     assert [c.index for c in completion.choices] == [0, 1, 2]
     texts = {c.message.content for c in completion.choices}
     assert len(texts) == 1  # greedy: the same answer three times
@@ -172,10 +213,16 @@ async def test_n_choices_streamed_and_not(gateway, api_key):
 async def test_sampling_fields_are_accepted_end_to_end(gateway, api_key):
     async with sdk(gateway, api_key) as client:
         completion = await client.chat.completions.create(
-            **{**_GREEDY, "max_tokens": 20}, max_completion_tokens=3, presence_penalty=0.5,
-            frequency_penalty=0.5, user="someone", response_format={"type": "text"},
-            logprobs=True, top_logprobs=2,
-            extra_body={"max_parallel": 4, "dynamic_batch_timeout_ms": 150})
+            **{**_GREEDY, "max_tokens": 20},
+            max_completion_tokens=3,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            user="someone",
+            response_format={"type": "text"},
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"max_parallel": 4, "dynamic_batch_timeout_ms": 150},
+        )
     choice = completion.choices[0]
     assert choice.finish_reason == "length" and completion.usage.completion_tokens == 3
     if choice.logprobs is not None:  # when the worker reports them
@@ -184,15 +231,15 @@ async def test_sampling_fields_are_accepted_end_to_end(gateway, api_key):
 
 
 async def test_alias_base_serves_the_same_api(redis_server, router, worker, api_key):
-    client = await start_gateway(make_config(redis_server.url, router.address,
-                                             alias_base="/api"))
+    client = await start_gateway(make_config(redis_server.url, router.address, alias_base="/api"))
     try:
         async with sdk(client, api_key, base_path="/api") as openai_client:
             completion = await openai_client.chat.completions.create(**_GREEDY)
             assert [m.id async for m in openai_client.models.list()] == [MODEL]
         assert completion.choices[0].message.content
-        response = await client.post("/api/v1/chat/completions", headers=auth(api_key),
-                                     json=_GREEDY)
+        response = await client.post(
+            "/api/v1/chat/completions", headers=auth(api_key), json=_GREEDY
+        )
         assert response.status == 404
         assert "base URL of this API is" in (await response.json())["error"]["message"]
     finally:

@@ -1,5 +1,6 @@
 """Legacy ``/v1/completions`` through the real gateway, router and worker,
 parsed by the official openai SDK's types."""
+
 from __future__ import annotations
 
 import openai
@@ -14,8 +15,12 @@ _GREEDY = {"model": MODEL, "prompt": "The mesh says", "temperature": 0, "max_tok
 async def test_completion_streamed_and_not(served, api_key):
     async with sdk(served, api_key) as client:
         completion = await client.completions.create(**_GREEDY)
-        chunks = [c async for c in await client.completions.create(
-            **_GREEDY, stream=True, stream_options={"include_usage": True})]
+        chunks = [
+            c
+            async for c in await client.completions.create(
+                **_GREEDY, stream=True, stream_options={"include_usage": True}
+            )
+        ]
     choice = completion.choices[0]
     assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
     assert choice.text and choice.finish_reason == "length" and choice.index == 0
@@ -30,7 +35,8 @@ async def test_default_max_tokens_is_16_and_the_chat_template_is_not_applied(ser
     async with sdk(served, api_key) as client:
         raw = await client.completions.create(model=MODEL, prompt="x", temperature=0)
         chat = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
     assert raw.usage.completion_tokens <= 16
     assert raw.usage.prompt_tokens < chat.usage.prompt_tokens
 
@@ -38,8 +44,9 @@ async def test_default_max_tokens_is_16_and_the_chat_template_is_not_applied(ser
 async def test_prompt_batch_with_n_and_echo(served, api_key):
     async with sdk(served, api_key) as client:
         single = await client.completions.create(**_GREEDY)
-        batch = await client.completions.create(**{**_GREEDY, "prompt": ["The mesh says", "Hi"]},
-                                                n=2, echo=True)
+        batch = await client.completions.create(
+            **{**_GREEDY, "prompt": ["The mesh says", "Hi"]}, n=2, echo=True
+        )
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert batch.choices[0].text == "The mesh says" + single.choices[0].text
     assert batch.choices[1].text == batch.choices[0].text
@@ -48,15 +55,18 @@ async def test_prompt_batch_with_n_and_echo(served, api_key):
     assert batch.usage.prompt_tokens > single.usage.prompt_tokens  # each prompt once
 
 
-@pytest.mark.parametrize("body, param", [
-    ({**_GREEDY, "prompt": ""}, "prompt"),
-    ({**_GREEDY, "prompt": [1, 2]}, "prompt.0"),
-    ({**_GREEDY, "suffix": "end"}, "suffix"),
-    ({**_GREEDY, "best_of": 3}, "best_of"),
-    ({**_GREEDY, "logprobs": 6}, "logprobs"),
-    ({**_GREEDY, "echo": "yes"}, "echo"),
-    ({**_GREEDY, "max_parallel": [4]}, "max_parallel"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**_GREEDY, "prompt": ""}, "prompt"),
+        ({**_GREEDY, "prompt": [1, 2]}, "prompt.0"),
+        ({**_GREEDY, "suffix": "end"}, "suffix"),
+        ({**_GREEDY, "best_of": 3}, "best_of"),
+        ({**_GREEDY, "logprobs": 6}, "logprobs"),
+        ({**_GREEDY, "echo": "yes"}, "echo"),
+        ({**_GREEDY, "max_parallel": [4]}, "max_parallel"),
+    ],
+)
 async def test_invalid_completion_is_400_naming_the_param(gateway, api_key, body, param):
     response = await gateway.post("/v1/completions", json=body, headers=auth(api_key))
     assert response.status == 400

@@ -1,5 +1,6 @@
 """Malformed HTTP sent with raw sockets to a real gateway: OpenAI-shaped JSON errors with
 the status naming the problem, and no credential in any log line or error body."""
+
 from __future__ import annotations
 
 import logging
@@ -31,13 +32,16 @@ def _credential_requests(credential: str) -> list[bytes]:
     """What aiohttp's parser refuses, each with the credential in the offending header."""
     bearer = f"Bearer {credential}"
     return [
-        rawhttp.request("POST", "/v1/chat/completions",
-                        [("Authorization", bearer + "A" * 9000)], BODY),
-        rawhttp.request("POST", "/v1/chat/completions",
-                        [("Authorization", bearer + "\x00x")], BODY),
+        rawhttp.request(
+            "POST", "/v1/chat/completions", [("Authorization", bearer + "A" * 9000)], BODY
+        ),
+        rawhttp.request(
+            "POST", "/v1/chat/completions", [("Authorization", bearer + "\x00x")], BODY
+        ),
         rawhttp.request("POST", "/admin/keys", [("Authorization", bearer + "\x00")], b"{}"),
-        rawhttp.request("GET", "/v1/models", [("Authorization", bearer),
-                                              ("X-Pad", credential + "B" * 9000)]),
+        rawhttp.request(
+            "GET", "/v1/models", [("Authorization", bearer), ("X-Pad", credential + "B" * 9000)]
+        ),
     ]
 
 
@@ -55,7 +59,7 @@ async def test_a_refused_header_line_never_logs_the_key(gateway, api_key, caplog
 
 
 CHAT_PATH = "/v1/chat/completions"
-TLS_CLIENT_HELLO = bytes.fromhex("160301020001000" "1fc0303") + b"\x00" * 40
+TLS_CLIENT_HELLO = bytes.fromhex("1603010200010001fc0303") + b"\x00" * 40
 
 
 def _head(*lines: str) -> bytes:
@@ -63,21 +67,36 @@ def _head(*lines: str) -> bytes:
 
 
 MALFORMED = {
-    "content_length_not_a_number": (rawhttp.request(
-        "POST", CHAT_PATH, [("Content-Length", "abc")], BODY), 400),
-    "content_length_negative": (rawhttp.request(
-        "POST", CHAT_PATH, [("Content-Length", "-5")], BODY), 400),
-    "content_length_twice": (rawhttp.request(
-        "POST", CHAT_PATH, [("Content-Length", str(len(BODY))),
-                            ("Content-Length", str(len(BODY)))], BODY), 400),
-    "content_length_and_chunked": (rawhttp.request(
-        "POST", CHAT_PATH, [("Content-Length", "3"), ("Transfer-Encoding", "chunked")],
-        b"3\r\nabc\r\n0\r\n\r\n"), 400),
+    "content_length_not_a_number": (
+        rawhttp.request("POST", CHAT_PATH, [("Content-Length", "abc")], BODY),
+        400,
+    ),
+    "content_length_negative": (
+        rawhttp.request("POST", CHAT_PATH, [("Content-Length", "-5")], BODY),
+        400,
+    ),
+    "content_length_twice": (
+        rawhttp.request(
+            "POST",
+            CHAT_PATH,
+            [("Content-Length", str(len(BODY))), ("Content-Length", str(len(BODY)))],
+            BODY,
+        ),
+        400,
+    ),
+    "content_length_and_chunked": (
+        rawhttp.request(
+            "POST",
+            CHAT_PATH,
+            [("Content-Length", "3"), ("Transfer-Encoding", "chunked")],
+            b"3\r\nabc\r\n0\r\n\r\n",
+        ),
+        400,
+    ),
     "header_over_8kb": (rawhttp.request("GET", "/health", [("X-Long", "a" * 9000)]), 431),
     "url_over_8kb": (rawhttp.request("GET", "/v1/models?q=" + "a" * 9000), 414),
     "nul_in_header": (rawhttp.request("GET", "/health", [("X-Nul", "a\x00b")]), 400),
-    "300_headers": (rawhttp.request("GET", "/health",
-                                    [(f"X-H{i}", "v") for i in range(300)]), 431),
+    "300_headers": (rawhttp.request("GET", "/health", [(f"X-H{i}", "v") for i in range(300)]), 431),
     "tls_on_plain_port": (TLS_CLIENT_HELLO, 400),
     "bad_method": (_head("G@T /health HTTP/1.1", "Host: x"), 400),
     "bad_version": (_head("GET /health HTTP/7.x", "Host: x"), 400),
@@ -95,21 +114,33 @@ async def test_malformed_http_is_answered_in_openai_error_shape(gateway, name):
 
 
 async def test_a_body_that_breaks_chunked_encoding_is_a_400(gateway, api_key):
-    data = rawhttp.request("POST", CHAT_PATH, [("Authorization", f"Bearer {api_key}"),
-                                               ("Content-Type", "application/json"),
-                                               ("Transfer-Encoding", "chunked")],
-                           b"5\r\n{\"a\":\r\nzz\r\n")
+    data = rawhttp.request(
+        "POST",
+        CHAT_PATH,
+        [
+            ("Authorization", f"Bearer {api_key}"),
+            ("Content-Type", "application/json"),
+            ("Transfer-Encoding", "chunked"),
+        ],
+        b'5\r\n{"a":\r\nzz\r\n',
+    )
     error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), 400)
     assert "chunk" in error["message"]
 
 
 async def test_a_body_its_content_encoding_cannot_decode_is_a_400(gateway, api_key):
-    data = rawhttp.request("POST", CHAT_PATH, [("Authorization", f"Bearer {api_key}"),
-                                               ("Content-Type", "application/json"),
-                                               ("Content-Encoding", "gzip")], b"not gzip at all")
+    data = rawhttp.request(
+        "POST",
+        CHAT_PATH,
+        [
+            ("Authorization", f"Bearer {api_key}"),
+            ("Content-Type", "application/json"),
+            ("Content-Encoding", "gzip"),
+        ],
+        b"not gzip at all",
+    )
     error = assert_openai_error(await rawhttp.exchange(_port(gateway), data), 400)
     assert "body" in error["message"]
-
 
 
 def test_aiohttps_own_error_logging_keeps_the_type_not_the_message(caplog):

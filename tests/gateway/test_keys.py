@@ -28,8 +28,11 @@ async def test_create_key_stores_only_the_hash(redis_client):
     digest = hashlib.sha256(plaintext.encode()).hexdigest()
     stored = {}
     async for name in redis_client.scan_iter():
-        stored[name] = (await redis_client.hgetall(name) if name.startswith(b"infermesh:key:")
-                        else await redis_client.smembers(name))
+        stored[name] = (
+            await redis_client.hgetall(name)
+            if name.startswith(b"infermesh:key:")
+            else await redis_client.smembers(name)
+        )
     everything = repr(stored).encode()
     assert plaintext.encode() not in everything
     assert plaintext.removeprefix("sk-").encode() not in everything
@@ -61,18 +64,27 @@ async def test_records_update_revoke_and_rotate(redis_client):
     kid = key_id(key)
     record = await get_key(redis_client, kid)
     assert (record.name, record.limits, record.models, record.expires_at) == (
-        "ci", {"rpm": 10}, ("m",), 2**40)
+        "ci",
+        {"rpm": 10},
+        ("m",),
+        2**40,
+    )
 
-    record = await update_key(redis_client, kid, {"rpm": None, "tpm": 500, "models": None,
-                                                  "name": "ci-2"})
+    record = await update_key(
+        redis_client, kid, {"rpm": None, "tpm": 500, "models": None, "name": "ci-2"}
+    )
     assert (record.name, record.limits, record.models) == ("ci-2", {"tpm": 500}, ())
     assert await update_key(redis_client, "0" * 64, {"rpm": 1}) is None
 
     rotated = await rotate_key(redis_client, kid)
     new = await get_key(redis_client, key_id(rotated))
     old = await get_key(redis_client, kid)
-    assert (new.name, new.limits, new.rotated_from, new.usable(0)) == ("ci-2", {"tpm": 500}, kid,
-                                                                       True)
+    assert (new.name, new.limits, new.rotated_from, new.usable(0)) == (
+        "ci-2",
+        {"tpm": 500},
+        kid,
+        True,
+    )
     assert old.revoked and old.rotated_to == new.id
     assert await rotate_key(redis_client, kid) is None  # a revoked key is not rotated again
     with pytest.raises(ValueError, match="cannot be enabled"):

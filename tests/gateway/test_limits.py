@@ -1,5 +1,6 @@
 """Per-key limits and usage, through real gateways sharing one real Redis, with a
 real router (and a real worker on the tiny model where tokens matter)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,8 @@ async def test_rpm_admits_exactly_the_limit_across_two_gateways(gateways, redis_
     assert by_status == {200: 50, 429: 150}
     admitted = [r for r in responses if r.status == 200]
     assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in admitted) == list(
-        range(50))
+        range(50)
+    )
     assert {r.headers["x-ratelimit-limit-requests"] for r in responses} == {"50"}
     refused = next(r for r in responses if r.status == 429)
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
@@ -98,16 +100,20 @@ async def test_tokens_are_reserved_then_settled_to_the_real_usage(served, redis_
 
 async def test_concurrent_requests_are_limited_and_freed(served, redis_client):
     key = await create_key(redis_client, "one-at-a-time", max_concurrent=1)
-    stream = await served.post("/v1/chat/completions", headers=auth(key),
-                               json={**_CHAT, "stream": True, "max_tokens": 2000})
+    stream = await served.post(
+        "/v1/chat/completions",
+        headers=auth(key),
+        json={**_CHAT, "stream": True, "max_tokens": 2000},
+    )
     await stream.content.readline()
     refused = await served.post("/v1/chat/completions", headers=auth(key), json=_CHAT)
     assert refused.status == 429 and refused.headers["Retry-After"] == "1"
     assert "concurrent requests" in (await refused.json())["error"]["message"]
     stream.close()
     await _settled(redis_client, key, 1)
-    admitted = await served.post("/v1/chat/completions", headers=auth(key),
-                                 json={**_CHAT, "max_tokens": 2})
+    admitted = await served.post(
+        "/v1/chat/completions", headers=auth(key), json={**_CHAT, "max_tokens": 2}
+    )
     assert admitted.status == 200
 
 
@@ -116,16 +122,14 @@ async def test_token_quota_total_and_per_period(served, redis_client):
     async with sdk(served, total) as client:
         used = (await client.chat.completions.create(**_CHAT, max_tokens=4)).usage.total_tokens
         await _settled(redis_client, total, 1)
-        assert (await read_usage(redis_client, key_id(total), 1))[
-            "quota_consumed_tokens"] == used
+        assert (await read_usage(redis_client, key_id(total), 1))["quota_consumed_tokens"] == used
         with pytest.raises(openai.RateLimitError) as caught:
             await client.chat.completions.create(**_CHAT, max_tokens=60 - used)
     assert caught.value.code == "insufficient_quota" and caught.value.type == "insufficient_quota"
     assert "retry-after" not in caught.value.response.headers
     assert caught.value.response.headers["x-should-retry"] == "false"
 
-    period = await create_key(redis_client, "hourly", quota_period_tokens=30,
-                              quota_period_s=3600)
+    period = await create_key(redis_client, "hourly", quota_period_tokens=30, quota_period_s=3600)
     async with sdk(served, period) as client:
         await client.chat.completions.create(**_CHAT, max_tokens=10)
         with pytest.raises(openai.RateLimitError) as caught:
@@ -140,10 +144,15 @@ async def test_usage_counts_finished_and_abandoned_streams(served, redis_client)
         completion = await client.chat.completions.create(**_CHAT, max_tokens=5)
     usage = await _settled(redis_client, key, 1)
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
-        completion.usage.prompt_tokens, completion.usage.completion_tokens)
+        completion.usage.prompt_tokens,
+        completion.usage.completion_tokens,
+    )
 
-    stream = await served.post("/v1/chat/completions", headers=auth(key),
-                               json={**_CHAT, "stream": True, "max_tokens": 2000})
+    stream = await served.post(
+        "/v1/chat/completions",
+        headers=auth(key),
+        json={**_CHAT, "stream": True, "max_tokens": 2000},
+    )
     for _ in range(3):  # the role chunk, then tokens
         await stream.content.readline()
         await stream.content.readline()
@@ -154,13 +163,16 @@ async def test_usage_counts_finished_and_abandoned_streams(served, redis_client)
     assert usage["daily"][0]["requests"] == 2
 
 
-async def test_redis_down_on_the_limit_path_is_503_then_recovers(served, redis_server,
-                                                                 redis_client, tmp_path):
+async def test_redis_down_on_the_limit_path_is_503_then_recovers(
+    served, redis_server, redis_client, tmp_path
+):
     key = await create_key(redis_client, "cached", rpm=100)
     assert (await served.get("/v1/models", headers=auth(key))).status == 200  # now cached
     redis_server.stop()
-    for method, path, body in [("GET", "/v1/models", None),
-                               ("POST", "/v1/chat/completions", {**_CHAT, "max_tokens": 2})]:
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {**_CHAT, "max_tokens": 2}),
+    ]:
         response = await served.request(method, path, json=body, headers=auth(key))
         assert response.status == 503, await response.text()
         assert (await response.json())["error"]["code"] == "auth_unavailable"
@@ -172,8 +184,9 @@ async def test_redis_down_on_the_limit_path_is_503_then_recovers(served, redis_s
             new_key = await create_key(fresh, "after", rpm=100)
         finally:
             await fresh.aclose()
-        response = await served.post("/v1/chat/completions", headers=auth(new_key),
-                                     json={**_CHAT, "max_tokens": 2})
+        response = await served.post(
+            "/v1/chat/completions", headers=auth(new_key), json={**_CHAT, "max_tokens": 2}
+        )
         assert response.status == 200
         assert response.headers["x-ratelimit-remaining-requests"] == "99"
         # the old key is gone with Redis' data: refused, even while still cached
@@ -202,22 +215,39 @@ async def test_a_dead_gateways_slot_expires_a_live_one_is_renewed(redis_client):
     await dead.admit(key_id(key), 0)  # the slot is free again
 
 
-@pytest.mark.parametrize("ms, text", [(0, "0ms"), (20, "20ms"), (1000, "1s"), (1500, "1.5s"),
-                                      (59_999, "59.999s"), (60_000, "1m0s"), (361_000, "6m1s")])
+@pytest.mark.parametrize(
+    "ms, text",
+    [
+        (0, "0ms"),
+        (20, "20ms"),
+        (1000, "1s"),
+        (1500, "1.5s"),
+        (59_999, "59.999s"),
+        (60_000, "1m0s"),
+        (361_000, "6m1s"),
+    ],
+)
 def test_reset_durations_are_written_as_openai_does(ms, text):
     assert duration(ms) == text
 
 
-async def test_requests_beyond_the_redis_connections_wait_for_one(redis_server, router, worker,
-                                                                  redis_client):
+async def test_requests_beyond_the_redis_connections_wait_for_one(
+    redis_server, router, worker, redis_client
+):
     config = make_config(redis_server.url, router.address)
-    gateway = await start_gateway(dataclasses.replace(
-        config, redis=dataclasses.replace(config.redis, max_connections=2)))
+    gateway = await start_gateway(
+        dataclasses.replace(config, redis=dataclasses.replace(config.redis, max_connections=2))
+    )
     key = await create_key(redis_client, "narrow")
     try:
-        responses = await asyncio.gather(*(
-            gateway.post("/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=auth(key))
-            for _ in range(12)))
+        responses = await asyncio.gather(
+            *(
+                gateway.post(
+                    "/v1/chat/completions", json={**_CHAT, "max_tokens": 2}, headers=auth(key)
+                )
+                for _ in range(12)
+            )
+        )
         assert [r.status for r in responses] == [200] * 12, [await r.text() for r in responses]
         assert (await _settled(redis_client, key, 12))["requests"] == 12
     finally:
@@ -239,7 +269,11 @@ async def test_usage_settled_while_redis_is_down_is_recorded_once_it_is_back(tmp
         assert limiter.pending_settlements == 1
         server.start()
         usage = await _settled(client, key, 1)
-        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["in_flight"]) == (7, 11, 0)
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["in_flight"]) == (
+            7,
+            11,
+            0,
+        )
         assert usage["quota_consumed_tokens"] == 18  # the reservation became the real usage
         assert limiter.pending_settlements == 0
     finally:
@@ -285,8 +319,9 @@ async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_cl
     with 2 requests per minute is never refused with a 429 for them."""
     key = await create_key(redis_client, "refund", rpm=2, tpm=100, max_concurrent=1)
     for _ in range(5):
-        response = await gateway.post("/v1/chat/completions", json={**_CHAT, "max_tokens": 50},
-                                      headers=auth(key))
+        response = await gateway.post(
+            "/v1/chat/completions", json={**_CHAT, "max_tokens": 50}, headers=auth(key)
+        )
         assert response.status == 503, await response.text()
         assert (await response.json())["error"]["code"] == "router_unavailable"
     await gateway.app[LIMITER].drain()  # settlements run in the background

@@ -1,4 +1,5 @@
 """``python -m gateway`` as the mesh runs it: a process configured by environment."""
+
 from __future__ import annotations
 
 import os
@@ -8,22 +9,33 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from infermesh.ports import free_port
 
 _REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=_REPO, text=True,
-                            env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=_REPO,
+        text=True,
+        env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def test_serves_on_the_configured_port_and_stops_on_sigterm(redis_server):
     port = free_port()
-    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": str(port),
-                 "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
-                 "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}"})
+    proc = _run(
+        {
+            "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+            "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+            "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+        }
+    )
     try:
         line = proc.stdout.readline()
         while line and "listening" not in line:
@@ -54,3 +66,34 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
     proc = _run({}, "--config", str(tmp_path / "missing.toml"))
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "config file not found" in out
+
+
+def test_processes_share_the_port_and_stop_together(redis_server):
+    port = free_port()
+    proc = _run(
+        {
+            "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+            "INFERMESH_GATEWAY_SERVER_PROCESSES": "2",
+            "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+            "INFERMESH_GATEWAY_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+        }
+    )
+    try:
+        listening = 0
+        while listening < 2:  # both write to the one stdout
+            line = proc.stdout.readline()
+            assert line, "a gateway process ended before listening"
+            listening += f"gateway listening on http://127.0.0.1:{port}/v1" in line
+        siblings = psutil.Process(proc.pid).children()
+        assert len(siblings) == 1
+        for _ in range(4):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                assert response.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not siblings[0].is_running()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

@@ -1,5 +1,6 @@
 """Anthropic's Messages API (``/v1/messages``) through the real gateway, router
 and worker, with the official anthropic SDK as the client."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,20 @@ from tests.helpers import MODEL
 from tests.helpers.gateway import auth
 
 # This SDK's create() no longer names temperature; the API still takes it.
-_GREEDY = {"model": MODEL, "max_tokens": 8, "system": "be brief", "extra_body": {"temperature": 0},
-           "messages": [{"role": "user", "content": "hello"}]}
+_GREEDY = {
+    "model": MODEL,
+    "max_tokens": 8,
+    "system": "be brief",
+    "extra_body": {"temperature": 0},
+    "messages": [{"role": "user", "content": "hello"}],
+}
 _WIRE = {**{k: v for k, v in _GREEDY.items() if k != "extra_body"}, "temperature": 0}
 
 
 def _client(gateway, **credentials) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=str(gateway.make_url("")), max_retries=0,
-                                    timeout=10, **credentials)
+    return anthropic.AsyncAnthropic(
+        base_url=str(gateway.make_url("")), max_retries=0, timeout=10, **credentials
+    )
 
 
 async def test_message_streamed_and_not_with_x_api_key_or_bearer(served, api_key):
@@ -28,8 +35,12 @@ async def test_message_streamed_and_not_with_x_api_key_or_bearer(served, api_key
             events = [event.type async for event in stream]
             streamed = await stream.get_final_message()
     async with _client(served, auth_token=api_key) as client:  # Authorization: Bearer
-        bearer = await client.messages.create(**{**_GREEDY, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+        bearer = await client.messages.create(
+            **{
+                **_GREEDY,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            }
+        )
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
     assert message.id.startswith("msg_") and message.content[0].type == "text"
     assert message.stop_reason == "max_tokens"
@@ -42,8 +53,9 @@ async def test_message_streamed_and_not_with_x_api_key_or_bearer(served, api_key
 
 
 async def test_wire_events_in_anthropic_framing(served, api_key):
-    response = await served.post("/v1/messages", headers={"x-api-key": api_key},
-                                 json={**_WIRE, "stream": True})
+    response = await served.post(
+        "/v1/messages", headers={"x-api-key": api_key}, json={**_WIRE, "stream": True}
+    )
     assert response.headers["Content-Type"].startswith("text/event-stream")
     frames = [f for f in (await response.text()).split("\n\n") if f]
     names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
@@ -55,15 +67,23 @@ async def test_wire_events_in_anthropic_framing(served, api_key):
         assert json.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
 
 
-@pytest.mark.parametrize("credentials, body, error_class, error_type", [
-    ({"api_key": "sk-wrong"}, _GREEDY, anthropic.AuthenticationError, "authentication_error"),
-    ({}, {**_GREEDY, "max_tokens": 0}, anthropic.BadRequestError, "invalid_request_error"),
-    ({}, {**_GREEDY, "extra_body": {"temperature": 1.5}}, anthropic.BadRequestError,
-     "invalid_request_error"),
-    ({}, {**_GREEDY, "model": "nope"}, anthropic.NotFoundError, "not_found_error"),
-])
-async def test_errors_in_anthropic_shape(served, api_key, credentials, body, error_class,
-                                         error_type):
+@pytest.mark.parametrize(
+    "credentials, body, error_class, error_type",
+    [
+        ({"api_key": "sk-wrong"}, _GREEDY, anthropic.AuthenticationError, "authentication_error"),
+        ({}, {**_GREEDY, "max_tokens": 0}, anthropic.BadRequestError, "invalid_request_error"),
+        (
+            {},
+            {**_GREEDY, "extra_body": {"temperature": 1.5}},
+            anthropic.BadRequestError,
+            "invalid_request_error",
+        ),
+        ({}, {**_GREEDY, "model": "nope"}, anthropic.NotFoundError, "not_found_error"),
+    ],
+)
+async def test_errors_in_anthropic_shape(
+    served, api_key, credentials, body, error_class, error_type
+):
     async with _client(served, **(credentials or {"api_key": api_key})) as client:
         with pytest.raises(error_class) as caught:
             await client.messages.create(**body)
@@ -73,8 +93,11 @@ async def test_errors_in_anthropic_shape(served, api_key, credentials, body, err
 
 
 async def test_invalid_content_block_names_the_field(served, api_key):
-    response = await served.post("/v1/messages", headers=auth(api_key), json={
-        **_WIRE, "messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    response = await served.post(
+        "/v1/messages",
+        headers=auth(api_key),
+        json={**_WIRE, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+    )
     assert response.status == 400
     error = (await response.json())["error"]
     assert error["type"] == "invalid_request_error"
@@ -82,8 +105,11 @@ async def test_invalid_content_block_names_the_field(served, api_key):
 
 
 async def test_worker_lost_mid_stream_ends_with_an_error_event(served, worker, api_key):
-    response = await served.post("/v1/messages", headers={"x-api-key": api_key}, json={
-        **_WIRE, "max_tokens": 1500, "stream": True})
+    response = await served.post(
+        "/v1/messages",
+        headers={"x-api-key": api_key},
+        json={**_WIRE, "max_tokens": 1500, "stream": True},
+    )
     assert response.status == 200
     await response.content.readline()
     await worker.server.stop(grace=None)

@@ -1,5 +1,6 @@
 """Anthropic tool use (``tools``, ``tool_choice``, tool_use and tool_result blocks) through the real
 gateway, router and worker, with the official anthropic SDK."""
+
 from __future__ import annotations
 
 import json
@@ -13,25 +14,38 @@ from tests.helpers import MODEL
 from tests.helpers.gateway import auth
 from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TIME, WEATHER
 
-TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
-         {"name": "get_time", "input_schema": TIME}]
-_ASK = {"model": MODEL, "max_tokens": 300, "tools": TOOLS,
-        "messages": [{"role": "user", "content": "weather in Paris?"}]}
+TOOLS = [
+    {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
+    {"name": "get_time", "input_schema": TIME},
+]
+_ASK = {
+    "model": MODEL,
+    "max_tokens": 300,
+    "tools": TOOLS,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+}
 
 
 def _client(gateway, api_key) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=str(gateway.make_url("")), api_key=api_key,
-                                    max_retries=0, timeout=SLOW_TIMEOUT_S)
+    return anthropic.AsyncAnthropic(
+        base_url=str(gateway.make_url("")), api_key=api_key, max_retries=0, timeout=SLOW_TIMEOUT_S
+    )
 
 
 def _uses(message) -> list[tuple[str, dict[str, Any]]]:
     return [(b.name, b.input) for b in message.content if b.type == "tool_use"]
 
 
-@pytest.mark.parametrize("tool_choice, names", [
-    ({"type": "any", "disable_parallel_tool_use": True}, {"get_weather", "get_time"}),
-    ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, {"get_weather"}),
-])
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ({"type": "any", "disable_parallel_tool_use": True}, {"get_weather", "get_time"}),
+        (
+            {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            {"get_weather"},
+        ),
+    ],
+)
 async def test_tool_use_streamed_and_not(served, api_key, tool_choice, names):
     ask = {**_ASK, "tool_choice": tool_choice, "extra_body": {"seed": 5}}
     async with _client(served, api_key) as client:
@@ -53,19 +67,37 @@ async def test_tool_result_round_trip(served, api_key):
     async with _client(served, api_key) as client:
         first = await client.messages.create(**_ASK, tool_choice={"type": "any"})
         use = next(b for b in first.content if b.type == "tool_use")
-        second = await client.messages.create(**{**_ASK, "max_tokens": 8, "messages": [
-            *_ASK["messages"], {"role": "assistant", "content": first.content},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": use.id, "content": "21 degrees"},
-                {"type": "text", "text": "and tomorrow?"}]}]}, tool_choice={"type": "none"})
+        second = await client.messages.create(
+            **{
+                **_ASK,
+                "max_tokens": 8,
+                "messages": [
+                    *_ASK["messages"],
+                    {"role": "assistant", "content": first.content},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": use.id, "content": "21 degrees"},
+                            {"type": "text", "text": "and tomorrow?"},
+                        ],
+                    },
+                ],
+            },
+            tool_choice={"type": "none"},
+        )
     assert second.stop_reason in ("end_turn", "max_tokens") and not _uses(second)
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
 async def test_output_format_answers_json_of_the_schema(served, api_key):
-    ask = {"model": MODEL, "max_tokens": 300, "messages": [{"role": "user", "content": "weather?"}],
-           "output_config": {"format": {"type": "json_schema", "schema": WEATHER}, "effort": "low"},
-           "thinking": {"type": "adaptive"}, "extra_body": {"seed": 3}}
+    ask = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "output_config": {"format": {"type": "json_schema", "schema": WEATHER}, "effort": "low"},
+        "thinking": {"type": "adaptive"},
+        "extra_body": {"seed": 3},
+    }
     async with _client(served, api_key) as client:
         message = await client.messages.create(**ask)
         async with client.messages.stream(**ask) as stream:
@@ -76,21 +108,42 @@ async def test_output_format_answers_json_of_the_schema(served, api_key):
         jsonschema.validate(json.loads(answer.content[0].text), WEATHER)
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}]}, "tools.0.input_schema"),
-    ({"tools": [{"input_schema": WEATHER}]}, "tools.0.name"),
-    ({"tools": [{"name": "f", "input_schema": TIME}, {"name": "f", "input_schema": TIME}]}, "tools"),
-    ({"tools": [{"name": "f", "input_schema": TIME}], "tool_choice": {"type": "tool", "name": "g"}},
-     "tool_choice.name"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
-     "output_config.format.schema"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
-    ({"container": "container_1"}, "container"),
-    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]}, "mcp_servers"),
-])
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}]}, "tools.0.input_schema"),
+        ({"tools": [{"input_schema": WEATHER}]}, "tools.0.name"),
+        (
+            {"tools": [{"name": "f", "input_schema": TIME}, {"name": "f", "input_schema": TIME}]},
+            "tools",
+        ),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": TIME}],
+                "tool_choice": {"type": "tool", "name": "g"},
+            },
+            "tool_choice.name",
+        ),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+            "output_config.format.schema",
+        ),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
+        ({"container": "container_1"}, "container"),
+        (
+            {"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]},
+            "mcp_servers",
+        ),
+    ],
+)
 async def test_bad_tools_are_400_naming_the_parameter(served, api_key, change, param):
-    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **change}
+    body = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        **change,
+    }
     response = await served.post("/v1/messages", headers=auth(api_key), json=body)
     assert response.status == 400
     assert param in (await response.json())["error"]["message"]

@@ -1,5 +1,6 @@
 """GET /openapi.json: valid OpenAPI 3, every route the gateway serves in it, request bodies
 from the models the handlers validate with."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,11 @@ def _routes(app: web.Application) -> set[tuple[str, str]]:
         if isinstance(resource, web.PrefixedSubAppResource):
             found |= _routes(resource.get_info()["app"])
         else:
-            found |= {(route.method.lower(), resource.canonical) for route in resource
-                      if route.method != "HEAD"}  # implied by GET
+            found |= {
+                (route.method.lower(), resource.canonical)
+                for route in resource
+                if route.method != "HEAD"
+            }  # implied by GET
     return found
 
 
@@ -35,7 +39,10 @@ async def test_the_document_is_valid_openapi_3_and_has_every_route(redis_server,
     validate(document)
     documented = {(method, path) for path, item in document["paths"].items() for method in item}
     assert documented == routes
-    assert ("post", "/v1/chat/completions") in routes and ("get", "/admin/keys/{id}/usage") in routes
+    assert ("post", "/v1/chat/completions") in routes and (
+        "get",
+        "/admin/keys/{id}/usage",
+    ) in routes
     if alias:
         assert ("post", f"{alias}/chat/completions") in documented
     ids = [op["operationId"] for item in document["paths"].values() for op in item.values()]

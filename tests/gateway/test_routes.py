@@ -12,8 +12,15 @@ from gateway.app import create_app
 from tests.helpers.gateway import CHAT, auth, sdk
 
 
-@pytest.mark.parametrize("path", ["/v1/v1/chat/completions", "/api/v1/chat/completions",
-                                  "/chat/completions", "/v1/chat/completion"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/v1/chat/completions",
+        "/api/v1/chat/completions",
+        "/chat/completions",
+        "/v1/chat/completion",
+    ],
+)
 async def test_unknown_path_is_404_naming_the_base_url(gateway, api_key, path):
     response = await gateway.post(path, json=CHAT, headers=auth(api_key))
     assert response.status == 404
@@ -49,9 +56,12 @@ async def test_health_and_request_ids(gateway):
 
 
 async def test_router_unreachable_is_a_quick_503_with_retry_after(gateway, api_key):
-    for method, path, body in [("POST", "/v1/chat/completions", CHAT),
-                               ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
-                               ("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None)]:
+    for method, path, body in [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/tiny", None),
+    ]:
         started = time.monotonic()
         response = await gateway.request(method, path, json=body, headers=auth(api_key))
         assert time.monotonic() - started < 2.5
@@ -64,8 +74,9 @@ async def test_router_unreachable_is_a_quick_503_with_retry_after(gateway, api_k
     assert caught.value.status_code == 503
 
 
-async def test_unexpected_exception_is_a_logged_500_json(aiohttp_app_with_failing_route, api_key,
-                                                         caplog):
+async def test_unexpected_exception_is_a_logged_500_json(
+    aiohttp_app_with_failing_route, api_key, caplog
+):
     gateway = aiohttp_app_with_failing_route
     with caplog.at_level(logging.ERROR):
         response = await gateway.get("/v1/boom", headers=auth(api_key))

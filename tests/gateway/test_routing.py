@@ -1,6 +1,7 @@
 """How the gateway reaches workers: by default the router only chooses and the gateway
 streams from the worker (falling back to the second choice, reporting the failure); with
 ``[router] relay = true`` the router relays the stream. Real router, workers and Redis."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,38 +24,49 @@ async def test_relayed_and_direct_streams_answer_alike(redis_server, router, wor
     answers = {}
     for relay in (False, True):
         config = make_config(redis_server.url, router.address)
-        gateway = await start_gateway(dataclasses.replace(
-            config, router=dataclasses.replace(config.router, relay=relay)))
+        gateway = await start_gateway(
+            dataclasses.replace(config, router=dataclasses.replace(config.router, relay=relay))
+        )
         try:
-            response = await gateway.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))
+            response = await gateway.post(
+                "/v1/chat/completions", json=_GREEDY, headers=auth(api_key)
+            )
             assert response.status == 200
             assert response.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
             async with sdk(gateway, api_key) as client:
                 stream = await client.chat.completions.create(
-                    **_GREEDY, stream=True, stream_options={"include_usage": True})
+                    **_GREEDY, stream=True, stream_options={"include_usage": True}
+                )
                 chunks = [c async for c in stream]
-            answers[relay] = ((await response.json())["choices"][0]["message"]["content"],
-                              "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                              chunks[-1].usage.completion_tokens)
+            answers[relay] = (
+                (await response.json())["choices"][0]["message"]["content"],
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                chunks[-1].usage.completion_tokens,
+            )
         finally:
             await gateway.close()
     assert answers[False] == answers[True]
     assert answers[False][0] == answers[False][1] and answers[False][2] == 6
 
 
-async def test_direct_stream_falls_back_and_reports_a_dead_worker(redis_server, tiny_engine, api_key):
+async def test_direct_stream_falls_back_and_reports_a_dead_worker(
+    redis_server, tiny_engine, api_key
+):
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
     # the dead worker never heartbeats: a TTL longer than the test keeps it registered, so that
     # what removes it from routing is the gateway's failure reports, not expiry (a loaded
     # machine took over the default 3 s for the four requests)
-    async with running_router(ttl_s=60, redis_url=redis_server.url, routing=routing) as router, \
-            running_worker(tiny_engine, router, "live"):
+    async with (
+        running_router(ttl_s=60, redis_url=redis_server.url, routing=routing) as router,
+        running_worker(tiny_engine, router, "live"),
+    ):
         await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         try:
             for _ in range(4):  # round robin puts the dead worker first half of the time
-                response = await gateway.post("/v1/chat/completions", json=_GREEDY,
-                                              headers=auth(api_key))
+                response = await gateway.post(
+                    "/v1/chat/completions", json=_GREEDY, headers=auth(api_key)
+                )
                 assert response.status == 200, await response.text()
                 assert response.headers["x-infermesh-worker"] == "live"
         finally:
@@ -70,7 +82,9 @@ async def test_unreachable_workers_answer_503_naming_them(redis_server, api_key)
         await register_unreachable_worker(router)
         gateway = await start_gateway(make_config(redis_server.url, router.address))
         try:
-            response = await gateway.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))
+            response = await gateway.post(
+                "/v1/chat/completions", json=_GREEDY, headers=auth(api_key)
+            )
             error = (await response.json())["error"]
         finally:
             await gateway.close()

@@ -1,6 +1,7 @@
 """Slow and idle clients against a real gateway with short [server] timeouts: a request's
 headers or body that do not arrive in time get a 408 in OpenAI's error shape and the
 connection is closed; an idle keep-alive connection is closed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,14 @@ _TIMEOUT_S = 0.5
 
 @pytest.fixture
 async def strict_gateway(redis_server) -> AsyncIterator[TestClient[web.Request, web.Application]]:
-    client = await start_gateway(make_config(
-        redis_server.url, header_timeout_s=_TIMEOUT_S, body_timeout_s=_TIMEOUT_S,
-        keepalive_timeout_s=_TIMEOUT_S))
+    client = await start_gateway(
+        make_config(
+            redis_server.url,
+            header_timeout_s=_TIMEOUT_S,
+            body_timeout_s=_TIMEOUT_S,
+            keepalive_timeout_s=_TIMEOUT_S,
+        )
+    )
     yield client
     await client.close()
 
@@ -31,12 +37,15 @@ async def _trickle(writer: asyncio.StreamWriter, data: bytes, stop: asyncio.Even
     for i in range(len(data)):
         if stop.is_set() or writer.is_closing():
             return
-        writer.write(data[i:i + 1])
+        writer.write(data[i : i + 1])
         await asyncio.sleep(0.05)
 
 
-async def _slow_exchange(port: int, sent_at_once: bytes, trickled: bytes,
-                         ) -> tuple[rawhttp.RawResponse, float, bytes]:
+async def _slow_exchange(
+    port: int,
+    sent_at_once: bytes,
+    trickled: bytes,
+) -> tuple[rawhttp.RawResponse, float, bytes]:
     """The response, when it came (s after connecting), and what followed it to EOF."""
     started = time.monotonic()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -56,8 +65,10 @@ async def _slow_exchange(port: int, sent_at_once: bytes, trickled: bytes,
 
 async def test_headers_a_byte_at_a_time_get_a_408_and_the_connection_closed(strict_gateway):
     response, took, rest = await _slow_exchange(
-        strict_gateway.server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n",
-        b"X-Slow: " + b"a" * 200 + b"\r\n\r\n")
+        strict_gateway.server.port,
+        b"GET /health HTTP/1.1\r\nHost: x\r\n",
+        b"X-Slow: " + b"a" * 200 + b"\r\n\r\n",
+    )
     assert response.status == 408 and _TIMEOUT_S <= took < _TIMEOUT_S + 2
     assert response.json()["error"]["code"] == "request_timeout"
     assert rest == b""  # closed
@@ -65,10 +76,15 @@ async def test_headers_a_byte_at_a_time_get_a_408_and_the_connection_closed(stri
 
 async def test_a_body_a_byte_at_a_time_gets_a_408(strict_gateway, api_key):
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * 200 + b'"}]}'
-    head = rawhttp.request("POST", "/v1/chat/completions",
-                           [("Authorization", f"Bearer {api_key}"),
-                            ("Content-Type", "application/json"),
-                            ("Content-Length", str(len(body)))])
+    head = rawhttp.request(
+        "POST",
+        "/v1/chat/completions",
+        [
+            ("Authorization", f"Bearer {api_key}"),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+        ],
+    )
     response, took, rest = await _slow_exchange(strict_gateway.server.port, head, body)
     assert response.status == 408 and took < _TIMEOUT_S + 2
     assert "body" in response.json()["error"]["message"]

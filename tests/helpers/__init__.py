@@ -1,5 +1,6 @@
 """Helpers the tests share (fixtures live in the conftest files): the served model's name,
 in-process services, the gateway under test, the end-to-end mesh and the tool schemas."""
+
 from __future__ import annotations
 
 from pathlib import Path

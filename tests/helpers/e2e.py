@@ -1,4 +1,5 @@
 """What end-to-end tests share besides their fixtures."""
+
 from __future__ import annotations
 
 import asyncio

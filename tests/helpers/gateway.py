@@ -1,4 +1,5 @@
 """The real gateway app under test on a loopback port, and what requests to it carry."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,11 +47,16 @@ def auth(key: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def sdk(gateway: TestClient[web.Request, web.Application], key: str, base_path: str = "/v1",
-        timeout: float = 10) -> openai.AsyncOpenAI:
+def sdk(
+    gateway: TestClient[web.Request, web.Application],
+    key: str,
+    base_path: str = "/v1",
+    timeout: float = 10,
+) -> openai.AsyncOpenAI:
     """The official SDK pointed at the gateway, without retries."""
-    return openai.AsyncOpenAI(base_url=str(gateway.make_url(base_path)), api_key=key,
-                              max_retries=0, timeout=timeout)
+    return openai.AsyncOpenAI(
+        base_url=str(gateway.make_url(base_path)), api_key=key, max_retries=0, timeout=timeout
+    )
 
 
 def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:

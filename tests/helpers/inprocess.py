@@ -1,5 +1,6 @@
 """Real router and worker servers inside the test's event loop, on loopback
 ports: for tests that need the services but not separate processes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,9 @@ from worker_svc.sim_engine import SimEngine
 
 
 class RunningRouter:
-    def __init__(self, port: int, stub: router_pb2_grpc.RouterStub, resources: RouterResources) -> None:
+    def __init__(
+        self, port: int, stub: router_pb2_grpc.RouterStub, resources: RouterResources
+    ) -> None:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self.stub = stub
@@ -46,9 +49,12 @@ class RunningWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_router(ttl_s: float = 3.0, redis_url: str | None = None,
-                         routing: RoutingSection | None = None, port: int = 0,
-                         ) -> AsyncIterator[RunningRouter]:
+async def running_router(
+    ttl_s: float = 3.0,
+    redis_url: str | None = None,
+    routing: RoutingSection | None = None,
+    port: int = 0,
+) -> AsyncIterator[RunningRouter]:
     """A router on ``port`` (0: a free one) with its registry in Redis at ``redis_url``
     (None: a throwaway Redis of its own). Routers given the same URL share one registry."""
     if redis_url is None:
@@ -56,9 +62,12 @@ async def running_router(ttl_s: float = 3.0, redis_url: str | None = None,
             async with running_router(ttl_s, redis_server.url, routing, port) as router:
                 yield router
         return
-    config = RouterConfig(server=ServerSection(port=port), redis=RedisSection(url=redis_url),
-                          registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
-                          routing=routing or RoutingSection())
+    config = RouterConfig(
+        server=ServerSection(port=port),
+        redis=RedisSection(url=redis_url),
+        registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
+        routing=routing or RoutingSection(),
+    )
     server, port, resources = await create_router(config)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -69,13 +78,19 @@ async def running_router(ttl_s: float = 3.0, redis_url: str | None = None,
 
 
 @contextlib.asynccontextmanager
-async def running_worker(engine: InferenceEngine, router: RunningRouter, worker_id: str = "",
-                         max_parallel: int | None = None) -> AsyncIterator[RunningWorker]:
+async def running_worker(
+    engine: InferenceEngine,
+    router: RunningRouter,
+    worker_id: str = "",
+    max_parallel: int | None = None,
+) -> AsyncIterator[RunningWorker]:
     """A worker registered with ``router`` (the context waits for it); ``max_parallel`` is
     what it reports (None: its device's default), give the engine's."""
-    config = WorkerConfig(server=WorkerServerSection(port=0, worker_id=worker_id),
-                          router=RouterSection(address=router.address),
-                          parallel=ParallelSection(max_parallel=max_parallel))
+    config = WorkerConfig(
+        server=WorkerServerSection(port=0, worker_id=worker_id),
+        router=RouterSection(address=router.address),
+        parallel=ParallelSection(max_parallel=max_parallel),
+    )
     server, servicer = await worker_server.create_server(config, engine)
     reporter = asyncio.create_task(worker_server.report_to_router(router.address, servicer))
     try:
@@ -88,18 +103,29 @@ async def running_worker(engine: InferenceEngine, router: RunningRouter, worker_
 
 async def register_unreachable_worker(router: RunningRouter, worker_id: str = "dead") -> None:
     """Registers a worker serving MODEL at a port nobody listens on: every call to it fails."""
-    await router.stub.Register(router_pb2.RegisterRequest(worker=common_pb2.WorkerInfo(
-        worker_id=worker_id, address=f"127.0.0.1:{free_port()}", models=[MODEL],
-        capabilities=common_pb2.Capabilities(max_parallel=1))))
+    await router.stub.Register(
+        router_pb2.RegisterRequest(
+            worker=common_pb2.WorkerInfo(
+                worker_id=worker_id,
+                address=f"127.0.0.1:{free_port()}",
+                models=[MODEL],
+                capabilities=common_pb2.Capabilities(max_parallel=1),
+            )
+        )
+    )
 
 
-def sim_engine(gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64,
-               **engine: Any) -> SimEngine:
+def sim_engine(
+    gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64, **engine: Any
+) -> SimEngine:
     """A simulated engine on a GPU profile (max_parallel None: the GPU's default);
     ``engine`` overrides [engine] keys."""
-    return SimEngine.from_config(WorkerConfig(
-        parallel=ParallelSection(max_parallel=max_parallel, max_waiting=max_waiting),
-        engine=dataclasses.replace(EngineSection(kind="sim", gpu=gpu), **engine)))
+    return SimEngine.from_config(
+        WorkerConfig(
+            parallel=ParallelSection(max_parallel=max_parallel, max_waiting=max_waiting),
+            engine=dataclasses.replace(EngineSection(kind="sim", gpu=gpu), **engine),
+        )
+    )
 
 
 async def wait_for_workers(router: RunningRouter, ready, timeout_s: float = 5.0) -> None:

@@ -1,4 +1,5 @@
 """The shared registry on a real Redis: two routers' registries see one fleet."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,11 @@ from tests.helpers.fleet import info
 
 
 def registry(url: str, ttl_s: float = 3.0) -> Registry:
-    return Registry(RedisSection(url=url, timeout_s=0.3),
-                    RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
-                    Fleet(ttl_s=ttl_s))
+    return Registry(
+        RedisSection(url=url, timeout_s=0.3),
+        RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
+        Fleet(ttl_s=ttl_s),
+    )
 
 
 def ids(r: Registry) -> list[str]:
@@ -59,7 +62,9 @@ async def test_worker_is_gone_soon_after_its_heartbeats_stop(redis_server):
         await a.refresh()
         await b.refresh()
         assert ids(a) == ids(b) == ["w1"]
-        assert not await a.heartbeat("w2", common_pb2.Load()), "an expired worker must register again"
+        assert not await a.heartbeat("w2", common_pb2.Load()), (
+            "an expired worker must register again"
+        )
     finally:
         await a.close()
         await b.close()
@@ -82,16 +87,30 @@ async def test_registering_twice_keeps_one_entry_and_the_first_time(redis_server
         await a.close()
 
 
-@pytest.mark.parametrize("worker, load, message", [
-    (common_pb2.WorkerInfo(address="h:1", models=["m"]), common_pb2.Load(), "worker_id is empty"),
-    (common_pb2.WorkerInfo(worker_id="w", address="nohost", models=["m"]), common_pb2.Load(),
-     "is not host:port"),
-    (common_pb2.WorkerInfo(worker_id="w", address="h:1"), common_pb2.Load(), "at least one model"),
-    (info("w"), common_pb2.Load(kv_cache_usage=math.nan), "kv_cache_usage"),
-    (info("w"), common_pb2.Load(kv_cache_usage=3), "above 1"),
-    (info("w"), common_pb2.Load(tokens_per_second=-1), "tokens_per_second"),
-    (info("w", speed=math.inf), common_pb2.Load(), "decode_tokens_per_second"),
-])
+@pytest.mark.parametrize(
+    "worker, load, message",
+    [
+        (
+            common_pb2.WorkerInfo(address="h:1", models=["m"]),
+            common_pb2.Load(),
+            "worker_id is empty",
+        ),
+        (
+            common_pb2.WorkerInfo(worker_id="w", address="nohost", models=["m"]),
+            common_pb2.Load(),
+            "is not host:port",
+        ),
+        (
+            common_pb2.WorkerInfo(worker_id="w", address="h:1"),
+            common_pb2.Load(),
+            "at least one model",
+        ),
+        (info("w"), common_pb2.Load(kv_cache_usage=math.nan), "kv_cache_usage"),
+        (info("w"), common_pb2.Load(kv_cache_usage=3), "above 1"),
+        (info("w"), common_pb2.Load(tokens_per_second=-1), "tokens_per_second"),
+        (info("w", speed=math.inf), common_pb2.Load(), "decode_tokens_per_second"),
+    ],
+)
 async def test_nonsense_registration_is_refused(redis_server, worker, load, message):
     a = registry(redis_server.url)
     try:
@@ -130,8 +149,12 @@ async def test_redis_outage_is_reported_and_recovered_from(tmp_path):
 
 
 async def test_meshes_sharing_a_redis_keep_apart_by_key_prefix(redis_server):
-    a = Registry(RedisSection(url=redis_server.url, key_prefix="mesh-a:"), RegistrySection(), Fleet(ttl_s=3))
-    b = Registry(RedisSection(url=redis_server.url, key_prefix="mesh-b:"), RegistrySection(), Fleet(ttl_s=3))
+    a = Registry(
+        RedisSection(url=redis_server.url, key_prefix="mesh-a:"), RegistrySection(), Fleet(ttl_s=3)
+    )
+    b = Registry(
+        RedisSection(url=redis_server.url, key_prefix="mesh-b:"), RegistrySection(), Fleet(ttl_s=3)
+    )
     try:
         await a.register(info("w1"), common_pb2.Load())
         await b.refresh()

@@ -1,4 +1,5 @@
 """Worker choice on a local fleet view: filters, the three policies, affinity, ejection."""
+
 from __future__ import annotations
 
 import collections
@@ -36,7 +37,9 @@ def fleet_of(*infos: common_pb2.WorkerInfo, clock: Clock | None = None) -> Fleet
 
 
 def route(model: str = "m", precision=ANY, prompt: str = "hello") -> RouteRequest:
-    return RouteRequest.of(common_pb2.GenerateRequest(model=model, precision=precision, prompt=prompt), 256)
+    return RouteRequest.of(
+        common_pb2.GenerateRequest(model=model, precision=precision, prompt=prompt), 256
+    )
 
 
 def first_choice(chooser: Chooser, fleet: Fleet, request: RouteRequest | None = None) -> str:
@@ -53,7 +56,9 @@ def test_filter_by_model_and_precision_with_clear_errors():
     assert e.value.code == grpc.StatusCode.NOT_FOUND and "served models: m, other" in str(e.value)
     with pytest.raises(RouteError) as e:
         chooser.choose(fleet, route(precision=common_pb2.PRECISION_FP16))
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "available: bf16, fp8" in str(e.value)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "available: bf16, fp8" in str(
+        e.value
+    )
     with pytest.raises(RouteError) as e:
         chooser.choose(fleet_of(), route())
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
@@ -79,7 +84,10 @@ def test_decision_names_a_fallback_on_another_worker():
 
 
 def test_balanced_prefers_fast_hardware_until_it_is_busy():
-    fleet = fleet_of(info("v100", speed=56, max_parallel=4), info("h100", precision=FP8, speed=417, max_parallel=8))
+    fleet = fleet_of(
+        info("v100", speed=56, max_parallel=4),
+        info("h100", precision=FP8, speed=417, max_parallel=8),
+    )
     chooser = Chooser(RoutingSection(affinity_weight=0))
     assert [first_choice(chooser, fleet) for _ in range(3)] == ["h100"] * 3
     fleet.set_load(fleet.get("h100"), common_pb2.Load(running=8, waiting=4))
@@ -92,10 +100,14 @@ def test_prefix_affinity_keeps_a_prefix_on_one_worker_and_spreads_prefixes():
     fleet = fleet_of(*(info(f"w{i}") for i in range(8)))
     chooser = Chooser(RoutingSection(hardware_weight=0))
     system = "You are a helpful assistant. " * 20
-    homes = {first_choice(chooser, fleet, route(prompt=system + f"question {i}")) for i in range(10)}
+    homes = {
+        first_choice(chooser, fleet, route(prompt=system + f"question {i}")) for i in range(10)
+    }
     assert len(homes) == 1, "the same leading bytes go to the same worker"
     assert chooser.choose(fleet, route(prompt=system)).reasons["prefix_home"] is True
-    spread = {first_choice(chooser, fleet, route(prompt=f"{i} different prompt")) for i in range(40)}
+    spread = {
+        first_choice(chooser, fleet, route(prompt=f"{i} different prompt")) for i in range(40)
+    }
     assert len(spread) >= 5, f"distinct prefixes should spread over the fleet, got {spread}"
 
 
@@ -117,12 +129,22 @@ def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leadi
     b = common_pb2.GenerateRequest(prompt="x" * 300 + "tail two")
     assert prefix_key(a, 256) == prefix_key(b, 256)
     other_process = subprocess.run(
-        [sys.executable, "-c", "from infermesh.pb import common_pb2; from router_svc.routing import prefix_key; "
-         "print(prefix_key(common_pb2.GenerateRequest(prompt='x' * 300), 256))"],
-        env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            "-c",
+            "from infermesh.pb import common_pb2; from router_svc.routing import prefix_key; "
+            "print(prefix_key(common_pb2.GenerateRequest(prompt='x' * 300), 256))",
+        ],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert int(other_process.stdout) == prefix_key(a, 256)
     assert prefix_key(a, 512) != prefix_key(b, 512)
-    chat = common_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="system", content="hi")])
+    chat = common_pb2.GenerateRequest(
+        messages=[common_pb2.ChatMessage(role="system", content="hi")]
+    )
     assert prefix_key(chat, 256) != prefix_key(common_pb2.GenerateRequest(prompt="hi"), 256)
 
 

@@ -1,5 +1,6 @@
 """OTEL_SDK_DISABLED=true leaves the instrumentations out; otherwise a gateway continues
 the caller's trace and says its id."""
+
 from __future__ import annotations
 
 import secrets
@@ -17,8 +18,9 @@ async def _trace_header(redis_url: str) -> str | None:
     client = TestClient(TestServer(create_app(make_config(redis_url))))
     await client.start_server()
     try:
-        response = await client.get("/health", headers={
-            "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+        response = await client.get(
+            "/health", headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        )
         assert response.status == 200
     finally:
         await client.close()

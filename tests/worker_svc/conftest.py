@@ -1,4 +1,5 @@
 """Tiny DeepSeek-V3 and DeepSeek-V2 checkpoints, written once per session."""
+
 from __future__ import annotations
 
 from pathlib import Path

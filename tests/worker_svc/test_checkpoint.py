@@ -1,4 +1,5 @@
 """The tiny checkpoint's format and the loader's errors."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,13 @@ from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 from worker_svc.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.model_config import model_args
 
-_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 _NORM = "model.layers.0.input_layernorm.weight"
 _FP8_WEIGHT = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
 
@@ -31,12 +38,28 @@ def test_config_has_deepseek_v3_keys(tiny_dir: Path):
     assert config["model_type"] == "deepseek_v3"
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["quantization_config"] == {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
     }
     assert config["torch_dtype"] == "bfloat16" and config["topk_method"] == "noaux_tc"
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor",
-                "n_shared_experts", "moe_intermediate_size", "rope_scaling", "num_nextn_predict_layers"):
+    for key in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "num_experts_per_tok",
+        "first_k_dense_replace",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "rope_scaling",
+        "num_nextn_predict_layers",
+    ):
         assert key in config, key
     assert config["hidden_size"] % 128 != 0  # partial FP8 blocks occur
 
@@ -51,7 +74,11 @@ def test_safetensors_dtypes_shapes_and_names(tiny_dir: Path):
     assert dtypes[_NORM] == dtypes["model.norm.weight"] == "BF16"
     assert dtypes["model.layers.1.mlp.gate.weight"] == "BF16"
     assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
-    projections = [n for n in dtypes if n.startswith("model.layers.") and "_proj" in n and n.endswith(".weight")]
+    projections = [
+        n
+        for n in dtypes
+        if n.startswith("model.layers.") and "_proj" in n and n.endswith(".weight")
+    ]
     assert _FP8_WEIGHT in projections
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in projections
     assert "model.layers.1.mlp.shared_experts.up_proj.weight" in projections
@@ -60,7 +87,10 @@ def test_safetensors_dtypes_shapes_and_names(tiny_dir: Path):
         assert dtypes[name + "_scale_inv"] == "F32"
         rows, cols = shapes[name]
         assert shapes[name + "_scale_inv"] == (-(-rows // 128), -(-cols // 128)), name
-    assert shapes["model.layers.0.self_attn.q_a_proj.weight"] == (config["q_lora_rank"], config["hidden_size"])
+    assert shapes["model.layers.0.self_attn.q_a_proj.weight"] == (
+        config["q_lora_rank"],
+        config["hidden_size"],
+    )
     # MTP layer, skipped at load
     assert f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in dtypes
 
@@ -70,7 +100,10 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Pat
     tensors = load_file(tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors").unlink()
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, shard_names in shards.items():
         save_file({n: tensors[n] for n in shard_names}, tmp_path / file)
     weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
@@ -81,7 +114,10 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Pat
         assert torch.equal(sharded.state_dict()[key], value), key
 
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: shard missing \(needed for tensor"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model-00002-of-00002\.safetensors: shard missing \(needed for tensor",
+    ):
         load_checkpoint(tmp_path)
 
 
@@ -150,7 +186,9 @@ def test_wrong_shape_names_file_and_tensor(ckpt_copy: Path):
 
 def test_wrong_dtype_names_file_and_tensor(ckpt_copy: Path):
     _rewrite(ckpt_copy, lambda t: t.update({_NORM: t[_NORM].to(torch.int32)}))
-    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor {_NORM} has dtype torch\.int32"):
+    with pytest.raises(
+        CheckpointError, match=rf"model\.safetensors: tensor {_NORM} has dtype torch\.int32"
+    ):
         load_checkpoint(ckpt_copy)
 
 
@@ -164,10 +202,14 @@ def test_wrong_scale_dtype_is_named(ckpt_copy: Path):
 # ------------------------------------------------------------------------------------ DeepSeek-V2
 
 
-def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(v2_dir: Path, v2_lite_dir: Path, tmp_path: Path):
+def test_v2_checkpoints_are_bf16_without_scales_bias_or_mtp(
+    v2_dir: Path, v2_lite_dir: Path, tmp_path: Path
+):
     for model_dir, lite in ((v2_dir, False), (v2_lite_dir, True)):
         config = json.loads((model_dir / "config.json").read_text())
-        assert config["model_type"] == "deepseek_v2" and config["architectures"] == ["DeepseekV2ForCausalLM"]
+        assert config["model_type"] == "deepseek_v2" and config["architectures"] == [
+            "DeepseekV2ForCausalLM"
+        ]
         assert "quantization_config" not in config and config["scoring_func"] == "softmax"
         assert config["topk_method"] == ("greedy" if lite else "group_limited_greedy")
         assert (config["q_lora_rank"] is None) == lite
@@ -187,7 +229,11 @@ def test_v2_loads_its_router_from_config(v2_dir: Path, v2_lite_dir: Path):
     model, _ = load_checkpoint(v2_dir)
     gate = model.layers[1].mlp.gate
     assert (gate.args.scoring_func, gate.args.topk_method) == ("softmax", "group_limited_greedy")
-    assert (gate.args.n_expert_groups, gate.args.n_limited_groups, gate.args.route_scale) == (4, 2, 16.0)
+    assert (gate.args.n_expert_groups, gate.args.n_limited_groups, gate.args.route_scale) == (
+        4,
+        2,
+        16.0,
+    )
     assert gate.e_score_correction_bias is None and not gate.args.norm_topk_prob
     assert model.layers[1].mlp.gate.weight.dtype == torch.float32
     lite, _ = load_checkpoint(v2_lite_dir)
@@ -200,25 +246,42 @@ def v2_copy(v2_dir: Path, tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("field, value", [("topk_method", "noaux_tc_v9"), ("scoring_func", "sqrtsoftplus")])
+@pytest.mark.parametrize(
+    "field, value", [("topk_method", "noaux_tc_v9"), ("scoring_func", "sqrtsoftplus")]
+)
 def test_unknown_router_is_refused_naming_file_and_field(v2_copy: Path, field: str, value: str):
     config = json.loads((v2_copy / "config.json").read_text())
     (v2_copy / "config.json").write_text(json.dumps(config | {field: value}))
-    with pytest.raises(CheckpointError, match=rf"config\.json: {field}: '{value}' is not implemented by this engine \(supported: "):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"config\.json: {field}: '{value}' is not implemented by this engine \(supported: ",
+    ):
         load_checkpoint(v2_copy)
 
 
 def test_more_experts_than_the_kept_groups_hold_is_refused(v2_copy: Path):
     config = json.loads((v2_copy / "config.json").read_text())
-    (v2_copy / "config.json").write_text(json.dumps(config | {"topk_group": 1, "num_experts_per_tok": 3}))
-    with pytest.raises(CheckpointError, match=r"config\.json: num_experts_per_tok: 3 exceeds the 2 experts "
-                                                    r"in the topk_group groups"):
+    (v2_copy / "config.json").write_text(
+        json.dumps(config | {"topk_group": 1, "num_experts_per_tok": 3})
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: num_experts_per_tok: 3 exceeds the 2 experts "
+        r"in the topk_group groups",
+    ):
         load_checkpoint(v2_copy)
 
 
-@pytest.mark.parametrize("copy, tensor", [("v2_copy", "model.layers.2.mlp.gate.weight"),
-                                          ("ckpt_copy", "model.layers.1.mlp.gate.e_score_correction_bias")])
-def test_a_missing_gate_tensor_names_file_and_tensor(request: pytest.FixtureRequest, copy: str, tensor: str):
+@pytest.mark.parametrize(
+    "copy, tensor",
+    [
+        ("v2_copy", "model.layers.2.mlp.gate.weight"),
+        ("ckpt_copy", "model.layers.1.mlp.gate.e_score_correction_bias"),
+    ],
+)
+def test_a_missing_gate_tensor_names_file_and_tensor(
+    request: pytest.FixtureRequest, copy: str, tensor: str
+):
     model_dir = request.getfixturevalue(copy)
     _rewrite(model_dir, lambda t: t.pop(tensor))
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor {tensor} is missing"):
@@ -232,5 +295,7 @@ def test_moe_layer_freq_interleaves_dense_layers(v2_copy: Path):
     args = model_args(config | {"num_hidden_layers": 6, "moe_layer_freq": 2})
     assert [args.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
     (v2_copy / "config.json").write_text(json.dumps(config | {"moe_layer_freq": 0}))
-    with pytest.raises(CheckpointError, match=r"config\.json: moe_layer_freq: 0 is not a positive integer"):
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: moe_layer_freq: 0 is not a positive integer"
+    ):
         load_checkpoint(v2_copy)

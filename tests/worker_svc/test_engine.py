@@ -1,5 +1,6 @@
 """The async engine on the tiny checkpoint: sampling, finishing, concurrency, cancellation,
 errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,7 +49,9 @@ async def fp32_engine(tiny_dir: Path) -> AsyncIterator[Engine]:
     await engine.close()
 
 
-def _request(sampling: SamplingParams, *, prompt: str | None = None, request_id: str = "r") -> GenerationRequest:
+def _request(
+    sampling: SamplingParams, *, prompt: str | None = None, request_id: str = "r"
+) -> GenerationRequest:
     return GenerationRequest(request_id, None if prompt else _MESSAGES, prompt, sampling)
 
 
@@ -101,12 +104,16 @@ async def test_stop_string_and_stop_token(engine: Engine):
     full = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=32)))
     text, ids = _text(full), _ids(full)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    chunks = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=32, stop=(stop,))))
+    chunks = await _run(
+        engine, _request(SamplingParams(temperature=0, max_tokens=32, stop=(stop,)))
+    )
     assert chunks[-1].finish_reason == "stop"
     assert _text(chunks) == text[: text.find(stop)]
 
     stop_id = ids[5]
-    chunks = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=32, stop_token_ids=(stop_id,))))
+    chunks = await _run(
+        engine, _request(SamplingParams(temperature=0, max_tokens=32, stop_token_ids=(stop_id,)))
+    )
     assert chunks[-1].finish_reason == "stop" and _ids(chunks) == ids[: ids.index(stop_id) + 1]
 
 
@@ -126,7 +133,9 @@ def test_a_loading_error_reaches_the_caller(tmp_path: Path):
 async def test_context_end_finishes_with_length(tiny_dir: Path, worker_dtype: str):
     engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype, max_model_len=40)
     try:
-        chunks = await _run(engine, _request(SamplingParams(temperature=0), prompt="The quick brown fox"))
+        chunks = await _run(
+            engine, _request(SamplingParams(temperature=0), prompt="The quick brown fox")
+        )
         assert chunks[-1].finish_reason == "length"
         assert chunks[-1].prompt_tokens + chunks[-1].completion_tokens == 40
     finally:
@@ -139,7 +148,9 @@ async def test_concurrent_streams_interleave(engine: Engine):
     async def consume(name: str) -> None:
         # a chunk carries every token that queued up while its reader lagged: count tokens, not
         # chunks
-        async for chunk in engine.generate(_request(SamplingParams(temperature=0, max_tokens=30), request_id=name)):
+        async for chunk in engine.generate(
+            _request(SamplingParams(temperature=0, max_tokens=30), request_id=name)
+        ):
             order.extend([name] * len(chunk.token_ids))
 
     await asyncio.gather(consume("a"), consume("b"))
@@ -176,8 +187,14 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
 @pytest.mark.parametrize(
     ("request_", "match"),
     [
-        (GenerationRequest("r", _MESSAGES, "hi", SamplingParams()), "exactly one of messages and prompt"),
-        (GenerationRequest("r", None, None, SamplingParams()), "exactly one of messages and prompt"),
+        (
+            GenerationRequest("r", _MESSAGES, "hi", SamplingParams()),
+            "exactly one of messages and prompt",
+        ),
+        (
+            GenerationRequest("r", None, None, SamplingParams()),
+            "exactly one of messages and prompt",
+        ),
         (GenerationRequest("r", [], None, SamplingParams()), "messages is empty"),
         (GenerationRequest("r", None, "", SamplingParams()), "prompt is empty"),
         (GenerationRequest("r", [{"role": "user"}], None, SamplingParams()), r"messages\[0\]"),
@@ -185,12 +202,33 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
         (GenerationRequest("r", None, "hi", SamplingParams(top_p=0)), "top_p"),
         (GenerationRequest("r", None, "hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (GenerationRequest("r", None, "word " * 3000, SamplingParams()), "max_model_len is 2048"),
-        (GenerationRequest("r", None, "hi", SamplingParams(max_tokens=2048)), r"\+ max_tokens \(2048\) exceeds"),
-        (GenerationRequest("r", None, "hi", SamplingParams(stop=("x",) * 17)), "stop has 17 strings; at most 16"),
-        (GenerationRequest("r", None, "hi", SamplingParams(stop_token_ids=(1,) * 65)), "stop_token_ids has 65 ids"),
+        (
+            GenerationRequest("r", None, "hi", SamplingParams(max_tokens=2048)),
+            r"\+ max_tokens \(2048\) exceeds",
+        ),
+        (
+            GenerationRequest("r", None, "hi", SamplingParams(stop=("x",) * 17)),
+            "stop has 17 strings; at most 16",
+        ),
+        (
+            GenerationRequest("r", None, "hi", SamplingParams(stop_token_ids=(1,) * 65)),
+            "stop_token_ids has 65 ids",
+        ),
     ],
-    ids=["both", "neither", "empty-messages", "empty-prompt", "bad-message", "temperature", "top_p", "max_tokens",
-         "prompt-too-long", "beyond-context", "stop-list-too-long", "stop-ids-too-many"],
+    ids=[
+        "both",
+        "neither",
+        "empty-messages",
+        "empty-prompt",
+        "bad-message",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "prompt-too-long",
+        "beyond-context",
+        "stop-list-too-long",
+        "stop-ids-too-many",
+    ],
 )
 async def test_invalid_requests(engine: Engine, request_: GenerationRequest, match: str):
     with pytest.raises(InvalidRequestError, match=match):
@@ -214,7 +252,12 @@ async def _greedy_texts(engine: Engine, n: int, max_tokens: int = 20) -> list[li
 async def test_a_batch_generates_what_each_sequence_generates_alone(fp32_engine: Engine):
     together = await _greedy_texts(fp32_engine, 5)
     alone = [(await _greedy_texts(fp32_engine, 1))[0]] + [
-        _ids(await _run(fp32_engine, _request(SamplingParams(temperature=0, max_tokens=20), prompt=_prompt(i))))
+        _ids(
+            await _run(
+                fp32_engine,
+                _request(SamplingParams(temperature=0, max_tokens=20), prompt=_prompt(i)),
+            )
+        )
         for i in range(1, 5)
     ]
     assert together == alone and len({tuple(t) for t in together}) == 5
@@ -227,7 +270,10 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
     # prompts computed 16 tokens per step; a cache of 2 contexts of 64 tokens for 4 sequences of
     # ~59: the newest are preempted and recomputed
     small = Engine.from_checkpoint(
-        tiny_dir, dtype=EXACT_DTYPE, max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
+        tiny_dir,
+        dtype=EXACT_DTYPE,
+        max_model_len=64,
+        parallel=ParallelSection(prefill_chunk_size=16),
         cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
     )
     try:
@@ -254,12 +300,20 @@ async def test_a_repeated_prefix_is_reported_as_cached_prompt_tokens(fp32_engine
     again = await _run(fp32_engine, request("What is MLA?"))
     other = await _run(fp32_engine, request("And MoE?"))
     assert first[-1].cached_prompt_tokens == 0
-    assert _ids(again) == _ids(first) and 0 < again[-1].cached_prompt_tokens < again[-1].prompt_tokens
-    assert other[-1].cached_prompt_tokens >= len(fp32_engine.tokenizer.encode_chat([system])) // 16 * 16 - 16
+    assert (
+        _ids(again) == _ids(first) and 0 < again[-1].cached_prompt_tokens < again[-1].prompt_tokens
+    )
+    assert (
+        other[-1].cached_prompt_tokens
+        >= len(fp32_engine.tokenizer.encode_chat([system])) // 16 * 16 - 16
+    )
 
 
 async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
-    streams = [engine.generate(_request(SamplingParams(temperature=0), prompt=_prompt(i))) for i in range(4)]
+    streams = [
+        engine.generate(_request(SamplingParams(temperature=0), prompt=_prompt(i)))
+        for i in range(4)
+    ]
     for stream in streams:
         await anext(stream)
     await eventually(lambda: engine.load().running == 4)
@@ -272,12 +326,23 @@ async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
 
 async def test_penalties_and_logprobs(engine: Engine):
     plain = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40)))
-    penalized = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40, frequency_penalty=2.0,
-                                                           presence_penalty=2.0)))
+    penalized = await _run(
+        engine,
+        _request(
+            SamplingParams(
+                temperature=0, max_tokens=40, frequency_penalty=2.0, presence_penalty=2.0
+            )
+        ),
+    )
     repeats = len(_ids(plain)) - len(set(_ids(plain)))
-    assert _ids(penalized) != _ids(plain) and len(_ids(penalized)) - len(set(_ids(penalized))) < repeats
+    assert (
+        _ids(penalized) != _ids(plain)
+        and len(_ids(penalized)) - len(set(_ids(penalized))) < repeats
+    )
 
-    chunks = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=5, logprobs=True, top_logprobs=3)))
+    chunks = await _run(
+        engine, _request(SamplingParams(temperature=0, max_tokens=5, logprobs=True, top_logprobs=3))
+    )
     assert sum(len(c.token_ids) for c in chunks) == 5
     for c in chunks:  # one logprob per token, however many tokens a (merged) chunk carries
         assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
@@ -286,12 +351,15 @@ async def test_penalties_and_logprobs(engine: Engine):
             # greedy took the most likely token
             assert lp.logprob == pytest.approx(lp.top[0].logprob)
             assert lp.token == engine.tokenizer.decode([token_id])
-    assert (await _run(engine, _request(SamplingParams(temperature=0, max_tokens=2))))[0].logprobs is None
+    assert (await _run(engine, _request(SamplingParams(temperature=0, max_tokens=2))))[
+        0
+    ].logprobs is None
 
 
 async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path, worker_dtype: str):
-    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype,
-                                    parallel=ParallelSection(max_parallel=1, max_waiting=1))
+    engine = Engine.from_checkpoint(
+        tiny_dir, dtype=worker_dtype, parallel=ParallelSection(max_parallel=1, max_waiting=1)
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=10)
         first, second = (engine.generate(_request(params, prompt=_prompt(i))) for i in range(2))
@@ -310,7 +378,9 @@ async def test_a_full_queue_is_refused_and_the_others_finish(tiny_dir: Path, wor
 
 async def test_bad_requests_fail_alone_while_good_ones_stream(engine: Engine):
     params = SamplingParams(temperature=0, max_tokens=12)
-    good = [asyncio.create_task(_run(engine, _request(params, prompt=_prompt(i)))) for i in range(3)]
+    good = [
+        asyncio.create_task(_run(engine, _request(params, prompt=_prompt(i)))) for i in range(3)
+    ]
     bad = [
         _request(SamplingParams(stop=tuple(str(i) for i in range(17))), prompt="hi"),
         _request(SamplingParams(stop_token_ids=(10**6,)), prompt="hi"),
@@ -354,14 +424,25 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
     chunks and prefix caching give transformers' greedy tokens on DeepSeek-V2 checkpoints (float32
     pinned)."""
     model_dir = request.getfixturevalue(checkpoint)
-    engine = Engine.from_checkpoint(model_dir, dtype="float32", parallel=ParallelSection(prefill_chunk_size=8),
-                                    cache=CacheSection(block_size=4))
+    engine = Engine.from_checkpoint(
+        model_dir,
+        dtype="float32",
+        parallel=ParallelSection(prefill_chunk_size=8),
+        cache=CacheSection(block_size=4),
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=12)
-        prompts = [f"{'Multi-head latent attention caches a latent. ' * 2}Question {i}: why?" for i in range(3)]
+        prompts = [
+            f"{'Multi-head latent attention caches a latent. ' * 2}Question {i}: why?"
+            for i in range(3)
+        ]
         first = await _run(engine, _request(params, prompt=prompts[0]))
         together = await asyncio.gather(
-            *(_run(engine, _request(params, prompt=p, request_id=str(i))) for i, p in enumerate(prompts)))
+            *(
+                _run(engine, _request(params, prompt=p, request_id=str(i)))
+                for i, p in enumerate(prompts)
+            )
+        )
         hf = transformers_model(engine.model, read_config(model_dir)[0])
     finally:
         await engine.close()
@@ -373,6 +454,11 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
         with torch.no_grad():
             # the model is a *ForCausalLM typed as PreTrainedModel, which has no generate()
             expected = hf.generate(  # type: ignore[operator]
-                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
-                pad_token_id=2)[0, ids.size(1) :].tolist()
+                ids,
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )[0, ids.size(1) :].tolist()
         assert _ids(chunks) == expected, prompt

@@ -1,4 +1,5 @@
 """How engines' chunks reach the gRPC server: drained in order, merged when they queued up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,15 @@ from worker_svc.engine_api import EngineClosedError, GenerationChunk, TokenLogpr
 
 
 def _chunk(token: int, finish: str | None = None) -> GenerationChunk:
-    return GenerationChunk(text=f"<{token}>", token_ids=[token], finish_reason=finish,  # type: ignore[arg-type]
-                           prompt_tokens=5, completion_tokens=token, queue_s=token / 10,
-                           logprobs=[TokenLogprob(token=f"<{token}>", logprob=-token)])
+    return GenerationChunk(
+        text=f"<{token}>",
+        token_ids=[token],
+        finish_reason=finish,  # type: ignore[arg-type]
+        prompt_tokens=5,
+        completion_tokens=token,
+        queue_s=token / 10,
+        logprobs=[TokenLogprob(token=f"<{token}>", logprob=-token)],
+    )
 
 
 async def test_chunks_queued_while_the_reader_was_busy_come_out_merged():
@@ -26,7 +33,11 @@ async def test_chunks_queued_while_the_reader_was_busy_come_out_merged():
     queue.put_nowait(_chunk(4, "length"))
     queue.put_nowait(_chunk(99))  # after the last chunk: never read
     merged = await anext(chunks)
-    assert (merged.text, merged.token_ids, merged.finish_reason) == ("<2><3><4>", [2, 3, 4], "length")
+    assert (merged.text, merged.token_ids, merged.finish_reason) == (
+        "<2><3><4>",
+        [2, 3, 4],
+        "length",
+    )
     assert (merged.completion_tokens, merged.queue_s) == (4, 0.2)
     assert [lp.logprob for lp in merged.logprobs] == [-2, -3, -4]
     with pytest.raises(StopAsyncIteration):

@@ -1,5 +1,6 @@
 """The FP8 arithmetic on CPU (kernel.py's reference implementation) against the formulas it
 implements."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,9 +42,13 @@ def test_act_quant_scale_is_amax_over_448_per_token_group():
     assert x_fp8.dtype == FP8 and x_fp8.shape == x.shape
     assert scale.dtype == torch.float32 and scale.shape == (2, 3, 3)
     assert scale.stride(-2) == 1  # token-major, as cuBLASLt reads 1x128 scales
-    torch.testing.assert_close(scale, x.unflatten(-1, (3, 128)).abs().amax(-1) / 448, rtol=0, atol=0)
+    torch.testing.assert_close(
+        scale, x.unflatten(-1, (3, 128)).abs().amax(-1) / 448, rtol=0, atol=0
+    )
     # the largest element of every group lands on E4M3's largest finite value
-    assert torch.equal(x_fp8.float().unflatten(-1, (3, 128)).abs().amax(-1), torch.full((2, 3, 3), 448.0))
+    assert torch.equal(
+        x_fp8.float().unflatten(-1, (3, 128)).abs().amax(-1), torch.full((2, 3, 3), 448.0)
+    )
 
 
 def test_act_quant_round_trip_error_bound():
@@ -82,7 +87,9 @@ def test_fp8_gemm_matches_dequantize_then_matmul(m, n, k):
     expected = _dequant_activations(a_fp8, a_scale) @ weight_dequant(b_fp8, b_scale).T
     got = fp8_gemm(a_fp8, a_scale, b_fp8, b_scale, out_dtype=torch.float32)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, rtol=_GEMM_RTOL, atol=_GEMM_RTOL * float(expected.abs().max()))
+    torch.testing.assert_close(
+        got, expected, rtol=_GEMM_RTOL, atol=_GEMM_RTOL * float(expected.abs().max())
+    )
     # DeepSeek's default output
     assert fp8_gemm(a_fp8, a_scale, b_fp8, b_scale).dtype == torch.bfloat16
 
@@ -131,8 +138,10 @@ def test_no_native_fp8_gemm_on_cpu():
     assert not native_fp8_gemm_available(torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not native_fp8_gemm_available(torch.device("cuda")),
-                    reason="needs a CUDA sm90 GPU with the native block-wise FP8 GEMM")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not native_fp8_gemm_available(torch.device("cuda")),
+    reason="needs a CUDA sm90 GPU with the native block-wise FP8 GEMM",
+)
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
 def test_native_fp8_gemm_matches_the_reference_at_every_token_count(m):
     """cuBLASLt refuses M % 8 != 0 (decode batches): fp8_gemm pads those rows and drops their

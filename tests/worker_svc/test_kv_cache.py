@@ -1,5 +1,6 @@
 """Cache blocks: allocation, release, prefix caching by block hash, eviction, and the cache's
 size."""
+
 from __future__ import annotations
 
 import torch
@@ -83,8 +84,14 @@ def test_block_hash_chains_through_the_parent():
 
 
 def test_latent_cache_bytes_per_token_against_a_per_head_cache():
-    args = ModelArgs(n_layers=6, n_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                     v_head_dim=64)
+    args = ModelArgs(
+        n_layers=6,
+        n_heads=8,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+    )
     assert bytes_per_token(args, torch.float32) == 6 * (128 + 32) * 4
     assert unabsorbed_bytes_per_token(args, torch.float32) == 6 * 8 * (64 + 32 + 64) * 4
 

@@ -1,5 +1,6 @@
 """Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM /
 DeepseekV2ForCausalLM on the same weights."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,8 +101,14 @@ def test_greedy_generation_matches_transformers(models, chunks):
     ours, hf, config = models
     prompt = _prompt(config)
     with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False,
-                               eos_token_id=None, pad_token_id=2)[0, prompt.size(1):].tolist()
+        expected = hf.generate(
+            prompt,
+            max_new_tokens=GREEDY_STEPS,
+            min_new_tokens=GREEDY_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )[0, prompt.size(1) :].tolist()
     got = _greedy(ours, prompt, GREEDY_STEPS, chunks)
     assert got == expected
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
@@ -113,9 +120,14 @@ def _checkpoint_with_config(model_dir: Path, out: Path, config: dict[str, Any]) 
     return out
 
 
-@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.9, "truncate": False}],
-                         ids=["yarn", "yarn-attention_factor-untruncated"])
-def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: Path, tmp_path: Path, extra: dict[str, Any]):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"attention_factor": 0.9, "truncate": False}],
+    ids=["yarn", "yarn-attention_factor-untruncated"],
+)
+def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(
+    variant_dir: Path, tmp_path: Path, extra: dict[str, Any]
+):
     """transformers >= 5 writes rope_parameters (rope_type, rope_theta inside); older files
     rope_scaling (type) with rope_theta beside it. Either way the engine serves YaRN, as
     transformers does."""
@@ -124,8 +136,12 @@ def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: 
     del config["rope_theta"]
     legacy = config | {"rope_scaling": {"type": "yarn", **yarn}, "rope_theta": 50000.0}
     modern = config | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **yarn}}
-    old, _ = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "legacy", legacy), torch.float32)
-    new, new_config = load_checkpoint(_checkpoint_with_config(variant_dir, tmp_path / "modern", modern), torch.float32)
+    old, _ = load_checkpoint(
+        _checkpoint_with_config(variant_dir, tmp_path / "legacy", legacy), torch.float32
+    )
+    new, new_config = load_checkpoint(
+        _checkpoint_with_config(variant_dir, tmp_path / "modern", modern), torch.float32
+    )
     tokens = _prompt(new_config, 64)
     got = new(tokens, 0, new.setup_cache(1, 64))
     assert torch.equal(got, old(tokens, 0, old.setup_cache(1, 64)))
@@ -134,7 +150,9 @@ def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(variant_dir: 
     torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
     # without YaRN and that theta the same weights give other logits: what a misread file would
     # serve
-    new.freqs_cis = precompute_freqs_cis(dataclasses.replace(new.args, rope_type="default", rope_theta=10000.0))
+    new.freqs_cis = precompute_freqs_cis(
+        dataclasses.replace(new.args, rope_type="default", rope_theta=10000.0)
+    )
     assert (new(tokens, 0, new.setup_cache(1, 64)) - expected).abs().max() > 100 * LOGITS_ATOL
 
 
@@ -196,12 +214,19 @@ def test_fp8_weights_match_the_dequantized_path(tiny_dir: Path, caplog: pytest.L
     linears = {name: m for name, m in fp8.named_modules() if isinstance(m, Linear)}
     held = {name for name, m in linears.items() if m.weight_scale_inv is not None}
     # every layer projection except kv_b_proj (absorbed into attention); not lm_head
-    assert held == {name for name in linears if name.startswith("layers.") and not name.endswith("kv_b_proj")}
+    assert held == {
+        name for name in linears if name.startswith("layers.") and not name.endswith("kv_b_proj")
+    }
     for name in held:
         weight = linears[name].weight
         assert weight.dtype == FP8 and weight.nbytes == weight.numel(), name  # one byte per weight
-    assert fp8.lm_head.weight.dtype == torch.bfloat16 and fp8.layers[1].mlp.gate.weight.dtype == torch.float32
-    fp8_bytes, bf16_bytes = (sum(t.nbytes for t in m.state_dict().values()) for m in (fp8, dequantized))
+    assert (
+        fp8.lm_head.weight.dtype == torch.bfloat16
+        and fp8.layers[1].mlp.gate.weight.dtype == torch.float32
+    )
+    fp8_bytes, bf16_bytes = (
+        sum(t.nbytes for t in m.state_dict().values()) for m in (fp8, dequantized)
+    )
     assert fp8_bytes < 0.75 * bf16_bytes  # embeddings and lm_head stay bf16
     for length in (1, 17, 64):
         tokens = _prompt(config, length, seed=length)
@@ -216,7 +241,9 @@ def test_experts_run_once_per_forward_on_their_grouped_tokens(tiny_dir: Path):
     model, config = load_checkpoint(tiny_dir)
     rows_per_call: list[int] = []
     for expert in model.layers[config["first_k_dense_replace"]].mlp.experts:
-        expert.register_forward_hook(lambda module, args, out: rows_per_call.append(args[0].size(0)))
+        expert.register_forward_hook(
+            lambda module, args, out: rows_per_call.append(args[0].size(0))
+        )
     length = 40
     model(_prompt(config, length), 0, model.setup_cache(1, length))
     assert len(rows_per_call) <= config["n_routed_experts"]
@@ -258,5 +285,8 @@ def test_model_sizes_count_what_the_model_holds(model_dir: Path):
     assert sizes.fp8_weights == (config["model_type"] == "deepseek_v3")
     dim, experts = config["hidden_size"], config["n_routed_experts"] - config["num_experts_per_tok"]
     moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
-    idle = moe_layers * experts * 3 * dim * config["moe_intermediate_size"] + (config["vocab_size"] - 1) * dim
+    idle = (
+        moe_layers * experts * 3 * dim * config["moe_intermediate_size"]
+        + (config["vocab_size"] - 1) * dim
+    )
     assert sizes.active_params == sizes.params - idle  # unchosen experts and other embedding rows

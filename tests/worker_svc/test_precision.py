@@ -1,4 +1,5 @@
 """The precision policy (worker_svc/precision.py), without a GPU."""
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,9 @@ def test_overrides():
     assert choose_precision("cpu", dtype="fp32", cpu_has_bf16=True) == "fp32"
     assert choose_precision("cpu", dtype="bfloat16") == "bf16"
     assert choose_precision("cuda", "8.0", dtype="float16") == "fp16"
-    with pytest.raises(ValueError, match=r"use_native_fp8=true needs an sm90 GPU .* this is cuda 8\.0"):
+    with pytest.raises(
+        ValueError, match=r"use_native_fp8=true needs an sm90 GPU .* this is cuda 8\.0"
+    ):
         choose_precision("cuda", "8.0", use_native_fp8=True)
     with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU"):
         choose_precision("cuda", "9.0", fp8_gemm=False, use_native_fp8=True)
@@ -60,7 +63,9 @@ def test_a_checkpoint_without_fp8_weights_runs_bf16_on_sm90():
     assert choose_precision("cuda", "9.0", fp8_gemm=True, fp8_weights=False) == "bf16"
     assert choose_precision("cuda", "8.0", fp8_weights=False) == "bf16"
     for override in ({"use_native_fp8": True}, {"dtype": "fp8"}):
-        with pytest.raises(ValueError, match=r"needs a checkpoint with FP8 weights \(quantization_config fp8\)"):
+        with pytest.raises(
+            ValueError, match=r"needs a checkpoint with FP8 weights \(quantization_config fp8\)"
+        ):
             choose_precision("cuda", "9.0", fp8_gemm=True, fp8_weights=False, **override)
 
 

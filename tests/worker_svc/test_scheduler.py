@@ -1,4 +1,5 @@
 """The continuous-batching scheduler on its own: budgets, admission, holding, preemption, aborts."""
+
 from __future__ import annotations
 
 import itertools
@@ -19,13 +20,22 @@ class _Clock:
         return self.now
 
 
-def _scheduler(num_blocks: int = 64, block_size: int = 4, max_parallel: int = 8, chunk: int = 16,
-               clock: _Clock | None = None) -> Scheduler:
+def _scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_parallel: int = 8,
+    chunk: int = 16,
+    clock: _Clock | None = None,
+) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_parallel, chunk, clock or _Clock())
 
 
-def _seq(prompt_len: int, *, max_parallel: int = 8, timeout_s: float = 0.0, first: int = 0) -> Sequence:
-    return Sequence(next(_ids), list(range(first, first + prompt_len)), prompt_len, max_parallel, timeout_s)
+def _seq(
+    prompt_len: int, *, max_parallel: int = 8, timeout_s: float = 0.0, first: int = 0
+) -> Sequence:
+    return Sequence(
+        next(_ids), list(range(first, first + prompt_len)), prompt_len, max_parallel, timeout_s
+    )
 
 
 def _run_step(s: Scheduler) -> SchedulerOutput:

@@ -1,5 +1,6 @@
 """The Worker gRPC service on loopback: admission, cancellation, malformed input, usage and
 logprobs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,9 @@ from worker_svc.engine import Engine
 
 
 @contextlib.asynccontextmanager
-async def _worker(engine: Engine) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
+async def _worker(
+    engine: Engine,
+) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
     config = WorkerConfig(server=ServerSection(port=0))
     server, servicer = await worker_server.create_server(config, engine)
     try:
@@ -31,8 +34,12 @@ async def _worker(engine: Engine) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerS
 
 
 def _request(prompt: str = "Hello there", **sampling) -> common_pb2.GenerateRequest:
-    return common_pb2.GenerateRequest(request_id="r", model=MODEL, prompt=prompt,
-                                      sampling=common_pb2.SamplingParams(temperature=0, **sampling))
+    return common_pb2.GenerateRequest(
+        request_id="r",
+        model=MODEL,
+        prompt=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0, **sampling),
+    )
 
 
 async def _load(stub: worker_pb2_grpc.WorkerStub) -> common_pb2.Load:
@@ -42,12 +49,19 @@ async def _load(stub: worker_pb2_grpc.WorkerStub) -> common_pb2.Load:
 async def test_usage_logprobs_and_cached_prompt_tokens_reach_the_proto(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         prompt = "A long shared system prompt about latent attention. " * 6
-        responses = [r async for r in stub.Generate(_request(prompt, max_tokens=4, logprobs=True, top_logprobs=2))]
+        responses = [
+            r
+            async for r in stub.Generate(
+                _request(prompt, max_tokens=4, logprobs=True, top_logprobs=2)
+            )
+        ]
         again = [r async for r in stub.Generate(_request(prompt, max_tokens=4))]
     assert [len(r.logprobs) for r in responses] == [1, 1, 1, 1]
     assert all(len(r.logprobs[0].top) == 2 and r.logprobs[0].logprob <= 0 for r in responses)
     assert responses[0].logprobs[0].bytes == responses[0].logprobs[0].token.encode()
-    assert responses[-1].usage.completion_tokens == 4 and responses[-1].usage.cached_prompt_tokens == 0
+    assert (
+        responses[-1].usage.completion_tokens == 4 and responses[-1].usage.cached_prompt_tokens == 0
+    )
     assert again[-1].usage.cached_prompt_tokens > 0 and not again[0].logprobs
     assert [r.token_ids for r in again] == [r.token_ids for r in responses]
 
@@ -69,11 +83,16 @@ async def test_grpc_cancellation_frees_the_cache(tiny_engine: Engine):
 async def test_invalid_utf8_is_invalid_argument_and_the_worker_keeps_serving(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, channel):
         raw = _request("hi").SerializeToString().replace(b"hi", b"\xff\xfe")
-        generate = channel.unary_stream("/infermesh.v1.Worker/Generate", request_serializer=lambda b: b,
-                                        response_deserializer=common_pb2.GenerateResponse.FromString)
+        generate = channel.unary_stream(
+            "/infermesh.v1.Worker/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=common_pb2.GenerateResponse.FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [r async for r in generate(raw)]
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in (err.value.details() or "")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in (
+            err.value.details() or ""
+        )
         assert len([r async for r in stub.Generate(_request(max_tokens=3))]) == 3
 
 
@@ -85,24 +104,39 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
             (_request("word " * 3000), "max_model_len"),
             (_request(max_tokens=5000), "exceeds the context"),
-            (common_pb2.GenerateRequest(request_id="r", model=MODEL, prompt="hi",
-                                        batching=common_pb2.BatchingHints(max_parallel=0)), "max_parallel"),
+            (
+                common_pb2.GenerateRequest(
+                    request_id="r",
+                    model=MODEL,
+                    prompt="hi",
+                    batching=common_pb2.BatchingHints(max_parallel=0),
+                ),
+                "max_parallel",
+            ),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [r async for r in stub.Generate(request)]
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in (err.value.details() or "")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in (
+                err.value.details() or ""
+            )
         assert len(first.token_ids) + sum([len(r.token_ids) async for r in good]) == 8
 
 
-async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny_dir: Path, worker_dtype: str):
-    engine = Engine.from_checkpoint(tiny_dir, dtype=worker_dtype, parallel=ParallelSection(max_parallel=1, max_waiting=0))
+async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(
+    tiny_dir: Path, worker_dtype: str
+):
+    engine = Engine.from_checkpoint(
+        tiny_dir, dtype=worker_dtype, parallel=ParallelSection(max_parallel=1, max_waiting=0)
+    )
     try:
         async with _worker(engine) as (stub, _):
             running = stub.Generate(_request())
             await anext(running.__aiter__())
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [r async for r in stub.Generate(_request(max_tokens=2))]
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in (err.value.details() or "")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in (
+                err.value.details() or ""
+            )
             running.cancel()
             await eventually(lambda: engine.load().running == 0)
             assert len([r async for r in stub.Generate(_request(max_tokens=2))]) == 2
@@ -113,8 +147,12 @@ async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(tiny
 async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         alone = common_pb2.GenerateRequest(
-            request_id="alone", model=MODEL, prompt="one", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
-            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50))
+            request_id="alone",
+            model=MODEL,
+            prompt="one",
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
+            batching=common_pb2.BatchingHints(max_parallel=1, dynamic_batch_timeout_ms=50),
+        )
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:
@@ -147,22 +185,26 @@ async def test_cancelled_complete_frees_the_sequence(tiny_engine: Engine):
         await eventually(lambda: tiny_engine.load().running == 0)
 
 
-
 async def test_a_worker_registers_again_within_a_second_of_the_routers_return(redis_server):
     """The router is down past the heartbeat TTL, so the worker must register again; its
     channel's reconnect backoff must not have grown with the outage."""
     address = f"127.0.0.1:{free_port()}"
     engine = sim_engine()
-    server, servicer = await worker_server.create_server(WorkerConfig(
-        server=ServerSection(port=0, worker_id="comeback"), router=RouterSection(address=address)),
-        engine)
+    server, servicer = await worker_server.create_server(
+        WorkerConfig(
+            server=ServerSection(port=0, worker_id="comeback"),
+            router=RouterSection(address=address),
+        ),
+        engine,
+    )
     reporter = asyncio.create_task(worker_server.report_to_router(address, servicer))
     loop = asyncio.get_running_loop()
     try:
         for outage_s in (0.0, 4.0):
             await asyncio.sleep(outage_s)
-            async with running_router(ttl_s=1.0, redis_url=redis_server.url,
-                                      port=int(address.rsplit(":", 1)[1])) as router:
+            async with running_router(
+                ttl_s=1.0, redis_url=redis_server.url, port=int(address.rsplit(":", 1)[1])
+            ) as router:
                 back = loop.time()
                 await wait_for_workers(router, lambda ids: "comeback" in ids)
                 registered_s = loop.time() - back

@@ -1,4 +1,5 @@
 """The simulated engine: roofline times per GPU profile, limits, prefix cache, determinism."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,15 @@ from worker_svc.sim_engine import Roofline, SimEngine
 from worker_svc.sizing import model_size_of
 
 
-def request(prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None,
-            **sampling) -> GenerationRequest:
-    return GenerationRequest(request_id="r", messages=None, prompt=prompt,
-                             sampling=SamplingParams(max_tokens=max_tokens, seed=seed, **sampling))
+def request(
+    prompt: str = "hello there", max_tokens: int | None = 8, seed: int | None = None, **sampling
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="r",
+        messages=None,
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed, **sampling),
+    )
 
 
 async def collect(engine, req: GenerationRequest):
@@ -42,10 +48,18 @@ def roofline(gpu: str) -> Roofline:
 def test_profiles_hold_the_spec_figures_and_the_precision_policy():
     profiles = gpu_profiles()
     assert {"V100", "A100", "H100", "H200", "L40S", "MI100"} <= set(profiles)
-    assert profiles["H100"].bandwidth_bytes_per_s == 3.35e12 and profiles["H100"].peak_flops == 1979e12
+    assert (
+        profiles["H100"].bandwidth_bytes_per_s == 3.35e12 and profiles["H100"].peak_flops == 1979e12
+    )
     assert profiles["H200"].memory_bytes == 141e9
-    assert [profiles[g].precision for g in ("H100", "H200", "L40S", "A100", "MI100", "V100")] == \
-        ["fp8", "fp8", "bf16", "bf16", "bf16", "fp16"]
+    assert [profiles[g].precision for g in ("H100", "H200", "L40S", "A100", "MI100", "V100")] == [
+        "fp8",
+        "fp8",
+        "bf16",
+        "bf16",
+        "bf16",
+        "fp16",
+    ]
     assert profiles["MI100"].device == "rocm" and profiles["MI100"].peak_flops == 92e12
 
 
@@ -63,9 +77,18 @@ def test_roofline_orders_the_gpus_and_grows_with_batch_and_prompt():
 # DeepSeek-V3(.2) on 8 x H200, as the simulated fleet configures them: 61 layers of MLA with 128
 # heads; a latent of 512 + 64 in BF16; V3.2's indexer: 64 heads of 128, keys in FP8 with one float32
 # scale.
-_MLA = {"total_params_b": 671, "active_params_b": 37, "gpu_count": 8, "kv_bytes_per_token": 61 * 576 * 2,
-        "attention_flops_per_key": 61 * 128 * 2 * (576 + 512)}
-_DSA = {"index_topk": 2048, "index_bytes_per_token": 61 * (128 + 4), "index_flops_per_key": 61 * 64 * 2 * 128}
+_MLA = {
+    "total_params_b": 671,
+    "active_params_b": 37,
+    "gpu_count": 8,
+    "kv_bytes_per_token": 61 * 576 * 2,
+    "attention_flops_per_key": 61 * 128 * 2 * (576 + 512),
+}
+_DSA = {
+    "index_topk": 2048,
+    "index_bytes_per_token": 61 * (128 + 4),
+    "index_flops_per_key": 61 * 64 * 2 * 128,
+}
 
 
 def test_sparse_attention_past_index_topk_costs_only_the_indexer():
@@ -74,14 +97,21 @@ def test_sparse_attention_past_index_topk_costs_only_the_indexer():
     # the indexer's extra
     assert v32.decode_step_s(1, 1000, v32.attended(1000)) > v3.decode_step_s(1, 1000)
     batch = 64  # of 64k-token contexts: attention, not the weights, sets the step time
-    assert v32.decode_step_s(batch, batch * 64_000, batch * topk) < v3.decode_step_s(batch, batch * 64_000) / 3
+    assert (
+        v32.decode_step_s(batch, batch * 64_000, batch * topk)
+        < v3.decode_step_s(batch, batch * 64_000) / 3
+    )
     # past index_topk each decode step grows by the indexer's bytes and FLOPs per token only
-    per_token = (_DSA["index_bytes_per_token"] / profile.bandwidth_bytes_per_s
-                 + _DSA["index_flops_per_key"] / profile.peak_flops) / 8
+    per_token = (
+        _DSA["index_bytes_per_token"] / profile.bandwidth_bytes_per_s
+        + _DSA["index_flops_per_key"] / profile.peak_flops
+    ) / 8
     grown = v32.decode_step_s(1, 32_000, topk) - v32.decode_step_s(1, 16_000, topk)
     assert grown == pytest.approx(16_000 * per_token)
     # prefill: whole prompts and a continuation after a cached prefix count each query's keys
-    assert v32.prefill_s(4000) == pytest.approx(v32.prefill_s(1000) + v32.prefill_s(3000, start=1000))
+    assert v32.prefill_s(4000) == pytest.approx(
+        v32.prefill_s(1000) + v32.prefill_s(3000, start=1000)
+    )
     assert v3.prefill_s(64_000) > 2 * v32.prefill_s(64_000)
     pairs = 1000 * 1001 // 2  # query-key pairs of a 1000-token prompt, all within index_topk
     indexer_s = pairs * _DSA["index_flops_per_key"] / (profile.peak_flops * 8)
@@ -89,15 +119,21 @@ def test_sparse_attention_past_index_topk_costs_only_the_indexer():
     # a long prompt: every query past index_topk attends to index_topk keys
     attended = sum(min(p + 1, topk) for p in range(5000, 9000))
     weights_s = 4000 * 2 * 37e9 / (profile.peak_flops * 8)
-    expected = (weights_s + (attended * _MLA["attention_flops_per_key"] + sum(range(5001, 9001))
-                             * _DSA["index_flops_per_key"]) / (profile.peak_flops * 8))
+    expected = weights_s + (
+        attended * _MLA["attention_flops_per_key"]
+        + sum(range(5001, 9001)) * _DSA["index_flops_per_key"]
+    ) / (profile.peak_flops * 8)
     assert v32.prefill_s(4000, start=5000) == pytest.approx(expected)
 
 
 def test_capabilities_report_the_profile():
     caps = sim_engine("H100").capabilities
-    assert (caps.device, caps.device_name, caps.compute_capability, caps.precision) == \
-        ("cuda", "NVIDIA H100 80GB HBM3", "9.0", "fp8")
+    assert (caps.device, caps.device_name, caps.compute_capability, caps.precision) == (
+        "cuda",
+        "NVIDIA H100 80GB HBM3",
+        "9.0",
+        "fp8",
+    )
     assert caps.weight_bytes == 8e9 and caps.memory_total_bytes == 80e9
     assert caps.decode_tokens_per_second > sim_engine("V100").capabilities.decode_tokens_per_second
     assert sim_engine("MI100").capabilities.device == "rocm"
@@ -116,7 +152,11 @@ def test_a_model_that_does_not_fit_one_gpu_runs_on_the_fewest_that_hold_it():
     # DeepSeek-V3: 673 GB in FP8 on H100s, twice that dequantized on A100s
     h100, a100 = sim_engine("H100", model="DeepSeek-V3"), sim_engine("A100", model="DeepSeek-V3")
     assert (h100.roofline.gpu_count, a100.roofline.gpu_count) == (10, 19)
-    assert h100.capabilities.weight_bytes * 2 > a100.capabilities.weight_bytes > h100.capabilities.weight_bytes
+    assert (
+        h100.capabilities.weight_bytes * 2
+        > a100.capabilities.weight_bytes
+        > h100.capabilities.weight_bytes
+    )
     assert sim_engine("H100").roofline.gpu_count == 1  # the default 8B model fits one
 
 
@@ -126,10 +166,15 @@ def test_a_model_config_that_cannot_be_read_names_the_key():
 
 
 def test_engine_config_section_errors_name_the_key():
-    for env, message in [({"INFERMESH_WORKER_ENGINE_KIND": "gpu"}, "INFERMESH_WORKER_ENGINE_KIND: expected one of checkpoint, sim"),
-                         ({"INFERMESH_WORKER_ENGINE_GPU": "B200"}, "gpu: unknown profile 'B200'"),
-                         ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b"),
-                         ({"INFERMESH_WORKER_ENGINE_INDEX_TOPK": "-1"}, "index_topk")]:
+    for env, message in [
+        (
+            {"INFERMESH_WORKER_ENGINE_KIND": "gpu"},
+            "INFERMESH_WORKER_ENGINE_KIND: expected one of checkpoint, sim",
+        ),
+        ({"INFERMESH_WORKER_ENGINE_GPU": "B200"}, "gpu: unknown profile 'B200'"),
+        ({"INFERMESH_WORKER_ENGINE_ACTIVE_PARAMS_B": "9"}, "active_params_b"),
+        ({"INFERMESH_WORKER_ENGINE_INDEX_TOPK": "-1"}, "index_topk"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_worker_config_with(env)
 
@@ -169,7 +214,9 @@ async def test_stop_strings_and_stop_tokens_end_the_stream():
         stop_word = free.split()[3]
         stopped = await collect(engine, request(seed=1, max_tokens=20, stop=(stop_word,)))
         text = "".join(c.text for c in stopped)
-        assert stopped[-1].finish_reason == "stop" and stop_word not in text and free.startswith(text)
+        assert (
+            stopped[-1].finish_reason == "stop" and stop_word not in text and free.startswith(text)
+        )
         first_token = (await collect(engine, request(seed=1, max_tokens=2)))[0].token_ids[0]
         ended = await collect(engine, request(seed=1, max_tokens=20, stop_token_ids=(first_token,)))
         assert ended[-1].finish_reason == "stop" and ended[-1].completion_tokens == 0
@@ -191,11 +238,19 @@ async def test_bad_requests_get_clear_errors():
             await collect(engine, request(stop=("x",) * 17))
         with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
             await collect(engine, request(temperature=-1))
-        with pytest.raises(InvalidRequestError, match=r"stop_token_ids must be token ids in 0\.\.31"):
+        with pytest.raises(
+            InvalidRequestError, match=r"stop_token_ids must be token ids in 0\.\.31"
+        ):
             await collect(engine, request(stop_token_ids=(32,)))
-        with pytest.raises(InvalidRequestError, match="need a model engine; this worker is simulated"):
-            await collect(engine, GenerationRequest("r", None, "hi", SamplingParams(),
-                                                    constraints=Constraints(json_schema="{}")))
+        with pytest.raises(
+            InvalidRequestError, match="need a model engine; this worker is simulated"
+        ):
+            await collect(
+                engine,
+                GenerationRequest(
+                    "r", None, "hi", SamplingParams(), constraints=Constraints(json_schema="{}")
+                ),
+            )
         assert engine.load().running == engine.load().waiting == 0
     finally:
         await engine.close()
@@ -256,7 +311,9 @@ async def test_max_parallel_and_the_bounded_queue_are_enforced_and_cancellation_
 
 async def test_kv_capacity_bounds_the_running_batch():
     # 8B FP16 weights on a 32 GB V100 leave 12.8 GB: 12,800 tokens of 1 MB
-    engine = sim_engine("V100", max_parallel=8, max_waiting=8, kv_bytes_per_token=1_000_000, gpu_count=1)
+    engine = sim_engine(
+        "V100", max_parallel=8, max_waiting=8, kv_bytes_per_token=1_000_000, gpu_count=1
+    )
     capacity = engine.roofline.kv_capacity_tokens
     assert capacity == 12_800
     streams = [engine.generate(request(max_tokens=capacity // 3)) for _ in range(4)]
@@ -287,17 +344,26 @@ async def test_close_ends_running_streams():
 
 
 def test_a_sim_worker_never_imports_torch():
-    code = ("import sys, worker_svc.server, worker_svc.__main__; from worker_svc.config import load; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "sim"})
+    code = (
+        "import sys, worker_svc.server, worker_svc.__main__; from worker_svc.config import load; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env={**os.environ, "INFERMESH_WORKER_ENGINE_KIND": "sim"},
+    )
 
 
 def test_bundled_models_have_the_published_sizes():
     """Counted from the config.json shapes: DeepSeek's own figures (total B, activated B per
     token)."""
-    for name, total_b, active_b in [("DeepSeek-V3", 671, 37), ("DeepSeek-V2", 236, 21),
-                                    ("DeepSeek-V2.5", 236, 21), ("DeepSeek-V2-Lite", 15.7, 2.4)]:
+    for name, total_b, active_b in [
+        ("DeepSeek-V3", 671, 37),
+        ("DeepSeek-V2", 236, 21),
+        ("DeepSeek-V2.5", 236, 21),
+        ("DeepSeek-V2-Lite", 15.7, 2.4),
+    ]:
         assert model_size_of(name).params == pytest.approx(total_b * 1e9, rel=0.01), name
         assert model_size_of(name).active_params == pytest.approx(active_b * 1e9, rel=0.03), name
     # the BF16 latent cache: (kv_lora_rank 512 + rope 64) x layers x 2 bytes
@@ -323,9 +389,15 @@ def test_a_sim_worker_is_sized_by_a_bundled_model():
 
 
 def test_model_errors_name_the_key():
-    for env, message in [({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V4"}, "model: DeepSeek-V4: not found"),
-                         ({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V2-Lite",
-                           "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16"},
-                          "model: 'DeepSeek-V2-Lite' sets the sizes; total_params_b must be left unset")]:
+    for env, message in [
+        ({"INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V4"}, "model: DeepSeek-V4: not found"),
+        (
+            {
+                "INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V2-Lite",
+                "INFERMESH_WORKER_ENGINE_TOTAL_PARAMS_B": "16",
+            },
+            "model: 'DeepSeek-V2-Lite' sets the sizes; total_params_b must be left unset",
+        ),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_worker_config_with(env)

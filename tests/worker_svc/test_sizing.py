@@ -1,5 +1,6 @@
 """worker_svc/sizing.py and ``python -m infermesh plan``: against the tiny checkpoints' real
 tensors (V3, V2, V3.2) and the built models, hand-computed figures, and the published sizes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,11 +35,18 @@ def test_the_tiny_checkpoints_tensors_and_bytes_are_the_arithmetics(checkpoint, 
     config = load_config(model_dir)
     layers = config["num_hidden_layers"]
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
-        real = {k: f.get_slice(k) for k in f.keys()  # noqa: SIM118 # safe_open is not iterable
-                if not k.startswith(f"model.layers.{layers}.")}  # the MTP layer is not served
+        real = {
+            k: f.get_slice(k)
+            for k in f.keys()  # noqa: SIM118 # safe_open is not iterable
+            if not k.startswith(f"model.layers.{layers}.")
+        }  # the MTP layer is not served
         shapes = {k: tuple(s.get_shape()) for k, s in real.items() if not k.endswith("_scale_inv")}
-        stored = sum(s.get_shape()[0] * (s.get_shape()[1] if len(s.get_shape()) > 1 else 1)
-                     * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()] for s in real.values())
+        stored = sum(
+            s.get_shape()[0]
+            * (s.get_shape()[1] if len(s.get_shape()) > 1 else 1)
+            * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()]
+            for s in real.values()
+        )
     assert {t.name: t.shape for t in checkpoint_tensors(config, layers)} == shapes
     size = model_size(config)
     assert size.stored_bytes == stored
@@ -49,13 +57,22 @@ def test_v32_sizes_count_the_indexer_as_the_engine_builds_and_caches_it(v32_dir)
     size = model_size(config)
     assert (size.model_type, size.index_topk) == ("deepseek_v32", 12)
     assert size.params == sum(t.numel() for t in model.state_dict().values())
-    assert size.index_bytes_per_token("bf16") == index_bytes_per_token(model.args, torch.bfloat16) == 2 * 64 * 2
+    assert (
+        size.index_bytes_per_token("bf16")
+        == index_bytes_per_token(model.args, torch.bfloat16)
+        == 2 * 64 * 2
+    )
     assert size.kv_bytes_per_token("bf16") == bytes_per_token(model.args, torch.bfloat16)
 
 
 def test_the_bundled_configs_are_served_by_the_engine_and_have_the_published_sizes():
-    assert set(bundled_models()) == {"DeepSeek-V3", "DeepSeek-V3.2-Exp", "DeepSeek-V2", "DeepSeek-V2.5",
-                                     "DeepSeek-V2-Lite"}
+    assert set(bundled_models()) == {
+        "DeepSeek-V3",
+        "DeepSeek-V3.2-Exp",
+        "DeepSeek-V2",
+        "DeepSeek-V2.5",
+        "DeepSeek-V2-Lite",
+    }
     for name in bundled_models():
         # raises ConfigError for anything the engine does not implement
         model_args(load_config(name))
@@ -65,7 +82,9 @@ def test_the_bundled_configs_are_served_by_the_engine_and_have_the_published_siz
     # per layer, the indexer's FP8 wq_b (8192 x 1536) and wk (128 x 7168) with their block scales,
     # BF16 k_norm (weight and bias) and weights_proj (64 x 7168)
     indexer = 8192 * 1536 + 64 * 12 * 4 + 128 * 7168 + 56 * 4 + 2 * 128 * 2 + 64 * 7168 * 2
-    assert v32.weight_bytes("fp8") - model_size_of("DeepSeek-V3").weight_bytes("fp8") == 61 * indexer
+    assert (
+        v32.weight_bytes("fp8") - model_size_of("DeepSeek-V3").weight_bytes("fp8") == 61 * indexer
+    )
     assert not v2.fp8_weights and v2.weight_bytes("bf16") == v2.stored_bytes == 2 * v2.params
 
 
@@ -73,9 +92,16 @@ def test_the_tiny_models_sizes_by_hand():
     config = load_config(DEFAULT_MODEL_PATH)
     size, vocab = model_size(config), config["vocab_size"]  # the BPE's 1024 and the special tokens
     embed_and_head, final_norm = 2 * vocab * 320, 320
-    attention = (320 * 192 + 192 + 192 * 4 * (32 + 16)  # q_a, its norm, q_b
-                 # kv_a, norm, kv_b, o
-                 + 320 * (160 + 16) + 160 + 160 * 4 * (32 + 32) + 4 * 32 * 320)
+    attention = (
+        320 * 192
+        + 192
+        + 192 * 4 * (32 + 16)  # q_a, its norm, q_b
+        # kv_a, norm, kv_b, o
+        + 320 * (160 + 16)
+        + 160
+        + 160 * 4 * (32 + 32)
+        + 4 * 32 * 320
+    )
     dense_layer = 2 * 320 + attention + 3 * 320 * 704
     expert = 3 * 320 * 192
     # gate, bias, routed, shared
@@ -105,7 +131,9 @@ def test_deepseek_v3_needs_many_gpus():
     fp8, bf16 = size.weight_bytes("fp8"), size.weight_bytes("bf16")
     assert fewest_gpus(fp8, 0, 80 * 10**9) == 10  # 673 GB / 72 GB usable per H100
     assert sequences_that_fit(bf16, 4096 * 70272, 4, 24 * 10**9) == 0  # 4 x 24 GB do not load it
-    assert sequences_that_fit(fp8, 4096 * 70272, 8, 141 * 10**9) == (8 * 126.9e9 - fp8) // (4096 * 70272)
+    assert sequences_that_fit(fp8, 4096 * 70272, 8, 141 * 10**9) == (8 * 126.9e9 - fp8) // (
+        4096 * 70272
+    )
 
 
 def test_plan_prints_every_kind_and_refuses_bad_input(capsys):
@@ -125,24 +153,59 @@ def test_plan_prints_every_kind_and_refuses_bad_input(capsys):
 
 
 def test_plan_serves_bf16_checkpoints_in_bf16_and_counts_the_indexers_keys(capsys):
-    assert main(["plan", "DeepSeek-V2-Lite", "--gpu", "H100,A100", "--context", "4096", "--concurrency", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "DeepSeek-V2-Lite",
+                "--gpu",
+                "H100,A100",
+                "--context",
+                "4096",
+                "--concurrency",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = _rows(out)
     assert rows["H100"][:4] == rows["A100"][:4] == ["bf16", "31.4", str(27 * 576 * 2), "1"]
     assert "GB in BF16" in out and "MTP" not in out
-    assert main(["plan", "DeepSeek-V3.2-Exp", "--gpu", "H200", "--context", "4096", "--concurrency", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "DeepSeek-V3.2-Exp",
+                "--gpu",
+                "H200",
+                "--context",
+                "4096",
+                "--concurrency",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert _rows(capsys.readouterr().out)["H200"][:3] == ["fp8", "674.0", str(61 * (576 + 128) * 2)]
 
 
 def _rows(out: str) -> dict[str, list[str]]:
     """plan's table: GPU kind -> its cells."""
-    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in out.splitlines() if line.startswith("| ") and "GPU" not in line}
+    return {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("| ") and "GPU" not in line
+    }
 
 
 def test_plan_compares_with_the_size_a_checkpoints_index_states(tmp_path, capsys):
     (tmp_path / "config.json").write_text(Path(V3_CONFIG).read_text())
     (tmp_path / "model.safetensors.index.json").write_text(
-        f'{{"metadata": {{"total_size": {_V3_INDEX_TOTAL_SIZE}}}, "weight_map": {{}}}}')
+        f'{{"metadata": {{"total_size": {_V3_INDEX_TOTAL_SIZE}}}, "weight_map": {{}}}}'
+    )
     assert main(["plan", str(tmp_path), "--gpu", "H200"]) == 0
-    assert "index states 688.6 GB; the arithmetic above counts 688.5 GB (-0.02%)" in capsys.readouterr().out
+    assert (
+        "index states 688.6 GB; the arithmetic above counts 688.5 GB (-0.02%)"
+        in capsys.readouterr().out
+    )

@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM on the
 same weights, through the engine's paged cache, and its checkpoints' errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -75,8 +76,13 @@ def _hf_greedy(hf: PreTrainedModel, prompt: torch.Tensor, steps: int = GREEDY_ST
     with torch.no_grad():
         # the model is a *ForCausalLM typed as PreTrainedModel, which has no generate()
         out = hf.generate(  # type: ignore[operator]
-            prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
-                          pad_token_id=2)
+            prompt,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
     return out[0, prompt.size(1) :].tolist()
 
 
@@ -125,8 +131,10 @@ def test_cache_holds_the_latent_and_the_indexer_keys(v32_dir: Path):
     model, config = load_checkpoint(v32_dir, torch.float32)
     cache = model.setup_cache(2, 16)
     layers = config["num_hidden_layers"]
-    latent, index = (layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4,
-                     layers * config["index_head_dim"] * 4)
+    latent, index = (
+        layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4,
+        layers * config["index_head_dim"] * 4,
+    )
     assert latent_bytes_per_token(model.args, torch.float32) == latent
     assert index_bytes_per_token(model.args, torch.float32) == index
     assert cache.nbytes == 32 * bytes_per_token(model.args, torch.float32) == 32 * (latent + index)
@@ -151,13 +159,20 @@ def test_fp8_scoring_selects_nearly_the_exact_tokens():
     inputs)."""
     generator = torch.Generator().manual_seed(0)
     seqlen, length, heads, dim, topk = 16, 4096, 8, 128, 2048
-    q, keys = torch.randn(1, seqlen, heads, dim, generator=generator), torch.randn(1, length, dim, generator=generator)
+    q, keys = (
+        torch.randn(1, seqlen, heads, dim, generator=generator),
+        torch.randn(1, length, dim, generator=generator),
+    )
     weights = torch.randn(1, seqlen, heads, generator=generator)
     future = torch.arange(length) > torch.arange(length - seqlen, length).unsqueeze(1)
     mask = torch.zeros(1, seqlen, length).masked_fill_(future, float("-inf"))
     exact = select_tokens(q, weights, keys, mask, topk, dim**-0.5)[0]
-    fp8 = select_tokens_fp8(hadamard_rotate(q), weights, hadamard_rotate(keys), mask, topk, dim**-0.5)[0]
-    shared = [len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(exact, fp8, strict=True)]
+    fp8 = select_tokens_fp8(
+        hadamard_rotate(q), weights, hadamard_rotate(keys), mask, topk, dim**-0.5
+    )[0]
+    shared = [
+        len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(exact, fp8, strict=True)
+    ]
     assert 0.97 < sum(shared) / seqlen < 1
 
 
@@ -169,16 +184,25 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     as alone in HF."""
     per_token = bytes_per_token(v32_reference.ours.args, torch.float32)
     engine = Engine.from_checkpoint(
-        v32_dir, dtype="float32", max_model_len=64, parallel=ParallelSection(prefill_chunk_size=16),
+        v32_dir,
+        dtype="float32",
+        max_model_len=64,
+        parallel=ParallelSection(prefill_chunk_size=16),
         cache=CacheSection(block_size=4, cpu_cache_bytes=80 * per_token),
     )
     params = SamplingParams(temperature=0, max_tokens=20)  # 32 steps are checked alone, above
-    prompts = ["Hello", "Multi-head latent attention caches a compressed latent vector.",
-               "The quick brown fox jumps over the lazy dog. "
-               "A language model predicts the next token well."]
+    prompts = [
+        "Hello",
+        "Multi-head latent attention caches a compressed latent vector.",
+        "The quick brown fox jumps over the lazy dog. "
+        "A language model predicts the next token well.",
+    ]
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
-            runs = [_ids(engine, GenerationRequest(str(i), None, p, params)) for i, p in enumerate(prompts)]
+            runs = [
+                _ids(engine, GenerationRequest(str(i), None, p, params))
+                for i, p in enumerate(prompts)
+            ]
             results = await asyncio.gather(*runs)
         assert "preempting" in caplog.text
         again = await _ids(engine, GenerationRequest("again", None, prompts[2], params))
@@ -222,17 +246,35 @@ def _edit_config(model_dir: Path, **changes) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize(("changes", "match"), [
-    ({"index_topk": None}, r"config\.json: index_topk: missing"),
-    ({"index_n_heads": None}, r"config\.json: index_n_heads: missing"),
-    ({"index_head_dim": None}, r"config\.json: index_head_dim: missing"),
-    ({"index_topk": 0}, r"config\.json: index_topk: must be a positive integer, got 0"),
-    ({"index_topk": -4}, r"config\.json: index_topk: must be a positive integer, got -4"),
-    ({"index_n_heads": "8"}, r"config\.json: .*'index_n_heads' expected int, got str"),
-    ({"index_head_dim": 8}, r"config\.json: index_head_dim: 8 is smaller than qk_rope_head_dim 16"),
-    ({"q_lora_rank": 0}, r"config\.json: q_lora_rank: deepseek_v32's indexer reads the query latent"),
-], ids=["no-topk", "no-heads", "no-head-dim", "topk-0", "topk-negative", "heads-string", "head-dim-small",
-        "no-q-lora"])
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"index_topk": None}, r"config\.json: index_topk: missing"),
+        ({"index_n_heads": None}, r"config\.json: index_n_heads: missing"),
+        ({"index_head_dim": None}, r"config\.json: index_head_dim: missing"),
+        ({"index_topk": 0}, r"config\.json: index_topk: must be a positive integer, got 0"),
+        ({"index_topk": -4}, r"config\.json: index_topk: must be a positive integer, got -4"),
+        ({"index_n_heads": "8"}, r"config\.json: .*'index_n_heads' expected int, got str"),
+        (
+            {"index_head_dim": 8},
+            r"config\.json: index_head_dim: 8 is smaller than qk_rope_head_dim 16",
+        ),
+        (
+            {"q_lora_rank": 0},
+            r"config\.json: q_lora_rank: deepseek_v32's indexer reads the query latent",
+        ),
+    ],
+    ids=[
+        "no-topk",
+        "no-heads",
+        "no-head-dim",
+        "topk-0",
+        "topk-negative",
+        "heads-string",
+        "head-dim-small",
+        "no-q-lora",
+    ],
+)
 def test_bad_indexer_config_names_the_field(v32_copy: Path, changes: dict[str, Any], match: str):
     _edit_config(v32_copy, **changes)
     with pytest.raises(CheckpointError, match=match):
@@ -262,8 +304,10 @@ def test_missing_indexer_tensor_is_named(v32_copy: Path):
 def test_wrong_indexer_shape_names_file_and_tensor(v32_copy: Path):
     _rewrite(v32_copy, lambda t: t.update({_WQ_B: t[_WQ_B][:-1].clone()}))
     rows, cols = TINY_DSA["index_n_heads"] * TINY_DSA["index_head_dim"], 192
-    match = (rf"model\.safetensors: tensor {_WQ_B} has shape \({rows - 1}, {cols}\), "
-             rf"expected \({rows}, {cols}\)")
+    match = (
+        rf"model\.safetensors: tensor {_WQ_B} has shape \({rows - 1}, {cols}\), "
+        rf"expected \({rows}, {cols}\)"
+    )
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(v32_copy)
 

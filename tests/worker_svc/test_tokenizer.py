@@ -1,4 +1,5 @@
 """Chat template and streaming detokenization on the tiny checkpoint's tokenizer."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,9 @@ def tokenizer(tiny_dir: Path) -> Tokenizer:
     return Tokenizer(tiny_dir)
 
 
-def _stream(tokenizer: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+def _stream(
+    tokenizer: Tokenizer, text: str, stop: tuple[str, ...] = ()
+) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tokenizer, stop)
     pieces = []
     for token in tokenizer.encode(text)[1:]:  # without BOS
@@ -28,10 +31,17 @@ def _stream(tokenizer: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tupl
 
 
 def test_chat_template_renders(tokenizer: Tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Again"},
+    ]
     rendered = tokenizer.render_chat(messages)
-    assert rendered == f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello<｜end▁of▁sentence｜>{USER}Again{ASSISTANT}"
+    assert (
+        rendered
+        == f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello<｜end▁of▁sentence｜>{USER}Again{ASSISTANT}"
+    )
     ids = tokenizer.encode_chat(messages)
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
     assert ids[-1] == tokenizer.hf.convert_tokens_to_ids(ASSISTANT)

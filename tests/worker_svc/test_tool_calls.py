@@ -1,6 +1,7 @@
 """Tool calls on the tiny checkpoint: its template renders DeepSeek-V3's tool format, the parser
 turns that format back into calls, and the engine decodes under grammars inside continuous
 batching."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,34 @@ from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
 from worker_svc.tokenizer import Tokenizer
 from worker_svc.tool_parser import ToolCallParser, ToolMarkers
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 _TOOLS = (Tool("get_weather", "Weather in a city", json.dumps(WEATHER)),)
-_HISTORY: list[dict[str, Any]] = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": "Let me look.", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
-                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "20C"},
-            {"role": "tool", "tool_call_id": "c2", "content": "25C"}]
+_HISTORY: list[dict[str, Any]] = [
+    {"role": "user", "content": "weather?"},
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            },
+            {
+                "id": "c2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "20C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "25C"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +65,23 @@ def tokenizer(tiny_dir: Path) -> Tokenizer:
 
 
 def test_template_renders_tools_calls_and_results(tokenizer: Tokenizer):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+        }
+    ]
     rendered = tokenizer.render_chat(_HISTORY, tools)
     assert tokenizer.renders_tools
     assert "### get_weather" in rendered and json.dumps(WEATHER) in rendered
-    assert f"Let me look.{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_weather\n```json\n" in rendered
-    assert rendered.endswith(f"{OUTPUTS_BEGIN}<｜tool▁output▁begin｜>20C<｜tool▁output▁end｜>\n"
-                             f"<｜tool▁output▁begin｜>25C<｜tool▁output▁end｜>{OUTPUTS_END}")
+    assert (
+        f"Let me look.{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_weather\n```json\n"
+        in rendered
+    )
+    assert rendered.endswith(
+        f"{OUTPUTS_BEGIN}<｜tool▁output▁begin｜>20C<｜tool▁output▁end｜>\n"
+        f"<｜tool▁output▁begin｜>25C<｜tool▁output▁end｜>{OUTPUTS_END}"
+    )
     ids = tokenizer.encode_chat(_HISTORY, tools)
     # two calls and the format line
     call_begin = tokenizer.hf.convert_tokens_to_ids(CALL_BEGIN)
@@ -74,7 +104,10 @@ def test_parser_streams_calls_from_the_template_format(tokenizer: Tokenizer):
     assert "".join(text) == "Let me look."
     assert [d.name for d in deltas if d.id] == ["get_weather", "get_weather"]
     merged = merge_chunks([_chunk([d]) for d in deltas]).tool_calls or []
-    assert [(d.index, d.arguments) for d in merged] == [(0, '{"city":"Paris"}'), (1, '{"city":"Rome"}')]
+    assert [(d.index, d.arguments) for d in merged] == [
+        (0, '{"city":"Paris"}'),
+        (1, '{"city":"Rome"}'),
+    ]
     assert len(deltas) > len(merged)  # arguments came in pieces, as they were decoded
 
 
@@ -82,15 +115,25 @@ def _chunk(deltas: list[ToolCallDelta]) -> GenerationChunk:
     return GenerationChunk("", [], None, 0, 0, tool_calls=deltas)
 
 
-@pytest.mark.parametrize("constraints, message", [
-    (Constraints((Tool("a b", "", "{}"),)), r"tools\[0\]\.name must be"),
-    (Constraints((Tool("f", "", "{}"), Tool("f", "", "{}"))), "duplicate names: f"),
-    (Constraints((Tool("f", "", "{}"),), "named", "g"), "tool_choice names 'g'"),
-    (Constraints((Tool("f", "", "[1]"),)), r"tools\[0\]\.parameters must be a JSON object"),
-    (Constraints(json_schema='{"type": "object", "dependentSchemas": {"a": {}}}'), "cannot be enforced"),
-])
-async def test_constraints_no_engine_can_enforce_are_refused(tiny_engine: Engine, constraints, message):
-    request = GenerationRequest("r", [{"role": "user", "content": "hi"}], None, SamplingParams(), constraints=constraints)
+@pytest.mark.parametrize(
+    "constraints, message",
+    [
+        (Constraints((Tool("a b", "", "{}"),)), r"tools\[0\]\.name must be"),
+        (Constraints((Tool("f", "", "{}"), Tool("f", "", "{}"))), "duplicate names: f"),
+        (Constraints((Tool("f", "", "{}"),), "named", "g"), "tool_choice names 'g'"),
+        (Constraints((Tool("f", "", "[1]"),)), r"tools\[0\]\.parameters must be a JSON object"),
+        (
+            Constraints(json_schema='{"type": "object", "dependentSchemas": {"a": {}}}'),
+            "cannot be enforced",
+        ),
+    ],
+)
+async def test_constraints_no_engine_can_enforce_are_refused(
+    tiny_engine: Engine, constraints, message
+):
+    request = GenerationRequest(
+        "r", [{"role": "user", "content": "hi"}], None, SamplingParams(), constraints=constraints
+    )
     with pytest.raises(InvalidRequestError, match=message):
         async for _ in tiny_engine.generate(request):
             pass
@@ -102,11 +145,15 @@ def test_grammar_text_per_tool_choice(tokenizer: Tokenizer):
     assert required.startswith("start: calls\n") and "call)*" not in required
     assert "start: TEXT? calls?" in lark_grammar(Constraints(_TOOLS), markers)
     assert "calls" not in lark_grammar(Constraints(_TOOLS, "none"), markers)
-    assert lark_grammar(Constraints(json_schema=json.dumps(WEATHER)), markers).startswith("start: %json {")
+    assert lark_grammar(Constraints(json_schema=json.dumps(WEATHER)), markers).startswith(
+        "start: %json {"
+    )
     assert tokenizer.eos_token_id is not None
     compiler = GrammarCompiler(tokenizer, len(tokenizer.hf), [tokenizer.eos_token_id])
     assert compiler.matcher(Constraints()) is None
-    assert compiler.matcher(Constraints(_TOOLS, "required")) is not compiler.matcher(Constraints(_TOOLS, "required"))
+    assert compiler.matcher(Constraints(_TOOLS, "required")) is not compiler.matcher(
+        Constraints(_TOOLS, "required")
+    )
 
 
 def test_masks_keep_exactly_what_each_grammar_allows(tokenizer: Tokenizer):
@@ -133,15 +180,22 @@ def test_masks_keep_exactly_what_each_grammar_allows(tokenizer: Tokenizer):
 
 async def test_constrained_and_free_sequences_share_a_batch(tiny_engine: Engine):
     def request(i: int, constraints: Constraints) -> GenerationRequest:
-        return GenerationRequest(f"r{i}", [{"role": "user", "content": "weather in Paris?"}], None,
-                                 SamplingParams(max_tokens=200, seed=i), constraints=constraints)
+        return GenerationRequest(
+            f"r{i}",
+            [{"role": "user", "content": "weather in Paris?"}],
+            None,
+            SamplingParams(max_tokens=200, seed=i),
+            constraints=constraints,
+        )
 
     async def run(r: GenerationRequest):
         return [c async for c in tiny_engine.generate(r)]
 
     free, schema, call = await asyncio.gather(
-        run(request(0, Constraints())), run(request(1, Constraints(json_schema=json.dumps(WEATHER)))),
-        run(request(2, Constraints(_TOOLS, "required", parallel_tool_calls=False))))
+        run(request(0, Constraints())),
+        run(request(1, Constraints(json_schema=json.dumps(WEATHER)))),
+        run(request(2, Constraints(_TOOLS, "required", parallel_tool_calls=False))),
+    )
     assert free[-1].finish_reason in ("stop", "length")
     assert schema[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.text for c in schema)), WEATHER)

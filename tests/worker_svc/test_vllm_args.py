@@ -103,8 +103,10 @@ def test_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
         (
             "[parallel]\ntensor_parallel_size = 16\n",
             H200,
-            ("[parallel] tensor_parallel_size (16) x pipeline_parallel_size (1) = 16 GPUs, but "
-             "8 GPU(s) x 1 node(s)"),
+            (
+                "[parallel] tensor_parallel_size (16) x pipeline_parallel_size (1) = 16 GPUs, but "
+                "8 GPU(s) x 1 node(s)"
+            ),
         ),
     ],
 )

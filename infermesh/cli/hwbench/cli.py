@@ -1,5 +1,6 @@
 """``python -m infermesh bench``: the arguments, and the study from the first check to the
 last file. Every bad input is one line and a non-zero exit, before anything is written."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,35 +34,73 @@ _MEMORY_POLL_S = 0.5
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = commands.add_parser(
-        "bench", help="measure every GPU kind of the fleet; write the table, data and plots")
-    bench.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", ""),
-                       help="the gateway's /v1 URL (OPENAI_BASE_URL)")
-    bench.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
-                       help="an API key (OPENAI_API_KEY)")
-    bench.add_argument("--admin-token", default=os.environ.get("INFERMESH_ADMIN_TOKEN", ""),
-                       help="the gateway's admin token, to read the fleet (INFERMESH_ADMIN_TOKEN)")
-    bench.add_argument("--admin-url", default=os.environ.get("INFERMESH_ADMIN_URL", ""),
-                       help="the gateway's admin URL (INFERMESH_ADMIN_URL; default: the base URL's host)")
+        "bench", help="measure every GPU kind of the fleet; write the table, data and plots"
+    )
+    bench.add_argument(
+        "--base-url",
+        default=os.environ.get("OPENAI_BASE_URL", ""),
+        help="the gateway's /v1 URL (OPENAI_BASE_URL)",
+    )
+    bench.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="an API key (OPENAI_API_KEY)",
+    )
+    bench.add_argument(
+        "--admin-token",
+        default=os.environ.get("INFERMESH_ADMIN_TOKEN", ""),
+        help="the gateway's admin token, to read the fleet (INFERMESH_ADMIN_TOKEN)",
+    )
+    bench.add_argument(
+        "--admin-url",
+        default=os.environ.get("INFERMESH_ADMIN_URL", ""),
+        help="the gateway's admin URL (INFERMESH_ADMIN_URL; default: the base URL's host)",
+    )
     bench.add_argument("--model", default="", help="the model (default: the only one served)")
-    bench.add_argument("--gpus", type=_names, default=[],
-                       help="GPU kinds, comma-separated (default: every kind serving the model)")
-    bench.add_argument("--concurrency", type=_positive_list, default=[1, 4, 16, 64],
-                       help="concurrency levels, comma-separated (default 1,4,16,64)")
-    bench.add_argument("--requests", type=_positive, default=0,
-                       help="requests per point and repeat (default: 2 x the concurrency)")
+    bench.add_argument(
+        "--gpus",
+        type=_names,
+        default=[],
+        help="GPU kinds, comma-separated (default: every kind serving the model)",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=_positive_list,
+        default=[1, 4, 16, 64],
+        help="concurrency levels, comma-separated (default 1,4,16,64)",
+    )
+    bench.add_argument(
+        "--requests",
+        type=_positive,
+        default=0,
+        help="requests per point and repeat (default: 2 x the concurrency)",
+    )
     bench.add_argument("--prompt-tokens", type=_positive, default=800)
     bench.add_argument("--max-tokens", type=_positive, default=256)
-    bench.add_argument("--warmup", type=_non_negative, default=1, help="requests per GPU kind first, not counted")
-    bench.add_argument("--repeat", type=_positive, default=5, help="runs of each point, figures averaged")
-    bench.add_argument("--prices", default=str(EXAMPLE_PRICES),
-                       help="TOML of $ per GPU-hour per kind (default: the example figures)")
+    bench.add_argument(
+        "--warmup", type=_non_negative, default=1, help="requests per GPU kind first, not counted"
+    )
+    bench.add_argument(
+        "--repeat", type=_positive, default=5, help="runs of each point, figures averaged"
+    )
+    bench.add_argument(
+        "--prices",
+        default=str(EXAMPLE_PRICES),
+        help="TOML of $ per GPU-hour per kind (default: the example figures)",
+    )
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    bench.add_argument("--sim", action="store_true",
-                       help="start a simulated fleet of every kind of gpu_profiles.toml (or --gpus) and study it")
-    bench.add_argument("--sim-model", default="",
-                       help="with --sim: a bundled model's name "
-                            f"({', '.join(bundled_models())}), a checkpoint "
-                            f"directory or a config.json; default 8B dense")
+    bench.add_argument(
+        "--sim",
+        action="store_true",
+        help="start a simulated fleet of every kind of gpu_profiles.toml (or --gpus) and study it",
+    )
+    bench.add_argument(
+        "--sim-model",
+        default="",
+        help="with --sim: a bundled model's name "
+        f"({', '.join(bundled_models())}), a checkpoint "
+        f"directory or a config.json; default 8B dense",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         if args.sim:
             unknown = [k for k in args.gpus if k not in gpu_profiles()]
             if unknown:
-                raise BenchError(f"unknown GPU kind {unknown[0]!r}; simulated kinds: {', '.join(gpu_profiles())}")
+                raise BenchError(
+                    f"unknown GPU kind {unknown[0]!r}; simulated kinds: {', '.join(gpu_profiles())}"
+                )
             kinds = args.gpus or list(gpu_profiles())
             _prices(args.prices, kinds)  # before minutes of starting a fleet
             if args.sim_model:
@@ -81,10 +122,16 @@ def run(args: argparse.Namespace) -> int:
                 except ConfigError as e:
                     raise BenchError(f"--sim-model: {e}") from None
             with simulated_fleet(kinds, args.sim_model) as endpoint:
-                args = argparse.Namespace(**{**vars(args), "base_url": endpoint.base_url,
-                                             "api_key": endpoint.api_key, "admin_url": endpoint.admin_url,
-                                             "admin_token": endpoint.admin_token,
-                                             "model": args.model or endpoint.model})
+                args = argparse.Namespace(
+                    **{
+                        **vars(args),
+                        "base_url": endpoint.base_url,
+                        "api_key": endpoint.api_key,
+                        "admin_url": endpoint.admin_url,
+                        "admin_token": endpoint.admin_token,
+                        "model": args.model or endpoint.model,
+                    }
+                )
                 return _study(args, f"simulated: one worker per kind on {platform.node()}")
         return _study(args, f"the fleet behind {args.base_url}")
     except (ServiceExited, TimeoutError) as e:
@@ -111,10 +158,14 @@ class Study:
 
 def _study(args: argparse.Namespace, fleet_text: str) -> int:
     if not args.base_url or not args.api_key:
-        raise BenchError("set OPENAI_BASE_URL and OPENAI_API_KEY (or --base-url / --api-key), or use --sim")
+        raise BenchError(
+            "set OPENAI_BASE_URL and OPENAI_API_KEY (or --base-url / --api-key), or use --sim"
+        )
     if not args.admin_token:
-        raise BenchError("the fleet's GPU kinds and memory come from the gateway's admin API: "
-                         "set INFERMESH_ADMIN_TOKEN (or --admin-token)")
+        raise BenchError(
+            "the fleet's GPU kinds and memory come from the gateway's admin API: "
+            "set INFERMESH_ADMIN_TOKEN (or --admin-token)"
+        )
     study = Study()
     started = time.time()
     complete = True
@@ -134,8 +185,12 @@ def _study(args: argparse.Namespace, fleet_text: str) -> int:
 
 
 async def _measure(args: argparse.Namespace, study: Study) -> None:
-    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
-                                timeout=max(600.0, args.max_tokens))
+    client = openai.AsyncOpenAI(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        max_retries=0,
+        timeout=max(600.0, args.max_tokens),
+    )
     admin = AdminClient(args.admin_url or _origin(args.base_url), args.admin_token)
     try:
         study.model = await _check_model(client, args.model)
@@ -173,8 +228,10 @@ async def _check_model(client: openai.AsyncOpenAI, model: str) -> str:
 def _chosen_kinds(wanted: list[str], serving: dict[str, Kind], model: str) -> list[str]:
     unknown = [k for k in wanted if k not in serving]
     if unknown:
-        raise BenchError(f"unknown GPU kind {unknown[0]!r}: kinds serving {model}: "
-                         f"{', '.join(serving) or 'none'}")
+        raise BenchError(
+            f"unknown GPU kind {unknown[0]!r}: kinds serving {model}: "
+            f"{', '.join(serving) or 'none'}"
+        )
     return wanted or list(serving)
 
 
@@ -185,12 +242,19 @@ def _prices(path: str, kinds: list[str]) -> dict[str, float]:
         raise BenchError(str(e)) from None
 
 
-async def _run_points(args: argparse.Namespace, study: Study, client: openai.AsyncOpenAI,
-                      admin: AdminClient, kinds: list[str], prices: dict[str, float]) -> None:
+async def _run_points(
+    args: argparse.Namespace,
+    study: Study,
+    client: openai.AsyncOpenAI,
+    admin: AdminClient,
+    kinds: list[str],
+    prices: dict[str, float],
+) -> None:
     per_point = {c: args.requests or 2 * c for c in args.concurrency}
     total = len(kinds) * (args.warmup + args.repeat * sum(per_point.values()))
     workload = Workload(study.model, args.prompt_tokens, args.max_tokens)
     with tqdm(total=total, unit="req", desc="bench", dynamic_ncols=True) as progress:
+
         def done(sample: Sample) -> None:
             study.samples.append(sample)
             progress.update()
@@ -202,13 +266,17 @@ async def _run_points(args: argparse.Namespace, study: Study, client: openai.Asy
                 await runner.run(kind, 1, args.warmup, repeat=-1)
             for concurrency in args.concurrency:
                 progress.set_description(f"{kind} c={concurrency}")
-                runs, memory = await _point_runs(runner, admin, kind, concurrency, per_point[concurrency],
-                                                 args.repeat)
-                study.points.append(point(study.kinds[kind], concurrency, runs, memory, prices[kind]))
+                runs, memory = await _point_runs(
+                    runner, admin, kind, concurrency, per_point[concurrency], args.repeat
+                )
+                study.points.append(
+                    point(study.kinds[kind], concurrency, runs, memory, prices[kind])
+                )
 
 
-async def _point_runs(runner: LoadRunner, admin: AdminClient, kind: str, concurrency: int,
-                      requests: int, repeat: int) -> tuple[list[Run], int]:
+async def _point_runs(
+    runner: LoadRunner, admin: AdminClient, kind: str, concurrency: int, requests: int, repeat: int
+) -> tuple[list[Run], int]:
     """The repeats of one point, and the most memory one worker of the kind reported meanwhile."""
     peak = 0
 
@@ -216,8 +284,14 @@ async def _point_runs(runner: LoadRunner, admin: AdminClient, kind: str, concurr
         nonlocal peak
         while True:
             with contextlib.suppress(FleetError):
-                peak = max([peak] + [w["memory_used_bytes"] for w in await admin.workers()
-                                     if w["gpu_kind"] == kind])
+                peak = max(
+                    [peak]
+                    + [
+                        w["memory_used_bytes"]
+                        for w in await admin.workers()
+                        if w["gpu_kind"] == kind
+                    ]
+                )
             await asyncio.sleep(_MEMORY_POLL_S)
 
     watcher = asyncio.create_task(watch())
@@ -229,16 +303,29 @@ async def _point_runs(runner: LoadRunner, admin: AdminClient, kind: str, concurr
     return runs, peak
 
 
-def _meta(args: argparse.Namespace, study: Study, fleet_text: str, started: float,
-          complete: bool) -> dict[str, Any]:
-    return {"model": study.model, "complete": complete, "fleet": fleet_text,
-            "started_unix": started, "finished_unix": time.time(),
-            "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0},
-            "concurrency": args.concurrency, "requests": args.requests or "2 x concurrency",
-            "warmup": args.warmup, "repeat": args.repeat, "prices": str(args.prices),
-            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), "
-                       f"Python {platform.python_version()}, openai {openai.__version__}",
-            "command": " ".join(sys.argv)}
+def _meta(
+    args: argparse.Namespace, study: Study, fleet_text: str, started: float, complete: bool
+) -> dict[str, Any]:
+    return {
+        "model": study.model,
+        "complete": complete,
+        "fleet": fleet_text,
+        "started_unix": started,
+        "finished_unix": time.time(),
+        "workload": {
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        },
+        "concurrency": args.concurrency,
+        "requests": args.requests or "2 x concurrency",
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "prices": str(args.prices),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), "
+        f"Python {platform.python_version()}, openai {openai.__version__}",
+        "command": " ".join(sys.argv),
+    }
 
 
 def _origin(base_url: str) -> str:

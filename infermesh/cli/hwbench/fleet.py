@@ -1,4 +1,5 @@
 """The fleet as the gateway's admin API lists it (``GET /admin/fleet``), summed up per GPU kind."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ class AdminClient:
             async with self._session.get(self._url, headers=self._headers) as response:
                 body = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            raise FleetError(f"cannot read the fleet from {self._url}: {type(e).__name__} {e}") from None
+            raise FleetError(
+                f"cannot read the fleet from {self._url}: {type(e).__name__} {e}"
+            ) from None
         if response.status != 200:
             message = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
             raise FleetError(f"the admin API at {self._url} answered {response.status}: {message}")
@@ -56,7 +59,14 @@ def kinds_serving(workers: list[dict[str, Any]], model: str) -> dict[str, Kind]:
     for w in workers:
         if model in w["models"]:
             by_kind.setdefault(w["gpu_kind"], []).append(w)
-    return {kind: Kind(kind, len(ws), max(w["gpu_count"] for w in ws),
-                       "/".join(sorted({w["precision"] for w in ws})),
-                       max(w["memory_total_bytes"] for w in ws), max(w["memory_used_bytes"] for w in ws))
-            for kind, ws in sorted(by_kind.items())}
+    return {
+        kind: Kind(
+            kind,
+            len(ws),
+            max(w["gpu_count"] for w in ws),
+            "/".join(sorted({w["precision"] for w in ws})),
+            max(w["memory_total_bytes"] for w in ws),
+            max(w["memory_used_bytes"] for w in ws),
+        )
+        for kind, ws in sorted(by_kind.items())
+    }

@@ -1,5 +1,6 @@
 """Sending the study's requests: streamed chat completions pinned to one GPU kind, at most
 ``concurrency`` in flight, each timed to its first token and its end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,14 +53,17 @@ def prompt(index: int, tokens: int) -> str:
 class LoadRunner:
     """Sends the requests of a study through one client; numbers its prompts across runs."""
 
-    def __init__(self, client: openai.AsyncOpenAI, workload: Workload,
-                 on_done: Callable[[Sample], None]) -> None:
+    def __init__(
+        self, client: openai.AsyncOpenAI, workload: Workload, on_done: Callable[[Sample], None]
+    ) -> None:
         self._client = client
         self._workload = workload
         self._on_done = on_done
         self._next_prompt = 0
 
-    async def run(self, gpu: str, concurrency: int, requests: int, repeat: int) -> tuple[list[Sample], float]:
+    async def run(
+        self, gpu: str, concurrency: int, requests: int, repeat: int
+    ) -> tuple[list[Sample], float]:
         """``requests`` requests with at most ``concurrency`` in flight: the samples and the
         wall time from the first sent to the last done."""
         first = self._next_prompt
@@ -83,9 +87,14 @@ class LoadRunner:
         ttft, usage, error = None, None, ""
         try:
             stream = await self._client.chat.completions.create(
-                model=w.model, max_tokens=w.max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_headers={GPU_HEADER: gpu},
-                messages=[{"role": "user", "content": prompt(index, w.prompt_tokens)}])
+                model=w.model,
+                max_tokens=w.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={GPU_HEADER: gpu},
+                messages=[{"role": "user", "content": prompt(index, w.prompt_tokens)}],
+            )
             async for chunk in stream:
                 if ttft is None and chunk.choices and chunk.choices[0].delta.content:
                     ttft = time.perf_counter() - started
@@ -97,6 +106,13 @@ class LoadRunner:
             error = f"{e.status_code}: {e.message}"
         except openai.APIError as e:
             error = f"{type(e).__name__}: {e}"
-        return Sample(gpu, concurrency, repeat, time.perf_counter() - started, ttft,
-                      usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
-                      error or ("" if usage else "the stream ended without usage"))
+        return Sample(
+            gpu,
+            concurrency,
+            repeat,
+            time.perf_counter() - started,
+            ttft,
+            usage.prompt_tokens if usage else 0,
+            usage.completion_tokens if usage else 0,
+            error or ("" if usage else "the stream ended without usage"),
+        )

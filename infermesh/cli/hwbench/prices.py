@@ -1,4 +1,5 @@
 """The $/GPU-hour file of ``bench --prices``: a TOML table of GPU kind = price."""
+
 from __future__ import annotations
 
 import math
@@ -26,11 +27,19 @@ def load_prices(path: str | Path, kinds: Iterable[str]) -> dict[str, float]:
     prices = {}
     for kind in kinds:
         if kind not in table:
-            raise PriceError(f"{path}: no price for GPU kind {kind!r} (has: {', '.join(table) or 'none'})")
+            raise PriceError(
+                f"{path}: no price for GPU kind {kind!r} (has: {', '.join(table) or 'none'})"
+            )
         price = table[kind]
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not math.isfinite(price) \
-                or price < 0:
-            raise PriceError(f"{path}: {kind} = {price!r}: a price must "
-                             f"be a non-negative number of $ per GPU-hour")
+        if (
+            isinstance(price, bool)
+            or not isinstance(price, (int, float))
+            or not math.isfinite(price)
+            or price < 0
+        ):
+            raise PriceError(
+                f"{path}: {kind} = {price!r}: a price must "
+                f"be a non-negative number of $ per GPU-hour"
+            )
         prices[kind] = float(price)
     return prices

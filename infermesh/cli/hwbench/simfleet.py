@@ -1,5 +1,6 @@
 """``bench --sim``: a simulated mixed fleet on this machine: a Redis, a router, a gateway and
 one simulated worker (worker_svc/sim_engine.py) per GPU kind, sized by worker_svc/sizing.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,17 +37,32 @@ def simulated_fleet(kinds: list[str], model: str = "") -> Iterator[Endpoint]:
     default."""
     name = model_size_of(model).name if model else SIM_MODEL
     token = secrets.token_urlsafe(24)
-    with tempfile.TemporaryDirectory(prefix="infermesh-bench-") as workdir, \
-            RedisServer(workdir=workdir) as redis_server:
+    with (
+        tempfile.TemporaryDirectory(prefix="infermesh-bench-") as workdir,
+        RedisServer(workdir=workdir) as redis_server,
+    ):
         spec = MeshSpec(
-            redis_url=redis_server.url, model_path=DEFAULT_MODEL_PATH, gateway_port=free_port(),
-            router_port=free_port(), worker_ports=tuple(free_port() for _ in kinds),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_GATEWAY_ADMIN_TOKEN": token,
-                 "INFERMESH_WORKER_ENGINE_KIND": "sim", "INFERMESH_WORKER_MODEL_NAME": name,
-                 "INFERMESH_WORKER_ENGINE_MODEL": model},
-            worker_env=tuple({"INFERMESH_WORKER_ENGINE_GPU": kind,
-                              "INFERMESH_WORKER_SERVER_WORKER_ID": f"sim-{kind.lower()}"} for kind in kinds),
-            log_dir=Path(workdir))
+            redis_url=redis_server.url,
+            model_path=DEFAULT_MODEL_PATH,
+            gateway_port=free_port(),
+            router_port=free_port(),
+            worker_ports=tuple(free_port() for _ in kinds),
+            env={
+                "OTEL_SDK_DISABLED": "true",
+                "INFERMESH_GATEWAY_ADMIN_TOKEN": token,
+                "INFERMESH_WORKER_ENGINE_KIND": "sim",
+                "INFERMESH_WORKER_MODEL_NAME": name,
+                "INFERMESH_WORKER_ENGINE_MODEL": model,
+            },
+            worker_env=tuple(
+                {
+                    "INFERMESH_WORKER_ENGINE_GPU": kind,
+                    "INFERMESH_WORKER_SERVER_WORKER_ID": f"sim-{kind.lower()}",
+                }
+                for kind in kinds
+            ),
+            log_dir=Path(workdir),
+        )
         with Mesh(spec):
             key = asyncio.run(create_key_at(redis_server.url, "infermesh bench --sim"))
             yield Endpoint(spec.base_url, key, f"http://127.0.0.1:{spec.gateway_port}", token, name)

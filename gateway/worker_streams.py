@@ -1,0 +1,225 @@
+"""The gateway's long-lived ``Worker.Serve`` streams: many requests multiplexed over a few
+bidirectional streams per worker, so that a request costs messages, not calls.
+
+A request is opened on a stream by a stream-local id (its open carries the generation
+request, its deadline and trace context) and cancelled by that id when its reader stops
+early. One reader task per stream hands each chunk to its request's buffer; one writer
+task sends what requests opened and cancelled meanwhile as one message
+(``infermesh.bidi``). Per-request flow
+control: a request's buffer holds at most ``buffered_chunks`` chunks its reader has not
+taken; past that (an HTTP client reading slower than the worker writes) that request ends
+with ``ClientTooSlowError`` and is cancelled on the worker, while the stream and its other
+requests go on. A stream that breaks fails every request still open on it with the
+stream's status, as a failed call would (``infermesh.failover`` then tries the fallback
+worker before the first chunk, and ends the request cleanly after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncGenerator
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+import telemetry
+from gateway.errors import GatewayError
+from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
+from infermesh.channels import WorkerChannels
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+class ClientTooSlowError(GatewayError):
+    """The client read its stream so slowly that its request's buffer overflowed."""
+
+    status = 500
+    code = "client_too_slow"
+
+
+class _Request:
+    """One request's chunks as they arrive, until its last chunk or its error."""
+
+    __slots__ = ("_chunks", "_error", "_limit", "_waiter", "finished", "id")
+
+    def __init__(self, request_id: int, limit: int) -> None:
+        self.id = request_id
+        self._chunks: collections.deque[common_pb2.GenerateResponse] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._limit = limit
+        self.finished = False  # its last chunk or error arrived: nothing to cancel
+
+    def push(self, chunk: common_pb2.GenerateResponse) -> bool:
+        """Buffers ``chunk``; False when the buffer overflowed (the request then failed)."""
+        if len(self._chunks) >= self._limit:
+            self.fail(
+                ClientTooSlowError(
+                    f"The client read the stream too slowly: more than {self._limit} chunks waited "
+                    "for it, so the request was ended"
+                )
+            )
+            return False
+        self._chunks.append(chunk)
+        if chunk.finish_reason:
+            self.finished = True
+        self._wake()
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> common_pb2.GenerateResponse | None:
+        """The next chunk; None after the last; raises the request's error."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._chunks.popleft()
+
+
+class _Stream:
+    """One ``Worker.Serve`` call and the requests open on it."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, buffered_chunks: int) -> None:
+        self._buffered_chunks = buffered_chunks
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self.broken = False
+        # The stream outlives the request that opened it: its call, span and tasks belong
+        # to no request's trace.
+        token = otel_context.attach(otel_context.Context())
+        try:
+            self._call = stub.Serve(wait_for_ready=False)
+            self._outgoing = MessageBatcher(self._call, worker_pb2.StreamRequest)
+            self._reader = asyncio.create_task(self._read())
+        finally:
+            otel_context.detach(token)
+
+    def open(
+        self, request: common_pb2.GenerateRequest, *, whole: bool, timeout_s: float
+    ) -> _Request:
+        if self.broken:
+            raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
+        check_size(request)
+        opened = _Request(next(self._ids), self._buffered_chunks)
+        self._requests[opened.id] = opened
+        message = self._outgoing.message.open.add(
+            id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
+        )
+        if telemetry.tracing_enabled():
+            propagate.inject(message.trace_context)
+        self._outgoing.changed()
+        return opened
+
+    def cancel(self, opened: _Request) -> None:
+        if self._requests.pop(opened.id, None) is not None and not self.broken:
+            self._outgoing.message.cancel.append(opened.id)
+            self._outgoing.changed()
+
+    async def _read(self) -> None:
+        error: grpc.aio.AioRpcError | None = None
+        try:
+            while (response := await self._call.read()) is not grpc.aio.EOF:
+                for entry in response.chunks:
+                    opened = self._requests.get(entry.id)
+                    if opened is None:  # cancelled meanwhile
+                        continue
+                    if entry.code:
+                        del self._requests[entry.id]
+                        opened.finished = True
+                        opened.fail(call_error(status_code(entry.code), entry.details))
+                    elif not opened.push(entry.chunk):
+                        self.cancel(opened)
+                    elif opened.finished:
+                        del self._requests[entry.id]
+        except grpc.aio.AioRpcError as e:
+            error = e
+        finally:
+            self.broken = True
+            requests, self._requests = self._requests, {}
+            for opened in requests.values():
+                opened.fail(
+                    call_error(error.code(), error.details() or error.code().name)
+                    if error is not None
+                    else call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
+                )
+            await self._outgoing.close()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._reader, self._outgoing.close(), return_exceptions=True)
+
+
+class WorkerStreams:
+    """Up to ``per_worker`` streams per worker address, opened on first use and replaced
+    when broken, requests spread over them in turn; safe to share across requests."""
+
+    def __init__(self, channels: WorkerChannels, *, per_worker: int, buffered_chunks: int) -> None:
+        self._channels = channels
+        self._per_worker = per_worker
+        self._buffered_chunks = buffered_chunks
+        self._streams: dict[str, list[_Stream]] = {}
+        self._turn = itertools.count()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def generate(
+        self,
+        address: str,
+        request: common_pb2.GenerateRequest,
+        *,
+        whole: bool,
+        timeout_s: float,
+    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+        """The request's chunks from the worker at ``address`` (``whole``: only the last, the
+        whole completion). Fails as the call would: ``grpc.aio.AioRpcError`` with the
+        worker's status, DEADLINE_EXCEEDED after ``timeout_s``. Closing the iterator early
+        cancels the request on the worker."""
+        stream = self._stream(address)
+        opened = stream.open(request, whole=whole, timeout_s=timeout_s)
+        expiry = asyncio.get_running_loop().call_later(
+            timeout_s,
+            opened.fail,
+            call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+        )
+        try:
+            while (chunk := await opened.next()) is not None:
+                yield chunk
+        finally:
+            expiry.cancel()
+            if not opened.finished:
+                stream.cancel(opened)
+
+    def streams(self, address: str) -> int:
+        """How many streams to the worker at ``address`` are open."""
+        return sum(not s.broken for s in self._streams.get(address, ()))
+
+    def _stream(self, address: str) -> _Stream:
+        pool = self._streams.setdefault(address, [])
+        for broken in [s for s in pool if s.broken]:
+            pool.remove(broken)
+            self._close_soon(broken)
+        if len(pool) < self._per_worker:
+            pool.append(_Stream(self._channels.stub(address), self._buffered_chunks))
+            return pool[-1]
+        return pool[next(self._turn) % len(pool)]
+
+    def _close_soon(self, stream: _Stream) -> None:
+        task = asyncio.create_task(stream.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        streams = [s for pool in self._streams.values() for s in pool]
+        self._streams.clear()
+        await asyncio.gather(*(s.close() for s in streams), *self._closing)

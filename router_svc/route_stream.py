@@ -1,0 +1,60 @@
+"""Router.RouteStream: route decisions and failure reports for many requests over one
+long-lived stream, so that a gateway's request costs the router a message, not a call.
+
+The asks of one message are decided together, in order, and answered in one message; a
+decision is made exactly as Route makes it (the same chooser, the same span attributes),
+on a span of its own in the ask's trace, linked to the stream's span.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry import propagate, trace
+
+from infermesh.pb import router_pb2
+from router_svc.registry import RegistryUnavailableError
+from router_svc.routing import RouteError
+
+if TYPE_CHECKING:
+    from router_svc.server import RouterServicer
+
+_tracer = trace.get_tracer(__name__)
+
+
+async def answer(
+    servicer: RouterServicer,
+    requests: AsyncIterator[router_pb2.RouteStreamRequest],
+) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
+    stream_span = trace.get_current_span().get_span_context()
+    links = [trace.Link(stream_span)] if stream_span.is_valid else []
+    async for message in requests:
+        for failure in message.failures:
+            # a report the router cannot read changes nothing; the caller goes on
+            with contextlib.suppress(ValueError):
+                servicer.report_failure(failure)
+        if message.asks:
+            yield router_pb2.RouteStreamResponse(
+                decisions=[_decide(servicer, ask, links) for ask in message.asks]
+            )
+
+
+def _decide(
+    servicer: RouterServicer, ask: router_pb2.RouteAsk, links: list[trace.Link]
+) -> router_pb2.RouteDecision:
+    parent = propagate.extract(dict(ask.trace_context))
+    with _tracer.start_as_current_span(
+        "infermesh.v1.Router/Route", context=parent, kind=trace.SpanKind.SERVER, links=links
+    ):
+        try:
+            reply = servicer.route(ask.request)
+        except RouteError as e:
+            return router_pb2.RouteDecision(id=ask.id, code=e.code.value[0], details=str(e))
+        except RegistryUnavailableError as e:
+            return router_pb2.RouteDecision(
+                id=ask.id, code=grpc.StatusCode.UNAVAILABLE.value[0], details=f"{e}; retry later"
+            )
+        return router_pb2.RouteDecision(id=ask.id, workers=reply.workers)

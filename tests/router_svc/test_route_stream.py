@@ -1,0 +1,65 @@
+"""Router.RouteStream: route decisions and failure reports for many requests over one stream,
+against a real router with real (simulated-engine) workers on loopback."""
+
+from __future__ import annotations
+
+import grpc
+
+from infermesh.pb import common_pb2, router_pb2
+from router_svc.config import RoutingSection
+from tests.helpers import MODEL
+from tests.helpers.inprocess import (
+    register_unreachable_worker,
+    running_router,
+    running_worker,
+    sim_engine,
+)
+
+
+def _ask(ask_id: int, model: str = MODEL) -> router_pb2.RouteAsk:
+    return router_pb2.RouteAsk(
+        id=ask_id,
+        request=common_pb2.GenerateRequest(
+            model=model, prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=4)
+        ),
+    )
+
+
+async def test_one_message_of_asks_is_answered_in_one_message_by_id():
+    async with (
+        running_router(routing=RoutingSection(policy="least_load")) as router,
+        running_worker(sim_engine(), router, "a"),
+        running_worker(sim_engine(), router, "b"),
+    ):
+        call = router.stub.RouteStream()
+        await call.write(
+            router_pb2.RouteStreamRequest(asks=[_ask(1), _ask(2), _ask(3, model="nope"), _ask(4)])
+        )
+        response = await call.read()
+        decisions = {d.id: d for d in response.decisions}
+        assert sorted(decisions) == [1, 2, 3, 4]
+        assert decisions[3].code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert MODEL in decisions[3].details and not decisions[3].workers
+        firsts = [decisions[i].workers[0].worker_id for i in (1, 2, 4)]
+        assert all(decisions[i].workers[0].address for i in (1, 2, 4))
+        # the router counts what it routed, as for Route: the asks spread over both workers
+        assert set(firsts) == {"a", "b"}
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+
+
+async def test_failure_reports_on_the_stream_eject_the_worker():
+    routing = RoutingSection(policy="round_robin", failures_to_eject=2)
+    async with (
+        running_router(routing=routing) as router,
+        running_worker(sim_engine(), router, "live"),
+    ):
+        await register_unreachable_worker(router)
+        call = router.stub.RouteStream()
+        report = router_pb2.ReportFailureRequest(worker_id="dead", code="UNAVAILABLE")
+        unreadable = router_pb2.ReportFailureRequest(worker_id="live", code="BROKEN")
+        await call.write(router_pb2.RouteStreamRequest(failures=[report, unreadable, report]))
+        await call.write(router_pb2.RouteStreamRequest(asks=[_ask(i) for i in range(1, 5)]))
+        response = await call.read()
+        assert [d.workers[0].worker_id for d in response.decisions] == ["live"] * 4
+        call.cancel()
