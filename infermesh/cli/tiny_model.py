@@ -117,8 +117,8 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 """
 
 
-# DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head,
-# and its output disagrees with transformers unless the nope and value widths are 128 too
+# DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head
+# (its nope and value widths may be narrower: 32 matches transformers as well)
 MLA_HEAD = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 # V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
 TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
