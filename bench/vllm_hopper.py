@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_vs_torch import _prompts, _start_worker  # noqa: E402
+from bench.vllm_vs_torch import _generate, _prompts, _start_worker  # noqa: E402
 from infermesh.cli.tiny_model import write_tiny_checkpoint  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -41,19 +41,8 @@ async def _timed(
     stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
 ) -> _Timed:
     """(TTFT, TPOT, token ids) of one greedy streamed request."""
-    request = common_pb2.GenerateRequest(
-        request_id=f"hopper-{time.monotonic_ns()}",
-        model=model,
-        messages=[common_pb2.ChatMessage(role="user", content=prompt)],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
-    )
     started = time.perf_counter()
-    first = 0.0
-    tokens: list[int] = []
-    async for chunk in stub.Generate(request, timeout=600):
-        if chunk.token_ids and not first:
-            first = time.perf_counter() - started
-        tokens.extend(chunk.token_ids)
+    first, tokens = await _generate(stub, model, prompt, max_tokens)
     total = time.perf_counter() - started
     return first, (total - first) / max(len(tokens) - 1, 1), tokens
 
