@@ -54,12 +54,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.mesh_load import simulated_mesh
 from gateway.keys import create_key
-from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.mesh import Mesh
 from infermesh.cli.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from infermesh.ports import free_port
-from worker_svc.config import DEFAULT_MODEL_PATH
 
 _MESH_CORE, _LOAD_CORE = 0, 1
 _LOAD_SIDE = {"worker0", "upstream"}  # processes pinned with the load generator
@@ -388,20 +388,11 @@ def main() -> int:
         print("path litellm needs --litellm (e.g. a venv's bin/litellm)", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
-        spec = MeshSpec(
-            redis_url=redis_server.url,
-            model_path=DEFAULT_MODEL_PATH,
-            gateway_port=free_port(),
-            router_port=free_port(),
-            worker_ports=(free_port(),),
-            log_dir=Path(workdir),
-            env={
-                "OTEL_SDK_DISABLED": "true",
-                "INFERMESH_LOG_LEVEL": "WARNING",
-                "INFERMESH_WORKER_ENGINE_KIND": "sim",
+        spec = simulated_mesh(
+            redis_server.url,
+            Path(workdir),
+            {
                 "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-                "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-                "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
                 "INFERMESH_GATEWAY_SERVER_PROCESSES": str(args.gateway_processes),
             },
         )

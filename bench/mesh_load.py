@@ -1,4 +1,5 @@
-"""Load for the reliability scenarios (bench/soak.py, bench/redis_failover.py): closed-loop
+"""Load for the reliability scenarios (bench/soak.py, bench/redis_failover.py), and the simulated
+mesh they and bench/gateway_mesh.py run it against: closed-loop
 clients sending chat completions to a gateway over plain HTTP, each request recorded as an
 :class:`Outcome` (when, status, error code, tokens served), never raising."""
 
@@ -9,10 +10,15 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Literal
 
 import aiohttp
+
+from infermesh.cli.mesh import MeshSpec
+from infermesh.ports import free_port
+from worker_svc.config import DEFAULT_MODEL_PATH
 
 Kind = Literal["plain", "stream", "disconnect"]
 _MESSAGES = [{"role": "user", "content": "Tell me about reliability."}]
@@ -123,3 +129,24 @@ def _error_code(body: bytes) -> str:
         return json.loads(body)["error"]["code"] or "error"
     except (ValueError, KeyError, TypeError):
         return "not-json"
+
+
+def simulated_mesh(redis_url: str, log_dir: Path, env: Mapping[str, str]) -> MeshSpec:
+    """The gateway, the router and one simulated worker on ``redis_url`` (tracing off, quiet
+    logs, room for 256 running and 1,024 waiting requests); ``env`` adds to that."""
+    return MeshSpec(
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=(free_port(),),
+        log_dir=log_dir,
+        env={
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_LOG_LEVEL": "WARNING",
+            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+            "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
+            "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
+            **env,
+        },
+    )

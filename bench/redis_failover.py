@@ -33,12 +33,11 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.mesh_load import MeshLoad, Outcome
+from bench.mesh_load import MeshLoad, Outcome, simulated_mesh
 from gateway.keys import create_key, key_id, update_key
 from gateway.limits import read_usage
-from infermesh.cli.mesh import Mesh, MeshSpec
+from infermesh.cli.mesh import Mesh
 from infermesh.cli.redis_cluster import RedisClusterServers
-from infermesh.ports import free_port
 from infermesh.redis_client import RedisClient, redis_client
 from worker_svc.config import DEFAULT_MODEL_PATH
 
@@ -67,25 +66,7 @@ class FailoverResult:
         return self.served_tokens - self.recorded_tokens
 
 
-def mesh_spec(redis_url: str, log_dir: Path, **env: str) -> MeshSpec:
-    """One simulated zero-latency worker, the router and the gateway on ``redis_url``."""
-    return MeshSpec(
-        redis_url=redis_url,
-        model_path=DEFAULT_MODEL_PATH,
-        gateway_port=free_port(),
-        router_port=free_port(),
-        worker_ports=(free_port(),),
-        log_dir=log_dir,
-        env={
-            "OTEL_SDK_DISABLED": "true",
-            "INFERMESH_LOG_LEVEL": "WARNING",
-            "INFERMESH_WORKER_ENGINE_KIND": "sim",
-            "INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true",
-            "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-            "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
-            **env,
-        },
-    )
+_ZERO_LATENCY = {"INFERMESH_WORKER_ENGINE_ZERO_LATENCY": "true"}
 
 
 async def _scenario(
@@ -162,7 +143,10 @@ def run(
     pace_s: float,
 ) -> FailoverResult:
     """The whole scenario: cluster, mesh, load, kill; returns what was measured."""
-    with RedisClusterServers(workdir) as cluster, Mesh(mesh_spec(cluster.url, workdir)) as mesh:
+    with (
+        RedisClusterServers(workdir) as cluster,
+        Mesh(simulated_mesh(cluster.url, workdir, _ZERO_LATENCY)) as mesh,
+    ):
         return asyncio.run(
             _scenario(cluster, mesh, duration_s, kill_at_s, concurrency, headroom, pace_s)
         )

@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.mesh_load import Kind, MeshLoad, Outcome
+from bench.mesh_load import Kind, MeshLoad, Outcome, simulated_mesh
 from gateway.keys import create_key
 from infermesh.cli.mesh import Mesh, MeshSpec
 from infermesh.cli.redis_server import RedisServer
@@ -83,20 +83,12 @@ def is_error(outcome: Outcome) -> bool:
 
 
 def mesh_spec(redis_url: str, log_dir: Path, gpu: str) -> MeshSpec:
-    return MeshSpec(
-        redis_url=redis_url,
-        model_path=DEFAULT_MODEL_PATH,
-        gateway_port=free_port(),
-        router_port=free_port(),
-        worker_ports=(free_port(),),
-        log_dir=log_dir,
-        env={
-            "OTEL_SDK_DISABLED": "true",
-            "INFERMESH_LOG_LEVEL": "WARNING",
-            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+    """The simulated mesh as a ``gpu`` would serve it, its metrics ports open for the leak reads."""
+    return simulated_mesh(
+        redis_url,
+        log_dir,
+        {
             "INFERMESH_WORKER_ENGINE_GPU": gpu,
-            "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "256",
-            "INFERMESH_WORKER_PARALLEL_MAX_WAITING": "1024",
             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
         },
