@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import sse
+from gateway import json_body, sse
 from gateway.generation import Generation, Plan, finish_reason, generate
 from gateway.middleware import REQUEST_ID
 from gateway.openai_protocol import (
@@ -82,7 +82,7 @@ async def _collect(
     completion = chat_completion(
         completion_id(), now_s(), body.model, choices, usage(generation.usage())
     )
-    return web.json_response(completion, headers=headers)
+    return json_body.json_response(completion, headers=headers)
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:

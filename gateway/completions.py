@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import sse
+from gateway import json_body, sse
 from gateway.completions_protocol import (
     CompletionRequest,
     completion_choice,
@@ -77,7 +77,7 @@ async def _collect(
         )
         for i in range(generation.choices)
     ]
-    return web.json_response(
+    return json_body.json_response(
         text_completion(
             completion_id("cmpl"), now_s(), body.model, choices, usage(generation.usage())
         ),

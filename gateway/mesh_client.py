@@ -165,12 +165,14 @@ class MeshClient:
                 ).workers
             )
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
+        stall_s = self._config.stall_timeout_s if stream else None
         async for chunk in stream_from_first(
             workers,
-            lambda route: self._from_worker(route, request, stream, deadline, call),
+            lambda route: self._from_worker(route, request, stream, deadline, stall_s, call),
             self._report_failure,
             lambda route: route.worker_id,
-            self._config.stall_timeout_s if stream else None,
+            # the long-lived streams time stalls where chunks arrive (gateway.worker_streams)
+            stall_s if self._streams is None else None,
         ):
             yield chunk
 
@@ -180,12 +182,13 @@ class MeshClient:
         request: common_pb2.GenerateRequest,
         stream: bool,
         deadline: float,
+        stall_s: float | None,
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         if self._streams is not None:
             chunks = self._streams.generate(
-                route.address, request, whole=not stream, timeout_s=timeout
+                route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
             )
         else:
             worker = self._workers.stub(route.address)

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import anthropic_protocol as wire
-from gateway import sse
+from gateway import json_body, sse
 from gateway.errors import UpstreamError
 from gateway.generation import Generation, Plan, generate
 from gateway.middleware import REQUEST_ID
@@ -49,7 +49,7 @@ async def _collect(
         texts.append(chunk.text)
         calls.add(chunk.tool_calls)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    return web.json_response(
+    return json_body.json_response(
         wire.message(
             wire.message_id(),
             body.model,

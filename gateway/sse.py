@@ -8,7 +8,6 @@ cancellation closes the router calls.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import GatewayError
+from gateway.json_body import dumps
 from gateway.middleware import REQUEST_ID
 
 logger = logging.getLogger(__name__)
@@ -27,17 +27,15 @@ _HEADERS = {
 }
 OPENAI_DONE = b"data: [DONE]\n\n"
 
-_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-
 
 def openai_event(data: dict[str, Any]) -> bytes:
-    return b"data: " + _encode(data).encode() + b"\n\n"
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 def anthropic_event(data: dict[str, Any]) -> bytes:
     """An event named by its ``type``, as Anthropic frames them."""
     event: str = data["type"]
-    return b"event: " + event.encode() + b"\ndata: " + _encode(data).encode() + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
 
 async def stream(

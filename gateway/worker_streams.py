@@ -29,6 +29,7 @@ import telemetry
 from gateway.errors import GatewayError
 from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
 from infermesh.channels import WorkerChannels
+from infermesh.failover import stall_details
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -40,16 +41,35 @@ class ClientTooSlowError(GatewayError):
 
 
 class _Request:
-    """One request's chunks as they arrive, until its last chunk or its error."""
+    """One request's chunks as they arrive, until its last chunk or its error.
 
-    __slots__ = ("_chunks", "_error", "_limit", "_waiter", "finished", "id")
+    Stalls are timed here, where chunks arrive, rather than around each read of the reader:
+    a worker silent for ``stall_s`` after its first chunk fails the request, however fast
+    or slow its client reads; one timer per stall period, not one per chunk."""
 
-    def __init__(self, request_id: int, limit: int) -> None:
+    __slots__ = (
+        "_chunks",
+        "_error",
+        "_last_arrival",
+        "_limit",
+        "_loop",
+        "_stall_s",
+        "_timer",
+        "_waiter",
+        "finished",
+        "id",
+    )
+
+    def __init__(self, request_id: int, limit: int, stall_s: float | None) -> None:
         self.id = request_id
         self._chunks: collections.deque[common_pb2.GenerateResponse] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._limit = limit
+        self._loop = asyncio.get_running_loop()
+        self._stall_s = stall_s
+        self._last_arrival = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self.finished = False  # its last chunk or error arrived: nothing to cancel
 
     def push(self, chunk: common_pb2.GenerateResponse) -> bool:
@@ -65,11 +85,32 @@ class _Request:
         self._chunks.append(chunk)
         if chunk.finish_reason:
             self.finished = True
+            self.stop_timer()
+        elif self._stall_s is not None:
+            self._last_arrival = self._loop.time()
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._last_arrival + self._stall_s, self._check)
         self._wake()
         return True
 
+    def _check(self) -> None:
+        """The stall timer: re-armed while chunks keep coming, else the request fails."""
+        assert self._stall_s is not None  # armed only with a stall timeout
+        due = self._last_arrival + self._stall_s
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self._timer = None
+        self.fail(call_error(grpc.StatusCode.UNAVAILABLE, stall_details(self._stall_s)))
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def fail(self, error: BaseException) -> None:
         self._error = error
+        self.stop_timer()
         self._wake()
 
     def _wake(self) -> None:
@@ -107,12 +148,17 @@ class _Stream:
             otel_context.detach(token)
 
     def open(
-        self, request: common_pb2.GenerateRequest, *, whole: bool, timeout_s: float
+        self,
+        request: common_pb2.GenerateRequest,
+        *,
+        whole: bool,
+        timeout_s: float,
+        stall_s: float | None,
     ) -> _Request:
         if self.broken:
             raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
         check_size(request)
-        opened = _Request(next(self._ids), self._buffered_chunks)
+        opened = _Request(next(self._ids), self._buffered_chunks, stall_s)
         self._requests[opened.id] = opened
         message = self._outgoing.message.open.add(
             id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
@@ -180,13 +226,15 @@ class WorkerStreams:
         *,
         whole: bool,
         timeout_s: float,
+        stall_s: float | None = None,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The request's chunks from the worker at ``address`` (``whole``: only the last, the
         whole completion). Fails as the call would: ``grpc.aio.AioRpcError`` with the
-        worker's status, DEADLINE_EXCEEDED after ``timeout_s``. Closing the iterator early
-        cancels the request on the worker."""
+        worker's status, DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE when the worker
+        sends nothing for ``stall_s`` after its first chunk (None: no limit). Closing the
+        iterator early cancels the request on the worker."""
         stream = self._stream(address)
-        opened = stream.open(request, whole=whole, timeout_s=timeout_s)
+        opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s)
         expiry = asyncio.get_running_loop().call_later(
             timeout_s,
             opened.fail,
@@ -197,6 +245,7 @@ class WorkerStreams:
                 yield chunk
         finally:
             expiry.cancel()
+            opened.stop_timer()
             if not opened.finished:
                 stream.cancel(opened)
 

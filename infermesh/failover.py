@@ -74,8 +74,8 @@ async def stream_from_first(
                 return
             code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended its stream unfinished"
         except TimeoutError:
-            code = grpc.StatusCode.UNAVAILABLE
-            details = f"the worker sent nothing for {stall_timeout_s:g} s (stalled)"
+            assert stall_timeout_s is not None  # the only wait that is timed
+            code, details = grpc.StatusCode.UNAVAILABLE, stall_details(stall_timeout_s)
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or e.code().name
             if code == grpc.StatusCode.CANCELLED:  # the worker's side: it went away
@@ -91,11 +91,18 @@ async def stream_from_first(
     raise StreamFailedError(*_give_up_status(failures))
 
 
+def stall_details(stall_timeout_s: float) -> str:
+    """What a stalled worker's failure says."""
+    return f"the worker sent nothing for {stall_timeout_s:g} s (stalled)"
+
+
 async def _next_chunk(
     chunks: AsyncIterator[common_pb2.GenerateResponse], timeout_s: float | None
 ) -> common_pb2.GenerateResponse | None:
     """The stream's next chunk, None at its end; TimeoutError past ``timeout_s``. Only the
     wait for the worker is timed, never the caller's handling of a chunk."""
+    if timeout_s is None:
+        return await anext(chunks, None)
     async with asyncio.timeout(timeout_s):
         return await anext(chunks, None)
 

@@ -16,6 +16,8 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.mesh_client import MESH
+from gateway.worker_streams import WorkerStreams
+from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
@@ -219,3 +221,23 @@ async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server
     finally:
         await gateway.close()
         await engine.close()
+
+
+async def test_a_reader_slower_than_the_stall_timeout_is_no_stall(sim_worker):
+    """Stalls are the worker's silence, timed where chunks arrive: a reader that pauses past
+    the stall timeout while the worker keeps sending still gets every chunk."""
+    channels = WorkerChannels()
+    streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)
+    request = _open(1, 60).request
+    try:
+        chunks = streams.generate(
+            sim_worker.servicer.info.address, request, whole=False, timeout_s=30, stall_s=0.1
+        )
+        tokens = len((await anext(chunks)).token_ids)
+        await asyncio.sleep(0.5)  # five stall timeouts, while the worker goes on
+        async for chunk in chunks:
+            tokens += len(chunk.token_ids)
+        assert tokens == 60
+    finally:
+        await streams.close()
+        await channels.close()
