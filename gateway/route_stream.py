@@ -19,6 +19,9 @@ from opentelemetry import propagate
 import telemetry
 from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from telemetry.metrics import STREAM_BREAKS, STREAM_MESSAGES, STREAMS_OPEN
+
+_PEER = "router"
 
 
 class _Call:
@@ -27,12 +30,14 @@ class _Call:
     def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
         self.waiting: dict[int, asyncio.Future[router_pb2.RouteDecision]] = {}
         self.broken = False
+        self._received = STREAM_MESSAGES.labels(_PEER, "received")
+        STREAMS_OPEN.labels(_PEER).inc()
         # The stream outlives the request that opened it: its call and tasks belong to no
         # request's trace.
         token = otel_context.attach(otel_context.Context())
         try:
             self._call = stub.RouteStream(wait_for_ready=False)
-            self.outgoing = MessageBatcher(self._call, router_pb2.RouteStreamRequest)
+            self.outgoing = MessageBatcher(self._call, router_pb2.RouteStreamRequest, _PEER)
             self._reader = asyncio.create_task(self._read())
         finally:
             otel_context.detach(token)
@@ -41,6 +46,7 @@ class _Call:
         error = call_error(grpc.StatusCode.UNAVAILABLE, "the router ended the route stream")
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
+                self._received.inc()
                 for decision in response.decisions:
                     waiter = self.waiting.pop(decision.id, None)
                     if waiter is not None and not waiter.done():
@@ -49,7 +55,10 @@ class _Call:
             error = call_error(e.code(), e.details() or e.code().name)
         finally:
             self.broken = True
+            STREAMS_OPEN.labels(_PEER).dec()
             waiting, self.waiting = self.waiting, {}
+            if waiting:
+                STREAM_BREAKS.labels(_PEER).inc()
             for waiter in waiting.values():
                 if not waiter.done():
                     waiter.set_exception(error)

@@ -31,6 +31,15 @@ from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
 from infermesh.channels import WorkerChannels
 from infermesh.failover import stall_details
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from telemetry.metrics import (
+    SLOW_CLIENTS,
+    STREAM_BREAKS,
+    STREAM_MESSAGES,
+    STREAM_REQUESTS_OPEN,
+    STREAMS_OPEN,
+)
+
+_PEER = "worker"
 
 
 class ClientTooSlowError(GatewayError):
@@ -137,12 +146,14 @@ class _Stream:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self.broken = False
+        self._received = STREAM_MESSAGES.labels(_PEER, "received")
+        STREAMS_OPEN.labels(_PEER).inc()
         # The stream outlives the request that opened it: its call, span and tasks belong
         # to no request's trace.
         token = otel_context.attach(otel_context.Context())
         try:
             self._call = stub.Serve(wait_for_ready=False)
-            self._outgoing = MessageBatcher(self._call, worker_pb2.StreamRequest)
+            self._outgoing = MessageBatcher(self._call, worker_pb2.StreamRequest, _PEER)
             self._reader = asyncio.create_task(self._read())
         finally:
             otel_context.detach(token)
@@ -160,6 +171,7 @@ class _Stream:
         check_size(request)
         opened = _Request(next(self._ids), self._buffered_chunks, stall_s)
         self._requests[opened.id] = opened
+        STREAM_REQUESTS_OPEN.inc()
         message = self._outgoing.message.open.add(
             id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
         )
@@ -169,31 +181,43 @@ class _Stream:
         return opened
 
     def cancel(self, opened: _Request) -> None:
-        if self._requests.pop(opened.id, None) is not None and not self.broken:
+        if self._forget(opened.id) is not None and not self.broken:
             self._outgoing.message.cancel.append(opened.id)
             self._outgoing.changed()
+
+    def _forget(self, request_id: int) -> _Request | None:
+        opened = self._requests.pop(request_id, None)
+        if opened is not None:
+            STREAM_REQUESTS_OPEN.dec()
+        return opened
 
     async def _read(self) -> None:
         error: grpc.aio.AioRpcError | None = None
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
+                self._received.inc()
                 for entry in response.chunks:
                     opened = self._requests.get(entry.id)
                     if opened is None:  # cancelled meanwhile
                         continue
                     if entry.code:
-                        del self._requests[entry.id]
+                        self._forget(entry.id)
                         opened.finished = True
                         opened.fail(call_error(status_code(entry.code), entry.details))
                     elif not opened.push(entry.chunk):
+                        SLOW_CLIENTS.inc()
                         self.cancel(opened)
                     elif opened.finished:
-                        del self._requests[entry.id]
+                        self._forget(entry.id)
         except grpc.aio.AioRpcError as e:
             error = e
         finally:
             self.broken = True
+            STREAMS_OPEN.labels(_PEER).dec()
             requests, self._requests = self._requests, {}
+            STREAM_REQUESTS_OPEN.dec(len(requests))
+            if requests:
+                STREAM_BREAKS.labels(_PEER).inc()
             for opened in requests.values():
                 opened.fail(
                     call_error(error.code(), error.details() or error.code().name)

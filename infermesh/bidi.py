@@ -9,6 +9,8 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 
+from telemetry.metrics import STREAM_MESSAGES
+
 Message = TypeVar("Message", bound=ProtoMessage)
 
 # gRPC's default limit on a received message (4 MiB), less room for framing: what one message
@@ -51,11 +53,13 @@ class MessageBatcher(Generic[Message]):
     """Gathers what requests add between two writes into one message: callers add to
     ``message`` and call ``changed()``; one task writes it whenever the call can take the next
     one, so a burst of requests costs one message, not one each (several when they would pass
-    gRPC's message size limit). Ends quietly when the call does (its reader sees why)."""
+    gRPC's message size limit). Ends quietly when the call does (its reader sees why). Each
+    message sent counts in ``infermesh_gateway_stream_messages`` under ``peer``."""
 
-    def __init__(self, call: Any, new_message: Callable[[], Message]) -> None:
+    def __init__(self, call: Any, new_message: Callable[[], Message], peer: str) -> None:
         self._call = call
         self._new_message = new_message
+        self._sent = STREAM_MESSAGES.labels(peer, "sent")
         self.message = new_message()
         self._send = asyncio.Event()
         self._task = asyncio.create_task(self._write())
@@ -71,6 +75,7 @@ class MessageBatcher(Generic[Message]):
                 message, self.message = self.message, self._new_message()
                 for part in split(message):
                     await self._call.write(part)
+                    self._sent.inc()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
 

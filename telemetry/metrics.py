@@ -88,6 +88,29 @@ SETTLEMENTS_DROPPED = Counter(
     "Usage settlements lost: more than [limits] settle_retry_max waited",
 )
 
+# The gateway's long-lived streams (to the router: "router"; to workers: "worker").
+STREAMS_OPEN = Gauge(
+    "infermesh_gateway_streams_open", "Long-lived gRPC streams open, by peer", ["peer"]
+)
+STREAM_BREAKS = Counter(
+    "infermesh_gateway_stream_breaks",
+    "Long-lived streams that ended with requests still open on them (each failed), by peer",
+    ["peer"],
+)
+STREAM_MESSAGES = Counter(
+    "infermesh_gateway_stream_messages",
+    "Messages on the long-lived streams, by peer and direction (sent, received)",
+    ["peer", "direction"],
+)
+STREAM_REQUESTS_OPEN = Gauge(
+    "infermesh_gateway_stream_requests_open", "Requests open on the long-lived worker streams"
+)
+SLOW_CLIENTS = Counter(
+    "infermesh_gateway_slow_clients",
+    "Requests ended because their client read more slowly than the worker wrote "
+    "(client_too_slow: past [router] stream_buffer_chunks)",
+)
+
 
 class MetricsEndpoint(Protocol):
     """Where /metrics is served: a service's ``[metrics]`` config section

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway.config import GatewayConfig
 from gateway.mesh_client import MESH
@@ -57,6 +58,7 @@ async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
     redis_server, router, sim_worker, api_key
 ):
     gateway = await start_gateway(_config(redis_server.url, router.address))
+    before = _metrics()
     try:
         async with sdk(gateway, api_key) as client:
 
@@ -81,8 +83,38 @@ async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
         assert results[40:] == [8] * 20
         streams = gateway.app[MESH].worker_streams
         assert streams is not None and streams.streams(sim_worker.servicer.info.address) == 1
+        change = _change(before)
+        # one engine step of every request open on the stream per message: far fewer
+        # messages than the 340 chunks (40 x 8 tokens, 20 whole answers)
+        assert 0 < change["received"] < 340
+        assert 0 < change["sent"] <= 60  # opens batched the same way
+        assert change["requests_open"] == 0 and change["streams_open"] == 1
     finally:
         await gateway.close()
+    assert _change(before)["streams_open"] == 0
+
+
+def _metrics() -> dict[str, float]:
+    """The gateway's stream metrics now (the registry is the test process's, so tests look
+    at changes)."""
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    return {
+        "sent": value("infermesh_gateway_stream_messages_total", peer="worker", direction="sent"),
+        "received": value(
+            "infermesh_gateway_stream_messages_total", peer="worker", direction="received"
+        ),
+        "requests_open": value("infermesh_gateway_stream_requests_open"),
+        "streams_open": value("infermesh_gateway_streams_open", peer="worker"),
+        "breaks": value("infermesh_gateway_stream_breaks_total", peer="worker"),
+        "slow_clients": value("infermesh_gateway_slow_clients_total"),
+    }
+
+
+def _change(before: dict[str, float]) -> dict[str, float]:
+    return {name: value - before[name] for name, value in _metrics().items()}
 
 
 def _open(request_id: int, max_tokens: int) -> worker_pb2.OpenRequest:
@@ -138,6 +170,7 @@ async def test_a_worker_that_dies_with_50_requests_open_fails_each_cleanly(
 ):
     engine = sim_engine("H100", max_parallel=64, max_waiting=64)
     gateway = await start_gateway(_config(redis_server.url, router.address))
+    before = _metrics()
     try:
         async with (
             running_worker(engine, router, "doomed") as worker,
@@ -164,6 +197,8 @@ async def test_a_worker_that_dies_with_50_requests_open_fails_each_cleanly(
         assert all(
             isinstance(e, openai.APIError) and "failed mid-stream" in e.message for e in errors
         ), errors
+        change = _change(before)
+        assert (change["breaks"], change["requests_open"]) == (1, 0)
     finally:
         await gateway.close()
         await engine.close()
@@ -196,6 +231,7 @@ async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server
     gateway = await start_gateway(
         _config(redis_server.url, router.address, stream_buffer_chunks=256)
     )
+    before = _metrics()
     try:
         async with running_worker(engine, router, "fast"), sdk(gateway, api_key) as client:
             slow = await _slow_reader(gateway.port, api_key, {**_chat(30_000), "stream": True})
@@ -217,6 +253,7 @@ async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server
             finally:
                 slow.close()
         assert b'"code":"client_too_slow"' in received
+        assert _change(before)["slow_clients"] == 1
         assert received.endswith(b"data: [DONE]\n\n") or received.endswith(b"0\r\n\r\n")
     finally:
         await gateway.close()
