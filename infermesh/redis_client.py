@@ -23,9 +23,11 @@ from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError, RedisClusterException, RedisError
 
 Mode = Literal["single", "cluster", "sentinel"]
@@ -171,12 +173,30 @@ def redis_client(
             **sockets,
             **retry_policy,
         )
+        pool = master.connection_pool
+        pool.connection_class = _packed_in_c(pool.connection_class)
         return master
-    return redis.Redis.from_pool(
-        redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy
-        )
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s, **sockets, **retry_policy
     )
+    pool.connection_class = _packed_in_c(pool.connection_class)
+    return redis.Redis.from_pool(pool)
+
+
+class _PackedInC:
+    """redis-py's asyncio connections pack each command in Python (~10 µs for an EVALSHA of
+    the limits' scripts here); its synchronous client packs with hiredis, the same bytes in
+    ~4 µs. The gateway packs two commands per request."""
+
+    _serializer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return cast(list[bytes], self._serializer.pack(*args))
+
+
+def _packed_in_c(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``connection_class`` (TCP, TLS or Unix socket, as the URL chose) packing with hiredis."""
+    return type(connection_class.__name__, (_PackedInC, connection_class), {})
 
 
 class _RedisCluster(RedisCluster):
