@@ -59,8 +59,10 @@ class Generation:
     """The router streams of one plan, read together; tracks the usage they report."""
 
     def __init__(self, mesh: MeshClient, plan: Plan) -> None:
+        self._mesh = mesh
         self._plan = plan
-        self._calls = [mesh.generate(r, stream=plan.stream) for r in plan.requests]
+        # the router decides while admission runs: their round trips overlap
+        self._calls = [mesh.generate(r, stream=plan.stream, route_now=True) for r in plan.requests]
         self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)
@@ -145,8 +147,9 @@ class Generation:
         return TokenUsage(sum(prompts), completion, sum(cached))
 
     async def aclose(self) -> None:
-        for stream in self._streams:
-            await stream.aclose()  # cancels the router call if it still runs
+        for call in self._calls:
+            await call.chunks.aclose()  # cancels the router call if it still runs
+            self._mesh.unused(call)  # a call that never started: its decision goes back
 
 
 async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
@@ -178,12 +181,16 @@ async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def check_model(request: web.Request, model: str | None) -> None:
+    """A 403 when the request's key may not use ``model``."""
+    if model is not None and not request[API_KEY].allows(model):
+        raise PermissionDeniedError(f"This API key may not use model '{model}'", param="model")
+
+
 async def admit(request: web.Request, model: str | None, reserve_tokens: int) -> Admission:
     """Admits the request against its key's model list and limits (403, 401, 429)."""
-    key = request[API_KEY]
-    if model is not None and not key.allows(model):
-        raise PermissionDeniedError(f"This API key may not use model '{model}'", param="model")
-    return await request.app[LIMITER].admit(key.id, reserve_tokens)
+    check_model(request, model)
+    return await request.app[LIMITER].admit(request[API_KEY].id, reserve_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -205,10 +212,16 @@ async def generate(
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
         top_p=sampling.top_p if sampling.HasField("top_p") else None,
     ) as span:
-        admission = await admit(
-            request, plan.model, plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve)
-        )
+        check_model(request, plan.model)
         generation = Generation(request.app[MESH], plan)
+        try:
+            admission = await request.app[LIMITER].admit(
+                request[API_KEY].id,
+                plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
+            )
+        except BaseException:
+            await generation.aclose()  # refused: the router's decisions go back unused
+            raise
         served = True
         try:
             try:

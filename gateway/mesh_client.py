@@ -29,6 +29,7 @@ import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
 from gateway.route_stream import RouteStream
+from gateway.route_stream import workers as route_workers
 from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
@@ -42,6 +43,8 @@ class MeshCall:
 
     chunks: AsyncGenerator[common_pb2.GenerateResponse, None]
     route: common_pb2.Route | None = None
+    # the router's decision when it was asked ahead; taken when the call starts
+    decided: asyncio.Future[router_pb2.RouteDecision] | None = None
 
     def __aiter__(self) -> AsyncIterator[common_pb2.GenerateResponse]:
         return self.chunks
@@ -86,13 +89,31 @@ class MeshClient:
         await self._workers.close()
         await self._channel.close()
 
-    def generate(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
+    def generate(
+        self, request: common_pb2.GenerateRequest, *, stream: bool, route_now: bool = False
+    ) -> MeshCall:
         """The generation, its route known once the first chunk came; closing its chunks
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
-        may then come as one chunk)."""
+        may then come as one chunk). ``route_now``: the router is asked at once (on the
+        route stream, when it is connected), while the caller does other work before it
+        reads the chunks; a call that never starts then hands its decision back
+        (``unused``)."""
         call = MeshCall()
+        if (
+            route_now
+            and self._route_stream is not None
+            and not self._config.relay
+            and self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
+        ):
+            call.decided = self._route_stream.ask(request, self._config.control_timeout_s)
         call.chunks = self._chunks(request, stream, call)
         return call
+
+    def unused(self, call: MeshCall) -> None:
+        """Hands back the decision of a call that never started (its request was refused)."""
+        decided, call.decided = call.decided, None
+        if decided is not None and self._route_stream is not None:
+            self._route_stream.unused(decided)
 
     async def _chunks(
         self,
@@ -154,7 +175,10 @@ class MeshClient:
         stream: bool,
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        if self._route_stream is not None:
+        decided, call.decided = call.decided, None
+        if decided is not None:
+            workers = route_workers(await decided)
+        elif self._route_stream is not None:
             workers = await self._route_stream.route(request, self._config.control_timeout_s)
         else:
             workers = list(

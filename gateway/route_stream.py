@@ -2,7 +2,9 @@
 all of a gateway process's requests over one stream, so that a request costs the router a
 message, not a call.
 
-An ask is answered by its id; the router still makes every decision. The stream is opened
+An ask is answered by its id; the router still makes every decision. A request asks ahead of
+its admission check (``gateway.generation``), so that the two round trips overlap; when
+admission refuses it, its decision goes back to the router as unused. The stream is opened
 on first use and again after it broke; a break fails the asks waiting on it with its status,
 as failed Route calls would.
 """
@@ -69,6 +71,14 @@ class _Call:
         await asyncio.gather(self._reader, return_exceptions=True)
 
 
+def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
+    """The workers of a decision, best first; raises ``grpc.aio.AioRpcError`` with the
+    router's status when it has none."""
+    if decision.code:
+        raise call_error(status_code(decision.code), decision.details)
+    return list(decision.workers)
+
+
 def _expire(decided: asyncio.Future[router_pb2.RouteDecision]) -> None:
     if not decided.done():
         decided.set_exception(
@@ -85,30 +95,53 @@ class RouteStream:
         self._ids = itertools.count(1)
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def route(
+    def ask(
         self, request: common_pb2.GenerateRequest, timeout_s: float
-    ) -> list[common_pb2.Route]:
-        """The workers to try, best first; raises ``grpc.aio.AioRpcError`` as Route would
-        (DEADLINE_EXCEEDED after ``timeout_s``)."""
+    ) -> asyncio.Future[router_pb2.RouteDecision]:
+        """Sends the ask with the stream's next message; the future holds the router's
+        decision (see ``workers``), or fails as Route would: the stream's status when it
+        breaks, DEADLINE_EXCEEDED after ``timeout_s``."""
         check_size(request)
         call = self._current()
         ask_id = next(self._ids)
-        decided = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        decided = loop.create_future()
         call.waiting[ask_id] = decided
         ask = call.outgoing.message.asks.add(id=ask_id, request=request)
         if telemetry.tracing_enabled():
             propagate.inject(ask.trace_context)
         call.outgoing.changed()
-        # a timer that fails the ask, not asyncio.timeout: half the cost on every request
-        expiry = asyncio.get_running_loop().call_later(timeout_s, _expire, decided)
-        try:
-            decision = await decided
-        finally:
+        # a timer that fails the ask rather than asyncio.timeout around each wait: cheaper,
+        # and the ask may be awaited later than it is sent
+        expiry = loop.call_later(timeout_s, _expire, decided)
+
+        def done(_: asyncio.Future[router_pb2.RouteDecision]) -> None:
             expiry.cancel()
             call.waiting.pop(ask_id, None)
-        if decision.code:
-            raise call_error(status_code(decision.code), decision.details)
-        return list(decision.workers)
+
+        decided.add_done_callback(done)
+        return decided
+
+    async def route(
+        self, request: common_pb2.GenerateRequest, timeout_s: float
+    ) -> list[common_pb2.Route]:
+        """The workers to try, best first; raises ``grpc.aio.AioRpcError`` as Route would
+        (DEADLINE_EXCEEDED after ``timeout_s``)."""
+        return workers(await self.ask(request, timeout_s))
+
+    def unused(self, decided: asyncio.Future[router_pb2.RouteDecision]) -> None:
+        """Tells the router, once ``decided`` is decided, that its request was not sent to
+        the workers it chose, so that they are not counted as busy with it."""
+
+        def hand_back(_: asyncio.Future[router_pb2.RouteDecision]) -> None:
+            if decided.cancelled() or decided.exception() is not None:
+                return
+            chosen = decided.result().workers
+            if chosen and self._call is not None and not self._call.broken:
+                self._call.outgoing.message.unused.extend(w.worker_id for w in chosen)
+                self._call.outgoing.changed()
+
+        decided.add_done_callback(hand_back)
 
     def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
         """Sends the report with the stream's next message; lost if the stream breaks before

@@ -198,6 +198,13 @@ class Fleet:
             self.routed[entry.slot] += 1
             self._update_busy_now(entry.slot)
 
+    def unrouted(self, entry: WorkerEntry) -> None:
+        """A request routed to the worker that its caller then did not send (never below
+        zero: a load report since the decision may already have reset the count)."""
+        if self._by_slot[entry.slot] is entry and self.routed[entry.slot] > 0:
+            self.routed[entry.slot] -= 1
+            self._update_busy_now(entry.slot)
+
     def ended(self, entry: WorkerEntry) -> None:
         if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
             self.in_flight[entry.slot] -= 1

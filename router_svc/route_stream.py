@@ -2,8 +2,10 @@
 long-lived stream, so that a gateway's request costs the router a message, not a call.
 
 The asks of one message are decided together, in order, and answered in one message; a
-decision is made exactly as Route makes it (the same chooser, the same span attributes),
-on a span of its own in the ask's trace, linked to the stream's span.
+decision is made exactly as Route makes it (the same chooser, the same span attributes), on
+a span of its own in the ask's trace, linked to the stream's span. A caller that asked
+ahead of its own admission check names the workers of decisions it did not use, so the
+router stops counting them as routed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ async def answer(
     stream_span = trace.get_current_span().get_span_context()
     links = [trace.Link(stream_span)] if stream_span.is_valid else []
     async for message in requests:
+        for worker_id in message.unused:
+            servicer.unused(worker_id)
         for failure in message.failures:
             # a report the router cannot read changes nothing; the caller goes on
             with contextlib.suppress(ValueError):

@@ -178,6 +178,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if worker is not None:
             self._failed(worker, code, request.details, started=False)
 
+    def unused(self, worker_id: str) -> None:
+        """A caller did not send the request a decision routed to ``worker_id``."""
+        worker = self._fleet.get(worker_id)
+        if worker is not None:
+            self._fleet.unrouted(worker)
+
     def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
         """Route's answer, the workers counted as routed to; raises RouteError or
         RegistryUnavailableError."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from prometheus_client import REGISTRY
+
 from gateway.config import RouterSection
+from gateway.keys import create_key
 from router_svc.config import RoutingSection
 from tests.helpers import MODEL
 from tests.helpers.gateway import CHAT, auth, make_config, sdk, start_gateway
@@ -94,3 +97,34 @@ async def test_unreachable_workers_answer_503_naming_them(redis_server, api_key)
 
 def test_relay_is_off_by_default():
     assert RouterSection().relay is False
+
+
+async def test_a_refused_request_hands_its_early_decision_back(redis_server, redis_client):
+    """The gateway asks the router while admission runs; a request admission refuses does not
+    leave its worker counted as busy with it."""
+    key = await create_key(redis_client, "tiny", tpm=1)  # every request reserves more: 429
+    async with running_router(ttl_s=60, redis_url=redis_server.url) as router:
+        # never heartbeats: nothing but the gateway resets what the router counts for it
+        await register_unreachable_worker(router)
+        gateway = await start_gateway(make_config(redis_server.url, router.address))
+        sent = REGISTRY.get_sample_value(_ROUTER_SENT, {"peer": "router", "direction": "sent"})
+        try:
+            # the router's channel connects on the first call: listing models makes it
+            assert (await gateway.get("/v1/models", headers=auth(key))).status == 200
+            for _ in range(5):
+                response = await gateway.post(
+                    "/v1/chat/completions", json=_GREEDY, headers=auth(key)
+                )
+                assert response.status == 429, await response.text()
+        finally:
+            await gateway.close()
+        fleet = router.resources.registry.fleet
+        # asked ahead (messages went to the router), then handed back: nothing counted
+        assert REGISTRY.get_sample_value(_ROUTER_SENT, {"peer": "router", "direction": "sent"}) > (
+            sent or 0
+        )
+        await eventually(lambda: fleet.routed[fleet.get("dead").slot] == 0)
+        assert fleet.busy_now[fleet.get("dead").slot] == 0
+
+
+_ROUTER_SENT = "infermesh_gateway_stream_messages_total"
