@@ -10,6 +10,13 @@ usage to the key's counters. Both use Redis' clock, so gateways with skewed cloc
 agree. Scripts are registered once per process and run by EVALSHA (re-sent after a
 Redis restart).
 
+Admissions and settlements share round trips to Redis: one goes at once when no round
+trip is out; those that come while one is out wait and go together in the next, one
+pipeline for all keys. Each call's reply or error reaches its own caller; a Redis error
+that fails the round trip fails every admission in it (the request is answered 503:
+never admitted without Redis). A Redis Cluster refuses scripts in pipelines: there each
+admission and each settlement is its own call.
+
 Windows: requests and tokens per minute count in one-second buckets over a sliding
 60 s window: a request admitted at second ``s`` counts until ``s + 60``. Exact at
 the edges (a fixed minute window would admit twice the limit around a boundary),
@@ -61,6 +68,7 @@ from typing import Any
 
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from gateway.errors import AuthenticationError, RateLimitError
@@ -252,6 +260,18 @@ class Admission:
     id: str  # unique per admission
 
 
+# One EVALSHA: the script, its keys and its arguments.
+_Call = tuple[AsyncScript, list[str], list[str | int | float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """An admission waiting for the next round trip to Redis, and where its reply goes."""
+
+    call: _Call
+    reply: asyncio.Future[Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settlement:
     admission: Admission
@@ -324,10 +344,13 @@ class Limiter:
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
+        # a Redis Cluster refuses scripts in pipelines: there each call goes alone
+        self._pipelined = not isinstance(client, RedisCluster)
         self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
+        self._admissions: list[_Waiting] = []  # for the next round trip
         self._unsettled: list[_Settlement] = []  # for the next round trip
-        self._settler: asyncio.Task[None] | None = None
-        self._settle_loaded = False
+        self._sender: asyncio.Task[None] | None = None
+        self._loaded = False  # the scripts, by this process; else the next pipeline loads them
         # settlements that failed, oldest first, for retry_settlements
         self._failed: collections.deque[_Settlement] = collections.deque()
         self._retry_max = settle_retry_max
@@ -336,13 +359,23 @@ class Limiter:
     async def admit(self, kid: str, reserve_tokens: int) -> Admission:
         """Admits one request reserving ``reserve_tokens``; raises ``RateLimitError``
         (429) over a limit, ``AuthenticationError`` when the key stopped being valid.
-        Redis errors propagate: the caller answers 503 and admits nothing."""
+        Redis errors propagate: the caller answers 503 and admits nothing. Goes in the
+        next round trip to Redis, with the other admissions and the settlements that wait
+        for it (at once when none is out)."""
         keys = _keys(kid)
         lease = secrets.token_hex(8)
-        out = await self._admit(
-            keys=[keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
-            args=[reserve_tokens, lease, self._lease_ttl_ms],
+        call: _Call = (
+            self._admit,
+            [keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
+            [reserve_tokens, lease, self._lease_ttl_ms],
         )
+        if self._pipelined:
+            waiting = _Waiting(call, asyncio.get_running_loop().create_future())
+            self._admissions.append(waiting)
+            self._send_soon()
+            out = await waiting.reply
+        else:
+            out = await self._admit(keys=call[1], args=call[2])
         if out[0] == _UNAUTHORIZED:
             raise AuthenticationError(
                 "Incorrect API key provided, or the key is disabled or expired."
@@ -376,36 +409,12 @@ class Limiter:
         ``served`` (the mesh failed the request): gives its request-per-minute unit back
         and counts nothing (a choice's first tokens, when another choice of the request
         failed, were never delivered). Runs at most once per admission, however often it
-        is called."""
-        await self._settle_all([_Settlement(admission, usage, served)])
-
-    async def _settle_all(self, settlements: list[_Settlement]) -> None:
-        """``settle`` for each of ``settlements``, in one round trip to Redis. The script is
-        idempotent per admission, so the whole batch is sent again after Redis had to load
-        it (NOSCRIPT: new or restarted). A Redis Cluster's pipelines refuse scripts: there
-        the settlements go out together, each its own call."""
-        for settlement in settlements:
-            self._leases.pop(settlement.admission.lease, None)
-        calls = [_settle_call(settlement) for settlement in settlements]
-        if isinstance(self._redis, RedisCluster):
-            await asyncio.gather(*(self._settle(keys=keys, args=args) for keys, args in calls))
-            return
-        if not self._settle_loaded:  # once per process: one round trip, not a NOSCRIPT and two
-            await self._redis.script_load(_SETTLE)
-            self._settle_loaded = True
-        try:
-            await self._settle_pipelined(calls)
-        except NoScriptError:
-            await self._redis.script_load(_SETTLE)
-            await self._settle_pipelined(calls)
-
-    async def _settle_pipelined(
-        self, calls: list[tuple[list[str], list[str | int | float]]]
-    ) -> None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
-            await pipe.execute()
+        is called. Its own round trip; raises what Redis raised."""
+        self._leases.pop(admission.lease, None)
+        keys, args = _settle_call(_Settlement(admission, usage, served))
+        [reply] = await self._run([(self._settle, keys, args)])
+        if isinstance(reply, Exception):
+            raise reply
 
     def settle_soon(
         self,
@@ -415,34 +424,111 @@ class Limiter:
         served: bool = True,
     ) -> None:
         """Settles in the background: also when the request's task is being cancelled
-        (a client that went away), and without delaying the response. Settlements that
-        come while one round trip is out go together in the next (one pipeline for all
-        keys); a settlement that fails is retried by ``retry_settlements``."""
+        (a client that went away), and without delaying the response. Goes in the next
+        round trip to Redis, with the admissions and other settlements that wait for it;
+        a settlement that fails is retried by ``retry_settlements``."""
+        self._leases.pop(admission.lease, None)
         self._unsettled.append(_Settlement(admission, usage, served))
-        if self._settler is None:
-            self._settler = asyncio.get_running_loop().create_task(self._settle_unsettled())
+        self._send_soon()
+
+    def _send_soon(self) -> None:
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_waiting())
+
+    async def _send_waiting(self) -> None:
+        """Round trips, one after the other, until nothing waits: the admissions and
+        settlements that come while one is out go together in the next. Each admission's
+        caller gets its reply, or the Redis error its call or the whole round trip got; a
+        settlement that failed is kept for ``retry_settlements``."""
+        try:
+            while self._admissions or self._unsettled:
+                # not sent: the admissions whose caller went away (cancelled) meanwhile
+                admissions = [waiting for waiting in self._admissions if not waiting.reply.done()]
+                settlements = self._unsettled
+                self._admissions, self._unsettled = [], []
+                calls = [waiting.call for waiting in admissions]
+                calls += [(self._settle, *_settle_call(settlement)) for settlement in settlements]
+                replies: list[Any]
+                try:
+                    replies = await self._run(calls)
+                except REDIS_ERRORS as e:
+                    replies = [e] * len(calls)
+                except BaseException:  # cancelled (or a bug): no caller may wait for ever
+                    for waiting in admissions:
+                        waiting.reply.cancel()
+                    raise
+                for waiting, reply in zip(admissions, replies[: len(admissions)], strict=True):
+                    if waiting.reply.done():  # its caller went away meanwhile
+                        continue
+                    if isinstance(reply, Exception):
+                        waiting.reply.set_exception(reply)
+                    else:
+                        waiting.reply.set_result(reply)
+                failed = [
+                    (settlement, reply)
+                    for settlement, reply in zip(
+                        settlements, replies[len(admissions) :], strict=True
+                    )
+                    if isinstance(reply, Exception)
+                ]
+                if failed and not self._failed:
+                    logger.warning(
+                        "could not record usage (%s); keeping settlements to retry",
+                        type(failed[0][1]).__name__,
+                    )
+                for settlement, _ in failed:
+                    self._keep(settlement)
+        finally:
+            self._sender = None
+
+    async def _run(self, calls: list[_Call]) -> list[Any]:
+        """Runs ``calls`` in one round trip to Redis (one pipeline) and returns each one's
+        reply, or the error Redis answered it (one call's error loses none of the others'
+        replies); raises when the round trip itself failed (Redis unreachable, a timeout).
+        The calls that got NOSCRIPT (a new or restarted Redis) did not run: they are sent
+        again, with the scripts, in one more round trip (whose failure is theirs alone). A
+        Redis Cluster refuses scripts in pipelines: there the calls go out together, each its
+        own."""
+        if not self._pipelined:
+            return await asyncio.gather(*(self._run_alone(call) for call in calls))
+        replies = await self._round_trip(calls, load=not self._loaded)
+        again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if again:
+            retried: list[Any]
+            try:
+                retried = await self._round_trip([calls[i] for i in again], load=True)
+            except REDIS_ERRORS as e:  # the others ran: their replies stand
+                retried = [e] * len(again)
+            for i, reply in zip(again, retried, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _round_trip(self, calls: list[_Call], *, load: bool) -> list[Any]:
+        """One pipeline of ``calls``, after both scripts' SCRIPT LOAD when ``load``."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            if load:
+                pipe.script_load(_ADMIT)
+                pipe.script_load(_SETTLE)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        if load:
+            self._loaded = True
+            del replies[:2]
+        return replies
+
+    @staticmethod
+    async def _run_alone(call: _Call) -> Any:
+        script, keys, args = call
+        try:
+            return await script(keys=keys, args=args)
+        except REDIS_ERRORS as e:
+            return e
 
     @property
     def pending_settlements(self) -> int:
         """Settlements that failed and wait for Redis."""
         return len(self._failed)
-
-    async def _settle_unsettled(self) -> None:
-        try:
-            while self._unsettled:
-                batch, self._unsettled = self._unsettled, []
-                try:
-                    await self._settle_all(batch)
-                except REDIS_ERRORS as e:
-                    if not self._failed:
-                        logger.warning(
-                            "could not record usage (%s); keeping settlements to retry",
-                            type(e).__name__,
-                        )
-                    for settlement in batch:
-                        self._keep(settlement)
-        finally:
-            self._settler = None
 
     def _keep(self, settlement: _Settlement) -> None:
         self._failed.append(settlement)
@@ -490,8 +576,8 @@ class Limiter:
     async def drain(self) -> None:
         """At shutdown: waits for the settlements in flight and tries the kept ones once
         more; those that still fail are lost (logged)."""
-        if self._settler is not None:
-            await asyncio.gather(self._settler, return_exceptions=True)
+        if self._sender is not None:
+            await asyncio.gather(self._sender, return_exceptions=True)
         await self._flush()
         if self._failed:
             logger.error(

@@ -7,16 +7,19 @@ import asyncio
 import collections
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import openai
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from prometheus_client import REGISTRY
+from redis.asyncio.connection import Connection
 
 from gateway.errors import RateLimitError
-from gateway.keys import create_key, key_id
-from gateway.limits import LIMITER, Admission, Limiter, duration, read_usage
+from gateway.keys import create_key, key_id, key_tag
+from gateway.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
 from gateway.usage import TokenUsage
 from infermesh.cli.redis_server import RedisServer
 from tests.helpers import MODEL
@@ -329,3 +332,107 @@ async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_cl
     assert (usage["requests"], usage["in_flight"], usage["quota_consumed_tokens"]) == (0, 0, 0)
     buckets = await redis_client.hgetall(f"infermesh:rl:{key_id(key)}:rpm")
     assert sum(int(v) for v in buckets.values()) == 0
+
+
+class _ScriptWrites(Connection):
+    """A connection that counts its writes that carry a script call (EVALSHA): the round
+    trips to Redis that run scripts, one write whether it holds one call or a pipeline."""
+
+    count = 0
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        if isinstance(command, str):
+            command = command.encode()
+        data = command if isinstance(command, bytes) else b"".join(command)
+        if b"EVALSHA" in data:
+            _ScriptWrites.count += 1
+        await super().send_packed_command(data, check_health)
+
+
+async def test_concurrent_admissions_share_round_trips_and_stay_exact(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url, connection_class=_ScriptWrites)
+    try:
+        key = await create_key(client, "batched", rpm=30)
+        limiter = Limiter(client, lease_ttl_s=10, settle_retry_max=10)
+        _ScriptWrites.count = 0
+        outcomes = await asyncio.gather(
+            *(limiter.admit(key_id(key), 0) for _ in range(50)), return_exceptions=True
+        )
+    finally:
+        await client.aclose()
+    assert _ScriptWrites.count <= 2, _ScriptWrites.count  # 50 when each goes alone
+    admitted = [o for o in outcomes if isinstance(o, Admission)]
+    refused = [o for o in outcomes if isinstance(o, RateLimitError)]
+    assert (len(admitted), len(refused)) == (30, 20), outcomes
+    assert sorted(int(a.headers["x-ratelimit-remaining-requests"]) for a in admitted) == list(
+        range(30)
+    )
+    assert {e.headers["x-ratelimit-remaining-requests"] for e in refused} == {"0"}
+    assert {e.type for e in refused} == {"requests"}
+
+
+async def _evalsha_calls(client: aioredis.Redis) -> tuple[int, int]:
+    """EVALSHA calls the server ran or refused, and its NOSCRIPT errors, so far."""
+    calls = (await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    errors = (await client.info("errorstats")).get("errorstat_NOSCRIPT", {}).get("count", 0)
+    return int(calls), int(errors)
+
+
+async def test_admissions_and_settlements_run_once_each_after_a_script_flush(redis_client):
+    limiter = Limiter(redis_client, lease_ttl_s=10, settle_retry_max=10)
+    key = await create_key(redis_client, "flushed", rpm=100)
+    kid = key_id(key)
+    admitted = [await limiter.admit(kid, 0) for _ in range(10)]  # the scripts are loaded
+
+    async def batch(settled: list[Admission]) -> None:
+        """10 admissions and ``settled``'s settlements, all in one round trip."""
+        admissions = asyncio.gather(*(limiter.admit(kid, 0) for _ in range(10)))
+        for admission in settled:
+            limiter.settle_soon(admission, TokenUsage(completion_tokens=1))
+        admitted.extend(await admissions)
+        await limiter.drain()
+        assert limiter.pending_settlements == 0
+
+    await redis_client.script_flush()  # a restarted Redis: neither script is loaded
+    calls, noscript = await _evalsha_calls(redis_client)
+    await batch(admitted[:5])
+    # all 15 refused once, then sent again with the scripts
+    assert await _evalsha_calls(redis_client) == (calls + 30, noscript + 15)
+
+    await redis_client.script_flush()
+    await redis_client.script_load(_SETTLE)  # only the admissions fail: only they go again
+    calls, noscript = await _evalsha_calls(redis_client)
+    await batch(admitted[5:10])
+    assert await _evalsha_calls(redis_client) == (calls + 25, noscript + 10)
+
+    buckets = await redis_client.hgetall(f"infermesh:rl:{key_tag(kid)}:rpm")
+    assert sum(int(v) for v in buckets.values()) == len(admitted) == 30  # each admitted once
+    usage = await read_usage(redis_client, kid, 1)
+    assert (usage["requests"], usage["completion_tokens"]) == (10, 10)  # each settled once
+
+
+async def test_every_admission_waiting_when_redis_is_down_fails_and_none_is_admitted(tmp_path):
+    server = RedisServer(workdir=tmp_path, persistent=True).start()
+    client = aioredis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    limiter = Limiter(client, lease_ttl_s=10, settle_retry_max=10)
+    try:
+        key = await create_key(client, "down", rpm=100)
+        first = await limiter.admit(key_id(key), 0)
+        server.stop()
+        admissions = asyncio.gather(
+            *(limiter.admit(key_id(key), 0) for _ in range(10)), return_exceptions=True
+        )
+        limiter.settle_soon(first, TokenUsage(completion_tokens=3))  # in the same round trip
+        outcomes = await admissions
+        assert {type(o) for o in outcomes} == {redis.exceptions.ConnectionError}, outcomes
+        await eventually(lambda: limiter.pending_settlements == 1)
+        server.start()
+        buckets = await client.hgetall(f"infermesh:rl:{key_tag(key_id(key))}:rpm")
+        assert sum(int(v) for v in buckets.values()) == 1  # only the first
+        await limiter.drain()  # the kept settlement, now that Redis is back
+        assert (await read_usage(client, key_id(key), 1))["completion_tokens"] == 3
+    finally:
+        await client.aclose()
+        server.stop()
