@@ -10,6 +10,8 @@ from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.util.types import AttributeValue
 
+import telemetry
+
 _tracer = trace.get_tracer("infermesh")
 PROVIDER = "infermesh"
 
@@ -30,6 +32,9 @@ def model_call_span(
         gen_ai.GEN_AI_REQUEST_MODEL: model,
         gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER,
     }
+    if not telemetry.tracing_enabled():  # no span to record: skip even the no-op tracer's work
+        yield trace.INVALID_SPAN
+        return
     for key, value in (
         (gen_ai.GEN_AI_REQUEST_MAX_TOKENS, max_tokens),
         (gen_ai.GEN_AI_REQUEST_TEMPERATURE, temperature),

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -134,14 +134,35 @@ def observe_generation(
 ) -> None:
     """One finished generation's latency (duration, TTFT, TPOT over the tokens after the
     first) and token counts, the same way in the gateway and the worker."""
-    REQUEST_DURATION.labels(service, model).observe(total_s)
-    TIME_TO_FIRST_TOKEN.labels(service, model).observe(first_token_s)
-    if output_tokens > 1:
-        TIME_PER_OUTPUT_TOKEN.labels(service, model).observe(
-            (total_s - first_token_s) / (output_tokens - 1)
+    series = _generation_series.get((service, model))
+    if series is None:
+        series = _generation_series[service, model] = _GenerationSeries(
+            REQUEST_DURATION.labels(service, model),
+            TIME_TO_FIRST_TOKEN.labels(service, model),
+            TIME_PER_OUTPUT_TOKEN.labels(service, model),
+            TOKENS.labels(service, model, "input"),
+            TOKENS.labels(service, model, "output"),
         )
-    TOKENS.labels(service, model, "input").inc(input_tokens)
-    TOKENS.labels(service, model, "output").inc(output_tokens)
+    series.duration.observe(total_s)
+    series.first_token.observe(first_token_s)
+    if output_tokens > 1:
+        series.per_output_token.observe((total_s - first_token_s) / (output_tokens - 1))
+    series.input_tokens.inc(input_tokens)
+    series.output_tokens.inc(output_tokens)
+
+
+class _GenerationSeries(NamedTuple):
+    """One service and model's series of ``observe_generation``, looked up once: a labels()
+    lookup costs about as much as the observation itself, on every request."""
+
+    duration: Histogram
+    first_token: Histogram
+    per_output_token: Histogram
+    input_tokens: Counter
+    output_tokens: Counter
+
+
+_generation_series: dict[tuple[str, str], _GenerationSeries] = {}
 
 
 def serve_metrics(config: MetricsEndpoint) -> None:
