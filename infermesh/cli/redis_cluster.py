@@ -83,11 +83,12 @@ class RedisClusterServers:
             "0",
         ]
         self.nodes = []
-        for _ in range(masters * (1 + replicas)):
-            port = _cluster_port()
+        for i in range(masters * (1 + replicas)):
             self.nodes.append(
                 RedisServer(
-                    port, workdir, args=[*args, "--cluster-config-file", f"nodes-{port}.conf"]
+                    workdir=workdir,
+                    args=[*args, "--cluster-config-file", f"nodes-{i}.conf"],
+                    pick_port=_cluster_port,
                 )
             )
 

