@@ -76,7 +76,8 @@ lint: proto
 	$(RUFF) format --check .
 	$(MYPY)
 
-test: lint proto model
+# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped
+test: lint proto model vllm
 	$(PY) -m pytest
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a

@@ -61,8 +61,8 @@ class Generation:
     def __init__(self, mesh: MeshClient, plan: Plan) -> None:
         self._mesh = mesh
         self._plan = plan
-        # the router decides while admission runs: their round trips overlap
-        self._calls = [mesh.generate(r, stream=plan.stream, route_now=True) for r in plan.requests]
+        # made before admission: the router decides while admission runs
+        self._calls = [mesh.generate(r, stream=plan.stream) for r in plan.requests]
         self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)

@@ -89,19 +89,15 @@ class MeshClient:
         await self._workers.close()
         await self._channel.close()
 
-    def generate(
-        self, request: common_pb2.GenerateRequest, *, stream: bool, route_now: bool = False
-    ) -> MeshCall:
+    def generate(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
         """The generation, its route known once the first chunk came; closing its chunks
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
-        may then come as one chunk). ``route_now``: the router is asked at once (on the
-        route stream, when it is connected), while the caller does other work before it
-        reads the chunks; a call that never starts then hands its decision back
-        (``unused``)."""
+        may then come as one chunk). The router is asked at once (on the route stream, when
+        it is connected), while the caller does other work (admission) before it reads the
+        chunks; a call that never starts hands its decision back with ``unused``."""
         call = MeshCall()
         if (
-            route_now
-            and self._route_stream is not None
+            self._route_stream is not None
             and not self._config.relay
             and self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
         ):

@@ -34,7 +34,8 @@ async def read_json(request: web.Request) -> Any:
     """The decoded body; 413 past the size limit, 408 when it does not arrive in time, 400
     when it is not JSON or holds text no encoder accepts (an unpaired surrogate)."""
     raw = await _read(request)
-    if not _SURROGATE_ESCAPE.search(raw):
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if not surrogates:
         with contextlib.suppress(orjson.JSONDecodeError):
             return orjson.loads(raw)  # the common case, fast; errors are worded below
     try:
@@ -43,7 +44,7 @@ async def read_json(request: web.Request) -> Any:
         raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequestError("The request body is nested too deeply") from None
-    if _SURROGATE_ESCAPE.search(raw):
+    if surrogates:
         _reject_lone_surrogates(body)
     return body
 

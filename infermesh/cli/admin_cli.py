@@ -16,16 +16,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from gateway.keys import LIMIT_FIELDS
+
 _DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 10.0
-_LIMIT_FLAGS = (
-    "rpm",
-    "tpm",
-    "max_concurrent",
-    "quota_tokens",
-    "quota_period_tokens",
-    "quota_period_s",
-)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _add_settings(parser: argparse.ArgumentParser, clearable: bool) -> None:
     # Absent flags stay absent (SUPPRESS), so an update sends only what was given.
     value = _int_or_none if clearable else int
-    for flag in _LIMIT_FLAGS:
+    for flag in LIMIT_FIELDS:
         parser.add_argument(
             f"--{flag.replace('_', '-')}", dest=flag, type=value, default=argparse.SUPPRESS
         )
@@ -94,7 +88,7 @@ def _models_or_none(text: str) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     """Runs one ``keys`` action; prints the answer, or the error on stderr (exit 1)."""
     settings = {
-        f: getattr(args, f) for f in (*_LIMIT_FLAGS, "models", "expires_at") if hasattr(args, f)
+        f: getattr(args, f) for f in (*LIMIT_FIELDS, "models", "expires_at") if hasattr(args, f)
     }
     kid = getattr(args, "id", "")
     call: tuple[str, str, dict[str, Any] | None]
