@@ -171,11 +171,19 @@ class MeshClient:
         stream: bool,
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        decided, call.decided = call.decided, None
-        if decided is not None:
-            workers = route_workers(await decided)
-        elif self._route_stream is not None:
-            workers = await self._route_stream.route(request, self._config.control_timeout_s)
+        if self._route_stream is not None:
+            decided, call.decided = call.decided, None
+            if decided is None:  # not asked ahead: the channel was not connected then
+                decided = self._route_stream.ask(request, self._config.control_timeout_s)
+            try:
+                decision = await decided
+            except grpc.aio.AioRpcError as e:
+                # the stream broke under the ask: no router answered it, whatever state the
+                # channel is in by now (it may have reconnected to a restarted router)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise self._unreachable() from None
+                raise
+            workers = route_workers(decision)
         else:
             workers = list(
                 (

@@ -87,7 +87,8 @@ def _expire(decided: asyncio.Future[router_pb2.RouteDecision]) -> None:
 
 
 class RouteStream:
-    """Route and ReportFailure over one long-lived call; safe to share across requests."""
+    """Route asks and failure reports over one long-lived call; safe to share across
+    requests."""
 
     def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
         self._stub = stub
@@ -99,8 +100,8 @@ class RouteStream:
         self, request: common_pb2.GenerateRequest, timeout_s: float
     ) -> asyncio.Future[router_pb2.RouteDecision]:
         """Sends the ask with the stream's next message; the future holds the router's
-        decision (see ``workers``), or fails as Route would: the stream's status when it
-        breaks, DEADLINE_EXCEEDED after ``timeout_s``."""
+        decision (``workers`` reads it as Route's answer), or fails: the stream's status when
+        it breaks, DEADLINE_EXCEEDED after ``timeout_s``."""
         check_size(request)
         call = self._current()
         ask_id = next(self._ids)
@@ -121,13 +122,6 @@ class RouteStream:
 
         decided.add_done_callback(done)
         return decided
-
-    async def route(
-        self, request: common_pb2.GenerateRequest, timeout_s: float
-    ) -> list[common_pb2.Route]:
-        """The workers to try, best first; raises ``grpc.aio.AioRpcError`` as Route would
-        (DEADLINE_EXCEEDED after ``timeout_s``)."""
-        return workers(await self.ask(request, timeout_s))
 
     def unused(self, decided: asyncio.Future[router_pb2.RouteDecision]) -> None:
         """Tells the router, once ``decided`` is decided, that its request was not sent to
