@@ -12,7 +12,7 @@ The prefix is a hash tag: in a Redis Cluster the whole registry (a few hundred s
 hashes at most) lives in one slot, so registering stays one transaction.
 
 Routing decisions never read Redis: each router copies the registry into its local
-:class:`~router_svc.fleet.Fleet` every ``refresh_s`` (one pipelined round trip) and applies
+:class:`~router_svc.fleet.Fleet` every ``refresh_s`` (one script, one round trip) and applies
 the Register/Heartbeat calls it handles itself at once. When Redis cannot be reached the
 registry says so (:class:`RegistryUnavailableError`), the router answers UNAVAILABLE, and the
 refresh loop keeps trying until Redis is back.
@@ -38,11 +38,38 @@ T = TypeVar("T")
 _UNREACHABLE: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
 
 # Renews a worker's hash only while it exists: a heartbeat never resurrects an expired worker.
+# It also lists the worker in the index again, so a worker that heartbeats is always listed,
+# whatever removed it from the index.
 _HEARTBEAT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'load', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
 return 1
+"""
+
+# The registry's snapshot: for each listed worker whose hash lives, its id, info, load,
+# registered_at and TTL in ms (flat); the ids whose hash expired are unlisted in the same
+# script. Read and prune in two round trips would race a registration landing between them
+# and unlist a live worker. KEYS[1]: the index; ARGV[1]: the prefix of the workers' keys,
+# which share the index's hash tag (one slot in a cluster).
+_SNAPSHOT_LUA = """
+local live = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[1] .. id
+  local ttl = redis.call('PTTL', key)
+  local fields = redis.call('HMGET', key, 'info', 'load', 'registered_at')
+  if ttl < 0 or not fields[1] then
+    redis.call('SREM', KEYS[1], id)
+  else
+    table.insert(live, id)
+    table.insert(live, fields[1])
+    table.insert(live, fields[2])
+    table.insert(live, fields[3])
+    table.insert(live, ttl)
+  end
+end
+return live
 """
 
 
@@ -90,6 +117,7 @@ class Registry:
             redis_config.url, timeout_s=redis_config.timeout_s, retries=False
         )
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
+        self._snapshot = self._redis.register_script(_SNAPSHOT_LUA)
         self._where = parse_redis_url(redis_config.url).where()
         tag = f"{{{redis_config.key_prefix}}}"
         self._worker_key = f"{tag}worker:"
@@ -116,8 +144,7 @@ class Registry:
         fields = {"info": info.SerializeToString(), "load": load.SerializeToString()}
         now = repr(time.time())
         replies = await self._call(
-            self._pipelined(
-                True,
+            self._transaction(
                 [
                     lambda pipe: pipe.hset(key, mapping=fields),
                     lambda pipe: pipe.hsetnx(key, "registered_at", now),
@@ -134,7 +161,8 @@ class Registry:
         check_load(load)
         known = await self._call(
             self._heartbeat(
-                keys=[self._worker_key + worker_id], args=[load.SerializeToString(), self._ttl_ms]
+                keys=[self._worker_key + worker_id, self._index_key],
+                args=[load.SerializeToString(), self._ttl_ms, worker_id],
             )
         )
         if known:
@@ -144,28 +172,19 @@ class Registry:
         return bool(known)
 
     async def refresh(self) -> None:
-        """Copies the registry from Redis into the fleet (one round trip for the index, one
-        for the workers); drops the workers whose key expired."""
+        """Copies the registry from Redis into the fleet (one round trip); drops the workers
+        whose key expired."""
         taken_at = self.fleet.clock()
-        members = await self._call(self._redis.smembers(self._index_key))
-        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in members)
-        keys = [self._worker_key + worker_id for worker_id in ids]
-        calls = [call for key in keys for call in _worker_reads(key)]
-        replies = await self._call(self._pipelined(False, calls)) if ids else []
-        gone = []
-        for worker_id, (info, load, registered_at), ttl_ms in zip(
-            ids, replies[::2], replies[1::2], strict=True
-        ):
-            if info is None or ttl_ms < 0:
-                gone.append(worker_id)
-                continue
+        flat = await self._call(self._snapshot(keys=[self._index_key], args=[self._worker_key]))
+        live = sorted(zip(flat[::5], flat[1::5], flat[2::5], flat[3::5], flat[4::5], strict=True))
+        listed = set()
+        for raw_id, info, load, registered_at, ttl_ms in live:
+            worker_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            listed.add(worker_id)
             entry = self.fleet.get(worker_id)
             if entry is not None and entry.updated_at > taken_at:
                 continue  # this router changed it while the snapshot was read
             self._apply(worker_id, info, load, float(registered_at), ttl_ms / 1000)
-        if gone:
-            await self._call(self._redis.srem(self._index_key, *gone))
-        listed = set(ids) - set(gone)
         for entry in self.fleet.entries():
             if entry.worker_id not in listed and entry.updated_at <= taken_at:
                 logger.warning("worker %s gone: no heartbeat within the TTL", entry.worker_id)
@@ -201,12 +220,10 @@ class Registry:
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
 
-    async def _pipelined(
-        self, transaction: bool, calls: Sequence[Callable[[Any], object]]
-    ) -> list[Any]:
-        """Queues ``calls`` (each given the pipeline) in one pipeline and runs it. Opening
+    async def _transaction(self, calls: Sequence[Callable[[Any], object]]) -> list[Any]:
+        """Queues ``calls`` (each given the pipeline) in one MULTI/EXEC and runs it. Opening
         the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
-        async with self._redis.pipeline(transaction=transaction) as pipe:
+        async with self._redis.pipeline(transaction=True) as pipe:
             for call in calls:
                 call(pipe)
             return await pipe.execute()
@@ -228,11 +245,3 @@ class Registry:
             logger.info("worker registry (Redis at %s) reachable", self._where)
             self._failure = None
         return result
-
-
-def _worker_reads(key: str) -> tuple[Callable[[Any], object], Callable[[Any], object]]:
-    """The pipeline calls that read one worker's hash and its time to live."""
-    return (
-        lambda pipe: pipe.hmget(key, "info", "load", "registered_at"),
-        lambda pipe: pipe.pttl(key),
-    )

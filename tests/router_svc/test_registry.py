@@ -10,6 +10,7 @@ import pytest
 
 from infermesh.cli.redis_server import RedisServer
 from infermesh.pb import common_pb2
+from infermesh.redis_client import redis_client
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
@@ -162,3 +163,45 @@ async def test_meshes_sharing_a_redis_keep_apart_by_key_prefix(redis_server):
     finally:
         await a.close()
         await b.close()
+
+
+_W1_KEY = "{infermesh:router:}worker:w1"
+_INDEX = "{infermesh:router:}workers"
+
+
+async def test_a_registration_racing_the_refresh_that_prunes_its_expired_key_stays(redis_server):
+    """After an outage longer than the TTL, a refresh finds the worker's hash expired while the
+    worker registers again: whatever the interleaving, the worker stays listed and routed."""
+    a, b = registry(redis_server.url), registry(redis_server.url)
+    raw = redis_client(redis_server.url, timeout_s=2)
+    try:
+        for delay in range(12):  # b's registration lands at a different point of a's refresh
+            await a.register(info("w1"), common_pb2.Load())
+            await raw.delete(_W1_KEY)  # expired; still in the index
+
+            async def register_later(yields: int = delay) -> None:
+                for _ in range(yields):
+                    await asyncio.sleep(0)
+                await b.register(info("w1"), common_pb2.Load())
+
+            await asyncio.gather(a.refresh(), register_later())
+            await a.refresh()
+            assert ids(a) == ["w1"], f"unlisted with the registration {delay} yields late"
+    finally:
+        await raw.aclose()
+        await a.close()
+        await b.close()
+
+
+async def test_a_heartbeating_worker_missing_from_the_index_is_listed_again(redis_server):
+    a = registry(redis_server.url)
+    raw = redis_client(redis_server.url, timeout_s=2)
+    try:
+        await a.register(info("w1"), common_pb2.Load())
+        await raw.srem(_INDEX, "w1")  # however the index lost it, its hash lives on
+        assert await a.heartbeat("w1", common_pb2.Load(running=1))
+        await a.refresh()
+        assert ids(a) == ["w1"] and a.fleet.get("w1").load.running == 1
+    finally:
+        await raw.aclose()
+        await a.close()
