@@ -51,17 +51,18 @@ return 1
 # The registry's snapshot: for each listed worker whose hash lives, its id, info, load,
 # registered_at and TTL in ms (flat); the ids whose hash expired are unlisted in the same
 # script. Read and prune in two round trips would race a registration landing between them
-# and unlist a live worker. KEYS[1]: the index; ARGV[1]: the prefix of the workers' keys,
+# and unlist a live worker. A hash with a TTL holds its fields: one MULTI writes them and the
+# TTL. KEYS[1]: the index; ARGV[1]: the prefix of the workers' keys,
 # which share the index's hash tag (one slot in a cluster).
 _SNAPSHOT_LUA = """
 local live = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[1] .. id
   local ttl = redis.call('PTTL', key)
-  local fields = redis.call('HMGET', key, 'info', 'load', 'registered_at')
-  if ttl < 0 or not fields[1] then
+  if ttl < 0 then
     redis.call('SREM', KEYS[1], id)
   else
+    local fields = redis.call('HMGET', key, 'info', 'load', 'registered_at')
     table.insert(live, id)
     table.insert(live, fields[1])
     table.insert(live, fields[2])

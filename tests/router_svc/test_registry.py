@@ -165,8 +165,9 @@ async def test_meshes_sharing_a_redis_keep_apart_by_key_prefix(redis_server):
         await b.close()
 
 
-_W1_KEY = "{infermesh:router:}worker:w1"
-_INDEX = "{infermesh:router:}workers"
+_TAG = f"{{{RedisSection().key_prefix}}}"  # the registry's keys under the default prefix
+_W1_KEY = f"{_TAG}worker:w1"
+_INDEX = f"{_TAG}workers"
 
 
 async def test_a_registration_racing_the_refresh_that_prunes_its_expired_key_stays(redis_server):
