@@ -39,31 +39,31 @@ $(GENERATED): $(PROTOS) $(INSTALLED)
 proto: $(GENERATED)
 
 # The embedded default model: a tiny DeepSeek-V3 checkpoint with random weights.
-$(MODEL_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
-	$(PY) -m infermesh.cli.tiny_model $(MODEL_DIR)
+$(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
+	$(PY) -m devtools.tiny_model $(MODEL_DIR)
 
 model: $(MODEL_DIR)/config.json
 
 # Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
 
-models/tiny-deepseek-v2/config.json: $(GENERATED) infermesh/cli/tiny_model.py
-	$(PY) -m infermesh.cli.tiny_model models/tiny-deepseek-v2 --v2
+models/tiny-deepseek-v2/config.json: $(GENERATED) devtools/tiny_model.py
+	$(PY) -m devtools.tiny_model models/tiny-deepseek-v2 --v2
 
-models/tiny-deepseek-v2-lite/config.json: $(GENERATED) infermesh/cli/tiny_model.py
-	$(PY) -m infermesh.cli.tiny_model models/tiny-deepseek-v2-lite --v2-lite
+models/tiny-deepseek-v2-lite/config.json: $(GENERATED) devtools/tiny_model.py
+	$(PY) -m devtools.tiny_model models/tiny-deepseek-v2-lite --v2-lite
 
 model-v2: $(addsuffix /config.json,$(V2_MODEL_DIRS))
 # The same tiny model as DeepSeek-V3.2 (sparse attention): `make model-v32`, then `--model $(V32_DIR)`.
-$(V32_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
-	$(PY) -m infermesh.cli.tiny_model $(V32_DIR) --v32
+$(V32_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
+	$(PY) -m devtools.tiny_model $(V32_DIR) --v32
 
 model-v32: $(V32_DIR)/config.json
 
 # The tiny model with DeepSeek's attention head sizes and BF16 weights, which vLLM's CPU build serves
 # (its MLA kernels take only a 512 + 64 latent head; its FP8 linear kernels need AMX).
-$(MLA_DIR)/config.json: $(GENERATED) infermesh/cli/tiny_model.py
-	$(PY) -m infermesh.cli.tiny_model $(MLA_DIR) --mla --bf16
+$(MLA_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
+	$(PY) -m devtools.tiny_model $(MLA_DIR) --mla --bf16
 
 model-mla: $(MLA_DIR)/config.json
 

@@ -49,12 +49,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from devtools.mesh import Mesh, MeshSpec
+from devtools.redis_server import RedisServer
 from gateway.keys import create_key, key_id, key_tag
-from infermesh.cli.mesh import Mesh, MeshSpec
-from infermesh.cli.probe import grpc_serving
-from infermesh.cli.redis_server import RedisServer
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
+from infermesh.probe import grpc_serving
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 MODEL = "tiny-deepseek-v3"

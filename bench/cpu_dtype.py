@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.cli.tiny_model import bench_config, tiny_config
-from worker_svc.model import ModelArgs, dense_linear
-from worker_svc.model_config import model_args
-from worker_svc.precision import cpu_has_native_bf16
+from devtools.tiny_model import bench_config, tiny_config
+from worker_svc.model.model import ModelArgs, dense_linear
+from worker_svc.model.model_config import model_args
+from worker_svc.model.precision import cpu_has_native_bf16
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNK = 256

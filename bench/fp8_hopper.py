@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.cli.tiny_model import write_tiny_checkpoint
-from worker_svc.checkpoint import load_checkpoint
-from worker_svc.kernel import (
+from devtools.tiny_model import write_tiny_checkpoint
+from worker_svc.model.checkpoint import load_checkpoint
+from worker_svc.model.kernel import (
     FP8,
     GemmImpl,
     act_quant,

@@ -4,11 +4,11 @@ raw malformed requests, slow and idle clients.
     .venv/bin/python bench/fuzz.py [--examples 100] [--rounds 3] [--slow 20] [--idle 500]
 
 Starts Redis, the router, one simulated worker (INFERMESH_WORKER_ENGINE_KIND=sim,
-zero latency) and the gateway as processes (infermesh.cli.mesh), the gateway with 2 s header,
+zero latency) and the gateway as processes (devtools.mesh), the gateway with 2 s header,
 body and keep-alive timeouts. Runs, per round: every operation of the document with
 --examples positive and --examples negative cases (positive ones half the time on the
 served model, so the worker generates), the raw malformed bodies and headers of
-infermesh.cli.fuzz; then --slow clients sending headers and --slow a body a byte every 0.2 s,
+tests.helpers.fuzz; then --slow clients sending headers and --slow a body a byte every 0.2 s,
 and --idle idle keep-alive connections. Prints cases run, the statuses, failures found
 (5xx, 4xx not in the API's error shape, unanswered requests, slow clients kept), whether
 any process restarted, the gateway's RSS after the first round and at the end, and
@@ -29,11 +29,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from devtools.mesh import Mesh, MeshSpec
+from devtools.redis_server import RedisServer
 from gateway.keys import create_key_at
-from infermesh.cli import fuzz
-from infermesh.cli.mesh import Mesh, MeshSpec
-from infermesh.cli.redis_server import RedisServer
 from infermesh.ports import free_port
+from tests.helpers import fuzz
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 ADMIN_TOKEN = "bench-fuzz-admin-token-0123456789"

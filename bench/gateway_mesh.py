@@ -5,7 +5,7 @@ worker, and LiteLLM's proxy against the same load sent straight to its upstream,
         [--paths direct mesh upstream litellm] [--litellm /path/to/venv/bin/litellm]
         [--gateway-processes 1] [--unpinned]
 
-Starts Redis, the router, one worker and the gateway as processes (infermesh.cli.mesh), the
+Starts Redis, the router, one worker and the gateway as processes (devtools.mesh), the
 worker on the simulated engine in zero-latency mode (INFERMESH_WORKER_ENGINE_KIND=sim,
 INFERMESH_WORKER_ENGINE_ZERO_LATENCY=true: tokens cost nothing, so what is measured is the
 mesh). Pinned as the reference figures were taken: gateway and router together on core 0,
@@ -55,9 +55,9 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mesh_load import simulated_mesh
+from devtools.mesh import Mesh
+from devtools.redis_server import RedisServer
 from gateway.keys import create_key
-from infermesh.cli.mesh import Mesh
-from infermesh.cli.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from infermesh.ports import free_port
 

@@ -47,12 +47,12 @@ from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infermesh.cli.tiny_model import write_bench_checkpoint
+from devtools.tiny_model import write_bench_checkpoint
 from worker_svc.config import ParallelSection
-from worker_svc.engine import Engine
 from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool
-from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
-from worker_svc.tokenizer import Tokenizer
+from worker_svc.text.grammar import GrammarCompiler, apply_masks, lark_grammar
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.torch_engine.engine import Engine
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
 _LONG = {

@@ -16,7 +16,7 @@ from typing import Literal
 
 import aiohttp
 
-from infermesh.cli.mesh import MeshSpec
+from devtools.mesh import MeshSpec
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 

@@ -34,11 +34,11 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mesh_load import MeshLoad, Outcome, simulated_mesh
+from devtools.mesh import Mesh
 from gateway.keys import create_key, key_id, update_key
 from gateway.limits import read_usage
-from infermesh.cli.mesh import Mesh
-from infermesh.cli.redis_cluster import RedisClusterServers
 from infermesh.redis_client import RedisClient, redis_client
+from tests.helpers.redis_cluster import RedisClusterServers
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 _SETTLE_S = 2.0  # for the last settlements, after the load

@@ -5,7 +5,7 @@ throughput for round_robin, least_load and balanced (the default), in one run.
 
 Per policy, on fresh processes: a Redis, a real router (``python -m router_svc`` with
 INFERMESH_ROUTER_ROUTING_POLICY) and one process hosting 16 simulated workers as separate
-gRPC servers (4 x V100, 4 x A100, 4 x H100, 4 x MI100; worker_svc/sim_engine.py), which
+gRPC servers (4 x V100, 4 x A100, 4 x H100, 4 x MI100; worker_svc/sim_engine/engine.py), which
 register with the router as real workers do. This process sends the same open-loop workload
 through the router each time: Poisson arrivals at ``--load`` x the fleet's estimated capacity
 (from the roofline, without prefix-cache hits), prompts that mostly share one of 100 long
@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 import redis
 
-from infermesh.cli.probe import grpc_serving
-from infermesh.cli.processes import stop_with_parent
-from infermesh.cli.redis_server import RedisServer
+from devtools.processes import stop_with_parent
+from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
+from infermesh.probe import grpc_serving
 from worker_svc import server as worker_server
 from worker_svc.config import (
     EngineSection,
@@ -53,7 +53,7 @@ from worker_svc.config import (
     ServerSection,
     WorkerConfig,
 )
-from worker_svc.sim_engine import SimEngine
+from worker_svc.sim_engine.engine import SimEngine
 
 MODEL = "sim-22b"
 FLEET = [("V100", 2), ("A100", 1), ("H100", 1), ("MI100", 2)] * 4  # (GPU profile, GPUs per worker)

@@ -38,9 +38,9 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mesh_load import Kind, MeshLoad, Outcome, simulated_mesh
+from devtools.mesh import Mesh, MeshSpec
+from devtools.redis_server import RedisServer
 from gateway.keys import create_key
-from infermesh.cli.mesh import Mesh, MeshSpec
-from infermesh.cli.redis_server import RedisServer
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 

@@ -45,8 +45,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8, sparse_attend
-from worker_svc.model import MLA, AttentionGroup, KVCache, ModelArgs, Transformer
+from worker_svc.model.indexer import (
+    hadamard_rotate,
+    select_tokens,
+    select_tokens_fp8,
+    sparse_attend,
+)
+from worker_svc.model.model import MLA, AttentionGroup, KVCache, ModelArgs, Transformer
 
 V3_ARGS = ModelArgs(
     vocab_size=1024,

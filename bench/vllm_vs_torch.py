@@ -31,7 +31,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from infermesh.cli.tiny_model import CORPUS  # noqa: E402
+from devtools.tiny_model import CORPUS  # noqa: E402
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from infermesh.ports import free_port  # noqa: E402
 

@@ -4,7 +4,7 @@ generate().
     .venv/bin/python bench/worker_throughput.py [--model-dir models/bench-deepseek-v3] \
         [--concurrency 1 8 32]
 
-On the ~73M-parameter benchmark checkpoint (written by `infermesh.cli.tiny_model --bench` when
+On the ~73M-parameter benchmark checkpoint (written by `devtools.tiny_model --bench` when
 missing), in the dtype the precision policy picks for this machine, greedy, prompts of
 --prompt-tokens tokens (distinct from their first token, so the prefix cache does not help) and
 --new-tokens new tokens:
@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import PreTrainedModel
 
-from infermesh.cli.hf_reference import transformers_model
-from infermesh.cli.tiny_model import CORPUS, write_bench_checkpoint
-from worker_svc.checkpoint import read_config
+from devtools.tiny_model import CORPUS, write_bench_checkpoint
+from tests.helpers.hf_reference import transformers_model
 from worker_svc.config import ParallelSection
-from worker_svc.engine import Engine
 from worker_svc.engine_api import GenerationRequest, SamplingParams
-from worker_svc.kv_cache import bytes_per_token, unabsorbed_bytes_per_token
+from worker_svc.model.checkpoint import read_config
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.torch_engine.kv_cache import bytes_per_token, unabsorbed_bytes_per_token
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"
 

@@ -13,11 +13,11 @@ import pytest
 # using grpc; set before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from infermesh.cli.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine import Engine
-from worker_svc.precision import detect_capabilities, resolve_device
+from worker_svc.model.precision import detect_capabilities, resolve_device
+from worker_svc.torch_engine.engine import Engine
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

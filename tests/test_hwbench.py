@@ -13,12 +13,12 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from devtools.hwbench import report
+from devtools.hwbench.load import Sample
+from devtools.hwbench.plots import SIZE_PX
+from devtools.hwbench.results import Point, dominates
+from devtools.main import main
 from gateway.keys import create_key_at
-from infermesh.cli.hwbench import report
-from infermesh.cli.hwbench.load import Sample
-from infermesh.cli.hwbench.plots import SIZE_PX
-from infermesh.cli.hwbench.results import Point, dominates
-from infermesh.cli.main import main
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway

@@ -7,13 +7,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("telemetry", "infermesh", "gateway", "router_svc", "worker_svc")
+PACKAGES = ("telemetry", "infermesh", "gateway", "router_svc", "worker_svc", "devtools")
 
 # (module prefix, unit, floor), most specific prefix first. Units on one floor never import
 # each other: the three services, and telemetry and the generated gRPC code.
 UNITS: tuple[tuple[str, str, int], ...] = (
-    ("infermesh.__main__", "infermesh.cli", 3),
-    ("infermesh.cli", "infermesh.cli", 3),
+    ("infermesh.__main__", "devtools", 3),
+    ("devtools", "devtools", 3),
     ("infermesh.pb", "infermesh.pb", 0),
     ("telemetry", "telemetry", 0),
     ("infermesh", "infermesh", 1),
@@ -43,7 +43,7 @@ def imported_modules(
     module: str, is_package: bool, source: str, known: set[str]
 ) -> list[tuple[int, str]]:
     """(line, module) of every import in ``source``; ``from a import b`` names ``a.b`` when
-    that is a module, so ``from infermesh import cli`` counts as infermesh.cli."""
+    that is a module, so ``from infermesh import cli`` counts as infermesh.config."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -98,25 +98,24 @@ def test_no_module_imports_a_higher_floor_or_a_sibling_service() -> None:
         "worker_svc.server",
         "infermesh.config",
         "telemetry.metrics",
-        "infermesh.cli.main",
+        "devtools.main",
     } <= set(graph)
     assert "infermesh.config" in graph["router_svc.config"]
-    assert "infermesh.cli.mesh" in graph["infermesh.cli.main"]
+    assert "devtools.mesh" in graph["devtools.main"]
     assert "telemetry" in graph["infermesh.grpc_server"]
 
 
 def test_the_check_names_an_import_up_a_floor_or_across() -> None:
     known = set(project_modules())
-    assert violations("worker_svc.engine", False, "def f():\n    import gateway.app\n", known) == [
-        "worker_svc.engine:2 imports gateway.app, a sibling on its floor"
-    ]
+    assert violations(
+        "worker_svc.torch_engine.engine", False, "def f():\n    import gateway.app\n", known
+    ) == ["worker_svc.torch_engine.engine:2 imports gateway.app, a sibling on its floor"]
     assert violations("telemetry.metrics", False, "from infermesh import config\n", known) == [
         "telemetry.metrics:1 imports infermesh.config, a higher floor (infermesh)"
     ]
-    assert violations("gateway.keys", False, "from infermesh import cli\n", known) == [
-        "gateway.keys:1 imports infermesh.cli, a higher floor (infermesh.cli)"
+    assert violations("gateway.keys", False, "from devtools import plan\n", known) == [
+        "gateway.keys:1 imports devtools.plan, a higher floor (devtools)"
     ]
     assert (
-        violations("infermesh.cli.mesh", False, "from . import probe\nimport worker_svc\n", known)
-        == []
+        violations("devtools.mesh", False, "from . import plan\nimport worker_svc\n", known) == []
     )

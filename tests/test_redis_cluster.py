@@ -14,11 +14,11 @@ from redis.crc import key_slot
 
 from bench.redis_failover import run as run_failover
 from gateway.keys import key_id
-from infermesh.cli.redis_cluster import RedisClusterServers, SentinelServers
 from infermesh.redis_client import redis_client
 from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN, auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
+from tests.helpers.redis_cluster import RedisClusterServers, SentinelServers
 
 _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from infermesh.cli.redis_server import RedisServer, redis_reachable
+from devtools.redis_server import RedisServer, redis_reachable
 from infermesh.ports import free_port
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infermesh.config import ConfigError, MetricsSection, load_config, section
-from worker_svc.gpu_profiles import gpu_profiles
-from worker_svc.sizing import ModelSize, model_size_of
+from worker_svc.hardware.gpu_profiles import gpu_profiles
+from worker_svc.hardware.sizing import ModelSize, model_size_of
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -183,10 +183,10 @@ class EngineSection:
     # sim only: a profile of gpu_profiles.toml, how many of them, and the model.
     gpu: str = "H100"
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
-    # [parallel] max_parallel sequences of kv_budget_tokens (worker_svc/sizing.py)
+    # [parallel] max_parallel sequences of kv_budget_tokens (worker_svc/hardware/sizing.py)
     gpu_count: int = 0
     kv_budget_tokens: int = 4096
-    # The model: a bundled config of worker_svc/model_configs/ ("DeepSeek-V3", "DeepSeek-V2-Lite",
+    # The model: a bundled config of worker_svc/model/configs/ ("DeepSeek-V3", "DeepSeek-V2-Lite",
     # ...), a checkpoint directory or a config.json; or, unset, the sizes below (defaults where
     # unset: 8B dense, 128 KiB of KV cache per token). index_topk > 0 simulates DeepSeek-V3.2's
     # sparse attention: each query attends to at most index_topk tokens, after the indexer scored

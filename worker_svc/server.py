@@ -33,8 +33,8 @@ from worker_svc.engine_api import (
     ToolChoice,
     merge_chunks,
 )
-from worker_svc.gpu_profiles import gpu_kind
-from worker_svc.sim_engine import SimEngine
+from worker_svc.hardware.gpu_profiles import gpu_kind
+from worker_svc.sim_engine.engine import SimEngine
 
 logger = logging.getLogger(__name__)
 
@@ -430,10 +430,10 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
     if config.engine.kind == "sim":
         return SimEngine.from_config(config)
     if config.engine.kind == "vllm":
-        from worker_svc.vllm_engine import VllmEngine
+        from worker_svc.vllm_engine.engine import VllmEngine
 
         return await VllmEngine.start(config)
-    from worker_svc.engine import Engine
+    from worker_svc.torch_engine.engine import Engine
 
     return await asyncio.to_thread(
         Engine.from_checkpoint,

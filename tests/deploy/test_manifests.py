@@ -18,7 +18,7 @@ from infermesh.config import env_names, load_config
 from router_svc.config import RouterConfig
 from worker_svc.config import WorkerConfig
 from worker_svc.config import load as load_worker_config
-from worker_svc.vllm_args import Devices, engine_args
+from worker_svc.vllm_engine.args import Devices, engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # module → (config class, env prefix); the probe is the health-check helper.
@@ -147,7 +147,7 @@ def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict[str, Any]
     checkpoint = tmp_path / "DeepSeek-V3"
     checkpoint.mkdir(exist_ok=True)
     shutil.copy(
-        DEPLOY.parent / "worker_svc" / "model_configs" / "DeepSeek-V3.json",
+        DEPLOY.parent / "worker_svc" / "model" / "configs" / "DeepSeek-V3.json",
         checkpoint / "config.json",
     )
     config = dataclasses.replace(

@@ -12,8 +12,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from infermesh.cli.mesh import Mesh, MeshSpec
-from infermesh.cli.redis_server import RedisServer
+from devtools.mesh import Mesh, MeshSpec
+from devtools.redis_server import RedisServer
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
 from worker_svc.config import DEFAULT_MODEL_PATH

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from infermesh.cli import fuzz
-from infermesh.cli.mesh import Mesh, MeshSpec
+from devtools.mesh import Mesh, MeshSpec
 from infermesh.ports import free_port
+from tests.helpers import fuzz
 from tests.helpers.e2e import new_key
 from worker_svc.config import DEFAULT_MODEL_PATH
 

@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 
-from infermesh.cli.mesh import Mesh, MeshSpec
+from devtools.mesh import Mesh, MeshSpec
 from infermesh.pb import (
     common_pb2,
     router_pb2,

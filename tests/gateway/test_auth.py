@@ -7,8 +7,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from devtools.redis_server import RedisServer
 from gateway.keys import create_key, disable_key, key_id
-from infermesh.cli.redis_server import RedisServer
 from tests.helpers.gateway import CHAT, auth, sdk
 
 

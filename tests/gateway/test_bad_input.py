@@ -10,9 +10,8 @@ import pytest
 from gateway.config import RouterSection
 from gateway.errors import GatewayError
 from gateway.mesh_client import MeshClient
-from infermesh.cli import rawhttp
 from infermesh.pb import common_pb2
-from tests.helpers import MODEL
+from tests.helpers import MODEL, rawhttp
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
 from tests.helpers.inprocess import register_unreachable_worker
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from gateway.http_server import log_redacted
-from infermesh.cli import rawhttp
-from infermesh.cli.rawhttp import RawResponse
+from tests.helpers import rawhttp
 from tests.helpers.gateway import ADMIN_TOKEN
+from tests.helpers.rawhttp import RawResponse
 
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
 

@@ -17,11 +17,11 @@ import redis.exceptions
 from prometheus_client import REGISTRY
 from redis.asyncio.connection import Connection
 
+from devtools.redis_server import RedisServer
 from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id, key_tag
 from gateway.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
 from gateway.usage import TokenUsage
-from infermesh.cli.redis_server import RedisServer
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually

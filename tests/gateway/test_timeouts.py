@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from infermesh.cli import rawhttp
+from tests.helpers import rawhttp
 from tests.helpers.gateway import make_config, start_gateway
 
 _TIMEOUT_S = 0.5

@@ -23,7 +23,7 @@ from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import RunningWorker, eventually, running_worker, sim_engine
-from worker_svc.sim_engine import SimEngine
+from worker_svc.sim_engine.engine import SimEngine
 
 
 def _config(redis_url: str, router_address: str, **router: Any) -> GatewayConfig:

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from infermesh.cli.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from router_svc.config import (
@@ -29,7 +29,7 @@ from worker_svc import server as worker_server
 from worker_svc.config import EngineSection, ParallelSection, RouterSection, WorkerConfig
 from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
-from worker_svc.sim_engine import SimEngine
+from worker_svc.sim_engine.engine import SimEngine
 
 
 class RunningRouter:

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from infermesh.cli.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import RoutingSection
 from tests.helpers import MODEL

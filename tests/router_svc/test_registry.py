@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from infermesh.cli.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2
 from infermesh.redis_client import redis_client
 from router_svc.config import RedisSection, RegistrySection

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infermesh.cli.tiny_model import (
+from devtools.tiny_model import (
     write_tiny_checkpoint,
     write_v2_checkpoint,
     write_variant_checkpoint,

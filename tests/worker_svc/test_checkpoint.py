@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from infermesh.cli.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
-from worker_svc.checkpoint import CheckpointError, load_checkpoint
-from worker_svc.model_config import model_args
+from devtools.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
+from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
+from worker_svc.model.model_config import model_args
 
 _FILES = [
     "config.json",
@@ -123,7 +123,7 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_dir: Path, tmp_path: Pat
 
 def test_mtp_layer_is_skipped_at_load(tiny_dir: Path, caplog: pytest.LogCaptureFixture):
     config = json.loads((tiny_dir / "config.json").read_text())
-    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.model.checkpoint"):
         model, _ = load_checkpoint(tiny_dir)
     assert len(model.layers) == config["num_hidden_layers"]
     mtp = f"model.layers.{config['num_hidden_layers']}."

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infermesh.cli.hf_reference import transformers_model
+from tests.helpers.hf_reference import transformers_model
 from tests.helpers.inprocess import eventually
-from worker_svc.checkpoint import CheckpointError, read_config
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine import Engine
 from worker_svc.engine_api import (
     EngineOverloadedError,
     GenerationChunk,
@@ -24,7 +22,9 @@ from worker_svc.engine_api import (
     InvalidRequestError,
     SamplingParams,
 )
-from worker_svc.kv_cache import bytes_per_token
+from worker_svc.model.checkpoint import CheckpointError, read_config
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.torch_engine.kv_cache import bytes_per_token
 
 _MESSAGES = [{"role": "user", "content": "Hello, how are you?"}]
 
@@ -277,7 +277,7 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
         cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
     )
     try:
-        with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
+        with caplog.at_level(logging.INFO, logger="worker_svc.torch_engine.scheduler"):
             assert await _greedy_texts(small, 4, max_tokens=30) == expected
         assert "preempting" in caplog.text
         await eventually(lambda: small.load().kv_cache_usage == 0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_svc.kernel import (
+from worker_svc.model.kernel import (
     FP8,
     act_quant,
     fp8_gemm,

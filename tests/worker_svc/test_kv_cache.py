@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.kv_cache import (
+from worker_svc.model.model import ModelArgs
+from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     BlockTable,
     block_hash,
@@ -13,7 +14,6 @@ from worker_svc.kv_cache import (
     cache_budget_bytes,
     unabsorbed_bytes_per_token,
 )
-from worker_svc.model import ModelArgs
 
 
 def _computed(manager: BlockManager, tokens: list[int]) -> BlockTable:

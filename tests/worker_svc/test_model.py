@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from infermesh.cli.hf_reference import transformers_model
-from worker_svc.checkpoint import load_checkpoint
-from worker_svc.kernel import FP8
-from worker_svc.kv_cache import bytes_per_token
-from worker_svc.model import (
+from tests.helpers.hf_reference import transformers_model
+from worker_svc.hardware.sizing import model_size
+from worker_svc.model.checkpoint import load_checkpoint
+from worker_svc.model.kernel import FP8
+from worker_svc.model.model import (
     MLA,
     MLP,
     Linear,
@@ -29,7 +29,7 @@ from worker_svc.model import (
     precompute_freqs_cis,
     smoke_run,
 )
-from worker_svc.sizing import model_size
+from worker_svc.torch_engine.kv_cache import bytes_per_token
 
 # FP32 on both sides; observed max |diff| ~3e-6 on logits of magnitude ~3.
 LOGITS_ATOL = 1e-4
@@ -207,7 +207,7 @@ def test_model_smoke_run():
 def test_fp8_weights_match_the_dequantized_path(tiny_dir: Path, caplog: pytest.LogCaptureFixture):
     """The sm90 arithmetic (reference implementation on CPU): FP8 weights + act_quant ->
     fp8_gemm."""
-    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.model.checkpoint"):
         fp8, config = load_checkpoint(tiny_dir, FP8)
     assert "FP8 linear weights" in caplog.text
     dequantized, _ = load_checkpoint(tiny_dir, torch.bfloat16)

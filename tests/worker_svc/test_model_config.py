@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from infermesh.cli.tiny_model import tiny_config
-from worker_svc.checkpoint import CheckpointError, load_checkpoint
-from worker_svc.model_config import ConfigError, model_args
+from devtools.tiny_model import tiny_config
+from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
+from worker_svc.model.model_config import ConfigError, model_args
 
 _YARN = {
     "type": "yarn",

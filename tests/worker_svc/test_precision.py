@@ -1,4 +1,4 @@
-"""The precision policy (worker_svc/precision.py), without a GPU."""
+"""The precision policy (worker_svc/model/precision.py), without a GPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from worker_svc.kernel import FP8
-from worker_svc.precision import (
+from worker_svc.model.kernel import FP8
+from worker_svc.model.precision import (
     TORCH_DTYPES,
     choose_precision,
     cpu_has_native_bf16,
@@ -74,7 +74,7 @@ def test_fp8_loads_fp8_weights():
 
 
 def test_detect_cpu(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.INFO, logger="worker_svc.precision"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.model.precision"):
         caps = detect_capabilities(torch.device("cpu"))
     assert (caps.device, caps.compute_capability) == ("cpu", "")
     assert caps.precision == ("bf16" if cpu_has_native_bf16() else "fp32")

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from worker_svc.kv_cache import BlockManager
-from worker_svc.scheduler import Scheduler, SchedulerOutput, Sequence
+from worker_svc.torch_engine.kv_cache import BlockManager
+from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, Sequence
 
 _ids = itertools.count()
 

@@ -17,7 +17,7 @@ from tests.helpers import MODEL
 from tests.helpers.inprocess import eventually, running_router, sim_engine, wait_for_workers
 from worker_svc import server as worker_server
 from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
-from worker_svc.engine import Engine
+from worker_svc.torch_engine.engine import Engine
 
 
 @contextlib.asynccontextmanager

@@ -21,9 +21,9 @@ from worker_svc.engine_api import (
     InvalidRequestError,
     SamplingParams,
 )
-from worker_svc.gpu_profiles import gpu_profiles
-from worker_svc.sim_engine import Roofline, SimEngine
-from worker_svc.sizing import model_size_of
+from worker_svc.hardware.gpu_profiles import gpu_profiles
+from worker_svc.hardware.sizing import model_size_of
+from worker_svc.sim_engine.engine import Roofline, SimEngine
 
 
 def request(

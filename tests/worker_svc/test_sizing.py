@@ -1,5 +1,5 @@
-"""worker_svc/sizing.py and ``python -m infermesh plan``: against the tiny checkpoints' real
-tensors (V3, V2, V3.2) and the built models, hand-computed figures, and the published sizes."""
+"""worker_svc/hardware/sizing.py and ``python -m infermesh plan``: against the tiny checkpoints'
+real tensors (V3, V2, V3.2) and the built models, hand-computed figures, and the published sizes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infermesh.cli.main import main
-from worker_svc.checkpoint import load_checkpoint
+from devtools.main import main
 from worker_svc.config import DEFAULT_MODEL_PATH
-from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token
-from worker_svc.model_config import model_args
-from worker_svc.sizing import (
+from worker_svc.hardware.sizing import (
     bundled_models,
     checkpoint_tensors,
     fewest_gpus,
@@ -23,8 +20,11 @@ from worker_svc.sizing import (
     model_size_of,
     sequences_that_fit,
 )
+from worker_svc.model.checkpoint import load_checkpoint
+from worker_svc.model.model_config import model_args
+from worker_svc.torch_engine.kv_cache import bytes_per_token, index_bytes_per_token
 
-V3_CONFIG = "worker_svc/model_configs/DeepSeek-V3.json"
+V3_CONFIG = "worker_svc/model/configs/DeepSeek-V3.json"
 _V3_INDEX_TOTAL_SIZE = 688_586_727_753  # model.safetensors.index.json "total_size", as published
 
 

@@ -15,17 +15,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from infermesh.cli.hf_reference import transformers_model
-from infermesh.cli.tiny_model import TINY_DSA
-from worker_svc.checkpoint import CheckpointError, load_checkpoint
+from devtools.tiny_model import TINY_DSA
+from tests.helpers.hf_reference import transformers_model
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
-from worker_svc.engine import Engine
 from worker_svc.engine_api import GenerationRequest, SamplingParams
-from worker_svc.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
-from worker_svc.kernel import FP8
-from worker_svc.kv_cache import bytes_per_token, index_bytes_per_token, latent_bytes_per_token
-from worker_svc.model import Transformer
+from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
+from worker_svc.model.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
+from worker_svc.model.kernel import FP8
+from worker_svc.model.model import Transformer
 from worker_svc.server import worker_info
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.torch_engine.kv_cache import (
+    bytes_per_token,
+    index_bytes_per_token,
+    latent_bytes_per_token,
+)
 
 # FP32 on both sides; observed max |diff| ~4e-6 on logits of magnitude ~3.5.
 LOGITS_ATOL = 1e-4
@@ -198,7 +202,7 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
         "A language model predicts the next token well.",
     ]
     try:
-        with caplog.at_level(logging.INFO, logger="worker_svc.scheduler"):
+        with caplog.at_level(logging.INFO, logger="worker_svc.torch_engine.scheduler"):
             runs = [
                 _ids(engine, GenerationRequest(str(i), None, p, params))
                 for i, p in enumerate(prompts)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from infermesh.cli.tiny_model import ASSISTANT, BOS, USER
-from worker_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from devtools.tiny_model import ASSISTANT, BOS, USER
+from worker_svc.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _MULTIBYTE = "Hello 世界! 深度求索 🚀🎉👍🏽 naïve café — 한국어 Привет ok"
 

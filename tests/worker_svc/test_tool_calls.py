@@ -13,8 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from infermesh.cli.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
-from worker_svc.engine import Engine
+from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
@@ -25,9 +24,10 @@ from worker_svc.engine_api import (
     ToolCallDelta,
     merge_chunks,
 )
-from worker_svc.grammar import GrammarCompiler, apply_masks, lark_grammar
-from worker_svc.tokenizer import Tokenizer
-from worker_svc.tool_parser import ToolCallParser, ToolMarkers
+from worker_svc.text.grammar import GrammarCompiler, apply_masks, lark_grammar
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
+from worker_svc.torch_engine.engine import Engine
 
 WEATHER = {
     "type": "object",

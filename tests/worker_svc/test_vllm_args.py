@@ -10,7 +10,7 @@ import pytest
 
 from infermesh.config import ConfigError
 from worker_svc import config as worker_config
-from worker_svc.vllm_args import Devices, check_known, engine_args
+from worker_svc.vllm_engine.args import Devices, check_known, engine_args
 
 H200 = Devices(8, "9.0")
 

@@ -1,0 +1,124 @@
+"""Developer CLI (``python -m infermesh``).
+
+``python -m infermesh run``        the whole mesh in the foreground (``make run``)
+``python -m infermesh keys ...``   manage API keys over the gateway's admin API
+                                   (create, list, get, update, disable, revoke, rotate, usage)
+``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
+``python -m infermesh bench``       measure every GPU kind of a fleet (or, --sim, a simulated one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from devtools import admin_cli, plan
+from devtools.hwbench import cli as bench_cli
+from devtools.mesh import Mesh, MeshSpec, ServiceExited
+from devtools.redis_server import RedisServer, redis_reachable
+from gateway.keys import create_key_at
+from infermesh.ports import port_in_use
+from worker_svc.config import DEFAULT_MODEL_PATH
+
+logger = logging.getLogger("infermesh")
+
+_DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infermesh")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="start Redis (if needed), router, worker and gateway")
+    run.add_argument("--model", default=DEFAULT_MODEL_PATH, help="checkpoint directory")
+    run.add_argument("--gateway-port", type=int, default=8000)
+    run.add_argument("--router-port", type=int, default=50051)
+    run.add_argument("--worker-port", type=int, default=50061)
+    admin_cli.add_parser(commands)
+    plan.add_parser(commands)
+    bench_cli.add_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command == "keys":
+        return admin_cli.run(args)
+    if args.command == "plan":
+        return plan.run(args)
+    if args.command == "bench":
+        return bench_cli.run(args)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s infermesh %(levelname)s %(message)s"
+    )
+    return run_mesh(args, os.environ.get("REDIS_URL", _DEFAULT_REDIS_URL))
+
+
+def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
+    for port in (args.gateway_port, args.router_port, args.worker_port):
+        holder = port_in_use(port)
+        if holder is not None:
+            print(
+                f"port {port} is in use by {holder}; stop it or choose other ports with "
+                f"`python -m infermesh run --gateway-port/--router-port/--worker-port`",
+                file=sys.stderr,
+            )
+            return 1
+    # SIGTERM (a supervisor, `timeout`) stops the mesh as Ctrl-C does; SIGINT
+    # is set explicitly since a shell may start background jobs ignoring it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    redis_server = None
+    if not redis_reachable(redis_url):
+        redis_server = _start_redis(redis_url)
+        redis_url = redis_server.url
+    admin_token = secrets.token_urlsafe(32)
+    spec = MeshSpec(
+        redis_url=redis_url,
+        model_path=args.model,
+        gateway_port=args.gateway_port,
+        router_port=args.router_port,
+        worker_ports=(args.worker_port,),
+        env={
+            "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
+            # the admin API's token for this run, printed below
+            "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+        },
+    )
+    try:
+        with Mesh(spec) as mesh:
+            key = asyncio.run(create_key_at(redis_url, "make-run development key"))
+            print(
+                f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
+                f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
+                f"For `python -m infermesh keys ...`:\n"
+                f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
+                f"INFERMESH_ADMIN_TOKEN={admin_token}\n",
+                flush=True,
+            )
+            while True:
+                mesh.check_alive()
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    except (ServiceExited, TimeoutError) as e:
+        print(f"mesh stopped: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _start_redis(url: str) -> RedisServer:
+    parsed = urlparse(url)
+    port = parsed.port or 6379
+    if parsed.hostname not in _LOOPBACK or port_in_use(port) is not None:
+        port = 0
+    server = RedisServer(port=port or None, workdir=Path(".run").resolve())
+    Path(".run").mkdir(exist_ok=True)
+    logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
+    return server.start()

@@ -1,0 +1,227 @@
+"""Starts the services of a mesh as child processes on loopback ports: the
+router, the workers and the gateway. ``make run`` uses it in the
+foreground; the end-to-end tests use it to test the real processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from devtools.processes import stop_with_parent
+from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.probe import grpc_serving, http_ok
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_STOP_TIMEOUT_S = 10.0
+_START_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    redis_url: str
+    model_path: str
+    gateway_port: int
+    router_port: int
+    worker_ports: tuple[int, ...]  # one worker per port; empty: no worker
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra, for every child
+    # extra for worker i only (e.g. a simulated GPU kind); fewer than the workers: none
+    worker_env: tuple[Mapping[str, str], ...] = ()
+    log_dir: Path | None = None  # None: children write to this process's output
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
+
+
+class ServiceExited(RuntimeError):
+    """A child process ended while the mesh was expected to run."""
+
+
+class Mesh:
+    """The running child processes of one :class:`MeshSpec`."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._logs: list[IO[bytes]] = []
+        self._commands: dict[str, tuple[str, Mapping[str, str]]] = {}  # name -> module, env
+
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> Mesh:
+        """Starts router, workers, gateway; returns once each answers and every
+        worker is registered."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            router_env = {
+                "INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
+                "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
+                # a registry of its own, should meshes share a Redis
+                "INFERMESH_ROUTER_REDIS_KEY_PREFIX": f"infermesh:router:{self.spec.router_port}:",
+            }
+            self._spawn("router", "router_svc", router_env)
+            self._wait(deadline, "router", self._router_serving)
+            for i, port in enumerate(self.spec.worker_ports):
+                self._spawn(
+                    f"worker{i}",
+                    "worker_svc",
+                    {
+                        "INFERMESH_WORKER_SERVER_PORT": str(port),
+                        "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
+                        "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
+                        **(self.spec.worker_env[i] if i < len(self.spec.worker_env) else {}),
+                    },
+                )
+            self.add_gateway("gateway", self.spec.gateway_port, deadline=deadline)
+            self._wait(deadline, "workers", self._workers_registered)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_gateway(
+        self,
+        name: str,
+        port: int,
+        env: Mapping[str, str] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> None:
+        """Starts a gateway on ``port`` in front of this mesh's router and Redis (``env``: its
+        own extra variables, e.g. another config); returns once it answers."""
+        self._spawn(
+            name,
+            "gateway",
+            {
+                "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+                "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
+                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
+                **(env or {}),
+            },
+        )
+        self._wait(
+            time.monotonic() + _START_TIMEOUT_S if deadline is None else deadline,
+            name,
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+        )
+
+    def pid(self, name: str) -> int:
+        """The process id of a service by its name ("router", "worker0", "gateway", ...)."""
+        return next(proc.pid for service, proc in self._procs if service == name)
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        """Sends ``sig`` to a service: SIGKILL a crash, SIGSTOP a freeze, SIGCONT its end."""
+        os.kill(self.pid(name), sig)
+
+    def kill(self, name: str) -> None:
+        """Kills a service (SIGKILL, as a crash would end it) and waits for its end."""
+        proc = next(proc for service, proc in self._procs if service == name)
+        proc.kill()
+        proc.wait()
+        self._procs.remove((name, proc))
+
+    def respawn(self, name: str) -> None:
+        """Starts a killed service again as it was first started (same port and variables);
+        returns without waiting for it to answer."""
+        assert all(service != name for service, _ in self._procs), f"{name} still runs"
+        module, env = self._commands[name]
+        self._spawn(name, module, env)
+
+    def check_alive(self) -> None:
+        for name, proc in self._procs:
+            if proc.poll() is not None:
+                raise ServiceExited(f"{name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        for _, proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        try:
+            for name, proc in reversed(self._procs):
+                try:
+                    proc.wait(timeout=_STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0f s; killing it", name, _STOP_TIMEOUT_S)
+                    proc.kill()
+                    proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: no waiting for a clean stop
+            logger.warning(
+                "interrupted again: killing %s",
+                ", ".join(name for name, proc in self._procs if proc.poll() is None),
+            )
+            for _, proc in self._procs:
+                proc.kill()
+                proc.wait()
+            raise
+        finally:
+            self._procs.clear()
+            self._close_logs()
+
+    def _close_logs(self) -> None:
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def log(self, name: str) -> str:
+        """What a child wrote so far (only with a log_dir)."""
+        assert self.spec.log_dir is not None, "the mesh was started without a log_dir"
+        return (self.spec.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module: str, env: Mapping[str, str]) -> None:
+        self._commands[name] = (module, env)
+        output: IO[bytes] | None = None
+        if self.spec.log_dir is not None:
+            output = (self.spec.log_dir / f"{name}.log").open("ab")
+            self._logs.append(output)
+        child_env = {**os.environ, **self.spec.env, **env}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=child_env,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            # Own process group: Ctrl-C reaches only this process,
+            # which stops the services in order.
+            process_group=0,
+            preexec_fn=stop_with_parent,
+        )
+        self._procs.append((name, proc))
+
+    def _wait(self, deadline: float, what: str, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready in time")
+            time.sleep(_POLL_S)
+
+    def _router_serving(self) -> bool:
+        return grpc_serving(self.spec.router_address)
+
+    def _workers_registered(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.spec.router_address) as channel:
+                reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                    router_pb2.ListWorkersRequest(), timeout=1
+                )
+        except grpc.RpcError:  # a router slow to answer (a loaded machine): ask again
+            return False
+        return len(reply.workers) >= len(self.spec.worker_ports)

@@ -1,0 +1,515 @@
+"""A simulated engine: the worker's engine surface with latency from a GPU roofline, no model.
+
+It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
+so routing can be tested and benchmarked on hardware that is not there. Time follows the
+roofline of a profile in gpu_profiles.toml for a configured model (its sizes, or a config.json,
+bundled or a checkpoint's), on the fewest GPUs that hold its weights in the precision it runs and
+a KV budget (sizing.py; [engine] gpu_count overrides):
+
+- prefill: (uncached prompt tokens x 2 x active params + attention FLOPs) / FLOP/s (prefix-cache
+  hits are free);
+- each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
+  plus (batch x 2 x active params + attention FLOPs) / FLOP/s.
+
+Attention FLOPs count each query's attended tokens (`attention_flops_per_key` each). A DeepSeek-V3.2
+model (`index_topk` > 0, sparse attention) attends to at most index_topk tokens and reads only their
+KV bytes; its indexer still scores the whole context (`index_flops_per_key`,
+`index_bytes_per_token`), so past index_topk a step costs the indexer's linear term, not full
+attention's.
+
+Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
+the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
+budget (prompt + max_tokens) free to start; at most max_waiting wait, past that generate()
+raises EngineOverloadedError. Tokens are words from a fixed list, deterministic per seed.
+Imports no torch: a simulated worker process stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import random
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker_svc.config import WorkerConfig
+from worker_svc.engine_api import (
+    DecodeRateMeter,
+    DeviceCapabilities,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    check_request,
+    completion_budget,
+    drain_chunks,
+)
+from worker_svc.hardware.gpu_profiles import GpuProfile, gpu_profiles
+from worker_svc.hardware.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, serving_profile
+
+logger = logging.getLogger(__name__)
+
+_BYTES_PER_TOKEN = 4  # prompt text is counted as ~4 UTF-8 bytes a token
+_DEFAULT_MAX_MODEL_LEN = 32768
+_WORDS = (
+    "the",
+    "mesh",
+    "routes",
+    "each",
+    "request",
+    "to",
+    "a",
+    "worker",
+    "that",
+    "serves",
+    "it",
+    "well",
+    "and",
+    "streams",
+    "tokens",
+    "back",
+    "fast",
+    "on",
+    "every",
+    "GPU",
+    "with",
+    "low",
+    "latency",
+    "high",
+    "throughput",
+    "cache",
+    "prefix",
+    "batch",
+    "model",
+    "of",
+    "in",
+    "now",
+)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Step times of a model of ``size`` on ``gpu_count`` GPUs of ``profile``, in the precision
+    the profile runs (weights and KV cache as worker_svc/hardware/sizing.py counts them)."""
+
+    profile: GpuProfile
+    gpu_count: int
+    size: ModelSize
+    memory_utilization: float = DEFAULT_UTILIZATION  # of device memory for weights and the KV cache
+    attention_flops_per_key: float = 0.0  # one query attending to one cached token, all layers
+    index_flops_per_key: float = 0.0  # V3.2: the indexer scoring one cached token for one query
+
+    @property
+    def active_params(self) -> int:
+        return self.size.active_params
+
+    @property
+    def index_topk(self) -> int:
+        """Sparse attention (V3.2): tokens each query attends to; 0: dense."""
+        return self.size.index_topk
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.size.weight_bytes(self.profile.precision)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The MLA latent's bytes per token (V3.2's indexer keys are index_bytes_per_token)."""
+        return self.size.latent_bytes_per_token(self.profile.precision)
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """V3.2: the indexer's cached key per token, all layers."""
+        return self.size.index_bytes_per_token(self.profile.precision)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.profile.memory_bytes * self.gpu_count
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return int(
+            (self.memory_bytes * self.memory_utilization - self.weight_bytes)
+            // (self.kv_bytes_per_token + self.index_bytes_per_token)
+        )
+
+    def attended(self, context_tokens: int) -> int:
+        """Cached tokens one query attends to: all, or with sparse attention at most index_topk."""
+        return min(context_tokens, self.index_topk) if self.index_topk else context_tokens
+
+    def prefill_s(self, tokens: int, start: int = 0) -> float:
+        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending
+        to its context."""
+        flops = tokens * 2 * self.active_params + self.attention_flops_per_key * _keys_attended(
+            start, tokens, self.index_topk
+        )
+        if self.index_topk:
+            flops += self.index_flops_per_key * _keys_attended(start, tokens, 0)
+        return flops / (self.profile.peak_flops * self.gpu_count)
+
+    def decode_step_s(
+        self, batch: int, context_tokens: int, attended_tokens: int | None = None
+    ) -> float:
+        """One token for each of `batch` sequences holding `context_tokens` in all;
+        `attended_tokens`: the sum of their `attended(context)` (the default, all of the context, is
+        right for dense attention)."""
+        attended = context_tokens if attended_tokens is None else attended_tokens
+        read = (
+            self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
+        )
+        flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
+        if self.index_topk:
+            read += context_tokens * self.index_bytes_per_token
+            flops += context_tokens * self.index_flops_per_key
+        return read / (self.profile.bandwidth_bytes_per_s * self.gpu_count) + flops / (
+            self.profile.peak_flops * self.gpu_count
+        )
+
+
+def _keys_attended(start: int, tokens: int, cap: int) -> int:
+    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap`
+    (0: no cap)."""
+    end = start + tokens
+
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    if not cap or end <= cap:
+        return triangle(end) - triangle(start)
+    if start >= cap:
+        return tokens * cap
+    return triangle(cap) - triangle(start) + (end - cap) * cap
+
+
+@dataclass(eq=False)
+class _Sequence:
+    prompt_tokens: int
+    cached_tokens: int
+    budget: int  # most completion tokens
+    prefix_blocks: list[int]
+    params_stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    rng: random.Random
+    chunks: asyncio.Queue[GenerationChunk | BaseException] = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    prefilled: bool = False
+    text: str = ""
+    arrived_at: float = field(default_factory=time.monotonic)
+    queue_s: float = 0.0  # from arrival to joining the batch
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_tokens + self.budget
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+class SimEngine:
+    """The worker's engine surface (engine_api.InferenceEngine) on a simulated GPU."""
+
+    def __init__(
+        self,
+        roofline: Roofline,
+        *,
+        max_parallel: int,
+        max_waiting: int,
+        max_model_len: int = _DEFAULT_MAX_MODEL_LEN,
+        prefix_block_tokens: int = 16,
+        zero_latency: bool = False,
+    ) -> None:
+        if roofline.kv_capacity_tokens < 1:
+            raise ValueError(
+                f"the model's {roofline.weight_bytes / 1e9:.0f} GB of weights leave no KV cache in "
+                f"{roofline.gpu_count} x {roofline.profile.name} "
+                f"({roofline.memory_bytes / 1e9:.0f} GB)"
+            )
+        self.roofline = roofline
+        profile = roofline.profile
+        self.capabilities = DeviceCapabilities(
+            device=profile.device,
+            device_name=profile.device_name,
+            compute_capability=profile.compute_capability,
+            precision=profile.precision,
+            memory_total_bytes=roofline.memory_bytes,
+            weight_bytes=roofline.weight_bytes,
+            decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
+            prefill_tokens_per_second=1 / roofline.prefill_s(1),
+            gpu_count=roofline.gpu_count,
+            kv_cache_bytes=roofline.kv_capacity_tokens
+            * (roofline.kv_bytes_per_token + roofline.index_bytes_per_token),
+            model_type=roofline.size.model_type,
+            index_topk=roofline.index_topk,
+        )
+        self.max_model_len = max_model_len
+        self.max_parallel = max_parallel
+        self._max_waiting = max_waiting
+        self._zero_latency = zero_latency
+        self._running: list[_Sequence] = []
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._kv_used = 0
+        self._prefix_cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._block_tokens = prefix_block_tokens  # 0: no prefix caching
+        self._prefix_cache_blocks = roofline.kv_capacity_tokens // max(prefix_block_tokens, 1)
+        self._decode_rate = DecodeRateMeter()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig) -> SimEngine:
+        """The [engine] section's GPU and model; [parallel], [cache] and [attention] as for a real
+        engine."""
+        e, cache = config.engine, config.cache
+        size = e.size()
+        profile = serving_profile(gpu_profiles()[e.gpu], size)
+        parallel = config.parallel.resolved(profile.device, profile.device_name)
+        kv_budget = (
+            parallel.max_parallel * e.kv_budget_tokens * size.kv_bytes_per_token(profile.precision)
+        )
+        gpu_count = e.gpu_count or fewest_gpus(
+            size.weight_bytes(profile.precision),
+            kv_budget,
+            profile.memory_bytes,
+            cache.gpu_memory_utilization,
+        )
+        roofline = Roofline(
+            profile,
+            gpu_count,
+            size,
+            cache.gpu_memory_utilization,
+            e.attention_flops_per_key,
+            e.index_flops_per_key,
+        )
+        return cls(
+            roofline,
+            max_parallel=parallel.max_parallel,
+            max_waiting=parallel.max_waiting,
+            max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
+            prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
+            zero_latency=e.zero_latency,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
+        it."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        seq = self._new_sequence(request)
+        self._admit(seq)
+        async with contextlib.aclosing(
+            drain_chunks(seq.chunks, lambda: self._abort(seq))
+        ) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            tokens_per_second=self._decode_rate.rate(),
+            kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens,
+        )
+
+    async def close(self) -> None:
+        """Stop the step loop; streams still running end with EngineClosedError."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for seq in [*self._running, *self._waiting]:
+            seq.chunks.put_nowait(EngineClosedError("the engine was closed"))
+        self._running.clear()
+        self._waiting.clear()
+
+    # ------------------------------------------------------------------ admission
+
+    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+        check_request(request, len(_WORDS))
+        if request.constraints.active:
+            # its words come from no tokenizer a grammar could mask; an answer that ignores the
+            # tools or schema would look like success to the client
+            raise InvalidRequestError(
+                "tools and json_schema need a model engine; this worker is simulated"
+            )
+        text = _prompt_text(request)
+        prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
+        params = request.sampling
+        budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
+        if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt and max_tokens need {prompt_tokens + budget} "
+                f"tokens of KV cache; this worker "
+                f"holds {self.roofline.kv_capacity_tokens}"
+            )
+        blocks = _prefix_blocks(text, self._block_tokens)
+        seed = (
+            params.seed
+            if params.seed is not None
+            else (0 if params.temperature == 0 else secrets.randbits(63))
+        )
+        return _Sequence(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=self._cached_tokens(blocks, prompt_tokens),
+            budget=budget,
+            prefix_blocks=blocks,
+            params_stop=params.stop,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            rng=random.Random(seed),
+        )
+
+    def _admit(self, seq: _Sequence) -> None:
+        if not self._waiting and self._fits(seq):
+            self._start(seq)
+        elif len(self._waiting) < self._max_waiting:
+            self._waiting.append(seq)
+        else:
+            raise EngineOverloadedError(
+                f"{len(self._running)} sequences running and {len(self._waiting)} waiting "
+                f"(max_waiting {self._max_waiting}); retry later"
+            )
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        self._wake.set()
+
+    def _fits(self, seq: _Sequence) -> bool:
+        return (
+            len(self._running) < self.max_parallel
+            and self._kv_used + seq.kv_tokens <= self.roofline.kv_capacity_tokens
+        )
+
+    def _start(self, seq: _Sequence) -> None:
+        seq.queue_s = time.monotonic() - seq.arrived_at
+        self._running.append(seq)
+        self._kv_used += seq.kv_tokens
+
+    def _abort(self, seq: _Sequence) -> None:
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        elif seq in self._running:
+            self._finish(seq)
+
+    def _finish(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        self._kv_used -= seq.kv_tokens
+        while self._waiting and self._fits(self._waiting[0]):
+            self._start(self._waiting.popleft())
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _cached_tokens(self, blocks: list[int], prompt_tokens: int) -> int:
+        hits = 0
+        for block in blocks:
+            if block not in self._prefix_cache:
+                break
+            self._prefix_cache.move_to_end(block)
+            hits += 1
+        return min(hits * self._block_tokens, prompt_tokens - 1)
+
+    def _remember_prefix(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._prefix_cache[block] = None
+            self._prefix_cache.move_to_end(block)
+        while len(self._prefix_cache) > self._prefix_cache_blocks:
+            self._prefix_cache.popitem(last=False)
+
+    # ------------------------------------------------------------------ steps
+
+    async def _step_loop(self) -> None:
+        """One iteration per engine step: sleep the step's roofline time, then emit its tokens."""
+        loop = asyncio.get_running_loop()
+        step_end = loop.time()
+        while True:
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                step_end = loop.time()
+                continue
+            batch = list(self._running)
+            step_end = max(step_end, loop.time()) + (
+                0.0 if self._zero_latency else self._step_s(batch)
+            )
+            await asyncio.sleep(step_end - loop.time())
+            emitted = 0
+            for seq in batch:
+                if seq in self._running:  # not aborted during the step
+                    self._advance(seq)
+                    emitted += 1
+            self._decode_rate.add(emitted)
+
+    def _step_s(self, batch: list[_Sequence]) -> float:
+        roofline = self.roofline
+        prefill = sum(
+            roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
+            for s in batch
+            if not s.prefilled
+        )
+        contexts = [s.context_tokens for s in batch if s.prefilled]
+        decode = roofline.decode_step_s(
+            len(contexts), sum(contexts), sum(map(roofline.attended, contexts))
+        )
+        return prefill + (decode if contexts else 0.0)
+
+    def _advance(self, seq: _Sequence) -> None:
+        """Emits the sequence's next token; the first one ends its prefill."""
+        if not seq.prefilled:
+            seq.prefilled = True
+            self._remember_prefix(seq.prefix_blocks)
+        token = seq.rng.randrange(len(_WORDS))
+        finish: Literal["stop", "length"] | None = None
+        text, ids = f" {_WORDS[token]}", [token]
+        if token in seq.stop_token_ids:  # a stop token is neither shown nor counted
+            finish, text, ids = "stop", "", []
+        else:
+            seq.generated += 1
+            stop_at = min(
+                (i for s in seq.params_stop if (i := (seq.text + text).find(s)) >= 0), default=-1
+            )
+            if stop_at >= 0:
+                finish, text = "stop", (seq.text + text)[len(seq.text) : stop_at]
+        if finish is None and seq.generated >= seq.budget:
+            finish = "length"
+        seq.text += text
+        seq.chunks.put_nowait(
+            GenerationChunk(
+                text=text,
+                token_ids=ids,
+                finish_reason=finish,
+                prompt_tokens=seq.prompt_tokens,
+                completion_tokens=seq.generated,
+                cached_prompt_tokens=seq.cached_tokens,
+                queue_s=seq.queue_s,
+            )
+        )
+        if finish is not None:
+            self._finish(seq)
+
+
+def _prompt_text(request: GenerationRequest) -> str:
+    """The prompt as text (check_request has checked its shape)."""
+    if request.messages is not None:
+        return "".join(f"<|{m['role']}|>{m['content']}\n" for m in request.messages)
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
+    return request.prompt
+
+
+def _prefix_blocks(text: str, block_tokens: int) -> list[int]:
+    """Chained hashes of the prompt's whole blocks, as a paged prefix cache keys them."""
+    if block_tokens == 0:
+        return []
+    data = text.encode()
+    block_bytes = block_tokens * _BYTES_PER_TOKEN
+    blocks, previous = [], 0
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        previous = hash((previous, data[start : start + block_bytes]))
+        blocks.append(previous)
+    return blocks

@@ -1,0 +1,136 @@
+"""Constrained decoding with llguidance: a request's tools and JSON schema become one grammar, and
+its matcher a token mask per step.
+
+The grammar follows the checkpoint's tool-call format (worker_svc.text.tool_parser): with
+tool_choice ``required`` or a named tool the output must be calls whose arguments match their tool's
+schema; with ``auto`` it is text (no special tokens) optionally followed by such calls; with
+``none`` text only. A ``json_schema`` makes the text a JSON value of that schema. JSON is compact
+(no free whitespace), so a model cannot spend its tokens on blanks. Compiled grammars are cached by
+their text; each sequence gets a copy of the compiled matcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import torch
+
+from worker_svc.engine_api import Constraints, InvalidRequestError
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.text.tool_parser import ToolMarkers
+
+logger = logging.getLogger(__name__)
+
+_COMPACT = {"whitespace_flexible": False}
+# byte value of a bitmask -> what it adds to its 8 tokens' logits: 0 where the bit is set, else -inf
+# (llguidance sets bit t % 32 of int32 word t // 32 for an allowed token t, so byte b of the
+# little-endian words holds tokens 8b..8b+7, lowest bit first)
+_BYTE_BITS = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+_BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
+
+
+class GrammarCompiler:
+    """Grammars for one checkpoint's tokenizer; `matcher()` is safe to call from the event loop."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = 256,
+    ):
+        self.markers = ToolMarkers.of(tokenizer)
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer.hf, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
+        self._compiled = functools.lru_cache(cache_size)(self._compile)
+
+    def matcher(self, constraints: Constraints) -> llguidance.LLMatcher | None:
+        """A fresh matcher for `constraints`, or None when they constrain nothing."""
+        if not constraints.active:
+            return None
+        return self._compiled(lark_grammar(constraints, self.markers)).deep_copy()
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(
+            self._tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+        )
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"the tools or json_schema cannot be enforced: {matcher.get_error()}"
+            )
+        return matcher
+
+
+def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
+    """The llguidance Lark grammar of `c` (which constrains something)."""
+    json_answer = f"%json {_compact_schema(c.json_schema)}" if c.json_schema is not None else None
+    if c.tools and markers is None:
+        raise InvalidRequestError(
+            "this model's tokenizer has no tool-call tokens: it cannot call tools"
+        )
+    if not c.tools or c.tool_choice == "none":
+        return f"start: {json_answer}\n" if json_answer else "start: TEXT?\nTEXT: /(?s:.+)/\n"
+    assert markers is not None
+    if c.tool_choice == "auto":
+        start = f"{json_answer} | calls" if json_answer else "TEXT? calls?"
+    else:
+        start = "calls"
+    tools = [t for t in c.tools if c.tool_choice != "named" or t.name == c.tool_name]
+    more = ' ("\\n"? call)*' if c.parallel_tool_calls else ""
+    lines = [
+        f"start: {start}",
+        f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
+        f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> '
+        f"({' | '.join(f'fn_{i}' for i in range(len(tools)))})",
+    ]
+    for i, tool in enumerate(tools):
+        header = json.dumps(f"{tool.name}\n```json\n")
+        lines.append(
+            f"fn_{i}: {header} %json {_compact_schema(tool.parameters)} "
+            f'"\\n```" <[{markers.call_end}]>'
+        )
+    lines.append("TEXT: /(?s:.+)/")
+    return "\n".join(lines) + "\n"
+
+
+def _compact_schema(schema: str) -> str:
+    """The schema with llguidance's compact JSON option (checked to be an object by
+    check_constraints)."""
+    value = json.loads(schema)
+    return json.dumps({**value, "x-guidance": {**value.get("x-guidance", {}), **_COMPACT}})
+
+
+def apply_masks(
+    logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]
+) -> torch.Tensor:
+    """The logits with those of the tokens each row's matcher forbids at -inf (rows without a
+    matcher unchanged; no copy when no row has one).
+
+    logits: [N, vocab] on the CPU, row i of matchers[i].
+    """
+    if all(m is None for m in matchers):
+        return logits
+    n, vocab = logits.shape
+    # rows without a matcher keep all bits set: all allowed
+    bitmask = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32)
+    rows = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
+    row_bytes = bitmask.stride(0) * bitmask.element_size()
+    _executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, n)
+    # an additive bias looked up per byte: branch-free, where a masked_fill over the unpacked bits
+    # costs several times more on a CPU (each element's branch follows the grammar's data)
+    bytes_ = bitmask.view(torch.uint8).long()
+    bias = torch.nn.functional.embedding(bytes_, _BYTE_BIAS.to(logits.dtype)).view(n, -1)
+    return logits + bias[:, :vocab]
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    """Computes a batch's masks in one call, on llguidance's own threads (80 % of the cores)."""
+    return llguidance.LLExecutor()

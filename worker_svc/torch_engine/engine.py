@@ -1,0 +1,299 @@
+"""The async front of the DeepSeek-V3 engine: requests in, streamed text chunks out.
+
+`generate()` checks a request (engine_api's request front), tokenizes it, turns it into a
+scheduler `Sequence` and reads its chunks from an asyncio queue that the engine core
+(worker_svc.torch_engine.step_loop, one background thread) fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker_svc.config import CacheSection, ParallelSection
+from worker_svc.engine_api import (
+    DeviceCapabilities,
+    EngineLoad,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    Tool,
+    bounded_batching_hints,
+    check_request,
+    completion_budget,
+    drain_chunks,
+)
+from worker_svc.model.checkpoint import load_checkpoint, read_config
+from worker_svc.model.model import Transformer
+from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
+from worker_svc.text.completion_decoder import CompletionDecoder
+from worker_svc.text.grammar import GrammarCompiler
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.torch_engine.kv_cache import (
+    BlockManager,
+    bytes_per_token,
+    cache_budget_bytes,
+    index_bytes_per_token,
+    latent_bytes_per_token,
+)
+from worker_svc.torch_engine.model_runner import ModelRunner
+from worker_svc.torch_engine.scheduler import Scheduler, Sequence
+from worker_svc.torch_engine.step_loop import StepLoop, Stream, emitter
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """Entry point of the worker: load with `from_checkpoint`, then `generate()` concurrently."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        capabilities: DeviceCapabilities,
+        device: torch.device,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        parallel: ParallelSection,
+        cache: CacheSection,
+    ):
+        self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
+        self.max_model_len = max_model_len
+        self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
+        self._eos_token_ids = eos_token_ids
+        self._seq_ids = itertools.count()
+        self.grammars = GrammarCompiler(tokenizer, model.args.vocab_size, sorted(eos_token_ids))
+        blocks = _block_manager(model, device, max_model_len, cache)
+        kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
+        self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
+        dtype = model.lm_head.weight.dtype
+        logger.info(
+            "latent cache: %d blocks of %d tokens (%.1f MB; "
+            "per token %d B latent + %d B indexer keys); "
+            "max_parallel %d, batch timeout %d ms",
+            blocks.num_blocks,
+            blocks.block_size,
+            kv_cache.nbytes / 2**20,
+            latent_bytes_per_token(model.args, dtype),
+            index_bytes_per_token(model.args, dtype),
+            self.parallel.max_parallel,
+            self.parallel.dynamic_batch_timeout_ms,
+        )
+        scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
+        runner = ModelRunner(model, kv_cache, device)
+        self._loop = StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        use_native_fp8: bool | None = None,
+        max_model_len: int | None = None,
+        device: str = "auto",
+        parallel: ParallelSection | None = None,
+        cache: CacheSection | None = None,
+    ) -> Engine:
+        """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
+        in a thread)."""
+        # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
+        # pooled threads than cores it stops spinning between ops, and each op of the step loop then
+        # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
+        # thread that ends takes its pool along: the step loop's is the process's only one.
+        load = functools.partial(
+            cls._load,
+            model_dir,
+            dtype=dtype,
+            use_native_fp8=use_native_fp8,
+            max_model_len=max_model_len,
+            device=device,
+            parallel=parallel,
+            cache=cache,
+        )
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
+            return loader.submit(load).result()
+
+    @classmethod
+    def _load(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str,
+        use_native_fp8: bool | None,
+        max_model_len: int | None,
+        device: str,
+        parallel: ParallelSection | None,
+        cache: CacheSection | None,
+    ) -> Engine:
+        torch_device = resolve_device(device)
+        fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
+        caps = detect_capabilities(
+            torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights
+        )
+        model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
+        weight_bytes = sum(t.nbytes for t in model.state_dict().values())
+        caps = dataclasses.replace(
+            caps,
+            weight_bytes=weight_bytes,
+            model_type=config["model_type"],
+            index_topk=model.args.index_topk,
+        )
+        context = config["max_position_embeddings"]
+        if max_model_len is not None and not 0 < max_model_len <= context:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)"
+            )
+        tokenizer = Tokenizer(model_dir)
+        eos = _eos_token_ids(Path(model_dir), config, tokenizer)
+        logger.info(
+            "loaded %s: %.1f MB of weights as %s", model_dir, weight_bytes / 2**20, caps.precision
+        )
+        return cls(
+            model,
+            tokenizer,
+            caps,
+            torch_device,
+            max_model_len or context,
+            eos,
+            parallel or ParallelSection(),
+            cache or CacheSection(),
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
+        it.
+
+        Raises InvalidRequestError or EngineOverloadedError before any chunk.
+        """
+        stream, queue = self._stream(request)
+        self._loop.submit(stream)
+        abort = functools.partial(self._loop.abort, stream.seq.seq_id)
+        async with contextlib.aclosing(drain_chunks(queue, abort)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def load(self) -> EngineLoad:
+        return self._loop.load()
+
+    async def close(self) -> None:
+        """Stop the step loop; streams still running end with EngineClosedError."""
+        await asyncio.to_thread(self._loop.close)
+
+    def _stream(
+        self,
+        request: GenerationRequest,
+    ) -> tuple[Stream, asyncio.Queue[GenerationChunk | BaseException]]:
+        check_request(request, self.model.args.vocab_size)
+        prompt_ids = prompt_token_ids(self.tokenizer, request)
+        params = request.sampling
+        matcher = self.grammars.matcher(request.constraints)
+        max_len = len(prompt_ids) + completion_budget(
+            len(prompt_ids), params.max_tokens, self.max_model_len
+        )
+        max_parallel, timeout_ms = bounded_batching_hints(
+            request, self.parallel.max_parallel, self.parallel.dynamic_batch_timeout_ms
+        )
+        queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(
+            next(self._seq_ids), list(prompt_ids), len(prompt_ids), max_parallel, timeout_ms / 1000
+        )
+        stream = Stream(
+            seq=seq,
+            request_id=request.request_id,
+            params=params,
+            max_len=max_len,
+            stop_token_ids=self._eos_token_ids | frozenset(params.stop_token_ids),
+            decoder=CompletionDecoder(
+                self.tokenizer, params.stop, request.constraints, self.grammars.markers
+            ),
+            generator=torch.Generator().manual_seed(seed),
+            emit=emitter(asyncio.get_running_loop(), queue),
+            matcher=matcher,
+        )
+        return stream, queue
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt's token ids (check_request has checked its shape): chat messages rendered with
+    the checkpoint's template, or raw text. Every engine serving a checkpoint takes these, so prompt
+    counts and usage agree across engines."""
+    if request.messages is not None:
+        tools = request.constraints.tools
+        if tools and not tokenizer.renders_tools:
+            raise InvalidRequestError(
+                "tools: this model's chat template cannot render tool definitions"
+            )
+        return tokenizer.encode_chat(
+            [_template_message(m) for m in request.messages], [_tool_definition(t) for t in tools]
+        )
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
+    return tokenizer.encode(request.prompt)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as HF chat templates take it: an assistant turn of only tool calls has no
+    content."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return message
+
+
+def _tool_definition(tool: Tool) -> dict[str, Any]:
+    """A tool as HF chat templates take it (OpenAI's shape)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": json.loads(tool.parameters),
+        },
+    }
+
+
+def _block_manager(
+    model: Transformer, device: torch.device, max_model_len: int, cache: CacheSection
+) -> BlockManager:
+    """As many blocks as the memory budget holds; at least one whole context, so any request can
+    finish."""
+    per_block = bytes_per_token(model.args, model.lm_head.weight.dtype) * cache.block_size
+    budget = cache_budget_bytes(device, cache.gpu_memory_utilization, cache.cpu_cache_bytes)
+    num_blocks = budget // per_block
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
+        raise ValueError(
+            f"[cache] {knob}: the latent cache would hold "
+            f"{max(num_blocks, 0) * cache.block_size} tokens, fewer "
+            f"than one context of max_model_len={max_model_len} "
+            f"({needed * per_block} bytes); raise {knob} or "
+            "lower [attention] max_model_len"
+        )
+    return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
+
+def _eos_token_ids(model_dir: Path, config: dict[str, Any], tokenizer: Tokenizer) -> frozenset[int]:
+    """eos ids from generation_config.json (int or list), else config.json, else the tokenizer."""
+    eos = config.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else eos or [])

@@ -1,0 +1,177 @@
+"""Which fixed-size blocks of the latent cache each sequence holds, and prefix caching.
+
+The cache itself (`model.KVCache`) is one tensor of token slots; this module hands out its
+blocks. A full block is keyed by a hash of its tokens and of every token before it (a chain
+through the parent block's hash), so a later prompt starting with the same tokens (a repeated
+system prompt) reuses the computed latents. Blocks nobody holds keep their contents and hash
+until they are needed again: free blocks are taken first, then the least recently freed cached
+ones. SHA-256 keeps a crafted prompt from colliding with another tenant's prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.model.model import ModelArgs
+
+
+@dataclass
+class BlockTable:
+    """The blocks one sequence holds, in position order, and the chain hash of its leading full
+    blocks."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_hashed: int = 0  # leading blocks whose hash is known (registered or found in the cache)
+    last_hash: bytes = b""  # hash of block num_hashed - 1; b"" before the first block
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of a full block: its tokens and, through `parent`, all tokens before it."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class BlockManager:
+    """Allocates cache blocks to sequences; used by the scheduler's thread only.
+
+    `usage` counts blocks held by some sequence: cached blocks nobody holds are reclaimable, so
+    a finished or cancelled request brings it back to 0.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0, (
+            f"num_blocks={num_blocks}, block_size={block_size}"
+        )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # never hashed (or evicted); pop() from the end
+        self._free = list(range(num_blocks - 1, -1, -1))
+        # hashed, held by nobody; oldest first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._refs = [0] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_in_use / self.num_blocks
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """Blocks to add so `table` covers `num_tokens` token slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
+
+    def match_prefix(self, table: BlockTable, token_ids: list[int]) -> int:
+        """Take the cached blocks that start `token_ids` into an empty table; returns the tokens
+        they cover.
+
+        The block holding the last token is never matched: its logits are needed, so it is computed.
+        """
+        assert not table.blocks, f"match_prefix on a table holding {len(table.blocks)} blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            self._hold(block)
+            table.blocks.append(block)
+            table.num_hashed, table.last_hash = i + 1, h
+        return len(table.blocks) * bs
+
+    def allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        """Grow `table` to cover `num_tokens` slots; False (and nothing taken) when too few blocks
+        are free."""
+        needed = self.blocks_needed(table, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            table.blocks.append(self._take())
+        return True
+
+    def cache_full_blocks(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
+        """Register the blocks whose `block_size` tokens are all computed, so later prompts can
+        match them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(table.num_hashed, num_computed // bs):
+            h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
+            block = table.blocks[i]
+            # a duplicate of a cached block stays private and is freed plainly
+            if h not in self._by_hash:
+                self._by_hash[h], self._hash_of[block] = block, h
+            table.num_hashed, table.last_hash = i + 1, h
+
+    def free(self, table: BlockTable) -> None:
+        """Release every block of `table`; its tail blocks are the first to be reused."""
+        for block in reversed(table.blocks):
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, f"block {block} freed twice"
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        table.blocks.clear()
+        table.num_hashed, table.last_hash = 0, b""
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._evictable.pop(block, None)
+        self._refs[block] += 1
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+
+def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Cache bytes per token: the latent and the rope'd key, and (V3.2) the indexer's key, per
+    layer."""
+    return latent_bytes_per_token(args, dtype) + index_bytes_per_token(args, dtype)
+
+
+def latent_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """The MLA part of a token's cache: the latent and the rope'd key of every layer."""
+    return args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype.itemsize
+
+
+def index_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """The sparse-attention part of a token's cache: the indexer's key of every layer (0 for V3)."""
+    return args.n_layers * args.index_head_dim * dtype.itemsize if args.sparse else 0
+
+
+def unabsorbed_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """What a per-head K/V cache (kv_b_proj not absorbed) would need per token, for comparison."""
+    per_layer = args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim)
+    return args.n_layers * per_layer * dtype.itemsize
+
+
+def cache_budget_bytes(
+    device: torch.device, gpu_memory_utilization: float, cpu_cache_bytes: int
+) -> int:
+    """On a GPU: the share `gpu_memory_utilization` of device memory minus what is used already (the
+    weights); the rest is left to activations. On a CPU: the configured byte budget."""
+    if device.type != "cuda":
+        return cpu_cache_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization) - (total - free)

@@ -1,0 +1,79 @@
+"""One scheduling step as one forward pass: packs the scheduled tokens and says where they sit in
+the cache."""
+
+from __future__ import annotations
+
+import torch
+
+from worker_svc.model.model import AttentionGroup, BatchLayout, KVCache, Transformer
+from worker_svc.torch_engine.scheduler import ScheduledSequence, SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the paged latent cache; `execute()` is called once per step by the engine's step
+    loop."""
+
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits [N, vocab] (fp32, on the CPU) of the scheduled sequences that sample, in scheduled
+        order."""
+        tokens, layout = self._prepare(output.scheduled)
+        return self.model.forward_batch(tokens, layout, self.cache).cpu()
+
+    def _prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, BatchLayout]:
+        bs = self.cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        logits_index: list[int] = []
+        for s in scheduled:
+            start, table = s.seq.num_computed, s.seq.block_table.blocks
+            tokens += s.seq.token_ids[start : start + s.num_tokens]
+            positions += range(start, start + s.num_tokens)
+            write_slots += [
+                table[p // bs] * bs + p % bs for p in range(start, start + s.num_tokens)
+            ]
+            if s.samples:
+                logits_index.append(len(tokens) - 1)
+        layout = BatchLayout(
+            positions=self._tensor(positions),
+            write_slots=self._tensor(write_slots),
+            groups=self._groups(scheduled),
+            logits_index=self._tensor(logits_index),
+        )
+        return self._tensor(tokens), layout
+
+    def _groups(self, scheduled: list[ScheduledSequence]) -> list[AttentionGroup]:
+        """All single-token sequences attend as one padded batch; each prompt chunk on its own."""
+        singles = [s.seq for s in scheduled if s.num_tokens == 1]
+        assert all(s.num_tokens == 1 for s in scheduled[: len(singles)]), (
+            "single-token sequences must come first"
+        )
+        groups = []
+        if singles:
+            query_positions = self._tensor([[seq.num_computed] for seq in singles])  # [b, 1]
+            length = max(seq.num_computed for seq in singles) + 1
+            key_slots = self._key_slots([seq.block_table.blocks for seq in singles], length)
+            groups.append(AttentionGroup.build(0, query_positions, key_slots))
+        token_start = len(singles)
+        for s in scheduled[len(singles) :]:
+            start, end = s.seq.num_computed, s.seq.num_computed + s.num_tokens
+            query_positions = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, s]
+            key_slots = self._key_slots([s.seq.block_table.blocks], end)
+            groups.append(AttentionGroup.build(token_start, query_positions, key_slots))
+            token_start += s.num_tokens
+        return groups
+
+    def _key_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """[b, length] cache slots of positions 0..length-1 of each sequence; past a sequence's
+        blocks, slot 0."""
+        bs = self.cache.block_size
+        n_blocks = -(-length // bs)
+        padded = [table[:n_blocks] + [0] * (n_blocks - len(table[:n_blocks])) for table in tables]
+        pos = torch.arange(length, device=self.device)
+        return self._tensor(padded)[:, pos // bs] * bs + pos % bs
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,253 @@
+"""The engine core: one thread that owns the scheduler and the model runner.
+
+Each iteration is one scheduling step and one batched forward pass over every running sequence
+(scheduler.py, model_runner.py), then sampling, detokenization and stop checks for the sequences
+that got a token. It knows nothing of the request's wire form or of asyncio beyond each stream's
+thread-safe `emit`; the async front (engine.py's `Engine`) validates and tokenizes requests and
+hands them over as `Stream`s. Request lifecycle: waiting -> running -> finished, or aborted when the
+consumer goes away (its blocks are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from worker_svc.engine_api import (
+    DecodeRateMeter,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    SamplingParams,
+    TokenLogprob,
+)
+from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
+from worker_svc.text.grammar import apply_masks
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.torch_engine.model_runner import ModelRunner
+from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
+from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    """The engine's side of one request: how it samples and stops, and where its chunks go."""
+
+    seq: Sequence
+    request_id: str
+    params: SamplingParams
+    max_len: int  # prompt + completion limit
+    stop_token_ids: frozenset[int]
+    decoder: CompletionDecoder  # its tokens as text, tool calls and finish reason
+    generator: torch.Generator
+    # thread-safe: hands an item to the consumer
+    emit: Callable[[GenerationChunk | BaseException], None]
+    matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq.token_ids[self.seq.num_prompt_tokens :]
+
+
+class StepLoop:
+    """The thread that owns the scheduler and the model runner: one forward pass per iteration.
+
+    submit()/abort()/load()/close() are called from the event loop; everything else runs on the
+    thread.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int
+    ):
+        self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
+        self._max_waiting = max_waiting
+        self._lock = threading.Condition()
+        self._incoming: list[Stream] = []
+        self._aborts: list[int] = []
+        self._closed = False
+        self._streams: dict[int, Stream] = {}  # seq_id -> stream, thread only
+        self._live = 0  # submitted and not ended: what the waiting bound counts
+        self._load = EngineLoad(0, 0, 0.0)
+        self._decode_rate = DecodeRateMeter()
+        self._thread = threading.Thread(target=self._run, name="worker-step-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, stream: Stream) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed")
+            if self._live >= self._scheduler.max_parallel + self._max_waiting:
+                raise EngineOverloadedError(
+                    f"the worker is full: {self._live} requests "
+                    f"for {self._scheduler.max_parallel} places "
+                    f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
+                )
+            self._live += 1
+            self._incoming.append(stream)
+            self._lock.notify()
+
+    def abort(self, seq_id: int) -> None:
+        """The consumer went away: the sequence is dropped, and its blocks freed, at the next
+        step."""
+        with self._lock:
+            self._aborts.append(seq_id)
+            self._lock.notify()
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            return dataclasses.replace(
+                self._load,
+                waiting=self._load.waiting + len(self._incoming),
+                tokens_per_second=self._decode_rate.rate(),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+
+    # ------------------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while self._take_requests():
+            output = self._scheduler.schedule()
+            self._publish_load()  # before a chunk of this step reaches a consumer
+            if output.scheduled:
+                self._step(output)
+                self._publish_load()
+            else:
+                self._idle()
+        error = EngineClosedError("engine closed during generation")
+        for seq_id in list(self._streams):
+            self._end(seq_id, error)
+        self._publish_load()
+
+    def _take_requests(self) -> bool:
+        """Hand new and aborted requests to the scheduler; False once the engine is closed."""
+        with self._lock:
+            incoming, aborts = self._incoming, self._aborts
+            self._incoming, self._aborts = [], []
+            closed = self._closed
+        for stream in incoming:
+            self._streams[stream.seq.seq_id] = stream
+            self._scheduler.add_request(stream.seq)
+        for seq_id in aborts:
+            if self._forget(seq_id) is not None:
+                self._scheduler.abort_request(seq_id)
+        return not closed
+
+    def _idle(self) -> None:
+        """Nothing to compute: sleep until a request arrives, or a held one may be admitted."""
+        with self._lock:
+            if not (self._incoming or self._aborts or self._closed):
+                self._lock.wait(self._scheduler.seconds_until_admission())
+
+    def _publish_load(self) -> None:
+        s = self._scheduler
+        with self._lock:
+            self._load = EngineLoad(len(s.running), len(s.waiting), 0.0, s.blocks.usage)
+
+    def _step(self, output: SchedulerOutput) -> None:
+        try:
+            logits = self._runner.execute(output)
+        except Exception as e:  # a model/runtime failure ends this step's requests, not the engine
+            logger.exception("forward pass over %d sequences failed", len(output.scheduled))
+            for s in output.scheduled:
+                self._end(s.seq.seq_id, e)
+            return
+        streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
+        self._scheduler.complete_step(output)
+        logits = apply_masks(logits, [st.matcher for st in streams])
+        tokens = sample_batch(
+            logits,
+            [st.params for st in streams],
+            [st.generator for st in streams],
+            [st.output_ids if st.params.has_penalties else [] for st in streams],
+        )
+        with self._lock:
+            self._decode_rate.add(len(tokens))
+        for stream, token, row in zip(streams, tokens, logits, strict=True):
+            try:
+                self._append(stream, token, row)
+            except Exception as e:
+                logger.exception("request %s failed", stream.request_id)
+                self._end(stream.seq.seq_id, e)
+
+    def _append(self, stream: Stream, token: int, logits: torch.Tensor) -> None:
+        """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
+        stream.seq.token_ids.append(token)
+        if stream.matcher is not None and not stream.matcher.consume_token(token):
+            raise RuntimeError(
+                f"token {token} broke the request's grammar: {stream.matcher.get_error()}"
+            )
+        end: TokenEnd | None = None
+        if token in stream.stop_token_ids:
+            end = "stop_token"
+        elif len(stream.seq.token_ids) >= stream.max_len:
+            end = "length"
+        decoded = stream.decoder.add(token, end)
+        finish = decoded.finish
+        logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
+        seq = stream.seq
+        stream.emit(
+            GenerationChunk(
+                decoded.text,
+                [token],
+                finish,
+                seq.num_prompt_tokens,
+                len(seq.token_ids) - seq.num_prompt_tokens,
+                seq.num_cached_prompt_tokens,
+                logprobs,
+                seq.queue_s,
+                decoded.tool_calls or None,
+            )
+        )
+        if finish is not None:
+            self._forget(seq.seq_id)
+            self._scheduler.finish_request(seq)
+
+    def _logprobs(
+        self, logits: torch.Tensor, token: int, params: SamplingParams
+    ) -> list[TokenLogprob]:
+        logprob, top = token_logprobs(logits, token, params.top_logprobs)
+        decode = self._tokenizer.decode
+        alternatives = tuple(TokenLogprob(decode([i]), lp) for i, lp in top)
+        return [TokenLogprob(decode([token]), logprob, alternatives)]
+
+    def _end(self, seq_id: int, error: BaseException) -> None:
+        """A failed sequence leaves the batch now and frees its blocks; the error ends its
+        stream."""
+        stream = self._forget(seq_id)
+        if stream is not None:
+            self._scheduler.abort_request(seq_id)
+            stream.emit(error)
+
+    def _forget(self, seq_id: int) -> Stream | None:
+        stream = self._streams.pop(seq_id, None)
+        if stream is not None:
+            with self._lock:
+                self._live -= 1
+        return stream
+
+
+def emitter(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[GenerationChunk | BaseException]
+) -> Callable[[GenerationChunk | BaseException], None]:
+    def emit(item: GenerationChunk | BaseException) -> None:
+        # RuntimeError: the consumer's event loop is gone; its abort follows
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return emit

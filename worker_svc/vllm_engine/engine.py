@@ -1,0 +1,454 @@
+"""vLLM as the worker's engine (`[engine] kind = "vllm"`): for checkpoints that need many GPUs or
+nodes.
+
+vLLM's `AsyncLLM` runs in this process (its EngineCore and GPU workers in child processes) and does
+the batching, tensor/expert/pipeline parallelism and FP8 kernels. The worker keeps its own front: it
+renders the chat template and tokenizes as for the torch engine and hands vLLM token ids, checks
+requests with the same rules, and bounds the waiting queue; vLLM detokenizes, applies stop strings
+and samples, enforcing the worker's grammar of a request's tools and JSON schema with its guidance
+backend. With tools, the worker decodes the tokens itself (worker_svc.text.completion_decoder),
+as the torch engine does, into text and tool-call pieces. Load comes from vLLM's own scheduler stats
+(running, waiting, KV-cache use) through a stat logger, and vLLM's Prometheus metrics land in the
+process's default registry, which the worker's metrics port serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import torch
+from opentelemetry import propagate
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import StructuredOutputsConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+from vllm.logprobs import Logprob
+from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
+
+from infermesh.config import ConfigError
+from infermesh.names import FinishReason, Precision
+from worker_svc.config import WorkerConfig
+from worker_svc.engine_api import (
+    DecodeRateMeter,
+    DeviceCapabilities,
+    EngineClosedError,
+    EngineLoad,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+    ToolCallDelta,
+    check_request,
+    completion_budget,
+)
+from worker_svc.model.precision import (
+    choose_precision,
+    cpu_has_native_bf16,
+    detect_capabilities,
+    resolve_device,
+)
+from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
+from worker_svc.text.grammar import lark_grammar
+from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.text.tool_parser import ToolMarkers
+from worker_svc.torch_engine.engine import prompt_token_ids
+from worker_svc.vllm_engine.args import (
+    Devices,
+    check_known,
+    engine_args,
+    fp8_checkpoint,
+    known_engine_args,
+)
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+
+
+class _LoadMeter:
+    """vLLM's scheduler stats as the worker's load; fed by `_StatLogger` on AsyncLLM's output
+    task."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._load = EngineLoad(0, 0, 0.0)
+        self._rate = DecodeRateMeter()
+
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        with self._lock:
+            if scheduler is not None:
+                self._load = EngineLoad(
+                    scheduler.num_running_reqs,
+                    scheduler.num_waiting_reqs,
+                    0.0,
+                    scheduler.kv_cache_usage,
+                )
+            if iteration is not None and iteration.num_generation_tokens:
+                self._rate.add(iteration.num_generation_tokens)
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            return dataclasses.replace(self._load, tokens_per_second=self._rate.rate())
+
+
+def _stat_logger(meter: _LoadMeter) -> Any:
+    """A vLLM stat logger class (vLLM instantiates it per engine) that feeds ``meter``."""
+
+    class _StatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM ships no type information
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._meter = meter
+
+        def record(
+            self,
+            scheduler_stats: SchedulerStats | None,
+            iteration_stats: IterationStats | None,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            self._meter.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _StatLogger
+
+
+class VllmEngine:
+    """The InferenceEngine protocol over vLLM's AsyncLLM; start with `start(config)`."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        tokenizer: Tokenizer,
+        capabilities: DeviceCapabilities,
+        max_model_len: int,
+        vocab_size: int,
+        max_live: int,
+        meter: _LoadMeter,
+    ) -> None:
+        self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
+        self._markers = ToolMarkers.of(tokenizer)
+        self.max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        self._max_live = max_live  # running + waiting past which a request gets RESOURCE_EXHAUSTED
+        self._live = 0
+        self._meter = meter
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: WorkerConfig) -> VllmEngine:
+        """Checks the config against this machine, then starts vLLM (slow: it loads and profiles the
+        model)."""
+        devices = _devices()
+        fp8 = fp8_checkpoint(config.model.path)
+        try:
+            policy = choose_precision(
+                "cuda" if devices.gpu_count else "cpu",
+                devices.compute_capability,
+                fp8_gemm=devices.native_fp8,
+                cpu_has_bf16=cpu_has_native_bf16(),
+                dtype=config.model.dtype,
+                fp8_weights=fp8,
+            )
+        except ValueError as e:
+            raise ConfigError(f"[model] dtype: {e}") from None
+        check_known(config.engine.vllm, known_engine_args())
+        args = engine_args(config, devices, policy)
+        if "structured_outputs_config" in config.engine.vllm:
+            raise ConfigError(
+                "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
+                "backend runs its grammars)"
+            )
+        # the worker's grammars (worker_svc.text.grammar) are llguidance's Lark
+        args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
+        if config.cache.swap_space is not None:
+            logger.warning(
+                "[cache] swap_space is ignored: vLLM's V1 engine recomputes preempted sequences"
+            )
+        if not devices.gpu_count:
+            # vLLM binds its OpenMP threads to cores by default: on a shared host, cores others use
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        _check_engine_args(args, config.engine.vllm)
+        meter = _LoadMeter()
+        try:
+            llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**args), stat_loggers=[_stat_logger(meter)]
+            )
+        except RuntimeError as e:
+            # the EngineCore process failed: its traceback is in the log above
+            raise ConfigError(
+                f"vLLM's engine failed to start ({e}). If its log says there is no memory for "
+                "cache blocks, lower [attention] max_model_len or raise [cache] "
+                "gpu_memory_utilization (on a CPU: "
+                "[cache] cpu_cache_bytes)"
+            ) from None
+        model_config = llm.vllm_config.model_config
+        served = (
+            "fp8"
+            if model_config.quantization == "fp8"
+            else _PRECISIONS.get(model_config.dtype, "bf16")
+        )
+        capabilities = _capabilities(config, devices, served, llm)
+        parallel = config.parallel.resolved(capabilities.device, capabilities.device_name)
+        assert parallel.max_parallel is not None, "resolved above"
+        logger.info(
+            "vLLM serving %s in %s on %s (max_model_len %d)",
+            config.model.path,
+            served,
+            capabilities.device_name,
+            model_config.max_model_len,
+        )
+        return cls(
+            llm,
+            Tokenizer(config.model.path),
+            capabilities,
+            model_config.max_model_len,
+            model_config.get_vocab_size(),
+            parallel.max_parallel + parallel.max_waiting,
+            meter,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Streams the completion; closing the iterator aborts the vLLM request."""
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        prompt, params = self._prepare(request)
+        if self._live >= self._max_live:
+            raise EngineOverloadedError(
+                f"the worker is full: {self._live} requests (max_parallel + "
+                "max_waiting); retry later"
+            )
+        self._live += 1
+        carrier: dict[str, str] | None = None
+        if self._llm.vllm_config.observability_config.otlp_traces_endpoint:  # vLLM traces too
+            carrier = {}
+            propagate.inject(carrier)
+        finished = False
+        completion_tokens = 0
+        # with tools, text and calls come from the worker's own decoding of the tokens, as on the
+        # torch engine; vLLM's text (markers skipped) cannot tell a call's arguments from text
+        decoder = (
+            CompletionDecoder(
+                self.tokenizer, request.sampling.stop, request.constraints, self._markers
+            )
+            if request.constraints.tools
+            else None
+        )
+        try:
+            async for out in self._llm.generate(
+                prompt, params, request.request_id, trace_headers=carrier
+            ):
+                chunk = self._chunk(
+                    out,
+                    len(prompt["prompt_token_ids"]),
+                    completion_tokens,
+                    request.sampling,
+                    decoder,
+                )
+                completion_tokens = chunk.completion_tokens
+                finished = out.finished
+                if chunk.token_ids or chunk.text or chunk.finish_reason is not None:
+                    yield chunk
+            if not finished:
+                raise EngineClosedError("vLLM ended the request before it finished")
+        except VLLMValidationError as e:  # the grammar, refused before generation starts
+            raise InvalidRequestError(f"the tools or json_schema cannot be enforced: {e}") from None
+        finally:
+            self._live -= 1
+            if not finished:
+                await self._llm.abort(request.request_id)
+
+    def load(self) -> EngineLoad:
+        return self._meter.load()
+
+    async def close(self) -> None:
+        self._closed = True
+        self._llm.shutdown()
+
+    def _prepare(self, request: GenerationRequest) -> tuple[TokensPrompt, VllmSamplingParams]:
+        """The request checked by the rules every engine applies, as vLLM's prompt and sampling
+        params."""
+        check_request(request, self._vocab_size)
+        ids = prompt_token_ids(self.tokenizer, request)  # renders tools as for the torch engine
+        p = request.sampling
+        budget = completion_budget(len(ids), p.max_tokens, self.max_model_len)
+        constraints = request.constraints
+        grammar = lark_grammar(constraints, self._markers) if constraints.active else None
+        params = VllmSamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            max_tokens=budget,
+            stop=list(p.stop),
+            stop_token_ids=list(p.stop_token_ids),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            logprobs=p.top_logprobs if p.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+            structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None,
+        )
+        return TokensPrompt(prompt_token_ids=ids), params
+
+    def _chunk(
+        self,
+        out: RequestOutput,
+        prompt_tokens: int,
+        done: int,
+        sampling: SamplingParams,
+        decoder: CompletionDecoder | None,
+    ) -> GenerationChunk:
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        finish: FinishReason | None = None
+        if out.finished:
+            # "abort": vLLM dropped the request itself (ours are dropped by the consumer leaving)
+            if completion.finish_reason not in _FINISH_REASONS:
+                raise RuntimeError(
+                    f"vLLM ended request {out.request_id} with {completion.finish_reason!r}"
+                )
+            finish = _FINISH_REASONS[completion.finish_reason]
+        text, calls = completion.text, None
+        if decoder is not None:
+            text, calls, finish = _decode(decoder, tokens, finish, completion.stop_reason)
+        logprobs = None
+        if sampling.logprobs:
+            logprobs = [
+                self._logprob(token, alternatives, sampling.top_logprobs)
+                for token, alternatives in zip(tokens, completion.logprobs or (), strict=False)
+            ]
+        queue_s = 0.0
+        stats = out.metrics  # RequestStateStats: engine-core timestamps, 0 until set
+        if (
+            done == 0
+            and isinstance(stats, RequestStateStats)
+            and stats.scheduled_ts
+            and stats.queued_ts
+        ):
+            queue_s = max(stats.scheduled_ts - stats.queued_ts, 0.0)
+        return GenerationChunk(
+            text,
+            tokens,
+            finish,
+            prompt_tokens,
+            done + len(tokens),
+            out.num_cached_tokens or 0,
+            logprobs,
+            queue_s,
+            calls,
+        )
+
+    def _logprob(self, token: int, alternatives: dict[int, Logprob], top: int) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank or 0)[:top]
+        return TokenLogprob(
+            decode([token]),
+            alternatives[token].logprob,
+            tuple(TokenLogprob(decode([i]), lp.logprob) for i, lp in ranked),
+        )
+
+
+def _decode(
+    decoder: CompletionDecoder,
+    tokens: list[int],
+    finish: FinishReason | None,
+    stop_reason: int | str | None,
+) -> tuple[str, list[ToolCallDelta] | None, FinishReason | None]:
+    """A delta's tokens through the worker's decoder. vLLM keeps a stop token (an eos, or one of
+    stop_token_ids: its `stop_reason` is not a stop string) as the last of a finished request's
+    tokens; a stop string, which vLLM stopped at too, the decoder finds itself."""
+    last_end: TokenEnd | None = None
+    if finish == "length":
+        last_end = "length"
+    elif finish == "stop" and not isinstance(stop_reason, str):
+        last_end = "stop_token"
+    text, calls, decoded_finish = "", list[ToolCallDelta](), None
+    for i, token in enumerate(tokens):
+        if decoder.stopped:
+            break
+        decoded = decoder.add(token, last_end if i == len(tokens) - 1 else None)
+        text += decoded.text
+        calls += decoded.tool_calls or ()
+        decoded_finish = decoded.finish or decoded_finish
+    return text, calls or None, decoded_finish or finish
+
+
+_PRECISIONS: dict[torch.dtype, Precision] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+}
+
+
+def _devices() -> Devices:
+    """The GPUs present, asked through vLLM's platform (NVML): initializing CUDA in this process
+    before vLLM starts its GPU workers would force them onto the slower spawn start."""
+    if not current_platform.is_cuda_alike():  # CUDA or ROCm
+        return Devices(0)
+    capability = current_platform.get_device_capability()
+    cc = f"{capability.major}.{capability.minor}" if capability is not None else ""
+    return Devices(current_platform.device_count(), cc)
+
+
+def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:
+    """Raises ConfigError naming the argument vLLM refuses: vLLM's own messages often do not name
+    it, so each `[engine.vllm]` key is tried alone over the mapped sections."""
+    try:
+        AsyncEngineArgs(**args).create_engine_config()
+        return
+    except (ValueError, TypeError) as e:
+        refusal = e
+    mapped = {k: v for k, v in args.items() if k not in passed}
+    for key, value in passed.items():
+        try:
+            AsyncEngineArgs(**mapped, **{key: value}).create_engine_config()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"[engine.vllm] {key} = {value!r}: vLLM refused it: {e}") from None
+    raise ConfigError(
+        f"vLLM refused the engine arguments of [model], [attention], [cache] and [parallel] "
+        f"({', '.join(f'{k}={v!r}' for k, v in mapped.items())}): {refusal}"
+    ) from None
+
+
+def _capabilities(
+    config: WorkerConfig, devices: Devices, served: Precision, llm: AsyncLLM
+) -> DeviceCapabilities:
+    """What the router is told: the device, what vLLM runs, the weights' and the KV cache's
+    memory."""
+    probed = detect_capabilities(resolve_device(), fp8_weights=served == "fp8")
+    gpus = (
+        config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        if devices.gpu_count
+        else 1
+    )
+    hf_config = llm.vllm_config.model_config.hf_config
+    cache = llm.vllm_config.cache_config
+    latent = getattr(hf_config, "kv_lora_rank", 0) + getattr(hf_config, "qk_rope_head_dim", 0)
+    itemsize = (
+        1 if cache.cache_dtype.startswith("fp8") else llm.vllm_config.model_config.dtype.itemsize
+    )
+    per_token = latent * hf_config.num_hidden_layers * itemsize
+    return dataclasses.replace(
+        probed,
+        precision=served,
+        memory_total_bytes=probed.memory_total_bytes * gpus,
+        gpu_count=gpus,
+        weight_bytes=sum(f.stat().st_size for f in Path(config.model.path).glob("*.safetensors")),
+        kv_cache_bytes=(cache.num_gpu_blocks or 0) * cache.block_size * per_token,
+        model_type=str(getattr(hf_config, "model_type", "")),
+    )
