@@ -127,6 +127,8 @@ class Suite:
             self.results[name] = {"error": f"{type(e).__name__}: {e}"}
             self.markdown += [f"\n## {name}\n", f"FAILED: `{type(e).__name__}: {e}`\n"]
             traceback.print_exc()
+        self.results.setdefault("step_seconds", {})[name] = round(time.monotonic() - started, 1)
+        self.write()  # a run cut short still leaves what it measured
         print(f"   {time.monotonic() - started:.1f} s", flush=True)
 
     def table(self, title: str, header: list[str], rows: list[list[Any]], note: str = "") -> None:
