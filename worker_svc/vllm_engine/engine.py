@@ -2,14 +2,17 @@
 nodes.
 
 vLLM's `AsyncLLM` runs in this process (its EngineCore and GPU workers in child processes) and does
-the batching, tensor/expert/pipeline parallelism and FP8 kernels. The worker keeps its own front: it
-renders the chat template and tokenizes as for the torch engine and hands vLLM token ids, checks
-requests with the same rules, and bounds the waiting queue; vLLM detokenizes, applies stop strings
-and samples, enforcing the worker's grammar of a request's tools and JSON schema with its guidance
-backend. With tools, the worker decodes the tokens itself (worker_svc.text.completion_decoder),
-as the torch engine does, into text and tool-call pieces. Load comes from vLLM's own scheduler stats
-(running, waiting, KV-cache use) through a stat logger, and vLLM's Prometheus metrics land in the
-process's default registry, which the worker's metrics port serves.
+the batching, tensor/expert/pipeline parallelism and FP8 kernels. Where those FP8 kernels do not run
+on this hardware (args.Devices.vllm_fp8), or the config says not to, an FP8 checkpoint is served
+from its dequantized copy (worker_svc.model.dequant_cache), in the precision policy's dtype. The
+worker keeps its own front: it renders the chat template and tokenizes as for the torch engine and
+hands vLLM token ids, checks requests with the same rules, and bounds the waiting queue; vLLM
+detokenizes, applies stop strings and samples, enforcing the worker's grammar of a request's tools
+and JSON schema with its guidance backend. With tools, the worker decodes the tokens itself
+(worker_svc.text.completion_decoder), as the torch engine does, into text and tool-call pieces. Load
+comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a stat logger, and
+vLLM's Prometheus metrics land in the process's default registry, which the worker's metrics port
+serves.
 """
 
 from __future__ import annotations
@@ -421,6 +424,7 @@ def _devices() -> Devices:
     """The GPUs present, asked through vLLM's platform (NVML): initializing CUDA in this process
     before vLLM starts its GPU workers would force them onto the slower spawn start."""
     if not current_platform.is_cuda_alike():  # CUDA or ROCm
+        # the check vLLM's CPU FP8 kernels make themselves
         return Devices(0, cpu_amx=torch.cpu._is_amx_tile_supported())
     capability = current_platform.get_device_capability()
     cc = f"{capability.major}.{capability.minor}" if capability is not None else ""
