@@ -443,6 +443,7 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         max_model_len=config.attention.max_model_len,
         parallel=config.parallel,
         cache=config.cache,
+        chat_template=config.model.chat_template or None,
     )
 
 

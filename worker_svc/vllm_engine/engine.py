@@ -214,7 +214,7 @@ class VllmEngine:
         )
         return cls(
             llm,
-            Tokenizer(config.model.path),
+            Tokenizer(config.model.path, config.model.chat_template or None),
             capabilities,
             model_config.max_model_len,
             model_config.get_vocab_size(),
