@@ -103,7 +103,7 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
         for request, detail in [
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
             (_request("word " * 3000), "max_model_len"),
-            (_request(max_tokens=5000), "exceeds the context"),
+            (_request(max_tokens=5000), "exceed context limit"),
             (
                 common_pb2.GenerateRequest(
                     request_id="r",

@@ -333,7 +333,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+    def prompt_tokens(self, request: GenerationRequest) -> int:
         check_request(request, len(_WORDS))
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
@@ -341,8 +341,11 @@ class SimEngine:
             raise InvalidRequestError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
+        return math.ceil(len(_prompt_text(request).encode()) / _BYTES_PER_TOKEN)
+
+    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+        prompt_tokens = self.prompt_tokens(request)
         text = _prompt_text(request)
-        prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
         params = request.sampling
         budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:

@@ -191,6 +191,10 @@ class Engine:
             async for chunk in chunks:
                 yield chunk
 
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        check_request(request, self.model.args.vocab_size)
+        return len(prompt_token_ids(self.tokenizer, request))
+
     def load(self) -> EngineLoad:
         return self._loop.load()
 

@@ -272,6 +272,10 @@ class VllmEngine:
             if not finished:
                 await self._llm.abort(request.request_id)
 
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        check_request(request, self._vocab_size)
+        return len(prompt_token_ids(self.tokenizer, request))
+
     def load(self) -> EngineLoad:
         return self._meter.load()
 
