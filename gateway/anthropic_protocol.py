@@ -152,7 +152,7 @@ class Thinking(BaseModel):
 
     model_config = STRICT
     type: Literal["disabled", "adaptive"]
-    display: Literal["summarized", "omitted"] | None = None
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
 
 class InputTokens(BaseModel):
@@ -254,7 +254,9 @@ class MessagesBody(BaseModel):
                 common_pb2.Tool(
                     name=t.name,
                     description=t.description or "",
-                    parameters_json=check_schema(t.input_schema, f"tools.{i}.input_schema"),
+                    parameters_json=check_schema(
+                        t.input_schema, f"tools.{i}.input_schema", tool=True
+                    ),
                 )
                 for i, t in enumerate(tools)
             ]

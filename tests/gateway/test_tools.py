@@ -146,9 +146,17 @@ def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]
     "change, param",
     [
         ({"tools": [_tool("f", {"type": "nope"})]}, "tools.0.function.parameters"),
-        (
-            {"tools": [_tool("f", {"type": "object", "dependentSchemas": {"a": {}}})]},
-            "tools.0.function.parameters",
+        (  # an answer's schema must be enforceable whole (a tool's is enforced leniently)
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "dependentSchemas": {"a": {}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
         ),
         (
             {"tools": [{"type": "function", "function": {"parameters": WEATHER}}]},

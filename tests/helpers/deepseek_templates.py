@@ -1,5 +1,4 @@
-"""DeepSeek's released chat templates, as their checkpoints' tokenizer_config.json carry them, and a
-tiny checkpoint that carries one of them instead of its own.
+"""DeepSeek's released chat templates, as their checkpoints' tokenizer_config.json carry them.
 
 None of them reads the tool definitions (HF's ``tools``): V2.5, V3 and V3-0324 render an
 assistant's calls as ``function<｜tool▁sep｜>NAME`` with the arguments in a ```json fence, V3.1 and
@@ -7,9 +6,6 @@ V3.2-Exp as ``NAME<｜tool▁sep｜>ARGUMENTS``.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 # DeepSeek-V3 and V3-0324
 V3 = (
@@ -94,23 +90,3 @@ V3_1 = (
     r"{{'<｜Assistant｜>'}}{%- if not thinking %}{{'</think>'}}{%- else %}{{'<think>'}}"
     r"{%- endif %}{% endif %}"
 )
-
-
-def with_template(
-    checkpoint: Path, out: Path, template: str, model_type: str | None = None
-) -> Path:
-    """``out``: ``checkpoint`` (linked) with ``template`` as its tokenizer_config.json's chat
-    template and, when given, ``model_type`` in its config.json."""
-    rewritten = {"tokenizer_config.json", "config.json"}
-    for path in checkpoint.iterdir():
-        if path.name not in rewritten:
-            (out / path.name).symlink_to(path.resolve())
-    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({**tokenizer_config, "chat_template": template})
-    )
-    config = json.loads((checkpoint / "config.json").read_text())
-    if model_type is not None:
-        config["model_type"] = model_type
-    (out / "config.json").write_text(json.dumps(config))
-    return out

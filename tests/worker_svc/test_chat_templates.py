@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tests.helpers import deepseek_templates
-from tests.helpers.deepseek_templates import with_template
+from tests.helpers.checkpoints import variant_of
 from tests.helpers.tools import WEATHER
 from worker_svc.engine_api import (
     Constraints,
@@ -74,7 +74,7 @@ _FAMILIES = [
 def test_released_templates_are_served_with_their_family_tool_template(
     tiny_dir: Path, tmp_path: Path, caplog, released, model_type, served, syntax, definition
 ):
-    checkpoint = with_template(tiny_dir, tmp_path, released, model_type)
+    checkpoint = variant_of(tiny_dir, tmp_path, released, model_type=model_type)
     with caplog.at_level(logging.INFO, logger="worker_svc.text.chat_templates"):
         tokenizer = Tokenizer(checkpoint)
     assert f"cannot render tool definitions; serving with {served}" in caplog.text
@@ -109,7 +109,7 @@ def test_chat_template_file_overrides_the_checkpoints(tiny_dir: Path, tmp_path: 
 
 @pytest.mark.parametrize("released", [deepseek_templates.V3, deepseek_templates.V3_1])
 async def test_a_released_checkpoint_serves_tools(tiny_dir: Path, tmp_path: Path, released):
-    engine = Engine.from_checkpoint(with_template(tiny_dir, tmp_path, released), dtype="float32")
+    engine = Engine.from_checkpoint(variant_of(tiny_dir, tmp_path, released), dtype="float32")
     tools = (Tool("get_weather", "Weather in a city", json.dumps(WEATHER)),)
     messages = [{"role": "user", "content": "weather in Paris?"}]
     request = GenerationRequest(

@@ -5,8 +5,9 @@ The grammar follows the checkpoint's tool-call syntax (worker_svc.text.tool_pars
 tool_choice ``required`` the output must be calls whose arguments match their tool's schema, with a
 named tool exactly one call of it; with ``auto`` it is text (no special tokens) optionally followed
 by such calls; with ``none`` text only. A ``json_schema`` makes the text a JSON value of that
-schema. JSON is compact (no free whitespace), so a model cannot spend its tokens on blanks.
-Compiled grammars are cached by their text; each sequence gets a copy of the compiled matcher.
+schema. JSON is compact (no free whitespace), so a model cannot spend its tokens on blanks; a tool's
+schema is enforced leniently (keywords llguidance cannot enforce are left out). Compiled grammars
+are cached by their text; each sequence gets a copy of the compiled matcher.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
         f"({' | '.join(f'fn_{i}' for i in range(len(tools)))}) <[{markers.call_end}]>",
     ]
     for i, tool in enumerate(tools):
-        schema = f"%json {_compact_schema(tool.parameters)}"
+        schema = f"%json {_compact_schema(tool.parameters, lenient=True)}"
         if markers.format == "v3":
             header = json.dumps(tool.name + "\n```json\n")
             lines.append(f'fn_{i}: {header} {schema} "\\n```"')
@@ -106,11 +107,14 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _compact_schema(schema: str) -> str:
+def _compact_schema(schema: str, lenient: bool = False) -> str:
     """The schema with llguidance's compact JSON option (checked to be an object by
-    check_constraints)."""
+    check_constraints); ``lenient``: keywords llguidance cannot enforce are left out (a tool's
+    arguments: one such keyword in an agent's tools must not refuse its every request), where
+    an answer's json_schema is refused for them."""
     value = json.loads(schema)
-    return json.dumps({**value, "x-guidance": {**value.get("x-guidance", {}), **_COMPACT}})
+    options = {**value.get("x-guidance", {}), **_COMPACT, **({"lenient": True} if lenient else {})}
+    return json.dumps({**value, "x-guidance": options})
 
 
 def apply_masks(
