@@ -86,8 +86,9 @@ class Message(BaseModel):
     @model_validator(mode="after")
     def _blocks_of_role(self) -> Message:
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
-        for kind in sorted(kinds - _ROLE_BLOCKS[self.role]):
-            raise ValueError(f"{kind} blocks do not belong in {self.role} turns")
+        misplaced = sorted(kinds - _ROLE_BLOCKS[self.role])
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} blocks do not belong in {self.role} turns")
         return self
 
     def router_messages(self) -> list[common_pb2.ChatMessage]:

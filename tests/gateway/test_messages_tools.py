@@ -132,6 +132,24 @@ async def test_output_format_answers_json_of_the_schema(served, api_key):
             "output_config.format.schema",
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "thinking", "thinking": ""}]}]},
+            "thinking blocks do not belong in system turns",
+        ),
+        (
+            {
+                "context_management": {
+                    "edits": [
+                        {
+                            "type": "clear_tool_uses_20250919",
+                            "keep": {"type": "input_tokens", "value": 3},
+                        }
+                    ]
+                }
+            },
+            "context_management.edits.0.keep.type",
+        ),
         ({"container": "container_1"}, "container"),
         (
             {"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]},
