@@ -142,9 +142,9 @@ class EngineLoad:
     kv_cache_usage: float = 0.0  # 0..1 of the KV cache in use
 
 
-class InvalidRequestError(ValueError):
+class InvalidArgumentError(ValueError):
     """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before
-    any chunk."""
+    any chunk. The worker answers it with INVALID_ARGUMENT (the gateway's 400)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -163,68 +163,68 @@ _PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
 
 
 def check_sampling(p: SamplingParams, vocab_size: int) -> None:
-    """Raises InvalidRequestError for parameters no engine serves: every engine checks
+    """Raises InvalidArgumentError for parameters no engine serves: every engine checks
     the same bounds, so a caller gets the same answer from any worker."""
     if p.temperature < 0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
+        raise InvalidArgumentError(f"temperature must be >= 0, got {p.temperature}")
     if not 0 < p.top_p <= 1:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
+        raise InvalidArgumentError(f"top_k must be >= 0, got {p.top_k}")
     if p.max_tokens is not None and p.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        raise InvalidArgumentError(f"max_tokens must be >= 1, got {p.max_tokens}")
     low, high = _PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         if not low <= getattr(p, name) <= high:
-            raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
+            raise InvalidArgumentError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
     if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}"
         )
     if len(p.stop) > _MAX_STOP_SEQUENCES:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed"
         )
     if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"stop_token_ids has {len(p.stop_token_ids)} "
             f"ids; at most {_MAX_STOP_TOKEN_IDS} are allowed"
         )
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
+        raise InvalidArgumentError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
 
 def check_prompt(request: GenerationRequest) -> None:
-    """Raises InvalidRequestError unless the request has exactly one of messages (each with
+    """Raises InvalidArgumentError unless the request has exactly one of messages (each with
     string role and content) and prompt, not empty."""
     if (request.messages is None) == (request.prompt is None):
-        raise InvalidRequestError("exactly one of messages and prompt must be given")
+        raise InvalidArgumentError("exactly one of messages and prompt must be given")
     if request.messages is not None:
         if not request.messages:
-            raise InvalidRequestError("messages is empty")
+            raise InvalidArgumentError("messages is empty")
         for i, m in enumerate(request.messages):
             if not (
                 isinstance(m, dict)
                 and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)
             ):
-                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
+                raise InvalidArgumentError(f"messages[{i}] needs string 'role' and 'content'")
     elif not request.prompt:
-        raise InvalidRequestError("prompt is empty")
+        raise InvalidArgumentError("prompt is empty")
 
 
 def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens the completion may have: max_tokens, or what is left of the context.
-    Raises InvalidRequestError when the prompt, or the prompt and max_tokens, do not fit."""
+    Raises InvalidArgumentError when the prompt, or the prompt and max_tokens, do not fit."""
     if prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (the prompt and "
             "at least one generated token must fit)"
         )
     if max_tokens is None:
         return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
             f"length {max_model_len}"
         )
@@ -233,10 +233,10 @@ def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len:
 
 def check_batching_hints(request: GenerationRequest) -> None:
     if request.max_parallel is not None and request.max_parallel < 1:
-        raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
+        raise InvalidArgumentError(f"max_parallel must be >= 1, got {request.max_parallel}")
     timeout_ms = request.dynamic_batch_timeout_ms
     if timeout_ms is not None and timeout_ms < 0:
-        raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
+        raise InvalidArgumentError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
 
 
 def bounded_batching_hints(
@@ -288,22 +288,22 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_constraints(c: Constraints) -> None:
-    """Raises InvalidRequestError for tools or a schema no engine can enforce, the same on every
+    """Raises InvalidArgumentError for tools or a schema no engine can enforce, the same on every
     worker."""
     names = [t.name for t in c.tools]
     for i, tool in enumerate(c.tools):
         if not _TOOL_NAME.fullmatch(tool.name):
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}"
             )
         _json_object(tool.parameters, f"tools[{i}].parameters")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise InvalidRequestError(f"tools has duplicate names: {', '.join(duplicates)}")
+        raise InvalidArgumentError(f"tools has duplicate names: {', '.join(duplicates)}")
     if c.tool_choice in ("required", "named") and not c.tools:
-        raise InvalidRequestError(f"tool_choice {c.tool_choice!r} needs tools")
+        raise InvalidArgumentError(f"tool_choice {c.tool_choice!r} needs tools")
     if c.tool_choice == "named" and c.tool_name not in names:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"tool_choice names {c.tool_name!r}, which is not one of the tools"
         )
     if c.json_schema is not None:
@@ -314,9 +314,9 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise InvalidRequestError(f"{what} is not JSON: {e}") from None
+        raise InvalidArgumentError(f"{what} is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{what} must be a JSON object (a JSON schema)")
+        raise InvalidArgumentError(f"{what} must be a JSON object (a JSON schema)")
     return value
 
 

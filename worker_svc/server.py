@@ -24,7 +24,7 @@ from worker_svc.engine_api import (
     EngineOverloadedError,
     GenerationChunk,
     InferenceEngine,
-    InvalidRequestError,
+    InvalidArgumentError,
     merge_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_kind
@@ -122,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 async for chunk in chunks:
                     timing.saw(chunk)
                     yield chunk
-        except InvalidRequestError as e:
+        except InvalidArgumentError as e:
             timing.status = "INVALID_ARGUMENT"
             raise RequestFailedError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except EngineOverloadedError as e:

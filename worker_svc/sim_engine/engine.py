@@ -47,7 +47,7 @@ from worker_svc.engine_api import (
     EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     check_request,
     completion_budget,
     drain_chunks,
@@ -338,7 +338,7 @@ class SimEngine:
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
         text = _prompt_text(request)
@@ -346,7 +346,7 @@ class SimEngine:
         params = request.sampling
         budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 f"prompt and max_tokens need {prompt_tokens + budget} "
                 f"tokens of KV cache; this worker "
                 f"holds {self.roofline.kv_capacity_tokens}"

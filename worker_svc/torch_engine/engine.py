@@ -28,7 +28,7 @@ from worker_svc.engine_api import (
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     Tool,
     bounded_batching_hints,
     check_request,
@@ -179,7 +179,7 @@ class Engine:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it.
 
-        Raises InvalidRequestError or EngineOverloadedError before any chunk.
+        Raises InvalidArgumentError or EngineOverloadedError before any chunk.
         """
         stream, queue = self._stream(request)
         self._loop.submit(stream)
@@ -237,7 +237,7 @@ def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[i
     if request.messages is not None:
         tools = request.constraints.tools
         if tools and not tokenizer.renders_tools:
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 "tools: this model's chat template cannot render tool definitions"
             )
         return tokenizer.encode_chat(

@@ -48,7 +48,7 @@ from worker_svc.engine_api import (
     EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     SamplingParams,
     TokenLogprob,
     ToolCallDelta,
@@ -266,7 +266,9 @@ class VllmEngine:
             if not finished:
                 raise EngineClosedError("vLLM ended the request before it finished")
         except VLLMValidationError as e:  # the grammar, refused before generation starts
-            raise InvalidRequestError(f"the tools or json_schema cannot be enforced: {e}") from None
+            raise InvalidArgumentError(
+                f"the tools or json_schema cannot be enforced: {e}"
+            ) from None
         finally:
             self._live -= 1
             if not finished:
