@@ -1,18 +1,20 @@
 """The engine's public surface as the gRPC server sees it, without torch.
 
-Both engines speak it: the DeepSeek-V3 `Engine` (engine.py, torch) and the simulated
-`SimEngine` (sim_engine.py, no model). Keeping these types here lets a simulated worker start
-without importing torch, so one machine can host dozens of them.
+Every engine speaks it: the DeepSeek-V3 `Engine` (torch_engine/, torch), `VllmEngine`
+(vllm_engine/) and the simulated `SimEngine` (sim_engine/, no model), each putting its requests
+through one `RequestFront`. Keeping these types here lets a simulated worker start without
+importing torch, so one machine can host dozens of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -259,6 +261,54 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     check_sampling(request.sampling, vocab_size)
     check_constraints(request.constraints)
     check_batching_hints(request)
+
+
+class RequestFront:
+    """The front every engine (torch, vLLM, simulated) puts a request through before it runs it,
+    so that a caller gets the same answer, in the same words, from any worker. In generate(), in
+    this order: ``check`` (closed, then check_request), the engine reads the prompt, ``budget``
+    (the completion's tokens against max_model_len), then ``admitted()`` around the run (the
+    bound on live requests). Called on the event loop only."""
+
+    def __init__(
+        self, *, vocab_size: int, max_model_len: int, max_parallel: int, max_waiting: int
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._max_parallel = max_parallel
+        self._max_waiting = max_waiting
+        self.live = 0  # admitted and not ended: running and waiting together
+        self.closed = False
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raises EngineClosedError once the engine is closed, else InvalidArgumentError for what
+        check_request refuses."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        check_request(request, self.vocab_size)
+
+    def budget(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """How many tokens the completion may have (completion_budget)."""
+        return completion_budget(prompt_tokens, max_tokens, self.max_model_len)
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Counts the request live while the block runs; EngineOverloadedError when max_parallel
+        requests run and max_waiting wait already."""
+        if self.live >= self._max_parallel + self._max_waiting:
+            raise EngineOverloadedError(
+                f"the worker is full: {self.live} requests for {self._max_parallel} places "
+                f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
+            )
+        self.live += 1
+        try:
+            yield
+        finally:
+            self.live -= 1
+
+    def close(self) -> None:
+        """Requests from now on are refused with EngineClosedError."""
+        self.closed = True
 
 
 class DecodeRateMeter:

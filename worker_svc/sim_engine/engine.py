@@ -19,9 +19,10 @@ attention's.
 
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
-budget (prompt + max_tokens) free to start; at most max_waiting wait, past that generate()
-raises EngineOverloadedError. Tokens are words from a fixed list, deterministic per seed.
-Imports no torch: a simulated worker process stays small.
+budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests generate()
+raises EngineOverloadedError (the request front every engine shares, engine_api.RequestFront).
+Tokens are words from a fixed list, deterministic per seed. Imports no torch: a simulated worker
+process stays small.
 """
 
 from __future__ import annotations
@@ -44,12 +45,10 @@ from worker_svc.engine_api import (
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
-    EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
     InvalidArgumentError,
-    check_request,
-    completion_budget,
+    RequestFront,
     drain_chunks,
 )
 from worker_svc.hardware.gpu_profiles import GpuProfile, gpu_profiles
@@ -252,7 +251,12 @@ class SimEngine:
         )
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
-        self._max_waiting = max_waiting
+        self._front = RequestFront(
+            vocab_size=len(_WORDS),
+            max_model_len=max_model_len,
+            max_parallel=max_parallel,
+            max_waiting=max_waiting,
+        )
         self._zero_latency = zero_latency
         self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -263,7 +267,6 @@ class SimEngine:
         self._decode_rate = DecodeRateMeter()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._closed = False
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
@@ -302,15 +305,15 @@ class SimEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._front.check(request)
         seq = self._new_sequence(request)
-        self._admit(seq)
-        async with contextlib.aclosing(
-            drain_chunks(seq.chunks, lambda: self._abort(seq))
-        ) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        with self._front.admitted():
+            self._admit(seq)
+            async with contextlib.aclosing(
+                drain_chunks(seq.chunks, lambda: self._abort(seq))
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -322,7 +325,7 @@ class SimEngine:
 
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
-        self._closed = True
+        self._front.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -334,7 +337,6 @@ class SimEngine:
     # ------------------------------------------------------------------ admission
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        check_request(request, len(_WORDS))
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
@@ -344,7 +346,7 @@ class SimEngine:
         text = _prompt_text(request)
         prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
         params = request.sampling
-        budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
+        budget = self._front.budget(prompt_tokens, params.max_tokens)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
             raise InvalidArgumentError(
                 f"prompt and max_tokens need {prompt_tokens + budget} "
@@ -370,13 +372,8 @@ class SimEngine:
     def _admit(self, seq: _Sequence) -> None:
         if not self._waiting and self._fits(seq):
             self._start(seq)
-        elif len(self._waiting) < self._max_waiting:
-            self._waiting.append(seq)
         else:
-            raise EngineOverloadedError(
-                f"{len(self._running)} sequences running and {len(self._waiting)} waiting "
-                f"(max_waiting {self._max_waiting}); retry later"
-            )
+            self._waiting.append(seq)
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self._wake.set()

@@ -1,4 +1,5 @@
-"""The checkpoint's own tokenizer and chat template, and streaming detokenization.
+"""The checkpoint's own tokenizer and chat template, a request's prompt as token ids (what every
+engine serving a checkpoint takes), and streaming detokenization.
 
 `IncrementalDetokenizer` turns generated ids into text pieces that are whole UTF-8 characters
 (text ending in U+FFFD is held back until the next token completes it, with vLLM's
@@ -8,6 +9,7 @@ end is held back until it is ruled out).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -15,6 +17,8 @@ from typing import Any, cast
 import jinja2
 import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from worker_svc.engine_api import GenerationRequest, InvalidArgumentError, Tool
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -64,6 +68,43 @@ class Tokenizer:
         return cast(
             str, self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         )
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt's token ids (check_request has checked its shape): chat messages rendered with
+    the checkpoint's template, or raw text. Every engine serving a checkpoint takes these, so prompt
+    counts and usage agree across engines."""
+    if request.messages is not None:
+        tools = request.constraints.tools
+        if tools and not tokenizer.renders_tools:
+            raise InvalidArgumentError(
+                "tools: this model's chat template cannot render tool definitions"
+            )
+        return tokenizer.encode_chat(
+            [_template_message(m) for m in request.messages], [_tool_definition(t) for t in tools]
+        )
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
+    return tokenizer.encode(request.prompt)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as HF chat templates take it: an assistant turn of only tool calls has no
+    content."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return message
+
+
+def _tool_definition(tool: Tool) -> dict[str, Any]:
+    """A tool as HF chat templates take it (OpenAI's shape)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": json.loads(tool.parameters),
+        },
+    }
 
 
 class IncrementalDetokenizer:
