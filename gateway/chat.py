@@ -43,6 +43,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         prompt_of=[0] * body.n,
         max_tokens=body.token_limit(),
         stream=body.stream,
+        session=body.prompt_cache_key,
     )
 
     async with generate(request, plan) as (generation, headers):

@@ -41,6 +41,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prompt_of=[p for p, _ in choices],
         max_tokens=body.token_limit(),
         stream=body.stream,
+        session=body.prompt_cache_key,
     )
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
+from gateway.affinity import affinity_key
 from gateway.config import LimitsSection
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
 from gateway.limits import LIMITER, Admission, mesh_failed
@@ -44,6 +45,7 @@ class Plan:
     prompt_of: list[int]  # per request: its index into prompt_estimates
     max_tokens: int | None  # per choice; None: up to the model's context
     stream: bool  # the client reads tokens as they come (else only the whole answer)
+    session: str | None = None  # the session the body names (gateway.affinity); else its headers
 
     def reserve(self, default_completion_tokens: int) -> int:
         """Tokens admission reserves: prompts plus the most each choice may write."""
@@ -213,6 +215,9 @@ async def generate(
         top_p=sampling.top_p if sampling.HasField("top_p") else None,
     ) as span:
         check_model(request, plan.model)
+        session = affinity_key(request[API_KEY].id, request.headers, plan.session)
+        for r in plan.requests:
+            r.affinity_key = session
         generation = Generation(request.app[MESH], plan)
         try:
             admission = await request.app[LIMITER].admit(

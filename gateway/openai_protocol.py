@@ -119,6 +119,8 @@ class OpenAIGeneration(BatchingFields):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     user: Annotated[str, Field(max_length=256)] | None = None
+    # names the client's session: its requests go where their prefix is cached (gateway.affinity)
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     precision: Precision | None = None

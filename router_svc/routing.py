@@ -3,10 +3,11 @@
 ``round_robin`` rotates; ``least_load`` takes the lowest share of busy slots; ``balanced``
 (the default) adds KV cache use, hardware fitness (the worker's own decode speed estimate,
 so FP8 Hopper workers win for a latency-bound stream) and prefix affinity: requests whose
-prompts share their leading bytes go to the same worker, where that prefix is cached. The
-prefix's worker is found by rendezvous (highest random weight) hashing with bounded load: a
-worker above ``affinity_load_factor`` x its capacity-weighted fair share of the busy slots is
-passed over, so a hot prefix spreads instead of queueing.
+prompts share their leading bytes (or that name one session: ``affinity_key``) go to the same
+worker, where that prefix is cached. The prefix's worker is found by rendezvous (highest random
+weight) hashing with bounded load: a worker above ``affinity_load_factor`` x its
+capacity-weighted fair share of the busy slots is passed over, so a hot prefix spreads instead
+of queueing.
 
 Everything is vectorized over the candidates' slots in the Fleet's arrays: a decision over a
 thousand workers takes tens of microseconds and no I/O (bench/router_decision.py).
@@ -43,7 +44,7 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
 
     model: str
     precision: common_pb2.Precision
-    prefix_key: int  # 64-bit hash of the prompt's leading bytes
+    prefix_key: int  # 64-bit hash of the session's affinity key, else of the prompt's leading bytes
     # How much of the hashed window the prompt fills, 0..1: a short prompt has little
     # cache to reuse, so its affinity counts for less.
     prefix_weight: float = 1.0
@@ -51,6 +52,10 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
 
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
+        if request.affinity_key:
+            # a session's turns share their whole growing history, not only its head: the
+            # session decides where they go (agents' heads are one system prompt for all)
+            return cls(request.model, request.precision, _hash64(request.affinity_key.encode()))
         head = _prompt_head(request, prefix_bytes)
         return cls(
             request.model, request.precision, _hash64(head), len(head) / prefix_bytes, request.gpu
