@@ -206,7 +206,7 @@ class WorkerStreams:
             lambda address: _Stream(channels.stub(str(address)), buffered_chunks), per_worker
         )
 
-    async def generate(
+    async def chunks(
         self,
         address: str,
         request: common_pb2.GenerateRequest,

@@ -204,18 +204,24 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
                 f"malformed GenerateRequest ({e}); strings must be UTF-8",
             )
 
-    async def generate(data: bytes, context: Context) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate_from_bytes(
+        data: bytes, context: Context
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
         async for response in servicer.Generate(await parse(data, context), context):
             yield response
 
-    async def complete(data: bytes, context: Context) -> common_pb2.GenerateResponse:
+    async def complete_from_bytes(data: bytes, context: Context) -> common_pb2.GenerateResponse:
         return await servicer.Complete(await parse(data, context), context)
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     serialize = common_pb2.GenerateResponse.SerializeToString
     handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=serialize),
-        "Complete": grpc.unary_unary_rpc_method_handler(complete, response_serializer=serialize),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate_from_bytes, response_serializer=serialize
+        ),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            complete_from_bytes, response_serializer=serialize
+        ),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
             request_deserializer=worker_pb2.InfoRequest.FromString,
