@@ -23,7 +23,8 @@ from worker_svc.engine_api import (
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import model_size_of
-from worker_svc.sim_engine.engine import Roofline, SimEngine
+from worker_svc.sim_engine.engine import SimEngine
+from worker_svc.sim_engine.roofline import Roofline
 
 
 def request(

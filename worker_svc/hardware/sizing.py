@@ -1,6 +1,6 @@
 """How much memory a DeepSeek-V3/V3.2/V2-family model needs: its parameters (total, and read per
 token), weights in each precision, the KV cache per token, and the fewest GPUs that hold both. One
-arithmetic for ``infermesh plan`` and the simulated workers (sim_engine.py), from config.json
+arithmetic for ``infermesh plan`` and the simulated workers (sim_engine/), from config.json
 alone: no torch, no weights. worker_svc/model/configs/ holds the public models' config.json
 values (DeepSeek-V3, V3.2-Exp, V2, V2.5, V2-Lite), so a name sizes a model like its checkpoint.
 
