@@ -33,3 +33,17 @@ def test_a_checkpoint_the_worker_cannot_load_exits_2_naming_the_file(tmp_path):
     assert done.returncode == 2
     assert f"{tmp_path / 'config.json'}: model_type: 'deepseek_v4' is not served" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_simulated_model_that_does_not_fit_exits_2_naming_the_key():
+    done = _start(
+        {
+            "INFERMESH_WORKER_ENGINE_KIND": "sim",
+            "INFERMESH_WORKER_ENGINE_MODEL": "DeepSeek-V3",
+            "INFERMESH_WORKER_ENGINE_GPU": "V100",
+            "INFERMESH_WORKER_ENGINE_GPU_COUNT": "1",
+        }
+    )
+    assert done.returncode == 2
+    assert "worker: config error: [engine] gpu_count: the model's" in done.stderr
+    assert "leave no KV cache in 1 x V100" in done.stderr

@@ -28,6 +28,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from infermesh.config import ConfigError
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -123,8 +124,9 @@ class SimEngine:
         zero_latency: bool = False,
     ) -> None:
         if roofline.kv_capacity_tokens < 1:
-            raise ValueError(
-                f"the model's {roofline.weight_bytes / 1e9:.0f} GB of weights leave no KV cache in "
+            raise ConfigError(
+                f"[engine] gpu_count: the model's {roofline.weight_bytes / 1e9:.0f} GB of weights "
+                "leave no KV cache in "
                 f"{roofline.gpu_count} x {roofline.profile.name} "
                 f"({roofline.memory_bytes / 1e9:.0f} GB)"
             )

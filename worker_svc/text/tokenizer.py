@@ -18,6 +18,7 @@ import jinja2
 import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from infermesh.config import ConfigError
 from worker_svc.engine_api import GenerationRequest, InvalidArgumentError, Tool
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -29,10 +30,12 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not isinstance(hf, PreTrainedTokenizerFast):  # grammars are compiled from its vocabulary
-            raise ValueError(f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)")
+            raise ConfigError(
+                f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)"
+            )
         self.hf = hf
         if not self.hf.chat_template:
-            raise ValueError(f"{model_dir}: tokenizer_config.json has no chat_template")
+            raise ConfigError(f"{model_dir}: tokenizer_config.json has no chat_template")
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
         # HF passes tool definitions as the template's `tools`; a template that never reads it would

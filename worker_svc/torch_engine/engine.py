@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from infermesh.config import ConfigError
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
@@ -146,9 +147,12 @@ class Engine:
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
-        caps = detect_capabilities(
-            torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights
-        )
+        try:
+            caps = detect_capabilities(
+                torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights
+            )
+        except ValueError as e:  # an override this machine or checkpoint cannot honour
+            raise ConfigError(f"[model] dtype: {e}") from None
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(
@@ -159,8 +163,9 @@ class Engine:
         )
         context = config["max_position_embeddings"]
         if max_model_len is not None and not 0 < max_model_len <= context:
-            raise ValueError(
-                f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)"
+            raise ConfigError(
+                f"[attention] max_model_len: {max_model_len} must be in 1..{context} "
+                "(the checkpoint's max_position_embeddings)"
             )
         tokenizer = Tokenizer(model_dir)
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
@@ -245,7 +250,7 @@ def _block_manager(
     needed = -(-max_model_len // cache.block_size)
     if num_blocks < needed:
         knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
-        raise ValueError(
+        raise ConfigError(
             f"[cache] {knob}: the latent cache would hold "
             f"{max(num_blocks, 0) * cache.block_size} tokens, fewer "
             f"than one context of max_model_len={max_model_len} "
