@@ -53,7 +53,7 @@ $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 model: $(MODEL_DIR)/config.json
 
-# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
+# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax gate), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
 
 models/tiny-deepseek-v2/config.json: $(GENERATED) devtools/tiny_model.py

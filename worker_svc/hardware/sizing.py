@@ -6,8 +6,8 @@ values (DeepSeek-V3, V3.2-Exp, V2, V2.5, V2-Lite), so a name sizes a model like 
 
 The tensors are enumerated by their HF names, as the checkpoints store them. DeepSeek-V3(.2) ships
 FP8 (``quantization_config``): the decoder layers' linear weights in FP8 E4M3 with one float32
-``weight_scale_inv`` per 128 x 128 block, the routing bias in float32, everything else
-(embeddings, lm_head, norms, the router's gate, the indexer's weights_proj) in BF16. FP8 is served
+``weight_scale_inv`` per 128 x 128 block, the MoE gate's bias in float32, everything else
+(embeddings, lm_head, norms, the MoE gate, the indexer's weights_proj) in BF16. FP8 is served
 as stored on Hopper; on every other GPU the weights are dequantized to BF16/FP16 (2 bytes each).
 DeepSeek-V2 ships BF16 and is served in BF16 on Hopper too (``serving_profile``).
 Multi-token-prediction layers stored past ``num_hidden_layers`` are not loaded for serving. The
