@@ -203,7 +203,7 @@ class WorkerStreams:
 
     def __init__(self, channels: WorkerChannels, *, per_worker: int, buffered_chunks: int) -> None:
         self._streams: SharedCalls[_Stream] = SharedCalls(
-            lambda address: _Stream(channels.stub(str(address)), buffered_chunks), per_worker
+            lambda address: _Stream(channels.stub(address), buffered_chunks), per_worker
         )
 
     async def chunks(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
@@ -165,14 +165,14 @@ class SharedCalls(Generic[Call]):
     ``start(peer)`` on first use, requests spread over them in turn. A broken call is dropped
     at the next use and closed in the background, so its replacement need not wait for it."""
 
-    def __init__(self, start: Callable[[Hashable], Call], per_peer: int = 1) -> None:
+    def __init__(self, start: Callable[[str], Call], per_peer: int = 1) -> None:
         self._start = start
         self._per_peer = per_peer
-        self._calls: dict[Hashable, list[Call]] = {}
+        self._calls: dict[str, list[Call]] = {}
         self._turn = itertools.count()
         self._closing: set[asyncio.Task[None]] = set()
 
-    def get(self, peer: Hashable) -> Call:
+    def get(self, peer: str) -> Call:
         """A call to ``peer`` to send a request on: a new one while there are fewer than
         ``per_peer`` unbroken, else the next in turn."""
         pool = self._calls.setdefault(peer, [])
@@ -186,7 +186,7 @@ class SharedCalls(Generic[Call]):
             return pool[-1]
         return pool[next(self._turn) % len(pool)]
 
-    def open(self, peer: Hashable) -> list[Call]:
+    def open(self, peer: str) -> list[Call]:
         """The calls to ``peer`` that have not broken; none is opened."""
         return [c for c in self._calls.get(peer, ()) if not c.broken]
 

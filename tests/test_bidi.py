@@ -143,7 +143,7 @@ async def test_calls_per_peer_are_shared_in_turn_and_a_broken_one_is_replaced():
     async with _echo_channel() as channel:
         started: list[_EchoCall] = []
 
-        def start(peer: object) -> _EchoCall:
+        def start(peer: str) -> _EchoCall:
             started.append(_EchoCall(channel))
             return started[-1]
 
