@@ -19,7 +19,7 @@ from gateway import anthropic_protocol as wire
 from gateway import json_body, sse
 from gateway.context_editing import Counter, apply_edits
 from gateway.errors import UpstreamError
-from gateway.generation import Generation, Plan, admit, generate, served_model
+from gateway.generation import Generation, Plan, admit, admitted_generation, served_model
 from gateway.limits import LIMITER, mesh_failed
 from gateway.mesh_client import MESH
 from gateway.middleware import REQUEST_ID
@@ -42,7 +42,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stream=body.stream,
     )
 
-    async with generate(request, plan) as (generation, headers):
+    async with admitted_generation(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(
                 request,
