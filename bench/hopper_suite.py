@@ -50,15 +50,12 @@ import torch
 import torch.nn.functional as F
 from triton import knobs
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.fp8_hopper import rel_error, time_s  # noqa: E402
-from devtools.tiny_model import write_tiny_checkpoint, write_v2_checkpoint  # noqa: E402
-from worker_svc.hardware.sizing import is_fp8_linear  # noqa: E402
-from worker_svc.model import kernel  # noqa: E402
-from worker_svc.model.checkpoint import build_model, load_checkpoint, read_config  # noqa: E402
-from worker_svc.model.kernel import (  # noqa: E402
+from bench.fp8_hopper import rel_error, time_s
+from devtools.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
+from worker_svc.hardware.sizing import is_fp8_linear
+from worker_svc.model import kernel
+from worker_svc.model.checkpoint import build_model, load_checkpoint, read_config
+from worker_svc.model.kernel import (
     FP8,
     GemmImpl,
     act_quant,
@@ -67,9 +64,10 @@ from worker_svc.model.kernel import (  # noqa: E402
     weight_dequant,
     weight_quant,
 )
-from worker_svc.model.model import BatchLayout, Linear, ModelArgs, MoE, Transformer  # noqa: E402
-from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities  # noqa: E402
+from worker_svc.model.model import BatchLayout, Linear, ModelArgs, MoE, Transformer
+from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities
 
+ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # H200
 # DeepSeek-V3's FP8 projections (N x K = out x in); "large": the dense MLP, o_proj and q_b_proj
 SHAPES = {

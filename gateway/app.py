@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import prometheus_client
 from aiohttp import web
 
 import telemetry
@@ -13,11 +12,11 @@ from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
-from gateway.generation import LIMITS_CONFIG
+from gateway.generation import LIMITS_CONFIG, MODELS_CONFIG
 from gateway.keys import REDIS, KeyStore
 from gateway.limits import LIMITER, Limiter
 from gateway.mesh_client import MESH, MeshClient
-from gateway.messages import create_message
+from gateway.messages import count_tokens, create_message
 from gateway.middleware import (
     API_PREFIXES,
     KEY_STORE,
@@ -29,6 +28,7 @@ from gateway.middleware import (
 )
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
+from gateway.ops import health, metrics
 from gateway.validation import SERVER_CONFIG
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
@@ -51,6 +51,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[SERVER_CONFIG] = config.server
     app[REDIS_CONFIG] = config.redis
     app[LIMITS_CONFIG] = config.limits
+    app[MODELS_CONFIG] = config.models
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
@@ -66,23 +67,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     # Anthropic clients append /v1/messages to their base URL, the alias included.
     for base in ("", alias) if alias else ("",):
         app.router.add_post(f"{base}/v1/messages", create_message)
+        app.router.add_post(f"{base}/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_document)
     app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition of this process's metrics."""
-    return web.Response(
-        body=prometheus_client.generate_latest(),
-        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
-    )
 
 
 async def _watch_event_loop(app: web.Application) -> None:

@@ -89,7 +89,7 @@ class MeshClient:
         await self._workers.close()
         await self._channel.close()
 
-    def generate(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
+    def call(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
         """The generation, its route known once the first chunk came; closing its chunks
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
         may then come as one chunk). The router is asked at once (on the route stream, when
@@ -132,6 +132,11 @@ class MeshClient:
             raise self._error(e.code, e.details, from_router=False) from None
         finally:
             await chunks.aclose()
+
+    async def tokenize(self, request: common_pb2.GenerateRequest) -> int:
+        """The request's prompt tokens as a worker serving its model counts (and bills) them."""
+        reply: common_pb2.TokenizeResponse = await self._control(self._stub.Tokenize, request)
+        return reply.prompt_tokens
 
     async def list_models(self) -> list[router_pb2.Model]:
         return list(
@@ -215,7 +220,7 @@ class MeshClient:
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         if self._streams is not None:
-            chunks = self._streams.generate(
+            chunks = self._streams.chunks(
                 route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
             )
         else:

@@ -145,8 +145,9 @@ def _param(loc: tuple[int | str, ...], body: Any) -> str:
     """The loc as a path in the input ("messages.0.role"), without union member tags."""
     parts: list[str] = []
     node = body
-    for item in loc:
-        if isinstance(node, dict) and isinstance(item, str):
+    for i, item in enumerate(loc):
+        # a key the input lacks is a union member's tag, unless it is the last (a missing field)
+        if isinstance(node, dict) and isinstance(item, str) and (item in node or i == len(loc) - 1):
             parts.append(item)
             node = node.get(item)
         elif isinstance(node, list) and isinstance(item, int) and item < len(node):
