@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +58,20 @@ class AttentionSection:
 
 @section
 class QuantizationSection:
-    use_native_fp8: bool | None = None  # None: FP8 where the hardware runs it
+    # None: FP8 where the engine runs it on this hardware; false: never (an FP8 checkpoint is
+    # dequantized: at load by the checkpoint engine, into dequant_cache_dir for vLLM); true: FP8 or
+    # the worker does not start
+    use_native_fp8: bool | None = None
+    # vllm only: where the dequantized copy of an FP8 checkpoint is written, once per checkpoint and
+    # precision; empty: $XDG_CACHE_HOME/infermesh/dequant (~/.cache/infermesh/dequant)
+    dequant_cache_dir: str = ""
+
+    def cache_dir(self) -> Path:
+        """dequant_cache_dir, or its default under the user's cache directory."""
+        if self.dequant_cache_dir:
+            return Path(self.dequant_cache_dir).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "infermesh" / "dequant"
 
 
 # The per-GPU batching knobs operators use in the field: (max_parallel, dynamic_batch_timeout_ms) by

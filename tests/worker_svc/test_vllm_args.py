@@ -82,13 +82,21 @@ def test_two_nodes_of_eight_gpus(tmp_path: Path) -> None:
     [
         (
             "[quantization]\nuse_native_fp8 = true\n",
-            Devices(8, "8.0"),
-            "[quantization] use_native_fp8 = true, but this worker has GPUs of compute capability",
+            Devices(8, "7.0"),
+            "[quantization] use_native_fp8 = true, but this worker runs on cuda 7.0: FP8 needs "
+            "compute capability 7.5 or higher for vLLM's FP8 kernels. Unset use_native_fp8",
         ),
         (
             "[quantization]\nuse_native_fp8 = true\n",
             Devices(0),
-            "[quantization] use_native_fp8 = true, but this worker has a CPU",
+            "[quantization] use_native_fp8 = true, but this worker runs on cpu: FP8 needs a CPU "
+            "with AMX tiles",
+        ),
+        (
+            "[quantization]\nuse_native_fp8 = true\n",
+            Devices(8, "9.0", rocm=True),  # MI100 and MI200 are ROCm capability 9.0
+            "[quantization] use_native_fp8 = true, but this worker runs on rocm 9.0: FP8 needs an "
+            "MI300-class GPU",
         ),
         (
             "[parallel]\ntensor_parallel_size = 6\nexpert_parallel_size = 6\n",
@@ -117,6 +125,31 @@ def test_the_field_s_failures_name_the_key_and_the_fix(
     with pytest.raises(ConfigError) as error:
         engine_args(config, devices, "fp8")
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("devices", "runs_fp8"),
+    [
+        (Devices(8, "9.0"), True),  # H100/H200: FP8 GEMMs
+        (Devices(8, "8.9"), True),  # L40S
+        (Devices(8, "8.0"), True),  # A100: Marlin's weight-only FP8
+        (Devices(8, "7.5"), True),  # T4: Marlin too
+        (Devices(8, "7.0"), False),  # V100
+        (Devices(8, "9.4", rocm=True), True),  # MI300X
+        (Devices(8, "9.5", rocm=True), True),  # MI350
+        (Devices(8, "9.0", rocm=True), False),  # MI100, MI200
+        (Devices(0, cpu_amx=True), True),  # Sapphire Rapids and later
+        (Devices(0), False),  # AVX2 or AVX-512 without AMX
+    ],
+)
+def test_where_vllm_runs_fp8(devices: Devices, runs_fp8: bool) -> None:
+    assert devices.vllm_fp8 == runs_fp8
+
+
+def test_use_native_fp8_false_serves_an_fp8_checkpoint_dequantized(tmp_path: Path) -> None:
+    """The switch that forces the BF16 branch: no longer a contradiction with an FP8 checkpoint."""
+    config = _config(tmp_path, "[quantization]\nuse_native_fp8 = false\n")
+    assert engine_args(config, H200, "bf16")["dtype"] == "bfloat16"
 
 
 def test_a_cpu_cache_without_room_for_one_context(tmp_path: Path) -> None:

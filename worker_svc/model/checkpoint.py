@@ -9,8 +9,10 @@ Everything the loader rejects raises `CheckpointError` naming the file and the t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,8 +29,8 @@ from worker_svc.model.model_config import ModelConfigError, model_args
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 class CheckpointError(ConfigError):
@@ -67,22 +69,22 @@ def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _weight_map(model_dir: Path) -> dict[str, str]:
+def weight_map(model_dir: Path) -> dict[str, str]:
     """tensor name -> shard file name."""
-    index = model_dir / _INDEX_FILE
+    index = model_dir / INDEX_FILE
     if index.exists():
         try:
             return dict(json.loads(index.read_text())["weight_map"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: no valid weight_map ({e})") from None
-    single = model_dir / _SINGLE_FILE
+    single = model_dir / SINGLE_FILE
     if not single.exists():
-        raise CheckpointError(f"{model_dir}: neither {_SINGLE_FILE} nor {_INDEX_FILE} found")
-    with _open(single) as f:
-        return dict.fromkeys(f.keys(), _SINGLE_FILE)
+        raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with open_shard(single) as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
 
 
-def _open(path: Path, tensor: str | None = None) -> safe_open:
+def open_shard(path: Path, tensor: str | None = None) -> safe_open:
     """A memory-mapped handle on the shard at ``path``."""
     needed_for = f" (needed for tensor {tensor})" if tensor else ""
     if not path.exists():
@@ -103,7 +105,7 @@ def _open(path: Path, tensor: str | None = None) -> safe_open:
 _ABSORBED_WEIGHT = ".self_attn.kv_b_proj.weight"
 
 
-class _ShardReader:
+class ShardReader:
     """Opens each shard once (memory-mapped) and returns checked tensors."""
 
     def __init__(self, model_dir: Path, weight_map: dict[str, str]):
@@ -113,12 +115,12 @@ class _ShardReader:
     def get(self, name: str) -> tuple[torch.Tensor, str]:
         file = self.weight_map.get(name)
         if file is None:
-            listing = _INDEX_FILE if (self.model_dir / _INDEX_FILE).exists() else _SINGLE_FILE
+            listing = INDEX_FILE if (self.model_dir / INDEX_FILE).exists() else SINGLE_FILE
             raise CheckpointError(
                 f"{self.model_dir / listing}: tensor {name} is missing from the checkpoint"
             )
         if file not in self._handles:
-            self._handles[file] = _open(self.model_dir / file, name).__enter__()
+            self._handles[file] = open_shard(self.model_dir / file, name).__enter__()
         try:
             return self._handles[file].get_tensor(name), file
         except (SafetensorError, OSError, RuntimeError) as e:
@@ -133,7 +135,7 @@ class _ShardReader:
 
 
 def _read_tensor(
-    reader: _ShardReader, name: str, expected: torch.Tensor
+    reader: ShardReader, name: str, expected: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The checked tensor as stored -> (tensor, its float32 block scale_inv if it is an FP8 linear
     weight)."""
@@ -165,6 +167,11 @@ def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if ".mlp.gate." in name or INDEXER_HEAD_WEIGHTS in name else dtype
 
 
+# A tensor source for build_model: (checkpoint name, the model's meta tensor for it) -> the tensor
+# as stored, and its float32 128x128 block scales if it is an FP8 linear weight
+TensorSource = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
 def load_checkpoint(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, dict[str, Any]]:
@@ -177,46 +184,71 @@ def load_checkpoint(
     """
     model_dir = Path(model_dir)
     config, args = read_config(model_dir)
-    keep_fp8 = dtype == FP8
-    if keep_fp8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
+    if dtype == FP8 and args.sparse and args.index_head_dim & (args.index_head_dim - 1):
         raise CheckpointError(
             f"{model_dir / 'config.json'}: index_head_dim {args.index_head_dim} is not a power "
             "of two, which the FP8 indexer's Hadamard rotation needs; serve in bf16"
         )
-    compute_dtype = torch.bfloat16 if keep_fp8 else dtype
-    with torch.device("meta"):
-        model = Transformer(args)
-    expected = model.state_dict()
-    reader = _ShardReader(model_dir, _weight_map(model_dir))
-    state: dict[str, torch.Tensor] = {}
+    reader = ShardReader(model_dir, weight_map(model_dir))
     try:
-        for key in tqdm(expected, desc="Loading weights", unit="tensor", disable=None):
-            name = "lm_head.weight" if key == "lm_head.weight" else f"model.{key}"
-            tensor, scale_inv = _read_tensor(reader, name, expected[key])
-            if scale_inv is not None and keep_fp8 and not key.endswith(_ABSORBED_WEIGHT):
-                cast(Linear, model.get_submodule(key.removesuffix(".weight"))).hold_fp8()
-                state[key], state[key + "_scale_inv"] = (
-                    pad_to_blocks(tensor).to(device),
-                    scale_inv.to(device),
-                )
-                continue
-            if scale_inv is not None:
-                tensor = weight_dequant(tensor, scale_inv)
-            state[key] = tensor.to(_serving_dtype(name, compute_dtype)).to(device)
+        model = build_model(
+            args, functools.partial(_read_tensor, reader), dtype, device, progress=True
+        )
     finally:
         reader.close()
-    used = {"lm_head.weight"} | {f"model.{k}" for k in expected}
+    used = {"lm_head.weight"} | {_checkpoint_name(k) for k in model.state_dict()}
     skipped = [n for n in reader.weight_map if n not in used and not n.endswith("_scale_inv")]
     if skipped:  # the MTP layers past num_hidden_layers
         logger.info(
             "skipped %d checkpoint tensors not used for decoding, e.g. %s", len(skipped), skipped[0]
         )
+    _log_weight_memory(model)
+    return model, config
+
+
+def build_model(
+    args: ModelArgs,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    progress: bool = False,
+) -> Transformer:
+    """The model of `args` with every tensor from `source`, on `device`, in eval mode: FP8 linear
+    weights kept with their scales where dtype is FP8, else dequantized there (see
+    load_checkpoint)."""
+    keep_fp8 = dtype == FP8
+    compute_dtype = torch.bfloat16 if keep_fp8 else dtype
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    keys = tqdm(expected, desc="Loading weights", unit="tensor", disable=None if progress else True)
+    for key in keys:
+        name = _checkpoint_name(key)
+        tensor, scale_inv = source(name, expected[key])
+        if scale_inv is not None and keep_fp8 and not key.endswith(_ABSORBED_WEIGHT):
+            cast(Linear, model.get_submodule(key.removesuffix(".weight"))).hold_fp8()
+            state[key], state[key + "_scale_inv"] = (
+                pad_to_blocks(tensor).to(device),
+                scale_inv.to(device),
+            )
+            continue
+        serving = _serving_dtype(name, compute_dtype)
+        if scale_inv is not None:  # on the device: a GPU dequantizes with a Triton kernel
+            state[key] = weight_dequant(tensor.to(device), scale_inv.to(device), dtype=serving)
+        else:
+            state[key] = tensor.to(serving).to(device)
     model.load_state_dict(state, assign=True, strict=True)
     del state  # pack_weights replaces some of these tensors: let each go as it does
     model.reset_buffers(device)
     model.pack_weights()
-    _log_weight_memory(model)
-    return model.eval(), config
+    return model.eval()
+
+
+def _checkpoint_name(key: str) -> str:
+    """A model state key's name in the checkpoint."""
+    return key if key == "lm_head.weight" else f"model.{key}"
 
 
 def _log_weight_memory(model: Transformer) -> None:

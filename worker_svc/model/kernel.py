@@ -1,5 +1,5 @@
 """The FP8 arithmetic of DeepSeek-V3 inference: block scales, activation quantization, block-scaled
-GEMM.
+GEMM, weight dequantization.
 
 The formulas are those of DeepSeek-V3's inference/kernel.py:
 - weights are FP8 E4M3 with a float32 `scale_inv` per 128x128 block: w[i, j] = q[i, j] * s[i // 128,
@@ -8,10 +8,15 @@ The formulas are those of DeepSeek-V3's inference/kernel.py:
 - the GEMM multiplies each 128-wide slice of K in FP8, scales the partial product by
   a_s[m, k] * b_s[n // 128, k] and accumulates in FP32.
 
-Each public function checks its inputs (dtype, shape, contiguity, divisibility) and allocates its
-outputs. `fp8_gemm` has two implementations behind one function: torch's block-wise scaled matmul
-(cuBLASLt) where `native_fp8_gemm_available` says it runs (CUDA sm90), and a plain-torch reference
-of the formulas that runs anywhere (CPU tests, other devices).
+Each public function checks its inputs (dtype, shape, contiguity, divisibility), allocates its
+outputs and picks an implementation (`impl`):
+- "triton": worker_svc/model/triton_kernels.py, one kernel per operation; "auto" takes it on CUDA
+  GPUs with FP8 tensor cores (sm89, sm90) for quantization and GEMM, and on any CUDA GPU Triton
+  supports (sm80+) for dequantization. Forced on a CPU it runs in Triton's interpreter, which must
+  have been switched on (TRITON_INTERPRET=1) before triton was imported.
+- "native" (GEMM only): torch's block-wise scaled matmul (cuBLASLt), where
+  `native_fp8_gemm_available` says it runs (CUDA sm90, CUDA >= 12.9).
+- "reference": plain torch, anywhere (CPU serving and tests).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from triton import knobs
+
+from worker_svc.model import triton_kernels
 
 BLOCK_SIZE = 128
 FP8 = torch.float8_e4m3fn
@@ -32,7 +40,15 @@ _MIN_CUDA_FOR_BLOCKWISE = (12, 9)  # cuBLASLt gained 1x128 / 128x128 block scali
 # zero rows.
 _NATIVE_ROW_MULTIPLE = 8
 
-GemmImpl = Literal["auto", "native", "reference"]
+# Triton's own floor (its compiler targets sm80+), and the first GPUs with FP8 tensor cores (Ada)
+_MIN_CC_FOR_TRITON = (8, 0)
+_MIN_CC_FOR_TRITON_FP8 = (8, 9)
+# split-K is sized for this many multiprocessors where there is no GPU to ask (the interpreter):
+# an H100's / H200's 132, so a CPU test runs the slices those GPUs get
+_DEFAULT_MULTIPROCESSORS = 132
+
+KernelImpl = Literal["auto", "triton", "reference"]
+GemmImpl = Literal["auto", "triton", "native", "reference"]
 
 
 def block_scale_shape(
@@ -66,20 +82,80 @@ def _check_weight(
     )
 
 
+# ---------------------------------------------------------------------------------------- devices
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA (not ROCm) device, None for anything else."""
+    if device.type != "cuda" or torch.version.hip or not torch.version.cuda:
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def triton_fp8_available(device: torch.device) -> bool:
+    """True where the Triton quantization and GEMM compile to FP8 tensor cores: CUDA sm89+."""
+    cc = _cuda_capability(device)
+    return cc is not None and cc >= _MIN_CC_FOR_TRITON_FP8
+
+
+@functools.cache
+def _triton_available(device: torch.device) -> bool:
+    cc = _cuda_capability(device)
+    return cc is not None and cc >= _MIN_CC_FOR_TRITON
+
+
+def _use_triton(impl: str, device: torch.device, available: bool, what: str) -> bool:
+    """Whether `what` runs its Triton kernel: forced (then it must be able to), or auto where
+    available."""
+    if impl == "triton":
+        _check(
+            available or knobs.runtime.interpret,
+            f"{what}: impl='triton' does not run on {device} here (needs {_TRITON_NEEDS[what]}, "
+            "or Triton's interpreter: TRITON_INTERPRET=1 before triton is imported)",
+        )
+        return True
+    return impl == "auto" and available
+
+
+_TRITON_NEEDS = {
+    "act_quant": "a CUDA GPU with FP8 tensor cores, sm89+",
+    "fp8_gemm": "a CUDA GPU with FP8 tensor cores, sm89+",
+    "weight_dequant": "a CUDA GPU Triton supports, sm80+",
+}
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _DEFAULT_MULTIPROCESSORS
+
+
 # ---------------------------------------------------------------------------------------- weights
 
 
 def weight_dequant(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = BLOCK_SIZE
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: int = BLOCK_SIZE,
+    *,
+    dtype: torch.dtype = torch.float32,
+    impl: KernelImpl = "auto",
 ) -> torch.Tensor:
-    """w[i, j] = fp8[i, j] * scale_inv[i // block, j // block], as a new float32 tensor.
+    """w[i, j] = fp8[i, j] * scale_inv[i // block, j // block], computed in float32 and rounded
+    once to `dtype`, as a new tensor on the weight's device.
 
     weight: [M, N] float8_e4m3fn; scale_inv: [ceil(M / block), ceil(N / block)] float32.
     """
     _check_weight(weight, scale_inv, block_size, "weight_dequant")
+    available = block_size == BLOCK_SIZE and _triton_available(weight.device)
+    if _use_triton(impl, weight.device, available, "weight_dequant"):
+        _check(block_size == BLOCK_SIZE, f"weight_dequant: Triton runs {BLOCK_SIZE}-blocks only")
+        return triton_kernels.weight_dequant(weight, scale_inv, dtype)
     m, n = weight.shape
     scale = scale_inv.repeat_interleave(block_size, 0)[:m].repeat_interleave(block_size, 1)[:, :n]
-    return weight.float() * scale
+    return (weight.float() * scale).to(dtype)
 
 
 def weight_quant(
@@ -114,23 +190,33 @@ def pad_to_blocks(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.T
 # ------------------------------------------------------------------------------------ activations
 
 
-def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(
+    x: torch.Tensor, block_size: int = BLOCK_SIZE, *, impl: KernelImpl = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1x128 quantization: x [..., K] -> (fp8 [..., K], float32 scale [..., K / 128]),
     scale = amax / 448.
 
-    The scale is laid out group-major (stride 1 along the tokens), the layout cuBLASLt reads
-    1x128 scales in, so fp8_gemm needs no transposing copy.
+    The scale is laid out group-major (stride 1 along the tokens), the layout cuBLASLt and the
+    Triton GEMM read 1x128 scales in, so fp8_gemm needs no transposing copy. Triton takes
+    power-of-two groups of at least 16 (the indexer quantizes whole 128-wide heads).
     """
     _check(x.is_contiguous(), "act_quant: input must be contiguous")
     _check(
         x.size(-1) % block_size == 0,
         f"act_quant: last dim {x.size(-1)} is not a multiple of {block_size}",
     )
-    groups = x.float().unflatten(-1, (-1, block_size))  # [..., K / 128, 128]
+    pow2 = block_size >= 16 and block_size & (block_size - 1) == 0
+    if _use_triton(impl, x.device, pow2 and triton_fp8_available(x.device), "act_quant"):
+        _check(pow2, f"act_quant: Triton takes power-of-two groups >= 16, got {block_size}")
+        batch, groups = x.shape[:-1], x.size(-1) // block_size
+        x_fp8, scale = triton_kernels.act_quant(x.view(-1, x.size(-1)), block_size)
+        # [T, K / 128] stride (1, T) -> [..., K / 128], group-major like the reference's
+        return x_fp8.view(x.shape), scale.t().view(groups, *batch).movedim(0, -1)
+    grouped = x.float().unflatten(-1, (-1, block_size))  # [..., K / 128, 128]
     # [..., K / 128], group-major in memory
-    amax = groups.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)
+    amax = grouped.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (groups / scale.unsqueeze(-1)).flatten(-2).to(FP8), scale
+    return (grouped / scale.unsqueeze(-1)).flatten(-2).to(FP8), scale
 
 
 # ------------------------------------------------------------------------------------------- gemm
@@ -140,16 +226,21 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tens
 def native_fp8_gemm_available(device: torch.device) -> bool:
     """True where torch's block-wise scaled matmul runs: CUDA (not ROCm) sm90, CUDA >= 12.9, torch
     with `scaled_mm` and ScalingType.BlockWise1x128/128x128. cuBLASLt's DeepSeek-style scaling is
-    sm90-only (sm89 and sm100 reject it), so nothing else gets FP8 GEMMs here."""
-    if device.type != "cuda" or torch.version.hip or not torch.version.cuda:
-        return False
+    sm90-only (sm89 and sm100 reject it)."""
     scaling = getattr(F, "ScalingType", None)
-    if not hasattr(F, "scaled_mm") or not hasattr(scaling, "BlockWise1x128"):
+    if _cuda_capability(device) != (9, 0) or not hasattr(F, "scaled_mm"):
         return False
+    assert torch.version.cuda is not None, "a CUDA capability implies a CUDA build"
     cuda_version = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
-    return cuda_version >= _MIN_CUDA_FOR_BLOCKWISE and torch.cuda.get_device_capability(device) == (
-        9,
-        0,
+    return hasattr(scaling, "BlockWise1x128") and cuda_version >= _MIN_CUDA_FOR_BLOCKWISE
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """True where the precision policy may serve FP8 on this device: sm90, with the Triton GEMM or
+    cuBLASLt's. sm89 runs the Triton kernels too, but serves BF16 until a measurement there says
+    FP8 pays (docs/BENCHMARKS.md)."""
+    return _cuda_capability(device) == (9, 0) and (
+        triton_fp8_available(device) or native_fp8_gemm_available(device)
     )
 
 
@@ -167,9 +258,10 @@ def fp8_gemm(
 
     a: [M, K] fp8 activations, a_scale: [M, K / 128] float32, any strides (from act_quant);
     b: [N, K] fp8 weight, b_scale: [ceil(N / 128), K / 128] float32 (the checkpoint's
-    weight_scale_inv). impl: "native" = torch's block-wise scaled_mm (sm90 only), "reference" =
-    plain torch, "auto" = native where available and N % 16 == 0 (cuBLASLt's FP8 alignment), else
-    reference.
+    weight_scale_inv). impl: "triton" = triton_kernels' GEMM (split-K sized for the device's
+    multiprocessors, tiles autotuned), "native" = torch's block-wise scaled_mm (sm90 only),
+    "reference" = plain torch; "auto" = Triton where the device has FP8 tensor cores, else native
+    where available and N % 16 == 0 (cuBLASLt's FP8 alignment), else reference.
     """
     _check(
         a.dim() == 2 and a.dtype == FP8,
@@ -185,6 +277,9 @@ def fp8_gemm(
         f"got {a_scale.dtype} {tuple(a_scale.shape)}",
     )
     _check(a.is_contiguous(), "fp8_gemm: a must be contiguous")
+    if _use_triton(impl, a.device, triton_fp8_available(a.device), "fp8_gemm"):
+        splits = triton_kernels.split_k(m, n, k, _multiprocessors(a.device))
+        return triton_kernels.fp8_gemm(a, a_scale, b, b_scale, out_dtype, splits=splits)
     native = native_fp8_gemm_available(a.device)
     if impl == "native":
         _check(
@@ -268,9 +363,12 @@ def _token_major(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """y = x @ dequant(weight).T through act_quant and fp8_gemm; x: [..., K] in any float dtype ->
-    [..., N] in x's.
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *, impl: GemmImpl = "auto"
+) -> torch.Tensor:
+    """y = x @ dequant(weight).T through act_quant and fp8_gemm (`impl`; the quantization runs
+    its fastest kernel unless impl is "reference"); x: [..., K] in any float dtype -> [..., N] in
+    x's.
 
     weight may be wider than K (padded to whole blocks by `pad_to_blocks`); x is zero-padded to
     match.
@@ -283,6 +381,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     x2d = x.reshape(-1, k)
     if k_padded != k:
         x2d = F.pad(x2d, (0, k_padded - k))
-    x_fp8, x_scale = act_quant(x2d.contiguous())
-    y = fp8_gemm(x_fp8, x_scale, weight, scale_inv, out_dtype=x.dtype)
+    x_fp8, x_scale = act_quant(
+        x2d.contiguous(), impl="reference" if impl == "reference" else "auto"
+    )
+    y = fp8_gemm(x_fp8, x_scale, weight, scale_inv, out_dtype=x.dtype, impl=impl)
     return y.view(*x.shape[:-1], weight.size(0))

@@ -28,7 +28,7 @@ from worker_svc.model.indexer import (
     select_tokens_fp8,
     sparse_attend,
 )
-from worker_svc.model.kernel import BLOCK_SIZE, FP8, block_scale_shape, fp8_linear
+from worker_svc.model.kernel import BLOCK_SIZE, FP8, GemmImpl, block_scale_shape, fp8_linear
 
 # The routers this engine runs (config.json's scoring_func and topk_method): V3's sigmoid scores
 # with a selection bias and group-limited top-k ("noaux_tc"); V2's softmax scores, top-k over all
@@ -212,7 +212,11 @@ class Linear(nn.Linear):
 
     In FP8 (after `hold_fp8`) it keeps a float32 `weight_scale_inv` per 128x128 block and runs
     act_quant -> fp8_gemm (kernel.fp8_linear): about one byte per weight instead of two or four.
+    `fp8_gemm` picks the GEMM's implementation (kernel.GemmImpl; bench/hopper_suite.py compares
+    them in the whole model).
     """
+
+    fp8_gemm: GemmImpl = "auto"
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -233,7 +237,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return dense_linear(x, self.weight)
-        return fp8_linear(x, self.weight, self.weight_scale_inv)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, impl=self.fp8_gemm)
 
 
 # dense_linear on a CPU: the weight-left GEMM under this many tokens (decode)

@@ -1,9 +1,13 @@
-"""Device detection and the precision policy: the dtype a worker serves in, per device.
+"""Device detection and the precision policy: the dtype a worker serves in, per device and engine.
 
-- CUDA sm90 (H100/H200/H800) with torch's block-wise scaled matmul: FP8 weights, 1x128 activation
-  quantization, block-scaled FP8 GEMMs with FP32 accumulation (kernel.py).
-- sm89 (L40S) and sm100: BF16 -- their FP8 needs a kernel tested here, and cuBLASLt's DeepSeek-style
-  block scaling is sm90-only. sm80 and ROCm: BF16. sm70 (V100, no BF16): FP16.
+- FP8 where the engine runs the checkpoint's block-scaled FP8 weights on this device (`fp8_gemm`).
+  The checkpoint engine: CUDA sm90 (H100/H200/H800) with kernel.py's Triton GEMM or torch's
+  block-wise scaled matmul: FP8 weights, 1x128 activation quantization, block-scaled FP8 GEMMs with
+  FP32 accumulation. sm89 (L40S) runs the Triton kernels but serves BF16 until measured to pay;
+  sm100 (cuBLASLt's block scaling is sm90-only). The vLLM engine: what that vLLM build's kernels
+  run (worker_svc/vllm_engine/args.py: CUDA sm75+, ROCm MI300-class, a CPU with AMX).
+- Elsewhere the FP8 weights are dequantized (exactly: FP32 products rounded once): sm80 and ROCm
+  BF16, sm70 (V100, no BF16) FP16.
 - A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on
   sm90.
 - CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
@@ -16,15 +20,17 @@ so the policy is testable without a GPU; `detect_capabilities` feeds it with wha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from infermesh.names import Precision
 from worker_svc.engine_api import DeviceCapabilities, DeviceKind
-from worker_svc.model.kernel import FP8, native_fp8_gemm_available
+from worker_svc.model.kernel import FP8, fp8_gemm_available
 
 logger = logging.getLogger(__name__)
 
@@ -53,33 +59,44 @@ def _major(compute_capability: str) -> int:
     return int(compute_capability.split(".")[0]) if compute_capability else 0
 
 
+# What the checkpoint engine needs for FP8 (kernel.fp8_gemm_available), in the policy's messages
+TORCH_FP8_NEEDS = "needs an sm90 GPU with an FP8 GEMM (Triton's or torch's block-wise scaled_mm)"
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    precision: Precision
+    reason: str  # why, for the worker's start-up log
+
+
 def choose_precision(
     device: DeviceKind,
     compute_capability: str = "",
     *,
     fp8_gemm: bool = False,
+    fp8_needs: str = TORCH_FP8_NEEDS,
     cpu_has_bf16: bool = False,
     dtype: str = "auto",
     use_native_fp8: bool | None = None,
     fp8_weights: bool = True,
-) -> Precision:
+) -> PrecisionChoice:
     """The policy: what this hardware should run, given the operator's overrides.
 
-    fp8_gemm: a tested block-scaled FP8 GEMM runs on this device (kernel.native_fp8_gemm_available);
-    dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch spellings);
-    use_native_fp8: None = FP8 where the device runs it, False = never, True = required;
-    fp8_weights: the checkpoint stores FP8 weights with block scales (its quantization_config says
-    fp8). Raises ValueError for an override the hardware or the checkpoint cannot honour.
+    fp8_gemm: the engine runs block-scaled FP8 weights on this device (fp8_needs says what that
+    takes, for the messages); dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch
+    spellings); use_native_fp8: None = FP8 where the device runs it, False = never, True =
+    required; fp8_weights: the checkpoint stores FP8 weights with block scales (its
+    quantization_config says fp8). Raises ValueError for an override the hardware or the
+    checkpoint cannot honour.
     """
     where = f"{device} {compute_capability}".strip()
-    if not (device == "cuda" and fp8_gemm):
-        no_fp8 = f"needs an sm90 GPU with torch's block-wise FP8 GEMM, this is {where}"
+    if not fp8_gemm:
+        no_fp8 = f"{fp8_needs}, this is {where}"
     elif not fp8_weights:
         no_fp8 = "needs a checkpoint with FP8 weights (quantization_config fp8), this one has none"
     else:
         no_fp8 = ""
-    fp8_capable = not no_fp8
-    if use_native_fp8 and not fp8_capable:
+    if use_native_fp8 and no_fp8:
         raise ValueError(f"use_native_fp8=true {no_fp8}")
     if dtype != "auto":
         if dtype.lower() not in _DTYPE_ALIASES:
@@ -87,18 +104,29 @@ def choose_precision(
                 f"dtype={dtype!r}: expected auto, {', '.join(sorted(set(_DTYPE_ALIASES.values())))}"
             )
         forced = _DTYPE_ALIASES[dtype.lower()]
-        if forced == "fp8" and not fp8_capable:
+        if forced == "fp8" and no_fp8:
             raise ValueError(f"dtype=fp8 {no_fp8}")
         if use_native_fp8 and forced != "fp8":
             raise ValueError(f"use_native_fp8=true contradicts dtype={dtype!r}")
-        return forced
-    if fp8_capable and use_native_fp8 is not False:
-        return "fp8"
+        dequantized = "; FP8 weights dequantized" if fp8_weights and forced != "fp8" else ""
+        return PrecisionChoice(forced, f"[model] dtype = {dtype!r}{dequantized}")
+    if not no_fp8 and use_native_fp8 is not False:
+        return PrecisionChoice("fp8", "FP8 checkpoint, and FP8 GEMMs run here")
+    if not fp8_weights:
+        why = "the checkpoint has no FP8 weights"
+    elif use_native_fp8 is False:
+        why = "[quantization] use_native_fp8 = false: FP8 weights dequantized"
+    else:
+        why = f"no FP8: it {no_fp8}; FP8 weights dequantized"
     if device == "cuda":
-        return "bf16" if _major(compute_capability) >= 8 else "fp16"
+        if _major(compute_capability) >= 8:
+            return PrecisionChoice("bf16", why)
+        return PrecisionChoice("fp16", f"{why}; no BF16 before sm80")
     if device == "rocm":
-        return "bf16"
-    return "bf16" if cpu_has_bf16 else "fp32"
+        return PrecisionChoice("bf16", why)
+    if cpu_has_bf16:
+        return PrecisionChoice("bf16", f"{why}; the CPU has AVX512-BF16 or AMX")
+    return PrecisionChoice("fp32", f"{why}; the CPU has no native BF16 (measured slower)")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -119,6 +147,18 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def probe_device(device: torch.device) -> DeviceCapabilities:
+    """The device's kind, name, compute capability and memory; precision left at fp32 for the
+    caller's policy to fill in."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        kind: DeviceKind = "rocm" if torch.version.hip else "cuda"
+        cc = f"{props.major}.{props.minor}" if kind == "cuda" else getattr(props, "gcnArchName", "")
+        return DeviceCapabilities(kind, props.name, cc, "fp32", props.total_memory, 0)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceCapabilities("cpu", _cpu_name(), "", "fp32", memory, 0)
+
+
 def detect_capabilities(
     device: torch.device,
     *,
@@ -126,43 +166,29 @@ def detect_capabilities(
     use_native_fp8: bool | None = None,
     fp8_weights: bool = True,
 ) -> DeviceCapabilities:
-    """Probe the device and apply the policy to it and the checkpoint (fp8_weights); weight_bytes is
-    filled in after the load."""
-    fp8_gemm = native_fp8_gemm_available(device)  # False off CUDA sm90
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        kind: DeviceKind = "rocm" if torch.version.hip else "cuda"
-        cc = f"{props.major}.{props.minor}" if kind == "cuda" else getattr(props, "gcnArchName", "")
-        name, memory = props.name, props.total_memory
-        precision = choose_precision(
-            kind,
-            cc,
-            fp8_gemm=fp8_gemm,
-            dtype=dtype,
-            use_native_fp8=use_native_fp8,
-            fp8_weights=fp8_weights,
-        )
-    else:
-        kind, cc, name = "cpu", "", _cpu_name()
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        precision = choose_precision(
-            "cpu",
-            cpu_has_bf16=cpu_has_native_bf16(),
-            dtype=dtype,
-            use_native_fp8=use_native_fp8,
-            fp8_weights=fp8_weights,
-        )
-    logger.info(
-        "device %s (%s, cc %s, block-wise FP8 GEMM %s): running %s (dtype=%s, use_native_fp8=%s)",
-        kind,
-        name,
-        cc or "-",
-        "yes" if fp8_gemm else "no",
-        precision,
-        dtype,
-        use_native_fp8,
+    """Probe the device and apply the checkpoint engine's policy to it and the checkpoint
+    (fp8_weights); weight_bytes is filled in after the load."""
+    fp8_gemm = fp8_gemm_available(device)  # False off CUDA sm90
+    probed = probe_device(device)
+    choice = choose_precision(
+        probed.device,
+        probed.compute_capability,
+        fp8_gemm=fp8_gemm,
+        cpu_has_bf16=probed.device == "cpu" and cpu_has_native_bf16(),
+        dtype=dtype,
+        use_native_fp8=use_native_fp8,
+        fp8_weights=fp8_weights,
     )
-    return DeviceCapabilities(kind, name, cc, precision, memory, 0)
+    logger.info(
+        "device %s (%s, cc %s, FP8 GEMM %s): running %s (%s)",
+        probed.device,
+        probed.device_name,
+        probed.compute_capability or "-",
+        "yes" if fp8_gemm else "no",
+        choice.precision,
+        choice.reason,
+    )
+    return dataclasses.replace(probed, precision=choice.precision)
 
 
 def _cpu_name() -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from infermesh.config import ConfigError
 from infermesh.names import Precision
 from worker_svc.config import WorkerConfig
+from worker_svc.engine_api import DeviceKind
 
 # vLLM's dtype names for the worker's precisions (FP8 is a quantization there, activations in BF16)
 _DTYPES: dict[Precision, str] = {
@@ -32,24 +33,52 @@ _DTYPES: dict[Precision, str] = {
 # positions and k_pe's rotation overwrites the latent, so every step of 2+ tokens goes wrong.
 # Switching the custom op off runs vLLM's PyTorch RoPE, which is right for every layout.
 _CPU_ROPE_KERNEL_OFF = "-rotary_embedding"
-# Hopper (sm90) and Ada (sm89) have FP8 tensor cores; vLLM's block-scaled FP8 GEMMs run there
-_NATIVE_FP8_CC = (8, 9)
+# Where this vLLM (0.32) runs a checkpoint's block-scaled FP8 weights, read from its kernel
+# choices: on CUDA its Fp8Config wants compute capability 7.5 (Marlin's weight-only FP8 up to 8.9,
+# FP8 GEMMs from Ada on; V100 has neither); on ROCm its block-scaled kernels (AITER, Triton's FP8
+# dot) need MI300-class FP8 units, which MI100/MI200 lack although vLLM's supports_fp8 names all of
+# gfx9; on a CPU its FP8 linear and MoE kernels check for AMX tiles.
+_VLLM_MIN_FP8_CC = (7, 5)
+# ROCm's capability is the gfx arch's digits: gfx942 (MI300X/MI325X) 9.4, gfx950 (MI350) 9.5;
+# MI100 (gfx908) and MI200 (gfx90a) are 9.0
+_VLLM_FP8_ROCM_CC = ("9.4", "9.5")
+VLLM_FP8_NEEDS: dict[DeviceKind, str] = {
+    "cuda": "needs compute capability 7.5 or higher for vLLM's FP8 kernels",
+    "rocm": "needs an MI300-class GPU (gfx942, gfx950: capability 9.4, 9.5) for vLLM's "
+    "block-scaled FP8 kernels",
+    "cpu": "needs a CPU with AMX tiles (Sapphire Rapids or newer) for vLLM's CPU FP8 kernels",
+}
 
 
 @dataclass(frozen=True)
 class Devices:
-    """What the worker process sees: `gpu_count` GPUs of `compute_capability` ("9.0"), or none
-    (CPU)."""
+    """What the worker process sees: `gpu_count` GPUs of `compute_capability` ("9.0"; `rocm`: AMD
+    GPUs, whose capability vLLM derives from the gfx arch), or none: a CPU, with AMX tiles or
+    without."""
 
     gpu_count: int
     compute_capability: str = ""
+    rocm: bool = False
+    cpu_amx: bool = False
 
     @property
-    def native_fp8(self) -> bool:
-        if not self.compute_capability:
-            return False
+    def kind(self) -> DeviceKind:
+        return "cpu" if not self.gpu_count else "rocm" if self.rocm else "cuda"
+
+    @property
+    def name(self) -> str:
+        """The device in the policy's messages: "cuda 7.0", "rocm 9.0", "cpu"."""
+        return f"{self.kind} {self.compute_capability}".strip()
+
+    @property
+    def vllm_fp8(self) -> bool:
+        """vLLM runs block-scaled FP8 weights here."""
+        if self.kind == "cpu":
+            return self.cpu_amx
+        if self.kind == "rocm":
+            return self.compute_capability in _VLLM_FP8_ROCM_CC
         major, minor = (int(x) for x in self.compute_capability.split(".")[:2])
-        return (major, minor) >= _NATIVE_FP8_CC
+        return (major, minor) >= _VLLM_MIN_FP8_CC
 
 
 def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) -> dict[str, Any]:
@@ -57,7 +86,7 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     raises ConfigError naming the key at fault."""
     checkpoint = _read_checkpoint_config(config.model.path)
     fp8_checkpoint = "quantization_config" in checkpoint
-    _check_fp8(config, devices, fp8_checkpoint)
+    check_fp8(config, devices, fp8_checkpoint)
     parallel = config.parallel
     _check_layout(config, devices, checkpoint)
     args: dict[str, Any] = {
@@ -97,29 +126,20 @@ def fp8_checkpoint(model_path: str) -> bool:
     return "quantization_config" in _read_checkpoint_config(model_path)
 
 
-def _check_fp8(config: WorkerConfig, devices: Devices, fp8_checkpoint: bool) -> None:
-    use_native_fp8 = config.quantization.use_native_fp8
-    if use_native_fp8 and not devices.native_fp8:
-        where = (
-            f"GPUs of compute capability {devices.compute_capability}"
-            if devices.gpu_count
-            else "a CPU"
-        )
+def check_fp8(config: WorkerConfig, devices: Devices, fp8_checkpoint: bool) -> None:
+    """Raises ConfigError where `[quantization] use_native_fp8 = true` cannot be honoured."""
+    if not config.quantization.use_native_fp8:
+        return  # unset: FP8 where vLLM runs it; false: an FP8 checkpoint is dequantized
+    if not devices.vllm_fp8:
         raise ConfigError(
-            f"[quantization] use_native_fp8 = true, but this worker has {where}; FP8 GEMMs "
-            "need compute capability 8.9 or higher (L40S, H100, H200): set use_native_fp8 = "
-            "false with a BF16 checkpoint, or run the worker on such GPUs"
+            f"[quantization] use_native_fp8 = true, but this worker runs on {devices.name}: FP8 "
+            f"{VLLM_FP8_NEEDS[devices.kind]}. Unset use_native_fp8 (the worker then serves a "
+            "dequantized copy), or run the worker on such hardware"
         )
-    if use_native_fp8 and not fp8_checkpoint:
+    if not fp8_checkpoint:
         raise ConfigError(
             f"[quantization] use_native_fp8 = true, but {config.model.path} has no FP8 weights "
             "(no quantization_config): serve its FP8 release, or unset use_native_fp8"
-        )
-    if use_native_fp8 is False and fp8_checkpoint:
-        raise ConfigError(
-            f"[quantization] use_native_fp8 = false, but {config.model.path} is an FP8 "
-            "checkpoint and vLLM serves it in FP8: point [model] path at a BF16 copy, or "
-            "unset use_native_fp8"
         )
 
 

@@ -2,18 +2,22 @@
 nodes.
 
 vLLM's `AsyncLLM` runs in this process (its EngineCore and GPU workers in child processes) and does
-the batching, tensor/expert/pipeline parallelism and FP8 kernels. The worker keeps its own front: it
-renders the chat template and tokenizes as for the torch engine and hands vLLM token ids, checks
-requests with the same rules, and bounds the waiting queue; vLLM detokenizes, applies stop strings
-and samples, enforcing the worker's grammar of a request's tools and JSON schema with its guidance
-backend. With tools, the worker decodes the tokens itself (worker_svc.text.completion_decoder),
-as the torch engine does, into text and tool-call pieces. Load comes from vLLM's own scheduler stats
-(running, waiting, KV-cache use) through a stat logger, and vLLM's Prometheus metrics land in the
-process's default registry, which the worker's metrics port serves.
+the batching, tensor/expert/pipeline parallelism and FP8 kernels. Where those FP8 kernels do not run
+on this hardware (args.Devices.vllm_fp8), or the config says not to, an FP8 checkpoint is served
+from its dequantized copy (worker_svc.model.dequant_cache), in the precision policy's dtype. The
+worker keeps its own front: it renders the chat template and tokenizes as for the torch engine and
+hands vLLM token ids, checks requests with the same rules, and bounds the waiting queue; vLLM
+detokenizes, applies stop strings and samples, enforcing the worker's grammar of a request's tools
+and JSON schema with its guidance backend. With tools, the worker decodes the tokens itself
+(worker_svc.text.completion_decoder), as the torch engine does, into text and tool-call pieces. Load
+comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a stat logger, and
+vLLM's Prometheus metrics land in the process's default registry, which the worker's metrics port
+serves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -54,10 +58,13 @@ from worker_svc.engine_api import (
     TokenLogprob,
     ToolCallDelta,
 )
+from worker_svc.model.checkpoint import CheckpointError
+from worker_svc.model.dequant_cache import dequantized_checkpoint
 from worker_svc.model.precision import (
+    TORCH_DTYPES,
     choose_precision,
     cpu_has_native_bf16,
-    detect_capabilities,
+    probe_device,
     resolve_device,
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
@@ -65,12 +72,15 @@ from worker_svc.text.grammar import lark_grammar
 from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
 from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.vllm_engine.args import (
+    VLLM_FP8_NEEDS,
     Devices,
+    check_fp8,
     check_known,
     engine_args,
     fp8_checkpoint,
     known_engine_args,
 )
+from worker_svc.vllm_engine.output_tail import OutputTail, start_failure
 
 logger = logging.getLogger(__name__)
 
@@ -151,23 +161,15 @@ class VllmEngine:
 
     @classmethod
     async def start(cls, config: WorkerConfig) -> VllmEngine:
-        """Checks the config against this machine, then starts vLLM (slow: it loads and profiles the
+        """Checks the config against this machine, dequantizes an FP8 checkpoint where vLLM cannot
+        run FP8 (once: the copy is cached), then starts vLLM (slow: it loads and profiles the
         model)."""
         devices = _devices()
         fp8 = fp8_checkpoint(config.model.path)
-        try:
-            policy = choose_precision(
-                "cuda" if devices.gpu_count else "cpu",
-                devices.compute_capability,
-                fp8_gemm=devices.native_fp8,
-                cpu_has_bf16=cpu_has_native_bf16(),
-                dtype=config.model.dtype,
-                fp8_weights=fp8,
-            )
-        except ValueError as e:
-            raise ConfigError(f"[model] dtype: {e}") from None
         check_known(config.engine.vllm, known_engine_args())
-        args = engine_args(config, devices, policy)
+        check_fp8(config, devices, fp8)
+        precision = _precision(config, devices, fp8)
+        args = engine_args(config, devices, precision)
         if "structured_outputs_config" in config.engine.vllm:
             raise ConfigError(
                 "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
@@ -182,32 +184,40 @@ class VllmEngine:
         if not devices.gpu_count:
             # vLLM binds its OpenMP threads to cores by default: on a shared host, cores others use
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if fp8 and precision != "fp8":
+            try:
+                copy = await asyncio.to_thread(
+                    dequantized_checkpoint,
+                    config.model.path,
+                    config.quantization.cache_dir(),
+                    TORCH_DTYPES[precision],
+                )
+            except CheckpointError as e:  # a broken checkpoint, or no room for the copy
+                raise ConfigError(f"[model] path: no {precision} copy for vLLM: {e}") from None
+            args["model"] = str(copy)
         _check_engine_args(args, config.engine.vllm)
         meter = _LoadMeter()
+        output = OutputTail()
         try:
-            llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args), stat_loggers=[_stat_logger(meter)]
-            )
-        except RuntimeError as e:
-            # the EngineCore process failed: its traceback is in the log above
-            raise ConfigError(
-                f"vLLM's engine failed to start ({e}). If its log says there is no memory for "
-                "cache blocks, lower [attention] max_model_len or raise [cache] "
-                "gpu_memory_utilization (on a CPU: "
-                "[cache] cpu_cache_bytes)"
-            ) from None
+            with output.capture():
+                llm = AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), stat_loggers=[_stat_logger(meter)]
+                )
+        except RuntimeError as e:  # an EngineCore process failed: its output has the cause
+            output.drain()
+            raise ConfigError(start_failure(e, output.cause())) from None
         model_config = llm.vllm_config.model_config
         served = (
             "fp8"
             if model_config.quantization == "fp8"
             else _PRECISIONS.get(model_config.dtype, "bf16")
         )
-        capabilities = _capabilities(config, devices, served, llm)
+        capabilities = _capabilities(config, devices, served, llm, Path(args["model"]))
         parallel = config.parallel.resolved(capabilities.device, capabilities.device_name)
         assert parallel.max_parallel is not None, "resolved above"
         logger.info(
             "vLLM serving %s in %s on %s (max_model_len %d)",
-            config.model.path,
+            args["model"],
             served,
             capabilities.device_name,
             model_config.max_model_len,
@@ -394,6 +404,25 @@ def _decode(
     return text, calls or None, decoded_finish or finish
 
 
+def _precision(config: WorkerConfig, devices: Devices, fp8: bool) -> Precision:
+    """The policy's choice for vLLM on these devices, logged with its reason."""
+    try:
+        choice = choose_precision(
+            devices.kind,
+            devices.compute_capability,
+            fp8_gemm=devices.vllm_fp8,
+            fp8_needs=VLLM_FP8_NEEDS[devices.kind],
+            cpu_has_bf16=cpu_has_native_bf16(),
+            dtype=config.model.dtype,
+            use_native_fp8=config.quantization.use_native_fp8,
+            fp8_weights=fp8,
+        )
+    except ValueError as e:
+        raise ConfigError(f"[model] dtype: {e}") from None
+    logger.info("vLLM on %s: serving %s (%s)", devices.name, choice.precision, choice.reason)
+    return choice.precision
+
+
 _PRECISIONS: dict[torch.dtype, Precision] = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -405,10 +434,11 @@ def _devices() -> Devices:
     """The GPUs present, asked through vLLM's platform (NVML): initializing CUDA in this process
     before vLLM starts its GPU workers would force them onto the slower spawn start."""
     if not current_platform.is_cuda_alike():  # CUDA or ROCm
-        return Devices(0)
+        # the check vLLM's CPU FP8 kernels make themselves
+        return Devices(0, cpu_amx=torch.cpu._is_amx_tile_supported())
     capability = current_platform.get_device_capability()
     cc = f"{capability.major}.{capability.minor}" if capability is not None else ""
-    return Devices(current_platform.device_count(), cc)
+    return Devices(current_platform.device_count(), cc, rocm=current_platform.is_rocm())
 
 
 def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:
@@ -432,11 +462,11 @@ def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:
 
 
 def _capabilities(
-    config: WorkerConfig, devices: Devices, served: Precision, llm: AsyncLLM
+    config: WorkerConfig, devices: Devices, served: Precision, llm: AsyncLLM, model_dir: Path
 ) -> DeviceCapabilities:
-    """What the router is told: the device, what vLLM runs, the weights' and the KV cache's
-    memory."""
-    probed = detect_capabilities(resolve_device(), fp8_weights=served == "fp8")
+    """What the router is told: the device, what vLLM runs, the weights' (as served, from
+    model_dir) and the KV cache's memory."""
+    probed = probe_device(resolve_device())
     gpus = (
         config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
         if devices.gpu_count
@@ -454,7 +484,7 @@ def _capabilities(
         precision=served,
         memory_total_bytes=probed.memory_total_bytes * gpus,
         gpu_count=gpus,
-        weight_bytes=sum(f.stat().st_size for f in Path(config.model.path).glob("*.safetensors")),
+        weight_bytes=sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
         kv_cache_bytes=(cache.num_gpu_blocks or 0) * cache.block_size * per_token,
         model_type=str(getattr(hf_config, "model_type", "")),
     )

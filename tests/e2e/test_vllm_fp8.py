@@ -1,0 +1,228 @@
+"""An FP8 checkpoint through a vLLM worker where vLLM's FP8 kernels do not run: the worker serves
+its dequantized copy (worker_svc/model/dequant_cache.py) and says so.
+
+The checkpoint is the tiny DeepSeek-V3 with DeepSeek's attention head sizes and FP8 block-quantized
+weights, as the real one ships. `[quantization] use_native_fp8 = false` forces the BF16 branch, so
+it runs on every machine (a CPU with AMX would run FP8), and `[model] dtype = "bfloat16"` makes it
+BF16 on every CPU (the policy picks FP32 without AVX512-BF16). One mesh: that vLLM worker, and a
+torch worker on the same FP8 checkpoint in bfloat16, which dequantizes at load to the same bits.
+Then two more starts of a vLLM worker alone: one reusing the copy, one that cannot start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from devtools.mesh import Mesh, MeshSpec
+from devtools.redis_server import RedisServer
+from devtools.tiny_model import write_tiny_checkpoint
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.ports import free_port
+from tests.helpers.e2e import new_key
+
+MODEL = "tiny-deepseek-v3-mla-fp8"
+VLLM, TORCH = "vllm-worker", "torch-worker"
+_VLLM_ENV = {
+    "INFERMESH_WORKER_ENGINE_KIND": "vllm",
+    "INFERMESH_WORKER_QUANTIZATION_USE_NATIVE_FP8": "false",
+    "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+    "INFERMESH_WORKER_ENGINE_VLLM": '{"enforce_eager": true}',  # see tests/e2e/test_vllm.py
+}
+_PROMPTS = ("Say hello to the mesh.", "What is the capital of France?", "Count to five.")
+_GREEDY_TOKENS = 16
+# two engines' BF16 arithmetic on the same weights: log-probabilities differ by up to this much
+_BF16_LOGPROB = 5e-2
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / MODEL, mla=True)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dequant-cache")
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    e2e_redis: RedisServer,
+    checkpoint: Path,
+    cache_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Mesh]:
+    spec = MeshSpec(
+        redis_url=e2e_redis.url,
+        model_path=str(checkpoint),
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=(free_port(), free_port()),
+        env={
+            "INFERMESH_WORKER_MODEL_DTYPE": "bfloat16",
+            "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
+        },
+        worker_env=(
+            {
+                **_VLLM_ENV,
+                "INFERMESH_WORKER_SERVER_WORKER_ID": VLLM,
+                "INFERMESH_WORKER_QUANTIZATION_DEQUANT_CACHE_DIR": str(cache_dir),
+                "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
+            },
+            {
+                "INFERMESH_WORKER_SERVER_WORKER_ID": TORCH,
+                "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
+            },
+        ),
+        log_dir=tmp_path_factory.mktemp("vllm-fp8-mesh"),
+    )
+    mesh = Mesh(spec)
+    try:  # stopped whatever happens: a half-started vLLM leaves engine processes behind
+        try:
+            mesh.start(timeout_s=280)
+        except Exception as e:
+            raise RuntimeError(f"mesh did not start: {e}\n{mesh.log('worker0')[-4000:]}") from e
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _worker(fleet: Mesh, i: int) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(
+        grpc.insecure_channel(f"127.0.0.1:{fleet.spec.worker_ports[i]}")
+    )
+
+
+def _greedy(fleet: Mesh, i: int, prompt: str) -> common_pb2.GenerateResponse:
+    request = common_pb2.GenerateRequest(
+        request_id=f"greedy-{i}-{time.monotonic_ns()}",
+        model=MODEL,
+        messages=[common_pb2.ChatMessage(role="user", content=prompt)],
+        sampling=common_pb2.SamplingParams(
+            temperature=0, max_tokens=_GREEDY_TOKENS, logprobs=True, top_logprobs=2
+        ),
+    )
+    return _worker(fleet, i).Complete(request, timeout=120)
+
+
+def test_the_vllm_worker_serves_the_copy_in_bf16_and_says_so(fleet: Mesh) -> None:
+    info = _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).worker
+    assert info.worker_id == VLLM and list(info.models) == [MODEL]
+    assert info.capabilities.precision == common_pb2.PRECISION_BF16
+    log = fleet.log("worker0")
+    assert "vLLM on cpu: serving bf16 ([model] dtype = 'bfloat16'; FP8 weights dequantized)" in log
+    assert "writing its torch.bfloat16 copy" in log
+
+
+def test_the_gateway_reports_bf16_for_the_vllm_worker(fleet: Mesh, e2e_redis: RedisServer) -> None:
+    client = openai.OpenAI(
+        base_url=fleet.spec.base_url, api_key=new_key(e2e_redis.url), max_retries=0, timeout=120
+    )
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while VLLM not in seen and time.monotonic() < deadline:  # the router spreads requests
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+        seen[raw.headers["x-infermesh-worker"]] = raw.headers["x-infermesh-precision"]
+    assert seen.get(VLLM) == "bf16", seen
+
+
+def test_greedy_continuations_match_the_torch_engine(fleet: Mesh) -> None:
+    """The same BF16 weights on both (vLLM's from the copy, the torch engine's dequantized at load)
+    but two engines' BF16 arithmetic: they agree token for token, with log-probabilities equal to
+    BF16's precision, up to a near-tie, if any: two tokens whose log-probabilities differ by less
+    than that precision on both engines, where either choice is right (past it the contexts
+    differ). A wrong weight changes the first tokens' log-probabilities far beyond it."""
+    splits = []
+    for prompt in _PROMPTS:
+        ours, theirs = (_greedy(fleet, i, prompt) for i in (1, 0))
+        assert len(theirs.token_ids) == len(ours.token_ids) == _GREEDY_TOKENS
+        split = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True))
+                if a != b
+            ),
+            _GREEDY_TOKENS,
+        )
+        splits.append(split)
+        assert [lp.logprob for lp in theirs.logprobs[:split]] == pytest.approx(
+            [lp.logprob for lp in ours.logprobs[:split]], abs=_BF16_LOGPROB
+        ), prompt
+        if split < _GREEDY_TOKENS:
+            mine, vllms = ours.logprobs[split], theirs.logprobs[split]
+            assert _near_tie(mine, vllms.token) and _near_tie(vllms, mine.token), (prompt, split)
+    assert max(splits) > 1, splits  # most of the text agrees
+
+
+def _near_tie(chosen: common_pb2.TokenLogprob, other: str) -> bool:
+    """`other` is the runner-up at this position, within BF16's precision of the chosen token."""
+    return any(
+        top.token == other and chosen.logprob - top.logprob < _BF16_LOGPROB for top in chosen.top
+    )
+
+
+def _vllm_worker(checkpoint: Path, cache_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:  # the child holds its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker_svc"],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                **_VLLM_ENV,
+                "INFERMESH_WORKER_MODEL_PATH": str(checkpoint),
+                "INFERMESH_WORKER_MODEL_DTYPE": "bfloat16",
+                "INFERMESH_WORKER_QUANTIZATION_DEQUANT_CACHE_DIR": str(cache_dir),
+                "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
+                # no router: the worker serves, or fails, without one
+                "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+            },
+        )
+
+
+def test_a_second_start_reuses_the_copy(
+    fleet: Mesh, checkpoint: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """The mesh's vLLM worker wrote the copy; another start finds it and writes nothing."""
+    (copy,) = cache_dir.iterdir()
+    written = {p.name: p.stat().st_mtime_ns for p in copy.iterdir()}
+    log = tmp_path / "worker.log"
+    worker = _vllm_worker(checkpoint, cache_dir, log)
+    try:
+        deadline = time.monotonic() + 120
+        while "reusing its torch.bfloat16 copy" not in log.read_text(errors="replace"):
+            assert worker.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "the second start never reached the copy"
+            time.sleep(0.2)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+    assert list(cache_dir.iterdir()) == [copy]
+    assert {p.name: p.stat().st_mtime_ns for p in copy.iterdir()} == written
+
+
+def test_a_failed_start_names_its_cause(tmp_path: Path) -> None:
+    """vLLM's engine process fails on a truncated shard: the worker's message quotes that error
+    instead of suggesting memory settings."""
+    broken = Path(shutil.copytree("models/tiny-deepseek-v3-mla", tmp_path / "broken"))
+    shard = broken / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    log = tmp_path / "worker.log"
+    worker = _vllm_worker(broken, tmp_path / "cache", log)
+    assert worker.wait(timeout=280) != 0
+    last = log.read_text(errors="replace").strip().splitlines()[-1]
+    assert "vLLM's engine failed to start: " in last and "SafetensorError" in last, last
+    assert "max_model_len" not in last and "memory" not in last
