@@ -1,5 +1,5 @@
-"""The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``
-and ``[admin]``.
+"""The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``,
+``[admin]`` and ``[responses]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -174,6 +174,17 @@ class AdminSection:
         return self.token_sha256 or None
 
 
+@section
+class ResponsesSection:
+    # How long a stored response (store: true) can be read and continued from
+    # (previous_response_id); OpenAI keeps them 30 days (2592000).
+    ttl_s: int = 86400
+
+    def __post_init__(self) -> None:
+        if self.ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {self.ttl_s}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
@@ -181,3 +192,4 @@ class GatewayConfig:
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
+    responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)

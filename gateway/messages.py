@@ -36,7 +36,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                 request,
                 headers,
                 _events(body, generation),
-                lambda e: sse.anthropic_event(e.anthropic_body()),
+                lambda e: sse.named_event(e.anthropic_body()),
             )
         return await _collect(body, generation, headers)
 
@@ -87,4 +87,4 @@ async def _events(body: wire.MessagesRequest, generation: Generation) -> AsyncIt
 
 
 def _joined(events: Iterable[dict[str, Any]]) -> bytes:
-    return b"".join(sse.anthropic_event(event) for event in events)
+    return b"".join(sse.named_event(event) for event in events)
