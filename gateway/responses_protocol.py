@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator
 
 from gateway.errors import InvalidRequestError
 from gateway.openai_protocol import (
@@ -105,9 +105,10 @@ class MediaPart(BaseModel):
     model_config = STRICT
     type: Literal["input_image", "input_file", "input_audio"]
 
-    @model_validator(mode="after")
-    def _refused(self) -> MediaPart:
-        raise ValueError(f"this model reads text only; '{self.type}' parts are not supported")
+    @field_validator("type")
+    @classmethod
+    def _refused(cls, kind: str) -> str:
+        raise ValueError(f"this model reads text only; '{kind}' parts are not supported")
 
 
 ContentPart = Annotated[InputText | OutputText | Refusal | MediaPart, Field(discriminator="type")]

@@ -142,12 +142,13 @@ def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestErro
 
 
 def _param(loc: tuple[int | str, ...], body: Any) -> str:
-    """The loc as a path in the input ("messages.0.role"), without union member tags."""
+    """The loc as a path in the input ("messages.0.role"), without union member tags (a
+    discriminated union's tag, such as 'function_call', is not a key of its object)."""
     parts: list[str] = []
     node = body
-    for item in loc:
-        if isinstance(node, dict) and isinstance(item, str):
-            parts.append(item)
+    for i, item in enumerate(loc):
+        if isinstance(node, dict) and isinstance(item, str) and (item in node or i == len(loc) - 1):
+            parts.append(item)  # a key, or the missing field the loc ends with
             node = node.get(item)
         elif isinstance(node, list) and isinstance(item, int) and item < len(node):
             parts.append(str(item))

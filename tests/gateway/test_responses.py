@@ -119,7 +119,14 @@ async def test_stream_assembles_into_the_created_response(served, api_key, shape
 
 
 async def test_every_event_is_numbered_and_parses(served, api_key):
-    events = await _raw_events(served, api_key, {**_GREEDY, "input": "Hi", "max_output_tokens": 4})
+    body = {
+        **_GREEDY,
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    events = await _raw_events(served, api_key, body)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
         _EVENTS.validate_python(event)
@@ -138,6 +145,11 @@ async def test_every_event_is_numbered_and_parses(served, api_key):
     ]
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[0]["response"]["status"] == "in_progress"
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    logprobs = [lp for e in deltas for lp in e["logprobs"]]
+    assert logprobs and all(len(lp["top_logprobs"]) == 2 for lp in logprobs)
+    [message] = events[-1]["response"]["output"]
+    assert message["content"][0]["logprobs"] == logprobs
 
 
 async def test_stored_response_is_retrieved_listed_and_deleted(served, api_key, redis_client):
