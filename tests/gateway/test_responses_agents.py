@@ -15,7 +15,7 @@ from tests.helpers.gateway import sdk
 from tests.helpers.tools import SLOW_TIMEOUT_S
 
 
-async def test_an_agent_with_a_required_tool_runs_it_and_completes(served, api_key):
+async def test_an_agent_with_a_required_tool_runs_it_and_completes(served, api_key) -> None:
     calls: list[tuple[str, str]] = []
 
     @function_tool
@@ -47,5 +47,5 @@ async def test_an_agent_with_a_required_tool_runs_it_and_completes(served, api_k
     assert len(city) <= 6 and unit in ("c", "f")
     assert result.final_output == f"21 degrees {unit}"
     [response] = result.raw_responses
-    assert response.response_id.startswith("resp_")
+    assert (response.response_id or "").startswith("resp_")
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
