@@ -317,3 +317,27 @@ async def test_a_namespaced_call_in_the_history_is_understood(served, api_key):
     async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         answer = await client.responses.create(**_GREEDY, input=history, tools=tools, store=False)
     assert answer.status in ("completed", "incomplete")
+
+
+async def test_worker_lost_mid_stream_ends_with_response_failed(served, worker, api_key):
+    response = await served.post(
+        "/v1/responses",
+        headers=auth(api_key),
+        json={"model": MODEL, "input": "Hi", "stream": True},  # runs to the context's end
+    )
+    assert response.status == 200
+    await response.content.readline()
+    await worker.server.stop(grace=None)
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in (await response.text()).split("\n")
+        if line.startswith("data: ")
+    ]
+    failed = events[-1]
+    assert failed["type"] == "response.failed", failed
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert failed["sequence_number"] == events[-2]["sequence_number"] + 1
+    _EVENTS.validate_python(failed)
+    retrieved = await served.get(f"/v1/responses/{failed['response']['id']}", headers=auth(api_key))
+    assert retrieved.status == 404  # a failed response is not stored
