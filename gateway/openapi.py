@@ -30,6 +30,7 @@ from gateway.models import list_models, retrieve_model
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.responses import (
     InputItemsQuery,
+    RetrieveQuery,
     create_response,
     delete_response,
     list_input_items,
@@ -100,7 +101,11 @@ def _operations() -> dict[Handler, Operation]:
             security=tuple(_API_KEY),
         ),
         retrieve_response: Operation(
-            "getResponse", "A stored response", "OpenAI", security=tuple(_API_KEY)
+            "getResponse",
+            "A stored response",
+            "OpenAI",
+            query=RetrieveQuery,
+            security=tuple(_API_KEY),
         ),
         delete_response: Operation(
             "deleteResponse", "Deletes a stored response", "OpenAI", security=tuple(_API_KEY)

@@ -53,6 +53,14 @@ class InputItemsQuery(BaseModel):
     after: str | None = None  # an item id: the page starts after it
 
 
+class RetrieveQuery(BaseModel):
+    """The query of ``GET /v1/responses/{id}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    # OpenAI replays a background response's events; this gateway has none to replay
+    stream: Literal[False] = False
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = parse_responses_request(await read_json(request), request.headers)
     kid = request[API_KEY].id
@@ -172,6 +180,7 @@ class _Answer:
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
+    parse_body(RetrieveQuery, dict(request.query))
     return json_body.json_response((await _stored(request)).response)
 
 

@@ -341,3 +341,78 @@ async def test_worker_lost_mid_stream_ends_with_response_failed(served, worker, 
     _EVENTS.validate_python(failed)
     retrieved = await served.get(f"/v1/responses/{failed['response']['id']}", headers=auth(api_key))
     assert retrieved.status == 404  # a failed response is not stored
+
+
+async def test_a_codex_shaped_request_completes_a_turn(served, api_key):
+    """The request Codex CLI sends (observed on the wire), its instructions shortened, and with
+    max_output_tokens so that random weights stop soon."""
+    parameters = {
+        "type": "object",
+        "properties": {"cmd": {"type": "string", "maxLength": 8}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "store": False,
+        "input": [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are a coding agent."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "list the files"}],
+            },
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "name": "exec_command",
+                "description": "Runs a command",
+                "strict": False,
+                "parameters": parameters,
+            },
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Sub-agents",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "wait_agent",
+                        "strict": False,
+                        "parameters": {"type": "object", "properties": {}},
+                    }
+                ],
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a2322c-597d",
+        "client_metadata": {"turn_id": "t1"},
+        "max_output_tokens": 16,
+    }
+    headers = {**auth(api_key), "session-id": "01a2322c-597d", "accept": "text/event-stream"}
+    response = await served.post("/v1/responses", headers=headers, json=body)
+    assert response.status == 200, await response.text()
+    assert response.headers["x-infermesh-unsupported-tools"] == "web_search"
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in (await response.text()).split("\n")
+        if line.startswith("data: ")
+    ]
+    for event in events:
+        _EVENTS.validate_python(event)
+    final = events[-1]["response"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert final["reasoning"] == {"effort": None, "summary": "auto"}
+    assert {item["type"] for item in final["output"]} <= {"message", "function_call"}
+    assert [t["name"] for t in final["tools"]] == ["exec_command", "multi_agent_v1"]

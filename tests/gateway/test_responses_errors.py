@@ -97,9 +97,16 @@ async def test_the_sdk_raises_the_errors_it_documents(gateway, api_key):
     assert retrieved.value.body["message"] == "Response with id 'resp_9' not found."
 
 
-@pytest.mark.parametrize("query, param", [("limit=0", "limit"), ("order=sideways", "order")])
-async def test_bad_input_items_queries_are_400(gateway, api_key, query, param):
-    response = await gateway.get(f"/v1/responses/resp_1/input_items?{query}", headers=auth(api_key))
+@pytest.mark.parametrize(
+    "path, param",
+    [
+        ("resp_1/input_items?limit=0", "limit"),
+        ("resp_1/input_items?order=sideways", "order"),
+        ("resp_1?stream=true", "stream"),
+    ],
+)
+async def test_bad_queries_are_400(gateway, api_key, path, param):
+    response = await gateway.get(f"/v1/responses/{path}", headers=auth(api_key))
     assert response.status == 400
     assert (await response.json())["error"]["param"] == param
 
