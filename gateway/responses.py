@@ -69,11 +69,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     items = body.items()
     messages = router_messages(body.instructions, items_of(context) + items)
     shell = ResponseShell(body, new_id("resp"), now_s())
-    session = session_name(
-        request.headers, body.prompt_cache_key or (previous.session if previous else None)
-    )
-    if not session and body.store:
-        session = shell.id  # its continuations join it
+    session = _session(request, body, previous, shell.id)
     plan = Plan(
         model=body.model,
         requests=[body.generate_request(request[REQUEST_ID], messages=messages)],
@@ -94,6 +90,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if body.stream:
             return await sse.stream(request, headers, answer.events(generation), answer.failed)
         return json_body.json_response(await answer.collect(generation), headers=headers)
+
+
+def _session(
+    request: web.Request, body: ResponsesRequest, previous: StoredResponse | None, own_id: str
+) -> str:
+    """The session the request belongs to: the one it names, its chain's, else (stored, so
+    that its continuations join it) its own id; "" for none."""
+    hint = body.prompt_cache_key or (previous.session if previous else None)
+    return session_name(request.headers, hint) or (own_id if body.store else "")
 
 
 async def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | None:
