@@ -2,9 +2,10 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-RUFF := $(VENV)/bin/ruff
-MYPY := $(VENV)/bin/mypy
+RUFF := $(PY) -m ruff
+MYPY := $(PY) -m mypy
 INSTALLED := $(VENV)/.installed
+EDITABLE := $(VENV)/.editable
 PROTOS := $(wildcard protos/infermesh/pb/*.proto)
 GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
@@ -12,7 +13,7 @@ V32_DIR := models/tiny-deepseek-v32
 MLA_DIR := models/tiny-deepseek-v3-mla
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 
-.PHONY: all venv vllm proto model model-v2 model-v32 model-mla run lint test bench clean
+.PHONY: all venv install vllm proto model model-v2 model-v32 model-mla run lint test bench clean
 
 all: proto model
 
@@ -22,6 +23,14 @@ $(INSTALLED): requirements.txt
 	touch $@
 
 venv: $(INSTALLED)
+
+# This project, editable (pyproject.toml lists its packages), so the benches and tools import it
+# from anywhere. Built with the venv's pinned setuptools (--no-build-isolation): nothing fetched.
+$(EDITABLE): pyproject.toml $(INSTALLED)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps --editable .
+	touch $@
+
+install: $(EDITABLE)
 
 # The optional vLLM engine ([engine] kind = "vllm"); --no-deps: see requirements-vllm.txt.
 $(VLLM_INSTALLED): requirements-vllm.txt $(INSTALLED)
@@ -44,7 +53,7 @@ $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 model: $(MODEL_DIR)/config.json
 
-# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax router), for serving or trying V2 locally.
+# Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax gate), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
 
 models/tiny-deepseek-v2/config.json: $(GENERATED) devtools/tiny_model.py
@@ -67,22 +76,22 @@ $(MLA_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 model-mla: $(MLA_DIR)/config.json
 
-run: proto model
+run: install proto model
 	$(PY) -m infermesh run
 
 # ruff and mypy, configured in pyproject.toml; mypy reads the generated .pyi stubs.
-lint: proto
+lint: install proto
 	$(RUFF) check .
 	$(RUFF) format --check .
 	$(MYPY)
 
 # vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped
-test: lint proto model vllm
+test: lint install proto model vllm
 	$(PY) -m pytest
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
 # simulated fleet on this machine.
-bench: proto model
+bench: install proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:

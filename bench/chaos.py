@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import json
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -46,8 +45,6 @@ from pathlib import Path
 import aiohttp
 import grpc
 import redis.asyncio as aioredis
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer

@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from functools import cache
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from devtools.tiny_model import bench_config, tiny_config
 from worker_svc.model.model import ModelArgs, dense_linear

@@ -30,8 +30,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from devtools.tiny_model import write_tiny_checkpoint
 from worker_svc.model.checkpoint import load_checkpoint
 from worker_svc.model.kernel import (

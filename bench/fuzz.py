@@ -27,8 +27,6 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.keys import create_key_at

@@ -52,8 +52,6 @@ import grpc
 import psutil
 import redis.asyncio as aioredis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.mesh_load import simulated_mesh
 from devtools.mesh import Mesh
 from devtools.redis_server import RedisServer

@@ -31,7 +31,6 @@ import glob
 import importlib.metadata
 import json
 import statistics
-import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -44,8 +43,6 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from devtools.tiny_model import write_bench_checkpoint
 from worker_svc.config import ParallelSection

@@ -20,12 +20,9 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import grpc
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.failover import call_chunks
 

@@ -20,13 +20,10 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import psutil
 import uvloop
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.pb import common_pb2, worker_pb2_grpc
 from infermesh.ports import free_port

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.mesh_load import MeshLoad, Outcome, simulated_mesh
 from devtools.mesh import Mesh
 from gateway.keys import create_key, key_id, update_key

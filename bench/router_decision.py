@@ -17,11 +17,7 @@ import argparse
 import collections
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infermesh.pb import common_pb2
 from router_svc.config import Policy, RoutingSection

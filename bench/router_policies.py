@@ -32,10 +32,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 import redis

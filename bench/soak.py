@@ -35,8 +35,6 @@ import aiohttp
 import psutil
 import redis.asyncio as aioredis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.mesh_load import Kind, MeshLoad, Outcome, simulated_mesh
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer

@@ -35,15 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_svc.model.indexer import (
     hadamard_rotate,

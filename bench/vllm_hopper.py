@@ -27,12 +27,9 @@ from pathlib import Path
 import grpc
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.vllm_vs_torch import _generate, _prompts, _start_worker  # noqa: E402
-from devtools.tiny_model import write_tiny_checkpoint  # noqa: E402
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from bench.vllm_vs_torch import _generate, _prompts, _start_worker
+from devtools.tiny_model import write_tiny_checkpoint
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 _Timed = tuple[float, float, list[int]]  # TTFT, TPOT, token ids
 

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from devtools.tiny_model import CORPUS
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.ports import free_port
 
-from devtools.tiny_model import CORPUS  # noqa: E402
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
-from infermesh.ports import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 _START_TIMEOUT_S = 300.0
 

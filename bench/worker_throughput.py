@@ -26,14 +26,10 @@ import asyncio
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from transformers import PreTrainedModel
 
 from devtools.tiny_model import CORPUS, write_bench_checkpoint

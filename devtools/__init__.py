@@ -1,4 +1,3 @@
-"""The top floor: the developer commands (``python -m infermesh``, in main.py), the dev runner
-and Redis starters, the model writers, the planner, the hardware bench and the fuzz helper.
-Nothing below imports it; each module is imported on its own (``python -m
-infermesh.probe`` in a service's container loads no more than the probe)."""
+"""The developer tools, above the services: the commands of ``python -m infermesh`` (main.py),
+the dev mesh runner and the Redis starter, the tiny model writer, the planner, the key admin CLI
+and the hardware bench. Nothing below imports it; each module is imported on its own."""

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from worker_svc.hardware.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.hardware.sizing import (
     DEFAULT_UTILIZATION,
-    ConfigError,
     ModelSize,
+    SizingError,
     bundled_models,
     fewest_gpus,
     index_total_size,
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"plan: unknown GPU kind {unknown[0]!r}; known: {', '.join(profiles)}")
     try:
         size = model_size_of(args.model)
-    except ConfigError as e:
+    except SizingError as e:
         raise SystemExit(f"plan: {e}") from None
     print(
         render(

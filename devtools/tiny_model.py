@@ -215,7 +215,7 @@ def tiny_config(
 
 
 def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
-    """config.json of a tiny DeepSeek-V2: softmax router, group-limited greedy over 4 groups of 2
+    """config.json of a tiny DeepSeek-V2: softmax gate, group-limited greedy over 4 groups of 2
     experts, routed_scaling_factor 16, 3 layers, YaRN with DeepSeek-V2's mscale; `lite`: V2-Lite's
     shape (q_lora_rank null, greedy top-k over all experts, routed_scaling_factor 1)."""
     config = tiny_config(vocab_size)
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         "--bench", action="store_true", help="the ~73M-parameter scheduler benchmark model"
     )
     kind.add_argument(
-        "--v2", action="store_true", help="DeepSeek-V2: BF16, softmax router, group-limited greedy"
+        "--v2", action="store_true", help="DeepSeek-V2: BF16, softmax gate, group-limited greedy"
     )
     kind.add_argument(
         "--v2-lite", action="store_true", help="DeepSeek-V2-Lite's shape: q_lora_rank null, greedy"

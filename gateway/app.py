@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import prometheus_client
 from aiohttp import web
 
 import telemetry
@@ -29,6 +28,7 @@ from gateway.middleware import (
 )
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
+from gateway.ops import health, metrics
 from gateway.responses import (
     create_response,
     delete_response,
@@ -83,18 +83,6 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/openapi.json", openapi_document)
     app.add_subapp("/admin", create_admin_app(config.admin.digest()))
     return app
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition of this process's metrics."""
-    return web.Response(
-        body=prometheus_client.generate_latest(),
-        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
-    )
 
 
 async def _watch_event_loop(app: web.Application) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import json_body, sse
-from gateway.generation import Generation, Plan, finish_reason, generate
+from gateway.generation import Generation, Plan, admitted_generation, finish_reason
 from gateway.middleware import REQUEST_ID
 from gateway.openai_protocol import (
     ChatCompletionRequest,
@@ -46,7 +46,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         session=body.prompt_cache_key,
     )
 
-    async with generate(request, plan) as (generation, headers):
+    async with admitted_generation(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(
                 request,

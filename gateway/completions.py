@@ -20,7 +20,7 @@ from gateway.completions_protocol import (
     parse_completion_request,
     text_completion,
 )
-from gateway.generation import Generation, Plan, finish_reason, generate
+from gateway.generation import Generation, Plan, admitted_generation, finish_reason
 from gateway.middleware import REQUEST_ID
 from gateway.openai_protocol import completion_id, now_s, usage, usage_chunk
 from gateway.validation import estimate_tokens, read_json
@@ -45,7 +45,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     )
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 
-    async with generate(request, plan) as (generation, headers):
+    async with admitted_generation(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(
                 request,

@@ -64,7 +64,7 @@ class Generation:
         self._mesh = mesh
         self._plan = plan
         # made before admission: the router decides while admission runs
-        self._calls = [mesh.generate(r, stream=plan.stream) for r in plan.requests]
+        self._calls = [mesh.call(r, stream=plan.stream) for r in plan.requests]
         self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)
@@ -196,7 +196,7 @@ async def admit(request: web.Request, model: str | None, reserve_tokens: int) ->
 
 
 @contextlib.asynccontextmanager
-async def generate(
+async def admitted_generation(
     request: web.Request, plan: Plan
 ) -> AsyncIterator[tuple[Generation, dict[str, str]]]:
     """Admits and starts ``plan``; the handler answers from the generation and the response

@@ -1,4 +1,4 @@
-"""Per-key limits and usage, atomic in Redis: two Lua scripts, one per concern.
+"""Per-key limits and usage, atomic in Redis: two Lua scripts (gateway/lua/), one per concern.
 
 ``admit`` (once per request, before the router is called) checks the key again
 (so revoking or disabling it, or changing its limits, applies to the next request
@@ -10,11 +10,11 @@ usage to the key's counters. Both use Redis' clock, so gateways with skewed cloc
 agree. Scripts are registered once per process and run by EVALSHA (re-sent after a
 Redis restart).
 
-Admissions and settlements share round trips to Redis: one goes at once when no round
-trip is out; those that come while one is out wait and go together in the next, one
-pipeline for all keys. Each call's reply or error reaches its own caller; a Redis error
-that fails the round trip fails every admission in it (the request is answered 503:
-never admitted without Redis). A Redis Cluster refuses scripts in pipelines: there each
+Admissions and settlements share round trips to Redis (``infermesh.script_batcher``): one
+goes at once when no round trip is out; those that come while one is out wait and go together
+in the next, one pipeline for all keys. Each call's reply or error reaches its own caller; a
+Redis error that fails the round trip fails every admission in it (the request is answered
+503: never admitted without Redis). A Redis Cluster refuses scripts in pipelines: there each
 admission and each settlement is its own call.
 
 Windows: requests and tokens per minute count in one-second buckets over a sliding
@@ -61,20 +61,19 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import importlib.resources
 import logging
 import math
 import secrets
 from typing import Any
 
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
 
 from gateway.errors import AuthenticationError, RateLimitError
 from gateway.keys import key_tag, redis_key
 from gateway.usage import TokenUsage
 from infermesh.redis_client import REDIS_ERRORS, RedisClient
+from infermesh.script_batcher import ScriptBatcher, ScriptCall
 from telemetry.metrics import (
     RATE_LIMITED,
     SETTLEMENTS_DROPPED,
@@ -92,149 +91,10 @@ _USAGE_DAY_TTL_S = 400 * 86400
 _SETTLED_TTL_S = 60
 _RETRY_INTERVAL_S = 0.5
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+_LUA = importlib.resources.files("gateway") / "lua"
+_ADMIT = (_LUA / "admit.lua").read_text()
+_SETTLE = (_LUA / "settle.lua").read_text()
 
-_ADMIT = """
-local WINDOW_S = 60
-local f = redis.call('HMGET', KEYS[1], 'disabled', 'revoked', 'expires_at', 'rpm', 'tpm',
-  'max_concurrent', 'quota_tokens', 'quota_period_tokens', 'quota_period_s')
-local t = redis.call('TIME')
-local now_s = tonumber(t[1])
-local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
-if f[1] ~= '0' or f[2] == '1' or (f[3] and tonumber(f[3]) <= now_s) then
-  return {1}
-end
-local reserve, lease, lease_ttl_ms = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local rpm, tpm, max_concurrent = tonumber(f[4]), tonumber(f[5]), tonumber(f[6])
-local quota, period_quota, period_s = tonumber(f[7]), tonumber(f[8]), tonumber(f[9]) or 86400
-
--- used units in the window, its bucket seconds (oldest first) and their counts
-local function window(key)
-  local raw = redis.call('HGETALL', key)
-  local used, seconds, counts, stale = 0, {}, {}, {}
-  for i = 1, #raw, 2 do
-    local s, n = tonumber(raw[i]), tonumber(raw[i + 1])
-    if s <= now_s - WINDOW_S then
-      stale[#stale + 1] = raw[i]
-    else
-      used = used + n
-      seconds[#seconds + 1] = s
-      counts[s] = n
-    end
-  end
-  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
-  table.sort(seconds)
-  return {used = used, seconds = seconds, counts = counts}
-end
--- ms until cost more units fit under limit; -1: never
-local function wait_ms(w, cost, limit)
-  if cost > limit then return -1 end
-  local used = w.used
-  for _, s in ipairs(w.seconds) do
-    used = used - w.counts[s]
-    if used + cost <= limit then return (s + WINDOW_S) * 1000 - now_ms end
-  end
-  return 0
-end
-local function reset_ms(w, newest)
-  if newest == nil then newest = w.seconds[#w.seconds] end
-  if newest == nil then return 0 end
-  return (newest + WINDOW_S) * 1000 - now_ms
-end
-
-local refusal, retry = nil, 0
-local function refuse(which, ms)
-  if refusal == nil then refusal, retry = which, ms end
-end
-local rw, tw
-if rpm then
-  rw = window(KEYS[2])
-  if rw.used + 1 > rpm then refuse('requests', wait_ms(rw, 1, rpm)) end
-end
-if tpm then
-  tw = window(KEYS[3])
-  if reserve > 0 and tw.used + reserve > tpm then refuse('tokens', wait_ms(tw, reserve, tpm)) end
-end
-if max_concurrent then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
-  if redis.call('ZCARD', KEYS[4]) >= max_concurrent then refuse('concurrency', 1000) end
-end
-local period_field = 'p:' .. period_s .. ':' .. math.floor(now_s / period_s)
-if reserve > 0 and (quota or period_quota) then
-  local q = redis.call('HMGET', KEYS[5], 'total', period_field)
-  if quota and (tonumber(q[1]) or 0) + reserve > quota then refuse('quota', -1) end
-  if period_quota and (tonumber(q[2]) or 0) + reserve > period_quota then
-    refuse('quota_period', (math.floor(now_s / period_s) + 1) * period_s * 1000 - now_ms)
-  end
-end
-
-local admitted = refusal == nil
-local out = {admitted and 0 or 2, refusal or '', retry, -1, 0, 0, -1, 0, 0, now_s, 0, '', 0}
-if rpm then
-  local used, newest = rw.used, nil
-  if admitted then
-    redis.call('HINCRBY', KEYS[2], now_s, 1)
-    redis.call('PEXPIRE', KEYS[2], (WINDOW_S + 1) * 1000)
-    used, newest = used + 1, now_s
-  end
-  out[4], out[5], out[6] = rpm, math.max(rpm - used, 0), reset_ms(rw, newest)
-end
-if tpm then
-  local used, newest = tw.used, nil
-  if admitted and reserve > 0 then
-    redis.call('HINCRBY', KEYS[3], now_s, reserve)
-    redis.call('PEXPIRE', KEYS[3], (WINDOW_S + 1) * 1000)
-    used, newest, out[11] = used + reserve, now_s, 1
-  end
-  out[7], out[8], out[9] = tpm, math.max(tpm - used, 0), reset_ms(tw, newest)
-end
-if admitted and max_concurrent then
-  redis.call('ZADD', KEYS[4], now_ms + lease_ttl_ms, lease)
-  redis.call('PEXPIRE', KEYS[4], lease_ttl_ms)
-  out[13] = 1
-end
-if admitted and reserve > 0 then
-  -- kept whether or not a quota is set, so a quota set later sees past usage
-  redis.call('HINCRBY', KEYS[5], 'total', reserve)
-  if redis.call('HINCRBY', KEYS[5], period_field, reserve) == reserve then
-    for _, field in ipairs(redis.call('HKEYS', KEYS[5])) do
-      if field ~= 'total' and field ~= period_field then redis.call('HDEL', KEYS[5], field) end
-    end
-  end
-  out[12] = period_field
-end
-return out
-"""
-
-_SETTLE = """
-if not redis.call('SET', KEYS[7], '1', 'NX', 'EX', ARGV[11]) then return 0 end
-local prompt, completion, cached = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local delta = prompt + completion - tonumber(ARGV[2])
-if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[1], ARGV[1], delta)
-end
-if ARGV[4] ~= '' then
-  redis.call('HINCRBY', KEYS[3], 'total', delta)
-  if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
-    redis.call('HINCRBY', KEYS[3], ARGV[4], delta)
-  end
-end
-if ARGV[8] ~= '' then redis.call('ZREM', KEYS[2], ARGV[8]) end
-if ARGV[10] == '0' then
-  -- the mesh failed the request: its request-per-minute unit is given back, no usage
-  if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then
-    redis.call('HINCRBY', KEYS[6], ARGV[1], -1)
-  end
-  return 1
-end
-for i = 4, 5 do
-  redis.call('HINCRBY', KEYS[i], 'requests', 1)
-  redis.call('HINCRBY', KEYS[i], 'prompt_tokens', prompt)
-  redis.call('HINCRBY', KEYS[i], 'completion_tokens', completion)
-  redis.call('HINCRBY', KEYS[i], 'cached_tokens', cached)
-end
-redis.call('EXPIRE', KEYS[5], ARGV[9])
-return 1
-"""
 
 _ADMITTED, _UNAUTHORIZED = 0, 1
 _LIMIT_NAMES = {
@@ -258,18 +118,6 @@ class Admission:
     lease: str  # the concurrency slot's id; "": the key has no concurrency limit
     headers: dict[str, str]  # x-ratelimit-* for the response
     id: str  # unique per admission
-
-
-# One EVALSHA: the script, its keys and its arguments.
-_Call = tuple[AsyncScript, list[str], list[str | int | float]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Waiting:
-    """An admission waiting for the next round trip to Redis, and where its reply goes."""
-
-    call: _Call
-    reply: asyncio.Future[Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,15 +190,10 @@ class Limiter:
     def __init__(self, client: RedisClient, lease_ttl_s: float, settle_retry_max: int) -> None:
         self._redis = client
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
-        self._admit = client.register_script(_ADMIT)
-        self._settle = client.register_script(_SETTLE)
-        # a Redis Cluster refuses scripts in pipelines: there each call goes alone
-        self._pipelined = not isinstance(client, RedisCluster)
+        self._scripts = ScriptBatcher(client)
+        self._admit = self._scripts.register(_ADMIT)
+        self._settle = self._scripts.register(_SETTLE)
         self._leases: dict[str, str] = {}  # lease id -> inflight key, for renewal
-        self._admissions: list[_Waiting] = []  # for the next round trip
-        self._unsettled: list[_Settlement] = []  # for the next round trip
-        self._sender: asyncio.Task[None] | None = None
-        self._loaded = False  # the scripts, by this process; else the next pipeline loads them
         # settlements that failed, oldest first, for retry_settlements
         self._failed: collections.deque[_Settlement] = collections.deque()
         self._retry_max = settle_retry_max
@@ -364,18 +207,12 @@ class Limiter:
         for it (at once when none is out)."""
         keys = _keys(kid)
         lease = secrets.token_hex(8)
-        call: _Call = (
+        call: ScriptCall = (
             self._admit,
             [keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
             [reserve_tokens, lease, self._lease_ttl_ms],
         )
-        if self._pipelined:
-            waiting = _Waiting(call, asyncio.get_running_loop().create_future())
-            self._admissions.append(waiting)
-            self._send_soon()
-            out = await waiting.reply
-        else:
-            out = await self._admit(keys=call[1], args=call[2])
+        out = await self._scripts.call(call)
         if out[0] == _UNAUTHORIZED:
             raise AuthenticationError(
                 "Incorrect API key provided, or the key is disabled or expired."
@@ -412,7 +249,7 @@ class Limiter:
         is called. Its own round trip; raises what Redis raised."""
         self._leases.pop(admission.lease, None)
         keys, args = _settle_call(_Settlement(admission, usage, served))
-        [reply] = await self._run([(self._settle, keys, args)])
+        [reply] = await self._scripts.run([(self._settle, keys, args)])
         if isinstance(reply, Exception):
             raise reply
 
@@ -428,102 +265,20 @@ class Limiter:
         round trip to Redis, with the admissions and other settlements that wait for it;
         a settlement that fails is retried by ``retry_settlements``."""
         self._leases.pop(admission.lease, None)
-        self._unsettled.append(_Settlement(admission, usage, served))
-        self._send_soon()
+        settlement = _Settlement(admission, usage, served)
+        reply = self._scripts.call((self._settle, *_settle_call(settlement)))
+        reply.add_done_callback(lambda done: self._settled(settlement, done))
 
-    def _send_soon(self) -> None:
-        if self._sender is None:
-            self._sender = asyncio.get_running_loop().create_task(self._send_waiting())
-
-    async def _send_waiting(self) -> None:
-        """Round trips, one after the other, until nothing waits: the admissions and
-        settlements that come while one is out go together in the next. Each admission's
-        caller gets its reply, or the Redis error its call or the whole round trip got; a
-        settlement that failed is kept for ``retry_settlements``."""
-        try:
-            while self._admissions or self._unsettled:
-                # not sent: the admissions whose caller went away (cancelled) meanwhile
-                admissions = [waiting for waiting in self._admissions if not waiting.reply.done()]
-                settlements = self._unsettled
-                self._admissions, self._unsettled = [], []
-                calls = [waiting.call for waiting in admissions]
-                calls += [(self._settle, *_settle_call(settlement)) for settlement in settlements]
-                replies: list[Any]
-                try:
-                    replies = await self._run(calls)
-                except REDIS_ERRORS as e:
-                    replies = [e] * len(calls)
-                except BaseException:  # cancelled (or a bug): no caller may wait for ever
-                    for waiting in admissions:
-                        waiting.reply.cancel()
-                    raise
-                for waiting, reply in zip(admissions, replies[: len(admissions)], strict=True):
-                    if waiting.reply.done():  # its caller went away meanwhile
-                        continue
-                    if isinstance(reply, Exception):
-                        waiting.reply.set_exception(reply)
-                    else:
-                        waiting.reply.set_result(reply)
-                failed = [
-                    (settlement, reply)
-                    for settlement, reply in zip(
-                        settlements, replies[len(admissions) :], strict=True
-                    )
-                    if isinstance(reply, Exception)
-                ]
-                if failed and not self._failed:
-                    logger.warning(
-                        "could not record usage (%s); keeping settlements to retry",
-                        type(failed[0][1]).__name__,
-                    )
-                for settlement, _ in failed:
-                    self._keep(settlement)
-        finally:
-            self._sender = None
-
-    async def _run(self, calls: list[_Call]) -> list[Any]:
-        """Runs ``calls`` in one round trip to Redis (one pipeline) and returns each one's
-        reply, or the error Redis answered it (one call's error loses none of the others'
-        replies); raises when the round trip itself failed (Redis unreachable, a timeout).
-        The calls that got NOSCRIPT (a new or restarted Redis) did not run: they are sent
-        again, with the scripts, in one more round trip (whose failure is theirs alone). A
-        Redis Cluster refuses scripts in pipelines: there the calls go out together, each its
-        own."""
-        if not self._pipelined:
-            return await asyncio.gather(*(self._run_alone(call) for call in calls))
-        replies = await self._round_trip(calls, load=not self._loaded)
-        again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if again:
-            retried: list[Any]
-            try:
-                retried = await self._round_trip([calls[i] for i in again], load=True)
-            except REDIS_ERRORS as e:  # the others ran: their replies stand
-                retried = [e] * len(again)
-            for i, reply in zip(again, retried, strict=True):
-                replies[i] = reply
-        return replies
-
-    async def _round_trip(self, calls: list[_Call], *, load: bool) -> list[Any]:
-        """One pipeline of ``calls``, after both scripts' SCRIPT LOAD when ``load``."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            if load:
-                pipe.script_load(_ADMIT)
-                pipe.script_load(_SETTLE)
-            for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies = await pipe.execute(raise_on_error=False)
-        if load:
-            self._loaded = True
-            del replies[:2]
-        return replies
-
-    @staticmethod
-    async def _run_alone(call: _Call) -> Any:
-        script, keys, args = call
-        try:
-            return await script(keys=keys, args=args)
-        except REDIS_ERRORS as e:
-            return e
+    def _settled(self, settlement: _Settlement, reply: asyncio.Future[Any]) -> None:
+        """A settlement's round trip came back: one that failed is kept to retry."""
+        if reply.cancelled() or reply.exception() is None:
+            return
+        if not self._failed:
+            logger.warning(
+                "could not record usage (%s); keeping settlements to retry",
+                type(reply.exception()).__name__,
+            )
+        self._keep(settlement)
 
     @property
     def pending_settlements(self) -> int:
@@ -576,8 +331,7 @@ class Limiter:
     async def drain(self) -> None:
         """At shutdown: waits for the settlements in flight and tries the kept ones once
         more; those that still fail are lost (logged)."""
-        if self._sender is not None:
-            await asyncio.gather(self._sender, return_exceptions=True)
+        await self._scripts.drain()
         await self._flush()
         if self._failed:
             logger.error(

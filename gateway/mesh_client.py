@@ -89,7 +89,7 @@ class MeshClient:
         await self._workers.close()
         await self._channel.close()
 
-    def generate(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
+    def call(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
         """The generation, its route known once the first chunk came; closing its chunks
         cancels the call. Not ``stream``: the caller needs only the whole answer (which
         may then come as one chunk). The router is asked at once (on the route stream, when
@@ -215,7 +215,7 @@ class MeshClient:
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         if self._streams is not None:
-            chunks = self._streams.generate(
+            chunks = self._streams.chunks(
                 route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
             )
         else:

@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway import anthropic_protocol as wire
 from gateway import json_body, sse
 from gateway.errors import UpstreamError
-from gateway.generation import Generation, Plan, generate
+from gateway.generation import Generation, Plan, admitted_generation
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls
 from gateway.validation import estimate_tokens, read_json
@@ -30,7 +30,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stream=body.stream,
     )
 
-    async with generate(request, plan) as (generation, headers):
+    async with admitted_generation(request, plan) as (generation, headers):
         if body.stream:
             return await sse.stream(
                 request,

@@ -28,6 +28,7 @@ from gateway.errors import AnthropicErrorBody, ErrorBody
 from gateway.messages import create_message
 from gateway.models import list_models, retrieve_model
 from gateway.openai_protocol import ChatCompletionRequest
+from gateway.ops import health, metrics
 from gateway.responses import (
     InputItemsQuery,
     RetrieveQuery,
@@ -66,8 +67,6 @@ class Operation:
 
 def _operations() -> dict[Handler, Operation]:
     """What each handler does."""
-    from gateway.app import health, metrics  # the app imports this module
-
     keys: tuple[dict[str, list[str]], ...] = ({"adminToken": []},)
     return {
         create_chat_completion: Operation(

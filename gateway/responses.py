@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway import json_body, sse
 from gateway.affinity import session_name
 from gateway.errors import GatewayError, InvalidRequestError, ResponseNotFoundError
-from gateway.generation import Generation, Plan, generate
+from gateway.generation import Generation, Plan, admitted_generation
 from gateway.keys import REDIS
 from gateway.middleware import API_KEY, REDIS_CONFIG, REQUEST_ID
 from gateway.responses_output import (
@@ -84,7 +84,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     )
     answer = _Answer(body, shell, _store(request) if body.store else None, kid, record)
 
-    async with generate(request, plan) as (generation, headers):
+    async with admitted_generation(request, plan) as (generation, headers):
         if body.tool_set.unoffered:
             headers[UNSUPPORTED_TOOLS] = ",".join(body.tool_set.unoffered)
         if body.stream:

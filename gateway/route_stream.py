@@ -15,60 +15,36 @@ import asyncio
 import itertools
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 import telemetry
-from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
+from infermesh.bidi import SharedCall, SharedCalls, call_error, check_size, status_code
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
-from telemetry.metrics import STREAM_BREAKS, STREAM_MESSAGES, STREAMS_OPEN
 
 _PEER = "router"
+_Decided = asyncio.Future[router_pb2.RouteDecision]
 
 
-class _Call:
-    """One RouteStream call and the asks waiting for its decisions."""
+class _Call(SharedCall[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse, _Decided]):
+    """One RouteStream call; its waiting asks are futures of their decisions."""
 
     def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
-        self.waiting: dict[int, asyncio.Future[router_pb2.RouteDecision]] = {}
-        self.broken = False
-        self._received = STREAM_MESSAGES.labels(_PEER, "received")
-        STREAMS_OPEN.labels(_PEER).inc()
-        # The stream outlives the request that opened it: its call and tasks belong to no
-        # request's trace.
-        token = otel_context.attach(otel_context.Context())
-        try:
-            self._call = stub.RouteStream(wait_for_ready=False)
-            self.outgoing = MessageBatcher(self._call, router_pb2.RouteStreamRequest, _PEER)
-            self._reader = asyncio.create_task(self._read())
-        finally:
-            otel_context.detach(token)
+        super().__init__(
+            lambda: stub.RouteStream(wait_for_ready=False),
+            router_pb2.RouteStreamRequest,
+            _PEER,
+            "the router ended the route stream",
+        )
 
-    async def _read(self) -> None:
-        error = call_error(grpc.StatusCode.UNAVAILABLE, "the router ended the route stream")
-        try:
-            while (response := await self._call.read()) is not grpc.aio.EOF:
-                self._received.inc()
-                for decision in response.decisions:
-                    waiter = self.waiting.pop(decision.id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(decision)
-        except grpc.aio.AioRpcError as e:
-            error = call_error(e.code(), e.details() or e.code().name)
-        finally:
-            self.broken = True
-            STREAMS_OPEN.labels(_PEER).dec()
-            waiting, self.waiting = self.waiting, {}
-            if waiting:
-                STREAM_BREAKS.labels(_PEER).inc()
-            for waiter in waiting.values():
-                if not waiter.done():
-                    waiter.set_exception(error)
-            await self.outgoing.close()
+    def _dispatch(self, message: router_pb2.RouteStreamResponse) -> None:
+        for decision in message.decisions:
+            waiter = self.waiting.pop(decision.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(decision)
 
-    async def close(self) -> None:
-        self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+    def _fail(self, waiter: _Decided, error: grpc.aio.AioRpcError) -> None:
+        if not waiter.done():
+            waiter.set_exception(error)
 
 
 def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
@@ -79,7 +55,7 @@ def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
     return list(decision.workers)
 
 
-def _expire(decided: asyncio.Future[router_pb2.RouteDecision]) -> None:
+def _expire(decided: _Decided) -> None:
     if not decided.done():
         decided.set_exception(
             call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the router did not decide in time")
@@ -91,10 +67,8 @@ class RouteStream:
     requests."""
 
     def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
-        self._stub = stub
-        self._call: _Call | None = None
+        self._calls = SharedCalls(lambda _: _Call(stub))
         self._ids = itertools.count(1)
-        self._closing: set[asyncio.Task[None]] = set()
 
     def ask(
         self, request: common_pb2.GenerateRequest, timeout_s: float
@@ -131,9 +105,11 @@ class RouteStream:
             if decided.cancelled() or decided.exception() is not None:
                 return
             chosen = decided.result().workers
-            if chosen and self._call is not None and not self._call.broken:
-                self._call.outgoing.message.unused.extend(w.worker_id for w in chosen)
-                self._call.outgoing.changed()
+            if not chosen:
+                return
+            for call in self._calls.open(_PEER):  # none is opened just for this
+                call.outgoing.message.unused.extend(w.worker_id for w in chosen)
+                call.outgoing.changed()
 
         decided.add_done_callback(hand_back)
 
@@ -145,17 +121,7 @@ class RouteStream:
         call.outgoing.changed()
 
     def _current(self) -> _Call:
-        if self._call is not None and self._call.broken:
-            task = asyncio.create_task(self._call.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-            self._call = None
-        if self._call is None:
-            self._call = _Call(self._stub)
-        return self._call
+        return self._calls.get(_PEER)
 
     async def close(self) -> None:
-        if self._call is not None:
-            await self._call.close()
-            self._call = None
-        await asyncio.gather(*self._closing)
+        await self._calls.close()

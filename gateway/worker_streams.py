@@ -4,8 +4,8 @@ bidirectional streams per worker, so that a request costs messages, not calls.
 A request is opened on a stream by a stream-local id (its open carries the generation
 request, its deadline and trace context) and cancelled by that id when its reader stops
 early. One reader task per stream hands each chunk to its request's buffer; one writer
-task sends what requests opened and cancelled meanwhile as one message
-(``infermesh.bidi``). Per-request flow
+task sends what requests opened and cancelled meanwhile as one message (the shared-call client
+of ``infermesh.bidi``). Per-request flow
 control: a request's buffer holds at most ``buffered_chunks`` chunks its reader has not
 taken; past that (an HTTP client reading slower than the worker writes) that request ends
 with ``ClientTooSlowError`` and is cancelled on the worker, while the stream and its other
@@ -22,22 +22,15 @@ import itertools
 from collections.abc import AsyncGenerator
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 import telemetry
 from gateway.errors import GatewayError
-from infermesh.bidi import MessageBatcher, call_error, check_size, status_code
+from infermesh.bidi import SharedCall, SharedCalls, call_error, check_size, status_code
 from infermesh.channels import WorkerChannels
 from infermesh.failover import stall_details
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from telemetry.metrics import (
-    SLOW_CLIENTS,
-    STREAM_BREAKS,
-    STREAM_MESSAGES,
-    STREAM_REQUESTS_OPEN,
-    STREAMS_OPEN,
-)
+from telemetry.metrics import SLOW_CLIENTS, STREAM_REQUESTS_OPEN
 
 _PEER = "worker"
 
@@ -138,25 +131,18 @@ class _Request:
         return self._chunks.popleft()
 
 
-class _Stream:
-    """One ``Worker.Serve`` call and the requests open on it."""
+class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _Request]):
+    """One ``Worker.Serve`` call; its waiting requests buffer their chunks."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, buffered_chunks: int) -> None:
         self._buffered_chunks = buffered_chunks
-        self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
-        self.broken = False
-        self._received = STREAM_MESSAGES.labels(_PEER, "received")
-        STREAMS_OPEN.labels(_PEER).inc()
-        # The stream outlives the request that opened it: its call, span and tasks belong
-        # to no request's trace.
-        token = otel_context.attach(otel_context.Context())
-        try:
-            self._call = stub.Serve(wait_for_ready=False)
-            self._outgoing = MessageBatcher(self._call, worker_pb2.StreamRequest, _PEER)
-            self._reader = asyncio.create_task(self._read())
-        finally:
-            otel_context.detach(token)
+        super().__init__(
+            lambda: stub.Serve(wait_for_ready=False),
+            worker_pb2.StreamRequest,
+            _PEER,
+            "the worker ended the stream",
+        )
 
     def open(
         self,
@@ -170,65 +156,45 @@ class _Stream:
             raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
         check_size(request)
         opened = _Request(next(self._ids), self._buffered_chunks, stall_s)
-        self._requests[opened.id] = opened
+        self.waiting[opened.id] = opened
         STREAM_REQUESTS_OPEN.inc()
-        message = self._outgoing.message.open.add(
+        message = self.outgoing.message.open.add(
             id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
         )
         if telemetry.tracing_enabled():
             propagate.inject(message.trace_context)
-        self._outgoing.changed()
+        self.outgoing.changed()
         return opened
 
     def cancel(self, opened: _Request) -> None:
         if self._forget(opened.id) is not None and not self.broken:
-            self._outgoing.message.cancel.append(opened.id)
-            self._outgoing.changed()
+            self.outgoing.message.cancel.append(opened.id)
+            self.outgoing.changed()
 
     def _forget(self, request_id: int) -> _Request | None:
-        opened = self._requests.pop(request_id, None)
+        opened = self.waiting.pop(request_id, None)
         if opened is not None:
             STREAM_REQUESTS_OPEN.dec()
         return opened
 
-    async def _read(self) -> None:
-        error: grpc.aio.AioRpcError | None = None
-        try:
-            while (response := await self._call.read()) is not grpc.aio.EOF:
-                self._received.inc()
-                for entry in response.chunks:
-                    opened = self._requests.get(entry.id)
-                    if opened is None:  # cancelled meanwhile
-                        continue
-                    if entry.code:
-                        self._forget(entry.id)
-                        opened.finished = True
-                        opened.fail(call_error(status_code(entry.code), entry.details))
-                    elif not opened.push(entry.chunk):
-                        SLOW_CLIENTS.inc()
-                        self.cancel(opened)
-                    elif opened.finished:
-                        self._forget(entry.id)
-        except grpc.aio.AioRpcError as e:
-            error = e
-        finally:
-            self.broken = True
-            STREAMS_OPEN.labels(_PEER).dec()
-            requests, self._requests = self._requests, {}
-            STREAM_REQUESTS_OPEN.dec(len(requests))
-            if requests:
-                STREAM_BREAKS.labels(_PEER).inc()
-            for opened in requests.values():
-                opened.fail(
-                    call_error(error.code(), error.details() or error.code().name)
-                    if error is not None
-                    else call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the stream")
-                )
-            await self._outgoing.close()
+    def _dispatch(self, message: worker_pb2.StreamResponse) -> None:
+        for entry in message.chunks:
+            opened = self.waiting.get(entry.id)
+            if opened is None:  # cancelled meanwhile
+                continue
+            if entry.code:
+                self._forget(entry.id)
+                opened.finished = True
+                opened.fail(call_error(status_code(entry.code), entry.details))
+            elif not opened.push(entry.chunk):
+                SLOW_CLIENTS.inc()
+                self.cancel(opened)
+            elif opened.finished:
+                self._forget(entry.id)
 
-    async def close(self) -> None:
-        self._call.cancel()
-        await asyncio.gather(self._reader, self._outgoing.close(), return_exceptions=True)
+    def _fail(self, waiter: _Request, error: grpc.aio.AioRpcError) -> None:
+        STREAM_REQUESTS_OPEN.dec()
+        waiter.fail(error)
 
 
 class WorkerStreams:
@@ -236,14 +202,11 @@ class WorkerStreams:
     when broken, requests spread over them in turn; safe to share across requests."""
 
     def __init__(self, channels: WorkerChannels, *, per_worker: int, buffered_chunks: int) -> None:
-        self._channels = channels
-        self._per_worker = per_worker
-        self._buffered_chunks = buffered_chunks
-        self._streams: dict[str, list[_Stream]] = {}
-        self._turn = itertools.count()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._streams: SharedCalls[_Stream] = SharedCalls(
+            lambda address: _Stream(channels.stub(address), buffered_chunks), per_worker
+        )
 
-    async def generate(
+    async def chunks(
         self,
         address: str,
         request: common_pb2.GenerateRequest,
@@ -257,7 +220,7 @@ class WorkerStreams:
         worker's status, DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE when the worker
         sends nothing for ``stall_s`` after its first chunk (None: no limit). Closing the
         iterator early cancels the request on the worker."""
-        stream = self._stream(address)
+        stream = self._streams.get(address)
         opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s)
         expiry = asyncio.get_running_loop().call_later(
             timeout_s,
@@ -275,24 +238,7 @@ class WorkerStreams:
 
     def streams(self, address: str) -> int:
         """How many streams to the worker at ``address`` are open."""
-        return sum(not s.broken for s in self._streams.get(address, ()))
-
-    def _stream(self, address: str) -> _Stream:
-        pool = self._streams.setdefault(address, [])
-        for broken in [s for s in pool if s.broken]:
-            pool.remove(broken)
-            self._close_soon(broken)
-        if len(pool) < self._per_worker:
-            pool.append(_Stream(self._channels.stub(address), self._buffered_chunks))
-            return pool[-1]
-        return pool[next(self._turn) % len(pool)]
-
-    def _close_soon(self, stream: _Stream) -> None:
-        task = asyncio.create_task(stream.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        return len(self._streams.open(address))
 
     async def close(self) -> None:
-        streams = [s for pool in self._streams.values() for s in pool]
-        self._streams.clear()
-        await asyncio.gather(*(s.close() for s in streams), *self._closing)
+        await self._streams.close()

@@ -1,17 +1,31 @@
-"""The sending side of a long-lived bidirectional gRPC call that many requests share."""
+"""The calling side of a long-lived bidirectional gRPC call that many requests share: the
+gateway's route stream to the router and its Serve streams to the workers build on it.
+
+``SharedCall`` is one such call: opened apart from any request's trace, a ``MessageBatcher``
+writing what requests add, one reader task, the requests waiting on it by id (failed with the
+call's status when it breaks) and the stream metrics. ``SharedCalls`` keeps them per peer,
+replacing a broken one and closing it in the background.
+"""
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import itertools
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
+from opentelemetry import context as otel_context
 
-from telemetry.metrics import STREAM_MESSAGES
+from telemetry.metrics import STREAM_BREAKS, STREAM_MESSAGES, STREAMS_OPEN
 
 Message = TypeVar("Message", bound=ProtoMessage)
+Outgoing = TypeVar("Outgoing", bound=ProtoMessage)
+Incoming = TypeVar("Incoming", bound=ProtoMessage)
+Waiter = TypeVar("Waiter")
+Call = TypeVar("Call", bound="SharedCall[Any, Any, Any]")
 
 # gRPC's default limit on a received message (4 MiB), less room for framing: what one message
 # of a shared stream may hold. A message past the limit would end the whole stream, and with it
@@ -82,6 +96,104 @@ class MessageBatcher(Generic[Message]):
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+class SharedCall(abc.ABC, Generic[Outgoing, Incoming, Waiter]):
+    """One long-lived bidirectional call that many requests share. What requests add to
+    ``outgoing.message`` goes out in batches; each message received goes to ``_dispatch``;
+    ``waiting`` holds what the open requests wait on, by their id on this call. When the call
+    ends (``broken``) every request still waiting fails with its status (``ended``: the details
+    when it ended without one), as a failed call of its own would. Streams open, breaks with
+    requests on them and messages each way count under ``peer``."""
+
+    def __init__(
+        self,
+        start: Callable[[], grpc.aio.StreamStreamCall[Any, Incoming]],
+        new_message: Callable[[], Outgoing],
+        peer: str,
+        ended: str,
+    ) -> None:
+        self.waiting: dict[int, Waiter] = {}
+        self.broken = False
+        self._peer = peer
+        self._ended = ended
+        self._received = STREAM_MESSAGES.labels(peer, "received")
+        STREAMS_OPEN.labels(peer).inc()
+        # The call outlives the request that opened it: it, its span and its tasks belong to
+        # no request's trace.
+        token = otel_context.attach(otel_context.Context())
+        try:
+            self._call = start()
+            self.outgoing = MessageBatcher(self._call, new_message, peer)
+            self._reader = asyncio.create_task(self._read())
+        finally:
+            otel_context.detach(token)
+
+    @abc.abstractmethod
+    def _dispatch(self, message: Incoming) -> None:
+        """Hands a message received to the requests it answers."""
+
+    @abc.abstractmethod
+    def _fail(self, waiter: Waiter, error: grpc.aio.AioRpcError) -> None:
+        """Ends a request still waiting when the call broke."""
+
+    async def _read(self) -> None:
+        error = call_error(grpc.StatusCode.UNAVAILABLE, self._ended)
+        try:
+            while (message := await self._call.read()) is not grpc.aio.EOF:
+                self._received.inc()
+                self._dispatch(cast(Incoming, message))  # not EOF: a message
+        except grpc.aio.AioRpcError as e:
+            error = call_error(e.code(), e.details() or e.code().name)
+        finally:
+            self.broken = True
+            STREAMS_OPEN.labels(self._peer).dec()
+            waiting, self.waiting = self.waiting, {}
+            if waiting:
+                STREAM_BREAKS.labels(self._peer).inc()
+            for waiter in waiting.values():
+                self._fail(waiter, error)
+            await self.outgoing.close()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._reader, self.outgoing.close(), return_exceptions=True)
+
+
+class SharedCalls(Generic[Call]):
+    """Up to ``per_peer`` shared calls to each peer (a worker's address, say), opened by
+    ``start(peer)`` on first use, requests spread over them in turn. A broken call is dropped
+    at the next use and closed in the background, so its replacement need not wait for it."""
+
+    def __init__(self, start: Callable[[str], Call], per_peer: int = 1) -> None:
+        self._start = start
+        self._per_peer = per_peer
+        self._calls: dict[str, list[Call]] = {}
+        self._turn = itertools.count()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, peer: str) -> Call:
+        """A call to ``peer`` to send a request on: a new one while there are fewer than
+        ``per_peer`` unbroken, else the next in turn."""
+        pool = self._calls.setdefault(peer, [])
+        for broken in [c for c in pool if c.broken]:
+            pool.remove(broken)
+            task = asyncio.create_task(broken.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        if len(pool) < self._per_peer:
+            pool.append(self._start(peer))
+            return pool[-1]
+        return pool[next(self._turn) % len(pool)]
+
+    def open(self, peer: str) -> list[Call]:
+        """The calls to ``peer`` that have not broken; none is opened."""
+        return [c for c in self._calls.get(peer, ()) if not c.broken]
+
+    async def close(self) -> None:
+        calls = [c for pool in self._calls.values() for c in pool]
+        self._calls.clear()
+        await asyncio.gather(*(c.close() for c in calls), *self._closing)
 
 
 def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

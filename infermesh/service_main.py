@@ -32,8 +32,10 @@ def service_main(
 ) -> int:
     """Runs ``serve(config)`` until a signal; returns the process exit code.
 
-    The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``;
-    a config error is printed (naming file and key) with exit code 2."""
+    The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``. A config error
+    (any ConfigError: the service's file and environment, or what they point at and the service
+    reads while starting, such as a checkpoint) is printed, naming file and key, with exit
+    code 2."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument(
         "--config",
@@ -45,14 +47,20 @@ def service_main(
     try:
         config = load(args.config)
     except ConfigError as e:
-        print(f"{name}: config error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(name, e)
     telemetry.setup_tracing(f"infermesh-{name}")
     try:
         uvloop.run(_until_signal(serve(config)))
+    except ConfigError as e:
+        return _config_error(name, e)
     finally:
         telemetry.shutdown_tracing()
     return 0
+
+
+def _config_error(name: str, error: ConfigError) -> int:
+    print(f"{name}: config error: {error}", file=sys.stderr)
+    return 2
 
 
 async def _until_signal(main: Awaitable[None]) -> None:

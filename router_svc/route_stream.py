@@ -12,23 +12,38 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from opentelemetry import propagate, trace
 
-from infermesh.pb import router_pb2
+from infermesh.pb import common_pb2, router_pb2
 from router_svc.registry import RegistryUnavailableError
 from router_svc.routing import RouteError
-
-if TYPE_CHECKING:
-    from router_svc.server import RouterServicer
 
 _tracer = trace.get_tracer(__name__)
 
 
+class Decider(Protocol):
+    """What a stream asks of the router (its servicer): the calls Route and ReportFailure
+    make, one per ask or report."""
+
+    def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
+        """The workers for ``request``, counted as routed to; raises RouteError or
+        RegistryUnavailableError."""
+        ...
+
+    def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
+        """Counts a routed worker's failure; ValueError for a code that is no status name."""
+        ...
+
+    def unused(self, worker_id: str) -> None:
+        """A decision that routed to ``worker_id`` was not used."""
+        ...
+
+
 async def answer(
-    servicer: RouterServicer,
+    servicer: Decider,
     requests: AsyncIterator[router_pb2.RouteStreamRequest],
 ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
     stream_span = trace.get_current_span().get_span_context()
@@ -47,7 +62,7 @@ async def answer(
 
 
 def _decide(
-    servicer: RouterServicer, ask: router_pb2.RouteAsk, links: list[trace.Link]
+    servicer: Decider, ask: router_pb2.RouteAsk, links: list[trace.Link]
 ) -> router_pb2.RouteDecision:
     parent = propagate.extract(dict(ask.trace_context))
     with _tracer.start_as_current_span(

@@ -1,33 +1,71 @@
-"""The floors of docs/ARCHITECTURE.md, checked on every import of every project module
-(function-level ones included): no module imports a higher floor or a sibling service."""
+"""The floors of docs/ARCHITECTURE.md, read from the folders: a module's floor is that of the
+most specific folder holding it. Every import of every module counts (inside its own package,
+inside a function, under TYPE_CHECKING): a module imports only its own folder and the floors
+below, never a sibling folder on its floor, and no module imports back into one that imports
+it, directly or through others."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("telemetry", "infermesh", "gateway", "router_svc", "worker_svc", "devtools")
 
-# (module prefix, unit, floor), most specific prefix first. Units on one floor never import
-# each other: the three services, and telemetry and the generated gRPC code.
-UNITS: tuple[tuple[str, str, int], ...] = (
-    ("infermesh.__main__", "devtools", 3),
-    ("devtools", "devtools", 3),
-    ("infermesh.pb", "infermesh.pb", 0),
-    ("telemetry", "telemetry", 0),
-    ("infermesh", "infermesh", 1),
-    ("gateway", "gateway", 2),
-    ("router_svc", "router_svc", 2),
-    ("worker_svc", "worker_svc", 2),
+
+@dataclass(frozen=True)
+class Floor:
+    name: str
+    folders: tuple[str, ...]  # its units: folders on one floor never import each other
+
+
+# Bottom first.
+FLOORS = (
+    Floor("generated gRPC code and telemetry", ("infermesh/pb", "telemetry")),
+    Floor("shared ground floor", ("infermesh",)),
+    Floor("services", ("gateway", "router_svc", "worker_svc")),
+    Floor("developer tools", ("devtools",)),
+    Floor("test helpers", ("tests/helpers",)),
+    Floor("benchmarks", ("bench",)),
+    Floor("tests", ("tests",)),
 )
+# The one module that reaches up: `python -m infermesh` is the developer tools' command.
+REACHES_UP = {"infermesh/__main__.py": "devtools"}
 
 
-def unit_of(module: str) -> tuple[str, int] | None:
-    for prefix, unit, floor in UNITS:
-        if module == prefix or module.startswith(prefix + "."):
-            return unit, floor
-    return None
+@dataclass(frozen=True)
+class Place:
+    unit: str  # the folder
+    floor: int
+
+
+def _dotted(folder: str) -> str:
+    return folder.replace("/", ".")
+
+
+def place_of(module: str) -> Place | None:
+    """The folder and floor of a module, by its dotted name."""
+    for path, folder in REACHES_UP.items():
+        if module == _dotted(path.removesuffix(".py")):
+            return _place_of_folder(folder)
+    best: Place | None = None
+    for level, floor in enumerate(FLOORS):
+        for folder in floor.folders:
+            prefix = _dotted(folder)
+            if (module == prefix or module.startswith(prefix + ".")) and (
+                best is None or len(prefix) > len(_dotted(best.unit))
+            ):
+                best = Place(folder, level)
+    return best
+
+
+def _place_of_folder(folder: str) -> Place:
+    place = place_of(_dotted(folder))
+    assert place is not None and place.unit == folder, folder
+    return place
 
 
 def module_name(path: Path) -> str:
@@ -35,15 +73,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def python_files() -> Iterator[Path]:
+    """Every Python file of the repository (not the venv, caches or anything hidden)."""
+    for path in ROOT.rglob("*.py"):
+        if not any(part.startswith(".") for part in path.relative_to(ROOT).parts):
+            yield path
+
+
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    return {module_name(p): p for p in python_files()}
 
 
 def imported_modules(
     module: str, is_package: bool, source: str, known: set[str]
 ) -> list[tuple[int, str]]:
-    """(line, module) of every import in ``source``; ``from a import b`` names ``a.b`` when
-    that is a module, so ``from infermesh import cli`` counts as infermesh.config."""
+    """(line, module) of every import in ``source``, wherever it stands; ``from a import b``
+    names ``a.b`` when that is a module, else ``a``; relative imports are resolved."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -60,62 +105,197 @@ def imported_modules(
     return found
 
 
-def violations(module: str, is_package: bool, source: str, known: set[str]) -> list[str]:
-    own = unit_of(module)
-    assert own is not None, module
+def floor_violations(module: str, imports: list[tuple[int, str]]) -> list[str]:
+    """Imports of ``module`` that point up a floor or at a sibling folder on its floor."""
+    own = place_of(module)
+    if own is None:
+        return [f"{module} lies in no floor's folder; add its folder to FLOORS"]
     found = []
-    for line, target in imported_modules(module, is_package, source, known):
-        other = unit_of(target)
-        if other is None or other[0] == own[0]:
+    for line, target in imports:
+        other = place_of(target)
+        if other is None or other.unit == own.unit:
             continue
-        if other[1] > own[1]:
-            found.append(f"{module}:{line} imports {target}, a higher floor ({other[0]})")
-        elif other[1] == own[1]:
-            found.append(f"{module}:{line} imports {target}, a sibling on its floor")
+        if other.floor > own.floor:
+            found.append(
+                f"{module}:{line} imports {target}, a higher floor ({FLOORS[other.floor].name})"
+            )
+        elif other.floor == own.floor:
+            found.append(f"{module}:{line} imports {target}, a sibling on its floor ({other.unit})")
     return found
 
 
-def import_graph() -> dict[str, list[str]]:
+def cycles(graph: Mapping[str, list[str]]) -> list[list[str]]:
+    """Each group of modules that import each other (directly or through others), as one cycle
+    through the group: [a, b, ..., a]. Tarjan's strongly connected components."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, []):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1 or module in graph.get(module, []):
+                found.append(_cycle_through(sorted(group), graph))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def _cycle_through(group: list[str], graph: Mapping[str, list[str]]) -> list[str]:
+    """A path from the group's first module back to it, inside the group (breadth first)."""
+    start, members = group[0], set(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in graph.get(module, []):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if target in members and target not in came_from:
+                    came_from[target] = module
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"no cycle through {group}")
+
+
+def import_graph() -> dict[str, list[tuple[int, str]]]:
+    """Each project module's imports of project modules (and of modules no file provides yet,
+    such as the generated code before `make proto`)."""
     modules = project_modules()
     known = set(modules)
-    graph: dict[str, list[str]] = {}
-    problems: list[str] = []
-    for module, path in sorted(modules.items()):
-        source = path.read_text()
-        is_package = path.name == "__init__.py"
-        graph[module] = [t for _, t in imported_modules(module, is_package, source, known)]
-        problems += violations(module, is_package, source, known)
-    assert not problems, "imports pointing up a floor or across:\n" + "\n".join(problems)
-    return graph
+    return {
+        module: imported_modules(module, path.name == "__init__.py", path.read_text(), known)
+        for module, path in sorted(modules.items())
+    }
 
 
-def test_no_module_imports_a_higher_floor_or_a_sibling_service() -> None:
-    graph = import_graph()
-    # the check ran on the real tree: the services, the shared floor and the CLI are all there
-    assert {
-        "gateway.app",
-        "router_svc.server",
-        "worker_svc.server",
-        "infermesh.config",
-        "telemetry.metrics",
-        "devtools.main",
-    } <= set(graph)
-    assert "infermesh.config" in graph["router_svc.config"]
-    assert "devtools.mesh" in graph["devtools.main"]
-    assert "telemetry" in graph["infermesh.grpc_server"]
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[tuple[int, str]]]:
+    return import_graph()
 
 
-def test_the_check_names_an_import_up_a_floor_or_across() -> None:
-    known = set(project_modules())
-    assert violations(
-        "worker_svc.torch_engine.engine", False, "def f():\n    import gateway.app\n", known
-    ) == ["worker_svc.torch_engine.engine:2 imports gateway.app, a sibling on its floor"]
-    assert violations("telemetry.metrics", False, "from infermesh import config\n", known) == [
-        "telemetry.metrics:1 imports infermesh.config, a higher floor (infermesh)"
+def test_every_python_file_lies_on_a_floor(graph):
+    assert [module for module in graph if place_of(module) is None] == []
+    # the tree was read: each floor's folders hold modules
+    for floor in FLOORS:
+        for folder in floor.folders:
+            assert any(place_of(m) == _place_of_folder(folder) for m in graph), folder
+
+
+@pytest.mark.parametrize("floor", FLOORS, ids=[floor.name for floor in FLOORS])
+def test_the_floor_imports_only_its_own_folder_and_the_floors_below(graph, floor):
+    level = FLOORS.index(floor)
+    on_floor = [m for m in graph if (place := place_of(m)) is not None and place.floor == level]
+    assert on_floor, f"no module on the floor of {floor.name}"
+    problems = [v for module in on_floor for v in floor_violations(module, graph[module])]
+    assert not problems, f"{floor.name}: imports up a floor or across:\n" + "\n".join(problems)
+
+
+def test_no_module_imports_back_into_a_module_that_imports_it(graph):
+    edges = {m: [t for _, t in imports if t in graph and t != m] for m, imports in graph.items()}
+    found = cycles(edges)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+    # the check ran on the real tree, imports inside a package included
+    assert "worker_svc.wire" in edges["worker_svc.stream_server"]
+    assert "gateway.ops" in edges["gateway.openapi"]
+    assert "devtools.mesh" in edges["devtools.main"]
+
+
+def test_the_floors_are_named_in_docs_architecture():
+    architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    for floor in FLOORS:
+        assert floor.name in architecture
+        for folder in floor.folders:
+            assert f"`{folder}/`" in architecture, folder
+
+
+# Made-up violations: each check fails on one.
+
+_KNOWN = {"gateway.app", "devtools.plan", "infermesh.config", "tests.helpers.fuzz"}
+
+
+def _violations(module: str, source: str) -> list[str]:
+    return floor_violations(module, imported_modules(module, False, source, _KNOWN))
+
+
+def test_an_import_up_a_floor_is_named_with_the_floor():
+    assert _violations("telemetry.metrics", "from infermesh import config\n") == [
+        "telemetry.metrics:1 imports infermesh.config, a higher floor (shared ground floor)"
     ]
-    assert violations("gateway.keys", False, "from devtools import plan\n", known) == [
-        "gateway.keys:1 imports devtools.plan, a higher floor (devtools)"
+    assert _violations("gateway.keys", "from devtools import plan\n") == [
+        "gateway.keys:1 imports devtools.plan, a higher floor (developer tools)"
     ]
-    assert (
-        violations("devtools.mesh", False, "from . import plan\nimport worker_svc\n", known) == []
-    )
+    # only infermesh/__main__.py of the ground floor reaches up
+    assert _violations("infermesh.__main__", "from devtools import plan\n") == []
+    assert _violations("infermesh.config", "from devtools import plan\n") == [
+        "infermesh.config:1 imports devtools.plan, a higher floor (developer tools)"
+    ]
+
+
+def test_product_code_importing_tests_or_bench_is_refused():
+    assert _violations("worker_svc.server", "import bench.mesh_load\n") == [
+        "worker_svc.server:1 imports bench.mesh_load, a higher floor (benchmarks)"
+    ]
+    assert _violations("devtools.mesh", "from tests.helpers import fuzz\n") == [
+        "devtools.mesh:1 imports tests.helpers.fuzz, a higher floor (test helpers)"
+    ]
+    # the helpers the benches use sit below them; the tests, above both, may import a bench
+    assert _violations("tests.helpers.fuzz", "import bench.soak\n") == [
+        "tests.helpers.fuzz:1 imports bench.soak, a higher floor (benchmarks)"
+    ]
+    assert _violations("bench.fuzz", "from tests.helpers import fuzz\n") == []
+    assert _violations("tests.e2e.test_soak", "import bench.soak\n") == []
+
+
+def test_a_sibling_import_is_named_wherever_it_stands():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gateway.app\n"
+    assert _violations("worker_svc.server", source) == [
+        "worker_svc.server:3 imports gateway.app, a sibling on its floor (gateway)"
+    ]
+    assert _violations("worker_svc.torch_engine.engine", "def f():\n    import gateway.app\n") == [
+        "worker_svc.torch_engine.engine:2 imports gateway.app, a sibling on its floor (gateway)"
+    ]
+
+
+def test_a_module_outside_every_floor_is_named():
+    assert _violations("scripts.tool", "import os\n") == [
+        "scripts.tool lies in no floor's folder; add its folder to FLOORS"
+    ]
+
+
+def test_relative_and_package_imports_are_resolved():
+    known = {"router_svc.server", "router_svc.route_stream", "router_svc"}
+    assert imported_modules(
+        "router_svc.route_stream", False, "from . import server\nfrom .server import x\n", known
+    ) == [(1, "router_svc.server"), (2, "router_svc.server")]
+    assert imported_modules("router_svc", True, "from .route_stream import y\n", known) == [
+        (1, "router_svc.route_stream")
+    ]
+
+
+def test_a_cycle_is_found_through_any_number_of_modules():
+    assert cycles({"a": ["b"], "b": ["a"]}) == [["a", "b", "a"]]
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": ["a"]}) == [["a", "a"]]
+    assert cycles({"a": ["b", "c"], "b": ["c"], "c": []}) == []
+    # a function-level import that dodges a cycle at run time is still an edge
+    source = "def handler():\n    from gateway.app import health\n"
+    imports = imported_modules("gateway.openapi", False, source, _KNOWN)
+    edges = {"gateway.openapi": [t for _, t in imports], "gateway.app": ["gateway.openapi"]}
+    assert cycles(edges) == [["gateway.app", "gateway.openapi", "gateway.app"]]

@@ -1,18 +1,20 @@
 """The engine's public surface as the gRPC server sees it, without torch.
 
-Both engines speak it: the DeepSeek-V3 `Engine` (engine.py, torch) and the simulated
-`SimEngine` (sim_engine.py, no model). Keeping these types here lets a simulated worker start
-without importing torch, so one machine can host dozens of them.
+Every engine speaks it: the DeepSeek-V3 `Engine` (torch_engine/, torch), `VllmEngine`
+(vllm_engine/) and the simulated `SimEngine` (sim_engine/, no model), each putting its requests
+through one `RequestFront`. Keeping these types here lets a simulated worker start without
+importing torch, so one machine can host dozens of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -142,9 +144,9 @@ class EngineLoad:
     kv_cache_usage: float = 0.0  # 0..1 of the KV cache in use
 
 
-class InvalidRequestError(ValueError):
+class InvalidArgumentError(ValueError):
     """A request the engine cannot serve (prompt too long, empty, ...); raised by generate() before
-    any chunk."""
+    any chunk. The worker answers it with INVALID_ARGUMENT (the gateway's 400)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -163,68 +165,68 @@ _PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties
 
 
 def check_sampling(p: SamplingParams, vocab_size: int) -> None:
-    """Raises InvalidRequestError for parameters no engine serves: every engine checks
+    """Raises InvalidArgumentError for parameters no engine serves: every engine checks
     the same bounds, so a caller gets the same answer from any worker."""
     if p.temperature < 0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {p.temperature}")
+        raise InvalidArgumentError(f"temperature must be >= 0, got {p.temperature}")
     if not 0 < p.top_p <= 1:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}")
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0, got {p.top_k}")
+        raise InvalidArgumentError(f"top_k must be >= 0, got {p.top_k}")
     if p.max_tokens is not None and p.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        raise InvalidArgumentError(f"max_tokens must be >= 1, got {p.max_tokens}")
     low, high = _PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         if not low <= getattr(p, name) <= high:
-            raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
+            raise InvalidArgumentError(f"{name} must be in [{low}, {high}], got {getattr(p, name)}")
     if not 0 <= p.top_logprobs <= _MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"top_logprobs must be in 0..{_MAX_TOP_LOGPROBS}, got {p.top_logprobs}"
         )
     if len(p.stop) > _MAX_STOP_SEQUENCES:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"stop has {len(p.stop)} strings; at most {_MAX_STOP_SEQUENCES} are allowed"
         )
     if len(p.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"stop_token_ids has {len(p.stop_token_ids)} "
             f"ids; at most {_MAX_STOP_TOKEN_IDS} are allowed"
         )
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
+        raise InvalidArgumentError(f"stop_token_ids must be token ids in 0..{vocab_size - 1}")
 
 
 def check_prompt(request: GenerationRequest) -> None:
-    """Raises InvalidRequestError unless the request has exactly one of messages (each with
+    """Raises InvalidArgumentError unless the request has exactly one of messages (each with
     string role and content) and prompt, not empty."""
     if (request.messages is None) == (request.prompt is None):
-        raise InvalidRequestError("exactly one of messages and prompt must be given")
+        raise InvalidArgumentError("exactly one of messages and prompt must be given")
     if request.messages is not None:
         if not request.messages:
-            raise InvalidRequestError("messages is empty")
+            raise InvalidArgumentError("messages is empty")
         for i, m in enumerate(request.messages):
             if not (
                 isinstance(m, dict)
                 and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)
             ):
-                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content'")
+                raise InvalidArgumentError(f"messages[{i}] needs string 'role' and 'content'")
     elif not request.prompt:
-        raise InvalidRequestError("prompt is empty")
+        raise InvalidArgumentError("prompt is empty")
 
 
 def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens the completion may have: max_tokens, or what is left of the context.
-    Raises InvalidRequestError when the prompt, or the prompt and max_tokens, do not fit."""
+    Raises InvalidArgumentError when the prompt, or the prompt and max_tokens, do not fit."""
     if prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (the prompt and "
             "at least one generated token must fit)"
         )
     if max_tokens is None:
         return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
             f"length {max_model_len}"
         )
@@ -233,10 +235,10 @@ def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len:
 
 def check_batching_hints(request: GenerationRequest) -> None:
     if request.max_parallel is not None and request.max_parallel < 1:
-        raise InvalidRequestError(f"max_parallel must be >= 1, got {request.max_parallel}")
+        raise InvalidArgumentError(f"max_parallel must be >= 1, got {request.max_parallel}")
     timeout_ms = request.dynamic_batch_timeout_ms
     if timeout_ms is not None and timeout_ms < 0:
-        raise InvalidRequestError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
+        raise InvalidArgumentError(f"dynamic_batch_timeout_ms must be >= 0, got {timeout_ms}")
 
 
 def bounded_batching_hints(
@@ -259,6 +261,54 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     check_sampling(request.sampling, vocab_size)
     check_constraints(request.constraints)
     check_batching_hints(request)
+
+
+class RequestFront:
+    """The front every engine (torch, vLLM, simulated) puts a request through before it runs it,
+    so that a caller gets the same answer, in the same words, from any worker. In generate(), in
+    this order: ``check`` (closed, then check_request), the engine reads the prompt, ``budget``
+    (the completion's tokens against max_model_len), then ``admitted()`` around the run (the
+    bound on live requests). Called on the event loop only."""
+
+    def __init__(
+        self, *, vocab_size: int, max_model_len: int, max_parallel: int, max_waiting: int
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._max_parallel = max_parallel
+        self._max_waiting = max_waiting
+        self.live = 0  # admitted and not ended: running and waiting together
+        self.closed = False
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raises EngineClosedError once the engine is closed, else InvalidArgumentError for what
+        check_request refuses."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        check_request(request, self.vocab_size)
+
+    def budget(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """How many tokens the completion may have (completion_budget)."""
+        return completion_budget(prompt_tokens, max_tokens, self.max_model_len)
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Counts the request live while the block runs; EngineOverloadedError when max_parallel
+        requests run and max_waiting wait already."""
+        if self.live >= self._max_parallel + self._max_waiting:
+            raise EngineOverloadedError(
+                f"the worker is full: {self.live} requests for {self._max_parallel} places "
+                f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
+            )
+        self.live += 1
+        try:
+            yield
+        finally:
+            self.live -= 1
+
+    def close(self) -> None:
+        """Requests from now on are refused with EngineClosedError."""
+        self.closed = True
 
 
 class DecodeRateMeter:
@@ -288,22 +338,22 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_constraints(c: Constraints) -> None:
-    """Raises InvalidRequestError for tools or a schema no engine can enforce, the same on every
+    """Raises InvalidArgumentError for tools or a schema no engine can enforce, the same on every
     worker."""
     names = [t.name for t in c.tools]
     for i, tool in enumerate(c.tools):
         if not _TOOL_NAME.fullmatch(tool.name):
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}"
             )
         _json_object(tool.parameters, f"tools[{i}].parameters")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise InvalidRequestError(f"tools has duplicate names: {', '.join(duplicates)}")
+        raise InvalidArgumentError(f"tools has duplicate names: {', '.join(duplicates)}")
     if c.tool_choice in ("required", "named") and not c.tools:
-        raise InvalidRequestError(f"tool_choice {c.tool_choice!r} needs tools")
+        raise InvalidArgumentError(f"tool_choice {c.tool_choice!r} needs tools")
     if c.tool_choice == "named" and c.tool_name not in names:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             f"tool_choice names {c.tool_name!r}, which is not one of the tools"
         )
     if c.json_schema is not None:
@@ -314,9 +364,9 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise InvalidRequestError(f"{what} is not JSON: {e}") from None
+        raise InvalidArgumentError(f"{what} is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{what} must be a JSON object (a JSON schema)")
+        raise InvalidArgumentError(f"{what} must be a JSON object (a JSON schema)")
     return value
 
 

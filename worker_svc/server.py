@@ -16,36 +16,26 @@ from opentelemetry import trace
 import telemetry
 from infermesh.channels import CHANNEL_OPTIONS
 from infermesh.grpc_server import create_grpc_server
-from infermesh.names import FINISH_REASONS, PRECISIONS
+from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from telemetry import metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
-    Constraints,
     EngineOverloadedError,
     GenerationChunk,
-    GenerationRequest,
     InferenceEngine,
-    InvalidRequestError,
-    SamplingParams,
-    TokenLogprob,
-    Tool,
-    ToolChoice,
+    InvalidArgumentError,
     merge_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.sim_engine.engine import SimEngine
+from worker_svc.stream_server import serve_handler
+from worker_svc.wire import RequestFailedError, to_engine, to_proto
 
 logger = logging.getLogger(__name__)
 
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
-_TOOL_CHOICES: dict[int, ToolChoice] = {
-    common_pb2.TOOL_CHOICE_AUTO: "auto",
-    common_pb2.TOOL_CHOICE_NONE: "none",
-    common_pb2.TOOL_CHOICE_REQUIRED: "required",
-    common_pb2.TOOL_CHOICE_NAMED: "named",
-}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -128,11 +118,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
-            async with contextlib.aclosing(self._engine.generate(_to_engine(request))) as chunks:
+            async with contextlib.aclosing(self._engine.generate(to_engine(request))) as chunks:
                 async for chunk in chunks:
                     timing.saw(chunk)
                     yield chunk
-        except InvalidRequestError as e:
+        except InvalidArgumentError as e:
             timing.status = "INVALID_ARGUMENT"
             raise RequestFailedError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except EngineOverloadedError as e:
@@ -140,15 +130,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise RequestFailedError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             timing.end()
-
-
-class RequestFailedError(Exception):
-    """A request the worker does not serve, with the gRPC status it ends with."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class _Timing:
@@ -214,8 +195,6 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     # the request arrives as bytes (no deserializer); the servicer sees the parsed message
     Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
 
-    from worker_svc import stream_server  # it builds on this module's servicer
-
     async def parse(data: bytes, context: Context) -> common_pb2.GenerateRequest:
         try:
             return common_pb2.GenerateRequest.FromString(data)
@@ -225,111 +204,33 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
                 f"malformed GenerateRequest ({e}); strings must be UTF-8",
             )
 
-    async def generate(data: bytes, context: Context) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate_from_bytes(
+        data: bytes, context: Context
+    ) -> AsyncIterator[common_pb2.GenerateResponse]:
         async for response in servicer.Generate(await parse(data, context), context):
             yield response
 
-    async def complete(data: bytes, context: Context) -> common_pb2.GenerateResponse:
+    async def complete_from_bytes(data: bytes, context: Context) -> common_pb2.GenerateResponse:
         return await servicer.Complete(await parse(data, context), context)
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     serialize = common_pb2.GenerateResponse.SerializeToString
     handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=serialize),
-        "Complete": grpc.unary_unary_rpc_method_handler(complete, response_serializer=serialize),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate_from_bytes, response_serializer=serialize
+        ),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            complete_from_bytes, response_serializer=serialize
+        ),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
             request_deserializer=worker_pb2.InfoRequest.FromString,
             response_serializer=worker_pb2.InfoResponse.SerializeToString,
         ),
-        "Serve": stream_server.serve_handler(servicer),
+        "Serve": serve_handler(servicer),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
-
-
-def _to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
-    s = request.sampling
-    sampling = SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-    )
-    hints = request.batching
-    return GenerationRequest(
-        request_id=request.request_id,
-        messages=[_message(m) for m in request.messages] or None,
-        prompt=request.prompt or None,
-        sampling=sampling,
-        max_parallel=hints.max_parallel if hints.HasField("max_parallel") else None,
-        dynamic_batch_timeout_ms=(
-            hints.dynamic_batch_timeout_ms if hints.HasField("dynamic_batch_timeout_ms") else None
-        ),
-        constraints=_constraints(request),
-    )
-
-
-def _message(m: common_pb2.ChatMessage) -> dict[str, Any]:
-    """A chat message in OpenAI's shape, as chat templates take it."""
-    message: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id:
-        message["tool_call_id"] = m.tool_call_id
-    return message
-
-
-def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
-    return Constraints(
-        tools=tuple(Tool(t.name, t.description, t.parameters_json) for t in request.tools),
-        tool_choice=_TOOL_CHOICES.get(request.tool_choice, "auto"),
-        tool_name=request.tool_name,
-        parallel_tool_calls=not request.single_tool_call,
-        json_schema=request.json_schema or None,
-    )
-
-
-def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
-    response = common_pb2.GenerateResponse(
-        text=chunk.text,
-        token_ids=chunk.token_ids,
-        finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED
-        if chunk.finish_reason is None
-        else FINISH_REASONS[chunk.finish_reason],
-    )
-    if chunk.finish_reason is not None:
-        response.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=chunk.prompt_tokens,
-                completion_tokens=chunk.completion_tokens,
-                cached_prompt_tokens=chunk.cached_prompt_tokens,
-            )
-        )
-    if chunk.logprobs is not None:
-        response.logprobs.extend(_logprob_to_proto(lp) for lp in chunk.logprobs)
-    for d in chunk.tool_calls or ():
-        response.tool_calls.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
-    return response
-
-
-def _logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(
-        token=lp.token,
-        logprob=lp.logprob,
-        bytes=lp.token.encode(),
-        top=[_logprob_to_proto(alt) for alt in lp.top],
-    )
 
 
 def worker_info(

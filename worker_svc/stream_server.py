@@ -17,20 +17,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
-from infermesh.pb import worker_pb2
-from worker_svc.engine_api import EngineClosedError, merge_chunks
-from worker_svc.server import RequestFailedError, WorkerServicer, to_proto
+from infermesh.pb import common_pb2, worker_pb2
+from worker_svc.engine_api import EngineClosedError, GenerationChunk, merge_chunks
+from worker_svc.wire import RequestFailedError, to_proto
 
 # Chunks waiting in a stream's outbox before its requests wait for room.
 OUTBOX_CHUNKS = 4096
 
 _tracer = trace.get_tracer(__name__)
+
+
+class ChunkSource(Protocol):
+    """Where a stream's requests are served: the worker's servicer, as its unary calls are."""
+
+    def chunks(self, request: common_pb2.GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks for ``request``; a request the worker cannot serve raises
+        RequestFailedError with its status."""
+        ...
 
 
 class _Outbox:
@@ -72,7 +81,7 @@ class StreamSession:
 
     def __init__(
         self,
-        servicer: WorkerServicer,
+        servicer: ChunkSource,
         requests: AsyncIterator[bytes],
         outbox_chunks: int = OUTBOX_CHUNKS,
     ) -> None:
@@ -163,7 +172,7 @@ def _failure(request_id: int, code: grpc.StatusCode, details: str) -> worker_pb2
     return worker_pb2.StreamChunk(id=request_id, code=code.value[0], details=details)
 
 
-def serve_handler(servicer: WorkerServicer) -> grpc.RpcMethodHandler[Any, Any]:
+def serve_handler(servicer: ChunkSource) -> grpc.RpcMethodHandler[Any, Any]:
     """The Serve method's handler; it parses the caller's messages itself, so that one that
     does not parse ends the stream with INVALID_ARGUMENT rather than grpc's UNKNOWN."""
 

@@ -27,7 +27,7 @@ from devtools.hwbench.results import Point, Run, point, with_frontier
 from devtools.hwbench.simfleet import simulated_fleet
 from devtools.mesh import ServiceExited
 from worker_svc.hardware.gpu_profiles import gpu_profiles
-from worker_svc.hardware.sizing import ConfigError, bundled_models, model_size_of
+from worker_svc.hardware.sizing import SizingError, bundled_models, model_size_of
 
 _MEMORY_POLL_S = 0.5
 
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             if args.sim_model:
                 try:
                     model_size_of(args.sim_model)
-                except ConfigError as e:
+                except SizingError as e:
                     raise BenchError(f"--sim-model: {e}") from None
             with simulated_fleet(kinds, args.sim_model) as endpoint:
                 args = argparse.Namespace(

@@ -117,7 +117,7 @@ async def test_grpc_size_limits_are_not_a_rate_limit(router):
     client = MeshClient(RouterSection(address=router.address, streams=False))
     try:
         with pytest.raises(GatewayError) as caught:
-            async for _ in client.generate(
+            async for _ in client.call(
                 common_pb2.GenerateRequest(request_id="r", model="m" * 100_000, prompt="hi"),
                 stream=False,
             ):
@@ -165,7 +165,7 @@ async def test_a_request_past_the_message_size_limit_fails_alone_on_the_streams(
     async def ask(prompt: str) -> list[common_pb2.GenerateResponse]:
         return [
             chunk
-            async for chunk in client.generate(
+            async for chunk in client.call(
                 common_pb2.GenerateRequest(
                     request_id="r",
                     model=MODEL,

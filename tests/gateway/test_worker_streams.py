@@ -267,7 +267,7 @@ async def test_a_reader_slower_than_the_stall_timeout_is_no_stall(sim_worker):
     streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)
     request = _open(1, 60).request
     try:
-        chunks = streams.generate(
+        chunks = streams.chunks(
             sim_worker.servicer.info.address, request, whole=False, timeout_s=30, stall_s=0.1
         )
         tokens = len((await anext(chunks)).token_ids)

@@ -26,7 +26,7 @@ from tests.helpers.inprocess import (
 FP8, BF16 = common_pb2.PRECISION_FP8, common_pb2.PRECISION_BF16
 
 
-def generate(
+def generate_request(
     max_tokens: int = 8, precision=common_pb2.PRECISION_UNSPECIFIED, prompt: str = "hello"
 ) -> common_pb2.GenerateRequest:
     return common_pb2.GenerateRequest(
@@ -66,13 +66,15 @@ async def test_precision_wish_and_hardware_fitness_pick_the_worker(redis_server)
         running_worker(sim_engine("H100"), router, "h100"),
         running_worker(sim_engine("A100"), router, "a100"),
     ):
-        route = await served_by(router, generate(precision=FP8))
+        route = await served_by(router, generate_request(precision=FP8))
         assert (route.worker_id, route.precision, route.device) == ("h100", FP8, "cuda")
-        assert (await served_by(router, generate(precision=BF16))).worker_id == "a100"
+        assert (await served_by(router, generate_request(precision=BF16))).worker_id == "a100"
         # no wish: an idle FP8 Hopper worker is the better fit for a latency-bound stream
-        assert {(await served_by(router, generate())).worker_id for _ in range(3)} == {"h100"}
+        assert {(await served_by(router, generate_request())).worker_id for _ in range(3)} == {
+            "h100"
+        }
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await router.stub.Generate(generate(precision=common_pb2.PRECISION_FP16)).read()
+            await router.stub.Generate(generate_request(precision=common_pb2.PRECISION_FP16)).read()
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -83,7 +85,7 @@ async def test_two_routers_share_one_registry(redis_server):
         running_worker(sim_engine("A100"), a, "w1"),
     ):  # heartbeats to router a only
         await wait_for_workers(b, lambda ids: ids == {"w1"})
-        assert (await served_by(b, generate())).worker_id == "w1"
+        assert (await served_by(b, generate_request())).worker_id == "w1"
         models = await b.stub.ListModels(router_pb2.ListModelsRequest())
         assert [(m.id, m.workers) for m in models.models] == [(MODEL, 1)]
     async with running_router(redis_url=redis_server.url, ttl_s=0.5) as c:
@@ -131,7 +133,7 @@ async def test_registering_twice_and_nonsense_load_over_grpc(redis_server):
 async def test_worker_dying_mid_stream_ends_the_stream_with_a_clean_error(redis_server):
     async with running_router(redis_url=redis_server.url) as router:
         async with running_worker(sim_engine("V100"), router, "doomed") as worker:
-            call = router.stub.Generate(generate(max_tokens=500))
+            call = router.stub.Generate(generate_request(max_tokens=500))
             first = await call.read()
             assert first.route.worker_id == "doomed"
             await worker.server.stop(grace=None)
@@ -151,7 +153,7 @@ async def test_failing_worker_is_skipped_then_ejected(redis_server):
         await register_unreachable_worker(router)
         fleet = router.resources.registry.fleet
         for _ in range(4):  # whichever is tried first, the stream comes from the live one
-            assert (await served_by(router, generate())).worker_id == "live"
+            assert (await served_by(router, generate_request())).worker_id == "live"
         assert fleet.ejected_until[fleet.get("dead").slot] > fleet.clock()
 
 
@@ -162,24 +164,24 @@ async def test_no_capacity_anywhere_is_resource_exhausted(redis_server):
             running_worker(workers[0], router, "v1", max_parallel=1),
             running_worker(workers[1], router, "v2", max_parallel=1),
         ):
-            busy = [router.stub.Generate(generate(max_tokens=1000)) for _ in range(2)]
+            busy = [router.stub.Generate(generate_request(max_tokens=1000)) for _ in range(2)]
             routes = {(await call.read()).route.worker_id for call in busy}
             assert routes == {"v1", "v2"}
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await router.stub.Generate(generate()).read()
+                await router.stub.Generate(generate_request()).read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "no worker has capacity" in e.value.details()
             for call in busy:
                 call.cancel()
             await eventually(lambda: all(w.load().running == 0 for w in workers))
-            assert (await served_by(router, generate())).worker_id in routes
+            assert (await served_by(router, generate_request())).worker_id in routes
 
 
 async def test_deadline_reaches_the_worker(redis_server):
     engine = sim_engine("V100")
     async with running_router(redis_url=redis_server.url) as router, running_worker(engine, router):
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in router.stub.Generate(generate(max_tokens=1000), timeout=0.5):
+            async for _ in router.stub.Generate(generate_request(max_tokens=1000), timeout=0.5):
                 pass
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await eventually(lambda: engine.load().running == 0)
@@ -192,7 +194,7 @@ async def test_redis_outage_answers_unavailable_and_recovers(tmp_path):
             running_router(redis_url=redis.url) as router,
             running_worker(sim_engine("H100", zero_latency=True), router, "w"),
         ):
-            assert (await served_by(router, generate())).worker_id == "w"
+            assert (await served_by(router, generate_request())).worker_id == "w"
             redis.stop()
             async with grpc.aio.insecure_channel(router.address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
@@ -200,7 +202,7 @@ async def test_redis_outage_answers_unavailable_and_recovers(tmp_path):
                     lambda: health_is(health, health_pb2.HealthCheckResponse.NOT_SERVING)
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await router.stub.Generate(generate()).read()
+                    await router.stub.Generate(generate_request()).read()
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert f"Redis at 127.0.0.1:{redis.port}/0) is unreachable" in e.value.details()
                 redis.start()  # empty: the worker registers again by itself
@@ -208,7 +210,7 @@ async def test_redis_outage_answers_unavailable_and_recovers(tmp_path):
                     lambda: health_is(health, health_pb2.HealthCheckResponse.SERVING)
                 )
                 await wait_for_workers(router, lambda ids: ids == {"w"})
-                assert (await served_by(router, generate())).worker_id == "w"
+                assert (await served_by(router, generate_request())).worker_id == "w"
     finally:
         redis.stop()
 

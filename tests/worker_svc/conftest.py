@@ -27,7 +27,7 @@ def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A DeepSeek-V2: BF16, softmax router, group-limited greedy, 3 layers, YaRN."""
+    """A DeepSeek-V2: BF16, softmax gate, group-limited greedy, 3 layers, YaRN."""
     return write_v2_checkpoint(tmp_path_factory.mktemp("v2"))
 
 

@@ -19,7 +19,7 @@ from worker_svc.engine_api import (
     EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     SamplingParams,
 )
 from worker_svc.model.checkpoint import CheckpointError, read_config
@@ -231,7 +231,7 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
     ],
 )
 async def test_invalid_requests(engine: Engine, request_: GenerationRequest, match: str):
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         await anext(engine.generate(request_))
     assert engine.load().running == 0
 
@@ -391,7 +391,7 @@ async def test_bad_requests_fail_alone_while_good_ones_stream(engine: Engine):
         GenerationRequest("r", [], None, SamplingParams()),
     ]
     for request in bad:
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidArgumentError):
             await anext(engine.generate(request))
     assert [len(_ids(chunks)) for chunks in await asyncio.gather(*good)] == [12, 12, 12]
 

@@ -1,4 +1,5 @@
-"""How engines' chunks reach the gRPC server: drained in order, merged when they queued up."""
+"""The engines' shared surface: the request front every engine puts a request through, and how
+their chunks reach the gRPC server (drained in order, merged when they queued up)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ import asyncio
 
 import pytest
 
-from worker_svc.engine_api import EngineClosedError, GenerationChunk, TokenLogprob, drain_chunks
+from worker_svc.engine_api import (
+    EngineClosedError,
+    EngineOverloadedError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidArgumentError,
+    RequestFront,
+    SamplingParams,
+    TokenLogprob,
+    drain_chunks,
+)
 
 
 def _chunk(token: int, finish: str | None = None) -> GenerationChunk:
@@ -65,3 +76,30 @@ async def test_a_reader_that_stops_early_aborts_the_generation():
     await anext(chunks)
     await chunks.aclose()
     assert aborted == [True]
+
+
+def test_the_front_refuses_in_one_order_and_one_wording():
+    front = RequestFront(vocab_size=32, max_model_len=64, max_parallel=1, max_waiting=1)
+    good = GenerationRequest("r", None, "hi", SamplingParams())
+    front.check(good)
+    with pytest.raises(InvalidArgumentError, match="temperature must be >= 0"):
+        front.check(GenerationRequest("r", None, "hi", SamplingParams(temperature=-1)))
+    assert front.budget(10, None) == 54 and front.budget(10, 4) == 4
+    with pytest.raises(InvalidArgumentError, match=r"exceeds the context length 64"):
+        front.budget(10, 60)
+    with front.admitted(), front.admitted():  # one running, one waiting
+        assert front.live == 2
+        with (
+            pytest.raises(
+                EngineOverloadedError,
+                match=r"^the worker is full: 2 requests for 1 places \(max_parallel\) "
+                r"and max_waiting 1; retry later$",
+            ),
+            front.admitted(),
+        ):
+            pass
+        assert front.live == 2
+    assert front.live == 0  # each request leaves, however it ends
+    front.close()
+    with pytest.raises(EngineClosedError, match=r"^the engine is closed$"):
+        front.check(good)  # closed is said before anything else

@@ -12,7 +12,7 @@ import pytest
 
 from devtools.tiny_model import tiny_config
 from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
-from worker_svc.model.model_config import ConfigError, model_args
+from worker_svc.model.model_config import ModelConfigError, model_args
 
 _YARN = {
     "type": "yarn",
@@ -202,13 +202,13 @@ def test_fields_are_read_as_transformers_reads_them(
     ],
 )
 def test_what_the_engine_does_not_implement_is_refused_by_name(changes: dict[str, Any], match: str):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         model_args(_config(**changes))
 
 
 def test_an_unknown_model_type_is_refused():
     with pytest.raises(
-        ConfigError, match=r"model_type: 'deepseek_v4' is not served by this engine"
+        ModelConfigError, match=r"model_type: 'deepseek_v4' is not served by this engine"
     ):
         model_args(_config(model_type="deepseek_v4"))
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from worker_svc.torch_engine.kv_cache import BlockManager
-from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState
 
 _ids = itertools.count()
 
@@ -32,8 +32,8 @@ def _scheduler(
 
 def _seq(
     prompt_len: int, *, max_parallel: int = 8, timeout_s: float = 0.0, first: int = 0
-) -> Sequence:
-    return Sequence(
+) -> SequenceState:
+    return SequenceState(
         next(_ids), list(range(first, first + prompt_len)), prompt_len, max_parallel, timeout_s
     )
 
@@ -168,11 +168,11 @@ def test_abort_frees_the_blocks_of_running_and_waiting_sequences():
 def test_a_repeated_prefix_is_not_recomputed():
     s = _scheduler(block_size=4, chunk=64)
     system = list(range(200, 213))  # 13 tokens: 3 full blocks
-    first = Sequence(next(_ids), [*system, 1, 2], 15, 8, 0.0)
+    first = SequenceState(next(_ids), [*system, 1, 2], 15, 8, 0.0)
     s.add_request(first)
     _run_step(s)
     s.finish_request(first)
-    second = Sequence(next(_ids), [*system, 3, 4, 5], 16, 8, 0.0)
+    second = SequenceState(next(_ids), [*system, 3, 4, 5], 16, 8, 0.0)
     s.add_request(second)
     out = _run_step(s)
     assert second.num_cached_prompt_tokens == 12 and _tokens(out) == {second.seq_id: 4}

@@ -18,12 +18,13 @@ from worker_svc.engine_api import (
     EngineClosedError,
     EngineOverloadedError,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     SamplingParams,
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import model_size_of
-from worker_svc.sim_engine.engine import Roofline, SimEngine
+from worker_svc.sim_engine.engine import SimEngine
+from worker_svc.sim_engine.roofline import Roofline
 
 
 def request(
@@ -227,23 +228,23 @@ async def test_stop_strings_and_stop_tokens_end_the_stream():
 async def test_bad_requests_get_clear_errors():
     engine = SimEngine(roofline("H100"), max_parallel=4, max_waiting=4, max_model_len=64)
     try:
-        with pytest.raises(InvalidRequestError, match="max_model_len is 64"):
+        with pytest.raises(InvalidArgumentError, match="max_model_len is 64"):
             await collect(engine, request(prompt="x" * 400))
-        with pytest.raises(InvalidRequestError, match="context length 64"):
+        with pytest.raises(InvalidArgumentError, match="context length 64"):
             await collect(engine, request(max_tokens=100))
-        with pytest.raises(InvalidRequestError, match="exactly one of messages and prompt"):
+        with pytest.raises(InvalidArgumentError, match="exactly one of messages and prompt"):
             await collect(engine, GenerationRequest("r", None, None, SamplingParams()))
         # the sampling bounds a real engine checks, in the same words
-        with pytest.raises(InvalidRequestError, match="stop has 17 strings; at most 16"):
+        with pytest.raises(InvalidArgumentError, match="stop has 17 strings; at most 16"):
             await collect(engine, request(stop=("x",) * 17))
-        with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
+        with pytest.raises(InvalidArgumentError, match="temperature must be >= 0"):
             await collect(engine, request(temperature=-1))
         with pytest.raises(
-            InvalidRequestError, match=r"stop_token_ids must be token ids in 0\.\.31"
+            InvalidArgumentError, match=r"stop_token_ids must be token ids in 0\.\.31"
         ):
             await collect(engine, request(stop_token_ids=(32,)))
         with pytest.raises(
-            InvalidRequestError, match="need a model engine; this worker is simulated"
+            InvalidArgumentError, match="need a model engine; this worker is simulated"
         ):
             await collect(
                 engine,
@@ -322,7 +323,7 @@ async def test_kv_capacity_bounds_the_running_batch():
         await asyncio.sleep(0.05)
         assert (engine.load().running, engine.load().waiting) == (2, 2)
         assert engine.load().kv_cache_usage == pytest.approx(2 * (3 + capacity // 3) / capacity)
-        with pytest.raises(InvalidRequestError, match="KV cache"):
+        with pytest.raises(InvalidArgumentError, match="KV cache"):
             await collect(engine, request(max_tokens=capacity))
     finally:
         for p in pending:

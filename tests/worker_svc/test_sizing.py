@@ -15,9 +15,9 @@ from worker_svc.hardware.sizing import (
     bundled_models,
     checkpoint_tensors,
     fewest_gpus,
-    load_config,
     model_size,
     model_size_of,
+    read_config_json,
     sequences_that_fit,
 )
 from worker_svc.model.checkpoint import load_checkpoint
@@ -32,7 +32,7 @@ _V3_INDEX_TOTAL_SIZE = 688_586_727_753  # model.safetensors.index.json "total_si
 def test_the_tiny_checkpoints_tensors_and_bytes_are_the_arithmetics(checkpoint, request):
     # FP8 V3, BF16 V2-Lite, FP8 V3.2 with its indexer
     model_dir = request.getfixturevalue(checkpoint)
-    config = load_config(model_dir)
+    config = read_config_json(model_dir)
     layers = config["num_hidden_layers"]
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
         real = {
@@ -74,8 +74,8 @@ def test_the_bundled_configs_are_served_by_the_engine_and_have_the_published_siz
         "DeepSeek-V2-Lite",
     }
     for name in bundled_models():
-        # raises ConfigError for anything the engine does not implement
-        model_args(load_config(name))
+        # raises ModelConfigError for anything the engine does not implement
+        model_args(read_config_json(name))
     v32, v2 = model_size_of("DeepSeek-V3.2-Exp"), model_size_of("DeepSeek-V2")
     assert abs(v32.checkpoint_params / 685e9 - 1) < 0.005  # "685B" with the MTP layer
     assert v32.kv_bytes_per_token("bf16") == 61 * (512 + 64 + 128) * 2
@@ -89,7 +89,7 @@ def test_the_bundled_configs_are_served_by_the_engine_and_have_the_published_siz
 
 
 def test_the_tiny_models_sizes_by_hand():
-    config = load_config(DEFAULT_MODEL_PATH)
+    config = read_config_json(DEFAULT_MODEL_PATH)
     size, vocab = model_size(config), config["vocab_size"]  # the BPE's 1024 and the special tokens
     embed_and_head, final_norm = 2 * vocab * 320, 320
     attention = (
@@ -116,7 +116,7 @@ def test_the_tiny_models_sizes_by_hand():
 
 
 def test_deepseek_v3_published_sizes():
-    size = model_size(load_config(V3_CONFIG))
+    size = model_size(read_config_json(V3_CONFIG))
     assert round(size.params / 1e9) == 671
     assert round(size.active_params / 1e9) == 37  # "37B activated": 36.6B (one embedding row read)
     assert abs(size.checkpoint_params / 685e9 - 1) < 0.005
@@ -127,7 +127,7 @@ def test_deepseek_v3_published_sizes():
 
 
 def test_deepseek_v3_needs_many_gpus():
-    size = model_size(load_config(V3_CONFIG))
+    size = model_size(read_config_json(V3_CONFIG))
     fp8, bf16 = size.weight_bytes("fp8"), size.weight_bytes("bf16")
     assert fewest_gpus(fp8, 0, 80 * 10**9) == 10  # 673 GB / 72 GB usable per H100
     assert sequences_that_fit(bf16, 4096 * 70272, 4, 24 * 10**9) == 0  # 4 x 24 GB do not load it

@@ -18,7 +18,7 @@ from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
     SamplingParams,
     Tool,
     ToolCallDelta,
@@ -134,7 +134,7 @@ async def test_constraints_no_engine_can_enforce_are_refused(
     request = GenerationRequest(
         "r", [{"role": "user", "content": "hi"}], None, SamplingParams(), constraints=constraints
     )
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidArgumentError, match=message):
         async for _ in tiny_engine.generate(request):
             pass
 
@@ -235,7 +235,9 @@ async def test_tools_for_a_template_that_cannot_render_them_are_refused(
         assert "<｜tool▁sep｜>get_weather" in engine.tokenizer.render_chat(_HISTORY)
         sampling = SamplingParams(max_tokens=2)
         request = GenerationRequest("r", _HISTORY, None, sampling, constraints=Constraints(_TOOLS))
-        with pytest.raises(InvalidRequestError, match=r"^tools: this model's chat template cannot"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"^tools: this model's chat template cannot"
+        ):
             async for _ in engine.generate(request):
                 pass
         history_only = GenerationRequest("r", _HISTORY, None, sampling)

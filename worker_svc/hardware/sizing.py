@@ -1,13 +1,13 @@
 """How much memory a DeepSeek-V3/V3.2/V2-family model needs: its parameters (total, and read per
 token), weights in each precision, the KV cache per token, and the fewest GPUs that hold both. One
-arithmetic for ``infermesh plan`` and the simulated workers (sim_engine.py), from config.json
+arithmetic for ``infermesh plan`` and the simulated workers (sim_engine/), from config.json
 alone: no torch, no weights. worker_svc/model/configs/ holds the public models' config.json
 values (DeepSeek-V3, V3.2-Exp, V2, V2.5, V2-Lite), so a name sizes a model like its checkpoint.
 
 The tensors are enumerated by their HF names, as the checkpoints store them. DeepSeek-V3(.2) ships
 FP8 (``quantization_config``): the decoder layers' linear weights in FP8 E4M3 with one float32
-``weight_scale_inv`` per 128 x 128 block, the routing bias in float32, everything else
-(embeddings, lm_head, norms, the router's gate, the indexer's weights_proj) in BF16. FP8 is served
+``weight_scale_inv`` per 128 x 128 block, the MoE gate's bias in float32, everything else
+(embeddings, lm_head, norms, the MoE gate, the indexer's weights_proj) in BF16. FP8 is served
 as stored on Hopper; on every other GPU the weights are dequantized to BF16/FP16 (2 bytes each).
 DeepSeek-V2 ships BF16 and is served in BF16 on Hopper too (``serving_profile``).
 Multi-token-prediction layers stored past ``num_hidden_layers`` are not loaded for serving. The
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from infermesh.config import ConfigError
 from infermesh.names import Precision
 from worker_svc.hardware.gpu_profiles import GpuProfile
 
@@ -73,8 +74,9 @@ class Tensor:
         return self.numel * (4 if self.stored == "fp32" else 2)
 
 
-class ConfigError(ValueError):
-    """A config.json that does not describe a DeepSeek-V3/V3.2/V2-family model."""
+class SizingError(ConfigError):
+    """A model the sizing cannot read: its config.json is missing, is not JSON, or does not
+    describe a DeepSeek-V3/V3.2/V2-family model."""
 
 
 @dataclass(frozen=True)
@@ -147,21 +149,21 @@ def bundled_models() -> list[str]:
     return sorted(p.stem for p in _BUNDLED.glob("*.json"))
 
 
-def load_config(source: str | Path) -> dict[str, Any]:
+def read_config_json(source: str | Path) -> dict[str, Any]:
     """config.json of a checkpoint directory, the file itself, or a bundled config by name."""
     path = _BUNDLED / f"{source}.json" if str(source) in bundled_models() else Path(source)
     file = path / "config.json" if path.is_dir() else path
     try:
         config = json.loads(file.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(
+        raise SizingError(
             f"{file}: not found (need a checkpoint directory, its config.json, or one of "
             f"{', '.join(bundled_models())})"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: not JSON: {e}") from None
+        raise SizingError(f"{file}: not JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{file}: not a JSON object")
+        raise SizingError(f"{file}: not a JSON object")
     return config
 
 
@@ -169,7 +171,9 @@ def load_config(source: str | Path) -> dict[str, Any]:
 def model_size_of(source: str | Path) -> ModelSize:
     """The sizes of a checkpoint directory's, a config.json's or a bundled model's config, named
     after the directory or the bundled model (a file: after its _name_or_path)."""
-    return model_size(load_config(source), name="" if Path(source).is_file() else Path(source).name)
+    return model_size(
+        read_config_json(source), name="" if Path(source).is_file() else Path(source).name
+    )
 
 
 def index_total_size(checkpoint: str | Path) -> int | None:
@@ -198,7 +202,7 @@ def model_size(config: dict[str, Any], name: str = "") -> ModelSize:
         # an embedding lookup reads one row of the table
         unread = (config["vocab_size"] - 1) * config["hidden_size"]
     except (KeyError, TypeError) as e:
-        raise ConfigError(
+        raise SizingError(
             f"config.json has no usable {e.args[0]!r}: not a DeepSeek-V3/V3.2/V2 config"
         ) from None
     params = sum(t.numel for t in served)

@@ -18,10 +18,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from infermesh.config import ConfigError
 from worker_svc.hardware.sizing import INDEXER_HEAD_WEIGHTS, is_fp8_linear
 from worker_svc.model.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model.model import Linear, ModelArgs, Transformer
-from worker_svc.model.model_config import ConfigError, model_args
+from worker_svc.model.model_config import ModelConfigError, model_args
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory the worker cannot load; the message names the file and tensor."""
+class CheckpointError(ConfigError):
+    """A checkpoint directory the worker cannot load, as ``[model] path`` names it; the message
+    names the file and tensor."""
 
 
 # -------------------------------------------------------------------------------------- config
@@ -61,7 +63,7 @@ def read_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelArgs]:
         )
     try:
         return config, model_args(config)
-    except ConfigError as e:
+    except ModelConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
 

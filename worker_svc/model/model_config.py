@@ -6,9 +6,9 @@ reads a checkpoint as transformers does: its defaults for absent keys (`save_pre
 equal to them), rope settings as `rope_scaling` (older files; it wins when both are present) or
 `rope_parameters` (transformers >= 5), `type` or `rope_type`, `rope_theta` inside the rope dict or
 beside it. Then anything the engine does not implement -- an algorithm (SUPPORTED), a rope type or
-key (ROPE_KEYS), sizes that cannot work together -- raises ConfigError naming the field; nothing
-falls back to a silent default. num_key_value_heads is not read: MLA caches one latent per token,
-not per head.
+key (ROPE_KEYS), sizes that cannot work together -- raises ModelConfigError naming the field;
+nothing falls back to a silent default. num_key_value_heads is not read: MLA caches one latent per
+token, not per head.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassError
 from transformers import AutoConfig, PreTrainedConfig
 
+from infermesh.config import ConfigError
 from worker_svc.model.model import ModelArgs
 
 # Per model_type, the values implemented for each field that selects an algorithm. The first value
@@ -90,15 +91,16 @@ _POSITIVE_INTS = (
 _NON_NEGATIVE_INTS = ("first_k_dense_replace", "n_shared_experts")
 
 
-class ConfigError(ValueError):
-    """A config.json field this engine cannot serve; the message starts with the field's name."""
+class ModelConfigError(ConfigError):
+    """A checkpoint's config.json field this engine cannot serve; the message starts with the
+    field's name."""
 
 
 def model_args(config: dict[str, Any]) -> ModelArgs:
-    """The forward pass's hyper-parameters from a parsed config.json; raises ConfigError."""
+    """The forward pass's hyper-parameters from a parsed config.json; raises ModelConfigError."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
-        raise ConfigError(
+        raise ModelConfigError(
             f"model_type: {model_type!r} is not served by "
             f"this engine (need one of {list(SUPPORTED)})"
         )
@@ -147,15 +149,17 @@ def _dsa_args(config: dict[str, Any]) -> dict[str, Any]:
         return {}
     for field in _DSA_FIELDS:
         if config.get(field) is None:
-            raise ConfigError(f"{field}: missing (deepseek_v32 needs {', '.join(_DSA_FIELDS)})")
+            raise ModelConfigError(
+                f"{field}: missing (deepseek_v32 needs {', '.join(_DSA_FIELDS)})"
+            )
         if not (_is_int(config[field]) and config[field] > 0):
-            raise ConfigError(f"{field}: must be a positive integer, got {config[field]!r}")
+            raise ModelConfigError(f"{field}: must be a positive integer, got {config[field]!r}")
     if not config.get("q_lora_rank"):
-        raise ConfigError(
+        raise ModelConfigError(
             "q_lora_rank: deepseek_v32's indexer reads the query latent, so it must be set"
         )
     if config["index_head_dim"] < config["qk_rope_head_dim"]:
-        raise ConfigError(
+        raise ModelConfigError(
             f"index_head_dim: {config['index_head_dim']} is smaller than qk_rope_head_dim "
             f"{config['qk_rope_head_dim']}, the indexer's rope part"
         )
@@ -170,13 +174,13 @@ def _normalised(config: dict[str, Any]) -> PreTrainedConfig:
         return AutoConfig.for_model(**copy.deepcopy(config))
     # validate_rope: a missing key, an odd rotary dimension
     except StrictDataclassClassValidationError as e:
-        raise ConfigError(f"{spelling}: {' '.join(str(e).split())}") from None
+        raise ModelConfigError(f"{spelling}: {' '.join(str(e).split())}") from None
     except StrictDataclassError as e:  # names the field and the type it expected
-        raise ConfigError(" ".join(str(e).split())) from None
+        raise ModelConfigError(" ".join(str(e).split())) from None
     except KeyError as e:  # a rope type's required key is missing
-        raise ConfigError(f"{spelling}: {e.args[0]}") from None
+        raise ModelConfigError(f"{spelling}: {e.args[0]}") from None
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"not a config transformers can read: {e}") from None
+        raise ModelConfigError(f"not a config transformers can read: {e}") from None
 
 
 def _rope_spelling(config: dict[str, Any]) -> str:
@@ -197,7 +201,7 @@ def _check_choices(hf: PreTrainedConfig, supported: dict[str, tuple[Any, ...]]) 
         )
         # type-strict: True == 1 and 0 == False must not pass for each other
         if not any(type(value) is type(v) and value == v for v in values):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"{field}: {value!r} is not implemented by this engine (supported: "
                 f"{', '.join(repr(v) for v in values)})"
             )
@@ -283,7 +287,7 @@ def _check_routing(hf: PreTrainedConfig, topk_method: str) -> None:
 
 def _require(hf: PreTrainedConfig, ok: bool, field: str, what: str) -> None:
     if not ok:
-        raise ConfigError(f"{field}: {getattr(hf, field)!r} {what}")
+        raise ModelConfigError(f"{field}: {getattr(hf, field)!r} {what}")
 
 
 def _is_int(value: Any) -> bool:
@@ -297,12 +301,12 @@ def _is_number(value: Any) -> bool:
 def _check_rope_numbers(rope: dict[str, Any], spelling: str) -> None:
     theta = rope.get("rope_theta")
     if theta is not None and not (_is_number(theta) and theta > 1):  # the base of a logarithm
-        raise ConfigError(f"{spelling}.rope_theta: {theta!r} is not a number > 1")
+        raise ModelConfigError(f"{spelling}.rope_theta: {theta!r} is not a number > 1")
     for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
         if rope.get(key) is not None and not (_is_number(rope[key]) and rope[key] >= 0):
-            raise ConfigError(f"{spelling}.{key}: {rope[key]!r} is not a number >= 0")
+            raise ModelConfigError(f"{spelling}.{key}: {rope[key]!r} is not a number >= 0")
     if type(rope.get("truncate", True)) is not bool:
-        raise ConfigError(f"{spelling}.truncate: {rope['truncate']!r} is not true or false")
+        raise ModelConfigError(f"{spelling}.truncate: {rope['truncate']!r} is not true or false")
 
 
 def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
@@ -311,7 +315,7 @@ def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
     rope_type = rope["rope_type"]
     unknown = sorted(set(rope) - ROPE_KEYS[rope_type])
     if unknown:
-        raise ConfigError(
+        raise ModelConfigError(
             f"{spelling}.{unknown[0]}: not implemented for rope_type {rope_type!r} by this engine "
             f"(implemented: {', '.join(sorted(ROPE_KEYS[rope_type] - {'type'}))})"
         )
@@ -321,7 +325,7 @@ def _rope_args(hf: PreTrainedConfig, spelling: str) -> dict[str, Any]:
         return {"rope_theta": float(theta)}
     original = rope["original_max_position_embeddings"]
     if not (_is_int(original) and original > 0):
-        raise ConfigError(
+        raise ModelConfigError(
             f"{spelling}.original_max_position_embeddings: {original!r} is not a positive integer"
         )
     factor = rope["factor"] if rope["factor"] is not None else hf.max_position_embeddings / original

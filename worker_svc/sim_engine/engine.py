@@ -2,26 +2,16 @@
 
 It lets one machine run a fleet of workers of mixed GPU kinds (16-64 processes or servers),
 so routing can be tested and benchmarked on hardware that is not there. Time follows the
-roofline of a profile in gpu_profiles.toml for a configured model (its sizes, or a config.json,
-bundled or a checkpoint's), on the fewest GPUs that hold its weights in the precision it runs and
-a KV budget (sizing.py; [engine] gpu_count overrides):
-
-- prefill: (uncached prompt tokens x 2 x active params + attention FLOPs) / FLOP/s (prefix-cache
-  hits are free);
-- each decode step: (active weight bytes + KV bytes of every running sequence) / bandwidth,
-  plus (batch x 2 x active params + attention FLOPs) / FLOP/s.
-
-Attention FLOPs count each query's attended tokens (`attention_flops_per_key` each). A DeepSeek-V3.2
-model (`index_topk` > 0, sparse attention) attends to at most index_topk tokens and reads only their
-KV bytes; its indexer still scores the whole context (`index_flops_per_key`,
-`index_bytes_per_token`), so past index_topk a step costs the indexer's linear term, not full
-attention's.
+roofline (roofline.py) of a profile in gpu_profiles.toml for a configured model (its sizes, or a
+config.json, bundled or a checkpoint's), on the fewest GPUs that hold its weights in the
+precision it runs and a KV budget (sizing.py; [engine] gpu_count overrides).
 
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
-budget (prompt + max_tokens) free to start; at most max_waiting wait, past that generate()
-raises EngineOverloadedError. Tokens are words from a fixed list, deterministic per seed.
-Imports no torch: a simulated worker process stays small.
+budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests generate()
+raises EngineOverloadedError (the request front every engine shares, engine_api.RequestFront).
+Tokens are words from a fixed list, deterministic per seed. Imports no torch: a simulated worker
+process stays small.
 """
 
 from __future__ import annotations
@@ -38,22 +28,22 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from infermesh.config import ConfigError
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
-    EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
-    check_request,
-    completion_budget,
+    InvalidArgumentError,
+    RequestFront,
     drain_chunks,
 )
-from worker_svc.hardware.gpu_profiles import GpuProfile, gpu_profiles
-from worker_svc.hardware.sizing import DEFAULT_UTILIZATION, ModelSize, fewest_gpus, serving_profile
+from worker_svc.hardware.gpu_profiles import gpu_profiles
+from worker_svc.hardware.sizing import fewest_gpus, serving_profile
+from worker_svc.sim_engine.roofline import Roofline
 
 logger = logging.getLogger(__name__)
 
@@ -95,100 +85,6 @@ _WORDS = (
 )
 
 
-@dataclass(frozen=True)
-class Roofline:
-    """Step times of a model of ``size`` on ``gpu_count`` GPUs of ``profile``, in the precision
-    the profile runs (weights and KV cache as worker_svc/hardware/sizing.py counts them)."""
-
-    profile: GpuProfile
-    gpu_count: int
-    size: ModelSize
-    memory_utilization: float = DEFAULT_UTILIZATION  # of device memory for weights and the KV cache
-    attention_flops_per_key: float = 0.0  # one query attending to one cached token, all layers
-    index_flops_per_key: float = 0.0  # V3.2: the indexer scoring one cached token for one query
-
-    @property
-    def active_params(self) -> int:
-        return self.size.active_params
-
-    @property
-    def index_topk(self) -> int:
-        """Sparse attention (V3.2): tokens each query attends to; 0: dense."""
-        return self.size.index_topk
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.size.weight_bytes(self.profile.precision)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """The MLA latent's bytes per token (V3.2's indexer keys are index_bytes_per_token)."""
-        return self.size.latent_bytes_per_token(self.profile.precision)
-
-    @property
-    def index_bytes_per_token(self) -> int:
-        """V3.2: the indexer's cached key per token, all layers."""
-        return self.size.index_bytes_per_token(self.profile.precision)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.profile.memory_bytes * self.gpu_count
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return int(
-            (self.memory_bytes * self.memory_utilization - self.weight_bytes)
-            // (self.kv_bytes_per_token + self.index_bytes_per_token)
-        )
-
-    def attended(self, context_tokens: int) -> int:
-        """Cached tokens one query attends to: all, or with sparse attention at most index_topk."""
-        return min(context_tokens, self.index_topk) if self.index_topk else context_tokens
-
-    def prefill_s(self, tokens: int, start: int = 0) -> float:
-        """`tokens` prompt tokens at positions start.. (the ones before are cached), each attending
-        to its context."""
-        flops = tokens * 2 * self.active_params + self.attention_flops_per_key * _keys_attended(
-            start, tokens, self.index_topk
-        )
-        if self.index_topk:
-            flops += self.index_flops_per_key * _keys_attended(start, tokens, 0)
-        return flops / (self.profile.peak_flops * self.gpu_count)
-
-    def decode_step_s(
-        self, batch: int, context_tokens: int, attended_tokens: int | None = None
-    ) -> float:
-        """One token for each of `batch` sequences holding `context_tokens` in all;
-        `attended_tokens`: the sum of their `attended(context)` (the default, all of the context, is
-        right for dense attention)."""
-        attended = context_tokens if attended_tokens is None else attended_tokens
-        read = (
-            self.active_params * self.profile.bytes_per_weight + attended * self.kv_bytes_per_token
-        )
-        flops = batch * 2 * self.active_params + attended * self.attention_flops_per_key
-        if self.index_topk:
-            read += context_tokens * self.index_bytes_per_token
-            flops += context_tokens * self.index_flops_per_key
-        return read / (self.profile.bandwidth_bytes_per_s * self.gpu_count) + flops / (
-            self.profile.peak_flops * self.gpu_count
-        )
-
-
-def _keys_attended(start: int, tokens: int, cap: int) -> int:
-    """Sum over positions p = start..start+tokens-1 of the keys p attends to: p + 1, at most `cap`
-    (0: no cap)."""
-    end = start + tokens
-
-    def triangle(n: int) -> int:
-        return n * (n + 1) // 2
-
-    if not cap or end <= cap:
-        return triangle(end) - triangle(start)
-    if start >= cap:
-        return tokens * cap
-    return triangle(cap) - triangle(start) + (end - cap) * cap
-
-
 @dataclass(eq=False)
 class _Sequence:
     prompt_tokens: int
@@ -228,8 +124,9 @@ class SimEngine:
         zero_latency: bool = False,
     ) -> None:
         if roofline.kv_capacity_tokens < 1:
-            raise ValueError(
-                f"the model's {roofline.weight_bytes / 1e9:.0f} GB of weights leave no KV cache in "
+            raise ConfigError(
+                f"[engine] gpu_count: the model's {roofline.weight_bytes / 1e9:.0f} GB of weights "
+                "leave no KV cache in "
                 f"{roofline.gpu_count} x {roofline.profile.name} "
                 f"({roofline.memory_bytes / 1e9:.0f} GB)"
             )
@@ -252,7 +149,12 @@ class SimEngine:
         )
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
-        self._max_waiting = max_waiting
+        self._front = RequestFront(
+            vocab_size=len(_WORDS),
+            max_model_len=max_model_len,
+            max_parallel=max_parallel,
+            max_waiting=max_waiting,
+        )
         self._zero_latency = zero_latency
         self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -263,7 +165,6 @@ class SimEngine:
         self._decode_rate = DecodeRateMeter()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._closed = False
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SimEngine:
@@ -302,15 +203,15 @@ class SimEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._front.check(request)
         seq = self._new_sequence(request)
-        self._admit(seq)
-        async with contextlib.aclosing(
-            drain_chunks(seq.chunks, lambda: self._abort(seq))
-        ) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        with self._front.admitted():
+            self._admit(seq)
+            async with contextlib.aclosing(
+                drain_chunks(seq.chunks, lambda: self._abort(seq))
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -322,7 +223,7 @@ class SimEngine:
 
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
-        self._closed = True
+        self._front.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -334,19 +235,18 @@ class SimEngine:
     # ------------------------------------------------------------------ admission
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        check_request(request, len(_WORDS))
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
         text = _prompt_text(request)
         prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
         params = request.sampling
-        budget = completion_budget(prompt_tokens, params.max_tokens, self.max_model_len)
+        budget = self._front.budget(prompt_tokens, params.max_tokens)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 f"prompt and max_tokens need {prompt_tokens + budget} "
                 f"tokens of KV cache; this worker "
                 f"holds {self.roofline.kv_capacity_tokens}"
@@ -370,13 +270,8 @@ class SimEngine:
     def _admit(self, seq: _Sequence) -> None:
         if not self._waiting and self._fits(seq):
             self._start(seq)
-        elif len(self._waiting) < self._max_waiting:
-            self._waiting.append(seq)
         else:
-            raise EngineOverloadedError(
-                f"{len(self._running)} sequences running and {len(self._waiting)} waiting "
-                f"(max_waiting {self._max_waiting}); retry later"
-            )
+            self._waiting.append(seq)
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
         self._wake.set()

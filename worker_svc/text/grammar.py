@@ -20,7 +20,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from worker_svc.engine_api import Constraints, InvalidRequestError
+from worker_svc.engine_api import Constraints, InvalidArgumentError
 from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.text.tool_parser import ToolMarkers
 
@@ -62,7 +62,7 @@ class GrammarCompiler:
             self._tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
         )
         if matcher.is_error():
-            raise InvalidRequestError(
+            raise InvalidArgumentError(
                 f"the tools or json_schema cannot be enforced: {matcher.get_error()}"
             )
         return matcher
@@ -72,7 +72,7 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     """The llguidance Lark grammar of `c` (which constrains something)."""
     json_answer = f"%json {_compact_schema(c.json_schema)}" if c.json_schema is not None else None
     if c.tools and markers is None:
-        raise InvalidRequestError(
+        raise InvalidArgumentError(
             "this model's tokenizer has no tool-call tokens: it cannot call tools"
         )
     if not c.tools or c.tool_choice == "none":

@@ -1,4 +1,5 @@
-"""The checkpoint's own tokenizer and chat template, and streaming detokenization.
+"""The checkpoint's own tokenizer and chat template, a request's prompt as token ids (what every
+engine serving a checkpoint takes), and streaming detokenization.
 
 `IncrementalDetokenizer` turns generated ids into text pieces that are whole UTF-8 characters
 (text ending in U+FFFD is held back until the next token completes it, with vLLM's
@@ -8,6 +9,7 @@ end is held back until it is ruled out).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -15,6 +17,9 @@ from typing import Any, cast
 import jinja2
 import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from infermesh.config import ConfigError
+from worker_svc.engine_api import GenerationRequest, InvalidArgumentError, Tool
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -25,10 +30,12 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not isinstance(hf, PreTrainedTokenizerFast):  # grammars are compiled from its vocabulary
-            raise ValueError(f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)")
+            raise ConfigError(
+                f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)"
+            )
         self.hf = hf
         if not self.hf.chat_template:
-            raise ValueError(f"{model_dir}: tokenizer_config.json has no chat_template")
+            raise ConfigError(f"{model_dir}: tokenizer_config.json has no chat_template")
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
         # HF passes tool definitions as the template's `tools`; a template that never reads it would
@@ -64,6 +71,43 @@ class Tokenizer:
         return cast(
             str, self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         )
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt's token ids (check_request has checked its shape): chat messages rendered with
+    the checkpoint's template, or raw text. Every engine serving a checkpoint takes these, so prompt
+    counts and usage agree across engines."""
+    if request.messages is not None:
+        tools = request.constraints.tools
+        if tools and not tokenizer.renders_tools:
+            raise InvalidArgumentError(
+                "tools: this model's chat template cannot render tool definitions"
+            )
+        return tokenizer.encode_chat(
+            [_template_message(m) for m in request.messages], [_tool_definition(t) for t in tools]
+        )
+    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
+    return tokenizer.encode(request.prompt)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as HF chat templates take it: an assistant turn of only tool calls has no
+    content."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return message
+
+
+def _tool_definition(tool: Tool) -> dict[str, Any]:
+    """A tool as HF chat templates take it (OpenAI's shape)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": json.loads(tool.parameters),
+        },
+    }
 
 
 class IncrementalDetokenizer:

@@ -1,8 +1,8 @@
 """The async front of the DeepSeek-V3 engine: requests in, streamed text chunks out.
 
-`generate()` checks a request (engine_api's request front), tokenizes it, turns it into a
-scheduler `Sequence` and reads its chunks from an asyncio queue that the engine core
-(worker_svc.torch_engine.step_loop, one background thread) fills.
+`generate()` puts a request through engine_api's `RequestFront`, tokenizes it, hands it to the
+engine core (worker_svc.torch_engine.step_loop, one background thread) as a `RequestState` over a
+scheduler `SequenceState`, and reads its chunks from an asyncio queue that the core fills.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from typing import Any
 
 import torch
 
+from infermesh.config import ConfigError
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
-    Tool,
+    RequestFront,
     bounded_batching_hints,
-    check_request,
-    completion_budget,
     drain_chunks,
 )
 from worker_svc.model.checkpoint import load_checkpoint, read_config
@@ -40,7 +38,7 @@ from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
 from worker_svc.text.completion_decoder import CompletionDecoder
 from worker_svc.text.grammar import GrammarCompiler
-from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,
@@ -49,8 +47,8 @@ from worker_svc.torch_engine.kv_cache import (
     latent_bytes_per_token,
 )
 from worker_svc.torch_engine.model_runner import ModelRunner
-from worker_svc.torch_engine.scheduler import Scheduler, Sequence
-from worker_svc.torch_engine.step_loop import StepLoop, Stream, emitter
+from worker_svc.torch_engine.scheduler import Scheduler, SequenceState
+from worker_svc.torch_engine.step_loop import RequestState, StepLoop, emitter
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +92,15 @@ class Engine:
             self.parallel.max_parallel,
             self.parallel.dynamic_batch_timeout_ms,
         )
+        self._front = RequestFront(
+            vocab_size=model.args.vocab_size,
+            max_model_len=max_model_len,
+            max_parallel=self.parallel.max_parallel,
+            max_waiting=self.parallel.max_waiting,
+        )
         scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
         runner = ModelRunner(model, kv_cache, device)
-        self._loop = StepLoop(scheduler, runner, tokenizer, self.parallel.max_waiting)
+        self._loop = StepLoop(scheduler, runner, tokenizer)
 
     @classmethod
     def from_checkpoint(
@@ -143,9 +147,12 @@ class Engine:
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
-        caps = detect_capabilities(
-            torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights
-        )
+        try:
+            caps = detect_capabilities(
+                torch_device, dtype=dtype, use_native_fp8=use_native_fp8, fp8_weights=fp8_weights
+            )
+        except ValueError as e:  # an override this machine or checkpoint cannot honour
+            raise ConfigError(f"[model] dtype: {e}") from None
         model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(
@@ -156,8 +163,9 @@ class Engine:
         )
         context = config["max_position_embeddings"]
         if max_model_len is not None and not 0 < max_model_len <= context:
-            raise ValueError(
-                f"max_model_len={max_model_len} must be in 1..{context} (max_position_embeddings)"
+            raise ConfigError(
+                f"[attention] max_model_len: {max_model_len} must be in 1..{context} "
+                "(the checkpoint's max_position_embeddings)"
             )
         tokenizer = Tokenizer(model_dir)
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
@@ -179,42 +187,43 @@ class Engine:
         """Stream the completion; the last chunk carries finish_reason. Stopping iteration aborts
         it.
 
-        Raises InvalidRequestError or EngineOverloadedError before any chunk.
+        Raises EngineClosedError, InvalidArgumentError or EngineOverloadedError before any chunk.
         """
-        stream, queue = self._stream(request)
-        self._loop.submit(stream)
-        abort = functools.partial(self._loop.abort, stream.seq.seq_id)
-        async with contextlib.aclosing(drain_chunks(queue, abort)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        self._front.check(request)
+        state, queue = self._request_state(request)
+        with self._front.admitted():
+            self._loop.submit(state)
+            abort = functools.partial(self._loop.abort, state.seq.seq_id)
+            async with contextlib.aclosing(drain_chunks(queue, abort)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def load(self) -> EngineLoad:
         return self._loop.load()
 
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
+        self._front.close()
         await asyncio.to_thread(self._loop.close)
 
-    def _stream(
+    def _request_state(
         self,
         request: GenerationRequest,
-    ) -> tuple[Stream, asyncio.Queue[GenerationChunk | BaseException]]:
-        check_request(request, self.model.args.vocab_size)
+    ) -> tuple[RequestState, asyncio.Queue[GenerationChunk | BaseException]]:
+        """The checked request, tokenized and budgeted, as the step loop takes it."""
         prompt_ids = prompt_token_ids(self.tokenizer, request)
         params = request.sampling
         matcher = self.grammars.matcher(request.constraints)
-        max_len = len(prompt_ids) + completion_budget(
-            len(prompt_ids), params.max_tokens, self.max_model_len
-        )
+        max_len = len(prompt_ids) + self._front.budget(len(prompt_ids), params.max_tokens)
         max_parallel, timeout_ms = bounded_batching_hints(
             request, self.parallel.max_parallel, self.parallel.dynamic_batch_timeout_ms
         )
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(
+        seq = SequenceState(
             next(self._seq_ids), list(prompt_ids), len(prompt_ids), max_parallel, timeout_ms / 1000
         )
-        stream = Stream(
+        state = RequestState(
             seq=seq,
             request_id=request.request_id,
             params=params,
@@ -227,44 +236,7 @@ class Engine:
             emit=emitter(asyncio.get_running_loop(), queue),
             matcher=matcher,
         )
-        return stream, queue
-
-
-def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
-    """The prompt's token ids (check_request has checked its shape): chat messages rendered with
-    the checkpoint's template, or raw text. Every engine serving a checkpoint takes these, so prompt
-    counts and usage agree across engines."""
-    if request.messages is not None:
-        tools = request.constraints.tools
-        if tools and not tokenizer.renders_tools:
-            raise InvalidRequestError(
-                "tools: this model's chat template cannot render tool definitions"
-            )
-        return tokenizer.encode_chat(
-            [_template_message(m) for m in request.messages], [_tool_definition(t) for t in tools]
-        )
-    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
-    return tokenizer.encode(request.prompt)
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as HF chat templates take it: an assistant turn of only tool calls has no
-    content."""
-    if message.get("tool_calls") and not message["content"]:
-        return {**message, "content": None}
-    return message
-
-
-def _tool_definition(tool: Tool) -> dict[str, Any]:
-    """A tool as HF chat templates take it (OpenAI's shape)."""
-    return {
-        "type": "function",
-        "function": {
-            "name": tool.name,
-            "description": tool.description,
-            "parameters": json.loads(tool.parameters),
-        },
-    }
+        return state, queue
 
 
 def _block_manager(
@@ -278,7 +250,7 @@ def _block_manager(
     needed = -(-max_model_len // cache.block_size)
     if num_blocks < needed:
         knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
-        raise ValueError(
+        raise ConfigError(
             f"[cache] {knob}: the latent cache would hold "
             f"{max(num_blocks, 0) * cache.block_size} tokens, fewer "
             f"than one context of max_model_len={max_model_len} "

@@ -25,7 +25,7 @@ _WATERMARK = 0.01  # share of blocks kept free when admitting, so running sequen
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One request as the scheduler sees it: its tokens and how many of them the cache holds."""
 
     seq_id: int
@@ -53,12 +53,12 @@ class Sequence:
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    seq: Sequence
+    seq: SequenceState
     num_tokens: int  # token_ids[num_computed : num_computed + num_tokens] are computed in this step
     samples: bool  # the step computes the sequence's last token, so its logits give the next one
 
     @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledSequence:
+    def of(cls, seq: SequenceState, num_tokens: int) -> ScheduledSequence:
         return cls(seq, num_tokens, seq.num_computed + num_tokens == len(seq.token_ids))
 
 
@@ -68,7 +68,7 @@ class SchedulerOutput:
     chunks)."""
 
     scheduled: list[ScheduledSequence]
-    preempted: list[Sequence]
+    preempted: list[SequenceState]
 
     @property
     def num_tokens(self) -> int:
@@ -94,15 +94,15 @@ class Scheduler:
         self.blocks = blocks
         self.max_parallel, self.prefill_chunk_size = max_parallel, prefill_chunk_size
         self._clock = clock
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # oldest first
 
-    def add_request(self, seq: Sequence) -> None:
+    def add_request(self, seq: SequenceState) -> None:
         seq.arrived_at = self._clock()
         seq.admit_deadline = seq.arrived_at + seq.batch_timeout_s
         self.waiting.append(seq)
 
-    def abort_request(self, seq_id: int) -> Sequence | None:
+    def abort_request(self, seq_id: int) -> SequenceState | None:
         """Drop a waiting or running sequence and free its blocks; None if it is not here (already
         finished)."""
         for queue in (self.running, self.waiting):
@@ -113,7 +113,7 @@ class Scheduler:
                     return seq
         return None
 
-    def finish_request(self, seq: Sequence) -> None:
+    def finish_request(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
 
@@ -130,7 +130,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.prefill_chunk_size
         scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        preempted: list[SequenceState] = []
         i = 0
         while i < len(self.running):  # oldest first; preemption pops the newest off the end
             seq = self.running[i]
@@ -152,7 +152,7 @@ class Scheduler:
             s.seq.num_computed += s.num_tokens
             self.blocks.cache_full_blocks(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
 
-    def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+    def _reserve(self, seq: SequenceState, n: int, preempted: list[SequenceState]) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the newest ones; False if seq
         itself was."""
         while not self.blocks.allocate(seq.block_table, seq.num_computed + n):
@@ -163,7 +163,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         logger.info(
             "cache full: preempting sequence %d (%d tokens), recomputed later",
             seq.seq_id,

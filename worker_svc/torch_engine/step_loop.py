@@ -2,10 +2,10 @@
 
 Each iteration is one scheduling step and one batched forward pass over every running sequence
 (scheduler.py, model_runner.py), then sampling, detokenization and stop checks for the sequences
-that got a token. It knows nothing of the request's wire form or of asyncio beyond each stream's
-thread-safe `emit`; the async front (engine.py's `Engine`) validates and tokenizes requests and
-hands them over as `Stream`s. Request lifecycle: waiting -> running -> finished, or aborted when the
-consumer goes away (its blocks are freed at the next step).
+that got a token. It knows nothing of the request's wire form or of asyncio beyond each request's
+thread-safe `emit`; the async front (engine.py's `Engine`) admits, checks and tokenizes requests
+and hands them over as `RequestState`s. Request lifecycle: waiting -> running -> finished, or
+aborted when the consumer goes away (its blocks are freed at the next step).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from worker_svc.engine_api import (
     DecodeRateMeter,
     EngineClosedError,
     EngineLoad,
-    EngineOverloadedError,
     GenerationChunk,
     SamplingParams,
     TokenLogprob,
@@ -35,16 +34,16 @@ from worker_svc.text.grammar import apply_masks
 from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.torch_engine.model_runner import ModelRunner
 from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
-from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Stream:
+class RequestState:
     """The engine's side of one request: how it samples and stops, and where its chunks go."""
 
-    seq: Sequence
+    seq: SequenceState
     request_id: str
     params: SamplingParams
     max_len: int  # prompt + completion limit
@@ -67,34 +66,24 @@ class StepLoop:
     thread.
     """
 
-    def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer, max_waiting: int
-    ):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer):
         self._scheduler, self._runner, self._tokenizer = scheduler, runner, tokenizer
-        self._max_waiting = max_waiting
         self._lock = threading.Condition()
-        self._incoming: list[Stream] = []
+        self._incoming: list[RequestState] = []
         self._aborts: list[int] = []
         self._closed = False
-        self._streams: dict[int, Stream] = {}  # seq_id -> stream, thread only
-        self._live = 0  # submitted and not ended: what the waiting bound counts
+        self._requests: dict[int, RequestState] = {}  # seq_id -> its state, thread only
         self._load = EngineLoad(0, 0, 0.0)
         self._decode_rate = DecodeRateMeter()
         self._thread = threading.Thread(target=self._run, name="worker-step-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, stream: Stream) -> None:
+    def submit(self, request: RequestState) -> None:
+        """Hands a request over (the engine's RequestFront admitted it); it joins at the next
+        step."""
         with self._lock:
-            if self._closed:
-                raise EngineClosedError("engine is closed")
-            if self._live >= self._scheduler.max_parallel + self._max_waiting:
-                raise EngineOverloadedError(
-                    f"the worker is full: {self._live} requests "
-                    f"for {self._scheduler.max_parallel} places "
-                    f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
-                )
-            self._live += 1
-            self._incoming.append(stream)
+            assert not self._closed, "submit after close: the engine's front refuses requests"
+            self._incoming.append(request)
             self._lock.notify()
 
     def abort(self, seq_id: int) -> None:
@@ -130,7 +119,7 @@ class StepLoop:
             else:
                 self._idle()
         error = EngineClosedError("engine closed during generation")
-        for seq_id in list(self._streams):
+        for seq_id in list(self._requests):
             self._end(seq_id, error)
         self._publish_load()
 
@@ -140,9 +129,9 @@ class StepLoop:
             incoming, aborts = self._incoming, self._aborts
             self._incoming, self._aborts = [], []
             closed = self._closed
-        for stream in incoming:
-            self._streams[stream.seq.seq_id] = stream
-            self._scheduler.add_request(stream.seq)
+        for request in incoming:
+            self._requests[request.seq.seq_id] = request
+            self._scheduler.add_request(request.seq)
         for seq_id in aborts:
             if self._forget(seq_id) is not None:
                 self._scheduler.abort_request(seq_id)
@@ -167,41 +156,43 @@ class StepLoop:
             for s in output.scheduled:
                 self._end(s.seq.seq_id, e)
             return
-        streams = [self._streams[s.seq.seq_id] for s in output.scheduled if s.samples]
+        requests = [self._requests[s.seq.seq_id] for s in output.scheduled if s.samples]
         self._scheduler.complete_step(output)
-        logits = apply_masks(logits, [st.matcher for st in streams])
+        logits = apply_masks(logits, [r.matcher for r in requests])
         tokens = sample_batch(
             logits,
-            [st.params for st in streams],
-            [st.generator for st in streams],
-            [st.output_ids if st.params.has_penalties else [] for st in streams],
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            [r.output_ids if r.params.has_penalties else [] for r in requests],
         )
         with self._lock:
             self._decode_rate.add(len(tokens))
-        for stream, token, row in zip(streams, tokens, logits, strict=True):
+        for request, token, row in zip(requests, tokens, logits, strict=True):
             try:
-                self._append(stream, token, row)
+                self._append(request, token, row)
             except Exception as e:
-                logger.exception("request %s failed", stream.request_id)
-                self._end(stream.seq.seq_id, e)
+                logger.exception("request %s failed", request.request_id)
+                self._end(request.seq.seq_id, e)
 
-    def _append(self, stream: Stream, token: int, logits: torch.Tensor) -> None:
+    def _append(self, request: RequestState, token: int, logits: torch.Tensor) -> None:
         """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
-        stream.seq.token_ids.append(token)
-        if stream.matcher is not None and not stream.matcher.consume_token(token):
+        request.seq.token_ids.append(token)
+        if request.matcher is not None and not request.matcher.consume_token(token):
             raise RuntimeError(
-                f"token {token} broke the request's grammar: {stream.matcher.get_error()}"
+                f"token {token} broke the request's grammar: {request.matcher.get_error()}"
             )
         end: TokenEnd | None = None
-        if token in stream.stop_token_ids:
+        if token in request.stop_token_ids:
             end = "stop_token"
-        elif len(stream.seq.token_ids) >= stream.max_len:
+        elif len(request.seq.token_ids) >= request.max_len:
             end = "length"
-        decoded = stream.decoder.add(token, end)
+        decoded = request.decoder.add(token, end)
         finish = decoded.finish
-        logprobs = self._logprobs(logits, token, stream.params) if stream.params.logprobs else None
-        seq = stream.seq
-        stream.emit(
+        logprobs = (
+            self._logprobs(logits, token, request.params) if request.params.logprobs else None
+        )
+        seq = request.seq
+        request.emit(
             GenerationChunk(
                 decoded.text,
                 [token],
@@ -229,17 +220,13 @@ class StepLoop:
     def _end(self, seq_id: int, error: BaseException) -> None:
         """A failed sequence leaves the batch now and frees its blocks; the error ends its
         stream."""
-        stream = self._forget(seq_id)
-        if stream is not None:
+        request = self._forget(seq_id)
+        if request is not None:
             self._scheduler.abort_request(seq_id)
-            stream.emit(error)
+            request.emit(error)
 
-    def _forget(self, seq_id: int) -> Stream | None:
-        stream = self._streams.pop(seq_id, None)
-        if stream is not None:
-            with self._lock:
-                self._live -= 1
-        return stream
+    def _forget(self, seq_id: int) -> RequestState | None:
+        return self._requests.pop(seq_id, None)
 
 
 def emitter(

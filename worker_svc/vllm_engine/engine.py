@@ -14,6 +14,7 @@ process's default registry, which the worker's metrics port serves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,21 +40,19 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
-from worker_svc.config import WorkerConfig
+from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
-    EngineOverloadedError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
+    InvalidArgumentError,
+    RequestFront,
     SamplingParams,
     TokenLogprob,
     ToolCallDelta,
-    check_request,
-    completion_budget,
 )
 from worker_svc.model.precision import (
     choose_precision,
@@ -63,9 +62,8 @@ from worker_svc.model.precision import (
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import lark_grammar
-from worker_svc.text.tokenizer import Tokenizer
+from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
 from worker_svc.text.tool_parser import ToolMarkers
-from worker_svc.torch_engine.engine import prompt_token_ids
 from worker_svc.vllm_engine.args import (
     Devices,
     check_known,
@@ -137,17 +135,19 @@ class VllmEngine:
         capabilities: DeviceCapabilities,
         max_model_len: int,
         vocab_size: int,
-        max_live: int,
+        parallel: Batching,
         meter: _LoadMeter,
     ) -> None:
         self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
         self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
-        self._vocab_size = vocab_size
-        self._max_live = max_live  # running + waiting past which a request gets RESOURCE_EXHAUSTED
-        self._live = 0
+        self._front = RequestFront(
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            max_parallel=parallel.max_parallel,
+            max_waiting=parallel.max_waiting,
+        )
         self._meter = meter
-        self._closed = False
 
     @classmethod
     async def start(cls, config: WorkerConfig) -> VllmEngine:
@@ -218,21 +218,24 @@ class VllmEngine:
             capabilities,
             model_config.max_model_len,
             model_config.get_vocab_size(),
-            parallel.max_parallel + parallel.max_waiting,
+            parallel,
             meter,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; closing the iterator aborts the vLLM request."""
-        if self._closed:
-            raise EngineClosedError("engine is closed")
+        self._front.check(request)
         prompt, params = self._prepare(request)
-        if self._live >= self._max_live:
-            raise EngineOverloadedError(
-                f"the worker is full: {self._live} requests (max_parallel + "
-                "max_waiting); retry later"
-            )
-        self._live += 1
+        with self._front.admitted():
+            async with contextlib.aclosing(self._run(request, prompt, params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _run(
+        self, request: GenerationRequest, prompt: TokensPrompt, params: VllmSamplingParams
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """vLLM's outputs for an admitted request, as chunks; a request that ends early is aborted
+        in vLLM."""
         carrier: dict[str, str] | None = None
         if self._llm.vllm_config.observability_config.otlp_traces_endpoint:  # vLLM traces too
             carrier = {}
@@ -266,9 +269,10 @@ class VllmEngine:
             if not finished:
                 raise EngineClosedError("vLLM ended the request before it finished")
         except VLLMValidationError as e:  # the grammar, refused before generation starts
-            raise InvalidRequestError(f"the tools or json_schema cannot be enforced: {e}") from None
+            raise InvalidArgumentError(
+                f"the tools or json_schema cannot be enforced: {e}"
+            ) from None
         finally:
-            self._live -= 1
             if not finished:
                 await self._llm.abort(request.request_id)
 
@@ -276,16 +280,14 @@ class VllmEngine:
         return self._meter.load()
 
     async def close(self) -> None:
-        self._closed = True
+        self._front.close()
         self._llm.shutdown()
 
     def _prepare(self, request: GenerationRequest) -> tuple[TokensPrompt, VllmSamplingParams]:
-        """The request checked by the rules every engine applies, as vLLM's prompt and sampling
-        params."""
-        check_request(request, self._vocab_size)
+        """The checked request as vLLM's prompt and sampling params."""
         ids = prompt_token_ids(self.tokenizer, request)  # renders tools as for the torch engine
         p = request.sampling
-        budget = completion_budget(len(ids), p.max_tokens, self.max_model_len)
+        budget = self._front.budget(len(ids), p.max_tokens)
         constraints = request.constraints
         grammar = lark_grammar(constraints, self._markers) if constraints.active else None
         params = VllmSamplingParams(

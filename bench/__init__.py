@@ -1,0 +1,2 @@
+"""The benchmark scripts (the top floor): each runs as ``.venv/bin/python bench/NAME.py`` and prints
+its figures for docs/BENCHMARKS.md; shared parts (bench.mesh_load) import as ``bench.*``."""
