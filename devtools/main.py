@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -77,6 +78,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         redis_server = _start_redis(redis_url)
         redis_url = redis_server.url
     admin_token = secrets.token_urlsafe(32)
+    model = Path(args.model).resolve().name
     spec = MeshSpec(
         redis_url=redis_url,
         model_path=args.model,
@@ -87,6 +89,9 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
             "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
             # the admin API's token for this run, printed below
             "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+            # agents' default model names (Claude Code's claude-..., Codex's gpt-...) are served
+            # by the model without configuring the agent
+            "INFERMESH_GATEWAY_MODELS_ALIASES": json.dumps({"claude-*": model, "gpt-*": model}),
         },
     )
     try:
@@ -94,7 +99,10 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
             key = asyncio.run(create_key_at(redis_url, "make-run development key"))
             print(
                 f"\nOPENAI_BASE_URL={spec.base_url}\nOPENAI_API_KEY={key}\n"
-                f"(model: {Path(args.model).resolve().name}; Ctrl-C stops everything)\n"
+                f"(model: {model}, also as claude-* and gpt-*; Ctrl-C stops everything)\n"
+                f"For Claude Code:\n"
+                f"ANTHROPIC_BASE_URL=http://127.0.0.1:{spec.gateway_port}\n"
+                f"ANTHROPIC_AUTH_TOKEN={key}\n"
                 f"For `python -m infermesh keys ...`:\n"
                 f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
                 f"INFERMESH_ADMIN_TOKEN={admin_token}\n",

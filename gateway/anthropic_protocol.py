@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -47,21 +47,48 @@ class ToolResultBlock(BaseModel):
     is_error: bool = False
 
 
-Block = Annotated[TextPart | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """Thinking of an earlier assistant turn (a conversation begun with a thinking model): this
+    model does not think, so it is left out of the prompt."""
+
+    model_config = STRICT
+    type: Literal["thinking"]
+    thinking: str = ""
+    signature: str = ""
+
+
+class RedactedThinkingBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+Block = Annotated[
+    TextPart | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+# the blocks each role's turns may hold
+_ROLE_BLOCKS = {
+    "user": {"text", "tool_result"},
+    "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
+    "system": {"text"},
+}
 
 
 class Message(BaseModel):
+    """A turn. Claude Code also sends ``system`` turns among the messages: they join the system
+    prompt, as DeepSeek's templates gather every system message there."""
+
     model_config = STRICT
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[Block], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _blocks_of_role(self) -> Message:
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
-        if self.role == "user" and "tool_use" in kinds:
-            raise ValueError("tool_use blocks belong in assistant turns")
-        if self.role == "assistant" and "tool_result" in kinds:
-            raise ValueError("tool_result blocks belong in user turns")
+        misplaced = sorted(kinds - _ROLE_BLOCKS[self.role])
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} blocks do not belong in {self.role} turns")
         return self
 
     def router_messages(self) -> list[common_pb2.ChatMessage]:
@@ -116,33 +143,87 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = STRICT
     format: OutputFormat | None = None
-    # `effort` is accepted and ignored: how long to think, for a model that does not think
+    # accepted and ignored: how hard to think, for a model that does not think
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class Thinking(BaseModel):
-    """Only what a model without thinking blocks serves: none, or the model's own choice."""
+    """Only what a model without thinking blocks serves: none, or the model's own choice (which
+    is not to think); ``display`` then has nothing to show or omit."""
 
     model_config = STRICT
     type: Literal["disabled", "adaptive"]
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
 
-class MessagesRequest(BaseModel):
-    """The body of ``POST /v1/messages``."""
+class InputTokens(BaseModel):
+    model_config = STRICT
+    type: Literal["input_tokens"]
+    value: UInt32
+
+
+class ToolUses(BaseModel):
+    model_config = STRICT
+    type: Literal["tool_uses"]
+    value: UInt32
+
+
+class ThinkingTurns(BaseModel):
+    model_config = STRICT
+    type: Literal["thinking_turns", "all"]
+    value: UInt32 | None = None
+
+
+class ClearToolUses(BaseModel):
+    """Clears the results (and optionally the inputs) of the oldest tool uses once the prompt
+    grows past ``trigger``, keeping the last ``keep``; Anthropic's defaults."""
+
+    model_config = STRICT
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(
+        type="input_tokens", value=100_000
+    )
+    keep: ToolUses = ToolUses(type="tool_uses", value=3)
+    clear_at_least: InputTokens | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+    exclude_tools: list[str] | None = None
+
+
+class ClearThinking(BaseModel):
+    """Clears thinking blocks of earlier turns: this model writes none, and the prompt never holds
+    any (gateway.context_editing)."""
+
+    model_config = STRICT
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns | None = None
+
+
+class ContextManagement(BaseModel):
+    """Server-side context editing (beta context-management-2025-06-27). Edit types not listed
+    here (compaction, ...) are a 400 naming the type."""
+
+    model_config = STRICT
+    edits: list[Annotated[ClearToolUses | ClearThinking, Field(discriminator="type")]] = []
+
+
+class Metadata(BaseModel):
+    model_config = STRICT
+    user_id: str | None = None  # accepted; the session comes from X-Claude-Code-Session-Id
+
+
+class MessagesBody(BaseModel):
+    """What ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` share: the prompt."""
 
     model_config = STRICT
     model: Name
-    max_tokens: UInt32
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
-    stream: bool = False
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
     thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    metadata: Metadata | None = None
 
     def router_messages(self) -> list[common_pb2.ChatMessage]:
         messages = [r for m in self.messages for r in m.router_messages()]
@@ -152,19 +233,12 @@ class MessagesRequest(BaseModel):
             )
         return messages
 
-    def generate_request(self, request_id: str) -> common_pb2.GenerateRequest:
-        sampling = sampling_params(
-            stop=self.stop_sequences or [],
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-        )
+    def prompt_request(self, request_id: str) -> common_pb2.GenerateRequest:
+        """The worker's request for this prompt, without sampling: what count_tokens counts."""
         return common_pb2.GenerateRequest(
             request_id=request_id,
             model=self.model,
             messages=self.router_messages(),
-            sampling=sampling,
             **self._tools(),
         )
 
@@ -181,7 +255,9 @@ class MessagesRequest(BaseModel):
                 common_pb2.Tool(
                     name=t.name,
                     description=t.description or "",
-                    parameters_json=check_schema(t.input_schema, f"tools.{i}.input_schema"),
+                    parameters_json=check_schema(
+                        t.input_schema, f"tools.{i}.input_schema", tool=True
+                    ),
                 )
                 for i, t in enumerate(tools)
             ]
@@ -209,13 +285,39 @@ class MessagesRequest(BaseModel):
         return fields
 
 
-# Anthropic fields this gateway does not implement (server-side tools and context editing):
-# refused rather than dropped (README lists the fields still ignored)
-UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management")
+class MessagesRequest(MessagesBody):
+    """The body of ``POST /v1/messages``."""
+
+    max_tokens: UInt32
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    stream: bool = False
+
+    def generate_request(self, request_id: str) -> common_pb2.GenerateRequest:
+        request = self.prompt_request(request_id)
+        request.sampling.CopyFrom(
+            sampling_params(
+                stop=self.stop_sequences or [],
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens,
+            )
+        )
+        return request
 
 
-def parse_messages_request(body: Any) -> MessagesRequest:
-    request = parse_body(MessagesRequest, body)
+# Anthropic fields this gateway does not implement (server-side tools and containers): refused
+# rather than dropped (README lists the fields still ignored)
+UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers")
+
+B = TypeVar("B", bound=MessagesBody)
+
+
+def parse_messages_request(body: Any, model: type[B]) -> B:
+    request = parse_body(model, body)
     refuse_fields(body, UNSUPPORTED_MESSAGES_FIELDS)
     return request
 
@@ -244,19 +346,13 @@ def usage(tokens: TokenUsage) -> dict[str, int]:
 def message(
     mid: str,
     model: str,
-    text: str | None,
+    content: list[dict[str, Any]],
     stop_reason: StopReason | None,
     tokens: TokenUsage,
-    tool_calls: list[dict[str, Any]] | None = None,
+    context_management: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``message`` object; without text (``None``) the start of a stream. ``tool_calls`` in
-    OpenAI's shape (gateway.tools.ToolCalls) become tool_use blocks after the text."""
-    content = [] if text is None else [{"type": "text", "text": text}]
-    content += [
-        tool_use(c["id"], c["function"]["name"], _input(c["function"]["arguments"]))
-        for c in tool_calls or ()
-    ]
-    return {
+    """A ``message`` object; without a stop reason the start of a stream."""
+    body = {
         "id": mid,
         "type": "message",
         "role": "assistant",
@@ -266,6 +362,20 @@ def message(
         "stop_sequence": None,
         "usage": usage(tokens),
     }
+    if context_management is not None:
+        body["context_management"] = context_management
+    return body
+
+
+def content(text: str, tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A message's blocks: its text, then its calls (``tool_calls`` in OpenAI's shape, as
+    gateway.tools.ToolCalls assembles them). No empty text block: Anthropic's API refuses one
+    when a client sends the history back."""
+    blocks = [{"type": "text", "text": text}] if text else []
+    return blocks + [
+        tool_use(c["id"], c["function"]["name"], _input(c["function"]["arguments"]))
+        for c in tool_calls or ()
+    ]
 
 
 def tool_use(call_id: str, name: str, input: dict[str, Any]) -> dict[str, Any]:
@@ -281,55 +391,73 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stream_start(mid: str, model: str) -> list[dict[str, Any]]:
-    """The events before the first text delta."""
+def stream_start(mid: str, model: str, tokens: TokenUsage) -> list[dict[str, Any]]:
+    """The events before the first content block; ``tokens``: the prompt's, known by then."""
     return [
-        {"type": "message_start", "message": message(mid, model, None, None, TokenUsage())},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "message_start", "message": message(mid, model, [], None, tokens)},
         {"type": "ping"},
     ]
 
 
-def text_delta(text: str) -> dict[str, Any]:
-    return {
-        "type": "content_block_delta",
-        "index": 0,
-        "delta": {"type": "text_delta", "text": text},
-    }
+class StreamBlocks:
+    """A streamed message's content blocks, each started when its first content arrives (so no
+    empty text block) and stopped when the next starts: the text, then one block per call whose
+    input streams as JSON deltas."""
+
+    def __init__(self) -> None:
+        self._open: int | None = None  # the index of the block open now
+        self._text: int | None = None  # the text block's index, once started
+        self._calls: dict[int, int] = {}  # call index -> its block's index
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = []
+        if self._text is None:
+            self._text = self._next()
+            events = [*self.stop(), _block_start(self._text, {"type": "text", "text": ""})]
+            self._open = self._text
+        delta = {"type": "text_delta", "text": text}
+        return [*events, {"type": "content_block_delta", "index": self._text, "delta": delta}]
+
+    def tool_call(self, call: int, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+        """A piece of call ``call``: its first carries id and name, every one argument text."""
+        events = []
+        if call_id:
+            self._calls[call] = self._next()
+            events = [*self.stop(), _block_start(self._calls[call], tool_use(call_id, name, {}))]
+            self._open = self._calls[call]
+        if arguments:
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            events.append(
+                {"type": "content_block_delta", "index": self._calls[call], "delta": delta}
+            )
+        return events
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stops the open block, if any."""
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [{"type": "content_block_stop", "index": index}]
+
+    def _next(self) -> int:
+        return (self._text is not None) + len(self._calls)
 
 
-def tool_use_start(index: int, call_id: str, name: str) -> list[dict[str, Any]]:
-    """The previous block ends, a tool_use block begins (its input comes as JSON deltas)."""
-    return [
-        {"type": "content_block_stop", "index": index - 1},
-        {
-            "type": "content_block_start",
-            "index": index,
-            "content_block": tool_use(call_id, name, {}),
-        },
-    ]
-
-
-def input_json_delta(index: int, partial_json: str) -> dict[str, Any]:
-    return {
-        "type": "content_block_delta",
-        "index": index,
-        "delta": {"type": "input_json_delta", "partial_json": partial_json},
-    }
+def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_start", "index": index, "content_block": block}
 
 
 def stream_end(
-    stop_reason: StopReason,
-    tokens: TokenUsage,
-    last_block: int = 0,
+    stop_reason: StopReason, tokens: TokenUsage, context_management: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
-    """The events after the last delta; usage counts are the totals."""
-    return [
-        {"type": "content_block_stop", "index": last_block},
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
-            "usage": usage(tokens),
-        },
-        {"type": "message_stop"},
-    ]
+    """The events after the last block stopped; usage counts are the totals."""
+    delta: dict[str, Any] = {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+        "usage": usage(tokens),
+    }
+    if context_management is not None:
+        delta["context_management"] = context_management
+    return [delta, {"type": "message_stop"}]

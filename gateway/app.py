@@ -12,11 +12,11 @@ from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
-from gateway.generation import LIMITS_CONFIG
+from gateway.generation import LIMITS_CONFIG, MODELS_CONFIG
 from gateway.keys import REDIS, KeyStore
 from gateway.limits import LIMITER, Limiter
 from gateway.mesh_client import MESH, MeshClient
-from gateway.messages import create_message
+from gateway.messages import count_tokens, create_message
 from gateway.middleware import (
     API_PREFIXES,
     KEY_STORE,
@@ -58,6 +58,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[SERVER_CONFIG] = config.server
     app[REDIS_CONFIG] = config.redis
     app[LIMITS_CONFIG] = config.limits
+    app[MODELS_CONFIG] = config.models
     app[RESPONSES_CONFIG] = config.responses
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
@@ -78,6 +79,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     # Anthropic clients append /v1/messages to their base URL, the alias included.
     for base in ("", alias) if alias else ("",):
         app.router.add_post(f"{base}/v1/messages", create_message)
+        app.router.add_post(f"{base}/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_document)

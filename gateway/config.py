@@ -1,5 +1,5 @@
 """The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``,
-``[admin]`` and ``[responses]``.
+``[admin]``, ``[models]`` and ``[responses]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -9,6 +9,7 @@ overridden as ``INFERMESH_GATEWAY_<SECTION>_<KEY>``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import re
 
@@ -175,6 +176,27 @@ class AdminSection:
 
 
 @section
+class ModelsSection:
+    """Other names clients may ask for, each standing for a served model: exact names or glob
+    patterns (``"claude-*"``), tried exact names first, then patterns in order. An agent's
+    default model name (Claude Code's ``claude-...``, Codex's ``gpt-...``) then works without
+    configuring the client."""
+
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for alias, target in self.aliases.items():
+            if not alias or not isinstance(target, str) or not target:
+                raise ValueError(f"aliases: {alias!r} must name a served model, got {target!r}")
+
+    def resolve(self, name: str) -> str:
+        """The served model ``name`` stands for (itself when no alias matches)."""
+        if name in self.aliases:
+            return self.aliases[name]
+        return next((t for a, t in self.aliases.items() if fnmatch.fnmatchcase(name, a)), name)
+
+
+@section
 class ResponsesSection:
     # How long a stored response (store: true) can be read and continued from
     # (previous_response_id); OpenAI keeps them 30 days (2592000).
@@ -192,4 +214,5 @@ class GatewayConfig:
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
+    models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)

@@ -17,6 +17,8 @@ import grpc
 from aiohttp import web
 from pydantic import BaseModel
 
+from infermesh.context_limit import ContextOverflow, parse_overflow
+
 Dialect = Literal["openai", "anthropic"]
 
 # Anthropic names its error types by status.
@@ -33,6 +35,7 @@ _ANTHROPIC_TYPES = {
     431: "invalid_request_error",
     503: "overloaded_error",
     504: "timeout_error",
+    529: "overloaded_error",
 }
 
 
@@ -67,6 +70,7 @@ class GatewayError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
+    anthropic_status: int | None = None  # Anthropic's own status for this error, when it differs
 
     def __init__(
         self,
@@ -96,12 +100,22 @@ class GatewayError(Exception):
         ).model_dump()
 
     def anthropic_body(self) -> dict[str, Any]:
+        status = self.status_in("anthropic")
         return AnthropicErrorBody(
             type="error",
             error=AnthropicErrorDetail(
-                type=_ANTHROPIC_TYPES.get(self.status, "api_error"), message=self.message
+                type=_ANTHROPIC_TYPES.get(status, "api_error"), message=self.anthropic_message()
             ),
         ).model_dump()
+
+    def anthropic_message(self) -> str:
+        """The message in Anthropic's words, where its clients act on them."""
+        return self.message
+
+    def status_in(self, dialect: Dialect) -> int:
+        if dialect == "anthropic" and self.anthropic_status is not None:
+            return self.anthropic_status
+        return self.status
 
     def dialect_body(self, dialect: Dialect) -> dict[str, Any]:
         return self.anthropic_body() if dialect == "anthropic" else self.body()
@@ -109,6 +123,30 @@ class GatewayError(Exception):
 
 class InvalidRequestError(GatewayError):
     status, type, code = 400, "invalid_request_error", None
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt and max_tokens, do not fit the model's context: in each API's
+    words, which clients act on (OpenAI's code; Anthropic's message, infermesh.context_limit)."""
+
+    def __init__(self, overflow: ContextOverflow) -> None:
+        prompt, most, context = overflow
+        if most is None:
+            message = (
+                f"This model's maximum context length is {context} tokens. However, your "
+                f"messages resulted in {prompt} tokens. Please reduce the length of the messages."
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {prompt + most} tokens ({prompt} in the messages, {most} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        super().__init__(message, param="messages", code="context_length_exceeded")
+        self.overflow = overflow
+
+    def anthropic_message(self) -> str:
+        return self.overflow.message()
 
 
 class AuthenticationError(GatewayError):
@@ -157,12 +195,25 @@ class RateLimitError(GatewayError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 
 
+class OverloadedError(RateLimitError):
+    """The mesh is busy (a worker's queue is full), not the key over its limits: Anthropic's
+    clients retry a 529 overloaded_error."""
+
+    anthropic_status = 529
+
+
 class UpstreamError(GatewayError):
     status, type, code = 502, "server_error", "upstream_error"
 
 
 class ServiceUnavailableError(GatewayError):
     status, type, code = 503, "server_error", "service_unavailable"
+
+
+class NoCapacityError(ServiceUnavailableError):
+    """No worker can take the request now."""
+
+    anthropic_status = 529
 
 
 class UpstreamTimeoutError(GatewayError):
@@ -173,7 +224,9 @@ def error_response(error: GatewayError, dialect: Dialect = "openai") -> web.Resp
     headers = dict(error.headers)
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
-    return web.json_response(error.dialect_body(dialect), status=error.status, headers=headers)
+    return web.json_response(
+        error.dialect_body(dialect), status=error.status_in(dialect), headers=headers
+    )
 
 
 def store_unavailable(retry_after_s: int) -> GatewayError:
@@ -232,7 +285,8 @@ def from_grpc(
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFoundError(details, param="model")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return InvalidRequestError(details)
+        overflow = parse_overflow(details)
+        return InvalidRequestError(details) if overflow is None else ContextLengthError(overflow)
     if code == grpc.StatusCode.FAILED_PRECONDITION:  # the router's: no worker in that precision
         return InvalidRequestError(details, param="precision")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _GRPC_SIZE_LIMIT.search(details):
@@ -241,7 +295,7 @@ def from_grpc(
             "The request (or its answer) exceeds the mesh's gRPC message or metadata size limits"
         )
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RateLimitError(details, retry_after_s=retry_after_s)
+        return OverloadedError(details, retry_after_s=retry_after_s)
     if code == grpc.StatusCode.UNAVAILABLE and not router_reachable:
         return ServiceUnavailableError(
             "The inference router is unreachable; try again shortly",
@@ -249,7 +303,7 @@ def from_grpc(
             retry_after_s=retry_after_s,
         )
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ServiceUnavailableError(
+        return NoCapacityError(
             details or "No worker can take the request now", retry_after_s=retry_after_s
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

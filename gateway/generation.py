@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from aiohttp import web
 
 from gateway.affinity import affinity_key
-from gateway.config import LimitsSection
+from gateway.config import LimitsSection, ModelsSection
 from gateway.errors import GatewayError, PermissionDeniedError, UpstreamError
 from gateway.limits import LIMITER, Admission, mesh_failed
 from gateway.mesh_client import MESH, MeshClient
@@ -31,6 +31,7 @@ from infermesh.pb import common_pb2
 from telemetry import genai, metrics
 
 LIMITS_CONFIG = web.AppKey("limits_config", LimitsSection)
+MODELS_CONFIG = web.AppKey("models_config", ModelsSection)  # the model aliases
 
 Chunk = common_pb2.GenerateResponse
 
@@ -130,9 +131,10 @@ class Generation:
         return [reason or "unfinished" for reason in self._finish_reasons]
 
     def usage(self) -> TokenUsage:
-        """Usage so far: as the worker reported it, else counted from the tokens seen
-        (the prompt then estimated), so an abandoned stream is charged what it used.
-        A prompt counts once however many choices it had, as OpenAI counts it."""
+        """Usage so far: as the worker reported it (its prompt counts come with the first
+        chunk, the rest with the last), else counted from the tokens seen (the prompt then
+        estimated), so an abandoned stream is charged what it used. A prompt counts once
+        however many choices it had, as OpenAI counts it."""
         prompts = [0] * len(self._plan.prompt_estimates)
         cached = [0] * len(self._plan.prompt_estimates)
         completion = 0
@@ -141,7 +143,8 @@ class Generation:
             if reported is not None:
                 prompts[group] = max(prompts[group], reported.prompt_tokens)
                 cached[group] = max(cached[group], reported.cached_prompt_tokens)
-                completion += reported.completion_tokens
+                finished = self._finish_reasons[i] is not None
+                completion += reported.completion_tokens if finished else self._counted[i]
             else:
                 if self._counted[i]:
                     prompts[group] = max(prompts[group], self._plan.prompt_estimates[group])
@@ -183,6 +186,13 @@ async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def served_model(request: web.Request, model: str) -> str:
+    """The served model ``model`` names ([models] aliases), recorded as the request's model."""
+    served = request.app[MODELS_CONFIG].resolve(model)
+    request[MODEL] = served
+    return served
+
+
 def check_model(request: web.Request, model: str | None) -> None:
     """A 403 when the request's key may not use ``model``."""
     if model is not None and not request[API_KEY].allows(model):
@@ -203,20 +213,22 @@ async def admitted_generation(
     headers it yields (admission's and the route's). Settles the key's usage however the
     request ends (as not served when the mesh failed it before its first token, see
     ``gateway.limits``). The ``{operation} {model}`` span and the latency metrics cover the
-    whole generation."""
-    request[MODEL] = plan.model
+    whole generation. The plan's model may be an alias ([models] aliases): its requests ask for
+    the served model it stands for."""
+    model = served_model(request, plan.model)
     sampling = plan.requests[0].sampling
     started = time.monotonic()
     with genai.model_call_span(
         _operation(request),
-        plan.model,
+        model,
         max_tokens=plan.max_tokens,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
         top_p=sampling.top_p if sampling.HasField("top_p") else None,
     ) as span:
-        check_model(request, plan.model)
+        check_model(request, model)
         session = affinity_key(request[API_KEY].id, request.headers, plan.session)
         for r in plan.requests:
+            r.model = model
             r.affinity_key = session
         generation = Generation(request.app[MESH], plan)
         try:
@@ -244,14 +256,14 @@ async def admitted_generation(
             genai.record_response(
                 span,
                 response_id=request[REQUEST_ID],
-                model=plan.model,
+                model=model,
                 finish_reasons=generation.finish_reasons,
                 input_tokens=usage.prompt_tokens,
                 output_tokens=usage.completion_tokens,
             )
         metrics.observe_generation(
             "gateway",
-            plan.model,
+            model,
             first_token_s,
             time.monotonic() - started,
             usage.prompt_tokens,

@@ -133,6 +133,11 @@ class MeshClient:
         finally:
             await chunks.aclose()
 
+    async def tokenize(self, request: common_pb2.GenerateRequest) -> int:
+        """The request's prompt tokens as a worker serving its model counts (and bills) them."""
+        reply: common_pb2.TokenizeResponse = await self._control(self._stub.Tokenize, request)
+        return reply.prompt_tokens
+
     async def list_models(self) -> list[router_pb2.Model]:
         return list(
             (await self._control(self._stub.ListModels, router_pb2.ListModelsRequest())).models

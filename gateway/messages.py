@@ -1,6 +1,12 @@
-"""Serving ``POST /v1/messages``: Anthropic's Messages API over the same mesh,
-keys and limits, so Claude-style clients work with the gateway's keys
-(``x-api-key`` or Bearer). Errors use Anthropic's shape (see ``gateway.errors``)."""
+"""Serving ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API
+over the same mesh, keys and limits, so Claude-style clients (Claude Code among them) work with the
+gateway's keys (``x-api-key`` or Bearer). Errors use Anthropic's shape (see ``gateway.errors``).
+
+Claude Code's requests come as they are: ``?beta=true`` and any ``anthropic-beta`` header are
+ignored (the fields those betas add are served or refused by name), ``context_management`` edits
+the prompt first (gateway.context_editing), and count_tokens counts exactly what a message with the
+same prompt is billed, from the worker's own rendering and tokenizer.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +17,21 @@ from aiohttp import web
 
 from gateway import anthropic_protocol as wire
 from gateway import json_body, sse
+from gateway.context_editing import Counter, apply_edits
 from gateway.errors import UpstreamError
-from gateway.generation import Generation, Plan, admitted_generation
+from gateway.generation import Generation, Plan, admit, admitted_generation, served_model
+from gateway.limits import LIMITER, mesh_failed
+from gateway.mesh_client import MESH
 from gateway.middleware import REQUEST_ID
 from gateway.tools import ToolCalls
+from gateway.usage import TokenUsage
 from gateway.validation import estimate_tokens, read_json
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    body = wire.parse_messages_request(await read_json(request))
+    body = wire.parse_messages_request(await read_json(request), wire.MessagesRequest)
+    body, applied = await apply_edits(body, _counter(request, body.model))
+    edits = {"applied_edits": applied} if body.context_management is not None else None
     prompt = "".join(m.content for m in body.router_messages())
     plan = Plan(
         model=body.model,
@@ -35,14 +47,50 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             return await sse.stream(
                 request,
                 headers,
-                _events(body, generation),
+                _events(body, generation, edits),
                 lambda e: sse.named_event(e.anthropic_body()),
             )
-        return await _collect(body, generation, headers)
+        return await _collect(body, generation, headers, edits)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's input tokens, as ``create_message`` would bill them: the key's model check
+    and request limits apply, no tokens are charged."""
+    body = wire.parse_messages_request(await read_json(request), wire.MessagesBody)
+    model = served_model(request, body.model)
+    admission = await admit(request, model, 0)
+    served = True
+    try:
+        count = _counter(request, body.model)
+        edited, _ = await apply_edits(body, count)
+        answer: dict[str, Any] = {"input_tokens": await count(edited)}
+        if body.context_management is not None:
+            original = answer["input_tokens"] if edited is body else await count(body)
+            answer["context_management"] = {"original_input_tokens": original}
+    except Exception as e:
+        served = not mesh_failed(e)
+        raise
+    finally:
+        request.app[LIMITER].settle_soon(admission, TokenUsage(), served=served)
+    return web.json_response(answer, headers=admission.headers)
+
+
+def _counter(request: web.Request, model: str) -> Counter:
+    """Counts a prompt's input tokens on a worker serving ``model`` (an alias resolved)."""
+
+    async def count(body: wire.MessagesBody) -> int:
+        prompt = body.prompt_request(request[REQUEST_ID])
+        prompt.model = served_model(request, model)
+        return await request.app[MESH].tokenize(prompt)
+
+    return count
 
 
 async def _collect(
-    body: wire.MessagesRequest, generation: Generation, headers: dict[str, str]
+    body: wire.MessagesRequest,
+    generation: Generation,
+    headers: dict[str, str],
+    edits: dict[str, Any] | None,
 ) -> web.Response:
     texts, stop, calls = [], None, ToolCalls()
     async for _, chunk in generation.chunks():
@@ -53,10 +101,10 @@ async def _collect(
         wire.message(
             wire.message_id(),
             body.model,
-            "".join(texts),
+            wire.content("".join(texts), calls.message_field()),
             _stop_reason(stop),
             generation.usage(),
-            calls.message_field(),
+            edits,
         ),
         headers=headers,
     )
@@ -68,22 +116,24 @@ def _stop_reason(stop: wire.StopReason | None) -> wire.StopReason:
     return stop
 
 
-async def _events(body: wire.MessagesRequest, generation: Generation) -> AsyncIterator[bytes]:
-    """The stream's events; those of one worker chunk go out as one write."""
-    yield _joined(wire.stream_start(wire.message_id(), body.model))
-    stop, block = None, 0  # block: the content block open now (0: the text)
+async def _events(
+    body: wire.MessagesRequest, generation: Generation, edits: dict[str, Any] | None
+) -> AsyncIterator[bytes]:
+    """The stream's events; those of one worker chunk go out as one write. ``message_start``
+    waits for the first chunk, which brings the prompt's token count."""
+    stop, blocks, started = None, wire.StreamBlocks(), False
     async for _, chunk in generation.chunks():
-        events = [wire.text_delta(chunk.text)] if chunk.text else []
+        events = []
+        if not started:
+            events = wire.stream_start(wire.message_id(), body.model, generation.usage())
+            started = True
+        events += blocks.text(chunk.text)
         for piece in chunk.tool_calls:
-            if piece.id:
-                block = piece.index + 1
-                events.extend(wire.tool_use_start(block, piece.id, piece.name))
-            if piece.arguments:
-                events.append(wire.input_json_delta(block, piece.arguments))
+            events += blocks.tool_call(piece.index, piece.id, piece.name, piece.arguments)
         if events:
             yield _joined(events)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    yield _joined(wire.stream_end(_stop_reason(stop), generation.usage(), block))
+    yield _joined([*blocks.stop(), *wire.stream_end(_stop_reason(stop), generation.usage(), edits)])
 
 
 def _joined(events: Iterable[dict[str, Any]]) -> bytes:

@@ -90,17 +90,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             request[REQUEST_ID],
         )
         error = GatewayError("The gateway failed to handle the request")
+    dialect = _dialect(request)
     if error.status >= 500:
         logger.warning(
             "%s %s -> %d %s (request %s)",
             request.method,
             request.path,
-            error.status,
+            error.status_in(dialect),
             error.message,
             request[REQUEST_ID],
         )
-    _count(request, error.status)
-    return error_response(error, _dialect(request))
+    _count(request, error.status_in(dialect))
+    return error_response(error, dialect)
 
 
 def _count(request: web.Request, status: int) -> None:
@@ -111,8 +112,17 @@ def _count(request: web.Request, status: int) -> None:
 
 
 def _dialect(request: web.Request) -> Dialect:
-    """Anthropic's routes answer errors in Anthropic's shape."""
-    return "anthropic" if "/v1/messages" in request.path else "openai"
+    """Anthropic's routes answer errors in Anthropic's shape, and so do the routes both APIs
+    share (/v1/models) when an Anthropic client asks."""
+    if "/v1/messages" in request.path:
+        return "anthropic"
+    return "anthropic" if "/models" in request.path and is_anthropic_client(request) else "openai"
+
+
+def is_anthropic_client(request: web.Request) -> bool:
+    """Anthropic's SDKs (and Claude Code) send ``anthropic-version`` with every request; its
+    ``x-api-key`` credential is theirs too."""
+    return "anthropic-version" in request.headers or "x-api-key" in request.headers
 
 
 @web.middleware

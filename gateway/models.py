@@ -1,42 +1,71 @@
-"""Serving ``GET /v1/models`` and ``GET /v1/models/{id}`` from the router's ListModels.
+"""Serving ``GET /v1/models`` and ``GET /v1/models/{id}`` from the router's ListModels, in
+OpenAI's shape or, for an Anthropic client (Claude Code asks at start), in Anthropic's.
 
-Both count as requests against the key's limits; a key restricted to some models
-sees only those."""
+The list holds the served models and the aliases that stand for them ([models] aliases, glob
+patterns as they are written). Both count as requests against the key's limits; a key restricted
+to some models sees only those and their aliases."""
 
 from __future__ import annotations
+
+import datetime
+from typing import Any
 
 from aiohttp import web
 
 from gateway.errors import ModelNotFoundError
-from gateway.generation import admit
+from gateway.generation import MODELS_CONFIG, admit
 from gateway.limits import LIMITER, mesh_failed
 from gateway.mesh_client import MESH
-from gateway.middleware import API_KEY
+from gateway.middleware import API_KEY, is_anthropic_client
 from gateway.openai_protocol import model_list, model_object
 from gateway.usage import TokenUsage
-from infermesh.pb import router_pb2
+
+Listed = tuple[str, str, int]  # (the name clients ask for, the served model, created unix time)
 
 
 async def list_models(request: web.Request) -> web.Response:
     models, headers = await _visible_models(request)
+    if is_anthropic_client(request):
+        body = {
+            "data": [_anthropic_model(m) for m in models],
+            "has_more": False,
+            "first_id": models[0][0] if models else None,
+            "last_id": models[-1][0] if models else None,
+        }
+        return web.json_response(body, headers=headers)
     return web.json_response(
-        model_list([model_object(m.id, m.created) for m in models]), headers=headers
+        model_list([model_object(name, created) for name, _, created in models]), headers=headers
     )
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     wanted = request.match_info["model"]
     models, headers = await _visible_models(request)
-    for m in models:
-        if m.id == wanted:
-            return web.json_response(model_object(m.id, m.created), headers=headers)
-    served = ", ".join(sorted(m.id for m in models)) or "none"
+    served = request.app[MODELS_CONFIG].resolve(wanted)
+    for listed in models:
+        if listed[0] == served:
+            found = (wanted, served, listed[2])
+            if is_anthropic_client(request):
+                return web.json_response(_anthropic_model(found), headers=headers)
+            return web.json_response(model_object(wanted, listed[2]), headers=headers)
+    names = ", ".join(sorted(name for name, target, _ in models if name == target)) or "none"
     raise ModelNotFoundError(
-        f"model '{wanted}' is not served; served models: {served}", param="model", headers=headers
+        f"model '{wanted}' is not served; served models: {names}", param="model", headers=headers
     )
 
 
-async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model], dict[str, str]]:
+def _anthropic_model(listed: Listed) -> dict[str, Any]:
+    name, served, created = listed
+    return {
+        "type": "model",
+        "id": name,
+        "display_name": name if name == served else f"{name} ({served})",
+        "created_at": datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(),
+    }
+
+
+async def _visible_models(request: web.Request) -> tuple[list[Listed], dict[str, str]]:
+    """The served models the key may use, then the aliases of those, as (name, served, created)."""
     admission = await admit(request, None, 0)
     served = True
     try:
@@ -47,4 +76,10 @@ async def _visible_models(request: web.Request) -> tuple[list[router_pb2.Model],
     finally:
         request.app[LIMITER].settle_soon(admission, TokenUsage(), served=served)
     key = request[API_KEY]
-    return [m for m in models if key.allows(m.id)], admission.headers
+    created = {m.id: m.created for m in models if key.allows(m.id)}
+    aliases = request.app[MODELS_CONFIG].aliases
+    listed = [(name, name, when) for name, when in created.items()]
+    listed += [
+        (alias, target, created[target]) for alias, target in aliases.items() if target in created
+    ]
+    return listed, admission.headers

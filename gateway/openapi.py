@@ -20,12 +20,12 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, JsonSchemaValue, models_json_schema
 
 from gateway import admin
-from gateway.anthropic_protocol import MessagesRequest
+from gateway.anthropic_protocol import MessagesBody, MessagesRequest
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.completions_protocol import CompletionRequest
 from gateway.errors import AnthropicErrorBody, ErrorBody
-from gateway.messages import create_message
+from gateway.messages import count_tokens, create_message
 from gateway.models import list_models, retrieve_model
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.ops import health, metrics
@@ -122,6 +122,14 @@ def _operations() -> dict[Handler, Operation]:
             "Anthropic",
             MessagesRequest,
             streams=True,
+            security=({"apiKey": []}, {"anthropicApiKey": []}),
+            errors=AnthropicErrorBody,
+        ),
+        count_tokens: Operation(
+            "countMessageTokens",
+            "Counts a message's input tokens, as the message is billed (Anthropic's Messages API)",
+            "Anthropic",
+            MessagesBody,
             security=({"apiKey": []}, {"anthropicApiKey": []}),
             errors=AnthropicErrorBody,
         ),

@@ -96,9 +96,11 @@ class AssistantToolCall(BaseModel):
     function: ToolCallFunction
 
 
-def check_schema(schema: dict[str, Any], param: str) -> str:
+def check_schema(schema: dict[str, Any], param: str, *, tool: bool = False) -> str:
     """The schema as JSON text; a 400 naming ``param`` when it is not a valid JSON schema or uses
-    what the grammar library cannot enforce."""
+    what the grammar library cannot enforce. A ``tool``'s arguments are decoded leniently (the
+    worker's grammar leaves out the keywords it cannot enforce, as ``propertyNames`` in Claude
+    Code's tools), so that one such tool does not refuse an agent's every request."""
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -106,8 +108,9 @@ def check_schema(schema: dict[str, Any], param: str) -> str:
             f"Invalid JSON schema in '{param}': {e.message}", param=param
         ) from None
     text = json.dumps(schema)
+    checked = {**schema, "x-guidance": {"lenient": True}} if tool else schema
     error = llguidance.LLMatcher.validate_grammar(
-        llguidance.LLMatcher.grammar_from_json_schema(text)
+        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(checked))
     )
     if error:
         raise InvalidRequestError(
@@ -136,7 +139,11 @@ def structure(
             common_pb2.Tool(
                 name=t.function.name,
                 description=t.function.description or "",
-                parameters_json=check_schema(t.function.parameters or _JSON_OBJECT, param),
+                parameters_json=check_schema(
+                    t.function.parameters or _JSON_OBJECT,
+                    param,
+                    tool=True,
+                ),
             )
             for t, param in zip(tools, params, strict=True)
         ]

@@ -147,8 +147,9 @@ def _param(loc: tuple[int | str, ...], body: Any) -> str:
     parts: list[str] = []
     node = body
     for i, item in enumerate(loc):
+        # a key the input lacks is a union member's tag, unless it is the last (a missing field)
         if isinstance(node, dict) and isinstance(item, str) and (item in node or i == len(loc) - 1):
-            parts.append(item)  # a key, or the missing field the loc ends with
+            parts.append(item)
             node = node.get(item)
         elif isinstance(node, list) and isinstance(item, int) and item < len(node):
             parts.append(str(item))

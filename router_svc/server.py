@@ -145,6 +145,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(e.code, str(e))
             raise
 
+    async def Tokenize(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.TokenizeResponse],
+    ) -> common_pb2.TokenizeResponse:
+        """Asks the workers the request would be routed to, in order, until one answers; a
+        worker's answer (a count, or its refusal of the request) is the caller's."""
+        attempts = await self._decide(request, context)
+        error: grpc.aio.AioRpcError | None = None
+        for worker in attempts:
+            stub = self._channels.stub(worker.info.address)
+            try:
+                reply: common_pb2.TokenizeResponse = await stub.Tokenize(
+                    request, timeout=context.time_remaining()
+                )
+                return reply
+            except grpc.aio.AioRpcError as e:
+                error = e
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    break  # the request's own fault: another worker would say the same
+        assert error is not None, "decide() returns at least one worker"
+        await context.abort(error.code(), error.details() or "")
+
     async def RouteStream(
         self,
         requests: AsyncIterator[router_pb2.RouteStreamRequest],

@@ -35,6 +35,9 @@ class ModelSection:
     path: str = DEFAULT_MODEL_PATH  # a local HF-format checkpoint directory
     name: str = ""  # the id clients ask for; empty: the directory's name
     dtype: str = "auto"  # auto, bfloat16, float16 or float32
+    # A Jinja chat template file served instead of the checkpoint's; empty: the checkpoint's, or
+    # its family's tool template when the checkpoint's cannot render tool definitions.
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

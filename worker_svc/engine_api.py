@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
 
 DeviceKind = Literal["cuda", "rocm", "cpu"]
@@ -217,18 +218,15 @@ def check_prompt(request: GenerationRequest) -> None:
 
 def completion_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens the completion may have: max_tokens, or what is left of the context.
-    Raises InvalidArgumentError when the prompt, or the prompt and max_tokens, do not fit."""
+    Raises InvalidArgumentError when the prompt, or the prompt and max_tokens, do not fit, in the
+    words infermesh.context_limit reads back."""
     if prompt_tokens >= max_model_len:
-        raise InvalidArgumentError(
-            f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (the prompt and "
-            "at least one generated token must fit)"
-        )
+        raise InvalidArgumentError(ContextOverflow(prompt_tokens, None, max_model_len).message())
     if max_tokens is None:
         return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
         raise InvalidArgumentError(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-            f"length {max_model_len}"
+            ContextOverflow(prompt_tokens, max_tokens, max_model_len).message()
         )
     return max_tokens
 
@@ -446,6 +444,11 @@ class InferenceEngine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts
         it."""
+        ...
+
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens ``generate(request)`` would count, without generating; raises
+        InvalidArgumentError as generate() would for the prompt and tools."""
         ...
 
     def load(self) -> EngineLoad:

@@ -65,6 +65,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(worker=self.info, load=self.load())
 
+    async def Tokenize(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.TokenizeResponse],
+    ) -> common_pb2.TokenizeResponse:
+        try:
+            self._check_model(request)
+            count = self._engine.prompt_tokens(to_engine(request))
+        except RequestFailedError as e:
+            await context.abort(e.code, e.details)
+        except InvalidArgumentError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return common_pb2.TokenizeResponse(prompt_tokens=count)
+
     async def Generate(
         self,
         request: common_pb2.GenerateRequest,
@@ -101,12 +115,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncGenerator[GenerationChunk, None]:
         """The engine's chunks for ``request``, timed under the current span; a request this
         worker cannot serve raises RequestFailedError with its status."""
-        if request.model not in self.info.models:
-            raise RequestFailedError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {request.model!r} is not served here; "
-                f"served: {', '.join(self.info.models)}",
-            )
+        self._check_model(request)
         caps = self.info.capabilities
         trace.get_current_span().set_attributes(
             {
@@ -130,6 +139,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise RequestFailedError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             timing.end()
+
+    def _check_model(self, request: common_pb2.GenerateRequest) -> None:
+        if request.model not in self.info.models:
+            raise RequestFailedError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model!r} is not served here; "
+                f"served: {', '.join(self.info.models)}",
+            )
 
 
 class _Timing:
@@ -189,13 +206,15 @@ class _Timing:
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
-    """The generated add_WorkerServicer_to_server, except that Generate and Complete parse
-    their own request: one that does not parse (a string that is not UTF-8) fails with
+    """The generated add_WorkerServicer_to_server, except that Generate, Complete and Tokenize
+    parse their own request: one that does not parse (a string that is not UTF-8) fails with
     INVALID_ARGUMENT, where grpc's deserializer would answer UNKNOWN."""
     # the request arrives as bytes (no deserializer); the servicer sees the parsed message
     Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
 
-    async def parse(data: bytes, context: Context) -> common_pb2.GenerateRequest:
+    async def parse(
+        data: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> common_pb2.GenerateRequest:
         try:
             return common_pb2.GenerateRequest.FromString(data)
         except DecodeError as e:
@@ -213,6 +232,11 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     async def complete_from_bytes(data: bytes, context: Context) -> common_pb2.GenerateResponse:
         return await servicer.Complete(await parse(data, context), context)
 
+    async def tokenize_from_bytes(
+        data: bytes, context: grpc.aio.ServicerContext[Any, common_pb2.TokenizeResponse]
+    ) -> common_pb2.TokenizeResponse:
+        return await servicer.Tokenize(await parse(data, context), context)
+
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     serialize = common_pb2.GenerateResponse.SerializeToString
     handlers = {
@@ -221,6 +245,9 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
         ),
         "Complete": grpc.unary_unary_rpc_method_handler(
             complete_from_bytes, response_serializer=serialize
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            tokenize_from_bytes, response_serializer=common_pb2.TokenizeResponse.SerializeToString
         ),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
@@ -344,6 +371,7 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         max_model_len=config.attention.max_model_len,
         parallel=config.parallel,
         cache=config.cache,
+        chat_template=config.model.chat_template or None,
     )
 
 

@@ -97,7 +97,8 @@ def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
         if chunk.finish_reason is None
         else FINISH_REASONS[chunk.finish_reason],
     )
-    if chunk.finish_reason is not None:
+    # the last chunk's usage, and the first's: its prompt count is known before any other
+    if chunk.finish_reason is not None or chunk.completion_tokens == len(chunk.token_ids):
         response.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=chunk.prompt_tokens,

@@ -110,7 +110,12 @@ async def test_stream_through_the_sdk(gateway, api_key):
     "body, status, code, param",
     [
         ({**_GREEDY, "model": "nope"}, 404, "model_not_found", "model"),
-        ({**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, None, None),
+        (
+            {**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]},
+            400,
+            "context_length_exceeded",
+            "messages",
+        ),
         ({**_GREEDY, "precision": "fp8"}, 400, None, "precision"),
     ],
 )

@@ -59,12 +59,17 @@ async def test_wire_events_in_anthropic_framing(served, api_key):
     assert response.headers["Content-Type"].startswith("text/event-stream")
     frames = [f for f in (await response.text()).split("\n\n") if f]
     names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert set(names[3:-3]) == {"content_block_delta"}
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    events = []
     for frame in frames:
         name, data = frame.split("\n")
-        assert json.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert events[-1]["type"] == name.removeprefix("event: ")
+    # the prompt's count is known with the first token, before message_start goes out
+    start, delta = events[0]["message"]["usage"], events[-2]["usage"]
+    assert start["input_tokens"] == delta["input_tokens"] > 0
 
 
 @pytest.mark.parametrize(

@@ -59,8 +59,10 @@ async def test_tool_use_streamed_and_not(served, api_key, tool_choice, names):
     jsonschema.validate(uses[0][1], SCHEMAS[uses[0][0]])
     assert all(b.id for b in message.content if b.type == "tool_use")
     assert "input_json" in events and events[-1] == "message_stop"
-    assert streamed.content[0].type == "text"
+    # no empty text block before the calls (Anthropic refuses one sent back in a history)
+    assert [b.type for b in message.content] == [b.type for b in streamed.content] == ["tool_use"]
     assert len(_uses(streamed)) == 1 and _uses(streamed)[0][0] in names
+    assert streamed.usage.input_tokens == message.usage.input_tokens > 0
 
 
 async def test_tool_result_round_trip(served, api_key):
@@ -130,6 +132,24 @@ async def test_output_format_answers_json_of_the_schema(served, api_key):
             "output_config.format.schema",
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "thinking", "thinking": ""}]}]},
+            "thinking blocks do not belong in system turns",
+        ),
+        (
+            {
+                "context_management": {
+                    "edits": [
+                        {
+                            "type": "clear_tool_uses_20250919",
+                            "keep": {"type": "input_tokens", "value": 3},
+                        }
+                    ]
+                }
+            },
+            "context_management.edits.0.keep.type",
+        ),
         ({"container": "container_1"}, "container"),
         (
             {"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "m"}]},

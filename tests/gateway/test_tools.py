@@ -10,9 +10,12 @@ from typing import Any
 import jsonschema
 import pytest
 
+from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk
 from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TOOLS, WEATHER
+from worker_svc.config import DEFAULT_MODEL_PATH
+from worker_svc.text.tokenizer import Tokenizer
 
 _ASK = {
     "model": MODEL,
@@ -54,6 +57,51 @@ async def test_forced_tool_call_is_valid_streamed_and_not(served, api_key, tool_
     assert len(choice.message.tool_calls) == 1  # parallel_tool_calls false
     assert streamed.choices[0].finish_reason == "tool_calls"
     assert _calls(streamed.choices[0].message) == _calls(choice.message)
+
+
+def _forced_tokens(text: str) -> int:
+    """The tokens of a call's output up to the end of ``text``, as the tiny model writes it."""
+    tokenizer = Tokenizer(DEFAULT_MODEL_PATH)
+    return len(tokenizer.hf.encode(f"{CALLS_BEGIN}{CALL_BEGIN}{text}", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("cut", ["name", "arguments"])
+async def test_a_call_cut_by_max_tokens(served, api_key, cut):
+    """Cut inside its name (the Agents SDK would raise `Tool get_wea not found`) a call is never
+    returned; cut inside its arguments it is, as OpenAI returns it; the finish is length."""
+    if cut == "name":
+        max_tokens = _forced_tokens("function<｜tool▁sep｜>get_") + 1
+    else:
+        max_tokens = _forced_tokens('function<｜tool▁sep｜>get_weather\n```json\n{"city":"') + 1
+    ask = {
+        **_ASK,
+        "max_tokens": max_tokens,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
+        completion = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert completion.choices[0].finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    if cut == "name":
+        assert completion.choices[0].message.tool_calls is None and deltas == []
+    else:
+        (call,) = completion.choices[0].message.tool_calls or []
+        assert call.function.name == "get_weather"
+        assert call.function.arguments.startswith('{"city":"')
+        assert [d.function.name for d in deltas if d.id] == ["get_weather"]
+
+
+async def test_a_named_tool_choice_is_one_call(served, api_key):
+    """instructor's TOOLS mode: a named function, parallel calls left allowed."""
+    ask = {**_ASK, "parallel_tool_calls": True, "max_tokens": 600, "seed": 3}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
+        completion = await client.chat.completions.create(**ask, tool_choice=named)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [name for name, _ in _calls(choice.message)] == ["get_time"]
 
 
 async def test_parallel_calls_stream_as_indexed_deltas(served, api_key):
@@ -146,9 +194,17 @@ def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]
     "change, param",
     [
         ({"tools": [_tool("f", {"type": "nope"})]}, "tools.0.function.parameters"),
-        (
-            {"tools": [_tool("f", {"type": "object", "dependentSchemas": {"a": {}}})]},
-            "tools.0.function.parameters",
+        (  # an answer's schema must be enforceable whole (a tool's is enforced leniently)
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "dependentSchemas": {"a": {}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
         ),
         (
             {"tools": [{"type": "function", "function": {"parameters": WEATHER}}]},

@@ -85,7 +85,7 @@ def test_the_front_refuses_in_one_order_and_one_wording():
     with pytest.raises(InvalidArgumentError, match="temperature must be >= 0"):
         front.check(GenerationRequest("r", None, "hi", SamplingParams(temperature=-1)))
     assert front.budget(10, None) == 54 and front.budget(10, 4) == 4
-    with pytest.raises(InvalidArgumentError, match=r"exceeds the context length 64"):
+    with pytest.raises(InvalidArgumentError, match=r"10 \+ 60 > 64, decrease"):
         front.budget(10, 60)
     with front.admitted(), front.admitted():  # one running, one waiting
         assert front.live == 2

@@ -66,6 +66,31 @@ async def test_usage_logprobs_and_cached_prompt_tokens_reach_the_proto(tiny_engi
     assert [r.token_ids for r in again] == [r.token_ids for r in responses]
 
 
+async def test_tokenize_counts_the_prompt_as_generate_bills_it(tiny_engine: Engine):
+    chat = common_pb2.GenerateRequest(
+        request_id="r",
+        model=MODEL,
+        messages=[common_pb2.ChatMessage(role="user", content="weather in Paris?")],
+        tools=[common_pb2.Tool(name="get_weather", parameters_json='{"type": "object"}')],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    async with _worker(tiny_engine) as (stub, _):
+        counted = await stub.Tokenize(chat)
+        chunks = [r async for r in stub.Generate(chat)]
+        without_tools = common_pb2.GenerateRequest(request_id="r", model=MODEL)
+        without_tools.messages.extend(chat.messages)
+        fewer = await stub.Tokenize(without_tools)
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.Tokenize(common_pb2.GenerateRequest(request_id="r", model="nope"))
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await stub.Tokenize(common_pb2.GenerateRequest(request_id="r", model=MODEL))
+    # the first chunk brings the prompt's count (the last the whole usage)
+    assert chunks[0].usage.prompt_tokens == chunks[-1].usage.prompt_tokens == counted.prompt_tokens
+    assert fewer.prompt_tokens < counted.prompt_tokens  # the tool definitions are counted
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_grpc_cancellation_frees_the_cache(tiny_engine: Engine):
     async with _worker(tiny_engine) as (stub, _):
         calls = [stub.Generate(_request(f"stream {i}")) for i in range(3)]
@@ -103,8 +128,8 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
         first = await anext(good.__aiter__())
         for request, detail in [
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
-            (_request("word " * 3000), "max_model_len"),
-            (_request(max_tokens=5000), "exceeds the context"),
+            (_request("word " * 3000), "prompt is too long"),
+            (_request(max_tokens=5000), "exceed context limit"),
             (
                 common_pb2.GenerateRequest(
                     request_id="r",

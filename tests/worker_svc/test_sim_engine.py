@@ -228,9 +228,9 @@ async def test_stop_strings_and_stop_tokens_end_the_stream():
 async def test_bad_requests_get_clear_errors():
     engine = SimEngine(roofline("H100"), max_parallel=4, max_waiting=4, max_model_len=64)
     try:
-        with pytest.raises(InvalidArgumentError, match="max_model_len is 64"):
+        with pytest.raises(InvalidArgumentError, match="> 63 maximum"):
             await collect(engine, request(prompt="x" * 400))
-        with pytest.raises(InvalidArgumentError, match="context length 64"):
+        with pytest.raises(InvalidArgumentError, match="> 64, decrease"):
             await collect(engine, request(max_tokens=100))
         with pytest.raises(InvalidArgumentError, match="exactly one of messages and prompt"):
             await collect(engine, GenerationRequest("r", None, None, SamplingParams()))

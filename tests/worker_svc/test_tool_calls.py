@@ -93,7 +93,7 @@ def test_parser_streams_calls_from_the_template_format(tokenizer: Tokenizer):
     assert markers is not None
     rendered = tokenizer.render_chat(_HISTORY[:2])
     output = rendered[rendered.index("Let me look.") :].removesuffix("<｜end▁of▁sentence｜>")
-    parser = ToolCallParser(tokenizer, markers)
+    parser = ToolCallParser(tokenizer, markers, frozenset({"get_weather"}))
     text, deltas = [], []
     for token in tokenizer.hf.encode(output, add_special_tokens=False):
         piece = parser.add(token)
@@ -244,3 +244,89 @@ async def test_tools_for_a_template_that_cannot_render_them_are_refused(
         assert len([c async for c in engine.generate(history_only)]) == 2
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_we",  # cut inside the name
+        f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_weather",  # its newline never came
+        f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_wind\n```json\n{{}}\n```"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",  # no such tool
+    ],
+)
+def test_a_call_without_a_whole_declared_name_is_never_emitted(tokenizer: Tokenizer, output):
+    markers = ToolMarkers.of(tokenizer)
+    assert markers is not None
+    parser = ToolCallParser(tokenizer, markers, frozenset({"get_weather"}))
+    deltas = []
+    for token in tokenizer.hf.encode(output, add_special_tokens=False):
+        deltas += parser.add(token) or []
+    deltas += parser.finish()
+    assert deltas == [] and parser.calls == 0
+
+
+def test_a_declared_call_after_an_undeclared_one_is_the_first(tokenizer: Tokenizer):
+    markers = ToolMarkers.of(tokenizer)
+    assert markers is not None
+    parser = ToolCallParser(tokenizer, markers, frozenset({"get_weather"}))
+    output = (
+        f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_wind\n```json\n{{}}\n```"
+        f"<｜tool▁call▁end｜>\n{CALL_BEGIN}function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city":"Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    deltas = []
+    for token in tokenizer.hf.encode(output, add_special_tokens=False):
+        deltas += parser.add(token) or []
+    merged = merge_chunks([_chunk([d]) for d in deltas]).tool_calls or []
+    assert [(d.index, d.name, d.arguments) for d in merged] == [
+        (0, "get_weather", '{"city":"Rome"}')
+    ]
+
+
+def _forced_call(tokenizer: Tokenizer) -> list[int]:
+    """The tokens a grammar forces for a call of get_weather up to its arguments' first
+    character."""
+    return tokenizer.hf.encode(
+        f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>get_weather\n```json\n{{",
+        add_special_tokens=False,
+    )
+
+
+@pytest.mark.parametrize("cut", ["name", "arguments"])
+async def test_a_call_cut_by_max_tokens(tiny_engine: Engine, tokenizer: Tokenizer, cut):
+    """Cut inside its name the call is dropped; cut inside its arguments it stays, as OpenAI
+    sends it, and either way the finish reason is length."""
+    forced = _forced_call(tokenizer)
+    name_end = len(forced) - len(tokenizer.hf.encode("\n```json\n{", add_special_tokens=False))
+    max_tokens = name_end - 1 if cut == "name" else len(forced) + 1
+    request = GenerationRequest(
+        "r",
+        [{"role": "user", "content": "weather?"}],
+        None,
+        SamplingParams(max_tokens=max_tokens, seed=0),
+        constraints=Constraints(_TOOLS, "named", "get_weather"),
+    )
+    chunks = [c async for c in tiny_engine.generate(request)]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == max_tokens
+    calls = merge_chunks(chunks).tool_calls or []
+    if cut == "name":
+        assert calls == []
+    else:
+        assert [c.name for c in calls] == ["get_weather"]
+        assert calls[0].arguments.startswith("{") and calls[0].arguments != "{}"
+
+
+async def test_a_named_tool_choice_is_one_call(tiny_engine: Engine, tokenizer: Tokenizer):
+    markers = ToolMarkers.of(tokenizer)
+    assert "call)*" not in lark_grammar(Constraints(_TOOLS, "named", "get_weather"), markers)
+    request = GenerationRequest(
+        "r",
+        [{"role": "user", "content": "weather?"}],
+        None,
+        SamplingParams(max_tokens=400, seed=2),
+        constraints=Constraints(_TOOLS, "named", "get_weather"),  # parallel calls allowed
+    )
+    chunks = [c async for c in tiny_engine.generate(request)]
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert len(merge_chunks(chunks).tool_calls or []) == 1

@@ -234,15 +234,23 @@ class SimEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        self._front.check(request)
+        return self._counted(request)
+
+    def _counted(self, request: GenerationRequest) -> int:
+        """The prompt's tokens, as ~4 bytes of its text each (checked by the front)."""
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
             raise InvalidArgumentError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
+        return math.ceil(len(_prompt_text(request).encode()) / _BYTES_PER_TOKEN)
+
+    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+        prompt_tokens = self._counted(request)
         text = _prompt_text(request)
-        prompt_tokens = math.ceil(len(text.encode()) / _BYTES_PER_TOKEN)
         params = request.sampling
         budget = self._front.budget(prompt_tokens, params.max_tokens)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:

@@ -41,7 +41,9 @@ class CompletionDecoder:
         self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
         may_call = bool(constraints.tools) and constraints.tool_choice != "none"
         self._parser = (
-            ToolCallParser(tokenizer, markers) if may_call and markers is not None else None
+            ToolCallParser(tokenizer, markers, frozenset(t.name for t in constraints.tools))
+            if may_call and markers is not None
+            else None
         )
 
     @property

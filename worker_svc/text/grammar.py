@@ -1,12 +1,13 @@
 """Constrained decoding with llguidance: a request's tools and JSON schema become one grammar, and
 its matcher a token mask per step.
 
-The grammar follows the checkpoint's tool-call format (worker_svc.text.tool_parser): with
-tool_choice ``required`` or a named tool the output must be calls whose arguments match their tool's
-schema; with ``auto`` it is text (no special tokens) optionally followed by such calls; with
-``none`` text only. A ``json_schema`` makes the text a JSON value of that schema. JSON is compact
-(no free whitespace), so a model cannot spend its tokens on blanks. Compiled grammars are cached by
-their text; each sequence gets a copy of the compiled matcher.
+The grammar follows the checkpoint's tool-call syntax (worker_svc.text.tool_parser): with
+tool_choice ``required`` the output must be calls whose arguments match their tool's schema, with a
+named tool exactly one call of it; with ``auto`` it is text (no special tokens) optionally followed
+by such calls; with ``none`` text only. A ``json_schema`` makes the text a JSON value of that
+schema. JSON is compact (no free whitespace), so a model cannot spend its tokens on blanks; a tool's
+schema is enforced leniently (keywords llguidance cannot enforce are left out). Compiled grammars
+are cached by their text; each sequence gets a copy of the compiled matcher.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     json_answer = f"%json {_compact_schema(c.json_schema)}" if c.json_schema is not None else None
     if c.tools and markers is None:
         raise InvalidArgumentError(
-            "this model's tokenizer has no tool-call tokens: it cannot call tools"
+            "this model cannot call tools: its tokenizer has no tool-call tokens, or its chat "
+            "template writes no calls in DeepSeek's syntax"
         )
     if not c.tools or c.tool_choice == "none":
         return f"start: {json_answer}\n" if json_answer else "start: TEXT?\nTEXT: /(?s:.+)/\n"
@@ -83,28 +85,36 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     else:
         start = "calls"
     tools = [t for t in c.tools if c.tool_choice != "named" or t.name == c.tool_name]
-    more = ' ("\\n"? call)*' if c.parallel_tool_calls else ""
+    # a named tool is one call, as the client asked for that call (not a loop of it)
+    parallel = c.parallel_tool_calls and c.tool_choice != "named"
+    separator = '"\\n"? ' if markers.format == "v3" else ""
+    more = f" ({separator}call)*" if parallel else ""
+    head = f'"function" <[{markers.sep}]> ' if markers.format == "v3" else ""
     lines = [
         f"start: {start}",
         f"calls: <[{markers.calls_begin}]> call{more} <[{markers.calls_end}]>",
-        f'call: <[{markers.call_begin}]> "function" <[{markers.sep}]> '
-        f"({' | '.join(f'fn_{i}' for i in range(len(tools)))})",
+        f"call: <[{markers.call_begin}]> {head}"
+        f"({' | '.join(f'fn_{i}' for i in range(len(tools)))}) <[{markers.call_end}]>",
     ]
     for i, tool in enumerate(tools):
-        header = json.dumps(f"{tool.name}\n```json\n")
-        lines.append(
-            f"fn_{i}: {header} %json {_compact_schema(tool.parameters)} "
-            f'"\\n```" <[{markers.call_end}]>'
-        )
+        schema = f"%json {_compact_schema(tool.parameters, lenient=True)}"
+        if markers.format == "v3":
+            header = json.dumps(tool.name + "\n```json\n")
+            lines.append(f'fn_{i}: {header} {schema} "\\n```"')
+        else:
+            lines.append(f"fn_{i}: {json.dumps(tool.name)} <[{markers.sep}]> {schema}")
     lines.append("TEXT: /(?s:.+)/")
     return "\n".join(lines) + "\n"
 
 
-def _compact_schema(schema: str) -> str:
+def _compact_schema(schema: str, lenient: bool = False) -> str:
     """The schema with llguidance's compact JSON option (checked to be an object by
-    check_constraints)."""
+    check_constraints); ``lenient``: keywords llguidance cannot enforce are left out (a tool's
+    arguments: one such keyword in an agent's tools must not refuse its every request), where
+    an answer's json_schema is refused for them."""
     value = json.loads(schema)
-    return json.dumps({**value, "x-guidance": {**value.get("x-guidance", {}), **_COMPACT}})
+    options = {**value.get("x-guidance", {}), **_COMPACT, **({"lenient": True} if lenient else {})}
+    return json.dumps({**value, "x-guidance": options})
 
 
 def apply_masks(

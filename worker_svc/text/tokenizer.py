@@ -14,34 +14,47 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-import jinja2
-import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from infermesh.config import ConfigError
 from worker_svc.engine_api import GenerationRequest, InvalidArgumentError, Tool
+from worker_svc.text.chat_templates import ToolFormat, choose_template
 
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
-    """Loaded from the checkpoint directory only (never downloaded)."""
+    """Loaded from the checkpoint directory only (never downloaded). ``chat_template``: a template
+    file served instead of the checkpoint's (``[model] chat_template``); without it a checkpoint
+    whose template cannot render tool definitions is served with its family's tool template
+    (worker_svc.text.chat_templates)."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None):
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         if not isinstance(hf, PreTrainedTokenizerFast):  # grammars are compiled from its vocabulary
             raise ConfigError(
                 f"{model_dir}: tokenizer.json is missing (a fast tokenizer is needed)"
             )
         self.hf = hf
-        if not self.hf.chat_template:
-            raise ConfigError(f"{model_dir}: tokenizer_config.json has no chat_template")
+        try:
+            template = choose_template(
+                hf.chat_template, _model_type(Path(model_dir)), chat_template, self._render
+            )
+        except ValueError as e:  # the operator's to fix: a file or the checkpoint
+            raise ConfigError(f"{model_dir}: {e}") from None
+        self.hf.chat_template = template.text
+        # HF passes tool definitions as the template's `tools`; a template that never reads it
+        # would drop them
+        self.renders_tools = template.renders_tools
+        self.tool_format: ToolFormat | None = template.tool_format
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
-        # HF passes tool definitions as the template's `tools`; a template that never reads it would
-        # drop them
-        template = jinja2.Environment().parse(self.hf.chat_template)
-        self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(template)
+
+    def _render(self, template: str, messages: list[dict[str, Any]]) -> str:
+        return cast(
+            str,
+            self.hf.apply_chat_template(messages, chat_template=template, tokenize=False),
+        )
 
     def encode(self, text: str) -> list[int]:
         """Raw text -> ids, with BOS as the tokenizer's post-processor adds it."""
@@ -71,6 +84,12 @@ class Tokenizer:
         return cast(
             str, self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         )
+
+
+def _model_type(model_dir: Path) -> str:
+    """config.json's model_type ("" without one): the family a tool template is chosen for."""
+    config = model_dir / "config.json"
+    return str(json.loads(config.read_text()).get("model_type", "")) if config.exists() else ""
 
 
 def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:

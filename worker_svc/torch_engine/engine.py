@@ -113,9 +113,10 @@ class Engine:
         device: str = "auto",
         parallel: ParallelSection | None = None,
         cache: CacheSection | None = None,
+        chat_template: str | None = None,
     ) -> Engine:
         """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
-        in a thread)."""
+        in a thread). ``chat_template``: a template file served instead of the checkpoint's."""
         # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
         # pooled threads than cores it stops spinning between ops, and each op of the step loop then
         # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
@@ -129,6 +130,7 @@ class Engine:
             device=device,
             parallel=parallel,
             cache=cache,
+            chat_template=chat_template,
         )
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
             return loader.submit(load).result()
@@ -144,6 +146,7 @@ class Engine:
         device: str,
         parallel: ParallelSection | None,
         cache: CacheSection | None,
+        chat_template: str | None,
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
@@ -167,7 +170,7 @@ class Engine:
                 f"[attention] max_model_len: {max_model_len} must be in 1..{context} "
                 "(the checkpoint's max_position_embeddings)"
             )
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = Tokenizer(model_dir, chat_template)
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
         logger.info(
             "loaded %s: %.1f MB of weights as %s", model_dir, weight_bytes / 2**20, caps.precision
@@ -197,6 +200,10 @@ class Engine:
             async with contextlib.aclosing(drain_chunks(queue, abort)) as chunks:
                 async for chunk in chunks:
                     yield chunk
+
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        self._front.check(request)
+        return len(prompt_token_ids(self.tokenizer, request))
 
     def load(self) -> EngineLoad:
         return self._loop.load()

@@ -214,7 +214,7 @@ class VllmEngine:
         )
         return cls(
             llm,
-            Tokenizer(config.model.path),
+            Tokenizer(config.model.path, config.model.chat_template or None),
             capabilities,
             model_config.max_model_len,
             model_config.get_vocab_size(),
@@ -275,6 +275,10 @@ class VllmEngine:
         finally:
             if not finished:
                 await self._llm.abort(request.request_id)
+
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        self._front.check(request)
+        return len(prompt_token_ids(self.tokenizer, request))
 
     def load(self) -> EngineLoad:
         return self._meter.load()
