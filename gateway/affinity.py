@@ -18,10 +18,16 @@ from collections.abc import Mapping
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id")
 
 
+def session_name(headers: Mapping[str, str], hint: str | None = None) -> str:
+    """The session a request names: ``hint`` (a body field that names it) or else the first
+    session header present; ``""`` when none is."""
+    return hint or next((headers[h] for h in SESSION_HEADERS if headers.get(h)), "")
+
+
 def affinity_key(key_id: str, headers: Mapping[str, str], hint: str | None = None) -> str:
-    """The router's affinity key for a request of ``key_id``: from ``hint`` (a body field that
-    names the session) or else the first session header present; ``""`` when none is."""
-    session = hint or next((headers[h] for h in SESSION_HEADERS if headers.get(h)), "")
+    """The router's affinity key for a request of ``key_id`` in the session it names
+    (``session_name``); ``""`` when it names none."""
+    session = session_name(headers, hint)
     if not session:
         return ""
     return hashlib.blake2b(f"{key_id}\x00{session}".encode(), digest_size=16).hexdigest()

@@ -29,6 +29,13 @@ from gateway.middleware import (
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
 from gateway.ops import health, metrics
+from gateway.responses import (
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
+from gateway.responses_store import RESPONSES_CONFIG
 from gateway.validation import SERVER_CONFIG
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
@@ -52,6 +59,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[REDIS_CONFIG] = config.redis
     app[LIMITS_CONFIG] = config.limits
     app[MODELS_CONFIG] = config.models
+    app[RESPONSES_CONFIG] = config.responses
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
@@ -64,6 +72,10 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.router.add_post(f"{base}/completions", create_completion)
         app.router.add_get(f"{base}/models", list_models)
         app.router.add_get(f"{base}/models/{{model:.+}}", retrieve_model)  # ids may hold slashes
+        app.router.add_post(f"{base}/responses", create_response)
+        app.router.add_get(f"{base}/responses/{{response_id}}", retrieve_response)
+        app.router.add_delete(f"{base}/responses/{{response_id}}", delete_response)
+        app.router.add_get(f"{base}/responses/{{response_id}}/input_items", list_input_items)
     # Anthropic clients append /v1/messages to their base URL, the alias included.
     for base in ("", alias) if alias else ("",):
         app.router.add_post(f"{base}/v1/messages", create_message)

@@ -1,5 +1,5 @@
 """The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``,
-``[admin]`` and ``[models]``.
+``[admin]``, ``[models]`` and ``[responses]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -196,6 +196,17 @@ class ModelsSection:
         return next((t for a, t in self.aliases.items() if fnmatch.fnmatchcase(name, a)), name)
 
 
+@section
+class ResponsesSection:
+    # How long a stored response (store: true) can be read and continued from
+    # (previous_response_id); OpenAI keeps them 30 days (2592000).
+    ttl_s: int = 86400
+
+    def __post_init__(self) -> None:
+        if self.ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {self.ttl_s}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
@@ -204,3 +215,4 @@ class GatewayConfig:
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
+    responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)

@@ -161,6 +161,12 @@ class NotFoundError(GatewayError):
     status, type, code = 404, "invalid_request_error", "unknown_url"
 
 
+class ResponseNotFoundError(GatewayError):
+    """A stored response this key has no such id of (``gateway.responses``), in OpenAI's words."""
+
+    status, type, code = 404, "invalid_request_error", None
+
+
 class ModelNotFoundError(GatewayError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
@@ -242,7 +248,7 @@ def base_url(request: web.Request) -> str:
 # hard limit", "Received message larger than max (...)").
 _GRPC_SIZE_LIMIT = re.compile(r"metadata size|larger than max", re.IGNORECASE)
 
-_KNOWN_SUFFIXES = ("/chat/completions", "/completions", "/models", "/messages")
+_KNOWN_SUFFIXES = ("/chat/completions", "/completions", "/models", "/messages", "/responses")
 
 
 def from_http_exception(exc: web.HTTPException, request: web.Request) -> GatewayError:

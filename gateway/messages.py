@@ -48,7 +48,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                 request,
                 headers,
                 _events(body, generation, edits),
-                lambda e: sse.anthropic_event(e.anthropic_body()),
+                lambda e: sse.named_event(e.anthropic_body()),
             )
         return await _collect(body, generation, headers, edits)
 
@@ -137,4 +137,4 @@ async def _events(
 
 
 def _joined(events: Iterable[dict[str, Any]]) -> bytes:
-    return b"".join(sse.anthropic_event(event) for event in events)
+    return b"".join(sse.named_event(event) for event in events)

@@ -48,6 +48,12 @@ class TextPart(BaseModel):
     text: str
 
 
+def router_role(role: str) -> str:
+    """The role the worker renders: OpenAI's ``developer`` turns are system instructions, and
+    DeepSeek's chat templates know only ``system`` (they would drop a ``developer`` turn)."""
+    return "system" if role == "developer" else role
+
+
 def joined_text(content: str | list[TextPart]) -> str:
     """A message's text: text parts are joined with newlines."""
     if isinstance(content, str):
@@ -86,7 +92,7 @@ class ChatMessage(BaseModel):
 
     def router_message(self) -> common_pb2.ChatMessage:
         return common_pb2.ChatMessage(
-            role=self.role,
+            role=router_role(self.role),
             content=joined_text(self.content or ""),
             tool_calls=history_calls(self.tool_calls or ()),
             tool_call_id=self.tool_call_id or "",
@@ -106,52 +112,17 @@ class BatchingFields(BaseModel):
     dynamic_batch_timeout_ms: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
 
 
-class OpenAIGeneration(BatchingFields):
-    """The fields chat and legacy completions share."""
+class MeshRequest(BatchingFields):
+    """What every OpenAI-wire request names for the mesh: the model, and where and how it may run
+    (precision, GPU kind, batching hints). Subclasses say how it samples (``sampling``)."""
 
     model: Name
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: UInt32 | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    user: Annotated[str, Field(max_length=256)] | None = None
-    # names the client's session: its requests go where their prefix is cached (gateway.affinity)
-    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
     precision: Precision | None = None
     gpu: GpuKind | None = None  # only workers of this GPU kind (a Capabilities.gpu_kind)
     extra_body: BatchingFields | None = None  # a client that sent the SDK's extra_body literally
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
     def sampling(self, choice: int) -> common_pb2.SamplingParams:
-        """The router's sampling parameters for choice ``choice`` of ``n``: each choice
-        gets its own seed, so n seeded choices differ yet repeat."""
-        # OpenAI seeds are signed; the proto's are not
-        return sampling_params(
-            stop=self.stop_list(),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            max_tokens=self.token_limit(),
-            seed=None if self.seed is None else (self.seed + choice) % 2**64,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-        )
+        raise NotImplementedError
 
     def batching(self) -> common_pb2.BatchingHints | None:
         hints = common_pb2.BatchingHints()
@@ -187,6 +158,50 @@ class OpenAIGeneration(BatchingFields):
         if batching is not None:
             request.batching.CopyFrom(batching)
         return request
+
+
+class OpenAIGeneration(MeshRequest):
+    """The fields chat and legacy completions share."""
+
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: UInt32 | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    user: Annotated[str, Field(max_length=256)] | None = None
+    # names the client's session: its requests go where their prefix is cached (gateway.affinity)
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling(self, choice: int) -> common_pb2.SamplingParams:
+        """The router's sampling parameters for choice ``choice`` of ``n``: each choice
+        gets its own seed, so n seeded choices differ yet repeat."""
+        # OpenAI seeds are signed; the proto's are not
+        return sampling_params(
+            stop=self.stop_list(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.token_limit(),
+            seed=None if self.seed is None else (self.seed + choice) % 2**64,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
 
 
 class ChatCompletionRequest(OpenAIGeneration):
@@ -255,7 +270,7 @@ UNSUPPORTED_CHAT_FIELDS = (
 )
 
 
-G = TypeVar("G", bound=OpenAIGeneration)
+G = TypeVar("G", bound=MeshRequest)
 
 
 def with_precision_header(body: G, headers: Mapping[str, str]) -> G:

@@ -29,6 +29,15 @@ from gateway.messages import count_tokens, create_message
 from gateway.models import list_models, retrieve_model
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.ops import health, metrics
+from gateway.responses import (
+    InputItemsQuery,
+    RetrieveQuery,
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
+from gateway.responses_protocol import ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +90,31 @@ def _operations() -> dict[Handler, Operation]:
         ),
         retrieve_model: Operation(
             "retrieveModel", "Describes one model", "OpenAI", security=tuple(_API_KEY)
+        ),
+        create_response: Operation(
+            "createResponse",
+            "Creates a model response (OpenAI's Responses API)",
+            "OpenAI",
+            ResponsesRequest,
+            streams=True,
+            security=tuple(_API_KEY),
+        ),
+        retrieve_response: Operation(
+            "getResponse",
+            "A stored response",
+            "OpenAI",
+            query=RetrieveQuery,
+            security=tuple(_API_KEY),
+        ),
+        delete_response: Operation(
+            "deleteResponse", "Deletes a stored response", "OpenAI", security=tuple(_API_KEY)
+        ),
+        list_input_items: Operation(
+            "listInputItems",
+            "The input items of a stored response",
+            "OpenAI",
+            query=InputItemsQuery,
+            security=tuple(_API_KEY),
         ),
         create_message: Operation(
             "createMessage",

@@ -32,8 +32,8 @@ def openai_event(data: dict[str, Any]) -> bytes:
     return b"data: " + dumps(data) + b"\n\n"
 
 
-def anthropic_event(data: dict[str, Any]) -> bytes:
-    """An event named by its ``type``, as Anthropic frames them."""
+def named_event(data: dict[str, Any]) -> bytes:
+    """An event named by its ``type``, as Anthropic's and OpenAI's Responses streams frame them."""
     event: str = data["type"]
     return b"event: " + event.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 

@@ -124,10 +124,16 @@ def structure(
     tool_choice: ToolChoice | None,
     parallel: bool,
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None,
+    *,
+    tool_params: list[str] | None = None,
+    schema_param: str = "response_format.json_schema.schema",
 ) -> dict[str, Any]:
-    """The ``GenerateRequest`` fields for these request fields; 400s naming the bad one."""
+    """The ``GenerateRequest`` fields for these request fields; 400s naming the bad one.
+    ``tool_params`` and ``schema_param`` name where the request holds each tool's parameters
+    schema and the response format's schema, when not where chat completions holds them."""
     tools = tools or []
     names = [t.function.name for t in tools]
+    params = tool_params or [f"tools.{i}.function.parameters" for i in range(len(tools))]
     fields: dict[str, Any] = {
         "tools": [
             common_pb2.Tool(
@@ -135,11 +141,11 @@ def structure(
                 description=t.function.description or "",
                 parameters_json=check_schema(
                     t.function.parameters or _JSON_OBJECT,
-                    f"tools.{i}.function.parameters",
+                    param,
                     tool=True,
                 ),
             )
-            for i, t in enumerate(tools)
+            for t, param in zip(tools, params, strict=True)
         ]
     }
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -170,9 +176,7 @@ def structure(
     if isinstance(response_format, JsonObjectFormat):
         fields["json_schema"] = json.dumps(_JSON_OBJECT)
     elif isinstance(response_format, JsonSchemaFormat):
-        fields["json_schema"] = check_schema(
-            response_format.json_schema.schema_, "response_format.json_schema.schema"
-        )
+        fields["json_schema"] = check_schema(response_format.json_schema.schema_, schema_param)
     return fields
 
 

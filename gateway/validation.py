@@ -142,7 +142,8 @@ def _invalid(error: ValidationError, body: dict[str, Any]) -> InvalidRequestErro
 
 
 def _param(loc: tuple[int | str, ...], body: Any) -> str:
-    """The loc as a path in the input ("messages.0.role"), without union member tags."""
+    """The loc as a path in the input ("messages.0.role"), without union member tags (a
+    discriminated union's tag, such as 'function_call', is not a key of its object)."""
     parts: list[str] = []
     node = body
     for i, item in enumerate(loc):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 
 from gateway.affinity import affinity_key
+from gateway.keys import key_id
+from gateway.responses_store import ResponseStore
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
@@ -57,3 +59,34 @@ async def test_sessions_stay_on_their_worker_and_spread_over_the_fleet(redis_ser
     assert all(len(workers) == 1 for workers in placed.values()), placed
     used = collections.Counter(next(iter(w)) for w in placed.values())
     assert set(used) == {"w0", "w1"}, f"16 sessions behind one system prompt: {used}"
+
+
+async def test_a_response_chain_is_one_session(redis_server, redis_client, api_key):
+    """Continued with previous_response_id, a chain keeps the session its first request named,
+    else its first response's id: one affinity key for all its turns."""
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(zero_latency=True), router),
+    ):
+        gateway = await start_gateway(make_config(redis_server.url, router.address))
+        try:
+            async with sdk(gateway, api_key) as client:
+                chains = []
+                for first in ({}, {"prompt_cache_key": "c1"}, {"store": False}):
+                    ask = {"model": MODEL, "max_output_tokens": 2}
+                    response = await client.responses.create(**ask, input="turn 0", **first)
+                    chain = [response.id]
+                    while response.store and len(chain) < 3:
+                        response = await client.responses.create(
+                            **ask, input="next turn", previous_response_id=response.id
+                        )
+                        chain.append(response.id)
+                    chains.append(chain)
+        finally:
+            await gateway.close()
+    store = ResponseStore(redis_client, ttl_s=60, retry_after_s=1)
+    kid = key_id(api_key)
+    own, named, unstored = chains
+    assert {(await store.load(kid, i)).session for i in own} == {own[0]}
+    assert {(await store.load(kid, i)).session for i in named} == {"c1"}
+    assert await store.load(kid, unstored[0]) is None
