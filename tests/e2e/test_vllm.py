@@ -280,10 +280,11 @@ def test_sdk_non_streamed_and_streamed_agree_with_usage(fleet: Mesh, client: ope
 
 
 def test_sdk_errors(fleet: Mesh, client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as error:
         client.chat.completions.create(
             model=MODEL, max_tokens=10**6, messages=[{"role": "user", "content": "x"}]
         )
+    assert error.value.code == "context_length_exceeded"
 
 
 def test_sdk_json_schema_output_validates(fleet: Mesh, client: openai.OpenAI) -> None:
