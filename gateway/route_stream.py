@@ -108,7 +108,8 @@ class RouteStream:
             if not chosen:
                 return
             for call in self._calls.open(_PEER):  # none is opened just for this
-                call.outgoing.message.unused.extend(w.worker_id for w in chosen)
+                # the router counted the first choice only: the fallback is a spare
+                call.outgoing.message.unused.append(chosen[0].worker_id)
                 call.outgoing.changed()
 
         decided.add_done_callback(hand_back)

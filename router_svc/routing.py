@@ -2,12 +2,18 @@
 
 ``round_robin`` rotates; ``least_load`` takes the lowest share of busy slots; ``balanced``
 (the default) adds KV cache use, hardware fitness (the worker's own decode speed estimate,
-so FP8 Hopper workers win for a latency-bound stream) and prefix affinity: requests whose
-prompts share their leading bytes (or that name one session: ``affinity_key``) go to the same
-worker, where that prefix is cached. The prefix's worker is found by rendezvous (highest random
-weight) hashing with bounded load: a worker above ``affinity_load_factor`` x its
-capacity-weighted fair share of the busy slots is passed over, so a hot prefix spreads instead
-of queueing.
+so FP8 Hopper workers win for a latency-bound stream) and affinity:
+
+- a request that names a session (``affinity_key``: an agent's turns, which resend their whole
+  growing history) goes to the session's worker while that worker has a free slot; only a full
+  worker passes the session on. Its history is cached there, and agents' prompts all begin with
+  the same system prompt, so nothing else could tell their sessions apart.
+- other requests whose prompts share their leading bytes get a bonus on the same worker, where
+  that prefix is cached, with bounded load: a worker above ``affinity_load_factor`` x its
+  capacity-weighted fair share of the busy slots is passed over, so a hot prefix spreads instead
+  of queueing.
+
+Both homes are found by rendezvous (highest random weight) hashing of the key over the workers.
 
 Everything is vectorized over the candidates' slots in the Fleet's arrays: a decision over a
 thousand workers takes tens of microseconds and no I/O (bench/router_decision.py).
@@ -49,17 +55,15 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     # cache to reuse, so its affinity counts for less.
     prefix_weight: float = 1.0
     gpu: str = ""  # a GPU kind the worker must be of; "": any
+    session: bool = False  # prefix_key names a session: its worker takes it while not full
 
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
+        model, precision, gpu = request.model, request.precision, request.gpu
         if request.affinity_key:
-            # a session's turns share their whole growing history, not only its head: the
-            # session decides where they go (agents' heads are one system prompt for all)
-            return cls(request.model, request.precision, _hash64(request.affinity_key.encode()))
+            return cls(model, precision, _hash64(request.affinity_key.encode()), 1.0, gpu, True)
         head = _prompt_head(request, prefix_bytes)
-        return cls(
-            request.model, request.precision, _hash64(head), len(head) / prefix_bytes, request.gpu
-        )
+        return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu)
 
 
 @dataclasses.dataclass
@@ -113,9 +117,14 @@ class Chooser:
             cost *= config.load_weight
             cost += config.kv_weight * fleet.kv_usage[group.slots]
             cost += config.hardware_weight * group.slowness
-            home = self._affinity_home(group, busy, request.prefix_key)
-            cost[home] -= config.affinity_weight * request.prefix_weight
+            if request.session:
+                home = _session_home(group, busy, request.prefix_key)
+            else:
+                home = self._affinity_home(group, busy, request.prefix_key)
+                cost[home] -= config.affinity_weight * request.prefix_weight
         cost += group.ramp[n - turn : 2 * n - turn]  # equal costs: rotate which wins
+        if request.session and home >= 0:
+            cost[home] = -np.inf  # the session's worker first, the best of the rest as fallback
         order = [int(cost.argmin())]
         if n > 1:
             cost[order[0]] = np.inf
@@ -132,14 +141,14 @@ class Chooser:
                 "kv_usage": float(fleet.kv_usage[slot]),
                 "hardware": float(group.slowness[best]),
                 "prefix_home": best == home,
+                "session": request.session,
             }
         return Decision([fleet.entry_at(group.slots[i]) for i in order], reasons)
 
     def _affinity_home(self, group: Group, busy: np.ndarray, key: int) -> int:
         """Index (into the group) of the prefix's worker: the highest rendezvous hash of
         (key, worker) among the workers under the load bound."""
-        x = group.salt ^ np.uint64(key)
-        x *= _MIX1  # the high bits, which argmax compares first, mix every bit of salt ^ key
+        x = _rendezvous(group, key)
         home = int(x.argmax())
         # Bounded load: busy + 1 <= ceil(bound) is busy < bound, streams being whole.
         fair = self._config.affinity_load_factor * (busy.sum() + 1)
@@ -147,6 +156,23 @@ class Chooser:
             return home  # the common case: no need to bound every worker
         x[busy >= fair * group.capacity_share] = 0
         return int(x.argmax())
+
+
+def _rendezvous(group: Group, key: int) -> np.ndarray:
+    """Each worker's random weight for ``key``: the highest is the key's home."""
+    x = group.salt ^ np.uint64(key)
+    x *= _MIX1  # the high bits, which argmax compares first, mix every bit of salt ^ key
+    return x
+
+
+def _session_home(group: Group, busy: np.ndarray, key: int) -> int:
+    """Index (into the group) of the session's worker: the highest rendezvous hash among the
+    workers with a free slot; -1 when every one is full. The hash alone decides, so a session
+    stays where it is whatever the other workers' load, and moves only while its worker is full."""
+    x = _rendezvous(group, key)
+    x[busy * group.inverse_capacity >= 1] = 0
+    home = int(x.argmax())
+    return home if x[home] else -1
 
 
 def _usable(fleet: Fleet, request: RouteRequest) -> Group:

@@ -208,12 +208,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._fleet.unrouted(worker)
 
     def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
-        """Route's answer, the workers counted as routed to; raises RouteError or
-        RegistryUnavailableError."""
+        """Route's answer, its first worker counted as routed to (the fallback is tried only
+        when the first fails); raises RouteError or RegistryUnavailableError."""
         attempts = self.decide(request)
         trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
-        for worker in attempts:
-            self._fleet.routed_to(worker)
+        self._fleet.routed_to(attempts[0])
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
     def decide(self, request: common_pb2.GenerateRequest) -> list[WorkerEntry]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -45,6 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: InferenceEngine, info: common_pb2.WorkerInfo) -> None:
         self._engine = engine
         self.info = info
+        self._reports = itertools.count(1)
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
@@ -56,6 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokens_per_second=engine_load.tokens_per_second,
             memory_used_bytes=caps.weight_bytes
             + round(engine_load.kv_cache_usage * caps.kv_cache_bytes),
+            report=next(self._reports),
         )
 
     async def Info(

@@ -32,8 +32,8 @@ async def test_sessions_stay_on_their_worker_and_spread_over_the_fleet(redis_ser
     async with running_router(redis_url=redis_server.url) as router:
         engines = [sim_engine(zero_latency=True, max_parallel=64) for _ in range(2)]
         async with (
-            running_worker(engines[0], router, "w0"),
-            running_worker(engines[1], router, "w1"),
+            running_worker(engines[0], router, "w0", max_parallel=64),
+            running_worker(engines[1], router, "w1", max_parallel=64),
         ):
             gateway = await start_gateway(make_config(redis_server.url, router.address))
             try:

@@ -124,6 +124,58 @@ def test_prefix_home_passes_load_beyond_its_bound_to_others():
     assert max(placed.values()) <= 4 and len(placed) >= 3, placed
 
 
+def session(name: str, gpu: str = "") -> RouteRequest:
+    request = common_pb2.GenerateRequest(model="m", prompt="the same system prompt", gpu=gpu)
+    request.affinity_key = name
+    return RouteRequest.of(request, 256)
+
+
+def test_a_session_stays_on_its_worker_until_it_is_full():
+    fleet = fleet_of(info("a", max_parallel=4), info("b", max_parallel=4))
+    chooser = Chooser(RoutingSection(hardware_weight=0))
+    home = first_choice(chooser, fleet, session("s1"))
+    placed = []
+    for _ in range(6):  # each choice starts a stream that stays open
+        decision = chooser.choose(fleet, session("s1"))
+        assert decision.reasons["session"] is True
+        fleet.started(decision.workers[0])
+        placed.append(decision.workers[0].worker_id)
+    # busier than the other worker, the home keeps the session while it has a free slot
+    assert placed[:4] == [home] * 4 and home not in placed[4:], placed
+    assert len(decision.workers) == 2 and decision.workers[1].worker_id == home
+
+
+def test_sessions_spread_over_the_fleet_by_their_names_not_their_prompts():
+    fleet = fleet_of(*(info(f"w{i}") for i in range(8)))
+    chooser = Chooser(RoutingSection())
+    homes = {first_choice(chooser, fleet, session(f"s{i}")) for i in range(40)}
+    assert len(homes) >= 5, homes
+    assert {first_choice(chooser, fleet, session("s7")) for _ in range(5)} == {
+        first_choice(chooser, fleet, session("s7"))
+    }
+
+
+def test_a_session_keeps_the_gpu_kind_it_asks_for():
+    fleet = fleet_of(info("a"), info("b"))
+    with pytest.raises(RouteError) as e:
+        Chooser(RoutingSection()).choose(fleet, session("s1", gpu="H200"))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_idle_workers_repeated_report_still_resets_what_was_routed_since():
+    fleet = fleet_of(info("a"))
+    entry = fleet.entries()[0]
+    for _ in range(3):
+        fleet.routed_to(entry)
+    fleet.set_load(entry, common_pb2.Load(report=1))
+    assert fleet.busy_now[entry.slot] == 0
+    fleet.routed_to(entry)
+    fleet.set_load(entry, common_pb2.Load(report=1))  # the same report, read again from Redis
+    assert fleet.busy_now[entry.slot] == 1
+    fleet.set_load(entry, common_pb2.Load(report=2))  # equal figures, but a new report
+    assert fleet.busy_now[entry.slot] == 0
+
+
 def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leading_bytes():
     a = common_pb2.GenerateRequest(prompt="x" * 300 + "tail one")
     b = common_pb2.GenerateRequest(prompt="x" * 300 + "tail two")
