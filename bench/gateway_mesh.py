@@ -8,27 +8,31 @@ worker, and LiteLLM's proxy against the same load sent straight to its upstream,
 Starts Redis, the router, one worker and the gateway as processes (devtools.mesh), the
 worker on the simulated engine in zero-latency mode (INFERMESH_WORKER_ENGINE_KIND=sim,
 INFERMESH_WORKER_ENGINE_ZERO_LATENCY=true: tokens cost nothing, so what is measured is the
-mesh). Pinned as the reference figures were taken: gateway and router together on core 0,
-worker and this load generator on core 1 (every thread, by sched_setaffinity). Tracing is
+mesh). Pinned as the reference figures were taken: gateway, router and Redis together on core
+0, worker and this load generator on core 1 (every thread, by sched_setaffinity). Tracing is
 off (OTEL_SDK_DISABLED) and the API key has no limits, but its admission and settlement
-scripts run as for any key.
+scripts run as for any key, so Redis's CPU is the mesh's and is counted with it.
 
-For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by
-these paths (--paths): ``direct`` (gRPC to the worker), ``router`` (gRPC to the router, which
-relays), ``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
-calls the worker itself: the default), ``calls`` (the same through a second gateway with
-``[router] streams = false``: gRPC calls of each request's own instead of the long-lived
-streams), ``relay`` (through a gateway with ``[router] relay = true``), ``upstream`` (HTTP straight
-to bench/zero_upstream.py, a zero-latency OpenAI-compatible server with its own step loop on
-core 1) and ``litellm`` (LiteLLM's proxy, one worker, no database, on core 0, in front of that
-upstream; --litellm names its executable, installed in a venv of its own). Non-streamed with 16
-tokens (the gRPC paths then call the unary Complete RPCs, as the gateway did for a non-streamed
-request) and streamed with 64 tokens (Generate). Prints requests/s, p50/p99 latency and what the
-path adds to its reference (``direct`` for the mesh's paths, ``upstream`` for ``litellm``),
-streamed tokens/s, the SSE events a client received per streamed request (``ev/req``; a stream
-of 64 tokens delivered one event per token shows 64 plus its role, finish and usage events), and
-CPU milliseconds per request of the process that served the path on core 0 (gateway or LiteLLM)
-and of the router.
+For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by these
+paths (--paths): ``direct`` (gRPC to the worker over the transport the gateway uses, its
+long-lived ``Worker.Serve`` streams: ``gateway.worker_streams``, in this load process),
+``router`` (gRPC calls to the router, which relays), ``mesh`` (HTTP chat completions through the
+gateway, which asks the router to choose and calls the worker itself: the default), ``calls``
+(the same through a second gateway with ``[router] streams = false``: gRPC calls of each
+request's own instead of the long-lived streams), ``relay`` (through a gateway with ``[router]
+relay = true``), ``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
+OpenAI-compatible server with its own step loop on core 1) and ``litellm`` (LiteLLM's proxy, one
+worker, no database, on core 0, in front of that upstream; --litellm names its executable,
+installed in a venv of its own). Non-streamed with 16 tokens (``direct`` then asks the stream
+for the whole answer, ``router`` calls the unary Complete RPC) and streamed with 64 tokens
+(``router``: Generate). Prints requests/s, p50/p99 latency and what the path adds to its
+reference (``direct`` for the mesh's paths, ``upstream`` for ``litellm``), streamed tokens/s,
+the SSE events a client received per streamed request (``ev/req``; a stream of 64 tokens
+delivered one event per token shows 64 plus its role, finish and usage events), and CPU
+milliseconds per request of the process that served the path on core 0 (gateway or LiteLLM), of
+the router and of Redis (read from each process before and after, psutil), then, for each mode
+and concurrency that measured both, the mesh's core-0 CPU per request (gateway + router + Redis)
+against LiteLLM's.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ from bench.mesh_load import simulated_mesh
 from devtools.mesh import Mesh
 from devtools.redis_server import RedisServer
 from gateway.keys import create_key
-from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
+from gateway.worker_streams import WorkerStreams
+from infermesh.channels import WorkerChannels
+from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 
 _MESH_CORE, _LOAD_CORE = 0, 1
@@ -147,17 +153,33 @@ async def _measure(
     )
 
 
-def _grpc_one(
-    stub: worker_pb2_grpc.WorkerStub | router_pb2_grpc.RouterStub,
-    model: str,
-    max_tokens: int,
-    unary: bool,
-) -> Callable[[], Awaitable[Answer]]:
-    request = common_pb2.GenerateRequest(
+def _request(model: str, max_tokens: int) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
         model=model,
         messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in _MESSAGES],
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
     )
+
+
+def _stream_one(
+    streams: WorkerStreams, address: str, model: str, max_tokens: int, whole: bool
+) -> Callable[[], Awaitable[Answer]]:
+    """A request on the worker's Serve stream, as the gateway sends it."""
+    request = _request(model, max_tokens)
+
+    async def one() -> Answer:
+        tokens = 0
+        async for chunk in streams.chunks(address, request, whole=whole, timeout_s=60):
+            tokens += len(chunk.token_ids)
+        return tokens, 0
+
+    return one
+
+
+def _grpc_one(
+    stub: router_pb2_grpc.RouterStub, model: str, max_tokens: int, unary: bool
+) -> Callable[[], Awaitable[Answer]]:
+    request = _request(model, max_tokens)
     if unary:
 
         async def complete() -> Answer:
@@ -223,63 +245,92 @@ async def _bench(
     if not args.unpinned:
         os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
+    channels = WorkerChannels()
+    streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)  # the gateway's default
     async with (
         aiohttp.ClientSession(connector=connector) as session,
-        grpc.aio.insecure_channel(worker_address) as worker_channel,
         grpc.aio.insecure_channel(router_address) as router_channel,
     ):
         model = await _model(session, urls["mesh"], key)
-        worker = worker_pb2_grpc.WorkerStub(worker_channel)
         router = router_pb2_grpc.RouterStub(router_channel)
+        try:
+            await _table(args, urls, key, model, session, streams, worker_address, router, pids)
+        finally:
+            await streams.close()
+            await channels.close()
+
+
+async def _table(
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    key: str,
+    model: str,
+    session: aiohttp.ClientSession,
+    streams: WorkerStreams,
+    worker_address: str,
+    router: router_pb2_grpc.RouterStub,
+    pids: dict[str, int],
+) -> None:
+    print(
+        f"{'mode':<10} {'c':>3} {'path':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'ev/req':>7} {'core0 ms CPU/req':>17} "
+        f"{'rt ms CPU/req':>14} {'redis ms CPU/req':>17}",
+        flush=True,
+    )
+    ratios = []
+    for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
+        for concurrency in args.concurrency:
+            paths: dict[str, Callable[[], Awaitable[Answer]]] = {
+                "direct": _stream_one(streams, worker_address, model, max_tokens, whole=not stream),
+                "router": _grpc_one(router, model, max_tokens, unary=not stream),
+            }
+            for path in ("mesh", "calls", "relay"):
+                paths[path] = _http_one(
+                    session,
+                    f"{urls.get(path)}/chat/completions",
+                    key,
+                    model,
+                    max_tokens,
+                    stream,
+                )
+            for path in ("upstream", "litellm"):
+                paths[path] = _http_one(
+                    session,
+                    f"{urls.get(path)}/chat/completions",
+                    _LITELLM_KEY,
+                    _LITELLM_MODEL,
+                    max_tokens,
+                    stream,
+                )
+            references: dict[str, Run] = {}
+            for path in args.paths:
+                run = await _measure(
+                    concurrency, args.duration, paths[path], pids, not args.unpinned
+                )
+                references.setdefault(path, run)
+                reference = references.get(_REFERENCE.get(path, "direct"), run)
+                served_cpu_s = run.cpu_s[_SERVED_BY[path]] if path in _SERVED_BY else 0.0
+                events = f"{run.events / run.requests:>7.1f}" if run.events else f"{'':>7}"
+                print(
+                    f"{mode:<10} {concurrency:>3} {path:<8} "
+                    f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
+                    f"{run.pct(0.99):>8.2f} {run.pct(0.5) - reference.pct(0.5):>8.2f} "
+                    f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
+                    f"{run.tokens / run.elapsed_s:>9.0f} {events} "
+                    f"{served_cpu_s * 1000 / run.requests:>17.3f} "
+                    f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f} "
+                    f"{run.cpu_s['redis'] * 1000 / run.requests:>17.3f}",
+                    flush=True,
+                )
+            if "mesh" in references and "litellm" in references:
+                ratios.append((mode, concurrency, references["mesh"], references["litellm"]))
+    for mode, concurrency, mesh, litellm in ratios:
+        ours = sum(mesh.cpu_s[n] for n in ("gateway", "router", "redis")) / mesh.requests
+        theirs = litellm.cpu_s["litellm"] / litellm.requests
         print(
-            f"{'mode':<10} {'c':>3} {'path':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'+p50 ms':>8} {'+p99 ms':>8} {'tok/s':>9} {'ev/req':>7} {'core0 ms CPU/req':>17} "
-            f"{'rt ms CPU/req':>14}",
-            flush=True,
+            f"{mode} c={concurrency}: core-0 CPU per request, gateway + router + Redis "
+            f"{ours * 1000:.3f} ms, LiteLLM {theirs * 1000:.3f} ms: {theirs / ours:.1f}x less"
         )
-        for mode, max_tokens, stream in [("plain-16", 16, False), ("stream-64", 64, True)]:
-            for concurrency in args.concurrency:
-                paths: dict[str, Callable[[], Awaitable[Answer]]] = {
-                    "direct": _grpc_one(worker, model, max_tokens, unary=not stream),
-                    "router": _grpc_one(router, model, max_tokens, unary=not stream),
-                }
-                for path in ("mesh", "calls", "relay"):
-                    paths[path] = _http_one(
-                        session,
-                        f"{urls.get(path)}/chat/completions",
-                        key,
-                        model,
-                        max_tokens,
-                        stream,
-                    )
-                for path in ("upstream", "litellm"):
-                    paths[path] = _http_one(
-                        session,
-                        f"{urls.get(path)}/chat/completions",
-                        _LITELLM_KEY,
-                        _LITELLM_MODEL,
-                        max_tokens,
-                        stream,
-                    )
-                references: dict[str, Run] = {}
-                for path in args.paths:
-                    run = await _measure(
-                        concurrency, args.duration, paths[path], pids, not args.unpinned
-                    )
-                    references.setdefault(path, run)
-                    reference = references.get(_REFERENCE.get(path, "direct"), run)
-                    served_cpu_s = run.cpu_s[_SERVED_BY[path]] if path in _SERVED_BY else 0.0
-                    events = f"{run.events / run.requests:>7.1f}" if run.events else f"{'':>7}"
-                    print(
-                        f"{mode:<10} {concurrency:>3} {path:<8} "
-                        f"{run.requests / run.elapsed_s:>8.0f} {run.pct(0.5):>8.2f} "
-                        f"{run.pct(0.99):>8.2f} {run.pct(0.5) - reference.pct(0.5):>8.2f} "
-                        f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
-                        f"{run.tokens / run.elapsed_s:>9.0f} {events} "
-                        f"{served_cpu_s * 1000 / run.requests:>17.3f} "
-                        f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f}",
-                        flush=True,
-                    )
 
 
 class _LiteLLM:
@@ -402,6 +453,7 @@ def main() -> int:
                 "litellm": f"http://127.0.0.1:{proxy.proxy_port}/v1",
             }
             pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway")}
+            pids["redis"] = redis_server.pid
             for path, env in (
                 ("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
                 ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"}),
@@ -416,7 +468,7 @@ def main() -> int:
             pinning = (
                 "unpinned"
                 if args.unpinned
-                else f"gateway+router (and LiteLLM) on core {_MESH_CORE}, worker (and "
+                else f"gateway+router+Redis (and LiteLLM) on core {_MESH_CORE}, worker (and "
                 f"upstream)+load on core {_LOAD_CORE}"
             )
             print(

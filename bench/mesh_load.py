@@ -1,7 +1,7 @@
 """Load for the reliability scenarios (bench/soak.py, bench/redis_failover.py), and the simulated
 mesh they and bench/gateway_mesh.py run it against: closed-loop
 clients sending chat completions to a gateway over plain HTTP, each request recorded as an
-:class:`Outcome` (when, status, error code, tokens served), never raising."""
+:class:`Outcome` (its x-request-id, when, status, error code, tokens served), never raising."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -32,6 +33,7 @@ class Outcome:
     status: int  # HTTP status; 0: the connection failed
     code: str = ""  # error.code of an error body, or of a stream's error event
     tokens: int = 0  # usage.total_tokens the response reported (0 for a disconnect)
+    request_id: str = ""  # the x-request-id it was sent with, unique per request
 
     @property
     def ok(self) -> bool:
@@ -71,21 +73,23 @@ class MeshLoad:
             "stream": stream,
             **({"stream_options": {"include_usage": True}} if stream else {}),
         }
+        request_id = f"load-{uuid.uuid4().hex}"
+        headers = {**self._headers, "x-request-id": request_id}
         started = time.monotonic()
+
+        def outcome(status: int, code: str = "", tokens: int = 0) -> Outcome:
+            return Outcome(kind, started, time.monotonic(), status, code, tokens, request_id)
+
         try:
-            async with self._session.post(self._url, json=body, headers=self._headers) as response:
+            async with self._session.post(self._url, json=body, headers=headers) as response:
                 if response.status != 200:
-                    code = _error_code(await response.read())
-                    return Outcome(kind, started, time.monotonic(), response.status, code)
+                    return outcome(response.status, _error_code(await response.read()))
                 if not stream:
-                    usage = (await response.json())["usage"]
-                    return Outcome(
-                        kind, started, time.monotonic(), 200, tokens=usage["total_tokens"]
-                    )
+                    return outcome(200, tokens=(await response.json())["usage"]["total_tokens"])
                 code, tokens = await _read_stream(response, stop_early=kind == "disconnect")
-                return Outcome(kind, started, time.monotonic(), 200, code, tokens)
+                return outcome(200, code, tokens)
         except (TimeoutError, aiohttp.ClientError) as e:
-            return Outcome(kind, started, time.monotonic(), 0, type(e).__name__)
+            return outcome(0, type(e).__name__)
 
     async def run(
         self,

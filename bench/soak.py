@@ -9,18 +9,22 @@ clients send chat completions for ``--duration`` seconds with four API keys (one
 ``max_concurrent``, so concurrency leases are taken and freed): 45 % non-streamed, 45 %
 streamed, 10 % streamed and dropped by the client after the first content chunk.
 
-Prints, per window: requests, errors, p99 latency of the completed requests, and per
-service RSS, open file descriptors and asyncio tasks (the ``infermesh_asyncio_tasks``
-metric), Redis keys and requests in flight; then the checks: 0 errors other than the
-disconnects, RSS at the end within 10 % of the first window's, p99 of the last window
-within 20 % of the second's, and, idle after the load against idle after the warm-up, no
-more file descriptors or tasks, the same Redis keys and no concurrency lease left.
+Every request counts: the warm-up's (a row of its own) and the load's tail (those still running
+when the load stops end in the last window). Prints, per window: requests, errors, p99 latency
+of the completed requests, and per service RSS, open file descriptors and asyncio tasks (the
+``infermesh_asyncio_tasks`` metric), Redis keys, and the requests in flight (mean and least of
+samples every 0.1 s, from the requests' own start and end times); then the checks: 0 errors
+other than the disconnects (warm-up included), RSS at the end within 10 % of the first window's,
+p99 of the last window within 20 % of the second's, and, idle after the load against idle after
+the warm-up, no more file descriptors or tasks, the same Redis keys and no concurrency lease
+left.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import dataclasses
 import functools
 import random
@@ -46,6 +50,7 @@ SERVICES = ("gateway", "router", "worker0")
 _MIX: tuple[tuple[Kind, float], ...] = (("plain", 0.45), ("stream", 0.45), ("disconnect", 0.10))
 _KEYS = 4
 _IDLE_S = 1.0  # pause before an idle snapshot: settlements and closes finish
+_SAMPLE_S = 0.1  # between two samples of the requests in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +61,29 @@ class Snapshot:
     tasks: dict[str, int]
     redis_keys: int
     leases: int  # members of the concurrency lease sets
-    live: int  # requests in flight on the client side
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """Requests in flight over a window, sampled every _SAMPLE_S."""
+
+    mean: float
+    least: int
 
 
 @dataclasses.dataclass
 class SoakResult:
-    windows: list[tuple[Snapshot, list[Outcome]]]  # each window's end snapshot and its requests
+    warmup: list[Outcome]
+    # each window's end snapshot and the requests that ended in it (the last window: also
+    # those that ended after it, the load's tail)
+    windows: list[tuple[Snapshot, list[Outcome]]]
+    in_flight: list[InFlight]  # per window
     idle_before: Snapshot
     idle_after: Snapshot
 
     def errors(self) -> list[Outcome]:
-        return [o for _, outcomes in self.windows for o in outcomes if is_error(o)]
+        measured = [o for _, outcomes in self.windows for o in outcomes]
+        return [o for o in self.warmup + measured if is_error(o)]
 
     def p99_ms(self, window: int) -> float:
         latencies = sorted(
@@ -108,7 +125,7 @@ class _Probe:
         self._session = session
         self._start = time.monotonic()
 
-    async def snapshot(self, live: int) -> Snapshot:
+    async def snapshot(self) -> Snapshot:
         tasks = {name: await self._tasks(url) for name, url in self._metrics.items()}
         leases = 0
         async for name in self._redis.scan_iter(match="infermesh:rl:*:inflight"):
@@ -124,7 +141,6 @@ class _Probe:
             tasks=tasks,
             redis_keys=await self._redis.dbsize() - settled,
             leases=leases,
-            live=live,
         )
 
     async def _tasks(self, url: str) -> int:
@@ -155,17 +171,18 @@ async def _soak(
     async with aiohttp.ClientSession() as session:
         probe = _Probe(mesh, redis_url, session)
         try:
-            await load(time.monotonic() + window_s, [])
+            warmup: list[Outcome] = []
+            await load(time.monotonic() + window_s, warmup)
             # Idle snapshots come after the load's connections closed: the gateway then
             # holds only what it keeps for itself.
             await asyncio.sleep(_IDLE_S)
-            idle_before = await probe.snapshot(0)
-            windows = await _measured(load, probe, concurrency, duration_s, window_s)
+            idle_before = await probe.snapshot()
+            windows, in_flight = await _measured(load, probe, duration_s, window_s)
             await asyncio.sleep(_IDLE_S)
-            idle_after = await probe.snapshot(0)
+            idle_after = await probe.snapshot()
         finally:
             await probe.close()
-    return SoakResult(windows, idle_before, idle_after)
+    return SoakResult(warmup, windows, in_flight, idle_before, idle_after)
 
 
 async def _load(
@@ -186,22 +203,35 @@ async def _load(
 async def _measured(
     load: Callable[[float, list[Outcome]], Coroutine[Any, Any, None]],
     probe: _Probe,
-    concurrency: int,
     duration_s: float,
     window_s: float,
-) -> list[tuple[Snapshot, list[Outcome]]]:
+) -> tuple[list[tuple[Snapshot, list[Outcome]]], list[InFlight]]:
     outcomes: list[Outcome] = []
     start = time.monotonic()
     running = asyncio.create_task(load(start + duration_s, outcomes))
-    windows = []
     ends = [start + window_s * (i + 1) for i in range(max(1, round(duration_s / window_s)))]
+    snapshots = []
     for end in ends:
         await asyncio.sleep(max(0.0, end - time.monotonic()))
-        snapshot = await probe.snapshot(live=concurrency if not running.done() else 0)
-        window_start = end - window_s
-        windows.append((snapshot, [o for o in outcomes if window_start <= o.ended < end]))
-    await running
-    return windows
+        snapshots.append(await probe.snapshot())
+    await running  # the tail: requests still running at the last window's end
+    bounds = [end - window_s for end in ends]
+    windows = [(snapshot, list[Outcome]()) for snapshot in snapshots]
+    for o in outcomes:
+        windows[max(0, bisect.bisect_right(bounds, o.ended) - 1)][1].append(o)
+    return windows, [_in_flight(outcomes, end - window_s, end) for end in ends]
+
+
+def _in_flight(outcomes: list[Outcome], start: float, end: float) -> InFlight:
+    """The requests in flight between ``start`` and ``end``, sampled every _SAMPLE_S from
+    their start and end times."""
+    starts = sorted(o.started for o in outcomes)
+    ends = sorted(o.ended for o in outcomes)
+    samples = [
+        bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)
+        for t in (start + i * _SAMPLE_S for i in range(max(1, round((end - start) / _SAMPLE_S))))
+    ]
+    return InFlight(sum(samples) / len(samples), min(samples))
 
 
 def run(
@@ -219,9 +249,16 @@ def _print(result: SoakResult) -> None:
     print(
         f"{'t s':>6} {'reqs':>6} {'errors':>6} {'p99 ms':>7} "
         + " ".join(f"{n + ' rss/fd/tasks':>22}" for n in SERVICES)
-        + f" {'redis':>6} {'live':>5}"
+        + f" {'redis':>6} {'in flight mean/least':>20}"
     )
-    for snapshot, outcomes in [(result.idle_before, []), *result.windows, (result.idle_after, [])]:
+    warmup = sum(1 for o in result.warmup if is_error(o))
+    print(f"{'warm-up':>6} {len(result.warmup):>6} {warmup:>6}")
+    rows = [
+        (result.idle_before, [], None),
+        *((s, o, f) for (s, o), f in zip(result.windows, result.in_flight, strict=True)),
+        (result.idle_after, [], None),
+    ]
+    for snapshot, outcomes, in_flight in rows:
         errors = sum(1 for o in outcomes if is_error(o))
         p99 = sorted(o.latency_s for o in outcomes if o.ok and o.kind != "disconnect") or [0]
         print(
@@ -231,12 +268,17 @@ def _print(result: SoakResult) -> None:
                 f"{snapshot.rss_mb[n]:>10.1f}/{snapshot.fds[n]:>4}/{snapshot.tasks[n]:>5}"
                 for n in SERVICES
             )
-            + f" {snapshot.redis_keys:>6} {snapshot.live:>5}"
+            + f" {snapshot.redis_keys:>6}"
+            + (f" {in_flight.mean:>15.1f}/{in_flight.least:>4}" if in_flight else "")
         )
     first, last = result.windows[0][0], result.windows[-1][0]
     before, after = result.idle_before, result.idle_after
-    by_kind = {k: sum(1 for _, w in result.windows for o in w if o.kind == k) for k, _ in _MIX}
-    print(f"requests by kind: {by_kind}; errors other than the disconnects: {len(result.errors())}")
+    every = result.warmup + [o for _, w in result.windows for o in w]
+    by_kind = {k: sum(1 for o in every if o.kind == k) for k, _ in _MIX}
+    print(
+        f"requests by kind (warm-up included): {by_kind}; errors other than the disconnects: "
+        f"{len(result.errors())}"
+    )
     for name in SERVICES:
         print(
             f"{name}: RSS {first.rss_mb[name]:.1f} -> {last.rss_mb[name]:.1f} MB "

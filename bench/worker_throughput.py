@@ -12,7 +12,7 @@ missing), in the dtype the precision policy picks for this machine, greedy, prom
 - ours: --concurrency requests started together through Engine.generate(); aggregate tokens/s is
   all completion tokens over the wall time from the start to the last token; TTFT per request;
 - transformers: DeepseekV3ForCausalLM (DeepseekV2ForCausalLM for a deepseek_v2 --model-dir, e.g.
-  `make model-v2`'s) holding the same dequantized weights, generate() on a static
+  `make model-v2`'s) loaded by transformers from the same checkpoint, generate() on a static
   batch of the same prompts (its best case for that many concurrent requests), timed the same way.
 
 Prints a table with the ratio ours / transformers, TTFT p50/p99, peak RSS (after our runs, then
@@ -33,10 +33,9 @@ import torch
 from transformers import PreTrainedModel
 
 from devtools.tiny_model import CORPUS, write_bench_checkpoint
-from tests.helpers.hf_reference import transformers_model
+from tests.helpers.hf_reference import transformers_reference
 from worker_svc.config import ParallelSection
 from worker_svc.engine_api import GenerationRequest, SamplingParams
-from worker_svc.model.checkpoint import read_config
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import bytes_per_token, unabsorbed_bytes_per_token
 
@@ -118,7 +117,6 @@ def main() -> None:
     if not (ns.model_dir / "config.json").exists():
         print(f"writing the benchmark checkpoint to {ns.model_dir}")
         write_bench_checkpoint(ns.model_dir)
-    config, _ = read_config(ns.model_dir)
     engine = Engine.from_checkpoint(
         ns.model_dir, parallel=ParallelSection(max_parallel=max(ns.concurrency))
     )
@@ -138,9 +136,9 @@ def main() -> None:
     # its step-loop thread ends: transformers computes alone (Engine.from_checkpoint)
     asyncio.run(engine.close())
 
-    # the same dequantized weights, in our dtype
+    # the checkpoint as transformers loads it, in our dtype
     # transformers types to() as taking the model itself
-    hf = transformers_model(engine.model, config).to(dtype)  # type: ignore[arg-type]
+    hf = transformers_reference(ns.model_dir).to(dtype)  # type: ignore[arg-type]
     hf.set_attn_implementation("sdpa")  # transformers' default attention (the test pins eager)
     ids = torch.tensor([engine.tokenizer.encode(t) for t in texts])
     run_hf(hf, ids[:1], 4)  # warm-up

@@ -202,7 +202,9 @@ def check_model(request: web.Request, model: str | None) -> None:
 async def admit(request: web.Request, model: str | None, reserve_tokens: int) -> Admission:
     """Admits the request against its key's model list and limits (403, 401, 429)."""
     check_model(request, model)
-    return await request.app[LIMITER].admit(request[API_KEY].id, reserve_tokens)
+    return await request.app[LIMITER].admit(
+        request[API_KEY].id, reserve_tokens, request[REQUEST_ID]
+    )
 
 
 @contextlib.asynccontextmanager
@@ -235,6 +237,7 @@ async def admitted_generation(
             admission = await request.app[LIMITER].admit(
                 request[API_KEY].id,
                 plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
+                request[REQUEST_ID],
             )
         except BaseException:
             await generation.aclose()  # refused: the router's decisions go back unused

@@ -52,7 +52,9 @@ once Redis answers again, oldest first; at most ``[limits] settle_retry_max`` wa
 that the oldest are dropped, counted in ``infermesh_usage_settlements_dropped_total`` and
 logged (by key id). Each settlement marks itself done in Redis
 (``infermesh:settled:{<id>}:<admission id>``, kept ``_SETTLED_TTL_S``), so a retry of one whose
-reply was lost (it ran, but the connection dropped) does not count twice.
+reply was lost (it ran, but the connection dropped) does not count twice. The mark holds the
+request's id (``x-request-id``), so that which requests were settled can be told afterwards
+(``bench/redis_failover.py`` looks each one up).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class Admission:
     lease: str  # the concurrency slot's id; "": the key has no concurrency limit
     headers: dict[str, str]  # x-ratelimit-* for the response
     id: str  # unique per admission
+    request_id: str  # the request's x-request-id, held by its settlement's done-mark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +178,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             _USAGE_DAY_TTL_S,
             int(settlement.served),
             _SETTLED_TTL_S,
+            admission.request_id,
         ],
     )
 
@@ -199,9 +203,10 @@ class Limiter:
         self._retry_max = settle_retry_max
         self._dropped = 0
 
-    async def admit(self, kid: str, reserve_tokens: int) -> Admission:
-        """Admits one request reserving ``reserve_tokens``; raises ``RateLimitError``
-        (429) over a limit, ``AuthenticationError`` when the key stopped being valid.
+    async def admit(self, kid: str, reserve_tokens: int, request_id: str = "") -> Admission:
+        """Admits one request (``request_id``: its x-request-id) reserving ``reserve_tokens``;
+        raises ``RateLimitError`` (429) over a limit, ``AuthenticationError`` when the key stopped
+        being valid.
         Redis errors propagate: the caller answers 503 and admits nothing. Goes in the
         next round trip to Redis, with the other admissions and the settlements that wait
         for it (at once when none is out)."""
@@ -233,6 +238,7 @@ class Limiter:
             lease=lease if held else "",
             headers=headers,
             id=lease,
+            request_id=request_id,
         )
 
     async def settle(

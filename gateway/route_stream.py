@@ -30,7 +30,7 @@ class _Call(SharedCall[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResp
 
     def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
         super().__init__(
-            lambda: stub.RouteStream(wait_for_ready=False),
+            lambda messages: stub.RouteStream(messages, wait_for_ready=False),
             router_pb2.RouteStreamRequest,
             _PEER,
             "the router ended the route stream",

@@ -1,17 +1,16 @@
 """The gateway's long-lived ``Worker.Serve`` streams: many requests multiplexed over a few
 bidirectional streams per worker, so that a request costs messages, not calls.
 
-A request is opened on a stream by a stream-local id (its open carries the generation
-request, its deadline and trace context) and cancelled by that id when its reader stops
-early. One reader task per stream hands each chunk to its request's buffer; one writer
-task sends what requests opened and cancelled meanwhile as one message (the shared-call client
-of ``infermesh.bidi``). Per-request flow
-control: a request's buffer holds at most ``buffered_chunks`` chunks its reader has not
-taken; past that (an HTTP client reading slower than the worker writes) that request ends
-with ``ClientTooSlowError`` and is cancelled on the worker, while the stream and its other
-requests go on. A stream that breaks fails every request still open on it with the
-stream's status, as a failed call would (``infermesh.failover`` then tries the fallback
-worker before the first chunk, and ends the request cleanly after it).
+A request is opened on a stream by a stream-local id (its open carries the generation request,
+its deadline and trace context) and cancelled by that id when its reader stops early. One reader
+task per stream hands each chunk to its request's buffer; what requests opened and cancelled
+meanwhile goes out as one message whenever the stream can take the next (the shared-call client
+of ``infermesh.bidi``). Per-request flow control: a request's buffer holds at most
+``buffered_chunks`` chunks its reader has not taken; past that (an HTTP client reading slower
+than the worker writes) that request ends with ``ClientTooSlowError`` and is cancelled on the
+worker, while the stream and its other requests go on. A stream that breaks fails every request
+still open on it with the stream's status, as a failed call would (``infermesh.failover`` then
+tries the fallback worker before the first chunk, and ends the request cleanly after it).
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _R
         self._buffered_chunks = buffered_chunks
         self._ids = itertools.count(1)
         super().__init__(
-            lambda: stub.Serve(wait_for_ready=False),
+            lambda messages: stub.Serve(messages, wait_for_ready=False),
             worker_pb2.StreamRequest,
             _PEER,
             "the worker ended the stream",

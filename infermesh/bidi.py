@@ -1,10 +1,10 @@
 """The calling side of a long-lived bidirectional gRPC call that many requests share: the
 gateway's route stream to the router and its Serve streams to the workers build on it.
 
-``SharedCall`` is one such call: opened apart from any request's trace, a ``MessageBatcher``
-writing what requests add, one reader task, the requests waiting on it by id (failed with the
-call's status when it breaks) and the stream metrics. ``SharedCalls`` keeps them per peer,
-replacing a broken one and closing it in the background.
+``SharedCall`` is one such call: opened apart from any request's trace, a ``MessageBatcher`` as
+its request iterator sending what requests add, one reader task, the requests waiting on it by
+id (failed with the call's status when it breaks) and the stream metrics. ``SharedCalls`` keeps
+them per peer, replacing a broken one and closing it in the background.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
@@ -65,37 +65,41 @@ def split(message: Message, budget: int = MAX_MESSAGE_BYTES) -> list[Message]:
 
 class MessageBatcher(Generic[Message]):
     """Gathers what requests add between two writes into one message: callers add to
-    ``message`` and call ``changed()``; one task writes it whenever the call can take the next
-    one, so a burst of requests costs one message, not one each (several when they would pass
-    gRPC's message size limit). Ends quietly when the call does (its reader sees why). Each
-    message sent counts in ``infermesh_gateway_stream_messages`` under ``peer``."""
+    ``message`` and call ``changed()``; ``messages()``, the call's request iterator, yields it
+    whenever the call can take the next one, so a burst of requests costs one message, not one
+    each (several when they would pass gRPC's message size limit). ``close()`` ends the
+    iterator. Each message sent counts in ``infermesh_gateway_stream_messages`` under ``peer``.
 
-    def __init__(self, call: Any, new_message: Callable[[], Message], peer: str) -> None:
-        self._call = call
+    The call reads its messages from this iterator rather than being written to: grpc.aio
+    (1.85) then ends its own task consuming them when the iterator ends. Written to, a call
+    with client interceptors feeds such a task from a queue, and a peer that ends the call
+    leaves that task and the generator it runs pending until they are collected ("Task was
+    destroyed but it is pending!", "aclose(): asynchronous generator is already running")."""
+
+    def __init__(self, new_message: Callable[[], Message], peer: str) -> None:
         self._new_message = new_message
         self._sent = STREAM_MESSAGES.labels(peer, "sent")
         self.message = new_message()
         self._send = asyncio.Event()
-        self._task = asyncio.create_task(self._write())
+        self._closed = False
 
     def changed(self) -> None:
         self._send.set()
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._send.wait()
-                self._send.clear()
-                message, self.message = self.message, self._new_message()
-                for part in split(message):
-                    await self._call.write(part)
-                    self._sent.inc()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass
+    def close(self) -> None:
+        self._closed = True
+        self._send.set()
 
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+    async def messages(self) -> AsyncIterator[Message]:
+        while True:
+            await self._send.wait()
+            if self._closed:
+                return
+            self._send.clear()
+            message, self.message = self.message, self._new_message()
+            for part in split(message):
+                yield part  # resumed once the call has written it
+                self._sent.inc()
 
 
 class SharedCall(abc.ABC, Generic[Outgoing, Incoming, Waiter]):
@@ -108,7 +112,7 @@ class SharedCall(abc.ABC, Generic[Outgoing, Incoming, Waiter]):
 
     def __init__(
         self,
-        start: Callable[[], grpc.aio.StreamStreamCall[Any, Incoming]],
+        start: Callable[[AsyncIterator[Outgoing]], grpc.aio.StreamStreamCall[Any, Incoming]],
         new_message: Callable[[], Outgoing],
         peer: str,
         ended: str,
@@ -123,8 +127,8 @@ class SharedCall(abc.ABC, Generic[Outgoing, Incoming, Waiter]):
         # no request's trace.
         token = otel_context.attach(otel_context.Context())
         try:
-            self._call = start()
-            self.outgoing = MessageBatcher(self._call, new_message, peer)
+            self.outgoing = MessageBatcher(new_message, peer)
+            self._call = start(self.outgoing.messages())
             self._reader = asyncio.create_task(self._read())
         finally:
             otel_context.detach(token)
@@ -153,11 +157,11 @@ class SharedCall(abc.ABC, Generic[Outgoing, Incoming, Waiter]):
                 STREAM_BREAKS.labels(self._peer).inc()
             for waiter in waiting.values():
                 self._fail(waiter, error)
-            await self.outgoing.close()
+            self.outgoing.close()
 
     async def close(self) -> None:
         self._call.cancel()
-        await asyncio.gather(self._reader, self.outgoing.close(), return_exceptions=True)
+        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class SharedCalls(Generic[Call]):

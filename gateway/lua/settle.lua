@@ -2,8 +2,9 @@
 -- concurrency slot freed, the usage counted; at most once per admission (KEYS[7], the
 -- done-mark). KEYS: tpm, inflight, quota, usage, the day's usage, rpm, the done-mark. ARGV: the
 -- admission's second, its reservation, whether it was windowed (1), its quota field, prompt,
--- completion and cached tokens, its lease, the day's usage TTL, served (1), the done-mark's TTL.
-if not redis.call('SET', KEYS[7], '1', 'NX', 'EX', ARGV[11]) then return 0 end
+-- completion and cached tokens, its lease, the day's usage TTL, served (1), the done-mark's TTL,
+-- the request's id (what the done-mark holds).
+if not redis.call('SET', KEYS[7], ARGV[12], 'NX', 'EX', ARGV[11]) then return 0 end
 local prompt, completion, cached = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local delta = prompt + completion - tonumber(ARGV[2])
 if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then

@@ -39,6 +39,10 @@ def _served_and_counted(figures: dict[str, Any]) -> None:
 )
 async def test_a_worker_that_dies_or_freezes_loses_no_request_and_no_usage(chaos, freeze_s, relay):
     figures = await worker_fault(chaos, freeze_s=freeze_s, relay=relay, **SHORT)
+    # the fault met streams: requests whose first chunks came from the struck worker were open
+    # on it at that moment, and each ended with an error event and [DONE]
+    assert figures["in flight on the worker"] > 0, figures
+    assert figures["cut mid-stream (error event + [DONE])"] > 0, figures
     assert figures["failed (not 200)"] == 0, figures["statuses"]  # no token yet: served elsewhere
     assert figures["cut mid-stream, other ending"] == 0
     assert figures["left routing after s"] <= HEARTBEAT_TTL_S + SLACK_S

@@ -17,7 +17,10 @@ async def test_a_short_soak_leaves_no_error_and_nothing_grown(tmp_path):
     outcomes = [o for _, window in result.windows for o in window]
     assert len(outcomes) > 200
     assert sum(1 for o in outcomes if o.kind == "disconnect") > 0
+    assert result.warmup  # counted too: errors() holds the warm-up's
     assert result.errors() == []
+    # measured from the requests' times: closed-loop clients keep at most their number in flight
+    assert all(0 < f.mean <= 64 and f.least <= 64 for f in result.in_flight), result.in_flight
     before, after = result.idle_before, result.idle_after
     for name in SERVICES:
         assert after.tasks[name] <= before.tasks[name], (name, before.tasks, after.tasks)

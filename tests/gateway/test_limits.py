@@ -310,11 +310,14 @@ async def test_settlements_past_the_bound_are_dropped_and_counted(tmp_path):
 async def test_a_settlement_counts_once_however_often_it_runs(redis_client):
     limiter = Limiter(redis_client, lease_ttl_s=1, settle_retry_max=10)
     key = await create_key(redis_client, "once", rpm=10)
-    admission = await limiter.admit(key_id(key), 0)
+    admission = await limiter.admit(key_id(key), 0, "req-once")
     for _ in range(3):  # a retry of a try whose reply was lost runs it again
         await limiter.settle(admission, TokenUsage(completion_tokens=5))
     usage = await read_usage(redis_client, key_id(key), 1)
     assert (usage["requests"], usage["completion_tokens"]) == (1, 5)
+    # the done-mark tells which request was settled
+    mark = f"infermesh:settled:{key_tag(key_id(key))}:{admission.id}"
+    assert await redis_client.get(mark) == b"req-once"
 
 
 async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_client):

@@ -4,9 +4,13 @@ router, worker (simulated engine) and Redis, the official SDK as the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
+import logging
 import socket
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,10 +23,16 @@ from gateway.config import GatewayConfig
 from gateway.mesh_client import MESH
 from gateway.worker_streams import WorkerStreams
 from infermesh.channels import WorkerChannels
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
-from tests.helpers.inprocess import RunningWorker, eventually, running_worker, sim_engine
+from tests.helpers.inprocess import (
+    RunningRouter,
+    RunningWorker,
+    eventually,
+    running_worker,
+    sim_engine,
+)
 from worker_svc.sim_engine.engine import SimEngine
 
 
@@ -202,6 +212,126 @@ async def test_a_worker_that_dies_with_50_requests_open_fails_each_cleanly(
     finally:
         await gateway.close()
         await engine.close()
+
+
+class _RogueWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker that ends each of its Serve streams in the middle of requests: it takes the
+    opens of up to ten requests, sends the first token of every other one, then ends the
+    stream (returns from its handler, or aborts it, as a crashing worker would)."""
+
+    def __init__(self, aborts: bool) -> None:
+        self.aborts = aborts
+        self.opened: list[int] = []  # every request opened on it, over all its streams
+        self.started: list[int] = []  # those it sent a first token
+
+    async def Serve(
+        self,
+        requests: AsyncIterator[worker_pb2.StreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.StreamResponse]:
+        opened: list[int] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):  # however few the requests routed here
+                async for message in requests:
+                    opened += [o.id for o in message.open]
+                    if len(opened) >= 10:
+                        break
+        started = opened[::2]
+        self.opened += opened
+        self.started += started
+        first = common_pb2.GenerateResponse(text="x", token_ids=[1])
+        yield worker_pb2.StreamResponse(
+            chunks=[worker_pb2.StreamChunk(id=i, chunk=first) for i in started]
+        )
+        await asyncio.sleep(0.3)  # the first tokens reach the clients before the end
+        if self.aborts:
+            await context.abort(grpc.StatusCode.INTERNAL, "the rogue worker crashed")
+
+
+@contextlib.asynccontextmanager
+async def _rogue_worker(router: RunningRouter, aborts: bool) -> AsyncIterator[_RogueWorker]:
+    """A rogue worker on loopback, registered with ``router`` as the fastest worker there, so
+    that requests go to it first."""
+    rogue = _RogueWorker(aborts)
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(rogue, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await router.stub.Register(
+            router_pb2.RegisterRequest(
+                worker=common_pb2.WorkerInfo(
+                    worker_id="rogue",
+                    address=f"127.0.0.1:{port}",
+                    models=[MODEL],
+                    capabilities=common_pb2.Capabilities(
+                        max_parallel=64, decode_tokens_per_second=1e6
+                    ),
+                )
+            )
+        )
+        yield rogue
+    finally:
+        await server.stop(grace=None)
+
+
+@pytest.mark.parametrize("aborts", [False, True], ids=["returns", "aborts"])
+async def test_a_worker_that_ends_its_stream_mid_requests_fails_them_cleanly(
+    redis_server: Any, router: RunningRouter, api_key: str, caplog: Any, aborts: bool
+) -> None:
+    """Requests the rogue never started fall back to the healthy worker and finish; those it
+    sent a first token end with an error event; and the gateway's stream client leaves no
+    task or generator pending behind the ended stream."""
+    caplog.set_level(logging.WARNING)
+    engine = sim_engine("H100", max_parallel=64, max_waiting=64, zero_latency=True)
+    gateway = await start_gateway(_config(redis_server.url, router.address))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            async with (
+                _rogue_worker(router, aborts) as rogue,
+                running_worker(engine, router, "healthy"),
+                sdk(gateway, api_key) as client,
+            ):
+
+                async def one() -> tuple[list[str], str | None]:
+                    texts: list[str] = []
+                    try:
+                        stream = await client.chat.completions.create(
+                            model=MODEL,
+                            messages=[{"role": "user", "content": "hi"}],
+                            max_tokens=20,
+                            stream=True,
+                        )
+                        async for c in stream:
+                            if c.choices and c.choices[0].delta.content:
+                                texts.append(c.choices[0].delta.content)
+                    except openai.APIError as e:
+                        return texts, e.message
+                    return texts, None
+
+                results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(20))), 20)
+        finally:
+            await gateway.close()
+            await engine.close()
+        gc.collect()  # a task or generator left pending is reported when collected
+        await asyncio.sleep(0.1)
+    failed = [(texts, error) for texts, error in results if error is not None]
+    finished = [texts for texts, error in results if error is None]
+    assert len(rogue.opened) > len(rogue.started) > 0  # both kinds of request were open on it
+    # each request the rogue started ends after its first token with an error event
+    assert len(failed) == len(rogue.started)
+    ended = "INTERNAL" if aborts else "failed mid-stream: the worker ended the stream"
+    assert all(texts == ["x"] and ended in error for texts, error in failed), failed
+    # the others (those it never started among them) finish on the healthy worker
+    assert len(finished) == 20 - len(rogue.started)
+    assert all(len(texts) == 20 for texts in finished)
+    leftovers = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "asyncio" or "already running" in r.getMessage()
+    ]
+    assert leftovers == [] and [str(w.message) for w in warned] == []
 
 
 async def _slow_reader(port: int, api_key: str, body: dict[str, object]) -> socket.socket:

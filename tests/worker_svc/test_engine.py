@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.hf_reference import transformers_model
+from tests.helpers.hf_reference import transformers_reference
 from tests.helpers.inprocess import eventually
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
@@ -22,7 +22,7 @@ from worker_svc.engine_api import (
     InvalidArgumentError,
     SamplingParams,
 )
-from worker_svc.model.checkpoint import CheckpointError, read_config
+from worker_svc.model.checkpoint import CheckpointError
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import bytes_per_token
 
@@ -443,7 +443,7 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
                 for i, p in enumerate(prompts)
             )
         )
-        hf = transformers_model(engine.model, read_config(model_dir)[0])
+        hf = transformers_reference(model_dir)
     finally:
         await engine.close()
     # the shared prefix was reused

@@ -1,5 +1,5 @@
 """Our DeepSeek-V3 / V2 forward pass against transformers' DeepseekV3ForCausalLM /
-DeepseekV2ForCausalLM on the same weights."""
+DeepseekV2ForCausalLM, each loading the same checkpoint files its own way."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from tests.helpers.hf_reference import transformers_model
+from tests.helpers.hf_reference import transformers_reference
 from worker_svc.hardware.sizing import model_size
 from worker_svc.model.checkpoint import load_checkpoint
 from worker_svc.model.kernel import FP8
@@ -51,7 +51,7 @@ FP8_LOGITS_RTOL = 0.1
 @pytest.fixture
 def models(model_dir: Path) -> tuple[Transformer, PreTrainedModel, dict[str, Any]]:
     ours, config = load_checkpoint(model_dir, torch.float32)
-    return ours, transformers_model(ours, config), config
+    return ours, transformers_reference(model_dir), config
 
 
 def _prompt(config: dict[str, Any], length: int = 40, seed: int = 0) -> torch.Tensor:
@@ -139,14 +139,13 @@ def test_yarn_reads_the_same_from_rope_scaling_and_rope_parameters(
     old, _ = load_checkpoint(
         _checkpoint_with_config(variant_dir, tmp_path / "legacy", legacy), torch.float32
     )
-    new, new_config = load_checkpoint(
-        _checkpoint_with_config(variant_dir, tmp_path / "modern", modern), torch.float32
-    )
+    modern_dir = _checkpoint_with_config(variant_dir, tmp_path / "modern", modern)
+    new, new_config = load_checkpoint(modern_dir, torch.float32)
     tokens = _prompt(new_config, 64)
     got = new(tokens, 0, new.setup_cache(1, 64))
     assert torch.equal(got, old(tokens, 0, old.setup_cache(1, 64)))
     with torch.no_grad():
-        expected = transformers_model(new, new_config)(tokens).logits[:, -1]
+        expected = transformers_reference(modern_dir)(tokens).logits[:, -1]
     torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
     # without YaRN and that theta the same weights give other logits: what a misread file would
     # serve

@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM on the
-same weights, through the engine's paged cache, and its checkpoints' errors."""
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM loading
+the same checkpoint files, through the engine's paged cache, and its checkpoints' errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from devtools.tiny_model import TINY_DSA
-from tests.helpers.hf_reference import transformers_model
+from tests.helpers.hf_reference import transformers_reference
 from worker_svc.config import CacheSection, ParallelSection, WorkerConfig
 from worker_svc.engine_api import GenerationRequest, SamplingParams
 from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
@@ -51,7 +51,7 @@ class Reference(NamedTuple):
 
 def _reference(model_dir: Path) -> Reference:
     ours, config = load_checkpoint(model_dir, torch.float32)
-    hf = transformers_model(ours, config)
+    hf = transformers_reference(model_dir)
     prompt = _prompt(config, 40)  # > index_topk; decoding goes well past it
     return Reference(ours, hf, config, prompt, _hf_greedy(hf, prompt))
 
