@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,10 @@ SERVICES = {
     "router_svc": (RouterConfig, "infermesh_router"),
     "worker_svc": (WorkerConfig, "infermesh_worker"),
 }
-SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_IP"}
+SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_NAME"}
+# Each service's [tls] section (infermesh's mutual TLS on every gRPC hop).
+TLS_KEYS = ("cert_file", "key_file", "ca_file", "plaintext")
+WORKLOADS = {"Deployment", "StatefulSet"}
 _VLLM_CONFIGS = ["worker-vllm-h200.toml", "worker-vllm-h100x2.toml"]  # configmap keys
 OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
 
@@ -41,7 +45,8 @@ def _module(command: list[str]) -> str:
 def _check_env(module: str, env: dict[str, str]) -> object:
     """Every variable is one the service reads; the values load without error."""
     cls, prefix = SERVICES[module]
-    known = env_names(cls, prefix) | {f"{prefix}_CONFIG".upper()} | SHARED_ENV | OTEL_ENV
+    tls = {f"{prefix}_tls_{key}".upper() for key in TLS_KEYS}
+    known = env_names(cls, prefix) | tls | {f"{prefix}_CONFIG".upper()} | SHARED_ENV | OTEL_ENV
     unknown = set(env) - known
     assert not unknown, f"{module}: variables no code reads: {sorted(unknown)}"
     overrides = {k: v for k, v in env.items() if "$" not in v}
@@ -61,13 +66,57 @@ def _k8s() -> list[dict[str, Any]]:
     ]
 
 
-def test_compose_services_read_the_environment_they_are_given():
-    services = {
+def _cert_manager() -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((DEPLOY / "k8s/optional/cert-manager.yaml").read_text()))
+
+
+def _workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in WORKLOADS]
+
+
+def _secret_keys(docs: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Secret name -> its keys: the Secret documents' and those kustomize generates."""
+    keys = {d["metadata"]["name"]: set(d["stringData"]) for d in docs if d["kind"] == "Secret"}
+    for kustomization in (d for d in docs if d["kind"] == "Kustomization"):
+        for generator in kustomization.get("secretGenerator", []):
+            keys[generator["name"]] = {f.split("=", 1)[0] for f in generator["files"]}
+    return keys
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory) -> Path:
+    """What deploy/make-secrets.sh writes for a deployment."""
+    out = tmp_path_factory.mktemp("secrets")
+    subprocess.run(["sh", str(DEPLOY / "make-secrets.sh"), str(out)], check=True)
+    return out
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line)
+
+
+def _compose_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The mesh's services (each one of SERVICES' modules), by name."""
+    return {
         name: s
-        for name, s in _compose()["services"].items()
-        if s.get("command", [""])[0] == "python"
+        for name, s in compose["services"].items()
+        if s.get("command", [""])[:2] == ["python", "-m"] and s["command"][2] in SERVICES
     }
-    envs = {name: {k: str(v) for k, v in s["environment"].items()} for name, s in services.items()}
+
+
+def _compose_env(service: dict[str, Any], credentials: Path) -> dict[str, str]:
+    """A compose service's environment: its env files (as make-secrets.sh writes them, under
+    ./secrets/), then its own."""
+    env: dict[str, str] = {}
+    for path in service.get("env_file", []):
+        assert path.startswith("./secrets/"), path
+        env |= _env_file(credentials / Path(path).name)
+    return env | {k: str(v) for k, v in service["environment"].items()}
+
+
+def test_compose_services_read_the_environment_they_are_given(credentials):
+    services = _compose_services(_compose())
+    envs = {name: _compose_env(s, credentials) for name, s in services.items()}
     ports = {
         name: _check_env(_module(s["command"]), envs[name]).server.port
         for name, s in services.items()
@@ -108,18 +157,18 @@ def test_configmap_files_load(tmp_path, module, key):
 def test_deployments_match_their_services():
     docs = _k8s()
     configmap = next(d for d in docs if d["kind"] == "ConfigMap")
-    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    deployments = [d for d in docs if d["kind"] == "Deployment"]
-    for deployment in deployments:
+    secrets = _secret_keys(docs)
+    for deployment in _workloads(docs):
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         if "command" not in container or container["command"][0] == "vllm":  # vLLM's own: see below
             continue
         module = _module(container["command"])
-        env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+        # a value from a Secret or the pod is known when the pod starts, as a $(reference) is
+        env = {e["name"]: e.get("value", "$(valueFrom)") for e in container.get("env", [])}
         for e in container.get("env", []):
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
-                assert ref["key"] in secrets[ref["name"]]["stringData"]
+                assert ref["key"] in secrets[ref["name"]], ref
         _check_env(module, env)
         config_file = env[f"{SERVICES[module][1]}_CONFIG".upper()]
         assert config_file.startswith("/etc/infermesh/")
@@ -128,7 +177,11 @@ def test_deployments_match_their_services():
         ports = {p["containerPort"] for p in container["ports"]}
         assert {int(p) for p in toml_ports} <= ports, deployment["metadata"]["name"]
         probe = container["readinessProbe"]
-        probe_port = (probe.get("grpc") or probe.get("httpGet"))["port"]
+        if "exec" in probe:  # infermesh.probe, which presents the service's certificate
+            assert probe["exec"]["command"][:4] == ["python", "-m", "infermesh.probe", "grpc"]
+            probe_port = int(probe["exec"]["command"][4].rsplit(":", 1)[1])
+        else:
+            probe_port = probe["httpGet"]["port"]
         assert probe_port in ports
         assert config is not None
         if module == "worker_svc":
@@ -155,9 +208,8 @@ def _vllm_worker(key: str, tmp_path: Path) -> tuple[WorkerConfig, dict[str, Any]
     )
     deployment = next(
         d
-        for d in _k8s()
-        if d["kind"] == "Deployment"
-        and any(
+        for d in _workloads(_k8s())
+        if any(
             e.get("value", "").endswith(key)
             for e in d["spec"]["template"]["spec"]["containers"][0].get("env", [])
         )
@@ -185,9 +237,8 @@ def test_the_second_h100_node_runs_vllm_headless_with_node_0_s_sizes(tmp_path):
     docs = _k8s()
     follower = next(
         d
-        for d in docs
-        if d["kind"] == "Deployment"
-        and d["spec"]["template"]["spec"]["containers"][0].get("command", [""])[0] == "vllm"
+        for d in _workloads(docs)
+        if d["spec"]["template"]["spec"]["containers"][0].get("command", [""])[0] == "vllm"
     )
     container = follower["spec"]["template"]["spec"]["containers"][0]
     command = container["command"]
@@ -208,11 +259,7 @@ def test_the_second_h100_node_runs_vllm_headless_with_node_0_s_sizes(tmp_path):
     service = next(
         d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == args["master_addr"]
     )
-    head = next(
-        d
-        for d in docs
-        if d["kind"] == "Deployment" and d["metadata"]["name"] == args["master_addr"]
-    )
+    head = next(d for d in _workloads(docs) if d["metadata"]["name"] == args["master_addr"])
     assert (
         service["spec"]["selector"].items()
         <= head["spec"]["template"]["metadata"]["labels"].items()
@@ -226,9 +273,7 @@ def test_gateway_autoscales_and_services_select_pods():
     docs = _k8s()
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "gateway"
-    labels = [
-        d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"
-    ]
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in _workloads(docs)]
     for service in (d for d in docs if d["kind"] == "Service"):
         selector = service["spec"]["selector"]
         assert any(selector.items() <= pod.items() for pod in labels), service["metadata"]["name"]
