@@ -15,7 +15,8 @@ for user in gateway router; do
   random | keep "$dir/redis-users/$user"
   # The CA is the one the services' certificates come from (the [tls] ca_file): Redis's
   # certificate must name the host "redis".
-  url="rediss://$user:$(cat "$dir/redis-users/$user")@redis:6379/0?ssl_ca_certs=/etc/infermesh-tls/ca.crt"
+  password=$(cat "$dir/redis-users/$user")
+  url="rediss://$user:$password@redis:6379/0?ssl_ca_certs=/etc/infermesh-tls/ca.crt"
   printf %s "$url" >"$dir/$user-redis-url"
   echo "$(echo "INFERMESH_${user}_REDIS_URL" | tr a-z A-Z)=$url" >"$dir/$user.env"
 done

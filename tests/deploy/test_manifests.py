@@ -682,7 +682,7 @@ def worker_address_problems(docs: list[dict[str, Any]]) -> list[str]:
 
 def compose_worker_address_problems(compose: dict[str, Any]) -> list[str]:
     """Each compose worker's advertised host is one the certs service's worker certificate names."""
-    command = compose["services"]["certs"]["command"]
+    command = " ".join(compose["services"]["certs"]["command"]).split()
     hosts = {"worker", "localhost"} | {
         command[i + 1] for i, arg in enumerate(command) if arg == "--worker-host"
     }
