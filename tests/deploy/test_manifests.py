@@ -479,6 +479,15 @@ def _mounted_secret(workload: dict[str, Any], path: str) -> tuple[str, str] | No
     return None
 
 
+def _probe_problems(name: str, command: list[str], files: list[str | None]) -> list[str]:
+    """A gRPC health probe must present the service's own certificate: TLS asks every caller
+    for one."""
+    probe = ["python", "-m", "infermesh.probe", "grpc"]
+    if command[: len(probe)] == probe and command[len(probe) + 1 :] != files:
+        return [f"{name}: its probe does not present its certificate ({command})"]
+    return []
+
+
 def tls_problems(docs: list[dict[str, Any]]) -> list[str]:
     """Every service has its [tls] files set, from its own role's certificate Secret, and none
     is plaintext."""
@@ -499,6 +508,12 @@ def tls_problems(docs: list[dict[str, Any]]) -> list[str]:
             mounted = _mounted_secret(workloads[name], path)
             if mounted != (f"infermesh-tls-{role}", secret_key):
                 problems.append(f"{name}: [tls] {key} {path} is {mounted}, not its role's")
+        files = [
+            env.get(f"{prefix}_TLS_{key.upper()}", {}).get("value") for key in TLS_SECRET_FILES
+        ]
+        for probe in ("readinessProbe", "livenessProbe"):
+            command = container.get(probe, {}).get("exec", {}).get("command", [])
+            problems += _probe_problems(name, command, files)
         secrets = {
             v["secret"]["secretName"]
             for v in workloads[name]["spec"]["template"]["spec"].get("volumes", [])
@@ -624,6 +639,8 @@ def compose_tls_problems(compose: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"{name}: [tls] {key} {path} is {by_target.get(path)}, not {source}"
                 )
+        files = [env.get(f"{prefix}_TLS_{key.upper()}") for key in sources]
+        problems += _probe_problems(name, service["healthcheck"]["test"][1:], files)
         keys = {s for s in mounts if s.startswith("./certs/") and s.endswith(".key")}
         if keys - {f"./certs/{role}.key"}:
             problems.append(f"{name}: mounts {sorted(keys - {f'./certs/{role}.key'})}")
@@ -830,6 +847,11 @@ def _worker_as_deployment(docs):
     _named(docs, "StatefulSet", "worker-vllm-h200")["kind"] = "Deployment"
 
 
+def _probe_without_certificate(docs):
+    probe = _container(_named(docs, "StatefulSet", "worker-a100"))["readinessProbe"]
+    del probe["exec"]["command"][5:]
+
+
 BAD_K8S = {
     "network": [
         _open_worker_to_all,
@@ -844,6 +866,7 @@ BAD_K8S = {
         _router_plaintext,
         _gateway_without_ca,
         _plaintext_in_toml,
+        _probe_without_certificate,
     ],
     "certificates": [_certificate_of_another_role, _generated_secret_of_another_role],
     "redis": [
@@ -917,6 +940,10 @@ def _worker_host_not_in_certificate(compose):
     ] = "gpu-box:50061"
 
 
+def _healthcheck_without_certificate(compose):
+    compose["services"]["router"]["healthcheck"]["test"][6:] = []
+
+
 BAD_COMPOSE = {
     "exposure": [
         _jaeger_ui_published,
@@ -924,7 +951,12 @@ BAD_COMPOSE = {
         _mesh_not_internal,
         _worker_on_default_network,
     ],
-    "tls": [_worker_with_gateway_key, _router_without_key, _gateway_plaintext],
+    "tls": [
+        _worker_with_gateway_key,
+        _router_without_key,
+        _gateway_plaintext,
+        _healthcheck_without_certificate,
+    ],
     "redis": [_redis_url_in_environment, _gateway_without_env_file, _redis_plaintext],
     "worker address": [_worker_host_not_in_certificate],
 }
