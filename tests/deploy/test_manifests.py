@@ -310,7 +310,7 @@ class Caller:
     external: bool = False
 
 
-# (pod's app label, port) -> who may connect: the mesh's own pods by app label, and these
+# Callers besides the mesh's own pods (which are named by their app label).
 SYNTHETIC_CALLERS = [
     Caller("admin-client", (("app", "ops"), ("infermesh.io/admin-client", "true"))),
     Caller("prometheus", (("app.kubernetes.io/name", "prometheus"),), tuple(MONITORING.items())),
@@ -323,6 +323,7 @@ EVERYONE = frozenset(
     {"gateway", "gateway-admin", "router", "worker", "worker-vllm-follower", "redis", "jaeger"}
     | {c.name for c in SYNTHETIC_CALLERS}
 )
+# (a pod's app label, port) -> who may connect; a port not listed: no one.
 ACCESS: dict[tuple[str, int], frozenset[str]] = {
     ("gateway", 8000): EVERYONE,
     ("gateway-admin", 8000): frozenset({"admin-client"}),
@@ -342,8 +343,8 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def _peer_admits(peer: dict[str, Any], caller: Caller) -> bool:
-    if "ipBlock" in peer:
-        return caller.external
+    if "ipBlock" in peer:  # addresses may be pods' too: taken as open to every caller
+        return True
     if caller.external:
         return False
     pods, namespaces = peer.get("podSelector"), peer.get("namespaceSelector")
