@@ -5,6 +5,7 @@ is what the code reads."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import shutil
 import subprocess
@@ -983,6 +984,14 @@ def test_the_redis_urls_written_are_tls_with_the_service_s_own_user(credentials,
     assert _env_file(credentials / f"{service}.env") == {
         f"INFERMESH_{service.upper()}_REDIS_URL": url
     }
+
+
+def test_the_admin_gateway_holds_only_the_admin_token_s_hash(credentials):
+    token = (credentials / "admin-token").read_text()
+    env = _env_file(credentials / "admin.env")
+    config = load_config(GatewayConfig, None, "infermesh_gateway", environ=env)
+    assert config.admin.digest() == hashlib.sha256(token.encode()).hexdigest()
+    assert token not in (credentials / "admin.env").read_text()
 
 
 @pytest.mark.parametrize(
