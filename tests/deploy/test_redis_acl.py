@@ -1,0 +1,165 @@
+"""The deployments' Redis ACL (deploy/k8s/redis/users.acl, rendered by render-acl.sh) on a real
+redis-server: the gateway's and the router's own code paths work as their users, and each user
+is refused every other key and command."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as redis
+from redis.exceptions import NoPermissionError
+
+from devtools.redis_server import RedisServer
+from gateway import keys
+from gateway.limits import Limiter, read_usage
+from gateway.responses_store import ResponseStore, StoredResponse
+from gateway.usage import TokenUsage
+from infermesh.pb import common_pb2
+from infermesh.redis_client import RedisClient, redis_client
+from router_svc.config import RedisSection, RegistrySection
+from router_svc.fleet import Fleet
+from router_svc.registry import Registry
+from tests.helpers.fleet import info
+
+ACL_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "redis"
+PASSWORDS = {"gateway": "gateway-test-password", "router": "router-test-password"}
+
+
+def render_acl(tmp_path: Path, passwords: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    secrets = tmp_path / "passwords"
+    secrets.mkdir(exist_ok=True)
+    for user, password in passwords.items():
+        (secrets / user).write_text(password + "\n")  # as `kubectl create secret --from-file`
+    return subprocess.run(
+        [
+            "sh",
+            str(ACL_DIR / "render-acl.sh"),
+            str(ACL_DIR / "users.acl"),
+            str(secrets),
+            str(tmp_path / "users.acl"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.fixture
+def acl_redis(tmp_path) -> Iterator[RedisServer]:
+    assert render_acl(tmp_path, PASSWORDS).returncode == 0
+    with RedisServer(workdir=tmp_path, args=["--aclfile", str(tmp_path / "users.acl")]) as server:
+        yield server
+
+
+def url_of(server: RedisServer, user: str) -> str:
+    return f"redis://{user}:{PASSWORDS[user]}@127.0.0.1:{server.port}/0"
+
+
+@pytest.fixture
+async def gateway_redis(acl_redis) -> AsyncIterator[RedisClient]:
+    client = redis_client(url_of(acl_redis, "gateway"), timeout_s=2.0)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def router_redis(acl_redis) -> AsyncIterator[RedisClient]:
+    client = redis_client(url_of(acl_redis, "router"), timeout_s=2.0)
+    yield client
+    await client.aclose()
+
+
+def test_the_rendered_file_holds_hashes_never_passwords(tmp_path):
+    assert render_acl(tmp_path, PASSWORDS).returncode == 0
+    rendered = (tmp_path / "users.acl").read_text()
+    assert not any(p in rendered for p in PASSWORDS.values())
+    assert "_PASSWORD_SHA256@" not in rendered  # no placeholder left
+    assert (tmp_path / "users.acl").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize(
+    "passwords", [{"gateway": "only-the-gateway"}, {**PASSWORDS, "router": ""}]
+)
+def test_a_missing_or_empty_password_stops_the_render(tmp_path, passwords):
+    result = render_acl(tmp_path, passwords)
+    assert result.returncode != 0 and "router" in result.stderr
+
+
+async def test_the_gateway_serves_keys_limits_usage_and_responses(gateway_redis):
+    plaintext = await keys.create_key(gateway_redis, "acl", rpm=10, quota_tokens=1000)
+    kid = keys.key_id(plaintext)
+    store = keys.KeyStore(gateway_redis, cache_ttl_s=0)
+    assert (await store.authenticate(plaintext)) is not None
+    limiter = Limiter(gateway_redis, lease_ttl_s=30, settle_retry_max=10)
+    admission = await limiter.admit(kid, 16)
+    await limiter.settle(admission, TokenUsage(prompt_tokens=3, completion_tokens=4))
+    usage = await read_usage(gateway_redis, kid, days=1)
+    assert usage["completion_tokens"] == 4
+    assert (await keys.update_key(gateway_redis, kid, {"rpm": 20})) is not None
+    assert len(await keys.list_keys(gateway_redis)) == 1
+    rotated = await keys.rotate_key(gateway_redis, kid)
+    assert rotated is not None and await keys.revoke_key(gateway_redis, keys.key_id(rotated))
+    responses = ResponseStore(gateway_redis, ttl_s=60, retry_after_s=1)
+    stored = StoredResponse(
+        response={"id": "resp_1", "output": []}, input=[], context=[], session=""
+    )
+    await responses.save(kid, stored)
+    assert await responses.load(kid, "resp_1") == stored
+    assert await responses.delete(kid, "resp_1")
+
+
+async def test_the_router_keeps_its_registry(acl_redis):
+    registry = Registry(
+        RedisSection(url=url_of(acl_redis, "router"), timeout_s=2.0),
+        RegistrySection(heartbeat_interval_s=0.1, ttl_s=3.0, refresh_s=0.05),
+        Fleet(ttl_s=3.0),
+    )
+    try:
+        await registry.register(info("w1"), common_pb2.Load())
+        assert await registry.heartbeat("w1", common_pb2.Load(running=1))
+        await registry.refresh()
+        assert registry.available and [e.worker_id for e in registry.fleet.entries()] == ["w1"]
+    finally:
+        await registry.close()
+
+
+@pytest.mark.parametrize(
+    "user, command",
+    [
+        ("gateway", ("HGETALL", "{infermesh:router:}worker:w1")),  # the router's registry
+        ("gateway", ("GET", "other-app:session")),
+        ("gateway", ("KEYS", "*")),
+        ("gateway", ("FLUSHALL",)),
+        ("gateway", ("CONFIG", "GET", "*")),
+        ("gateway", ("SCRIPT", "FLUSH")),
+        ("router", ("HGETALL", "infermesh:key:{abc}")),  # API keys
+        ("router", ("SMEMBERS", "infermesh:keys")),
+        ("router", ("SET", "{infermesh:router:}x", "1")),  # its keys, a command it never sends
+        ("router", ("ACL", "LIST")),
+    ],
+)
+async def test_each_user_is_refused_what_is_not_its_own(acl_redis, user, command):
+    client = redis.Redis.from_url(url_of(acl_redis, user))
+    try:
+        with pytest.raises(NoPermissionError):
+            await client.execute_command(*command)
+    finally:
+        await client.aclose()
+
+
+async def test_a_script_cannot_reach_keys_its_user_may_not(router_redis):
+    with pytest.raises(NoPermissionError):
+        await router_redis.eval("return redis.call('HGETALL', KEYS[1])", 1, "infermesh:key:{a}")
+
+
+async def test_without_credentials_only_ping_answers(acl_redis):
+    client = redis.Redis(port=acl_redis.port)
+    try:
+        assert await client.ping()
+        with pytest.raises(NoPermissionError):
+            await client.get("infermesh:keys")
+    finally:
+        await client.aclose()
