@@ -5,6 +5,7 @@
                                    (create, list, get, update, disable, revoke, rotate, usage)
 ``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
 ``python -m infermesh bench``       measure every GPU kind of a fleet (or, --sim, a simulated one)
+``python -m infermesh certs DIR``   a development CA and a certificate + key per mesh role
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from devtools import admin_cli, plan
+from devtools import admin_cli, certs, plan
 from devtools.hwbench import cli as bench_cli
 from devtools.mesh import Mesh, MeshSpec, ServiceExited
 from devtools.redis_server import RedisServer, redis_reachable
@@ -46,7 +47,10 @@ def main(argv: list[str]) -> int:
     admin_cli.add_parser(commands)
     plan.add_parser(commands)
     bench_cli.add_parser(commands)
+    certs.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "certs":
+        return certs.run(args)
     if args.command == "keys":
         return admin_cli.run(args)
     if args.command == "plan":
