@@ -19,17 +19,28 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from infermesh.authz import ROLES, role_uri
+from infermesh.tls import TlsSection
 
 _CA_DAYS = 3650
 _LEAF_DAYS = 365
 # a certificate this close to its end is issued again rather than kept
 _RENEW_BEFORE = datetime.timedelta(days=7)
 _LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def role_tls(directory: Path, role: str) -> TlsSection:
+    """The ``[tls]`` section of a service (or caller) in ``role``, from ``directory``'s set."""
+    return TlsSection(
+        cert_file=str(directory / f"{role}.crt"),
+        key_file=str(directory / f"{role}.key"),
+        ca_file=str(directory / "ca.crt"),
+    )
 
 
 def role_hosts(role: str, extra: Iterable[str] = ()) -> list[str]:
@@ -185,7 +196,7 @@ def _leaf_valid(
         cert = x509.load_pem_x509_certificate((directory / f"{role}.crt").read_bytes())
         key = serialization.load_pem_private_key((directory / f"{role}.key").read_bytes(), None)
         cert.verify_directly_issued_by(ca_cert)
-    except (OSError, ValueError, TypeError, x509.InvalidSignature):
+    except (OSError, ValueError, TypeError, InvalidSignature):
         return False
     try:
         named = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
