@@ -33,6 +33,8 @@ from worker_svc.config import DEFAULT_MODEL_PATH
 logger = logging.getLogger("infermesh")
 
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# the development CA and certificates of `make run` (written on its first start, then kept)
+_CERTS = Path(".certs")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -89,6 +91,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         gateway_port=args.gateway_port,
         router_port=args.router_port,
         worker_ports=(args.worker_port,),
+        certs=_CERTS.resolve(),
         env={
             "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
             # the admin API's token for this run, printed below
@@ -109,7 +112,9 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
                 f"ANTHROPIC_AUTH_TOKEN={key}\n"
                 f"For `python -m infermesh keys ...`:\n"
                 f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
-                f"INFERMESH_ADMIN_TOKEN={admin_token}\n",
+                f"INFERMESH_ADMIN_TOKEN={admin_token}\n"
+                f"gRPC (mutual TLS): router at {spec.router_address}, as an internal client with "
+                f"{_CERTS}/client.crt, {_CERTS}/client.key and {_CERTS}/ca.crt\n",
                 flush=True,
             )
             while True:
