@@ -33,6 +33,8 @@ _ROUTER = "/infermesh.v1.Router/"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _PROMPT_CARRIERS = frozenset({"gateway", "router"})
 _FLEET_READERS = frozenset({"gateway", "client", "admin"})
+# a refusal's status by its reason: no identity, else a role or address not allowed
+_CODES = {"unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 
 # Which roles may call each method of the mesh's services; a method not listed is refused.
 ALLOWED: Mapping[str, frozenset[str]] = {
@@ -88,7 +90,7 @@ def peer_of(context: grpc.aio.ServicerContext[Any, Any]) -> Peer:
     )
 
 
-async def refuse(
+async def _refuse(
     context: grpc.aio.ServicerContext[Any, Any],
     service: str,
     method: str,
@@ -101,12 +103,7 @@ async def refuse(
     metrics.GRPC_REFUSED.labels(service, name, reason).inc()
     message = f"{name} refused for {peer.describe()}: {why}"
     logger.warning("%s: %s", service, message)
-    code = (
-        grpc.StatusCode.UNAUTHENTICATED
-        if reason == "unauthenticated"
-        else (grpc.StatusCode.PERMISSION_DENIED)
-    )
-    await context.abort(code, message)
+    await context.abort(_CODES.get(reason, grpc.StatusCode.PERMISSION_DENIED), message)
 
 
 async def check_caller(
@@ -115,7 +112,7 @@ async def check_caller(
     """Refuses (aborts) the call unless the caller's role may call ``method``."""
     peer = peer_of(context)
     if not peer.role:
-        await refuse(
+        await _refuse(
             context,
             service,
             method,
@@ -125,7 +122,7 @@ async def check_caller(
         )
     allowed = ALLOWED.get(method, frozenset())
     if peer.role not in allowed:
-        await refuse(
+        await _refuse(
             context,
             service,
             method,
@@ -145,7 +142,7 @@ async def require_address_host(
         return  # plaintext: no identity, every caller trusted
     host = _normal_host(_host_of(address))
     if host not in peer.hosts:
-        await refuse(
+        await _refuse(
             context,
             service,
             method,
