@@ -118,7 +118,11 @@ class TlsFiles:
     def _stamps(self) -> tuple[tuple[int, int], ...]:
         stamps = []
         for key in _FILE_KEYS:
-            stat = os.stat(self._path(key))
+            path = self._path(key)
+            try:
+                stat = os.stat(path)
+            except OSError as e:  # gone between the check and the stat (a rotation)
+                raise ConfigError(f"{self._origin} {key}: {path}: {e.strerror}") from None
             stamps.append((stat.st_mtime_ns, stat.st_size))
         return tuple(stamps)
 
@@ -135,8 +139,15 @@ class TlsFiles:
             raise ConfigError(f"{self._origin} {key}: {value}: no such file")
         return path
 
+    def _read_file(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{self._origin} {key}: {path}: {e.strerror}") from None
+
     def _read(self) -> Pems:
-        cert, key, ca = (self._path(k).read_bytes() for k in _FILE_KEYS)
+        cert, key, ca = (self._read_file(k) for k in _FILE_KEYS)
         try:
             leaf = x509.load_pem_x509_certificate(cert)
         except ValueError:
