@@ -65,6 +65,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.HeartbeatRequest, router_pb2.HeartbeatResponse
         ],
     ) -> router_pb2.HeartbeatResponse:
+        registered = self._fleet.get(request.worker_id)
+        if registered is not None:  # a worker reports only its own load
+            await require_address_host(context, "router", "Heartbeat", registered.info.address)
         try:
             known = await self._registry.heartbeat(request.worker_id, request.load)
         except RegistrationError as e:

@@ -218,6 +218,25 @@ async def test_a_worker_registers_only_an_address_its_certificate_names(router, 
     await wait_for_workers(router, lambda ids: ids == {"rogue"})
 
 
+async def test_a_worker_heartbeats_only_for_a_worker_at_a_host_it_names(router, certs, tmp_path):
+    """A heartbeat for another worker's id (registered at a host this certificate does not
+    name) is refused; that worker's own certificate heartbeats it."""
+    other = tmp_path / "certs"
+    _copy(certs, other)
+    write_certs(other, {"worker": ["10.78.0.1"]})  # the same CA: a worker at another host
+    await _register(router, role_tls(other, "worker"), "10.78.0.1:50061")
+    await wait_for_workers(router, lambda ids: ids == {"rogue"})
+    heartbeat = router_pb2.HeartbeatRequest(worker_id="rogue", load=common_pb2.Load(running=9))
+    async with open_channel(router.address, role_tls(certs, "worker")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "Heartbeat refused for spiffe://infermesh/worker" in refused.value.details()
+    async with open_channel(router.address, role_tls(other, "worker")) as channel:
+        reply = await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+    assert reply.registered
+
+
 async def test_a_certificate_without_a_mesh_identity_is_unauthenticated(router, certs, tmp_path):
     """Same CA, no spiffe://infermesh/ URI: connected, yet no call but health."""
     anonymous = _issue_without_identity(certs, tmp_path)
