@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 
 from devtools.certs import role_tls, write_certs
 from gateway.keys import create_key
+from infermesh import probe
 from infermesh.authz import ALLOWED, ROLES
 from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -169,6 +170,22 @@ async def test_a_certificate_of_another_ca_never_connects(router, worker, other_
 async def test_health_is_open_to_every_role_of_the_mesh(router, certs):
     for role in ROLES:
         assert await _serving(router.address, role_tls(certs, role)), role
+
+
+async def test_the_probe_command_asks_health_with_a_certificate(router, certs):
+    files = [str(certs / name) for name in ("admin.crt", "admin.key", "ca.crt")]
+    assert await asyncio.to_thread(probe.main, ["grpc", router.address, *files]) == 0
+    assert await asyncio.to_thread(probe.main, ["grpc", router.address]) == 1  # plaintext
+    missing = ["/nonexistent.crt", *files[1:]]
+    assert await asyncio.to_thread(probe.main, ["grpc", router.address, *missing]) == 2
+
+
+async def test_plaintext_warns_at_start_that_every_caller_is_trusted(caplog):
+    async with running_router():
+        pass
+    assert "router: [tls] plaintext = true: gRPC without TLS, every caller is trusted" in (
+        caplog.text
+    )
 
 
 async def test_a_worker_certificate_cannot_generate_on_a_worker(worker, certs):
