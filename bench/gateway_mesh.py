@@ -2,7 +2,7 @@
 worker, and LiteLLM's proxy against the same load sent straight to its upstream, in one run.
 
     .venv/bin/python bench/gateway_mesh.py [--duration 5] [--concurrency 1 16 64]
-        [--paths direct mesh upstream litellm] [--litellm /path/to/venv/bin/litellm]
+        [--paths direct mesh tls upstream litellm] [--litellm /path/to/venv/bin/litellm]
         [--gateway-processes 1] [--unpinned]
 
 Starts Redis, the router, one worker and the gateway as processes (devtools.mesh), the
@@ -20,7 +20,9 @@ long-lived ``Worker.Serve`` streams: ``gateway.worker_streams``, in this load pr
 gateway, which asks the router to choose and calls the worker itself: the default), ``calls``
 (the same through a second gateway with ``[router] streams = false``: gRPC calls of each
 request's own instead of the long-lived streams), ``relay`` (through a gateway with ``[router]
-relay = true``), ``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
+relay = true``), ``tls`` (as ``mesh``, through a second mesh whose gRPC hops are all mutual TLS,
+its processes pinned as the first's; its reference is ``mesh``, so its +p50 is what TLS adds),
+``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
 OpenAI-compatible server with its own step loop on core 1) and ``litellm`` (LiteLLM's proxy, one
 worker, no database, on core 0, in front of that upstream; --litellm names its executable,
 installed in a venv of its own). Non-streamed with 16 tokens (``direct`` then asks the stream
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -47,7 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,23 +60,26 @@ import psutil
 import redis.asyncio as aioredis
 
 from bench.mesh_load import simulated_mesh
-from devtools.mesh import Mesh
+from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.keys import create_key
 from gateway.worker_streams import WorkerStreams
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
+from infermesh.tls import TlsSection
 
 _MESH_CORE, _LOAD_CORE = 0, 1
-_LOAD_SIDE = {"worker0", "upstream"}  # processes pinned with the load generator
+_LOAD_SIDE = {"worker0", "tls-worker0", "upstream"}  # processes pinned with the load generator
 _WARMUP_S = 1.0
 _START_TIMEOUT_S = 120.0
 _MESSAGES = [{"role": "user", "content": "Benchmark the mesh, please."}]
-_PATHS = ("direct", "router", "mesh", "calls", "relay", "upstream", "litellm")
-_REFERENCE = {"litellm": "upstream"}  # else direct
+_PATHS = ("direct", "router", "mesh", "calls", "relay", "tls", "upstream", "litellm")
+_REFERENCE = {"litellm": "upstream", "tls": "mesh"}  # else direct
+_TLS = "tls-"  # the names of the TLS mesh's processes
 _SERVED_BY = {
     "mesh": "gateway",
+    "tls": f"{_TLS}gateway",
     "calls": "calls-gateway",
     "relay": "relay-gateway",
     "litellm": "litellm",
@@ -245,7 +251,7 @@ async def _bench(
     if not args.unpinned:
         os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
-    channels = WorkerChannels()
+    channels = WorkerChannels(TlsSection(plaintext=True))
     streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)  # the gateway's default
     async with (
         aiohttp.ClientSession(connector=connector) as session,
@@ -284,7 +290,7 @@ async def _table(
                 "direct": _stream_one(streams, worker_address, model, max_tokens, whole=not stream),
                 "router": _grpc_one(router, model, max_tokens, unary=not stream),
             }
-            for path in ("mesh", "calls", "relay"):
+            for path in ("mesh", "calls", "relay", "tls"):
                 paths[path] = _http_one(
                     session,
                     f"{urls.get(path)}/chat/completions",
@@ -318,7 +324,7 @@ async def _table(
                     f"{run.pct(0.99) - reference.pct(0.99):>8.2f} "
                     f"{run.tokens / run.elapsed_s:>9.0f} {events} "
                     f"{served_cpu_s * 1000 / run.requests:>17.3f} "
-                    f"{run.cpu_s['router'] * 1000 / run.requests:>14.3f} "
+                    f"{run.cpu_s[_router_of(path)] * 1000 / run.requests:>14.3f} "
                     f"{run.cpu_s['redis'] * 1000 / run.requests:>17.3f}",
                     flush=True,
                 )
@@ -331,6 +337,11 @@ async def _table(
             f"{mode} c={concurrency}: core-0 CPU per request, gateway + router + Redis "
             f"{ours * 1000:.3f} ms, LiteLLM {theirs * 1000:.3f} ms: {theirs / ours:.1f}x less"
         )
+
+
+def _router_of(path: str) -> str:
+    """The router process a path goes through."""
+    return f"{_TLS}router" if path == "tls" else "router"
 
 
 class _LiteLLM:
@@ -446,7 +457,11 @@ def main() -> int:
             },
         )
         litellm = args.litellm if "litellm" in args.paths else None
-        with Mesh(spec) as mesh, _LiteLLM(Path(workdir), litellm) as proxy:
+        with (
+            Mesh(spec) as mesh,
+            _tls_mesh(spec, Path(workdir), "tls" in args.paths) as tls_mesh,
+            _LiteLLM(Path(workdir), litellm) as proxy,
+        ):
             urls = {
                 "mesh": spec.base_url,
                 "upstream": f"http://127.0.0.1:{proxy.upstream_port}/v1",
@@ -454,6 +469,11 @@ def main() -> int:
             }
             pids = {name: mesh.pid(name) for name in ("router", "worker0", "gateway")}
             pids["redis"] = redis_server.pid
+            if tls_mesh is not None:
+                urls["tls"] = tls_mesh.spec.base_url
+                pids.update(
+                    {_TLS + name: tls_mesh.pid(name) for name in ("router", "worker0", "gateway")}
+                )
             for path, env in (
                 ("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
                 ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"}),
@@ -483,6 +503,22 @@ def main() -> int:
                 )
             )
     return 0
+
+
+@contextlib.contextmanager
+def _tls_mesh(plain: MeshSpec, workdir: Path, wanted: bool) -> Iterator[Mesh | None]:
+    """A second mesh like ``plain`` (same Redis, its own ports and registry) with every gRPC
+    hop over mutual TLS; None when not ``wanted``."""
+    if not wanted:
+        yield None
+        return
+    log_dir = workdir / "tls"
+    log_dir.mkdir()
+    spec = dataclasses.replace(
+        simulated_mesh(plain.redis_url, log_dir, plain.env), certs=workdir / "certs"
+    )
+    with Mesh(spec) as mesh:
+        yield mesh
 
 
 async def _create_key(redis_url: str) -> str:

@@ -43,6 +43,7 @@ from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
+from infermesh.tls import TlsSection
 from worker_svc import server as worker_server
 from worker_svc.config import (
     EngineSection,
@@ -75,6 +76,7 @@ def worker_config(i: int, router_address: str) -> WorkerConfig:
         router=RouterSection(address=router_address),
         model=ModelSection(name=MODEL),
         engine=dataclasses.replace(_ENGINE, gpu=gpu, gpu_count=count),
+        tls=TlsSection(plaintext=True),
     )
 
 
@@ -86,7 +88,9 @@ async def serve_fleet(router_address: str) -> None:
         server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
         servers.append(server)
         reporters.append(
-            asyncio.create_task(worker_server.report_to_router(router_address, servicer))
+            asyncio.create_task(
+                worker_server.report_to_router(router_address, servicer, config.tls)
+            )
         )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -232,7 +236,11 @@ def registered(router_address: str) -> int:
 def measure(policy: str, redis_url: str, requests: list[Request]) -> tuple[list[Outcome], float]:
     redis.Redis.from_url(redis_url).flushall()
     port = free_port()
-    env = {"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "ERROR"}
+    env = {
+        "OTEL_SDK_DISABLED": "true",
+        "INFERMESH_LOG_LEVEL": "ERROR",
+        "INFERMESH_ROUTER_TLS_PLAINTEXT": "true",
+    }
     router = spawn(
         ["-m", "router_svc"],
         {

@@ -115,6 +115,7 @@ def _start_worker(
         "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": str(max_parallel),
         "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
         "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
+        "INFERMESH_WORKER_TLS_PLAINTEXT": "true",  # its client calls without certificates
     }  # no router: the worker serves anyway
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker_svc"],

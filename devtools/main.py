@@ -5,6 +5,7 @@
                                    (create, list, get, update, disable, revoke, rotate, usage)
 ``python -m infermesh plan MODEL``  memory and GPUs a checkpoint needs, per GPU kind
 ``python -m infermesh bench``       measure every GPU kind of a fleet (or, --sim, a simulated one)
+``python -m infermesh certs DIR``   a development CA and a certificate + key per mesh role
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from devtools import admin_cli, plan
+from devtools import admin_cli, certs, plan
 from devtools.hwbench import cli as bench_cli
 from devtools.mesh import Mesh, MeshSpec, ServiceExited
 from devtools.redis_server import RedisServer, redis_reachable
@@ -32,6 +33,8 @@ from worker_svc.config import DEFAULT_MODEL_PATH
 logger = logging.getLogger("infermesh")
 
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# the development CA and certificates of `make run` (written on its first start, then kept)
+_CERTS = Path(".certs")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -46,7 +49,10 @@ def main(argv: list[str]) -> int:
     admin_cli.add_parser(commands)
     plan.add_parser(commands)
     bench_cli.add_parser(commands)
+    certs.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "certs":
+        return certs.run(args)
     if args.command == "keys":
         return admin_cli.run(args)
     if args.command == "plan":
@@ -85,6 +91,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         gateway_port=args.gateway_port,
         router_port=args.router_port,
         worker_ports=(args.worker_port,),
+        certs=_CERTS.resolve(),
         env={
             "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
             # the admin API's token for this run, printed below
@@ -105,7 +112,9 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
                 f"ANTHROPIC_AUTH_TOKEN={key}\n"
                 f"For `python -m infermesh keys ...`:\n"
                 f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
-                f"INFERMESH_ADMIN_TOKEN={admin_token}\n",
+                f"INFERMESH_ADMIN_TOKEN={admin_token}\n"
+                f"gRPC (mutual TLS): router at {spec.router_address}, as an internal client with "
+                f"{_CERTS}/client.crt, {_CERTS}/client.key and {_CERTS}/ca.crt\n",
                 flush=True,
             )
             while True:

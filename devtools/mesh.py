@@ -1,6 +1,8 @@
 """Starts the services of a mesh as child processes on loopback ports: the
 router, the workers and the gateway. ``make run`` uses it in the
-foreground; the end-to-end tests use it to test the real processes."""
+foreground; the end-to-end tests use it to test the real processes. With a certificate
+directory (``MeshSpec.certs``) every gRPC hop is mutual TLS, the certificates written there on
+first start (``devtools.certs``); without one, plaintext."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from typing import IO
 
 import grpc
 
+from devtools.certs import role_tls, write_certs
 from devtools.processes import stop_with_parent
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.probe import grpc_serving, http_ok
+from infermesh.tls import TlsSection, open_blocking_channel
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,26 @@ class MeshSpec:
     # extra for worker i only (e.g. a simulated GPU kind); fewer than the workers: none
     worker_env: tuple[Mapping[str, str], ...] = ()
     log_dir: Path | None = None  # None: children write to this process's output
+    # where the CA and the roles' certificates are (written on start if not valid); None:
+    # the services run without TLS, trusting every caller
+    certs: Path | None = None
+
+    def tls(self, role: str) -> TlsSection:
+        """The [tls] of a service or caller in ``role`` (gateway, router, worker, client,
+        admin) of this mesh."""
+        return TlsSection(plaintext=True) if self.certs is None else role_tls(self.certs, role)
+
+    def tls_env(self, service: str, role: str) -> dict[str, str]:
+        """The variables giving ``service`` (gateway, router, worker) ``role``'s [tls]."""
+        tls = self.tls(role)
+        prefix = f"INFERMESH_{service.upper()}_TLS"
+        if tls.plaintext:
+            return {f"{prefix}_PLAINTEXT": "true"}
+        return {
+            f"{prefix}_CERT_FILE": tls.cert_file,
+            f"{prefix}_KEY_FILE": tls.key_file,
+            f"{prefix}_CA_FILE": tls.ca_file,
+        }
 
     @property
     def router_address(self) -> str:
@@ -66,8 +90,11 @@ class Mesh:
         """Starts router, workers, gateway; returns once each answers and every
         worker is registered."""
         deadline = time.monotonic() + timeout_s
+        if self.spec.certs is not None:
+            write_certs(self.spec.certs)
         try:
             router_env = {
+                **self.spec.tls_env("router", "router"),
                 "INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
                 "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
                 # a registry of its own, should meshes share a Redis
@@ -80,6 +107,7 @@ class Mesh:
                     f"worker{i}",
                     "worker_svc",
                     {
+                        **self.spec.tls_env("worker", "worker"),
                         "INFERMESH_WORKER_SERVER_PORT": str(port),
                         "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
                         "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
@@ -107,6 +135,7 @@ class Mesh:
             name,
             "gateway",
             {
+                **self.spec.tls_env("gateway", "gateway"),
                 "INFERMESH_GATEWAY_SERVER_PORT": str(port),
                 "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
                 "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
@@ -214,11 +243,11 @@ class Mesh:
             time.sleep(_POLL_S)
 
     def _router_serving(self) -> bool:
-        return grpc_serving(self.spec.router_address)
+        return grpc_serving(self.spec.router_address, tls=self.spec.tls("admin"))
 
     def _workers_registered(self) -> bool:
         try:
-            with grpc.insecure_channel(self.spec.router_address) as channel:
+            with open_blocking_channel(self.spec.router_address, self.spec.tls("admin")) as channel:
                 reply = router_pb2_grpc.RouterStub(channel).ListWorkers(
                     router_pb2.ListWorkersRequest(), timeout=1
                 )

@@ -120,7 +120,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = MeshClient(app[CONFIG].router)
+    client = MeshClient(app[CONFIG].router, app[CONFIG].tls)
     app[MESH] = client
     yield
     await client.close()

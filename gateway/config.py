@@ -15,6 +15,7 @@ import re
 
 from infermesh.config import section
 from infermesh.redis_client import check_redis_url
+from infermesh.tls import TlsSection
 
 
 @section
@@ -216,3 +217,4 @@ class GatewayConfig:
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)
+    tls: TlsSection = dataclasses.field(default_factory=TlsSection)

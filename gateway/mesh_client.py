@@ -9,7 +9,8 @@ a cheaper unary call, otherwise),
 trying the fallback worker when the first fails before its first chunk and reporting that
 failure to the router; with ``[router] relay = true`` the router relays the call
 (``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker,
-opened lazily and closed in the app's cleanup context. Calls never wait for a peer that is not
+opened lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed in the app's
+cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
 """
@@ -25,7 +26,6 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-import telemetry
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
 from gateway.route_stream import RouteStream
@@ -34,6 +34,7 @@ from gateway.worker_streams import WorkerStreams
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,13 @@ class MeshClient:
     """Calls the router (and the workers it chooses) for the gateway's handlers; safe to
     share across requests."""
 
-    def __init__(self, config: RouterSection) -> None:
+    def __init__(self, config: RouterSection, tls: TlsSection) -> None:
         self._config = config
-        self._channel = grpc.aio.insecure_channel(
-            config.address,
-            options=CHANNEL_OPTIONS,
-            interceptors=telemetry.grpc_client_interceptors(),
-        )
+        if tls.plaintext:
+            warn_plaintext("gateway")
+        self._channel = open_channel(config.address, tls, CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._workers = WorkerChannels()
+        self._workers = WorkerChannels(tls)
         self._streams = (
             WorkerStreams(
                 self._workers,

@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-import telemetry
 from infermesh.pb import worker_pb2_grpc
+from infermesh.tls import TlsSection, open_channel
 
 # Reconnect soon after a peer comes back, rather than grpc's default of backing off for
 # up to two minutes: a channel whose peer was gone for any time tries again at least
@@ -33,18 +33,18 @@ SERVER_KEEPALIVE_OPTIONS = [
 
 
 class WorkerChannels:
-    """Channels to workers by address, opened on first use and closed together."""
+    """Channels to workers by address, opened on first use (with ``tls``, this service's
+    certificate) and closed together."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsSection) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors()
-            )
+            channel = open_channel(address, self._tls, CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

@@ -13,15 +13,22 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import uvloop
 
 import telemetry
 from infermesh.config import ConfigError
+from infermesh.tls import TlsSection, check_loaded
 from telemetry.logs import setup_logging
 
-C = TypeVar("C")
+
+class _ServiceConfig(Protocol):
+    @property
+    def tls(self) -> TlsSection: ...
+
+
+C = TypeVar("C", bound=_ServiceConfig)
 
 
 def service_main(
@@ -35,7 +42,7 @@ def service_main(
     The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``. A config error
     (any ConfigError: the service's file and environment, or what they point at and the service
     reads while starting, such as a checkpoint) is printed, naming file and key, with exit
-    code 2."""
+    code 2; so is a ``[tls]`` without its files and without ``plaintext = true``."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument(
         "--config",
@@ -46,6 +53,7 @@ def service_main(
     setup_logging(name)
     try:
         config = load(args.config)
+        check_loaded(config.tls, args.config, f"infermesh_{name}")
     except ConfigError as e:
         return _config_error(name, e)
     telemetry.setup_tracing(f"infermesh-{name}")

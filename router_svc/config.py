@@ -1,5 +1,5 @@
-"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]`` and ``[metrics]``
-sections."""
+"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]``, ``[metrics]``
+and ``[tls]`` (``infermesh.tls``) sections."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Literal
 
 from infermesh.config import MetricsSection, load_config, section
 from infermesh.redis_client import check_redis_url
+from infermesh.tls import TlsSection
 
 Policy = Literal["balanced", "least_load", "round_robin"]
 
@@ -116,6 +117,7 @@ class RouterConfig:
     registry: RegistrySection = dataclasses.field(default_factory=RegistrySection)
     routing: RoutingSection = dataclasses.field(default_factory=RoutingSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    tls: TlsSection = dataclasses.field(default_factory=TlsSection)
 
 
 def load(path: str | None) -> RouterConfig:

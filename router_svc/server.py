@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
+from infermesh.authz import require_address_host
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
@@ -45,6 +46,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request: router_pb2.RegisterRequest,
         context: grpc.aio.ServicerContext[router_pb2.RegisterRequest, router_pb2.RegisterResponse],
     ) -> router_pb2.RegisterResponse:
+        await require_address_host(context, "router", "Register", request.worker.address)
         try:
             await self._registry.register(request.worker, request.load)
         except RegistrationError as e:
@@ -63,6 +65,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.HeartbeatRequest, router_pb2.HeartbeatResponse
         ],
     ) -> router_pb2.HeartbeatResponse:
+        registered = self._fleet.get(request.worker_id)
+        if registered is not None:  # a worker reports only its own load
+            await require_address_host(context, "router", "Heartbeat", registered.info.address)
         try:
             known = await self._registry.heartbeat(request.worker_id, request.load)
         except RegistrationError as e:
@@ -353,12 +358,14 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     """Starts the router on the configured address (port 0: a free port). Starts even when
     Redis is down: it answers UNAVAILABLE (health NOT_SERVING) until Redis is back."""
     registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_s))
-    channels = WorkerChannels()
+    channels = WorkerChannels(config.tls)
     servicer = RouterServicer(config, registry, channels)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
         [_SERVICE_NAME],
+        config.tls,
+        "router",
     )
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has

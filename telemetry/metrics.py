@@ -110,6 +110,13 @@ SLOW_CLIENTS = Counter(
     "Requests ended because their client read more slowly than the worker wrote "
     "(client_too_slow: past [router] stream_buffer_chunks)",
 )
+GRPC_REFUSED = Counter(
+    "infermesh_grpc_refused",
+    "gRPC calls refused by the caller check, by service, method and reason "
+    "(unauthenticated: no mesh identity; role: the caller's role may not call it; address: a "
+    "worker registering an address its certificate does not name)",
+    ["service", "method", "reason"],
+)
 
 
 class MetricsEndpoint(Protocol):

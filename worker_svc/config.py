@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infermesh.config import ConfigError, MetricsSection, load_config, section
+from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
 
@@ -285,6 +286,7 @@ class WorkerConfig:
     cache: CacheSection = dataclasses.field(default_factory=CacheSection)
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    tls: TlsSection = dataclasses.field(default_factory=TlsSection)
 
     def __post_init__(self) -> None:
         if self.engine.kind != "vllm":

@@ -14,11 +14,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-import telemetry
 from infermesh.channels import CHANNEL_OPTIONS
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infermesh.tls import TlsSection, open_channel
 from telemetry import metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
@@ -290,16 +290,14 @@ def worker_info(
     )
 
 
-async def report_to_router(router_address: str, servicer: WorkerServicer) -> None:
+async def report_to_router(router_address: str, servicer: WorkerServicer, tls: TlsSection) -> None:
     """Registers, then heartbeats load until cancelled. Survives a router restart
     (registers again) and an unreachable router: a registration waits for the channel
     to connect (``wait_for_ready``), and the channel retries at least every second
     (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
     router is."""
     info = servicer.info
-    async with grpc.aio.insecure_channel(
-        router_address, options=CHANNEL_OPTIONS, interceptors=telemetry.grpc_client_interceptors()
-    ) as channel:
+    async with open_channel(router_address, tls, CHANNEL_OPTIONS) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
         while True:
@@ -350,6 +348,8 @@ async def create_server(
         f"{config.server.host}:{config.server.port}",
         add,
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+        config.tls,
+        "worker",
     )
     assert servicer is not None, "create_grpc_server did not add the servicer"
     return server, servicer
@@ -393,7 +393,7 @@ async def serve(config: WorkerConfig) -> None:
     metrics.watch_worker_load(servicer.load)
     metrics.watch_event_loop(asyncio.get_running_loop())
     metrics.serve_metrics(config.metrics)
-    reporter = asyncio.create_task(report_to_router(config.router.address, servicer))
+    reporter = asyncio.create_task(report_to_router(config.router.address, servicer, config.tls))
     try:
         await server.wait_for_termination()
     finally:

@@ -1,5 +1,6 @@
 """A real mesh for end-to-end tests: Redis, router, worker and gateway as
-processes on free loopback ports, exporting traces to a test OTLP receiver."""
+processes on free loopback ports, every gRPC hop over mutual TLS (certificates written into
+the log directory), exporting traces to a test OTLP receiver."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def _start_mesh(
             "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype,
         },
         log_dir=log_dir,
+        certs=log_dir / "certs",
     )
     mesh = Mesh(spec)
     try:

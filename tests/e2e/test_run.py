@@ -1,4 +1,5 @@
-"""``python -m infermesh run`` (``make run``) as a user runs it: start, serve, Ctrl-C, start
+"""``python -m infermesh run`` (``make run``) as a user runs it: start, serve (its gRPC hops
+over mutual TLS, an internal client calling with the certificates it wrote), Ctrl-C, start
 again at once on the same ports."""
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import psutil
 
+from devtools.certs import role_tls
+from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port, port_in_use
+from infermesh.probe import grpc_serving
+from infermesh.tls import open_blocking_channel
 from tests.helpers import MODEL
 
 _START_TIMEOUT_S = 90.0
@@ -88,6 +94,13 @@ def test_run_again_at_once_on_the_same_ports_serves_and_a_second_ctrl_c_leaves_n
         assert {chat(first) for _ in range(3)} <= {"length", "stop"}
         services = runner_children(runner)
         assert len(services) == 3
+        router = f"127.0.0.1:{ports[1]}"
+        assert not grpc_serving(router)  # no certificate: no connection
+        with open_blocking_channel(router, role_tls(Path(".certs"), "client")) as channel:
+            listed = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=10
+            )
+        assert len(listed.workers) == 1
         # The client keeps its connection: the gateway closes it, which leaves it in
         # TIME-WAIT on the gateway's port.
         runner.send_signal(signal.SIGINT)

@@ -147,6 +147,7 @@ def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, mess
             "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
             "INFERMESH_WORKER_ENGINE_VLLM": engine_args,
             "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
+            "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
         },
     )
     assert worker.returncode != 0

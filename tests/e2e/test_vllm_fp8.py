@@ -187,6 +187,7 @@ def _vllm_worker(checkpoint: Path, cache_dir: Path, log: Path) -> subprocess.Pop
                 "INFERMESH_WORKER_MODEL_DTYPE": "bfloat16",
                 "INFERMESH_WORKER_QUANTIZATION_DEQUANT_CACHE_DIR": str(cache_dir),
                 "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
+                "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
                 # no router: the worker serves, or fails, without one
                 "INFERMESH_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{free_port()}",
             },

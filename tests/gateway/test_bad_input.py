@@ -13,7 +13,7 @@ from gateway.mesh_client import MeshClient
 from infermesh.pb import common_pb2
 from tests.helpers import MODEL, rawhttp
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
-from tests.helpers.inprocess import register_unreachable_worker
+from tests.helpers.inprocess import PLAINTEXT, register_unreachable_worker
 
 _DEEP = "[" * 10_000 + "]" * 10_000
 _MESSAGE = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -114,7 +114,7 @@ async def test_grpc_size_limits_are_not_a_rate_limit(router):
     metadata limit (a Route call's; on the route stream the decision carries it in its
     message): the client is told the request is too large, not to retry."""
     await register_unreachable_worker(router)
-    client = MeshClient(RouterSection(address=router.address, streams=False))
+    client = MeshClient(RouterSection(address=router.address, streams=False), PLAINTEXT)
     try:
         with pytest.raises(GatewayError) as caught:
             async for _ in client.call(
@@ -163,7 +163,7 @@ async def test_a_key_that_is_not_utf8_is_a_401(gateway):
 async def test_a_request_past_the_message_size_limit_fails_alone_on_the_streams(router, worker):
     """A request too large for one gRPC message is a 413 of its own: sent on a stream shared with
     other requests it would end the stream, and them with it."""
-    client = MeshClient(RouterSection(address=router.address))
+    client = MeshClient(RouterSection(address=router.address), PLAINTEXT)
 
     async def ask(prompt: str) -> list[common_pb2.GenerateResponse]:
         return [

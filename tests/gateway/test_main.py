@@ -21,7 +21,12 @@ def _run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "gateway", *args],
         cwd=_REPO,
         text=True,
-        env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
+        env={
+            **os.environ,
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -66,6 +71,18 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
     proc = _run({}, "--config", str(tmp_path / "missing.toml"))
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "config file not found" in out
+
+
+def test_without_tls_files_or_plaintext_it_exits_2_naming_the_file_and_key(tmp_path):
+    config = tmp_path / "gateway.toml"
+    config.write_text("[tls]\nkey_file = 'gateway.key'\n")
+    proc = _run(
+        {"INFERMESH_GATEWAY_CONFIG": str(config), "INFERMESH_GATEWAY_TLS_PLAINTEXT": "false"}
+    )
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert f"{config}: [tls] cert_file: TLS is required but no cert_file is set" in out
+    assert "INFERMESH_GATEWAY_TLS_" in out and "Traceback" not in out
 
 
 def test_processes_share_the_port_and_stop_together(redis_server):

@@ -27,6 +27,7 @@ from infermesh.pb import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import (
+    PLAINTEXT,
     RunningRouter,
     RunningWorker,
     eventually,
@@ -393,7 +394,7 @@ async def test_a_slow_client_ends_with_an_error_and_stalls_no_other(redis_server
 async def test_a_reader_slower_than_the_stall_timeout_is_no_stall(sim_worker):
     """Stalls are the worker's silence, timed where chunks arrive: a reader that pauses past
     the stall timeout while the worker keeps sending still gets every chunk."""
-    channels = WorkerChannels()
+    channels = WorkerChannels(PLAINTEXT)
     streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)
     request = _open(1, 60).request
     try:

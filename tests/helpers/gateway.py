@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -13,17 +14,23 @@ from gateway.app import CONFIG, create_app
 from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
 from gateway.http_server import GatewayRunner
 from infermesh.ports import free_port
+from tests.helpers.inprocess import tls_of
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
-def make_config(redis_url: str, router_address: str | None = None, **server: Any) -> GatewayConfig:
+def make_config(
+    redis_url: str, router_address: str | None = None, certs: Path | None = None, **server: Any
+) -> GatewayConfig:
+    """The gateway's config; ``certs``: over TLS with that directory's gateway certificate,
+    None: plaintext."""
     return GatewayConfig(
         server=ServerSection(**server),
         # generous: 200 concurrent requests share this one event loop in the limit tests
         redis=RedisSection(url=redis_url, timeout_s=3.0),
         router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
         admin=AdminSection(token=ADMIN_TOKEN),
+        tls=tls_of(certs, "gateway"),
     )
 
 

@@ -8,13 +8,16 @@ import contextlib
 import dataclasses
 import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from devtools.certs import role_tls
 from devtools.redis_server import RedisServer
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
+from infermesh.tls import TlsSection, open_channel
 from router_svc.config import (
     RedisSection,
     RegistrySection,
@@ -30,6 +33,15 @@ from worker_svc.config import EngineSection, ParallelSection, RouterSection, Wor
 from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine.engine import SimEngine
+
+# The bulk of the suite runs the services without TLS; a test of TLS passes a certificate
+# directory (``devtools.certs.write_certs``) instead.
+PLAINTEXT = TlsSection(plaintext=True)
+
+
+def tls_of(certs: Path | None, role: str) -> TlsSection:
+    """``role``'s [tls] from the certificate directory ``certs``; None: plaintext."""
+    return PLAINTEXT if certs is None else role_tls(certs, role)
 
 
 class RunningRouter:
@@ -54,12 +66,15 @@ async def running_router(
     redis_url: str | None = None,
     routing: RoutingSection | None = None,
     port: int = 0,
+    certs: Path | None = None,
 ) -> AsyncIterator[RunningRouter]:
     """A router on ``port`` (0: a free one) with its registry in Redis at ``redis_url``
-    (None: a throwaway Redis of its own). Routers given the same URL share one registry."""
+    (None: a throwaway Redis of its own). Routers given the same URL share one registry.
+    ``certs``: over TLS with that directory's router certificate, the test's stub calling
+    with the admin's; None: plaintext."""
     if redis_url is None:
         with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
-            async with running_router(ttl_s, redis_server.url, routing, port) as router:
+            async with running_router(ttl_s, redis_server.url, routing, port, certs) as router:
                 yield router
         return
     config = RouterConfig(
@@ -67,10 +82,11 @@ async def running_router(
         redis=RedisSection(url=redis_url),
         registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
         routing=routing or RoutingSection(),
+        tls=tls_of(certs, "router"),
     )
     server, port, resources = await create_router(config)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with open_channel(f"127.0.0.1:{port}", tls_of(certs, "admin")) as channel:
             yield RunningRouter(port, router_pb2_grpc.RouterStub(channel), resources)
     finally:
         await server.stop(grace=None)
@@ -83,16 +99,21 @@ async def running_worker(
     router: RunningRouter,
     worker_id: str = "",
     max_parallel: int | None = None,
+    certs: Path | None = None,
 ) -> AsyncIterator[RunningWorker]:
     """A worker registered with ``router`` (the context waits for it); ``max_parallel`` is
-    what it reports (None: its device's default), give the engine's."""
+    what it reports (None: its device's default), give the engine's. ``certs``: over TLS with
+    that directory's worker certificate; None: plaintext."""
     config = WorkerConfig(
         server=WorkerServerSection(port=0, worker_id=worker_id),
         router=RouterSection(address=router.address),
         parallel=ParallelSection(max_parallel=max_parallel),
+        tls=tls_of(certs, "worker"),
     )
     server, servicer = await worker_server.create_server(config, engine)
-    reporter = asyncio.create_task(worker_server.report_to_router(router.address, servicer))
+    reporter = asyncio.create_task(
+        worker_server.report_to_router(router.address, servicer, config.tls)
+    )
     try:
         await wait_for_workers(router, lambda ids: servicer.info.worker_id in ids)
         yield RunningWorker(server, servicer)

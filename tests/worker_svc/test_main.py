@@ -16,7 +16,12 @@ def _start(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "worker_svc"],
         cwd=_REPO,
         text=True,
-        env={**os.environ, "OTEL_SDK_DISABLED": "true", **env},
+        env={
+            **os.environ,
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
+            **env,
+        },
         capture_output=True,
         timeout=120,
     )

@@ -14,7 +14,13 @@ import pytest
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from tests.helpers import MODEL
-from tests.helpers.inprocess import eventually, running_router, sim_engine, wait_for_workers
+from tests.helpers.inprocess import (
+    PLAINTEXT,
+    eventually,
+    running_router,
+    sim_engine,
+    wait_for_workers,
+)
 from worker_svc import server as worker_server
 from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
 from worker_svc.torch_engine.engine import Engine
@@ -24,7 +30,7 @@ from worker_svc.torch_engine.engine import Engine
 async def _worker(
     engine: Engine,
 ) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
-    config = WorkerConfig(server=ServerSection(port=0))
+    config = WorkerConfig(server=ServerSection(port=0), tls=PLAINTEXT)
     server, servicer = await worker_server.create_server(config, engine)
     try:
         async with grpc.aio.insecure_channel(servicer.info.address) as channel:
@@ -222,10 +228,11 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
         WorkerConfig(
             server=ServerSection(port=0, worker_id="comeback"),
             router=RouterSection(address=address),
+            tls=PLAINTEXT,
         ),
         engine,
     )
-    reporter = asyncio.create_task(worker_server.report_to_router(address, servicer))
+    reporter = asyncio.create_task(worker_server.report_to_router(address, servicer, PLAINTEXT))
     loop = asyncio.get_running_loop()
     try:
         for outage_s in (0.0, 4.0):
