@@ -14,6 +14,10 @@ credentials, and the admin token is not an API key.
     POST   /admin/keys/{id}/revoke     revoke for good
     POST   /admin/keys/{id}/rotate     a new key with the same settings; the old one revoked
     GET    /admin/keys/{id}/usage?days=N  usage: lifetime, per UTC day, quota counters
+    GET    /admin/callers/usage?identity=URI&days=N
+                                       an internal gRPC caller's usage, counted by the router
+                                       under its certificate's identity
+                                       (spiffe://infermesh/client/NAME)
     GET    /admin/fleet                the router's workers: models, GPU kind and count,
                                        precision, memory, max_parallel, load
 """
@@ -34,9 +38,11 @@ from gateway.limits import read_usage
 from gateway.mesh_client import MESH
 from gateway.middleware import KEY_STORE, single_header
 from gateway.validation import STRICT, parse_body, read_json
+from infermesh.authz import role_uri
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2
 from infermesh.redis_client import RedisClient
+from infermesh.usage import identity_owner
 
 ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
 
@@ -75,6 +81,12 @@ class UsageQuery(BaseModel):
     days: Annotated[int, Field(ge=1, le=_MAX_USAGE_DAYS)] = 7
 
 
+class CallerUsageQuery(UsageQuery):
+    """The query of ``GET /admin/callers/usage``: the caller's certificate identity."""
+
+    identity: Annotated[str, Field(pattern=f"^{role_uri('client')}(/[^/]+)?$")]
+
+
 class AdminDisabledError(GatewayError):
     status, type, code = 403, "invalid_request_error", "admin_disabled"
 
@@ -90,6 +102,7 @@ def create_admin_app(token_sha256: str | None) -> web.Application:
     app.router.add_post("/keys/{id}/revoke", revoke)
     app.router.add_post("/keys/{id}/rotate", rotate)
     app.router.add_get("/keys/{id}/usage", usage)
+    app.router.add_get("/callers/usage", caller_usage)
     app.router.add_get("/fleet", fleet)
     return app
 
@@ -181,6 +194,15 @@ async def usage(request: web.Request) -> web.Response:
     days = parse_body(UsageQuery, dict(request.query)).days
     counts: dict[str, Any] = await read_usage(_redis(request), kid, days)
     return web.json_response({"name": record.name, **counts})
+
+
+async def caller_usage(request: web.Request) -> web.Response:
+    query = parse_body(CallerUsageQuery, dict(request.query))
+    counts = await read_usage(_redis(request), identity_owner(query.identity), query.days)
+    # an API key's quota and concurrency counters: an internal caller has neither
+    for field in ("quota_consumed_tokens", "quota_period_consumed_tokens", "in_flight"):
+        del counts[field]
+    return web.json_response({"identity": query.identity, **counts})
 
 
 async def fleet(request: web.Request) -> web.Response:

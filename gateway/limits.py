@@ -32,8 +32,8 @@ Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
 - ``infermesh:quota:{<id>}``: hash ``total`` and ``p:<period_s>:<index>`` -> tokens
   consumed (settled usage plus reservations in flight), for the quotas.
 - ``infermesh:usage:{<id>}`` (lifetime) and ``infermesh:usage:{<id>}:d:<YYYY-MM-DD>``
-  (UTC day, kept ``_USAGE_DAY_TTL_S``): hash requests, prompt_tokens,
-  completion_tokens, cached_tokens.
+  (UTC day): hash requests, prompt_tokens, completion_tokens, cached_tokens, laid out by
+  ``infermesh.usage``, in which the router counts its internal callers' usage too.
 
 Tokens are reserved at admission (prompt estimate plus max_tokens, see
 ``gateway.generation``) so that concurrent requests cannot overrun a tokens-per-minute
@@ -62,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import datetime
 import importlib.resources
 import logging
 import math
@@ -76,6 +75,7 @@ from gateway.keys import key_tag, redis_key
 from gateway.usage import TokenUsage
 from infermesh.redis_client import REDIS_ERRORS, RedisClient
 from infermesh.script_batcher import ScriptBatcher, ScriptCall
+from infermesh.usage import USAGE_DAY_TTL_S, USAGE_FIELDS, usage_day, usage_key
 from telemetry.metrics import (
     RATE_LIMITED,
     SETTLEMENTS_DROPPED,
@@ -85,14 +85,12 @@ from telemetry.metrics import (
 
 logger = logging.getLogger(__name__)
 
-_USAGE_DAY_TTL_S = 400 * 86400
 # How long a settlement's done-mark lives: a retry later than this after a try whose reply
 # was lost could count twice; retries normally run within a second of Redis's return.
 # Retries run every 0.5 s once Redis answers; a longer life only grew the keyspace
 # (RELIABILITY.md, Soak).
 _SETTLED_TTL_S = 60
 _RETRY_INTERVAL_S = 0.5
-_USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 _LUA = importlib.resources.files("gateway") / "lua"
 _ADMIT = (_LUA / "admit.lua").read_text()
 _SETTLE = (_LUA / "settle.lua").read_text()
@@ -147,7 +145,7 @@ def _keys(kid: str) -> dict[str, str]:
         "tpm": f"infermesh:rl:{tag}:tpm",
         "inflight": f"infermesh:rl:{tag}:inflight",
         "quota": f"infermesh:quota:{tag}",
-        "usage": f"infermesh:usage:{tag}",
+        "usage": usage_key(kid),
     }
 
 
@@ -162,7 +160,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             keys["inflight"],
             keys["quota"],
             keys["usage"],
-            f"{keys['usage']}:d:{_day()}",
+            f"{keys['usage']}:d:{usage_day()}",
             keys["rpm"],
             f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}",
         ],
@@ -175,17 +173,12 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             usage.completion_tokens,
             usage.cached_tokens,
             admission.lease,
-            _USAGE_DAY_TTL_S,
+            USAGE_DAY_TTL_S,
             int(settlement.served),
             _SETTLED_TTL_S,
             admission.request_id,
         ],
     )
-
-
-def _day(offset: int = 0) -> str:
-    today = datetime.datetime.now(datetime.UTC).date()
-    return (today - datetime.timedelta(days=offset)).isoformat()
 
 
 class Limiter:
@@ -369,7 +362,7 @@ LIMITER = web.AppKey("limiter", Limiter)
 async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]:
     """A key's lifetime usage, per UTC day for the last ``days`` days, and its quota counters."""
     keys = _keys(kid)
-    day_names = [_day(i) for i in range(days)]
+    day_names = [usage_day(i) for i in range(days)]
     async with client.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys["usage"])
         for day in day_names:
@@ -391,7 +384,7 @@ async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]
 
 def _counts(raw: dict[bytes, bytes]) -> dict[str, int]:
     values = {_text(k): int(v) for k, v in raw.items()}
-    counts = {f: values.get(f, 0) for f in _USAGE_FIELDS}
+    counts = {f: values.get(f, 0) for f in USAGE_FIELDS}
     counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
     return counts
 

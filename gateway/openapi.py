@@ -171,6 +171,13 @@ def _operations() -> dict[Handler, Operation]:
             query=admin.UsageQuery,
             security=keys,
         ),
+        admin.caller_usage: Operation(
+            "getCallerUsage",
+            "An internal gRPC caller's usage, by its certificate's identity",
+            "Admin",
+            query=admin.CallerUsageQuery,
+            security=keys,
+        ),
         admin.fleet: Operation(
             "listFleet",
             "The router's workers: models, GPU kind and count, precision, "

@@ -20,8 +20,10 @@ from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from router_svc import route_stream
+from router_svc.caller_usage import CallerUsage
 from router_svc.config import RouterConfig
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
@@ -34,9 +36,16 @@ _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, config: RouterConfig, registry: Registry, channels: WorkerChannels) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        channels: WorkerChannels,
+        usage: CallerUsage,
+    ) -> None:
         self._config = config
         self._registry = registry
+        self._usage = usage
         self._fleet = registry.fleet
         self._channels = channels
         self._chooser = Chooser(config.routing)
@@ -118,11 +127,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
         attempts = await self._decide(request, context)
+        owner = self._usage.owner(context)
+        delivered = common_pb2.Usage()
         try:
             async for chunk in self._relayed(attempts, request, context, stream=True):
+                _add_delivered(delivered, chunk)
                 yield chunk
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
+        finally:
+            if owner and delivered.completion_tokens:
+                self._usage.count(owner, delivered)
 
     async def Complete(
         self,
@@ -134,9 +149,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(
                 self._relayed(attempts, request, context, stream=False)
             ) as replies:
-                return await anext(replies)
+                reply = await anext(replies)
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
+        owner = self._usage.owner(context)
+        if owner:
+            self._usage.count(owner, reply.usage)
+        return reply
 
     async def Route(
         self,
@@ -317,6 +336,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
 
 
+def _add_delivered(delivered: common_pb2.Usage, chunk: common_pb2.GenerateResponse) -> None:
+    """What a relayed stream has delivered so far: the worker's usage once it reports it (its
+    last chunk), until then the tokens streamed (a stream that fails midway is counted with
+    them, as the gateway counts its keys')."""
+    if chunk.HasField("usage"):
+        delivered.CopyFrom(chunk.usage)
+    else:
+        delivered.completion_tokens += len(chunk.token_ids)
+
+
 def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:
     caps = worker.info.capabilities
     return common_pb2.Route(
@@ -342,15 +371,21 @@ class RunningRouter:
     """What create_server started besides the gRPC server: close it after the server stops."""
 
     def __init__(
-        self, registry: Registry, channels: WorkerChannels, refresher: asyncio.Task[None]
+        self,
+        registry: Registry,
+        channels: WorkerChannels,
+        usage: CallerUsage,
+        refresher: asyncio.Task[None],
     ) -> None:
         self.registry = registry
         self._channels = channels
+        self._usage = usage
         self._refresher = refresher
 
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
         await self._channels.close()
+        await self._usage.close()
         await self.registry.close()
 
 
@@ -359,7 +394,11 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     Redis is down: it answers UNAVAILABLE (health NOT_SERVING) until Redis is back."""
     registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_s))
     channels = WorkerChannels(config.tls)
-    servicer = RouterServicer(config, registry, channels)
+    # its own connections, without retries: a count retried after a lost reply would count twice
+    usage = CallerUsage(
+        redis_client(config.redis.url, timeout_s=config.redis.timeout_s, retries=False)
+    )
+    servicer = RouterServicer(config, registry, channels, usage)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
@@ -370,7 +409,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
     refresher = asyncio.create_task(_follow_registry(refreshes, health))
-    return server, port, RunningRouter(registry, channels, refresher)
+    return server, port, RunningRouter(registry, channels, usage, refresher)
 
 
 async def _follow_registry(

@@ -23,12 +23,14 @@ from prometheus_client import REGISTRY
 
 from devtools.certs import role_tls, write_certs
 from gateway.keys import create_key
+from gateway.limits import read_usage
 from infermesh import probe
-from infermesh.authz import ALLOWED, ROLES
+from infermesh.authz import ALLOWED, ROLES, role_uri
 from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection, check_loaded, open_channel
+from infermesh.usage import identity_owner
 from router_svc.config import RouterConfig, ServerSection
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
@@ -200,6 +202,30 @@ async def test_the_gateway_and_the_router_generate_on_a_worker(worker, certs):
     for role in ("gateway", "router"):
         chunks = await _generate(worker.servicer.info.address, role_tls(certs, role))
         assert chunks and chunks[-1].finish_reason
+
+
+async def test_an_internal_callers_usage_is_counted_under_its_certificate(
+    router, worker, certs, redis_server
+):
+    """A client certificate's Generate and Complete on the router count as its usage; the same
+    calls by a gateway do not (the gateway counts its keys' own)."""
+    usages = []
+    for role in ("client", "gateway"):
+        async with open_channel(router.address, role_tls(certs, role)) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            chunks = [c async for c in stub.Generate(_request(), timeout=10)]
+            reply = await stub.Complete(_request(), timeout=10)
+        usages += [chunks[-1].usage, reply.usage]
+    owner = identity_owner(role_uri("client"))
+    expected = sum(u.completion_tokens for u in usages[:2])
+    assert expected > 0
+    deadline = time.monotonic() + 5
+    async with aioredis.Redis.from_url(redis_server.url) as client:
+        while (counted := await read_usage(client, owner, 1))["requests"] < 2:
+            assert time.monotonic() < deadline, counted
+            await asyncio.sleep(0.05)
+    assert counted["requests"] == 2 and counted["completion_tokens"] == expected
+    assert counted["prompt_tokens"] == sum(u.prompt_tokens for u in usages[:2])
 
 
 async def test_a_worker_certificate_cannot_list_the_fleet(router, worker, certs):

@@ -17,8 +17,10 @@ from gateway import keys
 from gateway.limits import Limiter, read_usage
 from gateway.responses_store import ResponseStore, StoredResponse
 from gateway.usage import TokenUsage
+from infermesh.authz import role_uri
 from infermesh.pb import common_pb2
 from infermesh.redis_client import RedisClient, redis_client
+from infermesh.usage import count_usage, identity_owner
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
 from router_svc.registry import Registry
@@ -124,6 +126,17 @@ async def test_the_router_keeps_its_registry(acl_redis):
         assert registry.available and [e.worker_id for e in registry.fleet.entries()] == ["w1"]
     finally:
         await registry.close()
+
+
+async def test_the_router_counts_its_internal_callers_usage_and_no_keys(
+    router_redis, gateway_redis
+):
+    owner = identity_owner(role_uri("client", "billing"))
+    await count_usage(router_redis, owner, common_pb2.Usage(prompt_tokens=3, completion_tokens=2))
+    # the admin API, on the gateway, reads it
+    assert (await read_usage(gateway_redis, owner, 1))["completion_tokens"] == 2
+    with pytest.raises(NoPermissionError):
+        await count_usage(router_redis, keys.key_id("sk-a key"), common_pb2.Usage(prompt_tokens=1))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AdminSection
+from infermesh.authz import role_uri
+from infermesh.pb import common_pb2
+from infermesh.usage import count_usage, identity_owner
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth, start_gateway
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -120,11 +123,26 @@ async def test_a_stopped_key_fails_on_every_gateway_within_a_second(gateways, ac
         ("PATCH", f"/admin/keys/{'0' * 64}", {"name": None}, 400, None),
         ("POST", f"/admin/keys/{'0' * 64}/revoke", None, 404, "id"),
         ("GET", f"/admin/keys/{'0' * 64}/usage", None, 404, "id"),
+        ("GET", "/admin/callers/usage", None, 400, "identity"),
+        ("GET", "/admin/callers/usage?identity=spiffe://infermesh/worker", None, 400, "identity"),
+        ("GET", "/admin/callers/usage?identity=cert:client", None, 400, "identity"),
     ],
 )
 async def test_admin_errors_name_the_field(gateway, method, path, body, status, param):
     response = await gateway.request(method, path, json=body, headers=ADMIN)
     assert (await _json(response, status))["error"]["param"] == param
+
+
+async def test_an_internal_callers_usage_is_read_by_its_identity(gateway, redis_client):
+    identity = role_uri("client", "billing")
+    usage = common_pb2.Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=1)
+    await count_usage(redis_client, identity_owner(identity), usage)
+    await count_usage(redis_client, identity_owner(role_uri("client", "other")), usage)
+    path = f"/admin/callers/usage?identity={identity}&days=1"
+    body = await _json(await gateway.get(path, headers=ADMIN))
+    assert body["identity"] == identity and body["requests"] == 1
+    assert (body["prompt_tokens"], body["completion_tokens"], body["cached_tokens"]) == (5, 3, 1)
+    assert body["daily"][0]["total_tokens"] == 8 and "in_flight" not in body
 
 
 async def _cli(gateway, *args: str, token: str = ADMIN_TOKEN) -> tuple[int, str, str]:
