@@ -167,3 +167,10 @@ def test_a_worker_computes_on_the_thread_count_its_policy_chose():
     ) in log
     # logged by the step loop's own thread, where the forward passes run
     assert f"step loop computes on {threads} torch threads" in log
+
+
+def test_the_log_line_says_whether_the_environment_binds_the_threads():
+    assert choose_threads(2).describe().endswith("threads not bound to cores")
+    bound = choose_threads(2, environ={"OMP_PROC_BIND": "close"})
+    assert bound.describe().endswith("threads bound as OMP_PROC_BIND=close")
+    assert choose_threads(2, environ={"OMP_PROC_BIND": "FALSE"}).binding == ""

@@ -59,6 +59,7 @@ class ThreadPolicy:
     threads: int
     wait_policy: Literal["passive", "active", "runtime"]
     why: str
+    binding: str = ""  # OMP_PROC_BIND as the environment gave it (the policy binds nothing)
 
     def environment(self) -> dict[str, str]:
         """The variables libgomp reads as it loads (none for its own wait policy)."""
@@ -67,9 +68,10 @@ class ThreadPolicy:
         return {"OMP_WAIT_POLICY": self.wait_policy.upper()}
 
     def describe(self) -> str:
+        bound = f"bound as OMP_PROC_BIND={self.binding}" if self.binding else "not bound to cores"
         return (
             f"torch threads: {self.threads} ({self.why}); OpenMP wait policy {self.wait_policy}; "
-            "threads not bound to cores"
+            f"threads {bound}"
         )
 
 
@@ -91,7 +93,9 @@ def choose_threads(
     else:
         count = max(1, cores - reserved_cores)
         why = f"{cores} cores available, {reserved_cores} reserved for the services beside it"
-    return ThreadPolicy(count, _wait_policy(wait_policy, environ), why)
+    binding = environ.get("OMP_PROC_BIND", "")
+    unbound = binding.lower() in ("", "false")
+    return ThreadPolicy(count, _wait_policy(wait_policy, environ), why, "" if unbound else binding)
 
 
 def _wait_policy(
