@@ -3,28 +3,31 @@ they wait between parallel regions.
 
 torch 2.13's CPU wheel runs its intra-op parallelism and MKL on GNU OpenMP (libgomp, shipped in
 torch/lib). Each op of a forward pass is a parallel region that ends only when every one of its
-threads has run, so on a machine whose cores the gateway, the router, Redis and a client share,
-one descheduled thread stalls every op: a 2-core machine under a co-located load generator decoded
-45x slower on torch's default of 2 threads than on 1 (issue #30; docs/BENCHMARKS.md, "Thread policy
-under contention"). The policy therefore computes on the cores available to the process
-(``os.sched_getaffinity``) less ``[engine] reserved_cores`` for the services beside it, at least
-one.
+threads has run, so on a machine whose cores the gateway, the router, Redis and a client share, one
+descheduled thread stalls every op: on a 2-core machine under a co-located aiperf run, torch's
+default (2 threads, libgomp's waiting) served 6 output tokens/s where one thread served 156 (issue
+#30; docs/BENCHMARKS.md, "Thread policy under contention"). The policy therefore computes on the
+cores available to the process (``os.sched_getaffinity``) less ``[engine] reserved_cores`` for the
+services beside it, at least one.
 
 Waiting: libgomp honours ``OMP_WAIT_POLICY`` (and ``GOMP_SPINCOUNT``; Intel's ``KMP_BLOCKTIME`` is
 not read), and only as the library loads, so it is set in the environment before torch is first
 imported (:func:`apply`); ``torch.set_num_threads`` then sets the thread count every thread starts
 with (the step loop's thread included). ``passive`` sleeps at once between regions, leaving the
 cores to the other services; ``active`` spins; ``runtime`` leaves libgomp's own (spin a while, then
-sleep). ``auto`` is passive: under contention a spinning thread holds the core another service or
-its own sibling thread needs, and measured on a quiet machine passive cost nothing that showed
-(docs/BENCHMARKS.md). With one thread there is no pool, and nothing waits. Threads are not bound
-to cores: on a shared machine a bound thread waits for its one core where the scheduler would move
-it to a free one (measured: no gain).
+sleep). ``auto`` is passive: with 2 threads on those 2 cores under the same load, passive served
+128 tokens/s, libgomp's own waiting 6 and active 12, since a spinning thread holds the core another
+service, or its own sibling thread, needs. With one thread there is no pool, and nothing waits.
+Threads are not bound to cores: bound (``OMP_PROC_BIND=close``, ``OMP_PLACES=cores``) 2 threads
+served 10 tokens/s, against 6 unbound with the same waiting and far below passive waiting or one
+thread; a bound thread waits for its one core where the scheduler could move it to a free one.
+An ``OMP_PROC_BIND`` in the environment is still honoured by libgomp, and logged.
 
 GPU workers take the same policy: torch's CPU threads there only run the CPU side (the scheduler's
 tensors, sampling's and the grammar masks' host work), and a pool that spins between those small
 regions takes cores from the step loop that launches the GPU's kernels; passive waiting and the
-reserved cores keep the step loop, the event loop and gRPC scheduled.
+reserved cores keep the step loop, the event loop and gRPC scheduled (reasoned from the CPU
+measurements, not measured on a GPU).
 
 An operator's ``OMP_NUM_THREADS`` / ``OMP_WAIT_POLICY`` in the environment is kept where the config
 says ``auto``.
