@@ -45,10 +45,10 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 WaitPolicy = Literal["auto", "passive", "active", "runtime"]
-WAIT_POLICIES: tuple[WaitPolicy, ...] = ("auto", "passive", "active", "runtime")
+ChosenWaitPolicy = Literal["passive", "active", "runtime"]
 AUTO_THREADS = 0  # [engine] threads: chosen from the cores available
 # OMP_WAIT_POLICY's values as libgomp reads them (any case)
-_GIVEN_WAIT_POLICIES: dict[str, Literal["passive", "active"]] = {
+_GIVEN_WAIT_POLICIES: dict[str, ChosenWaitPolicy] = {
     "passive": "passive",
     "active": "active",
 }
@@ -60,7 +60,7 @@ class ThreadPolicy:
     (``passive``, ``active`` or ``runtime``: libgomp's default), and why."""
 
     threads: int
-    wait_policy: Literal["passive", "active", "runtime"]
+    wait_policy: ChosenWaitPolicy
     why: str
     binding: str = ""  # OMP_PROC_BIND as the environment gave it (the policy binds nothing)
 
@@ -101,9 +101,7 @@ def choose_threads(
     return ThreadPolicy(count, _wait_policy(wait_policy, environ), why, "" if unbound else binding)
 
 
-def _wait_policy(
-    wait_policy: WaitPolicy, environ: Mapping[str, str]
-) -> Literal["passive", "active", "runtime"]:
+def _wait_policy(wait_policy: WaitPolicy, environ: Mapping[str, str]) -> ChosenWaitPolicy:
     if wait_policy != "auto":
         return wait_policy
     return _GIVEN_WAIT_POLICIES.get(environ.get("OMP_WAIT_POLICY", "").lower(), "passive")
