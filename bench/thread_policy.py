@@ -47,6 +47,7 @@ from devtools.redis_server import RedisServer
 from gateway.keys import create_key_at
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
+from worker_svc.torch_engine.threads import available_cores
 
 _MODEL = Path(DEFAULT_MODEL_PATH).name
 _PROMPT_WORDS = 190  # ~200 prompt tokens with the chat template (the tiny tokenizer)
@@ -57,24 +58,25 @@ _ENGINE = "INFERMESH_WORKER_ENGINE_"
 _ISSUE_FOR_S = 60.0
 _QUIET_ISSUE_FOR_S = 20.0
 
+_CORES = str(available_cores())
 # name -> the worker's variables on top of the dev mesh's
 SETTINGS: dict[str, dict[str, str]] = {
     "policy": {},  # what `make run` gives its worker
     "torch-default": {  # before the policy: one thread per core, libgomp's own waiting
-        f"{_ENGINE}THREADS": str(len(os.sched_getaffinity(0))),
+        f"{_ENGINE}THREADS": _CORES,
         f"{_ENGINE}OMP_WAIT_POLICY": "runtime",
     },
     "1-thread": {f"{_ENGINE}THREADS": "1"},
     "all-passive": {
-        f"{_ENGINE}THREADS": str(len(os.sched_getaffinity(0))),
+        f"{_ENGINE}THREADS": _CORES,
         f"{_ENGINE}OMP_WAIT_POLICY": "passive",
     },
     "all-active": {
-        f"{_ENGINE}THREADS": str(len(os.sched_getaffinity(0))),
+        f"{_ENGINE}THREADS": _CORES,
         f"{_ENGINE}OMP_WAIT_POLICY": "active",
     },
     "all-bound": {  # one thread per core, each bound to its core
-        f"{_ENGINE}THREADS": str(len(os.sched_getaffinity(0))),
+        f"{_ENGINE}THREADS": _CORES,
         f"{_ENGINE}OMP_WAIT_POLICY": "runtime",
         "OMP_PROC_BIND": "close",
         "OMP_PLACES": "cores",
@@ -332,7 +334,7 @@ def main() -> None:
     ns = parser.parse_args()
     print(
         f"load generator: {'aiperf ' + ns.aiperf if ns.aiperf else 'own aiohttp client'}, "
-        f"burner {ns.burner}, {len(os.sched_getaffinity(0))} cores, torch {version('torch')}, "
+        f"burner {ns.burner}, {_CORES} cores, torch {version('torch')}, "
         f"{ns.rounds} rounds"
     )
     runs: list[Run] = []
