@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 from devtools import admin_cli, certs, plan
 from devtools.hwbench import cli as bench_cli
-from devtools.mesh import Mesh, MeshSpec, ServiceExited
+from devtools.mesh import Mesh, MeshSpec, ServiceExited, dev_worker_env
 from devtools.redis_server import RedisServer, redis_reachable
 from gateway.keys import create_key_at
 from infermesh.ports import port_in_use
@@ -92,6 +92,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         router_port=args.router_port,
         worker_ports=(args.worker_port,),
         certs=_CERTS.resolve(),
+        worker_env=(dev_worker_env(),),
         env={
             "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
             # the admin API's token for this run, printed below

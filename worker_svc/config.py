@@ -13,6 +13,7 @@ from infermesh.config import ConfigError, MetricsSection, load_config, section
 from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
+from worker_svc.torch_engine.threads import AUTO_THREADS, WaitPolicy
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -220,11 +221,22 @@ class EngineSection:
     # its compute out), and (V3.2) of the indexer scoring one cached token for one query.
     attention_flops_per_key: float = 0.0
     index_flops_per_key: float = 0.0
+    # checkpoint only, the CPU thread policy (worker_svc/torch_engine/threads.py): torch's OpenMP
+    # threads (0: the cores available less reserved_cores, at least one), the cores left to the
+    # services beside the worker (gateway, router, Redis, a client), and how idle threads wait
+    # (auto: passive; runtime: libgomp's default)
+    threads: int = AUTO_THREADS
+    reserved_cores: int = 1
+    omp_wait_policy: WaitPolicy = "auto"
     # vllm only: vLLM engine arguments past those the other sections set ([engine.vllm] table; the
     # environment's INFERMESH_WORKER_ENGINE_VLLM takes a JSON object)
     vllm: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0 (0: auto), got {self.threads}")
+        if self.reserved_cores < 0:
+            raise ValueError(f"reserved_cores: must be >= 0, got {self.reserved_cores}")
         if self.gpu not in gpu_profiles():
             raise ValueError(
                 f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}"

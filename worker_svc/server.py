@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -31,6 +32,7 @@ from worker_svc.engine_api import (
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.stream_server import serve_handler
+from worker_svc.torch_engine import threads
 from worker_svc.wire import RequestFailedError, to_engine, to_proto
 
 logger = logging.getLogger(__name__)
@@ -364,6 +366,16 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         from worker_svc.vllm_engine.engine import VllmEngine
 
         return await VllmEngine.start(config)
+    # before the engine's import brings torch, whose OpenMP runtime reads the policy as it loads
+    threads.apply(
+        threads.choose_threads(
+            threads.available_cores(),
+            config.engine.threads,
+            config.engine.reserved_cores,
+            config.engine.omp_wait_policy,
+            os.environ,
+        )
+    )
     from worker_svc.torch_engine.engine import Engine
 
     return await asyncio.to_thread(

@@ -110,6 +110,8 @@ class StepLoop:
     # ------------------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        # what this thread's ops actually run on (the thread policy's count, or torch's default)
+        logger.info("step loop computes on %d torch threads", torch.get_num_threads())
         while self._take_requests():
             output = self._scheduler.schedule()
             self._publish_load()  # before a chunk of this step reaches a consumer
