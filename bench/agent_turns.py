@@ -36,6 +36,7 @@ from typing import Any
 import anthropic
 import openai
 import redis.asyncio as aioredis
+from openai.types.responses import FunctionToolParam
 from tokenizers import Tokenizer
 
 from devtools.mesh import Mesh, MeshSpec
@@ -183,13 +184,13 @@ async def responses_turn(client: openai.AsyncOpenAI, system: str, user: str, sec
     """Codex's shape: instructions, function tools, a user message; the second turn adds the
     model's call and its output."""
     tools = [
-        {
-            "type": "function",
-            "name": t["name"],
-            "description": t["description"],
-            "parameters": t["input_schema"],
-            "strict": False,
-        }
+        FunctionToolParam(
+            type="function",
+            name=t["name"],
+            description=t["description"],
+            parameters=t["input_schema"],
+            strict=False,
+        )
         for t in TOOLS
     ]
     items: list[Any] = [{"type": "message", "role": "user", "content": user}]
