@@ -7,17 +7,23 @@ config.json with the FP8 quantization_config, model.safetensors with FP8 E4M3 bl
 linear weights and float32 `weight_scale_inv` (BF16 embeddings, lm_head, norms and gate, float32
 e_score_correction_bias), one MTP layer past num_hidden_layers, a byte-level BPE tokenizer with
 DeepSeek's special tokens (tool-call markers included) and chat template, and
-generation_config.json. The DeepSeek-V2 ones (`--v2`, `--v2-lite`) are BF16 throughout with no
-quantization_config, no routing bias and no MTP layer, as DeepSeek-V2, V2.5 and V2-Lite ship.
-Reproducible: the same call writes byte-identical files. `--v32` writes a DeepSeek-V3.2 (model_type
-deepseek_v32) checkpoint instead: the same model plus each layer's sparse-attention indexer (FP8
-wq_b and wk, BF16 k_norm and weights_proj), with an index_topk small enough that short prompts
-exercise the sparsity.
+generation_config.json. The V3 models have DeepSeek-V3's long context (V3_YARN, V3_CONTEXT), so a
+coding agent's first prompt fits; the BPE's 16,384 tokens, trained on the pinned openai package's
+sources, compress English and JSON about as DeepSeek's: bench/agent_turns.py's first prompt (an
+agent's guide, the project's docs, 15 tool schemas; 55k characters) is 3.09 characters per token
+(the guide alone 3.8, the schemas 3.9; the earlier 1,024-token BPE: 1.4). Writing one takes 9-14 s
+on a busy two-core machine (11 s with that earlier BPE), the BPE's training about 3 s of it. The
+DeepSeek-V2 ones (`--v2`, `--v2-lite`) are BF16 throughout with no quantization_config, no
+routing bias and no MTP layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducible: the same call
+writes byte-identical files. `--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint
+instead: the same model plus each layer's sparse-attention indexer (FP8 wq_b and wk, BF16 k_norm
+and weights_proj), with an index_topk small enough that short prompts exercise the sparsity.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -36,7 +42,23 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, PAD = "<｜User｜>", "<｜Assistant｜>", "<｜▁pad▁｜>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT]  # ids 0..4: bos 0, eos 1 as in DeepSeek-V3
 _SEED = 1234
-_BPE_VOCAB_SIZE = 1024
+_BPE_VOCAB_SIZE = 16384
+# The BPE's training text besides CORPUS: a pinned, pure-Python package's sources (English
+# docstrings about an LLM API, and code), identical on every machine with requirements.txt.
+_CORPUS_DISTRIBUTION = "openai"
+# DeepSeek-V3's released long context: YaRN over a 4k original context, 163840 positions
+V3_CONTEXT = 163840
+V3_YARN = {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+}
+# the test variant's and DeepSeek-V2's tiny context: a YaRN factor 4 over 512 positions
+_TINY_CONTEXT = 2048
 
 # DeepSeek-V3's tool-call markers: a turn's calls are
 # CALLS_BEGIN (CALL_BEGIN "function" SEP NAME "\n```json\n" ARGUMENTS "\n```" CALL_END)+ CALLS_END,
@@ -149,7 +171,7 @@ def tiny_config(
         "initializer_range": 0.02,
         "intermediate_size": 704,
         "kv_lora_rank": 160,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": V3_CONTEXT,
         "moe_intermediate_size": 192,
         "moe_layer_freq": 1,
         "n_group": 2,
@@ -171,7 +193,7 @@ def tiny_config(
             "weight_block_size": [128, 128],
         },
         "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
+        "rope_scaling": dict(V3_YARN),
         "rope_theta": 10000,
         "routed_scaling_factor": 2.5,
         "scoring_func": "sigmoid",
@@ -190,6 +212,7 @@ def tiny_config(
             n_group=4,
             topk_group=2,
             q_lora_rank=None,
+            max_position_embeddings=_TINY_CONTEXT,
             rope_scaling={
                 "beta_fast": 32,
                 "beta_slow": 1,
@@ -234,6 +257,7 @@ def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
         routed_scaling_factor=16.0,
         aux_loss_alpha=0.001,
         seq_aux=True,
+        max_position_embeddings=_TINY_CONTEXT,
         rope_scaling={
             "beta_fast": 32,
             "beta_slow": 1,
@@ -259,15 +283,19 @@ def tiny_v2_config(vocab_size: int, *, lite: bool = False) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- tokenizer
 
 
-def _corpus_lines() -> list[str]:
-    """The embedded corpus, its upper/title-cased copies and number runs: about 1k merges' worth."""
+def _corpus_texts() -> list[str]:
+    """The embedded corpus (CJK, accents, emoji), its upper/title-cased copies and number runs, then
+    _CORPUS_DISTRIBUTION's .py files in their sorted order: the same text on every machine."""
     lines = CORPUS.splitlines()
     numbers = [" ".join(str(i) for i in range(j, j + 40)) for j in range(0, 1200, 40)]
-    return (lines + [x.upper() for x in lines] + [x.title() for x in lines]) * 4 + numbers
+    distribution = importlib.metadata.distribution(_CORPUS_DISTRIBUTION)
+    sources = sorted(str(f) for f in distribution.files or [] if f.suffix == ".py")
+    package = [Path(str(distribution.locate_file(f))).read_text(encoding="utf-8") for f in sources]
+    return (lines + [x.upper() for x in lines] + [x.title() for x in lines]) * 4 + numbers + package
 
 
 def train_tokenizer() -> Tokenizer:
-    """Byte-level BPE over the embedded corpus: every UTF-8 string encodes."""
+    """Byte-level BPE over the corpus: every UTF-8 string encodes."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -277,8 +305,8 @@ def train_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
-    # after the BPE merges, as in DeepSeek's vocabulary (ids 1024..1032 here)
+    tok.train_from_iterator(_corpus_texts(), trainer=trainer)
+    # after the BPE merges, as in DeepSeek's vocabulary (ids 16384..16392 here)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TOKENS])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]
@@ -297,7 +325,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "legacy": True,
-        "model_max_length": 2048,
+        "model_max_length": V3_CONTEXT,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
 
@@ -335,7 +363,7 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
 
 def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
     """Random embeddings for the tool tokens; zero output rows, so their logit (0) is never a greedy
-    choice over a thousand random ones: unconstrained outputs are those of the model without
+    choice over sixteen thousand random ones: unconstrained outputs are those of the model without
     them."""
     if key == "lm_head.weight":
         return torch.zeros(len(TOOL_TOKENS), dim)
@@ -393,9 +421,12 @@ def write_tiny_checkpoint(
 
 def bench_config() -> dict[str, Any]:
     """config.json of the scheduler benchmark's model (issue #3): about 73M parameters, vocab 32000
-    (past the tokenizer's 1024 ids, as real checkpoints pad their embeddings)."""
+    (past the tokenizer's 16393 ids, as real checkpoints pad their embeddings), the 2,048-token
+    context its figures were measured with."""
     config = tiny_config(32000)
     config.update(
+        max_position_embeddings=_TINY_CONTEXT,
+        rope_scaling=None,
         hidden_size=512,
         intermediate_size=1536,
         moe_intermediate_size=256,

@@ -150,6 +150,9 @@ class Batching:
     prefill_chunk_size: int
 
 
+MIN_CPU_CACHE_BYTES = 64 * 2**20
+
+
 @section
 class CacheSection:
     """The paged MLA latent cache."""
@@ -157,7 +160,9 @@ class CacheSection:
     block_size: int = 16  # tokens per block
     # share of device memory for weights, activations and the cache
     gpu_memory_utilization: float = 0.9
-    cpu_cache_bytes: int = 64 * 2**20  # the cache's size on a CPU
+    # the cache's size on a CPU; unset: one whole context of max_model_len (a 163840-token context
+    # of the tiny model is 115-230 MB), and no less than MIN_CPU_CACHE_BYTES
+    cpu_cache_bytes: int | None = None
     enable_prefix_caching: bool = True  # reuse the cache of a prompt prefix already computed
     swap_space: float | None = (
         None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
@@ -170,8 +175,14 @@ class CacheSection:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.cpu_cache_bytes < 1:
+        if self.cpu_cache_bytes is not None and self.cpu_cache_bytes < 1:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
+
+    def cpu_budget_bytes(self, context_bytes: int) -> int:
+        """The cache's size on a CPU, given what one whole context of max_model_len takes."""
+        if self.cpu_cache_bytes is not None:
+            return self.cpu_cache_bytes
+        return max(MIN_CPU_CACHE_BYTES, context_bytes)
 
 
 _SIZE_KEYS = (

@@ -19,7 +19,6 @@ from aiohttp.test_utils import TestClient
 
 from gateway.config import ModelsSection
 from tests.helpers import MODEL, claude_code
-from tests.helpers.checkpoints import variant_of
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_worker
 from tests.helpers.tools import SLOW_TIMEOUT_S
@@ -33,12 +32,10 @@ _CLAUDE = "claude-opus-4-8"  # the name Claude Code asks for unless told otherwi
 
 
 @pytest.fixture(scope="module")
-def long_engine(tmp_path_factory, worker_dtype) -> Iterator[Engine]:
-    """The tiny model with room for Claude Code's max_tokens (32000) after its prompt."""
-    checkpoint = variant_of(
-        DEFAULT_MODEL_PATH, tmp_path_factory.mktemp("long"), max_position_embeddings=40960
-    )
-    engine = Engine.from_checkpoint(checkpoint, dtype=worker_dtype)
+def long_engine(worker_dtype) -> Iterator[Engine]:
+    """The default model, whose context has room for Claude Code's max_tokens (32000) after its
+    prompt."""
+    engine = Engine.from_checkpoint(DEFAULT_MODEL_PATH, dtype=worker_dtype)
     yield engine
     asyncio.run(engine.close())
 

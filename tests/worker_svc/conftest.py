@@ -15,7 +15,7 @@ from devtools.tiny_model import (
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny checkpoint: 2 layers, n_group 2, plain RoPE."""
+    """The default tiny checkpoint: 2 layers, n_group 2, DeepSeek-V3's YaRN and context."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 

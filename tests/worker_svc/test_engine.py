@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.tiny_model import V3_CONTEXT
 from tests.helpers.hf_reference import transformers_reference
 from tests.helpers.inprocess import eventually
 from worker_svc.config import CacheSection, ParallelSection
@@ -77,7 +78,7 @@ async def _wait_idle(engine: Engine) -> None:
 
 async def test_capabilities_and_context(engine: Engine):
     assert engine.capabilities.device == "cpu" and engine.capabilities.weight_bytes > 0
-    assert engine.max_model_len == 2048
+    assert engine.max_model_len == V3_CONTEXT  # the checkpoint's max_position_embeddings
 
 
 async def test_greedy_is_deterministic_and_length_is_exact(engine: Engine):
@@ -201,10 +202,13 @@ async def test_task_cancellation_drops_the_sequence(engine: Engine):
         (GenerationRequest("r", None, "hi", SamplingParams(temperature=-1)), "temperature"),
         (GenerationRequest("r", None, "hi", SamplingParams(top_p=0)), "top_p"),
         (GenerationRequest("r", None, "hi", SamplingParams(max_tokens=0)), "max_tokens"),
-        (GenerationRequest("r", None, "word " * 3000, SamplingParams()), "> 2047 maximum"),
         (
-            GenerationRequest("r", None, "hi", SamplingParams(max_tokens=2048)),
-            r"\+ 2048 > 2048, decrease input length",
+            GenerationRequest("r", None, "word " * V3_CONTEXT, SamplingParams()),
+            f"> {V3_CONTEXT - 1} maximum",
+        ),
+        (
+            GenerationRequest("r", None, "hi", SamplingParams(max_tokens=V3_CONTEXT)),
+            rf"\+ {V3_CONTEXT} > {V3_CONTEXT}, decrease input length",
         ),
         (
             GenerationRequest("r", None, "hi", SamplingParams(stop=("x",) * 17)),
@@ -324,21 +328,25 @@ async def test_cancelled_streams_free_their_cache_blocks(engine: Engine):
     assert engine.load().kv_cache_usage == 0
 
 
+def _repeats(chunks: list[GenerationChunk]) -> int:
+    return len(_ids(chunks)) - len(set(_ids(chunks)))
+
+
 async def test_penalties_and_logprobs(engine: Engine):
-    plain = await _run(engine, _request(SamplingParams(temperature=0, max_tokens=40)))
-    penalized = await _run(
-        engine,
-        _request(
-            SamplingParams(
-                temperature=0, max_tokens=40, frequency_penalty=2.0, presence_penalty=2.0
-            )
-        ),
-    )
-    repeats = len(_ids(plain)) - len(set(_ids(plain)))
-    assert (
-        _ids(penalized) != _ids(plain)
-        and len(_ids(penalized)) - len(set(_ids(penalized))) < repeats
-    )
+    """The random model over 16k tokens hardly repeats one unprompted: a negative presence penalty
+    brings earlier tokens back, a frequency penalty per occurrence pushes them away again."""
+
+    async def greedy(presence: float, frequency: float) -> list[GenerationChunk]:
+        params = SamplingParams(
+            temperature=0, max_tokens=40, presence_penalty=presence, frequency_penalty=frequency
+        )
+        return await _run(engine, _request(params))
+
+    plain, drawn_back = await greedy(0.0, 0.0), await greedy(-2.0, 0.0)
+    # -2 + 2 per occurrence: no pull to a token seen once, a push from one seen twice
+    pushed_away = await greedy(-2.0, 2.0)
+    assert _repeats(plain) < _repeats(drawn_back) and _ids(drawn_back) != _ids(plain)
+    assert _repeats(pushed_away) < _repeats(drawn_back)
 
     chunks = await _run(
         engine, _request(SamplingParams(temperature=0, max_tokens=5, logprobs=True, top_logprobs=3))
@@ -387,7 +395,7 @@ async def test_bad_requests_fail_alone_while_good_ones_stream(engine: Engine):
         _request(SamplingParams(presence_penalty=3.0), prompt="hi"),
         _request(SamplingParams(top_logprobs=21), prompt="hi"),
         GenerationRequest("r", None, "hi", SamplingParams(), max_parallel=0),
-        GenerationRequest("r", None, "word " * 3000, SamplingParams()),
+        GenerationRequest("r", None, "word " * engine.max_model_len, SamplingParams()),
         GenerationRequest("r", [], None, SamplingParams()),
     ]
     for request in bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from worker_svc.config import MIN_CPU_CACHE_BYTES, CacheSection
 from worker_svc.model.model import ModelArgs
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
@@ -97,4 +98,13 @@ def test_latent_cache_bytes_per_token_against_a_per_head_cache():
 
 
 def test_cpu_budget_is_the_configured_bytes():
-    assert cache_budget_bytes(torch.device("cpu"), 0.9, 12345) == 12345
+    cache = CacheSection(cpu_cache_bytes=12345)
+    assert cache_budget_bytes(torch.device("cpu"), cache, 10**9) == 12345
+
+
+def test_unset_cpu_budget_holds_one_whole_context():
+    """The default admits the checkpoint's whole context however long, and keeps a floor for short
+    ones."""
+    cache = CacheSection()
+    assert cache_budget_bytes(torch.device("cpu"), cache, 10**9) == 10**9
+    assert cache_budget_bytes(torch.device("cpu"), cache, 1000) == MIN_CPU_CACHE_BYTES

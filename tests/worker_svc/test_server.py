@@ -136,8 +136,8 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
         first = await anext(good.__aiter__())
         for request, detail in [
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
-            (_request("word " * 3000), "prompt is too long"),
-            (_request(max_tokens=5000), "exceed context limit"),
+            (_request("word " * tiny_engine.max_model_len), "prompt is too long"),
+            (_request(max_tokens=tiny_engine.max_model_len), "exceed context limit"),
             (
                 common_pb2.GenerateRequest(
                     request_id="r",

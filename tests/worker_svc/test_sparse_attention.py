@@ -197,9 +197,10 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
     params = SamplingParams(temperature=0, max_tokens=20)  # 32 steps are checked alone, above
     prompts = [
         "Hello",
-        "Multi-head latent attention caches a compressed latent vector.",
+        "Multi-head latent attention caches a compressed latent vector instead of full keys and "
+        "values.",
         "The quick brown fox jumps over the lazy dog. "
-        "A language model predicts the next token well.",
+        "A language model predicts the next token well, one token after another.",
     ]
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.torch_engine.scheduler"):

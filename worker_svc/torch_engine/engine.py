@@ -252,9 +252,8 @@ def _block_manager(
     """As many blocks as the memory budget holds; at least one whole context, so any request can
     finish."""
     per_block = bytes_per_token(model.args, model.lm_head.weight.dtype) * cache.block_size
-    budget = cache_budget_bytes(device, cache.gpu_memory_utilization, cache.cpu_cache_bytes)
-    num_blocks = budget // per_block
     needed = -(-max_model_len // cache.block_size)
+    num_blocks = cache_budget_bytes(device, cache, needed * per_block) // per_block
     if num_blocks < needed:
         knob = "gpu_memory_utilization" if device.type == "cuda" else "cpu_cache_bytes"
         raise ConfigError(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker_svc.config import CacheSection
 from worker_svc.model.model import ModelArgs
 
 
@@ -166,12 +167,11 @@ def unabsorbed_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
     return args.n_layers * per_layer * dtype.itemsize
 
 
-def cache_budget_bytes(
-    device: torch.device, gpu_memory_utilization: float, cpu_cache_bytes: int
-) -> int:
+def cache_budget_bytes(device: torch.device, cache: CacheSection, context_bytes: int) -> int:
     """On a GPU: the share `gpu_memory_utilization` of device memory minus what is used already (the
-    weights); the rest is left to activations. On a CPU: the configured byte budget."""
+    weights); the rest is left to activations. On a CPU: the configured byte budget, or unset, room
+    for one whole context (`context_bytes`)."""
     if device.type != "cuda":
-        return cpu_cache_bytes
+        return cache.cpu_budget_bytes(context_bytes)
     free, total = torch.cuda.mem_get_info(device)
-    return int(total * gpu_memory_utilization) - (total - free)
+    return int(total * cache.gpu_memory_utilization) - (total - free)

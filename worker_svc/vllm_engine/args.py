@@ -104,8 +104,7 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     if devices.gpu_count:
         args["gpu_memory_utilization"] = config.cache.gpu_memory_utilization
     else:  # on a CPU: vLLM's cache budget (gpu_memory_utilization would reserve a share of RAM)
-        _check_cpu_cache(config, checkpoint, precision)
-        args["kv_cache_memory_bytes"] = config.cache.cpu_cache_bytes
+        args["kv_cache_memory_bytes"] = _cpu_cache_bytes(config, checkpoint, precision)
         args["compilation_config"] = {"custom_ops": [_CPU_ROPE_KERNEL_OFF]}
     args.update(config.engine.vllm)
     return args
@@ -173,23 +172,23 @@ def _check_layout(config: WorkerConfig, devices: Devices, checkpoint: dict[str, 
         )
 
 
-def _check_cpu_cache(
-    config: WorkerConfig, checkpoint: dict[str, Any], precision: Precision
-) -> None:
-    """vLLM needs one whole context of MLA latents in its cache; on a CPU the budget is known up
-    front."""
+def _cpu_cache_bytes(config: WorkerConfig, checkpoint: dict[str, Any], precision: Precision) -> int:
+    """vLLM's cache budget on a CPU, which must hold one whole context of MLA latents (known up
+    front there)."""
     context = config.attention.max_model_len or int(checkpoint.get("max_position_embeddings", 0))
     latent = int(checkpoint.get("kv_lora_rank") or 0) + int(checkpoint.get("qk_rope_head_dim") or 0)
     per_token = (
         latent * int(checkpoint.get("num_hidden_layers", 0)) * (4 if precision == "fp32" else 2)
     )
-    if context * per_token > config.cache.cpu_cache_bytes:
+    budget = config.cache.cpu_budget_bytes(context * per_token)
+    if context * per_token > budget:
         raise ConfigError(
-            f"[cache] cpu_cache_bytes ({config.cache.cpu_cache_bytes}) holds no whole context of "
+            f"[cache] cpu_cache_bytes ({budget}) holds no whole context of "
             f"max_model_len {context} ({context * per_token} bytes of MLA latents): raise "
             "cpu_cache_bytes or lower "
             "[attention] max_model_len"
         )
+    return budget
 
 
 def _read_checkpoint_config(model_path: str) -> dict[str, Any]:
