@@ -8,6 +8,7 @@ import json
 import grpc
 import pytest
 
+from devtools.tiny_model import V3_CONTEXT
 from gateway.errors import from_grpc
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
@@ -111,7 +112,8 @@ async def test_stream_through_the_sdk(gateway, api_key):
     [
         ({**_GREEDY, "model": "nope"}, 404, "model_not_found", "model"),
         (
-            {**_GREEDY, "messages": [{"role": "user", "content": "x " * 5000}]},
+            # a word is at least a token: one more than the tiny model's context holds
+            {**_GREEDY, "messages": [{"role": "user", "content": "x " * (V3_CONTEXT + 1)}]},
             400,
             "context_length_exceeded",
             "messages",

@@ -89,7 +89,10 @@ async def test_a_call_cut_by_max_tokens(served, api_key, cut):
     else:
         (call,) = completion.choices[0].message.tool_calls or []
         assert call.function.name == "get_weather"
-        assert call.function.arguments.startswith('{"city":"')
+        # the grammar may spell the forced text in other tokens than encoding it gives
+        assert call.function.arguments.startswith('{"city":')
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call.function.arguments)  # cut
         assert [d.function.name for d in deltas if d.id] == ["get_weather"]
 
 

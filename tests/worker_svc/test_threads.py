@@ -158,6 +158,7 @@ def test_a_worker_computes_on_the_thread_count_its_policy_chose():
         {
             "INFERMESH_WORKER_ENGINE_THREADS": str(threads),
             "INFERMESH_WORKER_ENGINE_OMP_WAIT_POLICY": "passive",
+            "INFERMESH_WORKER_TLS_PLAINTEXT": "true",  # no router: nothing to authenticate
         },
         "step loop computes on",
     )
