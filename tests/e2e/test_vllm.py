@@ -126,7 +126,6 @@ def _running(fleet: Mesh) -> int:
 @pytest.mark.parametrize(
     "engine_args, message",
     [
-        ('{"tensor_paralel_size": 2}', "[engine.vllm] tensor_paralel_size: not an engine argument"),
         ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
         (
             '{"structured_outputs_config": {"backend": "xgrammar"}}',

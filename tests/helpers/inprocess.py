@@ -150,13 +150,20 @@ def sim_engine(
 
 
 async def wait_for_workers(router: RunningRouter, ready, timeout_s: float = 5.0) -> None:
-    """Waits until ``ready(set of registered worker ids)`` holds."""
+    """Waits until ``ready(set of registered worker ids)`` holds (a router whose registry read
+    timed out on a loaded machine answers UNAVAILABLE until its next read: asked again)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
+    ids: set[str] = set()
     while True:
-        reply = await router.stub.ListWorkers(router_pb2.ListWorkersRequest())
-        ids = {w.worker.worker_id for w in reply.workers}
-        if ready(ids):
-            return
+        try:
+            reply = await router.stub.ListWorkers(router_pb2.ListWorkersRequest())
+            ids = {w.worker.worker_id for w in reply.workers}
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        else:
+            if ready(ids):
+                return
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"registered workers {sorted(ids)} never became ready")
         await asyncio.sleep(0.05)
