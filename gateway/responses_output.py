@@ -95,7 +95,8 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "prompt_cache_key": body.prompt_cache_key,
-        "reasoning": body.reasoning.model_dump()
+        # the Response object's reasoning: effort and summary (a request's context is not echoed)
+        "reasoning": body.reasoning.model_dump(include={"effort", "summary"})
         if body.reasoning
         else {"effort": None, "summary": None},
         "safety_identifier": body.safety_identifier,

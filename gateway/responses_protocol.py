@@ -202,31 +202,6 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-    Field(discriminator="type"),
-]
-_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
-
-
-_ITEMS = TypeAdapter(list[InputItem])
-
-
-def stored_items(items: list[InputItem], new_id: Callable[[str], str]) -> list[dict[str, Any]]:
-    """The items as ``input_items`` lists them, with ids (``new_id(prefix)`` where a client sent
-    none); reasoning items are not kept."""
-    return [
-        item.stored(new_id(_ITEM_PREFIXES[item.type]))
-        for item in items
-        if not isinstance(item, ReasoningItem)
-    ]
-
-
-def items_of(stored: list[dict[str, Any]]) -> list[InputItem]:
-    """Stored items (a previous response's input and output) read back as input items."""
-    return _ITEMS.validate_python(stored)
-
-
 class FunctionToolDef(BaseModel):
     model_config = STRICT
     type: Literal["function"]
@@ -272,6 +247,42 @@ class UnofferedTool(BaseModel):
 Tool = Annotated[FunctionToolDef | NamespaceTool | UnofferedTool, Field(discriminator="type")]
 
 
+class AdditionalToolsItem(BaseModel):
+    """Tools handed over as an input item (Codex 0.17x sends its tools so, not in ``tools``):
+    offered as if in ``tools``, never a chat turn, not kept with a stored response."""
+
+    model_config = STRICT
+    type: Literal["additional_tools"]
+    id: str | None = None
+    role: Literal["developer", "system"] | None = None
+    tools: list[Tool]
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | AdditionalToolsItem,
+    Field(discriminator="type"),
+]
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+_ITEMS = TypeAdapter(list[InputItem])
+
+
+def stored_items(items: list[InputItem], new_id: Callable[[str], str]) -> list[dict[str, Any]]:
+    """The items as ``input_items`` lists them, with ids (``new_id(prefix)`` where a client sent
+    none); reasoning and tool items are not kept."""
+    return [
+        item.stored(new_id(_ITEM_PREFIXES[item.type]))
+        for item in items
+        if not isinstance(item, ReasoningItem | AdditionalToolsItem)
+    ]
+
+
+def items_of(stored: list[dict[str, Any]]) -> list[InputItem]:
+    """Stored items (a previous response's input and output) read back as input items."""
+    return _ITEMS.validate_python(stored)
+
+
 class FunctionChoice(BaseModel):
     model_config = STRICT
     type: Literal["function"]
@@ -315,6 +326,7 @@ class ReasoningConfig(BaseModel):
     model_config = STRICT
     effort: str | None = None
     summary: str | None = None
+    context: str | None = None  # which turns' reasoning to keep (Codex: "all_turns"): none here
 
 
 def flat_name(namespace: str | None, name: str) -> str:
@@ -339,7 +351,8 @@ class ToolSet:
         return self.names.get(flat, (None, flat))
 
 
-def tool_set(tools: list[Tool]) -> ToolSet:
+def tool_set(tools: list[tuple[Tool, str]]) -> ToolSet:
+    """The tools (each with where the request holds it, e.g. ``tools.0``) as offered."""
     functions: list[FunctionTool] = []
     params: list[str] = []
     names: dict[str, tuple[str | None, str]] = {}
@@ -356,15 +369,15 @@ def tool_set(tools: list[Tool]) -> ToolSet:
         params.append(param)
         names[flat] = (namespace, tool.name)
 
-    for i, tool in enumerate(tools):
+    for tool, where in tools:
         if isinstance(tool, FunctionToolDef):
-            offer(tool, None, f"tools.{i}.parameters")
+            offer(tool, None, f"{where}.parameters")
             echo.append(tool.echo())
         elif isinstance(tool, NamespaceTool):
             inner = [t for t in tool.tools if isinstance(t, FunctionToolDef)]
             for j, member in enumerate(tool.tools):
                 if isinstance(member, FunctionToolDef):
-                    offer(member, tool.name, f"tools.{i}.tools.{j}.parameters")
+                    offer(member, tool.name, f"{where}.tools.{j}.parameters")
                 else:
                     unoffered.add(member.type)
             if inner:
@@ -462,7 +475,13 @@ class ResponsesRequest(MeshRequest):
 
     @functools.cached_property
     def tool_set(self) -> ToolSet:
-        return tool_set(self.tools or [])
+        """``tools``, then the tools of ``additional_tools`` input items, in order."""
+        tools = [(tool, f"tools.{i}") for i, tool in enumerate(self.tools or ())]
+        if isinstance(self.input, list):
+            for k, item in enumerate(self.input):
+                if isinstance(item, AdditionalToolsItem):
+                    tools += [(tool, f"input.{k}.tools.{i}") for i, tool in enumerate(item.tools)]
+        return tool_set(tools)
 
     def generate_request(
         self,

@@ -416,3 +416,87 @@ async def test_a_codex_shaped_request_completes_a_turn(served, api_key):
     assert final["reasoning"] == {"effort": None, "summary": "auto"}
     assert {item["type"] for item in final["output"]} <= {"message", "function_call"}
     assert [t["name"] for t in final["tools"]] == ["exec_command", "multi_agent_v1"]
+
+
+async def test_codex_017_hands_its_tools_over_as_an_input_item(served, api_key):
+    """Codex CLI 0.17x sends no ``tools``: its tools come as an ``additional_tools`` input item
+    (namespaces of function tools and a ``custom`` tool with a Lark grammar), with
+    ``reasoning.context`` and ``text.verbosity``. The functions are offered as if in ``tools``
+    (a required choice calls one of them), the custom tool is named as not offered, and the item
+    is no chat turn."""
+    wait = {
+        "type": "object",
+        "properties": {"ms": {"enum": [10, 20]}},  # short, so random weights finish the call
+        "required": ["ms"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": MODEL,
+        "store": False,
+        "input": [
+            {
+                "type": "additional_tools",
+                "id": "at_1",
+                "role": "developer",
+                "tools": [
+                    {
+                        "type": "namespace",
+                        "name": "functions",
+                        "description": "",
+                        "tools": [
+                            {
+                                "type": "custom",
+                                "name": "exec",
+                                "description": "Runs JavaScript",
+                                "format": {"type": "grammar", "syntax": "lark", "definition": "x"},
+                            },
+                            {
+                                "type": "function",
+                                "name": "wait",
+                                "description": "Waits",
+                                "strict": False,
+                                "parameters": wait,
+                            },
+                        ],
+                    }
+                ],
+            },
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are Codex."}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "low", "context": "all_turns"},
+        "text": {"verbosity": "low"},
+        "include": ["reasoning.encrypted_content"],
+        "max_output_tokens": 64,
+    }
+    response = await served.post("/v1/responses", headers=auth(api_key), json=body)
+    assert response.status == 200, await response.text()
+    assert response.headers["x-infermesh-unsupported-tools"] == "custom"
+    answer = await response.json()
+    (call,) = [item for item in answer["output"] if item["type"] == "function_call"]
+    assert (call["namespace"], call["name"]) == ("functions", "wait")
+    assert json.loads(call["arguments"])["ms"] in (10, 20)
+    assert answer["reasoning"] == {"effort": "low", "summary": None}
+    assert [t["name"] for t in answer["tools"]] == ["functions"]
+
+
+async def test_a_bad_tool_in_an_input_item_is_named_by_its_path(served, api_key):
+    body = {
+        "model": MODEL,
+        "input": [
+            {"type": "message", "role": "user", "content": "hi"},
+            {
+                "type": "additional_tools",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}],
+            },
+        ],
+    }
+    response = await served.post("/v1/responses", headers=auth(api_key), json=body)
+    assert response.status == 400
+    assert (await response.json())["error"]["param"].startswith("input.1.tools.0.parameters")
