@@ -35,13 +35,12 @@ from typing import Any
 
 import anthropic
 import openai
-import redis.asyncio as aioredis
 from openai.types.responses import FunctionToolParam
 from tokenizers import Tokenizer
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key
+from gateway.keys import create_key_at
 from infermesh.ports import free_port
 from tests.helpers import claude_code
 from worker_svc.config import DEFAULT_MODEL_PATH
@@ -300,14 +299,6 @@ async def run(base_url: str, api_key: str, prompt_tokens: int, repeats: int) -> 
     await _sessions("messages", message, system, repeats)
 
 
-async def _new_key(redis_url: str) -> str:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        return await create_key(client, "agent-turns")
-    finally:
-        await client.aclose()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", help="a running gateway (default: start a mesh)")
@@ -331,7 +322,7 @@ def main() -> None:
             env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING"},
         )
         with Mesh(spec) as mesh:
-            key = asyncio.run(_new_key(redis.url))
+            key = asyncio.run(create_key_at(redis.url, "agent-turns"))
             gateway = mesh.spec.base_url.removesuffix("/v1")
             asyncio.run(run(gateway, key, ns.prompt_tokens, ns.repeats))
 

@@ -57,12 +57,11 @@ from pathlib import Path
 import aiohttp
 import grpc
 import psutil
-import redis.asyncio as aioredis
 
 from bench.mesh_load import simulated_mesh
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key
+from gateway.keys import create_key_at
 from gateway.worker_streams import WorkerStreams
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2_grpc
@@ -484,7 +483,7 @@ def main() -> int:
                     urls[path] = f"http://127.0.0.1:{port}/v1"
                     pids[_SERVED_BY[path]] = mesh.pid(_SERVED_BY[path])
             pids.update(proxy.pids())
-            key = asyncio.run(_create_key(redis_server.url))
+            key = asyncio.run(create_key_at(redis_server.url, "bench"))
             pinning = (
                 "unpinned"
                 if args.unpinned
@@ -519,14 +518,6 @@ def _tls_mesh(plain: MeshSpec, workdir: Path, wanted: bool) -> Iterator[Mesh | N
     )
     with Mesh(spec) as mesh:
         yield mesh
-
-
-async def _create_key(redis_url: str) -> str:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        return await create_key(client, "bench")
-    finally:
-        await client.aclose()
 
 
 if __name__ == "__main__":
