@@ -136,7 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
         finally:
-            if owner and delivered.completion_tokens:
+            # a stream that delivered anything counts, one that failed before it does not
+            if owner and (delivered.prompt_tokens or delivered.completion_tokens):
                 self._usage.count(owner, delivered)
 
     async def Complete(
