@@ -2,6 +2,7 @@
 choosing a worker, without I/O (target: p99 <= 100 us).
 
     .venv/bin/python bench/router_decision.py [--workers 1000] [--decisions 20000]
+        [--blocks 3000] [--index-memory]
 
 Times exactly the hot path of RouterServicer.Generate before the worker call: RouteRequest.of
 (the prompt prefix hash) and Chooser.choose over the router's local Fleet view. The fleet is a
@@ -9,26 +10,41 @@ mix of the GPU profiles with varied load; each decision starts a stream on the c
 and an older one ends, so loads and in-flight counts move as in service. Redis is not on this
 path: the registry is copied into the Fleet in the background (router_svc/registry.py).
 Prints p50/p99/max per policy.
+
+Then the same for ``balanced`` with requests carrying ``prefix_hashes`` (1k-80k-token prompts)
+over a prefix index as the workers' cache events would fill it: 64 system prompts of 2k-8k tokens,
+each cached on a few dozen workers, and per worker agent sessions (a system prompt and a history,
+1k-80k tokens in all) up to ``--blocks`` cached blocks each. Four requests in five continue a
+session (its history and a new turn, with its affinity key; the session's rendezvous home is
+mostly not where the router's index finds it cached), one in five starts a new one. The hashes
+are the gateway's work (computed before the clock starts); the lookup of the longest cached prefix
+per candidate is timed with the choice. ``--index-memory`` measures the index's bytes per cached
+(worker, block) pair with tracemalloc on a smaller fleet.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import random
 import statistics
 import time
+import tracemalloc
+from array import array
 
 from infermesh.pb import common_pb2
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from router_svc.config import Policy, RoutingSection
 from router_svc.fleet import Fleet, WorkerEntry
+from router_svc.prefix_index import PrefixIndex
 from router_svc.routing import Chooser, RouteRequest
 
-_KINDS = [  # (device name, precision, max_parallel, decode tokens/s)
-    ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0),
-    ("NVIDIA A100-SXM4-80GB", common_pb2.PRECISION_BF16, 8, 45.0),
-    ("NVIDIA H100 80GB HBM3", common_pb2.PRECISION_FP8, 8, 152.0),
-    ("AMD Instinct MI100", common_pb2.PRECISION_BF16, 4, 56.0),
+_KINDS = [  # (device name, precision, max_parallel, decode tokens/s, prefill tokens/s)
+    ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0, 2500.0),
+    ("NVIDIA A100-SXM4-80GB", common_pb2.PRECISION_BF16, 8, 45.0, 8000.0),
+    ("NVIDIA H100 80GB HBM3", common_pb2.PRECISION_FP8, 8, 152.0, 20000.0),
+    ("AMD Instinct MI100", common_pb2.PRECISION_BF16, 4, 56.0, 3000.0),
 ]
 _MODELS = ["deepseek-v3", "deepseek-r1"]
 _PROMPT_PREFIXES = 64
@@ -37,7 +53,7 @@ _PROMPT_PREFIXES = 64
 def build_fleet(workers: int, rng: random.Random) -> Fleet:
     fleet = Fleet(ttl_s=3)
     for i in range(workers):
-        name, precision, max_parallel, speed = _KINDS[i % len(_KINDS)]
+        name, precision, max_parallel, speed, prefill = _KINDS[i % len(_KINDS)]
         info = common_pb2.WorkerInfo(
             worker_id=f"worker-{i:04d}",
             address=f"10.0.{i // 250}.{i % 250}:50061",
@@ -48,6 +64,7 @@ def build_fleet(workers: int, rng: random.Random) -> Fleet:
                 precision=precision,
                 max_parallel=max_parallel,
                 decode_tokens_per_second=speed,
+                prefill_tokens_per_second=prefill,
             ),
         )
         running = rng.randrange(max_parallel + 1)
@@ -80,12 +97,62 @@ def requests(rng: random.Random, count: int) -> list[common_pb2.GenerateRequest]
     ]
 
 
-def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
+def tokens(rng: random.Random, count: int) -> array[int]:
+    return array("I", rng.randbytes(4 * count))
+
+
+def build_index(
+    fleet: Fleet, rng: random.Random, blocks_per_worker: int, sessions_per_worker: int = 4
+) -> tuple[PrefixIndex, list[tuple[str, array[int]]]]:
+    """An index as the workers' cache events fill it, and the sessions cached in it (affinity
+    key, prompt token ids)."""
+    index = PrefixIndex(max_blocks=RoutingSection().index_max_blocks)
+    systems = [tokens(rng, rng.randrange(2000, 8000)) for _ in range(_PROMPT_PREFIXES)]
+    sessions: list[tuple[str, array[int]]] = []
+    for entry in fleet.entries():
+        held: list[int] = []
+        for _ in range(sessions_per_worker):
+            room = blocks_per_worker - len(held)
+            if room <= 0:
+                break
+            system = rng.choice(systems)
+            total = min(rng.randrange(1000, 80000), room * BLOCK_TOKENS)
+            history = (system + tokens(rng, max(total - len(system), 0)))[:total]
+            held += chain(history)
+            sessions.append((f"session-{len(sessions)}", history))
+        index.apply(entry.slot, held, ())
+    return index, sessions
+
+
+def prefix_requests(
+    rng: random.Random, count: int, sessions: list[tuple[str, array[int]]]
+) -> list[common_pb2.GenerateRequest]:
+    distinct = []
+    for _ in range(min(count, 500)):
+        if rng.random() < 0.8:
+            key, history = rng.choice(sessions)
+            ids = history + tokens(rng, rng.randrange(50, 2000))
+        else:
+            key, ids = "", rng.choice(sessions)[1][:4000] + tokens(rng, rng.randrange(1000, 76000))
+        distinct.append(
+            common_pb2.GenerateRequest(model=_MODELS[0], affinity_key=key, prefix_hashes=chain(ids))
+        )
+    return [rng.choice(distinct) for _ in range(count)]
+
+
+def time_policy(
+    policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0
+) -> list[float]:
     rng = random.Random(1)
     fleet = build_fleet(workers, rng)
-    chooser = Chooser(RoutingSection(policy=policy))
     prefix_bytes = RoutingSection().prefix_bytes
-    batch = requests(rng, decisions)
+    if blocks_per_worker:
+        index, sessions = build_index(fleet, rng, blocks_per_worker)
+        chooser = Chooser(RoutingSection(policy=policy), index)
+        batch = prefix_requests(rng, decisions, sessions)
+    else:
+        chooser = Chooser(RoutingSection(policy=policy))
+        batch = requests(rng, decisions)
     open_streams: collections.deque[WorkerEntry] = collections.deque()
     concurrent = workers * 3  # streams in flight across the fleet
     times = []
@@ -100,19 +167,64 @@ def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
     return times[decisions // 10 :]  # after warm-up
 
 
+def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, float]:
+    """Bytes per (worker, block) pair: blocks held by one worker each, then the same blocks held
+    by every worker (the cost of each further holder)."""
+    rng = random.Random(3)
+    hashes = chain(tokens(rng, workers * blocks_per_worker * BLOCK_TOKENS))
+    results = []
+    for shared in (False, True):
+        gc.collect()
+        tracemalloc.start()
+        index = PrefixIndex(max_blocks=len(hashes))
+        for slot in range(workers):
+            held = (
+                hashes[:blocks_per_worker]
+                if shared
+                else hashes[slot * blocks_per_worker :][:blocks_per_worker]
+            )
+            # the hashes arrive in messages: the index holds its own int objects
+            index.apply(slot, [int(str(h)) for h in held], ())
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        pairs = workers * blocks_per_worker
+        results.append(size / pairs)
+        del index
+    return results[0], results[1]
+
+
+def report(name: str, times: list[float]) -> None:
+    times = sorted(times)
+    p50, p99 = statistics.quantiles(times, n=100)[49], statistics.quantiles(times, n=100)[98]
+    print(f"{name:<12} {p50:>8.1f} {p99:>8.1f} {times[-1]:>8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=20000)
+    parser.add_argument("--blocks", type=int, default=3000, help="cached blocks per worker")
+    parser.add_argument("--index-memory", action="store_true")
     args = parser.parse_args()
+    if args.index_memory:
+        one, further = index_bytes_per_block(100, 2000)
+        print(
+            f"index: {one:.0f} bytes per block held by one worker, {further:.0f} per further holder"
+        )
+        return
     print(f"{args.workers} workers, {args.decisions} decisions per policy (first 10% not counted)")
     print(f"{'policy':<12} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
     for policy in ("round_robin", "least_load", "balanced"):
-        times = sorted(time_policy(policy, args.workers, args.decisions))
-        p50, p99 = statistics.quantiles(times, n=100)[49], statistics.quantiles(times, n=100)[98]
-        print(f"{policy:<12} {p50:>8.1f} {p99:>8.1f} {times[-1]:>8.1f}")
+        report(policy, time_policy(policy, args.workers, args.decisions))
+    started = time.perf_counter()
+    times = time_policy("balanced", args.workers, args.decisions, args.blocks)
+    print(
+        f"with prefix_hashes over an index of {args.blocks} blocks per worker "
+        f"(built in {time.perf_counter() - started:.0f} s):"
+    )
+    report("balanced", times)
 
 
 if __name__ == "__main__":
