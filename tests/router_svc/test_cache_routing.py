@@ -198,3 +198,30 @@ async def test_a_router_restarted_under_load_rebuilds_its_index_and_routes_to_th
                         )
                     )
                     assert await routed_to(restarted, served[i]) == "ab"[i % 2]
+
+
+def resyncs(worker_id: str, reason: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "infermesh_router_cache_resyncs_total", {"worker": worker_id, "reason": reason}
+    )
+    return value or 0.0
+
+
+async def test_a_restarted_worker_s_new_epoch_replaces_what_the_router_held_for_it(redis_server):
+    port = free_port()
+    prompt = text("e", 64 * BLOCK_TOKENS)
+    async with running_router(ttl_s=1.0, redis_url=redis_server.url) as router:
+        async with running_worker(worker_sim(), router, "b", port=port) as b:
+            await serve_on(b, prompt)
+            await eventually(lambda: indexed_blocks(router, b, prompt) == 64)
+            before = resyncs("b", "epoch")
+        # the same worker at the same address, started again: an empty cache, a new epoch
+        async with running_worker(worker_sim(), router, "b", port=port) as b:
+            await eventually(lambda: resyncs("b", "epoch") == before + 1)
+            assert indexed_blocks(router, b, prompt) == 0
+            later = text("f", 32 * BLOCK_TOKENS)
+            await serve_on(b, later)
+            await eventually(lambda: indexed_blocks(router, b, later) == 32)
+        # gone past its TTL, it leaves the fleet: nothing of it stays in the index
+        await eventually(lambda: router.resources.registry.fleet.get("b") is None)
+        assert len(router.resources.index) == 0 and router.resources.index.slots() == []
