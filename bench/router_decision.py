@@ -32,6 +32,7 @@ import statistics
 import time
 import tracemalloc
 from array import array
+from typing import NamedTuple
 
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
@@ -140,9 +141,15 @@ def prefix_requests(
     return [rng.choice(distinct) for _ in range(count)]
 
 
+class Timings(NamedTuple):
+    wall_us: list[float]
+    cpu_us: list[float]  # this thread's CPU time: without the waits of a shared machine
+    cached_tokens: list[int]  # of the chosen worker, as the index predicted
+
+
 def time_policy(
     policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0
-) -> list[float]:
+) -> Timings:
     rng = random.Random(1)
     fleet = build_fleet(workers, rng)
     prefix_bytes = RoutingSection().prefix_bytes
@@ -155,16 +162,19 @@ def time_policy(
         batch = requests(rng, decisions)
     open_streams: collections.deque[WorkerEntry] = collections.deque()
     concurrent = workers * 3  # streams in flight across the fleet
-    times = []
+    timings = Timings([], [], [])
     for request in batch:
-        start = time.perf_counter_ns()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         decision = chooser.choose(fleet, RouteRequest.of(request, prefix_bytes))
-        times.append((time.perf_counter_ns() - start) / 1000)
+        timings.cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
+        timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
+        timings.cached_tokens.append(decision.cached_tokens)
         fleet.started(decision.workers[0])
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
-    return times[decisions // 10 :]  # after warm-up
+    warm = decisions // 10
+    return Timings(timings.wall_us[warm:], timings.cpu_us[warm:], timings.cached_tokens[warm:])
 
 
 def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, float]:
@@ -193,10 +203,11 @@ def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, 
     return results[0], results[1]
 
 
-def report(name: str, times: list[float]) -> None:
-    times = sorted(times)
-    p50, p99 = statistics.quantiles(times, n=100)[49], statistics.quantiles(times, n=100)[98]
-    print(f"{name:<12} {p50:>8.1f} {p99:>8.1f} {times[-1]:>8.1f}")
+def report(name: str, timings: Timings) -> None:
+    wall, cpu = sorted(timings.wall_us), sorted(timings.cpu_us)
+    p50, p99 = statistics.quantiles(wall, n=100)[49], statistics.quantiles(wall, n=100)[98]
+    cpu50, cpu99 = statistics.quantiles(cpu, n=100)[49], statistics.quantiles(cpu, n=100)[98]
+    print(f"{name:<12} {p50:>8.1f} {p99:>8.1f} {wall[-1]:>8.1f} {cpu50:>8.1f} {cpu99:>8.1f}")
 
 
 def main() -> None:
@@ -215,16 +226,17 @@ def main() -> None:
         )
         return
     print(f"{args.workers} workers, {args.decisions} decisions per policy (first 10% not counted)")
-    print(f"{'policy':<12} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
+    print(f"{'policy':<12} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'cpu p50':>8} {'cpu p99':>8}")
     for policy in ("round_robin", "least_load", "balanced"):
         report(policy, time_policy(policy, args.workers, args.decisions))
     started = time.perf_counter()
-    times = time_policy("balanced", args.workers, args.decisions, args.blocks)
+    timings = time_policy("balanced", args.workers, args.decisions, args.blocks)
     print(
         f"with prefix_hashes over an index of {args.blocks} blocks per worker "
-        f"(built in {time.perf_counter() - started:.0f} s):"
+        f"(built in {time.perf_counter() - started:.0f} s; chosen workers had "
+        f"{statistics.mean(timings.cached_tokens):.0f} prompt tokens cached on average):"
     )
-    report("balanced", times)
+    report("balanced", timings)
 
 
 if __name__ == "__main__":

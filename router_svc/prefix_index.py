@@ -106,11 +106,12 @@ class PrefixIndex:
             lo, hi, mask = ranges.pop()
             if hi - lo > 1:
                 mid = (lo + hi) // 2
-                at_mid = get(hashes[mid], 0)
-                if mask & at_mid:
-                    ranges.append((mid, hi, mask & at_mid))
-                if mask & ~at_mid:
-                    ranges.append((lo, mid, mask & ~at_mid))
+                holding = mask & get(hashes[mid], 0)
+                if holding:
+                    ranges.append((mid, hi, holding))
+                    mask ^= holding
+                if mask:
+                    ranges.append((lo, mid, mask))
             elif mask & (mask - 1):  # several workers' prefixes end at hi
                 packed = np.frombuffer(mask.to_bytes(size, "little"), np.uint8)
                 cached[np.unpackbits(packed, count=slots, bitorder="little").view(bool)] = hi
