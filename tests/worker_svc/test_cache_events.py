@@ -18,6 +18,7 @@ from infermesh.sim_tokens import prompt_text, sim_token_ids
 from tests.helpers import MODEL
 from tests.helpers.inprocess import PLAINTEXT
 from worker_svc import server as worker_server
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import (
     DEFAULT_MODEL_PATH,
     CacheSection,
@@ -290,3 +291,28 @@ def test_cache_config_errors_name_the_file_and_key(tmp_path, text: str, message:
     with pytest.raises(ConfigError, match=message) as error:
         load_worker_config(str(path))
     assert str(path) in str(error.value)
+
+
+async def test_a_step_publishes_its_net_change_numbered_per_event():
+    events = CacheEvents()
+    batches = events.subscribe()
+    assert (await anext(batches)).snapshot
+    events.stored([1, 2, 3])
+    events.removed([3])  # stored and evicted within the step: no event
+    events.flush()
+    events.flush()  # an empty step: no batch
+    events.removed([1])
+    events.stored([1, 4])  # evicted and stored again: no event for 1
+    events.flush()
+    events.stored([5])
+    events.cleared()
+    events.stored([6])
+    events.flush()
+    got = [await asyncio.wait_for(anext(batches), 5) for _ in range(3)]
+    assert [(b.seq, b.stored, b.removed, b.cleared) for b in got] == [
+        (2, (1, 2), (), False),
+        (3, (4,), (), False),
+        (5, (6,), (), True),  # everything went, then 6 came: two events
+    ]
+    assert events.held() == {6}
+    await batches.aclose()
