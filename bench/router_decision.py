@@ -107,7 +107,8 @@ def build_index(
 ) -> tuple[PrefixIndex, list[tuple[str, array[int]]]]:
     """An index as the workers' cache events fill it, and the sessions cached in it (affinity
     key, prompt token ids)."""
-    index = PrefixIndex(max_blocks=RoutingSection().index_max_blocks)
+    config = RoutingSection()
+    index = PrefixIndex(config.index_max_blocks, config.index_max_probes)
     systems = [tokens(rng, rng.randrange(2000, 8000)) for _ in range(_PROMPT_PREFIXES)]
     sessions: list[tuple[str, array[int]]] = []
     for entry in fleet.entries():

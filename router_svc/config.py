@@ -82,7 +82,8 @@ class RoutingSection:
     - otherwise: - ``affinity_weight`` if the worker is the home of the prompt's leading
       ``prefix_bytes`` (rendezvous hashing under the same load bound).
 
-    ``index_max_blocks`` bounds how many cached blocks the router remembers per worker;
+    ``index_max_blocks`` bounds how many cached blocks the router remembers per worker,
+    ``index_max_probes`` the dict probes of one lookup (router_svc/prefix_index.py);
     ``cache_events = false`` subscribes to no worker's cache events (the index stays empty)."""
 
     RENAMED = {
@@ -103,6 +104,8 @@ class RoutingSection:
     cache_events: bool = True
     # cached blocks the index remembers per worker: 2**16 of 16 tokens hold a million tokens
     index_max_blocks: int = 65536
+    # dict probes a prefix lookup may spend (past them, shallower prefixes are counted short)
+    index_max_probes: int = 32
     prefix_bytes: int = 256  # leading prompt bytes whose hash is the prefix affinity key
     # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
     affinity_load_factor: float = 1.25
@@ -127,8 +130,9 @@ class RoutingSection:
             raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
         if self.failures_to_eject < 1 or self.eject_cooldown_s < 0:
             raise ValueError("need failures_to_eject >= 1 and eject_cooldown_s >= 0")
-        if self.index_max_blocks < 1:
-            raise ValueError(f"index_max_blocks: must be >= 1, got {self.index_max_blocks}")
+        for key in ("index_max_blocks", "index_max_probes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
 

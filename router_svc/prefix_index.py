@@ -18,10 +18,12 @@ The longest cached prefix: a worker holding block i almost always holds every bl
 answer is where its blocks stop, found by bisection over the request's hashes: all candidates
 holding the first block start together, each probe of the middle of a range splits them into those
 holding it and those not. A lookup costs about log2(blocks) probes per distinct answer, not per
-worker or per block. With a hole (a middle block evicted, later ones kept) the bisection still
-ends on a block held followed by one not held, but may pass over the hole: the prediction then
-counts blocks past it the engine cannot reuse. The worker recomputes the hole when it serves the
-request and reports it stored again, which mends the index.
+worker or per block, and at most ``max_probes`` (32: exact for the two or three deepest answers
+of an 80k-token prompt, which are those the route score can prefer; the shallower ones are then
+counted short, never long). With a hole (a middle block evicted, later ones kept) the bisection
+still ends on a block held followed by one not held, but may pass over the hole: the prediction
+then counts blocks past it the engine cannot reuse. The worker recomputes the hole when it serves
+the request and reports it stored again, which mends the index.
 
 Called from the router's event loop only.
 """
@@ -36,8 +38,9 @@ import numpy as np
 class PrefixIndex:
     """Block hash -> the fleet slots whose workers' caches hold it."""
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, max_probes: int = 32) -> None:
         self.max_blocks = max_blocks  # per worker
+        self.max_probes = max_probes  # per lookup
         self._holders: dict[int, int] = {}  # hash -> mask of slots
         self._blocks: dict[int, dict[int, None]] = {}  # slot -> its hashes, oldest first
         self._masks: dict[int, int] = {}  # each distinct mask once
@@ -92,31 +95,36 @@ class PrefixIndex:
 
     def cached_blocks(self, hashes: Sequence[int], members: int, slots: int) -> np.ndarray | None:
         """For each fleet slot (``slots`` of them) among ``members`` (a mask), how many of the
-        leading blocks of ``hashes`` it holds; None when none holds the first."""
+        leading blocks of ``hashes`` it holds; None when none holds the first. The deepest
+        prefixes are resolved first; once ``max_probes`` are spent, the workers still to be
+        told apart count only what the probes showed them to hold (a lower bound)."""
         get = self._holders.get
         first = get(hashes[0], 0) & members if hashes else 0
         if not first:
             return None
         cached = np.zeros(slots, dtype=np.int64)
         size = (slots + 7) // 8
+        probes = self.max_probes
         # (lo, hi, mask): the workers of mask hold block lo (as far as probed) and not block hi
-        # (hi == len(hashes): past the last)
+        # (hi == len(hashes): past the last); the deepest range is on top
         ranges = [(0, len(hashes), first)]
         while ranges:
             lo, hi, mask = ranges.pop()
-            if hi - lo > 1:
+            if hi - lo > 1 and probes:
+                probes -= 1
                 mid = (lo + hi) // 2
                 holding = mask & get(hashes[mid], 0)
+                if mask ^ holding:
+                    ranges.append((lo, mid, mask ^ holding))
                 if holding:
                     ranges.append((mid, hi, holding))
-                    mask ^= holding
-                if mask:
-                    ranges.append((lo, mid, mask))
-            elif mask & (mask - 1):  # several workers' prefixes end at hi
+                continue
+            depth = hi if hi - lo == 1 else lo + 1  # out of probes: block lo is held
+            if mask & (mask - 1):  # several workers' prefixes end there
                 packed = np.frombuffer(mask.to_bytes(size, "little"), np.uint8)
-                cached[np.unpackbits(packed, count=slots, bitorder="little").view(bool)] = hi
+                cached[np.unpackbits(packed, count=slots, bitorder="little").view(bool)] = depth
             else:  # one worker's (a session's history): no need to unpack its mask
-                cached[mask.bit_length() - 1] = hi
+                cached[mask.bit_length() - 1] = depth
         return cached
 
     def _hold(self, block: int, bit: int) -> None:

@@ -419,7 +419,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     usage = CallerUsage(
         redis_client(config.redis.url, timeout_s=config.redis.timeout_s, retries=False)
     )
-    index = PrefixIndex(config.routing.index_max_blocks)
+    index = PrefixIndex(config.routing.index_max_blocks, config.routing.index_max_probes)
     subscriptions = CacheEventSubscriptions(index, channels)
     if config.routing.cache_events:
         registry.fleet.watchers.append(subscriptions)

@@ -24,7 +24,7 @@ def cached(index: PrefixIndex, hashes: list[int], members: int = ALL, slots: int
 
 def test_the_longest_cached_prefix_of_each_worker_is_exact_without_holes():
     hashes = chain(prompt(16 * 100))
-    index = PrefixIndex(max_blocks=1000)
+    index = PrefixIndex(max_blocks=1000, max_probes=10_000)
     depths = {0: 100, 1: 37, 2: 1, 3: 0, 5: 64}
     for slot, depth in depths.items():
         index.apply(slot, hashes[:depth], ())
@@ -36,11 +36,27 @@ def test_the_longest_cached_prefix_of_each_worker_is_exact_without_holes():
     # every depth on every worker, against a scan block by block
     rng = random.Random(2)
     for _ in range(200):
-        index = PrefixIndex(max_blocks=1000)
+        index = PrefixIndex(max_blocks=1000, max_probes=10_000)
         truth = [rng.randrange(101) for _ in range(8)]
         for slot, depth in enumerate(truth):
             index.apply(slot, hashes[:depth], ())
         assert cached(index, hashes) == truth
+
+
+def test_out_of_probes_the_deepest_prefixes_are_exact_and_the_rest_counted_short():
+    hashes = chain(prompt(16 * 4096))
+    depths = [4096, 3000, 2500, 1200, 700, 64, 3, 1]
+    exact = PrefixIndex(max_blocks=10_000, max_probes=10_000)
+    for slot, depth in enumerate(depths):
+        exact.apply(slot, hashes[:depth], ())
+    assert cached(exact, hashes) == depths
+    budget = PrefixIndex(max_blocks=10_000, max_probes=16)
+    for slot, depth in enumerate(depths):
+        budget.apply(slot, hashes[:depth], ())
+    found = cached(budget, hashes)
+    assert found[0] == 4096  # the deepest first, exactly
+    assert all(1 <= f <= d for f, d in zip(found, depths, strict=True)), found
+    assert found != depths  # 16 probes cannot tell eight depths of 4,096 blocks apart
 
 
 def test_a_hole_ends_the_prefix_at_a_held_block_followed_by_a_missing_one():
@@ -106,7 +122,7 @@ def test_a_worker_past_its_bound_forgets_its_oldest_blocks_first():
 
 def test_slots_past_a_byte_boundary_and_many_holders():
     hashes = chain(prompt(16 * 50))
-    index = PrefixIndex(max_blocks=100)
+    index = PrefixIndex(max_blocks=100, max_probes=10_000)
     for slot in range(1000):
         index.apply(slot, hashes[: slot % 50], ())
     blocks = index.cached_blocks(hashes, (1 << 1000) - 1, 1003)
