@@ -108,6 +108,8 @@ async def test_a_prefix_cached_on_b_goes_to_b_though_its_leading_bytes_hash_to_a
         await serve_on(b, prompt)
         await eventually(lambda: indexed_blocks(router, b, prompt) == 1536)
         assert indexed_blocks(router, a, prompt) == 0
+        gauge = REGISTRY.get_sample_value("infermesh_router_index_blocks", {"worker": "b"})
+        assert gauge == 1536
         before = saved("b")
         assert await routed_to(router, prompt) == "b"
         assert saved("b") - before == 1536 * BLOCK_TOKENS
