@@ -1,6 +1,7 @@
 """Routing by the workers' cache events, with a real router and real simulated workers on
 loopback: a cached prefix wins over the prompt's byte-window home, an eviction moves the next
-request, a restarted router and a restarted worker are resynced from snapshots."""
+request, a restarted router and a restarted worker are resynced from snapshots, the events come
+over mutual TLS."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import REGISTRY
 
+from devtools.certs import role_tls, write_certs
 from infermesh.pb import common_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import prompt_text, sim_token_ids
+from infermesh.tls import open_channel
 from router_svc.config import RoutingSection
 from router_svc.routing import Chooser, RouteRequest
 from tests.helpers import MODEL
@@ -227,3 +230,16 @@ async def test_a_restarted_worker_s_new_epoch_replaces_what_the_router_held_for_
         # gone past its TTL, it leaves the fleet: nothing of it stays in the index
         await eventually(lambda: router.resources.registry.fleet.get("b") is None)
         assert len(router.resources.index) == 0 and router.resources.index.slots() == []
+
+
+async def test_the_router_follows_cache_events_over_its_tls_worker_channels(redis_server, tmp_path):
+    write_certs(tmp_path)
+    async with (
+        running_router(redis_url=redis_server.url, certs=tmp_path) as router,
+        running_worker(worker_sim(), router, "b", certs=tmp_path) as b,
+    ):
+        prompt = text("t", 64 * BLOCK_TOKENS)
+        # the gateway's certificate serves it on the worker; the router only hears of it
+        async with open_channel(b.servicer.info.address, role_tls(tmp_path, "gateway")) as channel:
+            await worker_pb2_grpc.WorkerStub(channel).Complete(request(prompt, with_hashes=False))
+        await eventually(lambda: indexed_blocks(router, b, prompt) == 64)
