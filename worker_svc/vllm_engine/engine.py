@@ -212,6 +212,9 @@ class VllmEngine:
             CacheEvents(config.cache.events_history, config.cache.events_backlog)
         )
         args["kv_events_config"] = kv_events.config
+        if int(args.get("data_parallel_size", 1)) > 1:
+            # vLLM's rank r publishes to the endpoint's port + r, where nobody listens
+            logger.warning("Worker.CacheEvents reports data-parallel rank 0's prefix cache only")
         try:
             with output.capture():
                 llm = AsyncLLM.from_engine_args(
