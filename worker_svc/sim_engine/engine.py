@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infermesh.config import ConfigError
+from infermesh.text.text_files import TextFiles
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -147,6 +148,8 @@ class SimEngine:
             model_type=roofline.size.model_type,
             index_topk=roofline.index_topk,
         )
+        # byte-counted prompts: no tokenizer files a caller could render with
+        self.text_files = TextFiles(f"bytes:{_BYTES_PER_TOKEN}", {})
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._front = RequestFront(
