@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infermesh.pb import common_pb2
-from infermesh.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # transformers brings torch, which a simulated worker never imports
+    from infermesh.text.tokenizer import Tokenizer
 
 
 class UnrenderableToolsError(ValueError):
