@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
 from infermesh.text.text_files import TextFiles
+from worker_svc.cache_events import CacheEvents
 
 DeviceKind = Literal["cuda", "rocm", "cpu"]
 
@@ -447,6 +448,7 @@ class InferenceEngine(Protocol):
     max_model_len: int
     # what it renders prompts with (Capabilities.tokenizer, Worker.TextFiles)
     text_files: TextFiles
+    cache_events: CacheEvents  # what its prefix cache stores and evicts
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts

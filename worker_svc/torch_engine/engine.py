@@ -24,6 +24,7 @@ import torch
 
 from infermesh.config import ConfigError
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
@@ -74,6 +75,7 @@ class Engine:
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
         self.text_files = tokenizer.text_files
         self.max_model_len = max_model_len
+        self.cache_events = CacheEvents(cache.events_history, cache.events_backlog)
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids
         self._seq_ids = itertools.count()

@@ -45,6 +45,7 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -153,6 +154,7 @@ class VllmEngine:
         self.text_files = tokenizer.text_files
         self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
+        self.cache_events = CacheEvents()
         self._front = RequestFront(
             vocab_size=vocab_size,
             max_model_len=max_model_len,
