@@ -2,10 +2,11 @@
 render with (Capabilities.tokenizer, learnt from the router's ListWorkers), fetched once per
 digest from one of them (Worker.TextFiles) and loaded here; then each request's prompt is
 rendered and tokenized as that worker would (infermesh.text.prompt), and its GenerateRequest
-carries the ids, the digest and the ids' prefix hashes before the route ask.
+carries the ids, the digest and the ids' prefix hashes before the route ask. A simulated fleet
+("bytes:4") gets its simulated tokens (infermesh.sim_tokens), nothing fetched.
 
 This path only ever adds fields: until a model's tokenizer is loaded (the first requests, a
-failed fetch, workers reporting no digest or a simulated engine's "bytes:N"), or when a prompt
+failed fetch, workers reporting no digest or one the gateway cannot load), or when a prompt
 does not render, the request goes without them, as before (the router then hashes its text and
 the worker renders it).
 """
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import functools
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,8 +29,9 @@ from aiohttp import web
 from gateway.mesh_client import MeshClient
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.prefix_hash import chain
+from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
 from infermesh.tasks import cancel_and_wait
-from infermesh.text.prompt import request_token_ids
+from infermesh.text.prompt import chat_message, request_token_ids
 from infermesh.text.text_files import SERVED_TEMPLATE, TextFiles
 
 if TYPE_CHECKING:
@@ -39,6 +44,23 @@ logger = logging.getLogger(__name__)
 THREAD_CHARS = 16_384
 
 
+@dataclasses.dataclass(frozen=True)
+class Renderer:
+    """A tokenizer as the gateway uses it: its digest and a request's prompt ids."""
+
+    digest: str
+    token_ids: Callable[[common_pb2.GenerateRequest], list[int]]
+
+
+# A simulated fleet's tokens need no files: infermesh.sim_tokens is their tokenizer
+SIM_RENDERER = Renderer(
+    SIM_TOKENIZER,
+    lambda request: sim_token_ids(
+        prompt_text([chat_message(m) for m in request.messages] or None, request.prompt or None)
+    ),
+)
+
+
 class PromptTokens:
     """Fills GenerateRequests' prompt_token_ids, tokenizer and prefix_hashes; safe to share."""
 
@@ -46,11 +68,11 @@ class PromptTokens:
         self._mesh = mesh
         self._refresh_s = refresh_s
         self._digests: dict[str, str] = {}  # served model -> its fleet's tokenizer digest
-        self._loaded: dict[str, Tokenizer] = {}  # digest -> the tokenizer
+        self._loaded: dict[str, Renderer] = {SIM_TOKENIZER: SIM_RENDERER}  # by digest
         self._looked_at = -float("inf")  # monotonic time of the last ListWorkers
         self._learning: asyncio.Task[None] | None = None
 
-    def tokenizer(self, model: str) -> Tokenizer | None:
+    def renderer(self, model: str) -> Renderer | None:
         """The model's tokenizer when loaded; else None, and it is being learnt."""
         if time.monotonic() - self._looked_at >= self._refresh_s:
             self._learn_soon()
@@ -60,19 +82,19 @@ class PromptTokens:
     async def fill(self, request: common_pb2.GenerateRequest) -> None:
         """Adds the prompt's ids, their tokenizer and prefix hashes, when the model's tokenizer
         is loaded and the prompt renders; otherwise leaves the request as it is."""
-        tokenizer = self.tokenizer(request.model)
-        if tokenizer is None or not (request.messages or request.prompt):
+        renderer = self.renderer(request.model)
+        if renderer is None or not (request.messages or request.prompt):
             return
         try:
             if _prompt_chars(request) > THREAD_CHARS:
-                ids = await asyncio.to_thread(request_token_ids, tokenizer, request)
+                ids = await asyncio.to_thread(renderer.token_ids, request)
             else:
-                ids = request_token_ids(tokenizer, request)
+                ids = renderer.token_ids(request)
         except Exception as e:  # the worker renders it and says what is wrong
             logger.debug("request %s not tokenized here: %s", request.request_id, e)
             return
         request.prompt_token_ids[:] = ids
-        request.tokenizer = tokenizer.text_files.digest
+        request.tokenizer = renderer.digest
         request.prefix_hashes[:] = chain(ids)
 
     async def fill_choices(
@@ -119,27 +141,29 @@ class PromptTokens:
                     "could not load tokenizer %s from worker %s: %s", digest, addresses[digest], e
                 )
         in_use = set(digests.values())
-        for digest in self._loaded.keys() - in_use:  # the fleet moved on
+        for digest in self._loaded.keys() - in_use - {SIM_TOKENIZER}:  # the fleet moved on
             del self._loaded[digest]
 
-    async def _fetch(self, digest: str, address: str) -> Tokenizer:
+    async def _fetch(self, digest: str, address: str) -> Renderer:
         files = TextFiles.of(await self._mesh.text_files(address))
         if files.digest != digest:
             raise ValueError(f"its files' digest is {files.digest}")
-        return await asyncio.to_thread(_load, files)
+        tokenizer = await asyncio.to_thread(_load, files)
+        return Renderer(digest, functools.partial(request_token_ids, tokenizer))
 
 
 def _fleet_digests(
     workers: list[router_pb2.WorkerStatus],
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Per served model the digest most of its workers report (of those the gateway can load:
-    "sha256:..."), and per digest a worker's address to fetch it from."""
+    "sha256:..." and the simulated tokens), and per digest a worker's address to fetch it
+    from."""
     counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     addresses: dict[str, str] = {}
     for status in workers:
         info = status.worker
         digest = info.capabilities.tokenizer
-        if not digest.startswith("sha256:"):
+        if not (digest.startswith("sha256:") or digest == SIM_TOKENIZER):
             continue
         addresses.setdefault(digest, info.address)
         for model in info.models:

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 from gateway.prompt_tokens import PROMPT_TOKENS
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually, running_worker, sim_engine, wait_for_workers
@@ -96,7 +97,7 @@ async def test_the_gateways_ids_are_the_workers_own_rendering(
         assert (
             recording.requests[-1].tokenizer == "" and not recording.requests[-1].prompt_token_ids
         )
-        await eventually(lambda: prompt_tokens.tokenizer(MODEL) is not None, timeout_s=60)
+        await eventually(lambda: prompt_tokens.renderer(MODEL) is not None, timeout_s=60)
         await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "weather in Paris?"}],
@@ -118,8 +119,8 @@ async def test_the_gateways_ids_are_the_workers_own_rendering(
 
 async def test_prefix_hashes_chain_the_ids(gateway, api_key):
     prompt_tokens = gateway.app[PROMPT_TOKENS]
-    prompt_tokens.tokenizer(MODEL)  # starts learning it
-    await eventually(lambda: prompt_tokens.tokenizer(MODEL) is not None, timeout_s=60)
+    prompt_tokens.renderer(MODEL)  # starts learning it
+    await eventually(lambda: prompt_tokens.renderer(MODEL) is not None, timeout_s=60)
     request = common_pb2.GenerateRequest(model=MODEL, prompt="Once upon a time " * 40)
     await prompt_tokens.fill(request)
     ids = list(request.prompt_token_ids)
@@ -154,8 +155,8 @@ async def test_the_gateway_follows_the_fleet_to_a_new_tokenizer(
     prompt_tokens = client.app[PROMPT_TOKENS]
 
     def digest_now() -> str | None:
-        tokenizer = prompt_tokens.tokenizer(MODEL)
-        return None if tokenizer is None else tokenizer.text_files.digest
+        renderer = prompt_tokens.renderer(MODEL)
+        return None if renderer is None else renderer.digest
 
     try:
         async with running_worker(tiny_engine, router, worker_id="old"):
@@ -177,19 +178,25 @@ async def test_the_gateway_follows_the_fleet_to_a_new_tokenizer(
         await renewed.close()
 
 
-async def test_workers_without_tokenizer_files_are_served_as_before(redis_server, router, api_key):
-    engine = sim_engine()
-    async with running_worker(engine, router):
+async def test_a_simulated_fleet_gets_its_simulated_tokens(redis_server, router, api_key):
+    """No files to fetch: from the gateway's first look at the fleet, its requests carry the
+    simulated engine's own tokens, which it serves."""
+    recording = _Recording(sim_engine())
+    async with running_worker(recording, router):
         client = await start_gateway(make_config(redis_server.url, router.address))
         try:
             prompt_tokens = client.app[PROMPT_TOKENS]
+            prompt_tokens.renderer(MODEL)  # starts its look at the fleet
+            await eventually(lambda: prompt_tokens.renderer(MODEL) is not None)
+            messages = [{"role": "user", "content": "hi " * 30}]
             async with sdk(client, api_key) as openai_client:
-                for _ in range(3):
-                    answer = await openai_client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
-                    )
-                    assert answer.usage.completion_tokens == 3
-                    await asyncio.sleep(0.2)  # its look at the fleet has come back meanwhile
-            assert prompt_tokens.tokenizer(MODEL) is None  # "bytes:4": nothing to load
+                answer = await openai_client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=3
+                )
         finally:
             await client.close()
+    (sent,) = recording.requests
+    assert sent.tokenizer == SIM_TOKENIZER
+    assert list(sent.prompt_token_ids) == sim_token_ids(prompt_text(messages, None))
+    assert answer.usage.prompt_tokens == len(sent.prompt_token_ids)
+    assert answer.usage.completion_tokens == 3

@@ -104,3 +104,12 @@ async def test_ids_outside_the_vocabulary_are_invalid_argument(tiny_engine: Engi
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"{vocab} is not a token id" in (refused.value.details() or "")
         assert (await _answer(stub, _request("hi")))[1] > 0  # and it keeps serving
+
+
+async def test_a_simulated_worker_serves_simulated_ids_it_is_sent():
+    async with _worker(sim_engine()) as (stub, info):
+        ids = list(range(1, 41))
+        own = await stub.Tokenize(_request("hi"), timeout=10)
+        sent = await stub.Tokenize(_request("hi", ids, info.capabilities.tokenizer), timeout=10)
+        other = await stub.Tokenize(_request("hi", ids, "sha256:" + "0" * 64), timeout=10)
+    assert own.prompt_tokens == 1 and sent.prompt_tokens == 40 and other.prompt_tokens == 1
