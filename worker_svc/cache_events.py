@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import secrets
 import threading
 from collections.abc import AsyncGenerator, Iterable
@@ -155,9 +156,11 @@ class CacheEvents:
             self._seq += events
             batch = CacheBatch(self._seq, stored, removed, cleared)
             self._remember(batch)
-            loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._deliver, batch)
+            # a subscriber that comes later finds the batch in the ring or its snapshot
+            loop = self._loop if self._subscribers else None
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to tell
+                loop.call_soon_threadsafe(self._deliver, batch)
 
     def _remember(self, batch: CacheBatch) -> None:
         self._ring.append(batch)

@@ -11,21 +11,27 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import prompt_text, sim_token_ids
 from tests.helpers import MODEL
 from tests.helpers.inprocess import PLAINTEXT
 from worker_svc import server as worker_server
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import (
+    DEFAULT_MODEL_PATH,
     CacheSection,
     EngineSection,
     ParallelSection,
     ServerSection,
     WorkerConfig,
 )
+from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine.engine import SimEngine
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.torch_engine.kv_cache import bytes_per_token
 
 # H100's 72 GB of KV room after 8 GB of FP8 weights, at this size a token: 2048 tokens, 128 blocks
 _SMALL_CACHE_KV_BYTES = 64_000_000_000 // 2048
@@ -54,11 +60,12 @@ async def _worker(engine: InferenceEngine) -> AsyncIterator[worker_pb2_grpc.Work
 
 
 async def _serve(stub: worker_pb2_grpc.WorkerStub, prompt: str) -> None:
+    """One token for `prompt`: what the engine computed (and caches) is the prompt alone."""
     request = common_pb2.GenerateRequest(
         request_id="r",
         model=MODEL,
         prompt=prompt,
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=2),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=1),
     )
     await stub.Complete(request)
 
@@ -202,3 +209,110 @@ async def test_a_slow_subscriber_is_dropped_not_buffered():
         snapshot = await _next(call)
         assert snapshot.snapshot and len(snapshot.stored) == per_batch
         call.cancel()
+
+
+def _torch_prompt(engine: Engine, tag: str, tokens: int) -> tuple[str, list[int]]:
+    """A prompt of the tiny model of at least `tokens` tokens, and its ids."""
+    text = ""
+    while len(ids := engine.tokenizer.encode(text)) < tokens:
+        text += f" {tag}{len(text)}"
+    return text, ids
+
+
+async def test_the_torch_engine_stores_the_chain_of_a_served_prompts_whole_blocks(
+    tiny_engine: Engine,
+):
+    async with _worker(tiny_engine) as stub:
+        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+        first = await _next(call)
+        assert first.snapshot and first.epoch == tiny_engine.cache_events.epoch
+        held = set(first.stored)
+        text, ids = _torch_prompt(tiny_engine, "kv", 3 * BLOCK_TOKENS + 3)
+        await _serve(stub, text)
+        batch = await _next(call)
+        whole = chain(ids)
+        assert len(whole) == len(ids) // BLOCK_TOKENS >= 3
+        # what an earlier test cached of the same text is not stored again
+        assert set(batch.stored) == set(whole) - held and set(whole) <= held | set(batch.stored)
+        # a reconnect that names another epoch gets a snapshot holding it
+        call.cancel()
+        call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=first.epoch + 1))
+        snapshot = await _next(call)
+        assert snapshot.snapshot and set(whole) <= set(snapshot.stored)
+        call.cancel()
+
+
+async def test_the_torch_engine_publishes_evicted_blocks_in_its_names(
+    tiny_engine: Engine, worker_dtype: str
+):
+    """Engine blocks of 32 tokens, each two 16-token names; a cache of 6 blocks."""
+    per_block = 32 * bytes_per_token(tiny_engine.model.args, tiny_engine.model.lm_head.weight.dtype)
+    small = Engine.from_checkpoint(
+        DEFAULT_MODEL_PATH,
+        dtype=worker_dtype,
+        max_model_len=128,
+        cache=CacheSection(block_size=32, cpu_cache_bytes=6 * per_block),
+    )
+    try:
+        async with _worker(small) as stub:
+            call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+            held = set((await _next(call)).stored)
+            stored: list[int] = []
+            removed: list[int] = []
+            prompts = [_torch_prompt(small, tag, 100) for tag in ("a", "b")]
+            for text, _ in prompts:
+                await _serve(stub, text)
+                batch = await _next(call)
+                held.difference_update(batch.removed)
+                held.update(batch.stored)
+                stored += batch.stored
+                removed += batch.removed
+            first, second = (chain(ids[: 32 * (len(ids) // 32)]) for _, ids in prompts)
+            assert stored == first + second  # 3 engine blocks each, in the mesh's names
+            # the second prompt's 4 blocks took the 3 free ones and the first prompt's tail
+            assert removed == first[4:6]
+            assert held == small.cache_events.held() == set(first[:4] + second)
+            call.cancel()
+    finally:
+        await small.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("block_size = 24", r"\[cache\]: block_size: must be a positive multiple of 16 .*, got 24"),
+        ("events_backlog = 0", r"\[cache\].*events_backlog: must be at least 1, got 0"),
+        ("events_history = -1", r"\[cache\].*events_history: must be at least 1, got -1"),
+    ],
+)
+def test_cache_config_errors_name_the_file_and_key(tmp_path, text: str, message: str):
+    path = tmp_path / "worker.toml"
+    path.write_text(f"[cache]\n{text}\n")
+    with pytest.raises(ConfigError, match=message) as error:
+        load_worker_config(str(path))
+    assert str(path) in str(error.value)
+
+
+async def test_a_step_publishes_its_net_change_numbered_per_event():
+    events = CacheEvents()
+    batches = events.subscribe()
+    assert (await anext(batches)).snapshot
+    events.stored([1, 2, 3])
+    events.removed([3])  # stored and evicted within the step: no event
+    events.flush()
+    events.flush()  # an empty step: no batch
+    events.removed([1])
+    events.stored([1, 4])  # evicted and stored again: no event for 1
+    events.flush()
+    events.stored([5])
+    events.cleared()
+    events.stored([6])
+    events.flush()
+    got = [await asyncio.wait_for(anext(batches), 5) for _ in range(3)]
+    assert [(b.seq, b.stored, b.removed, b.cleared) for b in got] == [
+        (2, (1, 2), (), False),
+        (3, (4,), (), False),
+        (5, (6,), (), True),  # everything went, then 6 came: two events
+    ]
+    assert events.held() == {6}
+    await batches.aclose()

@@ -10,8 +10,10 @@ Continuous batching as in a real engine: up to max_parallel sequences run, each 
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
 budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests generate()
 raises EngineOverloadedError (the request front every engine shares, engine_api.RequestFront).
-Tokens are words from a fixed list, deterministic per seed. Imports no torch: a simulated worker
-process stays small.
+Tokens are words from a fixed list, deterministic per seed. A prompt's tokens are
+infermesh.sim_tokens's (4 bytes of its text each); its prefix cache keeps whole blocks of them by
+their infermesh.prefix_hash names, least recently used first, and publishes what it stores and
+evicts (cache_events). Imports no torch: a simulated worker process stays small.
 """
 
 from __future__ import annotations

@@ -120,6 +120,8 @@ class StepLoop:
                 self._publish_load()
             else:
                 self._idle()
+            if (events := self._scheduler.blocks.events) is not None:
+                events.flush()  # the step's cache events as one batch
         error = EngineClosedError("engine closed during generation")
         for seq_id in list(self._requests):
             self._end(seq_id, error)
