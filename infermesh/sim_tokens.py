@@ -36,3 +36,8 @@ def sim_token_ids(text: str) -> list[int]:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids.tolist()
+
+
+# The tokenizer digest a simulated worker reports (Capabilities.tokenizer): no files to fetch,
+# this module is its tokenizer.
+SIM_TOKENIZER = f"bytes:{BYTES_PER_TOKEN}"

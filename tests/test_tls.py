@@ -246,6 +246,25 @@ async def test_an_internal_callers_usage_is_counted_under_its_certificate(
     assert counted["prompt_tokens"] == sum(u.prompt_tokens for u in usages[:2])
 
 
+async def test_only_the_gateway_and_router_may_fetch_a_workers_text_files(worker, certs):
+    """The others are refused by role; the two allowed reach the servicer, which answers a
+    simulated engine's NOT_FOUND."""
+
+    async def text_files(role: str) -> grpc.StatusCode:
+        async with open_channel(worker.servicer.info.address, role_tls(certs, role)) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).TextFiles(
+                worker_pb2.TextFilesRequest(), timeout=10
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [chunk async for chunk in call]
+            return refused.value.code()
+
+    for role in ("gateway", "router"):
+        assert await text_files(role) == grpc.StatusCode.NOT_FOUND
+    for role in ("client", "admin", "worker"):
+        assert await text_files(role) == grpc.StatusCode.PERMISSION_DENIED
+
+
 async def test_a_worker_certificate_cannot_list_the_fleet(router, worker, certs):
     before = _refused("ListWorkers", "role")
     with pytest.raises(grpc.aio.AioRpcError) as refused:

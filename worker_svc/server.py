@@ -71,6 +71,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(worker=self.info, load=self.load())
 
+    async def TextFiles(
+        self,
+        request: worker_pb2.TextFilesRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.TextFilesRequest, worker_pb2.TextFileChunk],
+    ) -> AsyncIterator[worker_pb2.TextFileChunk]:
+        text_files = self._engine.text_files
+        if not text_files.files:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"tokenizer {text_files.digest!r} has no files: "
+                "its prompts are counted, not rendered",
+            )
+        for name, data in text_files.chunks():
+            yield worker_pb2.TextFileChunk(name=name, data=data)
+
     async def CacheEvents(
         self,
         request: worker_pb2.CacheEventsRequest,
@@ -288,6 +303,11 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
             response_serializer=worker_pb2.InfoResponse.SerializeToString,
         ),
         "Serve": serve_handler(servicer),
+        "TextFiles": grpc.unary_stream_rpc_method_handler(
+            servicer.TextFiles,
+            request_deserializer=worker_pb2.TextFilesRequest.FromString,
+            response_serializer=worker_pb2.TextFileChunk.SerializeToString,
+        ),
         "CacheEvents": grpc.unary_stream_rpc_method_handler(
             servicer.CacheEvents,
             request_deserializer=worker_pb2.CacheEventsRequest.FromString,
@@ -321,6 +341,7 @@ def worker_info(
             index_topk=caps.index_topk,
             gpu_kind=gpu_kind(caps.device, caps.device_name),
             gpu_count=caps.gpu_count,
+            tokenizer=engine.text_files.digest,
         ),
     )
 

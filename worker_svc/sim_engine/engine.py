@@ -31,7 +31,8 @@ from typing import Literal
 
 from infermesh.config import ConfigError
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
-from infermesh.sim_tokens import prompt_text, sim_token_ids
+from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
+from infermesh.text.text_files import TextFiles
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
@@ -151,6 +152,8 @@ class SimEngine:
             model_type=roofline.size.model_type,
             index_topk=roofline.index_topk,
         )
+        # byte-counted prompts: no tokenizer files a caller could render with
+        self.text_files = TextFiles(SIM_TOKENIZER, {})
         self.max_model_len = max_model_len
         self.max_parallel = max_parallel
         self._front = RequestFront(
@@ -253,6 +256,8 @@ class SimEngine:
             raise InvalidArgumentError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
+        if request.prompt_token_ids and request.tokenizer == self.text_files.digest:
+            return list(request.prompt_token_ids)  # the caller's own simulated tokens
         return sim_token_ids(prompt_text(request.messages, request.prompt))
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from infermesh.config import ConfigError
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
@@ -39,7 +40,7 @@ from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
 from worker_svc.text.completion_decoder import CompletionDecoder
 from worker_svc.text.grammar import GrammarCompiler
-from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
+from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,
@@ -72,6 +73,7 @@ class Engine:
         cache: CacheSection,
     ):
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
+        self.text_files = tokenizer.text_files
         self.max_model_len = max_model_len
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids

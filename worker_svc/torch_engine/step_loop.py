@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import (
     DecodeRateMeter,
     EngineClosedError,
@@ -31,7 +32,6 @@ from worker_svc.engine_api import (
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import apply_masks
-from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.torch_engine.model_runner import ModelRunner
 from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
 from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState

@@ -44,6 +44,7 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
@@ -70,7 +71,7 @@ from worker_svc.model.precision import (
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import lark_grammar
-from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
+from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.vllm_engine.args import (
     VLLM_FP8_NEEDS,
@@ -152,6 +153,7 @@ class VllmEngine:
         kv_events: VllmKvEvents,
     ) -> None:
         self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
+        self.text_files = tokenizer.text_files
         self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
         self._kv_events = kv_events
