@@ -22,7 +22,9 @@ session's worker while it has a free slot; only a full worker passes the session
 is cached there, and agents' prompts all begin with the same system prompt, so without the
 request's ``prefix_hashes`` nothing else could tell their sessions apart. With them, a session
 whose history the index finds cached further on another worker with a free slot follows the
-cache (after a router restart, or when the session's worker was full once).
+cache (its worker was full once and passed it on), once its own worker holds the prompt's first
+block: a new session stays on its worker even when the system prompt it shares with others is
+cached only elsewhere yet, so that sessions spread.
 
 Prompt-byte homes (b) and session homes are found by rendezvous (highest random weight) hashing
 of the key over the workers; (b) is only for requests without ``prefix_hashes``.
@@ -240,10 +242,13 @@ def _session_home(group: Group, busy: np.ndarray, key: int) -> int:
 
 
 def _follow_cache(group: Group, busy: np.ndarray, cached: np.ndarray, home: int) -> int:
-    """The session's worker, or the one with a free slot caching more of its prompt."""
+    """The session's worker, or the one with a free slot caching more of its prompt, once the
+    session's worker holds the prompt's first block: a worker holding none of it has not served
+    the session, whose first turns then stay there even when the system prompt they share is
+    cached elsewhere only (so that new sessions spread)."""
     at_home = cached[home] if home >= 0 else 0
     best = int(cached.argmax())
-    if cached[best] <= at_home:
+    if cached[best] <= at_home or (home >= 0 and not at_home):
         return home  # no other worker caches more: no need to look at free slots
     free = busy * group.inverse_capacity < 1
     if not free[best]:

@@ -314,3 +314,13 @@ def test_a_session_follows_its_history_cached_elsewhere_while_that_worker_has_ro
     assert decision.workers[0].worker_id == elsewhere and decision.cached_tokens == 20 * 16
     fleet.set_load(entry, common_pb2.Load(running=2))  # full: the session's own worker again
     assert first_choice(chooser, fleet, with_hashes(history, session="s")) == home
+
+
+def test_a_new_session_stays_on_its_worker_though_its_system_prompt_is_cached_elsewhere():
+    fleet = fleet_of(*(info(f"w{i}", max_parallel=2) for i in range(4)))
+    system = chain(list(range(16 * 8)))
+    home = first_choice(Chooser(RoutingSection()), fleet, with_hashes(system, session="s"))
+    elsewhere = next(f"w{i}" for i in range(4) if f"w{i}" != home)
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {elsewhere: system}))
+    decision = chooser.choose(fleet, with_hashes(system + chain(list(range(9, 200))), "s"))
+    assert decision.workers[0].worker_id == home and decision.cached_tokens == 0
