@@ -14,9 +14,9 @@ Prints p50/p99/max per policy.
 Then the same for ``balanced`` with requests carrying ``prefix_hashes`` (1k-80k-token prompts)
 over a prefix index as the workers' cache events would fill it: 64 system prompts of 2k-8k tokens,
 each cached on a few dozen workers, and per worker agent sessions (a system prompt and a history,
-1k-80k tokens in all) up to ``--blocks`` cached blocks each. Four requests in five continue a
-session (its history and a new turn, with its affinity key; the session's rendezvous home is
-mostly not where the router's index finds it cached), one in five starts a new one. The hashes
+1k-80k tokens in all) up to ``--blocks`` cached blocks each, on the session's worker (one in ten
+on another, where it was passed on once). Four requests in five continue a session (its history
+and a new turn, with its affinity key), one in five starts a new one. The hashes
 are the gateway's work (computed before the clock starts); the lookup of the longest cached prefix
 per candidate is timed with the choice. ``--index-memory`` measures the index's bytes per cached
 (worker, block) pair with tracemalloc on a smaller fleet.
@@ -106,23 +106,32 @@ def build_index(
     fleet: Fleet, rng: random.Random, blocks_per_worker: int, sessions_per_worker: int = 4
 ) -> tuple[PrefixIndex, list[tuple[str, array[int]]]]:
     """An index as the workers' cache events fill it, and the sessions cached in it (affinity
-    key, prompt token ids)."""
+    key, prompt token ids): each on its session's worker, one in ten on another (passed on when
+    its worker was full)."""
     config = RoutingSection()
     index = PrefixIndex(config.index_max_blocks, config.index_max_probes)
+    homes = Chooser(config)  # no index: the sessions' own workers
     systems = [tokens(rng, rng.randrange(2000, 8000)) for _ in range(_PROMPT_PREFIXES)]
+    entries = fleet.entries()
+    held: dict[int, list[int]] = {entry.slot: [] for entry in entries}
     sessions: list[tuple[str, array[int]]] = []
-    for entry in fleet.entries():
-        held: list[int] = []
-        for _ in range(sessions_per_worker):
-            room = blocks_per_worker - len(held)
-            if room <= 0:
-                break
-            system = rng.choice(systems)
-            total = min(rng.randrange(1000, 80000), room * BLOCK_TOKENS)
-            history = (system + tokens(rng, max(total - len(system), 0)))[:total]
-            held += chain(history)
-            sessions.append((f"session-{len(sessions)}", history))
-        index.apply(entry.slot, held, ())
+    for i in range(len(entries) * sessions_per_worker):
+        key = f"session-{i}"
+        ask = common_pb2.GenerateRequest(model=_MODELS[0], affinity_key=key)
+        if rng.random() < 0.9:
+            slot = homes.choose(fleet, RouteRequest.of(ask, config.prefix_bytes)).workers[0].slot
+        else:
+            slot = rng.choice(entries).slot
+        room = blocks_per_worker - len(held[slot])
+        if room <= 0:
+            continue
+        system = rng.choice(systems)
+        total = min(rng.randrange(1000, 80000), room * BLOCK_TOKENS)
+        history = (system + tokens(rng, max(total - len(system), 0)))[:total]
+        held[slot] += chain(history)
+        sessions.append((key, history))
+    for slot, blocks in held.items():
+        index.apply(slot, blocks, ())
     return index, sessions
 
 
