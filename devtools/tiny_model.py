@@ -160,7 +160,8 @@ def tiny_config(
 ) -> dict[str, Any]:
     """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null
     (kept for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
-    indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require;
+    indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require,
+    and whole FP8 blocks where vLLM's FP8 loader needs them (VLLM_FP8_BLOCKS);
     `bf16`: BF16 weights, no quantization_config (vLLM's CPU FP8 linear kernels need AMX)."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],

@@ -57,8 +57,9 @@ _GREEDY_TOKENS = 16
 # (BF16 keeps 8 bits: near -6, a 16k vocabulary's, one step is 0.03, and the two engines' sums
 # drift apart by a few steps over a continuation)
 _BF16_LOGPROB = 0.1
-# FP8 weights against their BF16 dequantization: vLLM also quantizes each 128 activations to FP8
-# (3 mantissa bits), which moves log-probabilities by up to 0.08 measured on an AMX Xeon
+# FP8 weights against their BF16 dequantization: vLLM's AMX kernels turn the FP8 weights to BF16
+# tile by tile (W8A16) and sum in their own order, up to 0.08 apart measured on an AMX Xeon; where
+# the CPU also has AMX-FP8, vLLM quantizes the activations to FP8 too (W8A8), which moves them more
 _FP8_LOGPROB = 0.15
 
 
