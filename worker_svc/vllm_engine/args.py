@@ -48,6 +48,11 @@ VLLM_FP8_NEEDS: dict[DeviceKind, str] = {
     "block-scaled FP8 kernels",
     "cpu": "needs a CPU with AMX tiles (Sapphire Rapids or newer) for vLLM's CPU FP8 kernels",
 }
+# The checkpoint sizes vLLM's FP8 loader (0.32) needs in whole weight blocks: it sizes a merged
+# layer's block scales for the sum of its parts, so every part but the last must be whole blocks
+# (q_a of q_a + kv_a, gate of gate_up, in the dense layers and the shared experts), and its fused
+# MoE checks moe_intermediate_size itself; else the load fails deep in a child process
+_VLLM_FP8_WHOLE_BLOCKS = ("q_lora_rank", "intermediate_size", "moe_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     check_fp8(config, devices, fp8_checkpoint)
     parallel = config.parallel
     _check_layout(config, devices, checkpoint)
+    if precision == "fp8":
+        _check_fp8_blocks(config, checkpoint)
     args: dict[str, Any] = {
         "model": config.model.path,
         "served_model_name": config.model.served_name,
@@ -140,6 +147,20 @@ def check_fp8(config: WorkerConfig, devices: Devices, fp8_checkpoint: bool) -> N
             f"[quantization] use_native_fp8 = true, but {config.model.path} has no FP8 weights "
             "(no quantization_config): serve its FP8 release, or unset use_native_fp8"
         )
+
+
+def _check_fp8_blocks(config: WorkerConfig, checkpoint: dict[str, Any]) -> None:
+    block = checkpoint.get("quantization_config", {}).get("weight_block_size")
+    if not block:
+        return  # per-tensor scales: no blocks to align
+    for key in _VLLM_FP8_WHOLE_BLOCKS:
+        size = checkpoint.get(key)
+        if size and size % block[0]:
+            raise ConfigError(
+                f"[model] path: {config.model.path}'s {key} ({size}) is not a multiple of its FP8 "
+                f"weight block ({block[0]}), which vLLM's FP8 loader needs: serve a dequantized "
+                "copy ([quantization] use_native_fp8 = false)"
+            )
 
 
 def _check_layout(config: WorkerConfig, devices: Devices, checkpoint: dict[str, Any]) -> None:
