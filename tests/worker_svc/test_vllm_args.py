@@ -206,6 +206,19 @@ def test_on_a_cpu_vllm_rotates_with_its_pytorch_rope(tmp_path: Path) -> None:
     }
 
 
+def test_on_a_cpu_with_amx_mla_outside_bf16_runs_vllm_s_reference_backend(tmp_path: Path) -> None:
+    # vLLM's AMX MLA kernels, its choice wherever AMX is, refuse float32 weights
+    config = _config(tmp_path, "", max_position_embeddings=256)
+    amx = Devices(0, cpu_amx=True)
+    assert engine_args(config, amx, "fp32")["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in engine_args(config, amx, "bf16")
+    assert "attention_backend" not in engine_args(config, Devices(0), "fp32")
+    chosen = _config(
+        tmp_path, '[engine.vllm]\nattention_backend = "AMX_MLA"\n', max_position_embeddings=256
+    )
+    assert engine_args(chosen, amx, "fp32")["attention_backend"] == "AMX_MLA"
+
+
 def test_an_unknown_engine_argument_is_named() -> None:
     with pytest.raises(
         ConfigError, match=r"\[engine.vllm\] tensor_paralel_size: not an engine argument"

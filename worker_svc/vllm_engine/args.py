@@ -33,6 +33,10 @@ _DTYPES: dict[Precision, str] = {
 # positions and k_pe's rotation overwrites the latent, so every step of 2+ tokens goes wrong.
 # Switching the custom op off runs vLLM's PyTorch RoPE, which is right for every layout.
 _CPU_ROPE_KERNEL_OFF = "-rotary_embedding"
+# vLLM (0.32) runs MLA on its AMX kernels wherever the CPU has AMX tiles, whatever the dtype, and
+# those take only BF16 weights ("expect weight to be bfloat16"): other dtypes get its reference
+# CPU MLA backend, which any dtype runs.
+_CPU_MLA_BACKEND = "CPU_MLA"
 # Where this vLLM (0.32) runs a checkpoint's block-scaled FP8 weights, read from its kernel
 # choices: on CUDA its Fp8Config wants compute capability 7.5 (Marlin's weight-only FP8 up to 8.9,
 # FP8 GEMMs from Ada on; V100 has neither); on ROCm its block-scaled kernels (AITER, Triton's FP8
@@ -113,6 +117,8 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     else:  # on a CPU: vLLM's cache budget (gpu_memory_utilization would reserve a share of RAM)
         args["kv_cache_memory_bytes"] = _cpu_cache_bytes(config, checkpoint, precision)
         args["compilation_config"] = {"custom_ops": [_CPU_ROPE_KERNEL_OFF]}
+        if devices.cpu_amx and _DTYPES[precision] != "bfloat16" and "kv_lora_rank" in checkpoint:
+            args["attention_backend"] = _CPU_MLA_BACKEND
     args.update(config.engine.vllm)
     return args
 
