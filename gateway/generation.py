@@ -229,9 +229,11 @@ async def admitted_generation(
     ) as span:
         check_model(request, model)
         session = affinity_key(request[API_KEY].id, request.headers, plan.session)
+        key = request[API_KEY]
         for r in plan.requests:
             r.model = model
             r.affinity_key = session
+            r.tenant, r.weight, r.tier = key.id, key.weight, key.tier  # the router's fair queue
         generation = Generation(request.app[MESH], plan)
         try:
             admission = await request.app[LIMITER].admit(

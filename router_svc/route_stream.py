@@ -17,7 +17,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import propagate, trace
@@ -25,12 +25,13 @@ from opentelemetry import propagate, trace
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.tasks import cancel_and_wait
 from router_svc.fair_queue import QueueRefusedError
+from router_svc.fleet import WorkerEntry
 from router_svc.registry import RegistryUnavailableError
 from router_svc.routing import RouteError
 
 _tracer = trace.get_tracer(__name__)
 
-_Decided = asyncio.Future[router_pb2.RouteResponse]
+_Decided = asyncio.Future[list[WorkerEntry]]
 
 
 class Decider(Protocol):
@@ -40,6 +41,10 @@ class Decider(Protocol):
         """The workers for ``request``, the first counted until ``released``: at once or once
         a slot frees; fails with RouteError, RegistryUnavailableError or QueueRefusedError.
         Cancelling it takes the ask out of the queue."""
+        ...
+
+    def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
+        """A decision's workers as Route answers them."""
         ...
 
     def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
@@ -54,19 +59,25 @@ class Decider(Protocol):
 async def answer(
     servicer: Decider,
     requests: AsyncIterator[router_pb2.RouteStreamRequest],
+    context: grpc.aio.ServicerContext[Any, Any],
 ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
     stream = _Stream(servicer)
     reader = asyncio.create_task(stream.read(requests))
+    # a caller that cancels ends its requests like one done writing: only the call's end
+    # tells the two apart, and its queued asks must not wait on
+    context.add_done_callback(stream.abandon)  # type: ignore[arg-type]  # the stubs' type matches no callable
     try:
         while True:
             decisions = await stream.next_decisions(reader)
             if decisions is None:
-                reader.result()  # the caller's stream failed: so does this one
+                if reader.done():
+                    reader.result()  # the caller's stream failed: so does this one
                 return
             yield router_pb2.RouteStreamResponse(decisions=decisions)
     finally:
+        reader.cancel()
+        stream.close()  # before any await: a cancelled call's task may not get past one
         await cancel_and_wait(reader)
-        stream.close()
 
 
 class _Stream:
@@ -79,6 +90,7 @@ class _Stream:
         self._ready: list[router_pb2.RouteDecision] = []
         self._wake = asyncio.Event()
         self._routed: collections.Counter[str] = collections.Counter()
+        self._abandoned = False
         stream_span = trace.get_current_span().get_span_context()
         self._links = [trace.Link(stream_span)] if stream_span.is_valid else []
 
@@ -95,6 +107,8 @@ class _Stream:
         """The decisions ready since the last call; None once the caller is done and every
         ask is answered."""
         while not self._ready:
+            if self._abandoned:
+                return None
             if reader.done() and (not self._waiting or reader.exception() is not None):
                 return None
             self._wake.clear()
@@ -102,10 +116,17 @@ class _Stream:
         ready, self._ready = self._ready, []
         return ready
 
+    def abandon(self, _: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The call ended: no decision will be read."""
+        self._abandoned = True
+        self._wake.set()
+
     def close(self) -> None:
         for decided in self._waiting.values():
-            decided.cancel()  # their caller is gone: out of the queue
-        self._waiting.clear()
+            if not decided.cancel() and not decided.cancelled() and not decided.exception():
+                # placed just now, its decision not sent yet: the slot is free again
+                self._routed[decided.result()[0].worker_id] += 1
+        self._waiting.clear()  # the rest are cancelled: their caller is gone
         for worker_id, count in self._routed.items():
             for _ in range(count):
                 self._servicer.released(worker_id)
@@ -159,7 +180,7 @@ class _Stream:
     def _decision(self, ask_id: int, decided: _Decided) -> router_pb2.RouteDecision:
         error = decided.exception()
         if error is None:
-            workers = decided.result().workers
+            workers = self._servicer.routes(decided.result())
             self._routed[workers[0].worker_id] += 1
             return router_pb2.RouteDecision(id=ask_id, workers=workers)
         if isinstance(error, QueueRefusedError):

@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.authz import require_address_host
+from infermesh.bidi import RETRY_AFTER_MS
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
@@ -33,7 +34,6 @@ from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a fair queue's refusal
 INTERNAL_TIER = "internal"  # the queue tier of internal callers (certificate identities)
 
 _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -208,7 +208,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
         ],
     ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-        async with contextlib.aclosing(route_stream.answer(self, requests)) as responses:
+        async with contextlib.aclosing(route_stream.answer(self, requests, context)) as responses:
             async for response in responses:
                 yield response
 
@@ -236,7 +236,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def ask(
         self, request: common_pb2.GenerateRequest, wait_s: float
-    ) -> asyncio.Future[router_pb2.RouteResponse]:
+    ) -> asyncio.Future[list[WorkerEntry]]:
         """Route's answer for a caller that reports the request's end (``released``): at once,
         or with fair queueing once a worker has a free slot; fails as ``route`` raises, or
         with QueueRefusedError. Cancelling it takes the ask out of the queue."""
@@ -251,7 +251,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 decided.set_result(placed)
         else:
             decided = self._queue.submit(request, request.tier, wait_s)
-        return _route_response(decided)
+        return decided
+
+    def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
+        """The workers of a decision as Route answers them."""
+        return [_route(w, with_address=True) for w in attempts]
 
     def released(self, worker_id: str) -> None:
         """A request ``ask`` routed to ``worker_id`` ended, or its caller did not send it."""
@@ -328,7 +332,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         except QueueRefusedError as e:
             await context.abort(
-                e.code, str(e), trailing_metadata=((RETRY_AFTER_KEY, str(e.retry_after_ms)),)
+                e.code, str(e), trailing_metadata=((RETRY_AFTER_MS, str(e.retry_after_ms)),)
             )
             raise
         except RouteError as e:
@@ -417,36 +421,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._registry.check_available()
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
-
-
-def _route_response(
-    decided: asyncio.Future[list[WorkerEntry]],
-) -> asyncio.Future[router_pb2.RouteResponse]:
-    """Route's answer of ``decided``'s workers, as a future; cancelling it cancels
-    ``decided``."""
-    out: asyncio.Future[router_pb2.RouteResponse] = asyncio.get_running_loop().create_future()
-
-    def relay(_: asyncio.Future[list[WorkerEntry]]) -> None:
-        if out.done():
-            return
-        if decided.cancelled():
-            out.cancel()
-        elif (error := decided.exception()) is not None:
-            out.set_exception(error)
-        else:
-            workers = [_route(w, with_address=True) for w in decided.result()]
-            out.set_result(router_pb2.RouteResponse(workers=workers))
-
-    def cancel(_: asyncio.Future[router_pb2.RouteResponse]) -> None:
-        if out.cancelled():
-            decided.cancel()
-
-    if decided.done():
-        relay(decided)
-    else:
-        decided.add_done_callback(relay)
-        out.add_done_callback(cancel)
-    return out
 
 
 def _add_delivered(delivered: common_pb2.Usage, chunk: common_pb2.GenerateResponse) -> None:
