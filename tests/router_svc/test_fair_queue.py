@@ -10,8 +10,10 @@ import time
 import grpc
 import pytest
 
+from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import FairQueueSection
+from router_svc.config import load as load_router_config
 from tests.helpers import MODEL
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
@@ -165,3 +167,22 @@ async def test_an_ask_whose_deadline_passes_in_the_queue_is_refused(full_router)
     await call.write(router_pb2.RouteStreamRequest(finished=["w"], asks=[_ask(11, "b")]))
     assert [d.id for d in (await _read(call)).decisions] == [11]
     call.cancel()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max_per_tenant = 0", "need 1 <= max_per_tenant <= max_total"),
+        ("max_per_tenant = 10\nmax_total = 5", "need 1 <= max_per_tenant <= max_total"),
+        ("max_wait_s = 0", "max_wait_s: must be positive"),
+        ("default_retry_after_ms = 0", "default_retry_after_ms: must be >= 1"),
+        ("enabled = 1", "enabled: expected bool"),
+    ],
+)
+def test_a_bad_fair_queue_config_names_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "router.toml"
+    path.write_text(f"[fair_queue]\n{text}\n")
+    with pytest.raises(ConfigError) as e:
+        load_router_config(str(path))
+    assert str(path) in str(e.value) and "[fair_queue]" in str(e.value)
+    assert message in str(e.value)
