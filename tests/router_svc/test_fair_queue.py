@@ -186,3 +186,37 @@ def test_a_bad_fair_queue_config_names_the_file_and_key(tmp_path, text, message)
         load_router_config(str(path))
     assert str(path) in str(e.value) and "[fair_queue]" in str(e.value)
     assert message in str(e.value)
+
+
+async def test_relayed_requests_queue_too_and_never_overfill_the_worker():
+    bounds = FairQueueSection(enabled=True, max_per_tenant=3, max_total=8, max_wait_s=10)
+    async with (
+        running_router(fair_queue=bounds) as router,
+        running_worker(sim_engine("V100", max_parallel=1), router, "w", max_parallel=1),
+    ):
+        request = _ask(0, "caller").request
+        request.sampling.max_tokens = 8
+        peak = 0
+
+        async def generate() -> int:
+            chunks = [c async for c in router.stub.Generate(request)]
+            return sum(len(c.token_ids) for c in chunks)
+
+        async def sample() -> None:
+            nonlocal peak
+            while True:
+                reply = await router.stub.ListWorkers(router_pb2.ListWorkersRequest())
+                peak = max(peak, *(s.load.running + s.load.waiting for s in reply.workers))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        relayed = [asyncio.create_task(generate()) for _ in range(4)]  # one runs, three wait
+        await asyncio.sleep(0.1)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router.stub.Complete(request)  # the tenant's queue is full
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        retry_after = dict(refused.value.trailing_metadata() or ())["retry-after-ms"]
+        assert int(retry_after) > 0
+        assert await asyncio.gather(*relayed) == [8, 8, 8, 8]
+        sampler.cancel()
+        assert peak == 1
