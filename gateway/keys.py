@@ -9,8 +9,9 @@ Redis layout (limit state and usage counters: see ``gateway.limits``):
   (lifetime), ``quota_period_tokens`` per ``quota_period_s`` (periods aligned to the
   Unix epoch, so 86400 means UTC days); ``rotated_to`` / ``rotated_from`` (ids). A
   limit that is absent is no limit. Fair queueing when the fleet is full (the router's
-  ``[fair_queue]``): optional ``weight`` (the key's share against other keys', absent: 1)
-  and ``tier`` (the label of the queue's metrics, absent: "default").
+  ``[fair_queue]``): optional ``weight`` (the key's share against other keys'; absent: its
+  tier's weight in the router's ``[fair_queue] tier_weights``, else 1) and ``tier`` (that
+  table's key and the label of the queue's metrics; absent: "default").
 - ``infermesh:keys``: the set of every id, so listing needs no SCAN.
 
 Every Redis key of one API key carries the hash tag ``{<id>}``, so in a Redis Cluster
@@ -282,7 +283,7 @@ class ApiKey:
     id: str
     name: str
     models: tuple[str, ...] = ()  # empty: every model
-    weight: int = 1  # its share of the router's fair queueing
+    weight: int = 0  # its share of the router's fair queueing (0: its tier's)
     tier: str = ""  # the queue metrics' label ("": default)
 
     def allows(self, model: str) -> bool:
@@ -321,7 +322,7 @@ class KeyStore:
             id=kid,
             name=record.name,
             models=record.models,
-            weight=record.weight or 1,
+            weight=record.weight or 0,
             tier=record.tier or "",
         )
         if self._cache_ttl_s > 0:

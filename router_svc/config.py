@@ -123,6 +123,9 @@ class FairQueueSection:
     max_wait_s: float = 30.0
     # The retry-after of a refusal before the router has measured its service rate.
     default_retry_after_ms: int = 1000
+    # The weight of a request that names none (an API key without its own), by its tier:
+    # {"gold" = 4, "free" = 1}; a tier not listed weighs 1.
+    tier_weights: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_per_tenant < 1 or self.max_total < self.max_per_tenant:
@@ -133,6 +136,9 @@ class FairQueueSection:
             raise ValueError(
                 f"default_retry_after_ms: must be >= 1, got {self.default_retry_after_ms}"
             )
+        for tier, weight in self.tier_weights.items():
+            if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 1000:
+                raise ValueError(f"tier_weights.{tier}: must be an integer 1..1000, got {weight!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,7 +192,7 @@ class FairQueue(Generic[T]):
         tenant.finish = start + 1 / tenant.weight
 
     def _tenant(self, request: Request, tier: str) -> _Tenant[T]:
-        weight = float(request.weight or 1)
+        weight = float(request.weight or self._config.tier_weights.get(tier, 1))
         tenant = self._tenants.get(request.tenant)
         if tenant is None:
             tenant = self._tenants[request.tenant] = _Tenant(request.tenant, weight, tier)

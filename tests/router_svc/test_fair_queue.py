@@ -97,6 +97,25 @@ async def test_queued_asks_are_served_in_weighted_fair_order(full_router):
     call.cancel()
 
 
+async def test_a_request_without_a_weight_weighs_its_tiers():
+    tiers = FairQueueSection(enabled=True, tier_weights={"gold": 3})
+    async with (
+        running_router(fair_queue=tiers) as router,
+        running_worker(sim_engine(max_parallel=1), router, "w", max_parallel=1),
+    ):
+        call = await _full_stream(router)
+        free = [_ask(10 + i, "free", weight=0) for i in range(2)]
+        gold = [_ask(20 + i, "gold", weight=0) for i in range(6)]
+        for ask in gold:
+            ask.request.tier = "gold"
+        await call.write(router_pb2.RouteStreamRequest(asks=free + gold))
+        served = []
+        for _ in range(8):
+            served += await _release_and_read(call)
+        assert served == [10, 20, 21, 22, 11, 23, 24, 25]  # as weights 1 and 3 would
+        call.cancel()
+
+
 async def test_priority_orders_a_tenants_own_queue(full_router):
     call = await _full_stream(full_router)
     asks = [_ask(10, "t", priority=0), _ask(11, "t", priority=5), _ask(12, "t", priority=1)]
@@ -177,6 +196,7 @@ async def test_an_ask_whose_deadline_passes_in_the_queue_is_refused(full_router)
         ("max_wait_s = 0", "max_wait_s: must be positive"),
         ("default_retry_after_ms = 0", "default_retry_after_ms: must be >= 1"),
         ("enabled = 1", "enabled: expected bool"),
+        ("tier_weights = { gold = 0 }", "tier_weights.gold: must be an integer 1..1000"),
     ],
 )
 def test_a_bad_fair_queue_config_names_the_file_and_key(tmp_path, text, message):
