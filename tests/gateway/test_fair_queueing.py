@@ -47,8 +47,12 @@ async def _mesh(
             await gateway.close()
 
 
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def _depth(tier: str) -> float:
-    return REGISTRY.get_sample_value("infermesh_router_queue_depth", {"tier": tier}) or 0.0
+    return _sample("infermesh_router_queue_depth", tier=tier)
 
 
 async def test_full_queues_answer_429_and_503_with_retry_after(redis_server, redis_client):
@@ -76,6 +80,15 @@ async def test_full_queues_answer_429_and_503_with_retry_after(redis_server, red
             # what waited is served once the slot frees
             for task in (running, queued, queued_other):
                 assert (await task).choices[0].finish_reason == "length"
+        assert (
+            _sample("infermesh_router_queue_rejected_total", tier="fq429", reason="tenant_full")
+            == 1
+        )
+        assert (
+            _sample("infermesh_router_queue_rejected_total", tier="fq429", reason="fleet_full") == 1
+        )
+        assert _sample("infermesh_router_queue_wait_seconds_count", tier="fq429") == 2
+        assert _sample("infermesh_router_queue_wait_seconds_sum", tier="fq429") > 0
 
 
 async def test_queued_requests_never_push_a_worker_past_max_parallel(redis_server, redis_client):
