@@ -13,6 +13,12 @@ opened lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed
 cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
+
+On the route stream an ask may wait in the router's fair queue (``[fair_queue]``) for as long
+as the request may take; a request that ends reports its worker ``finished``, so the router
+frees its slot at once, and one whose client leaves while it waits cancels its ask. The
+router's refusals (its queues full) carry a retry-after, which becomes the 429 / 503's
+``Retry-After``.
 """
 
 from __future__ import annotations

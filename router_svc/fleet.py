@@ -88,8 +88,9 @@ class Fleet:
         self.speed = np.zeros(0)  # decode tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
         self.in_flight = np.zeros(0)  # streams this router relays to the worker now
-        # Requests this router routed (without relaying) since the worker's last load report,
-        # which will count them: the router's own count is fresher than the last heartbeat.
+        # Requests this router routed (without relaying, to callers that do not report their
+        # end: Route) since the worker's last load report, which will count them: the
+        # router's own count is fresher than the last heartbeat.
         self.routed = np.zeros(0)
         # Requests routed over route streams whose callers report each one's end (and, with
         # it, the slot it frees) at once: exact between load reports.
@@ -223,13 +224,6 @@ class Fleet:
         """Per worker of ``group``: True when every one of its slots is busy."""
         full: np.ndarray = self.busy_now[group.slots] >= self.capacity[group.slots]
         return full
-
-    def unrouted(self, entry: WorkerEntry) -> None:
-        """A request routed to the worker that its caller then did not send (never below
-        zero: a load report since the decision may already have reset the count)."""
-        if self._by_slot[entry.slot] is entry and self.routed[entry.slot] > 0:
-            self.routed[entry.slot] -= 1
-            self._update_busy_now(entry.slot)
 
     def ended(self, entry: WorkerEntry) -> None:
         if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
