@@ -3,7 +3,7 @@ capacity; each key's share of the work served against its weight, the most reque
 worker held against its max_parallel, and the queue wait.
 
     .venv/bin/python bench/fair_queueing.py [--seconds 20] [--workers 4] [--slots 4]
-        [--clients 11] [--max-tokens 24]
+        [--clients 11] [--max-tokens 24] [--no-queue]
 
 On fresh processes: a Redis, a real router (``python -m router_svc`` with [fair_queue]
 enabled) and one process hosting ``--workers`` simulated V100 workers of ``--slots`` slots
@@ -15,7 +15,8 @@ call the chosen worker and report the request finished. 3 x 11 clients on 4 x 4 
 Printed per key: requests and completion tokens served in the measured window (after a
 warm-up), its share against its weight's share (target: within 10 %), the p50 / p90 of the
 wait for a decision (the time in the router's queue); then the highest running + waiting any
-worker reported (ListWorkers, sampled every 50 ms) against max_parallel.
+worker reported (ListWorkers, sampled every 50 ms) against max_parallel. ``--no-queue``: the
+same with [fair_queue] off, the baseline (the router routes every ask at once).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--clients", type=int, default=11, help="per key")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--queue", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--fleet", help=argparse.SUPPRESS)  # the child: serve the workers
     args = parser.parse_args()
     if args.fleet:
@@ -215,7 +217,7 @@ def main() -> None:
                 **env,
                 "INFERMESH_ROUTER_SERVER_PORT": str(port),
                 "INFERMESH_ROUTER_REDIS_URL": redis_server.url,
-                "INFERMESH_ROUTER_FAIR_QUEUE_ENABLED": "true",
+                "INFERMESH_ROUTER_FAIR_QUEUE_ENABLED": str(args.queue).lower(),
                 "INFERMESH_ROUTER_FAIR_QUEUE_MAX_WAIT_S": "60",
             },
         )
