@@ -29,6 +29,7 @@ from gateway.middleware import (
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
 from gateway.ops import health, metrics
+from gateway.prompt_tokens import PROMPT_TOKENS, PromptTokens
 from gateway.responses import (
     create_response,
     delete_response,
@@ -122,5 +123,13 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
     client = MeshClient(app[CONFIG].router, app[CONFIG].tls)
     app[MESH] = client
+    prompt_tokens = (
+        PromptTokens(client, app[CONFIG].router.tokenizer_refresh_s)
+        if app[CONFIG].router.prompt_tokens
+        else None
+    )
+    app[PROMPT_TOKENS] = prompt_tokens
     yield
+    if prompt_tokens is not None:
+        await prompt_tokens.close()
     await client.close()

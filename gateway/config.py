@@ -114,6 +114,12 @@ class RouterSection:
     # A request's chunks its client has not read yet, at most; past them (a client reading
     # slower than the worker writes) the request ends with an error, the others go on.
     stream_buffer_chunks: int = 4096
+    # true: the gateway renders and tokenizes each prompt with its model's tokenizer (fetched
+    # from a worker, Worker.TextFiles) and sends the ids and their prefix hashes, so the router
+    # routes by cached prefixes and the worker does not tokenize again (gateway.prompt_tokens)
+    prompt_tokens: bool = True
+    # How often the gateway asks the router which tokenizer each model's workers have.
+    tokenizer_refresh_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -121,6 +127,7 @@ class RouterSection:
             "connect_timeout_s",
             "control_timeout_s",
             "stall_timeout_s",
+            "tokenizer_refresh_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -25,6 +25,7 @@ from gateway.limits import LIMITER, Admission, mesh_failed
 from gateway.mesh_client import MESH, MeshClient
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
 from gateway.openai_protocol import GPU_HEADER, PRECISION_HEADER
+from gateway.prompt_tokens import PROMPT_TOKENS
 from gateway.usage import TokenUsage
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from infermesh.pb import common_pb2
@@ -234,6 +235,9 @@ async def admitted_generation(
             r.model = model
             r.affinity_key = session
             r.tenant, r.weight, r.tier = key.id, key.weight, key.tier  # the router's fair queue
+        prompt_tokens = request.app.get(PROMPT_TOKENS)
+        if prompt_tokens is not None:  # before the route ask, which takes the prefix hashes
+            await prompt_tokens.fill_choices(plan.requests, plan.prompt_of)
         generation = Generation(request.app[MESH], plan)
         try:
             admission = await request.app[LIMITER].admit(

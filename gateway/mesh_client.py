@@ -40,7 +40,8 @@ from gateway.worker_streams import WorkerStreams
 from infermesh.bidi import retry_after_ms
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from infermesh.text.text_files import assembled
 from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,16 @@ class MeshClient:
         return list(
             (await self._control(self._stub.ListWorkers, router_pb2.ListWorkersRequest())).workers
         )
+
+    async def text_files(self, address: str) -> dict[str, bytes]:
+        """The tokenizer's files of the worker at ``address`` (Worker.TextFiles), over this
+        gateway's channel to it; grpc.aio.AioRpcError or ValueError when they do not come."""
+        call = self._workers.stub(address).TextFiles(
+            worker_pb2.TextFilesRequest(),
+            timeout=self._config.request_timeout_s,
+            wait_for_ready=False,
+        )
+        return assembled([(chunk.name, chunk.data) async for chunk in call])
 
     async def _control(self, rpc: Any, request: Any) -> Any:
         """A unary call that is not a generation: bounded by control_timeout_s, errors mapped."""

@@ -41,6 +41,10 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     # a worker's prompts and tokens: only the gateway and the router's relay
     **{f"{_WORKER}{m}": _PROMPT_CARRIERS for m in ("Generate", "Complete", "Tokenize", "Serve")},
     f"{_WORKER}Info": _PROMPT_CARRIERS | {"admin"},
+    # the tokenizer's files, for the callers that render prompts as the worker does
+    f"{_WORKER}TextFiles": _PROMPT_CARRIERS,
+    # what a worker caches, for the router's cache index
+    f"{_WORKER}CacheEvents": frozenset({"router"}),
     # the gateway's routing streams and failure reports
     **{f"{_ROUTER}{m}": frozenset({"gateway"}) for m in ("Route", "RouteStream", "ReportFailure")},
     # the relayed generation: the gateway and internal callers

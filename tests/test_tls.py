@@ -204,6 +204,24 @@ async def test_the_gateway_and_the_router_generate_on_a_worker(worker, certs):
         assert chunks and chunks[-1].finish_reason
 
 
+async def test_only_the_router_reads_a_workers_cache_events(worker, certs):
+    async def first_batch(role: str) -> worker_pb2.CacheEventBatch:
+        async with open_channel(worker.servicer.info.address, role_tls(certs, role)) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).CacheEvents(
+                worker_pb2.CacheEventsRequest(), timeout=10
+            )
+            batch: worker_pb2.CacheEventBatch = await call.read()
+            call.cancel()
+            return batch
+
+    assert (await first_batch("router")).snapshot
+    for role in ("gateway", "client", "worker", "admin"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await first_batch(role)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+        assert f"CacheEvents refused for spiffe://infermesh/{role}" in refused.value.details()
+
+
 async def test_an_internal_callers_usage_is_counted_under_its_certificate(
     router, worker, certs, redis_server
 ):
@@ -226,6 +244,25 @@ async def test_an_internal_callers_usage_is_counted_under_its_certificate(
             await asyncio.sleep(0.05)
     assert counted["requests"] == 2 and counted["completion_tokens"] == expected
     assert counted["prompt_tokens"] == sum(u.prompt_tokens for u in usages[:2])
+
+
+async def test_only_the_gateway_and_router_may_fetch_a_workers_text_files(worker, certs):
+    """The others are refused by role; the two allowed reach the servicer, which answers a
+    simulated engine's NOT_FOUND."""
+
+    async def text_files(role: str) -> grpc.StatusCode:
+        async with open_channel(worker.servicer.info.address, role_tls(certs, role)) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).TextFiles(
+                worker_pb2.TextFilesRequest(), timeout=10
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [chunk async for chunk in call]
+            return refused.value.code()
+
+    for role in ("gateway", "router"):
+        assert await text_files(role) == grpc.StatusCode.NOT_FOUND
+    for role in ("client", "admin", "worker"):
+        assert await text_files(role) == grpc.StatusCode.PERMISSION_DENIED
 
 
 async def test_a_worker_certificate_cannot_list_the_fleet(router, worker, certs):

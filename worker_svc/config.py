@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infermesh.config import ConfigError, MetricsSection, load_config, section
+from infermesh.prefix_hash import BLOCK_TOKENS
 from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
@@ -167,14 +168,24 @@ class CacheSection:
     swap_space: float | None = (
         None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
     )
+    # Worker.CacheEvents: the recent events kept for a router that reconnects (more missed: a
+    # snapshot), and the events a subscriber may fall behind before it is dropped to resync
+    events_history: int = 65536
+    events_backlog: int = 65536
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size: must be at least 1, got {self.block_size}")
+        if self.block_size < 1 or self.block_size % BLOCK_TOKENS:
+            raise ValueError(
+                f"block_size: must be a positive multiple of {BLOCK_TOKENS} (the blocks the mesh "
+                f"names cached prefixes by), got {self.block_size}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        for key in ("events_history", "events_backlog"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be at least 1, got {getattr(self, key)}")
         if self.cpu_cache_bytes is not None and self.cpu_cache_bytes < 1:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
 

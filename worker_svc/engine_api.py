@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol
 
 from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
+from infermesh.text.text_files import TextFiles
+from worker_svc.cache_events import CacheEvents
 
 DeviceKind = Literal["cuda", "rocm", "cpu"]
 
@@ -104,6 +106,10 @@ class GenerationRequest:
     max_parallel: int | None = None
     dynamic_batch_timeout_ms: int | None = None
     constraints: Constraints = Constraints()
+    # the prompt as the caller rendered it with the tokenizer the digest `tokenizer` names
+    # (infermesh.text.text_files): served when it is the engine's own, else rendered again
+    prompt_token_ids: tuple[int, ...] = ()
+    tokenizer: str = ""
 
 
 @dataclass(frozen=True)
@@ -440,6 +446,9 @@ class InferenceEngine(Protocol):
 
     capabilities: DeviceCapabilities
     max_model_len: int
+    # what it renders prompts with (Capabilities.tokenizer, Worker.TextFiles)
+    text_files: TextFiles
+    cache_events: CacheEvents  # what its prefix cache stores and evicts
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts

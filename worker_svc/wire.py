@@ -4,12 +4,11 @@ caller reads it, and the failure a request ends with as a gRPC status. Both the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from infermesh.names import FINISH_REASONS
 from infermesh.pb import common_pb2
+from infermesh.text.prompt import chat_message
 from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
@@ -55,7 +54,7 @@ def to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
     hints = request.batching
     return GenerationRequest(
         request_id=request.request_id,
-        messages=[_message(m) for m in request.messages] or None,
+        messages=[chat_message(m) for m in request.messages] or None,
         prompt=request.prompt or None,
         sampling=sampling,
         max_parallel=hints.max_parallel if hints.HasField("max_parallel") else None,
@@ -63,20 +62,9 @@ def to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
             hints.dynamic_batch_timeout_ms if hints.HasField("dynamic_batch_timeout_ms") else None
         ),
         constraints=_constraints(request),
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        tokenizer=request.tokenizer,
     )
-
-
-def _message(m: common_pb2.ChatMessage) -> dict[str, Any]:
-    """A chat message in OpenAI's shape, as chat templates take it."""
-    message: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id:
-        message["tool_call_id"] = m.tool_call_id
-    return message
 
 
 def _constraints(request: common_pb2.GenerateRequest) -> Constraints:

@@ -33,8 +33,11 @@ from infermesh.pb import (
     worker_pb2_grpc,
 )
 from infermesh.ports import free_port
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from tests.helpers.e2e import new_key
 from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
+from worker_svc.engine_api import GenerationRequest, SamplingParams
+from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"
@@ -206,6 +209,35 @@ def test_stop_strings_token_ids_and_logprobs(fleet: Mesh) -> None:
         for _ in range(2)
     ]
     assert list(seeded[0].token_ids) == list(seeded[1].token_ids)
+
+
+def test_the_vllm_worker_publishes_its_cache_in_the_mesh_s_names(fleet: Mesh) -> None:
+    """vLLM's KV-cache events, as the worker's CacheEvents: a served prompt's blocks named by
+    prefix_hash. vLLM's CPU MLA caches prefixes only with AMX; without, nothing is cached, and
+    nothing is reported."""
+    stub = _worker(fleet, 0)
+    call = stub.CacheEvents(worker_pb2.CacheEventsRequest(), timeout=120)
+    before = next(call)
+    assert before.snapshot and before.epoch
+    content = f"cache events {time.monotonic_ns()}: " + "the mesh names each block. " * 30
+    first, again = (_complete(fleet, 0, content, temperature=0, max_tokens=1) for _ in range(2))
+    ids = prompt_token_ids(
+        Tokenizer(MODEL_PATH),
+        GenerationRequest("r", [{"role": "user", "content": content}], None, SamplingParams()),
+    )
+    assert first.usage.prompt_tokens == len(ids) > 4 * BLOCK_TOKENS
+    cached = again.usage.cached_prompt_tokens
+    if cached:
+        names, batch = chain(ids), before
+        while names[0] not in batch.stored:  # past what earlier tests' steps still publish
+            batch = next(call)
+        stored = list(batch.stored)
+        assert stored == names[: len(stored)]  # its whole blocks, in order
+        assert not batch.snapshot and BLOCK_TOKENS * len(stored) >= cached
+    else:
+        snapshot = next(stub.CacheEvents(worker_pb2.CacheEventsRequest(), timeout=30))
+        assert snapshot.snapshot and not snapshot.stored
+    call.cancel()
 
 
 def test_the_router_balances_the_mixed_fleet(fleet: Mesh, client: openai.OpenAI) -> None:

@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 
 from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN
+from infermesh.text.tokenizer import Tokenizer
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk
 from tests.helpers.tools import SCHEMAS, SLOW_TIMEOUT_S, TOOLS, WEATHER
 from worker_svc.config import DEFAULT_MODEL_PATH
-from worker_svc.text.tokenizer import Tokenizer
 
 _ASK = {
     "model": MODEL,

@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from infermesh.text.tokenizer import Tokenizer
 from tests.helpers import deepseek_templates
 from tests.helpers.checkpoints import variant_of
 from tests.helpers.tools import WEATHER
@@ -22,7 +23,6 @@ from worker_svc.engine_api import (
     Tool,
     merge_chunks,
 )
-from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.torch_engine.engine import Engine
 
@@ -75,7 +75,7 @@ def test_released_templates_are_served_with_their_family_tool_template(
     tiny_dir: Path, tmp_path: Path, caplog, released, model_type, served, syntax, definition
 ):
     checkpoint = variant_of(tiny_dir, tmp_path, released, model_type=model_type)
-    with caplog.at_level(logging.INFO, logger="worker_svc.text.chat_templates"):
+    with caplog.at_level(logging.INFO, logger="infermesh.text.chat_templates"):
         tokenizer = Tokenizer(checkpoint)
     assert f"cannot render tool definitions; serving with {served}" in caplog.text
     assert tokenizer.renders_tools and tokenizer.tool_format == syntax
@@ -88,7 +88,7 @@ def test_released_templates_are_served_with_their_family_tool_template(
 
 
 def test_a_template_that_renders_tools_is_kept(tiny_dir: Path, caplog):
-    with caplog.at_level(logging.INFO, logger="worker_svc.text.chat_templates"):
+    with caplog.at_level(logging.INFO, logger="infermesh.text.chat_templates"):
         tokenizer = Tokenizer(tiny_dir)
     own = json.loads((tiny_dir / "tokenizer_config.json").read_text())["chat_template"]
     assert tokenizer.hf.chat_template == own and not caplog.records

@@ -278,7 +278,7 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
         dtype=EXACT_DTYPE,
         max_model_len=64,
         parallel=ParallelSection(prefill_chunk_size=16),
-        cache=CacheSection(block_size=4, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
+        cache=CacheSection(block_size=16, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
     )
     try:
         with caplog.at_level(logging.INFO, logger="worker_svc.torch_engine.scheduler"):
@@ -436,7 +436,7 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
         model_dir,
         dtype="float32",
         parallel=ParallelSection(prefill_chunk_size=8),
-        cache=CacheSection(block_size=4),
+        cache=CacheSection(block_size=16),
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=12)

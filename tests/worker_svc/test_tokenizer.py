@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from devtools.tiny_model import ASSISTANT, BOS, USER
-from worker_svc.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from infermesh.text.tokenizer import Tokenizer
+from worker_svc.text.detokenizer import IncrementalDetokenizer
 
 _MULTIBYTE = "Hello 世界! 深度求索 🚀🎉👍🏽 naïve café — 한국어 Привет ok"
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
@@ -25,7 +26,6 @@ from worker_svc.engine_api import (
     merge_chunks,
 )
 from worker_svc.text.grammar import GrammarCompiler, apply_masks, lark_grammar
-from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.torch_engine.engine import Engine
 

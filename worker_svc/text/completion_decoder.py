@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from infermesh.names import FinishReason
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import Constraints, ToolCallDelta
-from worker_svc.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker_svc.text.detokenizer import IncrementalDetokenizer
 from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 
 # why the engine ends the sequence at this token: it is a stop token, or the last one the

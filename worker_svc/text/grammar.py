@@ -21,8 +21,8 @@ import llguidance
 import llguidance.hf
 import torch
 
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import Constraints, InvalidArgumentError
-from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.text.tool_parser import ToolMarkers
 
 logger = logging.getLogger(__name__)

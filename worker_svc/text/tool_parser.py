@@ -1,7 +1,7 @@
 """DeepSeek's tool-call output, parsed token by token into OpenAI-shaped call pieces.
 
 A turn's calls come after the model's text as ``<｜tool▁calls▁begin｜>``, the calls, then
-``<｜tool▁calls▁end｜>``, each call in its family's syntax (worker_svc.text.chat_templates):
+``<｜tool▁calls▁end｜>``, each call in its family's syntax (infermesh.text.chat_templates):
 
 - ``v3``: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
   <｜tool▁call▁end｜>``
@@ -19,8 +19,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from worker_svc.engine_api import ToolCallDelta
-from worker_svc.text.chat_templates import (
+from infermesh.text.chat_templates import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,
@@ -28,7 +27,9 @@ from worker_svc.text.chat_templates import (
     SEP,
     ToolFormat,
 )
-from worker_svc.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from infermesh.text.tokenizer import Tokenizer
+from worker_svc.engine_api import ToolCallDelta
+from worker_svc.text.detokenizer import IncrementalDetokenizer
 
 _ARGS_OPEN, _ARGS_CLOSE = "```json\n", "\n```"
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from infermesh.config import ConfigError
+from infermesh.text.tokenizer import Tokenizer
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
@@ -38,7 +40,7 @@ from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
 from worker_svc.text.completion_decoder import CompletionDecoder
 from worker_svc.text.grammar import GrammarCompiler
-from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
+from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,
@@ -71,12 +73,14 @@ class Engine:
         cache: CacheSection,
     ):
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
+        self.text_files = tokenizer.text_files
         self.max_model_len = max_model_len
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids
         self._seq_ids = itertools.count()
         self.grammars = GrammarCompiler(tokenizer, model.args.vocab_size, sorted(eos_token_ids))
-        blocks = _block_manager(model, device, max_model_len, cache)
+        self.cache_events = CacheEvents(cache.events_history, cache.events_backlog)
+        blocks = _block_manager(model, device, max_model_len, cache, self.cache_events)
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
         self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
         dtype = model.lm_head.weight.dtype
@@ -247,7 +251,11 @@ class Engine:
 
 
 def _block_manager(
-    model: Transformer, device: torch.device, max_model_len: int, cache: CacheSection
+    model: Transformer,
+    device: torch.device,
+    max_model_len: int,
+    cache: CacheSection,
+    events: CacheEvents,
 ) -> BlockManager:
     """As many blocks as the memory budget holds; at least one whole context, so any request can
     finish."""
@@ -263,7 +271,12 @@ def _block_manager(
             f"({needed * per_block} bytes); raise {knob} or "
             "lower [attention] max_model_len"
         )
-    return BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+    return BlockManager(
+        num_blocks,
+        cache.block_size,
+        cache.enable_prefix_caching,
+        events,
+    )
 
 
 def _eos_token_ids(model_dir: Path, config: dict[str, Any], tokenizer: Tokenizer) -> frozenset[int]:

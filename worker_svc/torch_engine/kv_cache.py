@@ -6,6 +6,10 @@ through the parent block's hash), so a later prompt starting with the same token
 system prompt) reuses the computed latents. Blocks nobody holds keep their contents and hash
 until they are needed again: free blocks are taken first, then the least recently freed cached
 ones. SHA-256 keeps a crafted prompt from colliding with another tenant's prefix.
+
+What the prefix cache holds is published (`CacheEvents`) in the mesh's names: each registered
+block as the `prefix_hash` hashes of its block_size / BLOCK_TOKENS sub-blocks, each evicted one
+as the same hashes removed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infermesh import prefix_hash
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection
 from worker_svc.model.model import ModelArgs
 
@@ -29,6 +35,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks whose hash is known (registered or found in the cache)
     last_hash: bytes = b""  # hash of block num_hashed - 1; b"" before the first block
+    last_name: int = prefix_hash.ROOT  # the same prefix's prefix_hash name
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -43,9 +50,19 @@ class BlockManager:
     a finished or cancelled request brings it back to 0.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: CacheEvents | None = None,
+    ):
         assert num_blocks > 0 and block_size > 0, (
             f"num_blocks={num_blocks}, block_size={block_size}"
+        )
+        # published names cover whole sub-blocks of BLOCK_TOKENS (config.CacheSection checks it)
+        assert events is None or block_size % prefix_hash.BLOCK_TOKENS == 0, (
+            f"block_size={block_size}: not a multiple of {prefix_hash.BLOCK_TOKENS}"
         )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -56,6 +73,10 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.events = events  # None: publishes nothing
+        # a registered block's prefix_hash names (the last one names its whole prefix), when
+        # publishing
+        self._names_of: dict[int, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +112,8 @@ class BlockManager:
             self._hold(block)
             table.blocks.append(block)
             table.num_hashed, table.last_hash = i + 1, h
+            if self.events is not None:
+                table.last_name = self._names_of[block][-1]
         return len(table.blocks) * bs
 
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
@@ -110,11 +133,18 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(table.num_hashed, num_computed // bs):
-            h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(table.last_hash, tokens)
             block = table.blocks[i]
             # a duplicate of a cached block stays private and is freed plainly
-            if h not in self._by_hash:
+            cached = self._by_hash.get(h)
+            if cached is None:
                 self._by_hash[h], self._hash_of[block] = block, h
+            if self.events is not None:
+                if cached is None:
+                    self._names_of[block] = prefix_hash.chain(tokens, table.last_name)
+                    self.events.stored(self._names_of[block])
+                table.last_name = self._names_of[block if cached is None else cached][-1]
             table.num_hashed, table.last_hash = i + 1, h
 
     def free(self, table: BlockTable) -> None:
@@ -128,7 +158,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
         table.blocks.clear()
-        table.num_hashed, table.last_hash = 0, b""
+        table.num_hashed, table.last_hash, table.last_name = 0, b"", prefix_hash.ROOT
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -141,6 +171,8 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
+            if self.events is not None:
+                self.events.removed(self._names_of.pop(block))
         self._refs[block] = 1
         return block
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import (
     DecodeRateMeter,
     EngineClosedError,
@@ -31,7 +32,6 @@ from worker_svc.engine_api import (
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import apply_masks
-from worker_svc.text.tokenizer import Tokenizer
 from worker_svc.torch_engine.model_runner import ModelRunner
 from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
 from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState
@@ -120,6 +120,8 @@ class StepLoop:
                 self._publish_load()
             else:
                 self._idle()
+            if (events := self._scheduler.blocks.events) is not None:
+                events.flush()  # the step's cache events as one batch
         error = EngineClosedError("engine closed during generation")
         for seq_id in list(self._requests):
             self._end(seq_id, error)

@@ -44,6 +44,8 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
+from infermesh.text.tokenizer import Tokenizer
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -69,7 +71,7 @@ from worker_svc.model.precision import (
 )
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import lark_grammar
-from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
+from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.vllm_engine.args import (
     VLLM_FP8_NEEDS,
@@ -80,6 +82,7 @@ from worker_svc.vllm_engine.args import (
     fp8_checkpoint,
     known_engine_args,
 )
+from worker_svc.vllm_engine.kv_events import VllmKvEvents
 from worker_svc.vllm_engine.output_tail import OutputTail, start_failure
 
 logger = logging.getLogger(__name__)
@@ -147,10 +150,14 @@ class VllmEngine:
         vocab_size: int,
         parallel: Batching,
         meter: _LoadMeter,
+        kv_events: VllmKvEvents,
     ) -> None:
         self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
+        self.text_files = tokenizer.text_files
         self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
+        self._kv_events = kv_events
+        self.cache_events = kv_events.events
         self._front = RequestFront(
             vocab_size=vocab_size,
             max_model_len=max_model_len,
@@ -175,6 +182,11 @@ class VllmEngine:
                 "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
                 "backend runs its grammars)"
             )
+        if "kv_events_config" in config.engine.vllm:
+            raise ConfigError(
+                "[engine.vllm] kv_events_config: the worker sets it (it reads vLLM's cache events "
+                "for Worker.CacheEvents)"
+            )
         # the worker's grammars (worker_svc.text.grammar) are llguidance's Lark
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
         if config.cache.swap_space is not None:
@@ -198,14 +210,25 @@ class VllmEngine:
         _check_engine_args(args, config.engine.vllm)
         meter = _LoadMeter()
         output = OutputTail()
+        kv_events = VllmKvEvents(
+            CacheEvents(config.cache.events_history, config.cache.events_backlog)
+        )
+        args["kv_events_config"] = kv_events.config
+        if int(args.get("data_parallel_size", 1)) > 1:
+            # vLLM's rank r publishes to the endpoint's port + r, where nobody listens
+            logger.warning("Worker.CacheEvents reports data-parallel rank 0's prefix cache only")
         try:
             with output.capture():
                 llm = AsyncLLM.from_engine_args(
                     AsyncEngineArgs(**args), stat_loggers=[_stat_logger(meter)]
                 )
         except RuntimeError as e:  # an EngineCore process failed: its output has the cause
+            kv_events.close()
             output.drain()
             raise ConfigError(start_failure(e, output.cause())) from None
+        except BaseException:
+            kv_events.close()
+            raise
         model_config = llm.vllm_config.model_config
         served = (
             "fp8"
@@ -230,6 +253,7 @@ class VllmEngine:
             model_config.get_vocab_size(),
             parallel,
             meter,
+            kv_events,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
@@ -296,6 +320,7 @@ class VllmEngine:
     async def close(self) -> None:
         self._front.close()
         self._llm.shutdown()
+        self._kv_events.close()
 
     def _prepare(self, request: GenerationRequest) -> tuple[TokensPrompt, VllmSamplingParams]:
         """The checked request as vLLM's prompt and sampling params."""
