@@ -82,14 +82,18 @@ def worker_config(i: int, router_address: str) -> WorkerConfig:
 
 async def serve_fleet(router_address: str) -> None:
     """The --fleet child: 16 simulated workers until SIGTERM."""
+    await serve_workers([worker_config(i, router_address) for i in range(len(FLEET))])
+
+
+async def serve_workers(configs: list[WorkerConfig]) -> None:
+    """Simulated workers, one gRPC server each, registered with their router until SIGTERM."""
     reporters, servers = [], []
-    for i in range(len(FLEET)):
-        config = worker_config(i, router_address)
+    for config in configs:
         server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
         servers.append(server)
         reporters.append(
             asyncio.create_task(
-                worker_server.report_to_router(router_address, servicer, config.tls)
+                worker_server.report_to_router(config.router.address, servicer, config.tls)
             )
         )
     stop = asyncio.Event()

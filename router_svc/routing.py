@@ -66,6 +66,10 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
         return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu)
 
 
+class FleetFullError(RouteError):
+    """Every worker that could serve the request is at max_parallel."""
+
+
 @dataclasses.dataclass
 class Decision:
     workers: list[WorkerEntry]  # best first: the first try, then the fallback
@@ -99,9 +103,16 @@ class Chooser:
         self._config = config
         self._turn = itertools.count()
 
-    def choose(self, fleet: Fleet, request: RouteRequest) -> Decision:
-        """The best worker and one fallback for ``request``; RouteError when none can serve it."""
+    def choose(self, fleet: Fleet, request: RouteRequest, *, free_only: bool = False) -> Decision:
+        """The best worker and one fallback for ``request``; RouteError when none can serve it.
+        ``free_only``: among the workers with a free slot only (FleetFullError when none has)."""
         group = _usable(fleet, request)
+        if free_only:
+            free = group.slots[~fleet.full(group)]
+            if not len(free):
+                raise FleetFullError(grpc.StatusCode.UNAVAILABLE, "every worker is full")
+            if len(free) < len(group):
+                group = Group.of(fleet, free)
         n = len(group)
         turn = next(self._turn) % n
         policy = self._config.policy

@@ -34,10 +34,11 @@ from infermesh.pb import (
 )
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.text.tokenizer import Tokenizer
 from tests.helpers.e2e import new_key
 from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
 from worker_svc.engine_api import GenerationRequest, SamplingParams
-from worker_svc.text.tokenizer import Tokenizer, prompt_token_ids
+from worker_svc.text.prompt import prompt_token_ids
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"

@@ -176,6 +176,23 @@ def test_an_idle_workers_repeated_report_still_resets_what_was_routed_since():
     assert fleet.busy_now[entry.slot] == 0
 
 
+def test_a_tracked_request_frees_its_slot_when_it_ends_not_at_the_next_report():
+    fleet = fleet_of(info("a"))
+    entry = fleet.entries()[0]
+    fleet.tracked_to(entry)
+    fleet.tracked_to(entry)
+    # the worker reports both, and one more from a caller this router does not see
+    fleet.set_load(entry, common_pb2.Load(running=3, report=1))
+    assert fleet.busy_now[entry.slot] == 3
+    fleet.finished(entry)  # before the next report: the slot is free at once
+    assert fleet.busy_now[entry.slot] == 2
+    fleet.set_load(entry, common_pb2.Load(running=2, report=2))
+    assert fleet.busy_now[entry.slot] == 2  # one of ours, one of theirs: not counted twice
+    for _ in range(3):  # never below zero: a stream releases what it routed, once
+        fleet.finished(entry)
+    assert fleet.tracked[entry.slot] == 0 and fleet.busy_now[entry.slot] == 1
+
+
 def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leading_bytes():
     a = common_pb2.GenerateRequest(prompt="x" * 300 + "tail one")
     b = common_pb2.GenerateRequest(prompt="x" * 300 + "tail two")
