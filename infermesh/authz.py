@@ -41,6 +41,8 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     # a worker's prompts and tokens: only the gateway and the router's relay
     **{f"{_WORKER}{m}": _PROMPT_CARRIERS for m in ("Generate", "Complete", "Tokenize", "Serve")},
     f"{_WORKER}Info": _PROMPT_CARRIERS | {"admin"},
+    # what a worker caches, for the router's cache index
+    f"{_WORKER}CacheEvents": frozenset({"router"}),
     # the gateway's routing streams and failure reports
     **{f"{_ROUTER}{m}": frozenset({"gateway"}) for m in ("Route", "RouteStream", "ReportFailure")},
     # the relayed generation: the gateway and internal callers

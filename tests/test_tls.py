@@ -204,6 +204,24 @@ async def test_the_gateway_and_the_router_generate_on_a_worker(worker, certs):
         assert chunks and chunks[-1].finish_reason
 
 
+async def test_only_the_router_reads_a_workers_cache_events(worker, certs):
+    async def first_batch(role: str) -> worker_pb2.CacheEventBatch:
+        async with open_channel(worker.servicer.info.address, role_tls(certs, role)) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).CacheEvents(
+                worker_pb2.CacheEventsRequest(), timeout=10
+            )
+            batch: worker_pb2.CacheEventBatch = await call.read()
+            call.cancel()
+            return batch
+
+    assert (await first_batch("router")).snapshot
+    for role in ("gateway", "client", "worker", "admin"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await first_batch(role)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+        assert f"CacheEvents refused for spiffe://infermesh/{role}" in refused.value.details()
+
+
 async def test_an_internal_callers_usage_is_counted_under_its_certificate(
     router, worker, certs, redis_server
 ):

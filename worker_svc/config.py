@@ -167,6 +167,10 @@ class CacheSection:
     swap_space: float | None = (
         None  # GiB of host memory for preempted sequences' cache (vLLM V0 only)
     )
+    # Worker.CacheEvents: the recent events kept for a router that reconnects (more missed: a
+    # snapshot), and the events a subscriber may fall behind before it is dropped to resync
+    events_history: int = 65536
+    events_backlog: int = 65536
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -175,6 +179,9 @@ class CacheSection:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        for key in ("events_history", "events_backlog"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be at least 1, got {getattr(self, key)}")
         if self.cpu_cache_bytes is not None and self.cpu_cache_bytes < 1:
             raise ValueError(f"cpu_cache_bytes: must be at least 1, got {self.cpu_cache_bytes}")
 

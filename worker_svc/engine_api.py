@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
+from worker_svc.cache_events import CacheEvents
 
 DeviceKind = Literal["cuda", "rocm", "cpu"]
 
@@ -440,6 +441,7 @@ class InferenceEngine(Protocol):
 
     capabilities: DeviceCapabilities
     max_model_len: int
+    cache_events: CacheEvents  # what its prefix cache stores and evicts
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Streams the completion; the last chunk carries finish_reason. Closing the iterator aborts

@@ -21,6 +21,7 @@ from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.tls import TlsSection, open_channel
 from telemetry import metrics
+from worker_svc.cache_events import CacheBatch, SubscriberDroppedError
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
     EngineOverloadedError,
@@ -69,6 +70,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext[worker_pb2.InfoRequest, worker_pb2.InfoResponse],
     ) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(worker=self.info, load=self.load())
+
+    async def CacheEvents(
+        self,
+        request: worker_pb2.CacheEventsRequest,
+        context: grpc.aio.ServicerContext[
+            worker_pb2.CacheEventsRequest, worker_pb2.CacheEventBatch
+        ],
+    ) -> AsyncIterator[worker_pb2.CacheEventBatch]:
+        events = self._engine.cache_events
+        batches = events.subscribe(request.epoch, request.after_seq)
+        try:
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    yield _batch_proto(events.epoch, batch)
+        except SubscriberDroppedError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def Tokenize(
         self,
@@ -152,6 +169,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"model {request.model!r} is not served here; "
                 f"served: {', '.join(self.info.models)}",
             )
+
+
+def _batch_proto(epoch: int, batch: CacheBatch) -> worker_pb2.CacheEventBatch:
+    return worker_pb2.CacheEventBatch(
+        epoch=epoch,
+        seq=batch.seq,
+        snapshot=batch.snapshot,
+        stored=batch.stored,
+        removed=batch.removed,
+        cleared=batch.cleared,
+    )
 
 
 class _Timing:
@@ -260,6 +288,11 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
             response_serializer=worker_pb2.InfoResponse.SerializeToString,
         ),
         "Serve": serve_handler(servicer),
+        "CacheEvents": grpc.unary_stream_rpc_method_handler(
+            servicer.CacheEvents,
+            request_deserializer=worker_pb2.CacheEventsRequest.FromString,
+            response_serializer=worker_pb2.CacheEventBatch.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)

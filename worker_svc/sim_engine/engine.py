@@ -20,7 +20,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import random
 import secrets
 import time
@@ -29,6 +28,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infermesh.config import ConfigError
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.sim_tokens import prompt_text, sim_token_ids
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -47,7 +49,6 @@ from worker_svc.sim_engine.roofline import Roofline
 
 logger = logging.getLogger(__name__)
 
-_BYTES_PER_TOKEN = 4  # prompt text is counted as ~4 UTF-8 bytes a token
 _DEFAULT_MAX_MODEL_LEN = 32768
 _WORDS = (
     "the",
@@ -120,8 +121,9 @@ class SimEngine:
         max_parallel: int,
         max_waiting: int,
         max_model_len: int = _DEFAULT_MAX_MODEL_LEN,
-        prefix_block_tokens: int = 16,
+        prefix_caching: bool = True,
         zero_latency: bool = False,
+        cache_events: CacheEvents | None = None,
     ) -> None:
         if roofline.kv_capacity_tokens < 1:
             raise ConfigError(
@@ -159,9 +161,11 @@ class SimEngine:
         self._running: list[_Sequence] = []
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._kv_used = 0
+        # blocks of BLOCK_TOKENS simulated tokens by their prefix_hash names, least recent first
         self._prefix_cache: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._block_tokens = prefix_block_tokens  # 0: no prefix caching
-        self._prefix_cache_blocks = roofline.kv_capacity_tokens // max(prefix_block_tokens, 1)
+        self._prefix_caching = prefix_caching
+        self._prefix_cache_blocks = roofline.kv_capacity_tokens // BLOCK_TOKENS
+        self.cache_events = cache_events or CacheEvents()
         self._decode_rate = DecodeRateMeter()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -196,8 +200,9 @@ class SimEngine:
             max_parallel=parallel.max_parallel,
             max_waiting=parallel.max_waiting,
             max_model_len=config.attention.max_model_len or _DEFAULT_MAX_MODEL_LEN,
-            prefix_block_tokens=cache.block_size if cache.enable_prefix_caching else 0,
+            prefix_caching=cache.enable_prefix_caching,
             zero_latency=e.zero_latency,
+            cache_events=CacheEvents(cache.events_history, cache.events_backlog),
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
@@ -236,21 +241,21 @@ class SimEngine:
 
     def prompt_tokens(self, request: GenerationRequest) -> int:
         self._front.check(request)
-        return self._counted(request)
+        return len(self._prompt_ids(request))
 
-    def _counted(self, request: GenerationRequest) -> int:
-        """The prompt's tokens, as ~4 bytes of its text each (checked by the front)."""
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's simulated token ids, 4 bytes of its text each (checked by the front)."""
         if request.constraints.active:
             # its words come from no tokenizer a grammar could mask; an answer that ignores the
             # tools or schema would look like success to the client
             raise InvalidArgumentError(
                 "tools and json_schema need a model engine; this worker is simulated"
             )
-        return math.ceil(len(_prompt_text(request).encode()) / _BYTES_PER_TOKEN)
+        return sim_token_ids(prompt_text(request.messages, request.prompt))
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        prompt_tokens = self._counted(request)
-        text = _prompt_text(request)
+        ids = self._prompt_ids(request)
+        prompt_tokens = len(ids)
         params = request.sampling
         budget = self._front.budget(prompt_tokens, params.max_tokens)
         if prompt_tokens + budget > self.roofline.kv_capacity_tokens:
@@ -259,7 +264,7 @@ class SimEngine:
                 f"tokens of KV cache; this worker "
                 f"holds {self.roofline.kv_capacity_tokens}"
             )
-        blocks = _prefix_blocks(text, self._block_tokens)
+        blocks = chain(ids) if self._prefix_caching else []
         seed = (
             params.seed
             if params.seed is not None
@@ -316,14 +321,18 @@ class SimEngine:
                 break
             self._prefix_cache.move_to_end(block)
             hits += 1
-        return min(hits * self._block_tokens, prompt_tokens - 1)
+        return min(hits * BLOCK_TOKENS, prompt_tokens - 1)
 
     def _remember_prefix(self, blocks: list[int]) -> None:
+        cache = self._prefix_cache
+        self.cache_events.stored([block for block in blocks if block not in cache])
         for block in blocks:
-            self._prefix_cache[block] = None
-            self._prefix_cache.move_to_end(block)
-        while len(self._prefix_cache) > self._prefix_cache_blocks:
-            self._prefix_cache.popitem(last=False)
+            cache[block] = None
+            cache.move_to_end(block)
+        evicted = [
+            cache.popitem(last=False)[0] for _ in range(len(cache) - self._prefix_cache_blocks)
+        ]
+        self.cache_events.removed(evicted)
 
     # ------------------------------------------------------------------ steps
 
@@ -348,6 +357,7 @@ class SimEngine:
                     self._advance(seq)
                     emitted += 1
             self._decode_rate.add(emitted)
+            self.cache_events.flush()
 
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline
@@ -395,24 +405,3 @@ class SimEngine:
         )
         if finish is not None:
             self._finish(seq)
-
-
-def _prompt_text(request: GenerationRequest) -> str:
-    """The prompt as text (check_request has checked its shape)."""
-    if request.messages is not None:
-        return "".join(f"<|{m['role']}|>{m['content']}\n" for m in request.messages)
-    assert request.prompt is not None, "check_request: exactly one of messages and prompt"
-    return request.prompt
-
-
-def _prefix_blocks(text: str, block_tokens: int) -> list[int]:
-    """Chained hashes of the prompt's whole blocks, as a paged prefix cache keys them."""
-    if block_tokens == 0:
-        return []
-    data = text.encode()
-    block_bytes = block_tokens * _BYTES_PER_TOKEN
-    blocks, previous = [], 0
-    for start in range(0, len(data) - block_bytes + 1, block_bytes):
-        previous = hash((previous, data[start : start + block_bytes]))
-        blocks.append(previous)
-    return blocks

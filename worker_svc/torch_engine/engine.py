@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from infermesh.config import ConfigError
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
     DeviceCapabilities,
@@ -72,6 +73,7 @@ class Engine:
     ):
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
         self.max_model_len = max_model_len
+        self.cache_events = CacheEvents(cache.events_history, cache.events_backlog)
         self.parallel = parallel.resolved(capabilities.device, capabilities.device_name)
         self._eos_token_ids = eos_token_ids
         self._seq_ids = itertools.count()

@@ -44,6 +44,7 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
     DecodeRateMeter,
@@ -151,6 +152,7 @@ class VllmEngine:
         self._llm, self.tokenizer, self.capabilities = llm, tokenizer, capabilities
         self._markers = ToolMarkers.of(tokenizer)
         self.max_model_len = max_model_len
+        self.cache_events = CacheEvents()
         self._front = RequestFront(
             vocab_size=vocab_size,
             max_model_len=max_model_len,
