@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -236,7 +237,7 @@ async def run_policy(address: str, workload: Workload, hashes: bool) -> list[Out
         await oracle.close()
 
 
-def summarize(outcomes: list[Outcome]) -> dict[str, float]:
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     done = [o for o in outcomes if o.done_s is not None and o.ttft_s is not None]
     ttfts = sorted(o.ttft_s for o in done if o.ttft_s is not None)
     q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else [float("nan")] * 9
@@ -252,6 +253,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, float]:
         "on_holder": sum(o.on_holder for o in later_turns) / max(len(later_turns), 1),
         "done": len(done),
         "errors": len(outcomes) - len(done),
+        "error_codes": ", ".join(sorted({o.error for o in outcomes if o.error})),
     }
 
 
@@ -301,7 +303,7 @@ def main() -> None:
         f"agent: {args.sessions} sessions x {args.turns} turns",
         flush=True,
     )
-    results: dict[tuple[str, str], dict[str, float]] = {}
+    results: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         for name in args.workload:
             workload = WORKLOADS[name](args)
@@ -316,7 +318,7 @@ def main() -> None:
                     f"hits {r['hit']:4.0%} (oracle {r['oracle']:4.0%}, "
                     f"{r['hit'] / max(r['oracle'], 1e-9):4.0%} of it)  "
                     f"on holder {r['on_holder']:4.0%}  done {r['done']:.0f}  "
-                    f"errors {r['errors']:.0f}",
+                    f"errors {r['errors']:.0f} {r['error_codes']}",
                     flush=True,
                 )
     if ("shared-prefix", "balanced") in results and ("shared-prefix", "cache_aware") in results:
