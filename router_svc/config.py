@@ -11,7 +11,7 @@ from infermesh.config import MetricsSection, load_config, section
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
-Policy = Literal["balanced", "least_load", "round_robin"]
+Policy = Literal["balanced", "least_load", "round_robin", "random"]
 
 
 @section

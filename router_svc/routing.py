@@ -1,8 +1,9 @@
 """Worker choice: filter the fleet (model, precision, GPU kind, not ejected), then rank by a policy.
 
-``round_robin`` rotates; ``least_load`` takes the lowest share of busy slots; ``balanced``
-(the default) adds KV cache use, hardware fitness (the worker's own decode speed estimate,
-so FP8 Hopper workers win for a latency-bound stream) and affinity:
+``random`` picks any worker (a benchmarks' baseline); ``round_robin`` rotates; ``least_load``
+takes the lowest share of busy slots; ``balanced`` (the default) adds KV cache use, hardware
+fitness (the worker's own decode speed estimate, so FP8 Hopper workers win for a latency-bound
+stream) and affinity:
 
 - a request that names a session (``affinity_key``: an agent's turns, which resend their whole
   growing history) goes to the session's worker while that worker has a free slot; only a full
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import random
 from typing import NamedTuple
 
 import grpc
@@ -102,6 +104,7 @@ class Chooser:
     def __init__(self, config: RoutingSection) -> None:
         self._config = config
         self._turn = itertools.count()
+        self._random = random.Random()
 
     def choose(self, fleet: Fleet, request: RouteRequest, *, free_only: bool = False) -> Decision:
         """The best worker and one fallback for ``request``; RouteError when none can serve it.
@@ -116,8 +119,11 @@ class Chooser:
         n = len(group)
         turn = next(self._turn) % n
         policy = self._config.policy
-        if policy == "round_robin":
-            picked = [group.slots[turn], group.slots[(turn + 1) % n]] if n > 1 else [group.slots[0]]
+        if policy in ("round_robin", "random"):
+            first = turn if policy == "round_robin" else self._random.randrange(n)
+            picked = (
+                [group.slots[first], group.slots[(first + 1) % n]] if n > 1 else [group.slots[0]]
+            )
             return Decision([fleet.entry_at(s) for s in picked], {"policy": policy})
         busy = fleet.busy_now[group.slots]
         cost = busy + 1

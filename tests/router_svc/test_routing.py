@@ -76,9 +76,16 @@ def test_least_load_prefers_free_slots_and_round_robin_rotates():
     assert [first_choice(rr, fleet) for _ in range(4)] == ["a", "b", "a", "b"]
 
 
+def test_random_ignores_load_and_reaches_every_worker():
+    fleet = fleet_of(info("a"), info("b"), info("c"))
+    fleet.set_load(fleet.get("a"), common_pb2.Load(running=3))
+    chooser = Chooser(RoutingSection(policy="random"))
+    assert {first_choice(chooser, fleet) for _ in range(200)} == {"a", "b", "c"}
+
+
 def test_decision_names_a_fallback_on_another_worker():
     fleet = fleet_of(info("a"), info("b"), info("c"))
-    for policy in ("round_robin", "least_load", "balanced"):
+    for policy in ("random", "round_robin", "least_load", "balanced"):
         workers = Chooser(RoutingSection(policy=policy)).choose(fleet, route()).workers
         assert len(workers) == 2 and workers[0] is not workers[1]
 
