@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
@@ -82,14 +83,18 @@ def worker_config(i: int, router_address: str) -> WorkerConfig:
 
 async def serve_fleet(router_address: str) -> None:
     """The --fleet child: 16 simulated workers until SIGTERM."""
+    await serve_workers([worker_config(i, router_address) for i in range(len(FLEET))])
+
+
+async def serve_workers(configs: list[WorkerConfig]) -> None:
+    """Simulated workers, one gRPC server each, registered with their router until SIGTERM."""
     reporters, servers = [], []
-    for i in range(len(FLEET)):
-        config = worker_config(i, router_address)
+    for config in configs:
         server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
         servers.append(server)
         reporters.append(
             asyncio.create_task(
-                worker_server.report_to_router(router_address, servicer, config.tls)
+                worker_server.report_to_router(config.router.address, servicer, config.tls)
             )
         )
     stop = asyncio.Event()
@@ -233,7 +238,10 @@ def registered(router_address: str) -> int:
     return len(reply.workers)
 
 
-def measure(policy: str, redis_url: str, requests: list[Request]) -> tuple[list[Outcome], float]:
+@contextlib.contextmanager
+def fleet_router(policy: str, redis_url: str) -> Iterator[str]:
+    """A fresh router (``policy``) on an emptied Redis, with the 16 simulated workers registered;
+    yields its address."""
     redis.Redis.from_url(redis_url).flushall()
     port = free_port()
     env = {
@@ -255,11 +263,16 @@ def measure(policy: str, redis_url: str, requests: list[Request]) -> tuple[list[
         wait_until(lambda: grpc_serving(f"127.0.0.1:{port}"), "the router")
         fleet = spawn([__file__, "--fleet", f"127.0.0.1:{port}"], env)
         wait_until(lambda: registered(f"127.0.0.1:{port}") == len(FLEET), "the fleet")
-        return asyncio.run(run_workload(f"127.0.0.1:{port}", requests))
+        yield f"127.0.0.1:{port}"
     finally:
         for proc in (fleet, router):
             if proc is not None:
                 stop(proc)
+
+
+def measure(policy: str, redis_url: str, requests: list[Request]) -> tuple[list[Outcome], float]:
+    with fleet_router(policy, redis_url) as address:
+        return asyncio.run(run_workload(address, requests))
 
 
 def summarize(policy: str, outcomes: list[Outcome], makespan_s: float) -> dict[str, float]:

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.vllm_vs_torch import _generate, _prompts, _start_worker
+from bench.vllm_vs_torch import Side, _generate, _prompts, _start_worker
 from devtools.tiny_model import write_tiny_checkpoint
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -88,7 +88,8 @@ def measure(out_dir: Path, prompts: int, max_tokens: int) -> dict[str, Any]:
     texts = _prompts(prompts)
     served: dict[str, _Served] = {}
     for kind in ("vllm", "checkpoint"):
-        proc, port = _start_worker(kind, str(model_dir), "auto", prompts, out_dir / f"{kind}.log")
+        side = Side(kind, kind, {"INFERMESH_WORKER_MODEL_DTYPE": "auto"})
+        proc, port = _start_worker(side, str(model_dir), prompts, out_dir / f"{kind}.log")
         try:
             served[kind] = asyncio.run(_run(port, _MODEL, texts, max_tokens))
         finally:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/vllm_vs_torch.py [--model-dir models/tiny-deepseek-v3-mla] [--concurrency
     1 8 32]
+    .venv/bin/python bench/vllm_vs_torch.py --fp8 [--model-dir DIR]   # vLLM in FP8 against BF16
 
 vLLM is the engine a user would pick instead of ours, so it is our engine's honest reference. One
 worker runs at a time (`[engine] kind = "checkpoint"`, then `"vllm"`), in the same dtype (the
@@ -12,6 +13,10 @@ from the start to the last token, TTFT is per request (p50 and p99); each concur
 times and the median run is shown, after a warm-up of every batch shape. Also prints how many
 leading greedy tokens the two engines agree on per prompt (the models' numerics differ from the
 first token where they diverge).
+
+`--fp8` compares vLLM with itself instead, on an FP8 checkpoint (the tiny one with DeepSeek's head
+sizes, written under --model-dir when missing): its FP8 weights (`use_native_fp8 = true`: a CPU
+with AMX) against its BF16 copy (`use_native_fp8 = false`, `dtype = "bfloat16"`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,50 @@ from pathlib import Path
 
 import grpc
 
-from devtools.tiny_model import CORPUS
+from devtools.tiny_model import CORPUS, write_tiny_checkpoint
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _START_TIMEOUT_S = 300.0
+_FP8_MODEL_DIR = "models/tiny-deepseek-v3-mla-fp8"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One worker of the comparison: its name in the table, engine kind and config overrides."""
+
+    name: str
+    kind: str
+    env: dict[str, str]
+
+
+def _sides(args: argparse.Namespace) -> tuple[Side, Side]:
+    if not args.fp8:
+        dtype = {"INFERMESH_WORKER_MODEL_DTYPE": args.dtype}
+        return Side("torch", "checkpoint", dtype), Side("vLLM", "vllm", dtype)
+    return (
+        Side(
+            "vLLM fp8",
+            "vllm",
+            {
+                "INFERMESH_WORKER_MODEL_DTYPE": "auto",
+                "INFERMESH_WORKER_QUANTIZATION_USE_NATIVE_FP8": "true",
+            },
+        ),
+        Side(
+            "vLLM bf16",
+            "vllm",
+            {
+                "INFERMESH_WORKER_MODEL_DTYPE": "bfloat16",
+                "INFERMESH_WORKER_QUANTIZATION_USE_NATIVE_FP8": "false",
+                "INFERMESH_WORKER_QUANTIZATION_DEQUANT_CACHE_DIR": str(
+                    Path(args.log_dir) / "dequant"
+                ),
+            },
+        ),
+    )
 
 
 @dataclass
@@ -103,14 +145,14 @@ async def _measure(
 
 
 def _start_worker(
-    kind: str, model_dir: str, dtype: str, max_parallel: int, log: Path
+    side: Side, model_dir: str, max_parallel: int, log: Path
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = {
         **os.environ,
-        "INFERMESH_WORKER_ENGINE_KIND": kind,
+        **side.env,
+        "INFERMESH_WORKER_ENGINE_KIND": side.kind,
         "INFERMESH_WORKER_MODEL_PATH": model_dir,
-        "INFERMESH_WORKER_MODEL_DTYPE": dtype,
         "INFERMESH_WORKER_SERVER_PORT": str(port),
         "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": str(max_parallel),
         "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
@@ -133,17 +175,16 @@ def _start_worker(
             except grpc.RpcError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     proc.kill()
-                    raise RuntimeError(f"{kind} worker did not start; see {log}") from None
+                    raise RuntimeError(f"{side.name} worker did not start; see {log}") from None
                 time.sleep(0.5)
 
 
 def _serve_and_measure(
-    kind: str, args: argparse.Namespace
+    side: Side, args: argparse.Namespace
 ) -> tuple[float, list[Run], list[list[int]]]:
     started = time.perf_counter()
-    proc, port = _start_worker(
-        kind, args.model_dir, args.dtype, max(args.concurrency), Path(args.log_dir) / f"{kind}.log"
-    )
+    log = Path(args.log_dir) / f"{side.name.replace(' ', '-')}.log"
+    proc, port = _start_worker(side, args.model_dir, max(args.concurrency), log)
     start_s = time.perf_counter() - started
     try:
         runs, greedy = asyncio.run(
@@ -163,7 +204,7 @@ def _p(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default="models/tiny-deepseek-v3-mla")
+    parser.add_argument("--model-dir", help="default models/tiny-deepseek-v3-mla (--fp8: -fp8)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
@@ -171,20 +212,27 @@ def main() -> None:
         "--repeats", type=int, default=3, help="runs per concurrency; the median is shown"
     )
     parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--fp8", action="store_true", help="vLLM's FP8 against its BF16 copy")
     args = parser.parse_args()
-    results = {kind: _serve_and_measure(kind, args) for kind in ("checkpoint", "vllm")}
+    if args.model_dir is None:
+        args.model_dir = _FP8_MODEL_DIR if args.fp8 else "models/tiny-deepseek-v3-mla"
+    if args.fp8 and not (Path(args.model_dir) / "config.json").exists():
+        write_tiny_checkpoint(args.model_dir, mla=True)
+    first, second = _sides(args)
+    results = {side.name: _serve_and_measure(side, args) for side in (first, second)}
+    a, b = first.name, second.name
     print(
         f"model {args.model_dir}, dtype {args.dtype}, {args.max_tokens} new tokens, greedy; "
         f"{os.cpu_count()} CPUs"
     )
-    for kind, (start_s, _, _) in results.items():
-        print(f"{kind:>10} worker start: {start_s:.1f} s")
+    for name, (start_s, _, _) in results.items():
+        print(f"{name:>10} worker start: {start_s:.1f} s")
     print(
-        f"{'c':>4} {'tokens torch/vLLM':>17} {'torch tok/s':>12} {'vLLM tok/s':>11} "
-        f"{'torch/vLLM':>11} "
-        f"{'TTFT p50 torch':>15} {'vLLM':>8} {'TTFT p99 torch':>15} {'vLLM':>8}"
+        f"{'c':>4} {f'tokens {a}/{b}':>17} {f'{a} tok/s':>12} {f'{b} tok/s':>11} "
+        f"{f'{a}/{b}':>11} "
+        f"{f'TTFT p50 {a}':>15} {b:>8} {f'TTFT p99 {a}':>15} {b:>8}"
     )
-    for ours, theirs in zip(results["checkpoint"][1], results["vllm"][1], strict=True):
+    for ours, theirs in zip(results[a][1], results[b][1], strict=True):
         tokens = f"{ours.tokens}/{theirs.tokens}"
         print(
             f"{ours.concurrency:>4} {tokens:>17} {ours.tokens_per_s:>12.1f} "
@@ -195,7 +243,7 @@ def main() -> None:
         )
     agree = [
         next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
-        for x, y in zip(results["checkpoint"][2], results["vllm"][2], strict=True)
+        for x, y in zip(results[a][2], results[b][2], strict=True)
     ]
     print(f"greedy tokens identical from the start, per prompt: {agree} of {args.max_tokens}")
 

@@ -142,6 +142,10 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 # DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head
 # (its nope and value widths may be narrower: 32 matches transformers as well)
 MLA_HEAD = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+# vLLM's FP8 loader (0.32) sizes a merged layer's block scales for the sum of its parts, so every
+# part but the last must be whole 128-blocks (gate of gate_up, q_a of q_a + kv_a), and its fused MoE
+# wants whole blocks of moe_intermediate_size; as in DeepSeek's checkpoints (18432, 2048, 1536)
+VLLM_FP8_BLOCKS = {"intermediate_size": 768, "moe_intermediate_size": 256, "q_lora_rank": 256}
 # V3.2's indexer in the tiny model: a prompt of 40 tokens already attends to fewer than half of them
 TINY_DSA = {"index_topk": 12, "index_n_heads": 8, "index_head_dim": 64}
 
@@ -156,7 +160,8 @@ def tiny_config(
 ) -> dict[str, Any]:
     """config.json for the tiny model; `variant`: 3 layers, YaRN, n_group 4, q_lora_rank null
     (kept for `v32`, whose indexer reads the query latent); `v32`: DeepSeek-V3.2 with TINY_DSA's
-    indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require;
+    indexer; `mla`: DeepSeek's own latent sizes (MLA_HEAD), which vLLM's CPU MLA kernels require,
+    and whole FP8 blocks where vLLM's FP8 loader needs them (VLLM_FP8_BLOCKS);
     `bf16`: BF16 weights, no quantization_config (vLLM's CPU FP8 linear kernels need AMX)."""
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -224,7 +229,7 @@ def tiny_config(
             },
         )
     if mla:
-        config.update(MLA_HEAD)
+        config.update(MLA_HEAD, **VLLM_FP8_BLOCKS)
     if bf16:
         del config["quantization_config"]
     if v32:

@@ -5,7 +5,8 @@
 with neither configured every call is refused. API keys are not admin
 credentials, and the admin token is not an API key.
 
-    POST   /admin/keys                 create: {name, expires_at?, models?, limits...}
+    POST   /admin/keys                 create: {name, expires_at?, models?, limits...,
+                                       weight? (1-1000), tier?}
                                        -> 201 {key (the plaintext, shown once), ...record}
     GET    /admin/keys                 list
     GET    /admin/keys/{id}            get
@@ -63,6 +64,9 @@ class _KeyFields(BaseModel):
     quota_tokens: Limit = None
     quota_period_tokens: Limit = None
     quota_period_s: Limit = None
+    # fair queueing when the fleet is full: the key's share, and its metrics' label
+    weight: Annotated[int, Field(ge=1, le=1000)] | None = None
+    tier: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")] | None = None
 
 
 class KeyCreate(_KeyFields):

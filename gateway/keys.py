@@ -8,7 +8,10 @@ Redis layout (limit state and usage counters: see ``gateway.limits``):
   every model); optional limits ``rpm``, ``tpm``, ``max_concurrent``, ``quota_tokens``
   (lifetime), ``quota_period_tokens`` per ``quota_period_s`` (periods aligned to the
   Unix epoch, so 86400 means UTC days); ``rotated_to`` / ``rotated_from`` (ids). A
-  limit that is absent is no limit.
+  limit that is absent is no limit. Fair queueing when the fleet is full (the router's
+  ``[fair_queue]``): optional ``weight`` (the key's share against other keys'; absent: its
+  tier's weight in the router's ``[fair_queue] tier_weights``, else 1) and ``tier`` (that
+  table's key and the label of the queue's metrics; absent: "default").
 - ``infermesh:keys``: the set of every id, so listing needs no SCAN.
 
 Every Redis key of one API key carries the hash tag ``{<id>}``, so in a Redis Cluster
@@ -49,8 +52,9 @@ LIMIT_FIELDS = (
     "quota_period_tokens",
     "quota_period_s",
 )
+QUEUE_FIELDS = ("weight", "tier")
 # Fields an operator may change after creation.
-UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS)
+UPDATABLE_FIELDS = ("name", "expires_at", "models", "disabled", *LIMIT_FIELDS, *QUEUE_FIELDS)
 
 
 def key_id(plaintext: str) -> str:
@@ -82,6 +86,8 @@ class KeyRecord:
     limits: dict[str, int]  # only the limits that are set
     rotated_to: str | None = None
     rotated_from: str | None = None
+    weight: int | None = None  # absent: 1
+    tier: str | None = None  # absent: "default"
 
     def usable(self, now_s: float) -> bool:
         return (
@@ -220,6 +226,8 @@ async def rotate_key(client: RedisClient, kid: str) -> str | None:
         "expires_at": old.expires_at,
         "models": old.models or None,
         **old.limits,
+        "weight": old.weight,
+        "tier": old.tier,
         "rotated_from": kid,
     }
     await _store(client, new_id, _fields(old.name, values))
@@ -259,6 +267,8 @@ def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | Non
         limits={f: int(fields[f]) for f in LIMIT_FIELDS if f in fields},
         rotated_to=fields.get("rotated_to"),
         rotated_from=fields.get("rotated_from"),
+        weight=int(fields["weight"]) if "weight" in fields else None,
+        tier=fields.get("tier"),
     )
 
 
@@ -273,6 +283,8 @@ class ApiKey:
     id: str
     name: str
     models: tuple[str, ...] = ()  # empty: every model
+    weight: int = 0  # its share of the router's fair queueing (0: its tier's)
+    tier: str = ""  # the queue metrics' label ("": default)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -306,7 +318,13 @@ class KeyStore:
         if record is None or not record.usable(time.time()):
             self._cache.pop(kid, None)
             return None
-        key = ApiKey(id=kid, name=record.name, models=record.models)
+        key = ApiKey(
+            id=kid,
+            name=record.name,
+            models=record.models,
+            weight=record.weight or 0,
+            tier=record.tier or "",
+        )
         if self._cache_ttl_s > 0:
             if len(self._cache) >= _CACHE_MAX_ENTRIES:
                 self._cache = {k: v for k, v in self._cache.items() if v[1] > now}

@@ -13,6 +13,12 @@ opened lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed
 cleanup context. Calls never wait for a peer that is not
 there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
 with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
+
+On the route stream an ask may wait in the router's fair queue (``[fair_queue]``) for as long
+as the request may take; a request that ends reports its worker ``finished``, so the router
+frees its slot at once, and one whose client leaves while it waits cancels its ask. The
+router's refusals (its queues full) carry a retry-after, which becomes the 429 / 503's
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
 from gateway.route_stream import RouteStream
 from gateway.route_stream import workers as route_workers
 from gateway.worker_streams import WorkerStreams
+from infermesh.bidi import retry_after_ms
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -101,7 +108,7 @@ class MeshClient:
             and not self._config.relay
             and self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
         ):
-            call.decided = self._route_stream.ask(request, self._config.control_timeout_s)
+            call.decided = self._ask(request)
         call.chunks = self._chunks(request, stream, call)
         return call
 
@@ -127,7 +134,7 @@ class MeshClient:
             async for chunk in chunks:
                 yield chunk
         except grpc.aio.AioRpcError as e:
-            raise self._error(e.code(), e.details()) from None
+            raise self._error(e.code(), e.details(), retry_after_ms(e)) from None
         except StreamFailedError as e:
             raise self._error(e.code, e.details, from_router=False) from None
         finally:
@@ -189,7 +196,7 @@ class MeshClient:
         if self._route_stream is not None:
             decided, call.decided = call.decided, None
             if decided is None:  # not asked ahead: the channel was not connected then
-                decided = self._route_stream.ask(request, self._config.control_timeout_s)
+                decided = self._ask(request)
             try:
                 decision = await decided
             except grpc.aio.AioRpcError as e:
@@ -199,7 +206,10 @@ class MeshClient:
                     raise self._unreachable() from None
                 raise
             workers = route_workers(decision)
+            # one report per routed request, however it ends: its slot is free again
+            finished: common_pb2.Route | None = workers[0]
         else:
+            finished = None
             workers = list(
                 (
                     await self._stub.Route(
@@ -209,15 +219,27 @@ class MeshClient:
             )
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         stall_s = self._config.stall_timeout_s if stream else None
-        async for chunk in stream_from_first(
-            workers,
-            lambda route: self._from_worker(route, request, stream, deadline, stall_s, call),
-            self._report_failure,
-            lambda route: route.worker_id,
-            # the long-lived streams time stalls where chunks arrive (gateway.worker_streams)
-            stall_s if self._streams is None else None,
-        ):
-            yield chunk
+        try:
+            async for chunk in stream_from_first(
+                workers,
+                lambda route: self._from_worker(route, request, stream, deadline, stall_s, call),
+                self._report_failure,
+                lambda route: route.worker_id,
+                # the long-lived streams time stalls where chunks arrive (gateway.worker_streams)
+                stall_s if self._streams is None else None,
+            ):
+                yield chunk
+        finally:
+            if finished is not None and self._route_stream is not None:
+                self._route_stream.finished(finished.worker_id)
+
+    def _ask(self, request: common_pb2.GenerateRequest) -> asyncio.Future[router_pb2.RouteDecision]:
+        """The route stream's ask for ``request``, which may wait in the router's fair queue
+        for as long as the request may take."""
+        assert self._route_stream is not None
+        return self._route_stream.ask(
+            request, self._config.control_timeout_s, wait_s=self._config.request_timeout_s
+        )
 
     async def _from_worker(
         self,
@@ -298,16 +320,24 @@ class MeshClient:
         )
 
     def _error(
-        self, code: grpc.StatusCode, details: str | None, *, from_router: bool = True
+        self,
+        code: grpc.StatusCode,
+        details: str | None,
+        retry_after_ms: int = 0,
+        *,
+        from_router: bool = True,
     ) -> GatewayError:
         """``from_router``: the router's own status, where UNAVAILABLE may mean the router
-        itself is gone; otherwise the outcome of the workers it chose."""
+        itself is gone; otherwise the outcome of the workers it chose. ``retry_after_ms``: the
+        router's estimate (its fair queue's), else ``[router] retry_after_s``."""
         reachable = not from_router or self._channel.get_state() == grpc.ChannelConnectivity.READY
         mapped = from_grpc(
             code,
             details or "",
             router_reachable=reachable,
-            retry_after_s=self._config.retry_after_s,
+            retry_after_s=-(-retry_after_ms // 1000)
+            if retry_after_ms
+            else self._config.retry_after_s,
         )
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)

@@ -105,11 +105,14 @@ class StreamOptions(BaseModel):
 
 
 class BatchingFields(BaseModel):
-    """Per-request batching hints (integers, else 400), top level or in ``extra_body``."""
+    """Per-request batching hints and queue priority (integers, else 400), top level or in
+    ``extra_body``."""
 
     model_config = STRICT
     max_parallel: UInt32 | None = None
     dynamic_batch_timeout_ms: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    # infermesh: when the fleet is full, higher first among the same key's waiting requests
+    priority: Annotated[int, Field(ge=-10, le=10)] | None = None
 
 
 class MeshRequest(BatchingFields):
@@ -157,6 +160,9 @@ class MeshRequest(BatchingFields):
         batching = self.batching()
         if batching is not None:
             request.batching.CopyFrom(batching)
+        for source in (self.extra_body, self):
+            if source is not None and source.priority is not None:
+                request.priority = source.priority
         return request
 
 

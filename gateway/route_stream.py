@@ -41,6 +41,9 @@ class _Call(SharedCall[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResp
             waiter = self.waiting.pop(decision.id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(decision)
+            elif decision.workers:  # its request is gone (cancelled, expired): not sent
+                self.outgoing.message.unused.append(decision.workers[0].worker_id)
+                self.outgoing.changed()
 
     def _fail(self, waiter: _Decided, error: grpc.aio.AioRpcError) -> None:
         if not waiter.done():
@@ -51,7 +54,7 @@ def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
     """The workers of a decision, best first; raises ``grpc.aio.AioRpcError`` with the
     router's status when it has none."""
     if decision.code:
-        raise call_error(status_code(decision.code), decision.details)
+        raise call_error(status_code(decision.code), decision.details, decision.retry_after_ms)
     return list(decision.workers)
 
 
@@ -71,28 +74,34 @@ class RouteStream:
         self._ids = itertools.count(1)
 
     def ask(
-        self, request: common_pb2.GenerateRequest, timeout_s: float
+        self, request: common_pb2.GenerateRequest, timeout_s: float, wait_s: float = 0.0
     ) -> asyncio.Future[router_pb2.RouteDecision]:
         """Sends the ask with the stream's next message; the future holds the router's
         decision (``workers`` reads it as Route's answer), or fails: the stream's status when
-        it breaks, DEADLINE_EXCEEDED after ``timeout_s``."""
+        it breaks, DEADLINE_EXCEEDED after ``timeout_s`` more than the ``wait_s`` it may wait
+        in the router's fair queue. Cancelling the future cancels the ask on the router."""
         check_size(request)
         call = self._current()
         ask_id = next(self._ids)
         loop = asyncio.get_running_loop()
         decided = loop.create_future()
         call.waiting[ask_id] = decided
-        ask = call.outgoing.message.asks.add(id=ask_id, request=request)
+        ask = call.outgoing.message.asks.add(
+            id=ask_id, request=request, timeout_ms=round(wait_s * 1000)
+        )
         if telemetry.tracing_enabled():
             propagate.inject(ask.trace_context)
         call.outgoing.changed()
         # a timer that fails the ask rather than asyncio.timeout around each wait: cheaper,
         # and the ask may be awaited later than it is sent
-        expiry = loop.call_later(timeout_s, _expire, decided)
+        expiry = loop.call_later(wait_s + timeout_s, _expire, decided)
 
         def done(_: asyncio.Future[router_pb2.RouteDecision]) -> None:
             expiry.cancel()
-            call.waiting.pop(ask_id, None)
+            if call.waiting.pop(ask_id, None) is not None and decided.cancelled():
+                # its client left while it waited: out of the router's queue
+                call.outgoing.message.cancel.append(ask_id)
+                call.outgoing.changed()
 
         decided.add_done_callback(done)
         return decided
@@ -113,6 +122,13 @@ class RouteStream:
                 call.outgoing.changed()
 
         decided.add_done_callback(hand_back)
+
+    def finished(self, worker_id: str) -> None:
+        """Tells the router that a request it routed to ``worker_id`` ended (however), so that
+        its slot counts as free at once."""
+        for call in self._calls.open(_PEER):  # the router forgets a broken stream's counts
+            call.outgoing.message.finished.append(worker_id)
+            call.outgoing.changed()
 
     def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
         """Sends the report with the stream's next message; lost if the stream breaks before

@@ -200,10 +200,30 @@ class SharedCalls(Generic[Call]):
         await asyncio.gather(*(c.close() for c in calls), *self._closing)
 
 
-def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+# Trailing metadata of a refusal that says when to try again (the router's fair queue):
+# milliseconds, as RouteDecision.retry_after_ms.
+RETRY_AFTER_MS = "retry-after-ms"
+
+
+def call_error(
+    code: grpc.StatusCode, details: str, retry_after_ms: int = 0
+) -> grpc.aio.AioRpcError:
     """One request's end on a shared call, as the failed call of its own it stands for, so
-    that callers handle both alike."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    that callers handle both alike (``retry_after_ms``: in its trailing metadata)."""
+    trailing = (
+        grpc.aio.Metadata((RETRY_AFTER_MS, str(retry_after_ms)))
+        if retry_after_ms
+        else grpc.aio.Metadata()
+    )
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+def retry_after_ms(error: grpc.aio.AioRpcError) -> int:
+    """The call's ``RETRY_AFTER_MS`` (0: none, or unreadable)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_MS and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return 0
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -1,4 +1,5 @@
-"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]``, ``[metrics]``
+"""Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]``,
+``[fair_queue]``, ``[metrics]``
 and ``[tls]`` (``infermesh.tls``) sections."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from infermesh.config import MetricsSection, load_config, section
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
-Policy = Literal["balanced", "least_load", "round_robin"]
+Policy = Literal["balanced", "least_load", "round_robin", "random"]
 
 
 @section
@@ -137,12 +138,43 @@ class RoutingSection:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
 
 
+@section
+class FairQueueSection:
+    """Fair queueing when every eligible worker is full (router_svc/fair_queue.py): asks wait
+    in per-tenant queues instead of going to a worker past its max_parallel."""
+
+    enabled: bool = False
+    max_per_tenant: int = 256  # waiting asks of one tenant; past it RESOURCE_EXHAUSTED (429)
+    max_total: int = 4096  # waiting asks in all; past it UNAVAILABLE (503)
+    # The longest wait in the queue (an ask's own deadline may be shorter); past it UNAVAILABLE.
+    max_wait_s: float = 30.0
+    # The retry-after of a refusal before the router has measured its service rate.
+    default_retry_after_ms: int = 1000
+    # The weight of a request that names none (an API key without its own), by its tier:
+    # {"gold" = 4, "free" = 1}; a tier not listed weighs 1.
+    tier_weights: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_per_tenant < 1 or self.max_total < self.max_per_tenant:
+            raise ValueError("need 1 <= max_per_tenant <= max_total")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
+        if self.default_retry_after_ms < 1:
+            raise ValueError(
+                f"default_retry_after_ms: must be >= 1, got {self.default_retry_after_ms}"
+            )
+        for tier, weight in self.tier_weights.items():
+            if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 1000:
+                raise ValueError(f"tier_weights.{tier}: must be an integer 1..1000, got {weight!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     registry: RegistrySection = dataclasses.field(default_factory=RegistrySection)
     routing: RoutingSection = dataclasses.field(default_factory=RoutingSection)
+    fair_queue: FairQueueSection = dataclasses.field(default_factory=FairQueueSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)
 

@@ -10,6 +10,7 @@ workers is a handful of vector operations. Called from the router's event loop o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -47,7 +48,6 @@ class Group:
     salt: np.ndarray  # rendezvous hashing identities
     # seconds a prompt token's prefill takes (1 / prefill tokens/s; unknown: the slowest known)
     prefill_s_per_token: np.ndarray
-    members: int  # the slots as a mask (bit slot), as the prefix index keeps its holders
     # (i mod n) x 1e-9 for i < 2n: ramp[n - k: 2n - k] rotates tie-breaks by k
     ramp: np.ndarray
 
@@ -65,12 +65,17 @@ class Group:
             slowness=1 - speed / fastest if fastest > 0 else np.zeros(len(slots)),
             salt=fleet.salt[slots],
             prefill_s_per_token=1 / np.where(prefill > 0, prefill, slowest),
-            members=sum(1 << int(slot) for slot in slots),
             ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9,
         )
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    @functools.cached_property
+    def members(self) -> int:
+        """The slots as a mask (bit slot), as the prefix index keeps its holders: computed once
+        a request with prefix hashes needs it (a group of free workers only may never)."""
+        return sum(1 << int(slot) for slot in self.slots)
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,10 +112,19 @@ class Fleet:
         self.prefill_speed = np.zeros(0)  # prefill tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
         self.in_flight = np.zeros(0)  # streams this router relays to the worker now
-        # Requests this router routed (without relaying) since the worker's last load report,
-        # which will count them: the router's own count is fresher than the last heartbeat.
+        # Requests this router routed (without relaying, to callers that do not report their
+        # end: Route) since the worker's last load report, which will count them: the
+        # router's own count is fresher than the last heartbeat.
         self.routed = np.zeros(0)
-        self.busy_now = np.zeros(0)  # max(busy + routed, in_flight)
+        # Requests routed over route streams whose callers report each one's end (and, with
+        # it, the slot it frees) at once: exact between load reports.
+        self.tracked = np.zeros(0)
+        # in_flight + tracked when the worker's last load report came: what of its load the
+        # report owes to this router's own counts
+        self.known_at_report = np.zeros(0)
+        # The worker's busy slots as this router knows them now: its report less what this
+        # router counts itself (others' load), plus routed, in_flight and tracked.
+        self.busy_now = np.zeros(0)
         self.failures = np.zeros(0)  # consecutive failed calls
         self.ejected_until = np.zeros(0)  # monotonic seconds
         self.watchers: list[FleetWatcher] = []
@@ -158,6 +172,7 @@ class Fleet:
     def set_load(self, entry: WorkerEntry, load: common_pb2.Load) -> None:
         if load != entry.load:  # a new report: it counts what was routed before it
             self.routed[entry.slot] = 0
+            self.known_at_report[entry.slot] = self.in_flight[entry.slot] + self.tracked[entry.slot]
         entry.load = load
         self.busy[entry.slot] = load.running + load.waiting
         self.kv_usage[entry.slot] = load.kv_cache_usage
@@ -229,12 +244,22 @@ class Fleet:
             self.routed[entry.slot] += 1
             self._update_busy_now(entry.slot)
 
-    def unrouted(self, entry: WorkerEntry) -> None:
-        """A request routed to the worker that its caller then did not send (never below
-        zero: a load report since the decision may already have reset the count)."""
-        if self._by_slot[entry.slot] is entry and self.routed[entry.slot] > 0:
-            self.routed[entry.slot] -= 1
+    def tracked_to(self, entry: WorkerEntry) -> None:
+        """A request routed to the worker whose caller reports its end (``finished``)."""
+        if self._by_slot[entry.slot] is entry:
+            self.tracked[entry.slot] += 1
             self._update_busy_now(entry.slot)
+
+    def finished(self, entry: WorkerEntry) -> None:
+        """A tracked request ended, or its caller did not send it (never below zero)."""
+        if self._by_slot[entry.slot] is entry and self.tracked[entry.slot] > 0:
+            self.tracked[entry.slot] -= 1
+            self._update_busy_now(entry.slot)
+
+    def full(self, group: Group) -> np.ndarray:
+        """Per worker of ``group``: True when every one of its slots is busy."""
+        full: np.ndarray = self.busy_now[group.slots] >= self.capacity[group.slots]
+        return full
 
     def ended(self, entry: WorkerEntry) -> None:
         if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
@@ -286,6 +311,8 @@ class Fleet:
         for array in (
             self.in_flight,
             self.routed,
+            self.tracked,
+            self.known_at_report,
             self.failures,
             self.ejected_until,
             self.busy,
@@ -317,7 +344,8 @@ class Fleet:
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
-        self.busy_now[slot] = max(self.busy[slot] + self.routed[slot], self.in_flight[slot])
+        others = max(self.busy[slot] - self.known_at_report[slot], 0)
+        self.busy_now[slot] = others + self.routed[slot] + self.in_flight[slot] + self.tracked[slot]
 
     def _grow(self, size: int) -> None:
         old = len(self._by_slot)
@@ -330,6 +358,8 @@ class Fleet:
             "salt",
             "in_flight",
             "routed",
+            "tracked",
+            "known_at_report",
             "busy_now",
             "failures",
             "ejected_until",

@@ -1,79 +1,201 @@
 """Router.RouteStream: route decisions and failure reports for many requests over one
 long-lived stream, so that a gateway's request costs the router a message, not a call.
 
-The asks of one message are decided together, in order, and answered in one message; a
-decision is made exactly as Route makes it (the same chooser, the same span attributes), on
-a span of its own in the ask's trace, linked to the stream's span. A caller that asked
-ahead of its own admission check names the workers of decisions it did not use, so the
-router stops counting them as routed.
+The asks of one message are decided in order and those decided at once are answered in one
+message; with fair queueing, an ask that waits for a free slot is answered by a later
+message, when its turn comes or its wait ends, unless its caller cancels it first. A decision
+is made as Route makes it (the same chooser, the same span attributes), on a span of its own
+in the ask's trace, linked to the stream's span. The caller reports each routed request's
+end (``finished``) and the decisions it did not use (``unused``: it asked ahead of its own
+admission check), so the router's count of each worker's requests stays exact; what the
+stream routed and never reported is released when the stream ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import propagate, trace
 
 from infermesh.pb import common_pb2, router_pb2
+from infermesh.tasks import cancel_and_wait
+from router_svc.fair_queue import QueueRefusedError
+from router_svc.fleet import WorkerEntry
 from router_svc.registry import RegistryUnavailableError
 from router_svc.routing import RouteError
 
 _tracer = trace.get_tracer(__name__)
 
+_Decided = asyncio.Future[list[WorkerEntry]]
+
 
 class Decider(Protocol):
-    """What a stream asks of the router (its servicer): the calls Route and ReportFailure
-    make, one per ask or report."""
+    """What a stream asks of the router (its servicer)."""
 
-    def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
-        """The workers for ``request``, counted as routed to; raises RouteError or
-        RegistryUnavailableError."""
+    def ask(self, request: common_pb2.GenerateRequest, wait_s: float) -> _Decided:
+        """The workers for ``request``, the first counted until ``released``: at once or once
+        a slot frees; fails with RouteError, RegistryUnavailableError or QueueRefusedError.
+        Cancelling it takes the ask out of the queue."""
+        ...
+
+    def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
+        """A decision's workers as Route answers them."""
         ...
 
     def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
         """Counts a routed worker's failure; ValueError for a code that is no status name."""
         ...
 
-    def unused(self, worker_id: str) -> None:
-        """A decision that routed to ``worker_id`` was not used."""
+    def released(self, worker_id: str) -> None:
+        """A request routed to ``worker_id`` ended, or was not sent."""
         ...
 
 
 async def answer(
     servicer: Decider,
     requests: AsyncIterator[router_pb2.RouteStreamRequest],
+    context: grpc.aio.ServicerContext[Any, Any],
 ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-    stream_span = trace.get_current_span().get_span_context()
-    links = [trace.Link(stream_span)] if stream_span.is_valid else []
-    async for message in requests:
-        for worker_id in message.unused:
-            servicer.unused(worker_id)
+    stream = _Stream(servicer)
+    reader = asyncio.create_task(stream.read(requests))
+    # a caller that cancels ends its requests like one done writing: only the call's end
+    # tells the two apart, and its queued asks must not wait on
+    context.add_done_callback(stream.abandon)  # type: ignore[arg-type]  # the stubs' type matches no callable
+    try:
+        while True:
+            decisions = await stream.next_decisions(reader)
+            if decisions is None:
+                if reader.done():
+                    reader.result()  # the caller's stream failed: so does this one
+                return
+            yield router_pb2.RouteStreamResponse(decisions=decisions)
+    finally:
+        reader.cancel()
+        stream.close()  # before any await: a cancelled call's task may not get past one
+        await cancel_and_wait(reader)
+
+
+class _Stream:
+    """One RouteStream call's state: its asks waiting for a decision, the decisions ready to
+    send, and the requests it routed that are not released yet, by worker."""
+
+    def __init__(self, servicer: Decider) -> None:
+        self._servicer = servicer
+        self._waiting: dict[int, _Decided] = {}
+        self._ready: list[router_pb2.RouteDecision] = []
+        self._wake = asyncio.Event()
+        self._routed: collections.Counter[str] = collections.Counter()
+        self._abandoned = False
+        stream_span = trace.get_current_span().get_span_context()
+        self._links = [trace.Link(stream_span)] if stream_span.is_valid else []
+
+    async def read(self, requests: AsyncIterator[router_pb2.RouteStreamRequest]) -> None:
+        try:
+            async for message in requests:
+                self._take(message)
+        finally:
+            self._wake.set()
+
+    async def next_decisions(
+        self, reader: asyncio.Task[None]
+    ) -> list[router_pb2.RouteDecision] | None:
+        """The decisions ready since the last call; None once the caller is done and every
+        ask is answered."""
+        while not self._ready:
+            if self._abandoned:
+                return None
+            if reader.done() and (not self._waiting or reader.exception() is not None):
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+        ready, self._ready = self._ready, []
+        return ready
+
+    def abandon(self, _: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The call ended: no decision will be read."""
+        self._abandoned = True
+        self._wake.set()
+
+    def close(self) -> None:
+        for decided in self._waiting.values():
+            if not decided.cancel() and not decided.cancelled() and not decided.exception():
+                # placed just now, its decision not sent yet: the slot is free again
+                self._routed[decided.result()[0].worker_id] += 1
+        self._waiting.clear()  # the rest are cancelled: their caller is gone
+        for worker_id, count in self._routed.items():
+            for _ in range(count):
+                self._servicer.released(worker_id)
+        self._routed.clear()
+
+    def _take(self, message: router_pb2.RouteStreamRequest) -> None:
+        for ask_id in message.cancel:
+            decided = self._waiting.pop(ask_id, None)
+            if decided is not None:
+                decided.cancel()
+        for worker_id in (*message.unused, *message.finished):
+            if self._routed[worker_id] > 0:  # a stream releases only what it routed
+                self._routed[worker_id] -= 1
+                self._servicer.released(worker_id)
         for failure in message.failures:
             # a report the router cannot read changes nothing; the caller goes on
             with contextlib.suppress(ValueError):
-                servicer.report_failure(failure)
-        if message.asks:
-            yield router_pb2.RouteStreamResponse(
-                decisions=[_decide(servicer, ask, links) for ask in message.asks]
-            )
+                self._servicer.report_failure(failure)
+        for ask in message.asks:
+            self._ask(ask)
 
+    def _ask(self, ask: router_pb2.RouteAsk) -> None:
+        parent = propagate.extract(dict(ask.trace_context))
+        span = _tracer.start_span(
+            "infermesh.v1.Router/Route",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            links=self._links,
+        )
+        with trace.use_span(span, end_on_exit=False):
+            decided = self._servicer.ask(ask.request, ask.timeout_ms / 1000)
+        if decided.done():
+            span.end()
+            self._decided(ask.id, decided)
+            return
+        self._waiting[ask.id] = decided
 
-def _decide(
-    servicer: Decider, ask: router_pb2.RouteAsk, links: list[trace.Link]
-) -> router_pb2.RouteDecision:
-    parent = propagate.extract(dict(ask.trace_context))
-    with _tracer.start_as_current_span(
-        "infermesh.v1.Router/Route", context=parent, kind=trace.SpanKind.SERVER, links=links
-    ):
-        try:
-            reply = servicer.route(ask.request)
-        except RouteError as e:
-            return router_pb2.RouteDecision(id=ask.id, code=e.code.value[0], details=str(e))
-        except RegistryUnavailableError as e:
+        def done(_: _Decided) -> None:
+            span.end()
+            if self._waiting.pop(ask.id, None) is decided:
+                self._decided(ask.id, decided)
+
+        decided.add_done_callback(done)
+
+    def _decided(self, ask_id: int, decided: _Decided) -> None:
+        if decided.cancelled():
+            return  # its caller left: no decision
+        self._ready.append(self._decision(ask_id, decided))
+        self._wake.set()
+
+    def _decision(self, ask_id: int, decided: _Decided) -> router_pb2.RouteDecision:
+        error = decided.exception()
+        if error is None:
+            workers = self._servicer.routes(decided.result())
+            self._routed[workers[0].worker_id] += 1
+            return router_pb2.RouteDecision(id=ask_id, workers=workers)
+        if isinstance(error, QueueRefusedError):
             return router_pb2.RouteDecision(
-                id=ask.id, code=grpc.StatusCode.UNAVAILABLE.value[0], details=f"{e}; retry later"
+                id=ask_id,
+                code=error.code.value[0],
+                details=str(error),
+                retry_after_ms=error.retry_after_ms,
             )
-        return router_pb2.RouteDecision(id=ask.id, workers=reply.workers)
+        if isinstance(error, RouteError):
+            return router_pb2.RouteDecision(id=ask_id, code=error.code.value[0], details=str(error))
+        if isinstance(error, RegistryUnavailableError):
+            return router_pb2.RouteDecision(
+                id=ask_id,
+                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                details=f"{error}; retry later",
+            )
+        raise error

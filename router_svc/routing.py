@@ -1,7 +1,8 @@
 """Worker choice: filter the fleet (model, precision, GPU kind, not ejected), then rank by a policy.
 
-``round_robin`` rotates; ``least_load`` takes the lowest share of busy slots; ``balanced``
-(the default) ranks by one cost, lower is better (RoutingSection says it with its keys)::
+``random`` picks any worker (a benchmarks' baseline); ``round_robin`` rotates; ``least_load``
+takes the lowest share of busy slots; ``balanced`` (the default) ranks by one cost, lower is
+better (RoutingSection says it with its keys)::
 
     load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
       + prefill_weight * (prompt_tokens - cached_tokens) / prefill_tokens_per_second   (a)
@@ -39,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -91,6 +93,10 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
         return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu)
 
 
+class FleetFullError(RouteError):
+    """Every worker that could serve the request is at max_parallel."""
+
+
 @dataclasses.dataclass
 class Decision:
     workers: list[WorkerEntry]  # best first: the first try, then the fallback
@@ -126,15 +132,26 @@ class Chooser:
         self._config = config
         self._index = index
         self._turn = itertools.count()
+        self._random = random.Random()
 
-    def choose(self, fleet: Fleet, request: RouteRequest) -> Decision:
-        """The best worker and one fallback for ``request``; RouteError when none can serve it."""
+    def choose(self, fleet: Fleet, request: RouteRequest, *, free_only: bool = False) -> Decision:
+        """The best worker and one fallback for ``request``; RouteError when none can serve it.
+        ``free_only``: among the workers with a free slot only (FleetFullError when none has)."""
         group = _usable(fleet, request)
+        if free_only:
+            free = group.slots[~fleet.full(group)]
+            if not len(free):
+                raise FleetFullError(grpc.StatusCode.UNAVAILABLE, "every worker is full")
+            if len(free) < len(group):
+                group = Group.of(fleet, free)
         n = len(group)
         turn = next(self._turn) % n
         policy = self._config.policy
-        if policy == "round_robin":
-            picked = [group.slots[turn], group.slots[(turn + 1) % n]] if n > 1 else [group.slots[0]]
+        if policy in ("round_robin", "random"):
+            first = turn if policy == "round_robin" else self._random.randrange(n)
+            picked = (
+                [group.slots[first], group.slots[(first + 1) % n]] if n > 1 else [group.slots[0]]
+            )
             return Decision([fleet.entry_at(s) for s in picked], {"policy": policy})
         busy = fleet.busy_now[group.slots]
         cost = busy + 1

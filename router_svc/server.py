@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.authz import require_address_host
+from infermesh.bidi import RETRY_AFTER_MS
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
 from infermesh.grpc_server import create_grpc_server
@@ -26,13 +27,16 @@ from router_svc import route_stream
 from router_svc.cache_events import CacheEventSubscriptions
 from router_svc.caller_usage import CallerUsage
 from router_svc.config import RouterConfig
+from router_svc.fair_queue import FairQueue, QueueRefusedError
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.prefix_index import PrefixIndex
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
-from router_svc.routing import Chooser, Decision, RouteError, RouteRequest
+from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
+
+INTERNAL_TIER = "internal"  # the queue tier of internal callers (certificate identities)
 
 _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -52,6 +56,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._fleet = registry.fleet
         self._channels = channels
         self._chooser = Chooser(config.routing, index)
+        self._queue: FairQueue[list[WorkerEntry]] | None = (
+            FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
+        )
 
     async def Register(
         self,
@@ -86,6 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.slots_changed()
         return router_pb2.HeartbeatResponse(registered=known)
 
     async def ListModels(
@@ -129,7 +137,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request: common_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        attempts = await self._decide(request, context)
+        attempts = await self._queued(request, context)
         owner = self._usage.owner(context)
         delivered = common_pb2.Usage()
         try:
@@ -148,7 +156,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request: common_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> common_pb2.GenerateResponse:
-        attempts = await self._decide(request, context)
+        attempts = await self._queued(request, context)
         try:
             async with contextlib.aclosing(
                 self._relayed(attempts, request, context, stream=False)
@@ -203,7 +211,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
         ],
     ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-        async with contextlib.aclosing(route_stream.answer(self, requests)) as responses:
+        async with contextlib.aclosing(route_stream.answer(self, requests, context)) as responses:
             async for response in responses:
                 yield response
 
@@ -229,11 +237,53 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if worker is not None:
             self._failed(worker, code, request.details, started=False)
 
-    def unused(self, worker_id: str) -> None:
-        """A caller did not send the request a decision routed to ``worker_id``."""
+    def ask(
+        self, request: common_pb2.GenerateRequest, wait_s: float
+    ) -> asyncio.Future[list[WorkerEntry]]:
+        """Route's answer for a caller that reports the request's end (``released``): at once,
+        or with fair queueing once a worker has a free slot; fails as ``route`` raises, or
+        with QueueRefusedError. Cancelling it takes the ask out of the queue."""
+        if self._queue is None:
+            decided: asyncio.Future[list[WorkerEntry]] = asyncio.get_running_loop().create_future()
+            try:
+                placed = self._place(request, free_only=False)
+            except Exception as e:
+                decided.set_exception(e)
+            else:
+                assert placed is not None, "not free_only: the full workers count too"
+                decided.set_result(placed)
+        else:
+            decided = self._queue.submit(request, request.tier, wait_s)
+        return decided
+
+    def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
+        """The workers of a decision as Route answers them."""
+        return [_route(w, with_address=True) for w in attempts]
+
+    def released(self, worker_id: str) -> None:
+        """A request ``ask`` routed to ``worker_id`` ended, or its caller did not send it."""
         worker = self._fleet.get(worker_id)
         if worker is not None:
-            self._fleet.unrouted(worker)
+            self._fleet.finished(worker)
+            self.slots_changed()
+
+    def slots_changed(self) -> None:
+        """A worker's slot may have freed: queued asks may go now."""
+        if self._queue is not None:
+            self._queue.dispatch()
+
+    def _place(
+        self, request: common_pb2.GenerateRequest, *, free_only: bool = True
+    ) -> list[WorkerEntry] | None:
+        """``decide`` among the workers with a free slot, the first counted as tracked (its
+        caller reports its end); None when every one is full."""
+        try:
+            attempts = self.decide(request, free_only=free_only)
+        except FleetFullError:
+            return None
+        trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
+        self._fleet.tracked_to(attempts[0])
+        return attempts
 
     def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
         """Route's answer, its first worker counted as routed to (the fallback is tried only
@@ -243,13 +293,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._fleet.routed_to(attempts[0])
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
-    def decide(self, request: common_pb2.GenerateRequest, routed: bool = True) -> list[WorkerEntry]:
+    def decide(
+        self, request: common_pb2.GenerateRequest, *, free_only: bool = False, routed: bool = True
+    ) -> list[WorkerEntry]:
         """The workers to try, best first, with the reasons on the current span; raises
-        RouteError or RegistryUnavailableError. ``routed``: the request will be served (not only
+        RouteError or RegistryUnavailableError (``free_only``: among the workers with a free
+        slot, FleetFullError when none has). ``routed``: the request will be served (not only
         counted), so the prefix tokens its first worker saves it count."""
         self._registry.check_available()
         decision = self._chooser.choose(
-            self._fleet, RouteRequest.of(request, self._config.routing.prefix_bytes)
+            self._fleet,
+            RouteRequest.of(request, self._config.routing.prefix_bytes),
+            free_only=free_only,
         )
         _record_decision(trace.get_current_span(), decision)
         if routed and request.prefix_hashes:
@@ -264,10 +319,40 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> list[WorkerEntry]:
         await self._check_registry(context)
         try:
-            return self.decide(request, routed)
+            return self.decide(request, routed=routed)
         except RouteError as e:
             await context.abort(e.code, str(e))
             raise  # abort raises; this keeps the type checker informed
+
+    async def _queued(
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[WorkerEntry]:
+        """``_decide`` for a relayed request, through the fair queue when it is on: the
+        tenant is an internal caller's certificate identity (else the request's own)."""
+        if self._queue is None:
+            return await self._decide(request, context)
+        await self._check_registry(context)
+        owner = self._usage.owner(context)
+        if owner:
+            request.tenant, request.tier = owner, request.tier or INTERNAL_TIER
+        try:
+            attempts = await self._queue.submit(
+                request, request.tier, context.time_remaining() or 0.0
+            )
+        except QueueRefusedError as e:
+            await context.abort(
+                e.code, str(e), trailing_metadata=((RETRY_AFTER_MS, str(e.retry_after_ms)),)
+            )
+            raise
+        except RouteError as e:
+            await context.abort(e.code, str(e))
+            raise
+        except RegistryUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
+            raise
+        # the relay counts the first worker in flight (exactly) from here
+        self._fleet.finished(attempts[0])
+        return attempts
 
     def _relayed(
         self,
@@ -319,6 +404,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield chunk
         finally:
             self._fleet.ended(worker)
+            self.slots_changed()
 
     def _failed(
         self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool
@@ -433,16 +519,20 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     )
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
-    refresher = asyncio.create_task(_follow_registry(refreshes, health))
+    refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer.slots_changed))
     return server, port, RunningRouter(registry, channels, usage, refresher, subscriptions, index)
 
 
 async def _follow_registry(
-    refreshes: AsyncIterator[bool], health: health_aio.HealthServicer
+    refreshes: AsyncIterator[bool],
+    health: health_aio.HealthServicer,
+    slots_changed: Callable[[], None],
 ) -> None:
-    """Runs the registry's refresh loop; the health service follows Redis's reachability."""
+    """Runs the registry's refresh loop; the health service follows Redis's reachability.
+    A refresh brings other routers' load reports and new workers: queued asks may go."""
     serving: bool | None = None
     async for available in refreshes:
+        slots_changed()
         if available != serving:
             serving = available
             status = (

@@ -118,6 +118,25 @@ GRPC_REFUSED = Counter(
     ["service", "method", "reason"],
 )
 
+ROUTER_QUEUE_DEPTH = Gauge(
+    "infermesh_router_queue_depth",
+    "Requests waiting in the router's fair queue for a free worker slot, by the tenant's tier",
+    ["tier"],
+)
+ROUTER_QUEUE_WAIT = Histogram(
+    "infermesh_router_queue_wait_seconds",
+    "How long requests that got a worker waited in the router's fair queue, by tier",
+    ["tier"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+ROUTER_QUEUE_REJECTED = Counter(
+    "infermesh_router_queue_rejected",
+    "Requests the router's fair queue refused, by tier and reason (tenant_full: the tenant's "
+    "queue at max_per_tenant; fleet_full: all queues at max_total; timeout: waited past the "
+    "request's deadline or max_wait_s)",
+    ["tier", "reason"],
+)
+
 
 # The router's index of the workers' prefix caches (router_svc/prefix_index.py).
 PREFIX_TOKENS_SAVED = Counter(

@@ -1,42 +1,55 @@
-"""An FP8 checkpoint through a vLLM worker where vLLM's FP8 kernels do not run: the worker serves
-its dequantized copy (worker_svc/model/dequant_cache.py) and says so.
+"""An FP8 checkpoint through vLLM workers: where vLLM's FP8 kernels do not run, a worker serves
+its dequantized copy (worker_svc/model/dequant_cache.py) and says so; where they do, FP8 weights.
 
 The checkpoint is the tiny DeepSeek-V3 with DeepSeek's attention head sizes and FP8 block-quantized
 weights, as the real one ships. `[quantization] use_native_fp8 = false` forces the BF16 branch, so
 it runs on every machine (a CPU with AMX would run FP8), and `[model] dtype = "bfloat16"` makes it
 BF16 on every CPU (the policy picks FP32 without AVX512-BF16). One mesh: that vLLM worker, and a
-torch worker on the same FP8 checkpoint in bfloat16, which dequantizes at load to the same bits.
-Then two more starts of a vLLM worker alone: one reusing the copy, one that cannot start.
+torch worker on the same FP8 checkpoint in bfloat16, which dequantizes at load to the same bits;
+on a CPU with AMX tiles (the check vLLM's CPU FP8 kernels make) a third worker, vLLM left to the
+policy, which serves FP8 there (without AMX it would be one more BF16 start of 10-50 s, so the
+machines that cannot run FP8 start only the two). Then two more starts of a vLLM worker alone: one
+reusing the copy, one that cannot start.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
+import torch
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from devtools.tiny_model import write_tiny_checkpoint
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
 
 MODEL = "tiny-deepseek-v3-mla-fp8"
-VLLM, TORCH = "vllm-worker", "torch-worker"
-_VLLM_ENV = {
+VLLM, TORCH, NATIVE = "vllm-worker", "torch-worker", "vllm-fp8-worker"
+AMX = torch.cpu._is_amx_tile_supported()
+_VLLM_ENGINE_ENV = {
     "INFERMESH_WORKER_ENGINE_KIND": "vllm",
-    "INFERMESH_WORKER_QUANTIZATION_USE_NATIVE_FP8": "false",
     "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
     "INFERMESH_WORKER_ENGINE_VLLM": '{"enforce_eager": true}',  # see tests/e2e/test_vllm.py
+}
+_VLLM_ENV = {**_VLLM_ENGINE_ENV, "INFERMESH_WORKER_QUANTIZATION_USE_NATIVE_FP8": "false"}
+# vLLM left to the policy, which picks FP8 where vLLM runs it
+_NATIVE_ENV = {
+    **_VLLM_ENGINE_ENV,
+    "INFERMESH_WORKER_SERVER_WORKER_ID": NATIVE,
+    "INFERMESH_WORKER_MODEL_DTYPE": "auto",
 }
 _PROMPTS = ("Say hello to the mesh.", "What is the capital of France?", "Count to five.")
 _GREEDY_TOKENS = 16
@@ -44,6 +57,48 @@ _GREEDY_TOKENS = 16
 # (BF16 keeps 8 bits: near -6, a 16k vocabulary's, one step is 0.03, and the two engines' sums
 # drift apart by a few steps over a continuation)
 _BF16_LOGPROB = 0.1
+# FP8 weights against their BF16 dequantization: vLLM's AMX kernels turn the FP8 weights to BF16
+# tile by tile (W8A16) and sum in their own order, up to 0.08 apart measured on an AMX Xeon; where
+# the CPU also has AMX-FP8, vLLM quantizes the activations to FP8 too (W8A8), which moves them more
+_FP8_LOGPROB = 0.15
+
+
+@dataclass(frozen=True)
+class _Served:
+    """A vLLM worker of the mesh and what it serves."""
+
+    worker_id: str
+    index: int  # in the mesh's workers
+    precision: common_pb2.Precision
+    header: str  # x-infermesh-precision
+    reason: str  # the policy's, in its start-up log
+    logprob_tolerance: float
+
+
+_SERVED = (
+    _Served(
+        VLLM,
+        0,
+        common_pb2.PRECISION_BF16,
+        "bf16",
+        "vLLM on cpu: serving bf16 ([model] dtype = 'bfloat16'; FP8 weights dequantized)",
+        _BF16_LOGPROB,
+    ),
+    *(
+        [
+            _Served(
+                NATIVE,
+                2,
+                common_pb2.PRECISION_FP8,
+                "fp8",
+                "vLLM on cpu: serving fp8 (FP8 checkpoint, and FP8 GEMMs run here)",
+                _FP8_LOGPROB,
+            )
+        ]
+        if AMX
+        else []
+    ),
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,7 +125,7 @@ def fleet(
         model_path=str(checkpoint),
         gateway_port=free_port(),
         router_port=free_port(),
-        worker_ports=(free_port(), free_port()),
+        worker_ports=tuple(free_port() for _ in range(len(_SERVED) + 1)),  # vLLM's and torch's
         env={
             "INFERMESH_WORKER_MODEL_DTYPE": "bfloat16",
             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
@@ -86,6 +141,7 @@ def fleet(
                 "INFERMESH_WORKER_SERVER_WORKER_ID": TORCH,
                 "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": "1024",
             },
+            *([_NATIVE_ENV] if AMX else []),
         ),
         log_dir=tmp_path_factory.mktemp("vllm-fp8-mesh"),
     )
@@ -122,34 +178,52 @@ def test_the_vllm_worker_serves_the_copy_in_bf16_and_says_so(fleet: Mesh) -> Non
     info = _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).worker
     assert info.worker_id == VLLM and list(info.models) == [MODEL]
     assert info.capabilities.precision == common_pb2.PRECISION_BF16
-    log = fleet.log("worker0")
-    assert "vLLM on cpu: serving bf16 ([model] dtype = 'bfloat16'; FP8 weights dequantized)" in log
-    assert "writing its torch.bfloat16 copy" in log
+    assert "writing its torch.bfloat16 copy" in fleet.log("worker0")
 
 
-def test_the_gateway_reports_bf16_for_the_vllm_worker(fleet: Mesh, e2e_redis: RedisServer) -> None:
+@pytest.mark.parametrize("served", _SERVED, ids=lambda s: s.header)
+def test_each_vllm_worker_tells_the_router_its_precision(fleet: Mesh, served: _Served) -> None:
+    with grpc.insecure_channel(fleet.spec.router_address) as channel:
+        listed = router_pb2_grpc.RouterStub(channel).ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=10
+        )
+    precisions = {w.worker.worker_id: w.worker.capabilities.precision for w in listed.workers}
+    assert precisions.get(served.worker_id) == served.precision, precisions
+    log = fleet.log(f"worker{served.index}")
+    assert served.reason in log
+    assert re.search(rf"vLLM serving \S+ in {served.header} on ", log)  # what vLLM's config says
+
+
+def test_the_gateway_reports_each_vllm_workers_precision(
+    fleet: Mesh, e2e_redis: RedisServer
+) -> None:
     client = openai.OpenAI(
         base_url=fleet.spec.base_url, api_key=new_key(e2e_redis.url), max_retries=0, timeout=120
     )
     seen: dict[str, str] = {}
-    deadline = time.monotonic() + 60
-    while VLLM not in seen and time.monotonic() < deadline:  # the router spreads requests
+    deadline = time.monotonic() + 90
+    wanted = {s.worker_id for s in _SERVED}
+    while not wanted <= seen.keys() and time.monotonic() < deadline:  # the router spreads them
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
         )
         seen[raw.headers["x-infermesh-worker"]] = raw.headers["x-infermesh-precision"]
-    assert seen.get(VLLM) == "bf16", seen
+    assert {s.worker_id: seen.get(s.worker_id) for s in _SERVED} == {
+        s.worker_id: s.header for s in _SERVED
+    }, seen
 
 
-def test_greedy_continuations_match_the_torch_engine(fleet: Mesh) -> None:
-    """The same BF16 weights on both (vLLM's from the copy, the torch engine's dequantized at load)
-    but two engines' BF16 arithmetic: they agree token for token, with log-probabilities equal to
-    BF16's precision, up to a near-tie, if any: two tokens whose log-probabilities differ by less
-    than that precision on both engines, where either choice is right (past it the contexts
+@pytest.mark.parametrize("served", _SERVED, ids=lambda s: s.header)
+def test_greedy_continuations_match_the_torch_engine(fleet: Mesh, served: _Served) -> None:
+    """The same weights on both (vLLM's FP8 ones or its copy's, the torch engine's dequantized at
+    load) but two engines' arithmetic: they agree token for token, with log-probabilities equal to
+    the served precision's, up to a near-tie, if any: two tokens whose log-probabilities differ by
+    less than that precision on both engines, where either choice is right (past it the contexts
     differ). A wrong weight changes the first tokens' log-probabilities far beyond it."""
+    tolerance = served.logprob_tolerance
     splits = []
     for prompt in _PROMPTS:
-        ours, theirs = (_greedy(fleet, i, prompt) for i in (1, 0))
+        ours, theirs = (_greedy(fleet, i, prompt) for i in (1, served.index))
         assert len(theirs.token_ids) == len(ours.token_ids) == _GREEDY_TOKENS
         split = next(
             (
@@ -161,18 +235,20 @@ def test_greedy_continuations_match_the_torch_engine(fleet: Mesh) -> None:
         )
         splits.append(split)
         assert [lp.logprob for lp in theirs.logprobs[:split]] == pytest.approx(
-            [lp.logprob for lp in ours.logprobs[:split]], abs=_BF16_LOGPROB
+            [lp.logprob for lp in ours.logprobs[:split]], abs=tolerance
         ), prompt
         if split < _GREEDY_TOKENS:
             mine, vllms = ours.logprobs[split], theirs.logprobs[split]
-            assert _near_tie(mine, vllms.token) and _near_tie(vllms, mine.token), (prompt, split)
+            assert _near_tie(mine, vllms.token, tolerance) and _near_tie(
+                vllms, mine.token, tolerance
+            ), (prompt, split)
     assert max(splits) > 1, splits  # most of the text agrees
 
 
-def _near_tie(chosen: common_pb2.TokenLogprob, other: str) -> bool:
-    """`other` is the runner-up at this position, within BF16's precision of the chosen token."""
+def _near_tie(chosen: common_pb2.TokenLogprob, other: str, tolerance: float) -> bool:
+    """`other` is the runner-up at this position, within `tolerance` of the chosen token."""
     return any(
-        top.token == other and chosen.logprob - top.logprob < _BF16_LOGPROB for top in chosen.top
+        top.token == other and chosen.logprob - top.logprob < tolerance for top in chosen.top
     )
 
 

@@ -119,6 +119,9 @@ async def test_a_stopped_key_fails_on_every_gateway_within_a_second(gateways, ac
         ("POST", "/admin/keys", {"name": "x", "tpm": 0}, 400, "tpm"),
         ("POST", "/admin/keys", {"rpm": 5}, 400, "name"),
         ("POST", "/admin/keys", {"name": "x", "models": ["a,b"]}, 400, "models.0"),
+        ("POST", "/admin/keys", {"name": "x", "weight": 0}, 400, "weight"),
+        ("POST", "/admin/keys", {"name": "x", "weight": 1.5}, 400, "weight"),
+        ("POST", "/admin/keys", {"name": "x", "tier": "Gold tier!"}, 400, "tier"),
         ("PATCH", f"/admin/keys/{'0' * 64}", {"rpm": 5}, 404, "id"),
         ("PATCH", f"/admin/keys/{'0' * 64}", {"name": None}, 400, None),
         ("POST", f"/admin/keys/{'0' * 64}/revoke", None, 404, "id"),
@@ -131,6 +134,30 @@ async def test_a_stopped_key_fails_on_every_gateway_within_a_second(gateways, ac
 async def test_admin_errors_name_the_field(gateway, method, path, body, status, param):
     response = await gateway.request(method, path, json=body, headers=ADMIN)
     assert (await _json(response, status))["error"]["param"] == param
+
+
+async def test_a_keys_weight_and_tier_are_set_kept_on_rotation_and_cleared(gateway):
+    created = await _json(
+        await gateway.post(
+            "/admin/keys", json={"name": "q", "weight": 4, "tier": "gold"}, headers=ADMIN
+        ),
+        201,
+    )
+    assert (created["weight"], created["tier"]) == (4, "gold")
+    kid = created["id"]
+    updated = await _json(
+        await gateway.patch(f"/admin/keys/{kid}", json={"weight": 2}, headers=ADMIN), 200
+    )
+    assert (updated["weight"], updated["tier"]) == (2, "gold")
+    rotated = await _json(await gateway.post(f"/admin/keys/{kid}/rotate", headers=ADMIN), 201)
+    assert (rotated["weight"], rotated["tier"]) == (2, "gold")
+    cleared = await _json(
+        await gateway.patch(
+            f"/admin/keys/{rotated['id']}", json={"weight": None, "tier": None}, headers=ADMIN
+        ),
+        200,
+    )
+    assert (cleared["weight"], cleared["tier"]) == (None, None)
 
 
 async def test_an_internal_callers_usage_is_read_by_its_identity(gateway, redis_client):

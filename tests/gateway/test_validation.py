@@ -31,6 +31,9 @@ _USER = [{"role": "user", "content": "hi"}]
         ({**CHAT, "max_parallel": 4.0}, "max_parallel"),
         ({**CHAT, "max_parallel": 0}, "max_parallel"),
         ({**CHAT, "dynamic_batch_timeout_ms": True}, "dynamic_batch_timeout_ms"),
+        ({**CHAT, "priority": 11}, "priority"),
+        ({**CHAT, "priority": "high"}, "priority"),
+        ({**CHAT, "extra_body": {"priority": 1.5}}, "extra_body.priority"),
         (
             {**CHAT, "extra_body": {"dynamic_batch_timeout_ms": "150"}},
             "extra_body.dynamic_batch_timeout_ms",

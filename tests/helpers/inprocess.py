@@ -19,6 +19,7 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection, open_channel
 from router_svc.config import (
+    FairQueueSection,
     RedisSection,
     RegistrySection,
     RouterConfig,
@@ -67,14 +68,17 @@ async def running_router(
     routing: RoutingSection | None = None,
     port: int = 0,
     certs: Path | None = None,
+    fair_queue: FairQueueSection | None = None,
 ) -> AsyncIterator[RunningRouter]:
     """A router on ``port`` (0: a free one) with its registry in Redis at ``redis_url``
     (None: a throwaway Redis of its own). Routers given the same URL share one registry.
     ``certs``: over TLS with that directory's router certificate, the test's stub calling
-    with the admin's; None: plaintext."""
+    with the admin's; None: plaintext. ``fair_queue``: its [fair_queue] (None: off)."""
     if redis_url is None:
         with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
-            async with running_router(ttl_s, redis_server.url, routing, port, certs) as router:
+            async with running_router(
+                ttl_s, redis_server.url, routing, port, certs, fair_queue
+            ) as router:
                 yield router
         return
     config = RouterConfig(
@@ -82,6 +86,7 @@ async def running_router(
         redis=RedisSection(url=redis_url),
         registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
         routing=routing or RoutingSection(),
+        fair_queue=fair_queue or FairQueueSection(),
         tls=tls_of(certs, "router"),
     )
     server, port, resources = await create_router(config)

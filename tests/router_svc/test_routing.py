@@ -78,9 +78,16 @@ def test_least_load_prefers_free_slots_and_round_robin_rotates():
     assert [first_choice(rr, fleet) for _ in range(4)] == ["a", "b", "a", "b"]
 
 
+def test_random_ignores_load_and_reaches_every_worker():
+    fleet = fleet_of(info("a"), info("b"), info("c"))
+    fleet.set_load(fleet.get("a"), common_pb2.Load(running=3))
+    chooser = Chooser(RoutingSection(policy="random"))
+    assert {first_choice(chooser, fleet) for _ in range(200)} == {"a", "b", "c"}
+
+
 def test_decision_names_a_fallback_on_another_worker():
     fleet = fleet_of(info("a"), info("b"), info("c"))
-    for policy in ("round_robin", "least_load", "balanced"):
+    for policy in ("random", "round_robin", "least_load", "balanced"):
         workers = Chooser(RoutingSection(policy=policy)).choose(fleet, route()).workers
         assert len(workers) == 2 and workers[0] is not workers[1]
 
@@ -176,6 +183,23 @@ def test_an_idle_workers_repeated_report_still_resets_what_was_routed_since():
     assert fleet.busy_now[entry.slot] == 1
     fleet.set_load(entry, common_pb2.Load(report=2))  # equal figures, but a new report
     assert fleet.busy_now[entry.slot] == 0
+
+
+def test_a_tracked_request_frees_its_slot_when_it_ends_not_at_the_next_report():
+    fleet = fleet_of(info("a"))
+    entry = fleet.entries()[0]
+    fleet.tracked_to(entry)
+    fleet.tracked_to(entry)
+    # the worker reports both, and one more from a caller this router does not see
+    fleet.set_load(entry, common_pb2.Load(running=3, report=1))
+    assert fleet.busy_now[entry.slot] == 3
+    fleet.finished(entry)  # before the next report: the slot is free at once
+    assert fleet.busy_now[entry.slot] == 2
+    fleet.set_load(entry, common_pb2.Load(running=2, report=2))
+    assert fleet.busy_now[entry.slot] == 2  # one of ours, one of theirs: not counted twice
+    for _ in range(3):  # never below zero: a stream releases what it routed, once
+        fleet.finished(entry)
+    assert fleet.tracked[entry.slot] == 0 and fleet.busy_now[entry.slot] == 1
 
 
 def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leading_bytes():

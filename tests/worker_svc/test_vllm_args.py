@@ -152,6 +152,24 @@ def test_use_native_fp8_false_serves_an_fp8_checkpoint_dequantized(tmp_path: Pat
     assert engine_args(config, H200, "bf16")["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("key", ["q_lora_rank", "intermediate_size", "moe_intermediate_size"])
+def test_fp8_sizes_vllm_cannot_load_in_blocks_are_named(tmp_path: Path, key: str) -> None:
+    """In FP8 a size of part blocks is named before vLLM's child process fails on it; the same
+    checkpoint dequantized has no blocks, and DeepSeek-V3's own sizes are whole blocks."""
+    block = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    v3 = {"q_lora_rank": 1536, "intermediate_size": 18432, "moe_intermediate_size": 2048}
+    config = _config(tmp_path, "", **block, **(v3 | {key: 704}))
+    with pytest.raises(ConfigError) as error:
+        engine_args(config, H200, "fp8")
+    assert str(error.value) == (
+        f"[model] path: {tmp_path}'s {key} (704) is not a multiple of its FP8 weight block (128), "
+        "which vLLM's FP8 loader needs: serve a dequantized copy ([quantization] "
+        "use_native_fp8 = false)"
+    )
+    assert engine_args(config, H200, "bf16")["dtype"] == "bfloat16"
+    assert engine_args(_config(tmp_path, "", **block, **v3), H200, "fp8")["dtype"] == "bfloat16"
+
+
 def test_a_cpu_cache_without_room_for_one_context(tmp_path: Path) -> None:
     config = _config(
         tmp_path,
@@ -186,6 +204,19 @@ def test_on_a_cpu_vllm_rotates_with_its_pytorch_rope(tmp_path: Path) -> None:
     assert engine_args(overridden, Devices(0), "bf16")["compilation_config"] == {
         "custom_ops": ["none"]
     }
+
+
+def test_on_a_cpu_with_amx_mla_outside_bf16_runs_vllm_s_reference_backend(tmp_path: Path) -> None:
+    # vLLM's AMX MLA kernels, its choice wherever AMX is, refuse float32 weights
+    config = _config(tmp_path, "", max_position_embeddings=256)
+    amx = Devices(0, cpu_amx=True)
+    assert engine_args(config, amx, "fp32")["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in engine_args(config, amx, "bf16")
+    assert "attention_backend" not in engine_args(config, Devices(0), "fp32")
+    chosen = _config(
+        tmp_path, '[engine.vllm]\nattention_backend = "AMX_MLA"\n', max_position_embeddings=256
+    )
+    assert engine_args(chosen, amx, "fp32")["attention_backend"] == "AMX_MLA"
 
 
 def test_an_unknown_engine_argument_is_named() -> None:

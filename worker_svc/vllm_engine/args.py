@@ -33,6 +33,10 @@ _DTYPES: dict[Precision, str] = {
 # positions and k_pe's rotation overwrites the latent, so every step of 2+ tokens goes wrong.
 # Switching the custom op off runs vLLM's PyTorch RoPE, which is right for every layout.
 _CPU_ROPE_KERNEL_OFF = "-rotary_embedding"
+# vLLM (0.32) runs MLA on its AMX kernels wherever the CPU has AMX tiles, whatever the dtype, and
+# those take only BF16 weights ("expect weight to be bfloat16"): other dtypes get its reference
+# CPU MLA backend, which any dtype runs.
+_CPU_MLA_BACKEND = "CPU_MLA"
 # Where this vLLM (0.32) runs a checkpoint's block-scaled FP8 weights, read from its kernel
 # choices: on CUDA its Fp8Config wants compute capability 7.5 (Marlin's weight-only FP8 up to 8.9,
 # FP8 GEMMs from Ada on; V100 has neither); on ROCm its block-scaled kernels (AITER, Triton's FP8
@@ -48,6 +52,11 @@ VLLM_FP8_NEEDS: dict[DeviceKind, str] = {
     "block-scaled FP8 kernels",
     "cpu": "needs a CPU with AMX tiles (Sapphire Rapids or newer) for vLLM's CPU FP8 kernels",
 }
+# The checkpoint sizes vLLM's FP8 loader (0.32) needs in whole weight blocks: it sizes a merged
+# layer's block scales for the sum of its parts, so every part but the last must be whole blocks
+# (q_a of q_a + kv_a, gate of gate_up, in the dense layers and the shared experts), and its fused
+# MoE checks moe_intermediate_size itself; else the load fails deep in a child process
+_VLLM_FP8_WHOLE_BLOCKS = ("q_lora_rank", "intermediate_size", "moe_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,8 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     check_fp8(config, devices, fp8_checkpoint)
     parallel = config.parallel
     _check_layout(config, devices, checkpoint)
+    if precision == "fp8":
+        _check_fp8_blocks(config, checkpoint)
     args: dict[str, Any] = {
         "model": config.model.path,
         "served_model_name": config.model.served_name,
@@ -106,6 +117,8 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     else:  # on a CPU: vLLM's cache budget (gpu_memory_utilization would reserve a share of RAM)
         args["kv_cache_memory_bytes"] = _cpu_cache_bytes(config, checkpoint, precision)
         args["compilation_config"] = {"custom_ops": [_CPU_ROPE_KERNEL_OFF]}
+        if devices.cpu_amx and _DTYPES[precision] != "bfloat16" and "kv_lora_rank" in checkpoint:
+            args["attention_backend"] = _CPU_MLA_BACKEND
     args.update(config.engine.vllm)
     return args
 
@@ -140,6 +153,20 @@ def check_fp8(config: WorkerConfig, devices: Devices, fp8_checkpoint: bool) -> N
             f"[quantization] use_native_fp8 = true, but {config.model.path} has no FP8 weights "
             "(no quantization_config): serve its FP8 release, or unset use_native_fp8"
         )
+
+
+def _check_fp8_blocks(config: WorkerConfig, checkpoint: dict[str, Any]) -> None:
+    block = checkpoint.get("quantization_config", {}).get("weight_block_size")
+    if not block:
+        return  # per-tensor scales: no blocks to align
+    for key in _VLLM_FP8_WHOLE_BLOCKS:
+        size = checkpoint.get(key)
+        if size and size % block[0]:
+            raise ConfigError(
+                f"[model] path: {config.model.path}'s {key} ({size}) is not a multiple of its FP8 "
+                f"weight block ({block[0]}), which vLLM's FP8 loader needs: serve a dequantized "
+                "copy ([quantization] use_native_fp8 = false)"
+            )
 
 
 def _check_layout(config: WorkerConfig, devices: Devices, checkpoint: dict[str, Any]) -> None:
