@@ -2,6 +2,7 @@
 choosing a worker, without I/O (target: p99 <= 100 us).
 
     .venv/bin/python bench/router_decision.py [--workers 1000] [--decisions 20000]
+        [--blocks 3000] [--index-memory]
 
 Times exactly the hot path of RouterServicer.Generate before the worker call: RouteRequest.of
 (the prompt prefix hash) and Chooser.choose over the router's local Fleet view. The fleet is a
@@ -9,26 +10,42 @@ mix of the GPU profiles with varied load; each decision starts a stream on the c
 and an older one ends, so loads and in-flight counts move as in service. Redis is not on this
 path: the registry is copied into the Fleet in the background (router_svc/registry.py).
 Prints p50/p99/max per policy.
+
+Then the same for ``balanced`` with requests carrying ``prefix_hashes`` (1k-80k-token prompts)
+over a prefix index as the workers' cache events would fill it: 64 system prompts of 2k-8k tokens,
+each cached on a few dozen workers, and per worker agent sessions (a system prompt and a history,
+1k-80k tokens in all) up to ``--blocks`` cached blocks each, on the session's worker (one in ten
+on another, where it was passed on once). Four requests in five continue a session (its history
+and a new turn, with its affinity key), one in five starts a new one. The hashes
+are the gateway's work (computed before the clock starts); the lookup of the longest cached prefix
+per candidate is timed with the choice. ``--index-memory`` measures the index's bytes per cached
+(worker, block) pair with tracemalloc on a smaller fleet.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import random
 import statistics
 import time
+import tracemalloc
+from array import array
+from typing import NamedTuple
 
 from infermesh.pb import common_pb2
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from router_svc.config import Policy, RoutingSection
 from router_svc.fleet import Fleet, WorkerEntry
+from router_svc.prefix_index import PrefixIndex
 from router_svc.routing import Chooser, RouteRequest
 
-_KINDS = [  # (device name, precision, max_parallel, decode tokens/s)
-    ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0),
-    ("NVIDIA A100-SXM4-80GB", common_pb2.PRECISION_BF16, 8, 45.0),
-    ("NVIDIA H100 80GB HBM3", common_pb2.PRECISION_FP8, 8, 152.0),
-    ("AMD Instinct MI100", common_pb2.PRECISION_BF16, 4, 56.0),
+_KINDS = [  # (device name, precision, max_parallel, decode tokens/s, prefill tokens/s)
+    ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0, 2500.0),
+    ("NVIDIA A100-SXM4-80GB", common_pb2.PRECISION_BF16, 8, 45.0, 8000.0),
+    ("NVIDIA H100 80GB HBM3", common_pb2.PRECISION_FP8, 8, 152.0, 20000.0),
+    ("AMD Instinct MI100", common_pb2.PRECISION_BF16, 4, 56.0, 3000.0),
 ]
 _MODELS = ["deepseek-v3", "deepseek-r1"]
 _PROMPT_PREFIXES = 64
@@ -37,7 +54,7 @@ _PROMPT_PREFIXES = 64
 def build_fleet(workers: int, rng: random.Random) -> Fleet:
     fleet = Fleet(ttl_s=3)
     for i in range(workers):
-        name, precision, max_parallel, speed = _KINDS[i % len(_KINDS)]
+        name, precision, max_parallel, speed, prefill = _KINDS[i % len(_KINDS)]
         info = common_pb2.WorkerInfo(
             worker_id=f"worker-{i:04d}",
             address=f"10.0.{i // 250}.{i % 250}:50061",
@@ -48,6 +65,7 @@ def build_fleet(workers: int, rng: random.Random) -> Fleet:
                 precision=precision,
                 max_parallel=max_parallel,
                 decode_tokens_per_second=speed,
+                prefill_tokens_per_second=prefill,
             ),
         )
         running = rng.randrange(max_parallel + 1)
@@ -80,24 +98,126 @@ def requests(rng: random.Random, count: int) -> list[common_pb2.GenerateRequest]
     ]
 
 
-def time_policy(policy: Policy, workers: int, decisions: int) -> list[float]:
+def tokens(rng: random.Random, count: int) -> array[int]:
+    return array("I", rng.randbytes(4 * count))
+
+
+def build_index(
+    fleet: Fleet, rng: random.Random, blocks_per_worker: int, sessions_per_worker: int = 4
+) -> tuple[PrefixIndex, list[tuple[str, array[int]]]]:
+    """An index as the workers' cache events fill it, and the sessions cached in it (affinity
+    key, prompt token ids): each on its session's worker, one in ten on another (passed on when
+    its worker was full)."""
+    config = RoutingSection()
+    index = PrefixIndex(config.index_max_blocks, config.index_max_probes)
+    homes = Chooser(config)  # no index: the sessions' own workers
+    systems = [tokens(rng, rng.randrange(2000, 8000)) for _ in range(_PROMPT_PREFIXES)]
+    entries = fleet.entries()
+    held: dict[int, list[int]] = {entry.slot: [] for entry in entries}
+    sessions: list[tuple[str, array[int]]] = []
+    for i in range(len(entries) * sessions_per_worker):
+        key = f"session-{i}"
+        ask = common_pb2.GenerateRequest(model=_MODELS[0], affinity_key=key)
+        if rng.random() < 0.9:
+            slot = homes.choose(fleet, RouteRequest.of(ask, config.prefix_bytes)).workers[0].slot
+        else:
+            slot = rng.choice(entries).slot
+        room = blocks_per_worker - len(held[slot])
+        if room <= 0:
+            continue
+        system = rng.choice(systems)
+        total = min(rng.randrange(1000, 80000), room * BLOCK_TOKENS)
+        history = (system + tokens(rng, max(total - len(system), 0)))[:total]
+        held[slot] += chain(history)
+        sessions.append((key, history))
+    for slot, blocks in held.items():
+        index.apply(slot, blocks, ())
+    return index, sessions
+
+
+def prefix_requests(
+    rng: random.Random, count: int, sessions: list[tuple[str, array[int]]]
+) -> list[common_pb2.GenerateRequest]:
+    distinct = []
+    for _ in range(min(count, 500)):
+        if rng.random() < 0.8:
+            key, history = rng.choice(sessions)
+            ids = history + tokens(rng, rng.randrange(50, 2000))
+        else:
+            key, ids = "", rng.choice(sessions)[1][:4000] + tokens(rng, rng.randrange(1000, 76000))
+        distinct.append(
+            common_pb2.GenerateRequest(model=_MODELS[0], affinity_key=key, prefix_hashes=chain(ids))
+        )
+    return [rng.choice(distinct) for _ in range(count)]
+
+
+class Timings(NamedTuple):
+    wall_us: list[float]
+    cpu_us: list[float]  # this thread's CPU time: without the waits of a shared machine
+    cached_tokens: list[int]  # of the chosen worker, as the index predicted
+
+
+def time_policy(
+    policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0
+) -> Timings:
     rng = random.Random(1)
     fleet = build_fleet(workers, rng)
-    chooser = Chooser(RoutingSection(policy=policy))
     prefix_bytes = RoutingSection().prefix_bytes
-    batch = requests(rng, decisions)
+    if blocks_per_worker:
+        index, sessions = build_index(fleet, rng, blocks_per_worker)
+        chooser = Chooser(RoutingSection(policy=policy), index)
+        batch = prefix_requests(rng, decisions, sessions)
+    else:
+        chooser = Chooser(RoutingSection(policy=policy))
+        batch = requests(rng, decisions)
     open_streams: collections.deque[WorkerEntry] = collections.deque()
     concurrent = workers * 3  # streams in flight across the fleet
-    times = []
+    timings = Timings([], [], [])
     for request in batch:
-        start = time.perf_counter_ns()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         decision = chooser.choose(fleet, RouteRequest.of(request, prefix_bytes))
-        times.append((time.perf_counter_ns() - start) / 1000)
+        timings.cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
+        timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
+        timings.cached_tokens.append(decision.cached_tokens)
         fleet.started(decision.workers[0])
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
-    return times[decisions // 10 :]  # after warm-up
+    warm = decisions // 10
+    return Timings(timings.wall_us[warm:], timings.cpu_us[warm:], timings.cached_tokens[warm:])
+
+
+def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, float]:
+    """Bytes per (worker, block) pair: blocks held by one worker each, then the same blocks held
+    by every worker (the cost of each further holder)."""
+    rng = random.Random(3)
+    hashes = chain(tokens(rng, workers * blocks_per_worker * BLOCK_TOKENS))
+    results = []
+    for shared in (False, True):
+        gc.collect()
+        tracemalloc.start()
+        index = PrefixIndex(max_blocks=len(hashes))
+        for slot in range(workers):
+            held = (
+                hashes[:blocks_per_worker]
+                if shared
+                else hashes[slot * blocks_per_worker :][:blocks_per_worker]
+            )
+            # the hashes arrive in messages: the index holds its own int objects
+            index.apply(slot, [int(str(h)) for h in held], ())
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        pairs = workers * blocks_per_worker
+        results.append(size / pairs)
+        del index
+    return results[0], results[1]
+
+
+def report(name: str, timings: Timings) -> None:
+    wall, cpu = sorted(timings.wall_us), sorted(timings.cpu_us)
+    p50, p99 = statistics.quantiles(wall, n=100)[49], statistics.quantiles(wall, n=100)[98]
+    cpu50, cpu99 = statistics.quantiles(cpu, n=100)[49], statistics.quantiles(cpu, n=100)[98]
+    print(f"{name:<12} {p50:>8.1f} {p99:>8.1f} {wall[-1]:>8.1f} {cpu50:>8.1f} {cpu99:>8.1f}")
 
 
 def main() -> None:
@@ -106,13 +226,27 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=20000)
+    parser.add_argument("--blocks", type=int, default=3000, help="cached blocks per worker")
+    parser.add_argument("--index-memory", action="store_true")
     args = parser.parse_args()
+    if args.index_memory:
+        one, further = index_bytes_per_block(100, 2000)
+        print(
+            f"index: {one:.0f} bytes per block held by one worker, {further:.0f} per further holder"
+        )
+        return
     print(f"{args.workers} workers, {args.decisions} decisions per policy (first 10% not counted)")
-    print(f"{'policy':<12} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
+    print(f"{'policy':<12} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'cpu p50':>8} {'cpu p99':>8}")
     for policy in ("round_robin", "least_load", "balanced"):
-        times = sorted(time_policy(policy, args.workers, args.decisions))
-        p50, p99 = statistics.quantiles(times, n=100)[49], statistics.quantiles(times, n=100)[98]
-        print(f"{policy:<12} {p50:>8.1f} {p99:>8.1f} {times[-1]:>8.1f}")
+        report(policy, time_policy(policy, args.workers, args.decisions))
+    started = time.perf_counter()
+    timings = time_policy("balanced", args.workers, args.decisions, args.blocks)
+    print(
+        f"with prefix_hashes over an index of {args.blocks} blocks per worker "
+        f"(built in {time.perf_counter() - started:.0f} s; chosen workers had "
+        f"{statistics.mean(timings.cached_tokens):.0f} prompt tokens cached on average):"
+    )
+    report("balanced", timings)
 
 
 if __name__ == "__main__":

@@ -72,10 +72,20 @@ class RegistrySection:
 
 @section
 class RoutingSection:
-    """The worker choice. ``balanced`` ranks by a weighted cost (lower is better):
+    """The worker choice. ``balanced`` ranks by one weighted cost (lower is better):
     ``load_weight`` x (busy + 1) / max_parallel + ``kv_weight`` x KV cache use
-    + ``hardware_weight`` x (1 - decode speed / fastest candidate's)
-    - ``affinity_weight`` if the worker is the prompt prefix's home."""
+    + ``hardware_weight`` x (1 - decode speed / fastest candidate's), and then
+
+    - for a request with ``prefix_hashes``: + ``prefill_weight`` x the seconds of prefill left on
+      the worker, (prompt tokens - tokens of the prompt's prefix its cache holds, as the workers'
+      cache events say) / its prefill tokens per second; a worker over the bounded-load share
+      (``affinity_load_factor``) counts no cached tokens;
+    - otherwise: - ``affinity_weight`` if the worker is the home of the prompt's leading
+      ``prefix_bytes`` (rendezvous hashing under the same load bound).
+
+    ``index_max_blocks`` bounds how many cached blocks the router remembers per worker,
+    ``index_max_probes`` the dict probes of one lookup (router_svc/prefix_index.py);
+    ``cache_events = false`` subscribes to no worker's cache events (the index stays empty)."""
 
     RENAMED = {
         "eject_cooldown_ms": "eject_cooldown_s (seconds)",
@@ -89,6 +99,14 @@ class RoutingSection:
     kv_weight: float = 0.5
     hardware_weight: float = 0.5
     affinity_weight: float = 0.5
+    # per second of prefill a worker would still have to do for the prompt: one second weighs
+    # as much as a full worker's load
+    prefill_weight: float = 1.0
+    cache_events: bool = True
+    # cached blocks the index remembers per worker: 2**16 of 16 tokens hold a million tokens
+    index_max_blocks: int = 65536
+    # dict probes a prefix lookup may spend (past them, shallower prefixes are counted short)
+    index_max_probes: int = 32
     prefix_bytes: int = 256  # leading prompt bytes whose hash is the prefix affinity key
     # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
     affinity_load_factor: float = 1.25
@@ -100,13 +118,22 @@ class RoutingSection:
     stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        weights = (self.load_weight, self.kv_weight, self.hardware_weight, self.affinity_weight)
+        weights = (
+            self.load_weight,
+            self.kv_weight,
+            self.hardware_weight,
+            self.affinity_weight,
+            self.prefill_weight,
+        )
         if any(w < 0 for w in weights):
             raise ValueError("the *_weight keys must be >= 0")
         if self.prefix_bytes < 1 or self.affinity_load_factor < 1:
             raise ValueError("need prefix_bytes >= 1 and affinity_load_factor >= 1")
         if self.failures_to_eject < 1 or self.eject_cooldown_s < 0:
             raise ValueError("need failures_to_eject >= 1 and eject_cooldown_s >= 0")
+        for key in ("index_max_blocks", "index_max_probes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
 

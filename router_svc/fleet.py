@@ -10,10 +10,12 @@ workers is a handful of vector operations. Called from the router's event loop o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -22,6 +24,16 @@ from infermesh.pb import common_pb2
 logger = logging.getLogger(__name__)
 
 _INITIAL_SLOTS = 64
+# Prefill speed assumed for a worker that reports none, when no candidate reports one either
+_UNKNOWN_PREFILL_TOKENS_PER_S = 10_000.0
+
+
+class FleetWatcher(Protocol):
+    """Told when a worker joins the fleet (or re-registers at another address) and leaves it."""
+
+    def joined(self, entry: WorkerEntry) -> None: ...
+
+    def left(self, entry: WorkerEntry) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +46,8 @@ class Group:
     capacity_share: np.ndarray  # max_parallel / the group's total
     slowness: np.ndarray  # 1 - decode speed / the fastest's (all 0 when none is known)
     salt: np.ndarray  # rendezvous hashing identities
+    # seconds a prompt token's prefill takes (1 / prefill tokens/s; unknown: the slowest known)
+    prefill_s_per_token: np.ndarray
     # (i mod n) x 1e-9 for i < 2n: ramp[n - k: 2n - k] rotates tie-breaks by k
     ramp: np.ndarray
 
@@ -42,17 +56,26 @@ class Group:
         capacity = fleet.capacity[slots]
         speed = fleet.speed[slots]
         fastest = speed.max(initial=0.0)
+        prefill = fleet.prefill_speed[slots]
+        slowest = prefill[prefill > 0].min(initial=_UNKNOWN_PREFILL_TOKENS_PER_S)
         return cls(
             slots=slots,
             inverse_capacity=1 / capacity,
             capacity_share=capacity / max(capacity.sum(), 1),
             slowness=1 - speed / fastest if fastest > 0 else np.zeros(len(slots)),
             salt=fleet.salt[slots],
+            prefill_s_per_token=1 / np.where(prefill > 0, prefill, slowest),
             ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9,
         )
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    @functools.cached_property
+    def members(self) -> int:
+        """The slots as a mask (bit slot), as the prefix index keeps its holders: computed once
+        a request with prefix hashes needs it (a group of free workers only may never)."""
+        return sum(1 << int(slot) for slot in self.slots)
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +109,7 @@ class Fleet:
         self.kv_usage = np.zeros(0)
         self.capacity = np.ones(0)  # max_parallel
         self.speed = np.zeros(0)  # decode tokens/s the worker estimates (0: unknown)
+        self.prefill_speed = np.zeros(0)  # prefill tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
         self.in_flight = np.zeros(0)  # streams this router relays to the worker now
         # Requests this router routed (without relaying, to callers that do not report their
@@ -103,7 +127,13 @@ class Fleet:
         self.busy_now = np.zeros(0)
         self.failures = np.zeros(0)  # consecutive failed calls
         self.ejected_until = np.zeros(0)  # monotonic seconds
+        self.watchers: list[FleetWatcher] = []
         self._grow(_INITIAL_SLOTS)
+
+    @property
+    def slot_count(self) -> int:
+        """The length of the slot-indexed arrays (free slots included)."""
+        return len(self._by_slot)
 
     # ------------------------------------------------------------------ membership
 
@@ -125,9 +155,13 @@ class Fleet:
                     info.address,
                     entry.info.address,
                 )
+            moved = entry.info.address != info.address
             entry.info = info
             self._groups.clear()
             self._set_static(entry)
+            if moved:
+                for watcher in self.watchers:
+                    watcher.joined(entry)
         elif entry is None:
             entry = self._add(info, registered_at, now)
         entry.expires_at = now + expires_in_s
@@ -159,6 +193,8 @@ class Fleet:
         self._by_slot[entry.slot] = None
         self._free.append(entry.slot)
         self._groups.clear()
+        for watcher in self.watchers:
+            watcher.left(entry)
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._entries.get(worker_id)
@@ -296,12 +332,15 @@ class Fleet:
             info.capabilities.device_name,
             common_pb2.Precision.Name(info.capabilities.precision),
         )
+        for watcher in self.watchers:
+            watcher.joined(entry)
         return entry
 
     def _set_static(self, entry: WorkerEntry) -> None:
         caps = entry.info.capabilities
         self.capacity[entry.slot] = max(caps.max_parallel, 1)
         self.speed[entry.slot] = caps.decode_tokens_per_second
+        self.prefill_speed[entry.slot] = caps.prefill_tokens_per_second
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
@@ -315,6 +354,7 @@ class Fleet:
             "kv_usage",
             "capacity",
             "speed",
+            "prefill_speed",
             "salt",
             "in_flight",
             "routed",

@@ -1,23 +1,38 @@
 """Worker choice: filter the fleet (model, precision, GPU kind, not ejected), then rank by a policy.
 
 ``random`` picks any worker (a benchmarks' baseline); ``round_robin`` rotates; ``least_load``
-takes the lowest share of busy slots; ``balanced`` (the default) adds KV cache use, hardware
-fitness (the worker's own decode speed estimate, so FP8 Hopper workers win for a latency-bound
-stream) and affinity:
+takes the lowest share of busy slots; ``balanced`` (the default) ranks by one cost, lower is
+better (RoutingSection says it with its keys)::
 
-- a request that names a session (``affinity_key``: an agent's turns, which resend their whole
-  growing history) goes to the session's worker while that worker has a free slot; only a full
-  worker passes the session on. Its history is cached there, and agents' prompts all begin with
-  the same system prompt, so nothing else could tell their sessions apart.
-- other requests whose prompts share their leading bytes get a bonus on the same worker, where
-  that prefix is cached, with bounded load: a worker above ``affinity_load_factor`` x its
-  capacity-weighted fair share of the busy slots is passed over, so a hot prefix spreads instead
-  of queueing.
+    load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
+      + prefill_weight * (prompt_tokens - cached_tokens) / prefill_tokens_per_second   (a)
+      - affinity_weight * [the worker is the home of the prompt's leading bytes]       (b)
 
-Both homes are found by rendezvous (highest random weight) hashing of the key over the workers.
+(a) with ``prefix_hashes``, (b) without. ``cached_tokens`` is the longest prefix of the request's
+``prefix_hashes`` that the worker's cache holds, as the workers' cache events have told the
+router's index (prefix_index.py); a worker past the bounded-load share (``affinity_load_factor``
+x its capacity-weighted fair share of the busy slots) counts none, so a hot prefix spreads instead
+of queueing. The term is in seconds of prefill still to do: what a cache saves a request is time
+to its first token, which depends on the prompt's length and the worker's prefill speed (so a
+long prompt also prefers fast prefill hardware), and one weight then says what a second of
+prefill is worth against load; a bonus proportional to the share cached would rank a cached 200
+tokens like a cached 80,000.
+
+Sessions (``affinity_key``: an agent's turns, which resend their whole growing history) go to the
+session's worker while it has a free slot; only a full worker passes the session on. Its history
+is cached there, and agents' prompts all begin with the same system prompt, so without the
+request's ``prefix_hashes`` nothing else could tell their sessions apart. With them, a session
+whose history the index finds cached further on another worker with a free slot follows the
+cache (its worker was full once and passed it on), once its own worker holds the prompt's first
+block: a new session stays on its worker even when the system prompt it shares with others is
+cached only elsewhere yet, so that sessions spread.
+
+Prompt-byte homes (b) and session homes are found by rendezvous (highest random weight) hashing
+of the key over the workers; (b) is only for requests without ``prefix_hashes``.
 
 Everything is vectorized over the candidates' slots in the Fleet's arrays: a decision over a
-thousand workers takes tens of microseconds and no I/O (bench/router_decision.py).
+thousand workers takes tens of microseconds and no I/O, the prefix lookup included
+(bench/router_decision.py).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import dataclasses
 import hashlib
 import itertools
 import random
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import grpc
@@ -33,8 +49,10 @@ import numpy as np
 
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2
+from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
+from router_svc.prefix_index import PrefixIndex
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # a splitmix64 multiplier: mixes (salt ^ key)
 
@@ -58,12 +76,19 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     prefix_weight: float = 1.0
     gpu: str = ""  # a GPU kind the worker must be of; "": any
     session: bool = False  # prefix_key names a session: its worker takes it while not full
+    prefix_hashes: Sequence[int] = ()  # the prompt's blocks (infermesh/prefix_hash.py)
+    prompt_tokens: int = 0  # known with prefix_hashes
 
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
         model, precision, gpu = request.model, request.precision, request.gpu
+        hashes = request.prefix_hashes
+        tokens = max(len(request.prompt_token_ids), len(hashes) * BLOCK_TOKENS)
         if request.affinity_key:
-            return cls(model, precision, _hash64(request.affinity_key.encode()), 1.0, gpu, True)
+            key = _hash64(request.affinity_key.encode())
+            return cls(model, precision, key, 1.0, gpu, True, hashes, tokens)
+        if hashes:
+            return cls(model, precision, 0, 0.0, gpu, False, hashes, tokens)
         head = _prompt_head(request, prefix_bytes)
         return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu)
 
@@ -76,6 +101,7 @@ class FleetFullError(RouteError):
 class Decision:
     workers: list[WorkerEntry]  # best first: the first try, then the fallback
     reasons: dict[str, str | float | bool | int]  # for the span: why the first was chosen
+    cached_tokens: int = 0  # of the prompt, in the first worker's cache as the index predicts
 
 
 def prefix_key(request: common_pb2.GenerateRequest, prefix_bytes: int) -> int:
@@ -99,10 +125,12 @@ def _hash64(data: bytes) -> int:
 
 
 class Chooser:
-    """Picks workers by the configured policy. One per router process."""
+    """Picks workers by the configured policy, reading the workers' cached prefixes in
+    ``index``. One per router process."""
 
-    def __init__(self, config: RoutingSection) -> None:
+    def __init__(self, config: RoutingSection, index: PrefixIndex | None = None) -> None:
         self._config = config
+        self._index = index
         self._turn = itertools.count()
         self._random = random.Random()
 
@@ -129,14 +157,20 @@ class Chooser:
         cost = busy + 1
         cost *= group.inverse_capacity  # the share of its slots busy once this request is in
         home = -1
+        cached = None
         if policy == "balanced":
             config = self._config
             cost *= config.load_weight
             cost += config.kv_weight * fleet.kv_usage[group.slots]
             cost += config.hardware_weight * group.slowness
+            if request.prefix_hashes:
+                cached = self._cached_tokens(fleet, group, request)
+                self._add_prefill_cost(cost, group, busy, request.prompt_tokens, cached)
             if request.session:
                 home = _session_home(group, busy, request.prefix_key)
-            else:
+                if cached is not None and cached.any():
+                    home = _follow_cache(group, busy, cached, home)
+            elif not request.prefix_hashes:
                 home = self._affinity_home(group, busy, request.prefix_key)
                 cost[home] -= config.affinity_weight * request.prefix_weight
         cost += group.ramp[n - turn : 2 * n - turn]  # equal costs: rotate which wins
@@ -153,14 +187,46 @@ class Chooser:
             "load": float((busy[best] + 1) * group.inverse_capacity[best]),
             "candidates": n,
         }
+        cached_tokens = 0 if cached is None else int(cached[best])
         if policy == "balanced":
             reasons |= {
                 "kv_usage": float(fleet.kv_usage[slot]),
                 "hardware": float(group.slowness[best]),
                 "prefix_home": best == home,
                 "session": request.session,
+                "cached_tokens": cached_tokens,
             }
-        return Decision([fleet.entry_at(group.slots[i]) for i in order], reasons)
+        workers = [fleet.entry_at(group.slots[i]) for i in order]
+        return Decision(workers, reasons, cached_tokens)
+
+    def _cached_tokens(self, fleet: Fleet, group: Group, request: RouteRequest) -> np.ndarray:
+        """Each candidate's tokens of the prompt's prefix in its cache (all 0 without an index)."""
+        blocks = None
+        if self._index is not None:
+            blocks = self._index.cached_blocks(
+                request.prefix_hashes, group.members, fleet.slot_count
+            )
+        if blocks is None:
+            return np.zeros(len(group), dtype=np.int64)
+        cached: np.ndarray = blocks[group.slots] * BLOCK_TOKENS  # prompt_tokens counts whole blocks
+        return cached
+
+    def _add_prefill_cost(
+        self,
+        cost: np.ndarray,
+        group: Group,
+        busy: np.ndarray,
+        prompt_tokens: int,
+        cached: np.ndarray,
+    ) -> None:
+        """Term (a) added to ``cost``: prefill_weight x the seconds of prefill left, with no
+        cache counted on a worker past its bounded-load share."""
+        weight_s = self._config.prefill_weight * group.prefill_s_per_token
+        if cached.any():
+            fair = self._config.affinity_load_factor * (busy.sum() + 1)
+            cost += (prompt_tokens - cached * (busy < fair * group.capacity_share)) * weight_s
+        else:
+            cost += prompt_tokens * weight_s
 
     def _affinity_home(self, group: Group, busy: np.ndarray, key: int) -> int:
         """Index (into the group) of the prefix's worker: the highest rendezvous hash of
@@ -190,6 +256,21 @@ def _session_home(group: Group, busy: np.ndarray, key: int) -> int:
     x[busy * group.inverse_capacity >= 1] = 0
     home = int(x.argmax())
     return home if x[home] else -1
+
+
+def _follow_cache(group: Group, busy: np.ndarray, cached: np.ndarray, home: int) -> int:
+    """The session's worker, or the one with a free slot caching more of its prompt, once the
+    session's worker holds the prompt's first block: a worker holding none of it has not served
+    the session, whose first turns then stay there even when the system prompt they share is
+    cached elsewhere only (so that new sessions spread)."""
+    at_home = cached[home] if home >= 0 else 0
+    best = int(cached.argmax())
+    if cached[best] <= at_home or (home >= 0 and not at_home):
+        return home  # no other worker caches more: no need to look at free slots
+    free = busy * group.inverse_capacity < 1
+    if not free[best]:
+        best = int(np.where(free, cached, -1).argmax())
+    return best if free[best] and cached[best] > at_home else home
 
 
 def _usable(fleet: Fleet, request: RouteRequest) -> Group:

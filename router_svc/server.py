@@ -24,10 +24,12 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from router_svc import route_stream
+from router_svc.cache_events import CacheEventSubscriptions
 from router_svc.caller_usage import CallerUsage
 from router_svc.config import RouterConfig
 from router_svc.fair_queue import FairQueue, QueueRefusedError
 from router_svc.fleet import Fleet, WorkerEntry
+from router_svc.prefix_index import PrefixIndex
 from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
 from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
 from telemetry import metrics
@@ -46,13 +48,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         registry: Registry,
         channels: WorkerChannels,
         usage: CallerUsage,
+        index: PrefixIndex | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
         self._usage = usage
         self._fleet = registry.fleet
         self._channels = channels
-        self._chooser = Chooser(config.routing)
+        self._chooser = Chooser(config.routing, index)
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
         )
@@ -185,7 +188,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> common_pb2.TokenizeResponse:
         """Asks the workers the request would be routed to, in order, until one answers; a
         worker's answer (a count, or its refusal of the request) is the caller's."""
-        attempts = await self._decide(request, context)
+        attempts = await self._decide(request, context, routed=False)
         error: grpc.aio.AioRpcError | None = None
         for worker in attempts:
             stub = self._channels.stub(worker.info.address)
@@ -291,11 +294,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
     def decide(
-        self, request: common_pb2.GenerateRequest, *, free_only: bool = False
+        self, request: common_pb2.GenerateRequest, *, free_only: bool = False, routed: bool = True
     ) -> list[WorkerEntry]:
         """The workers to try, best first, with the reasons on the current span; raises
         RouteError or RegistryUnavailableError (``free_only``: among the workers with a free
-        slot, FleetFullError when none has)."""
+        slot, FleetFullError when none has). ``routed``: the request will be served (not only
+        counted), so the prefix tokens its first worker saves it count."""
         self._registry.check_available()
         decision = self._chooser.choose(
             self._fleet,
@@ -303,14 +307,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             free_only=free_only,
         )
         _record_decision(trace.get_current_span(), decision)
+        if routed and request.prefix_hashes:
+            _count_saved(decision)
         return decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
 
     async def _decide(
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        routed: bool = True,
     ) -> list[WorkerEntry]:
         await self._check_registry(context)
         try:
-            return self.decide(request)
+            return self.decide(request, routed=routed)
         except RouteError as e:
             await context.abort(e.code, str(e))
             raise  # abort raises; this keeps the type checker informed
@@ -445,10 +454,16 @@ def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:
     )
 
 
+def _count_saved(decision: Decision) -> None:
+    metrics.PREFIX_TOKENS_SAVED.labels(decision.workers[0].worker_id).inc(decision.cached_tokens)
+    metrics.PREFIX_TOKENS_SAVED_PER_REQUEST.observe(decision.cached_tokens)
+
+
 def _record_decision(span: trace.Span, decision: Decision) -> None:
     """The choice and its reasons as span attributes: infermesh.route.order (first try, then
-    the fallback), .policy, .candidates, .load and, for balanced, .kv_usage, .hardware and
-    .prefix_home."""
+    the fallback), .policy, .candidates, .load and, for balanced, .kv_usage, .hardware,
+    .prefix_home, .session and .cached_tokens (of the prompt, in the first worker's cache as
+    the router's index predicts)."""
     span.set_attribute("infermesh.route.order", [w.worker_id for w in decision.workers])
     for name, value in decision.reasons.items():
         span.set_attribute(f"infermesh.route.{name}", value)
@@ -463,14 +478,19 @@ class RunningRouter:
         channels: WorkerChannels,
         usage: CallerUsage,
         refresher: asyncio.Task[None],
+        subscriptions: CacheEventSubscriptions,
+        index: PrefixIndex,
     ) -> None:
         self.registry = registry
+        self.index = index
         self._channels = channels
         self._usage = usage
         self._refresher = refresher
+        self._subscriptions = subscriptions
 
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
+        await self._subscriptions.close()
         await self._channels.close()
         await self._usage.close()
         await self.registry.close()
@@ -485,7 +505,11 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     usage = CallerUsage(
         redis_client(config.redis.url, timeout_s=config.redis.timeout_s, retries=False)
     )
-    servicer = RouterServicer(config, registry, channels, usage)
+    index = PrefixIndex(config.routing.index_max_blocks, config.routing.index_max_probes)
+    subscriptions = CacheEventSubscriptions(index, channels)
+    if config.routing.cache_events:
+        registry.fleet.watchers.append(subscriptions)
+    servicer = RouterServicer(config, registry, channels, usage, index)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
@@ -496,7 +520,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
     refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer.slots_changed))
-    return server, port, RunningRouter(registry, channels, usage, refresher)
+    return server, port, RunningRouter(registry, channels, usage, refresher, subscriptions, index)
 
 
 async def _follow_registry(

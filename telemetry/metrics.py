@@ -138,6 +138,47 @@ ROUTER_QUEUE_REJECTED = Counter(
 )
 
 
+# The router's index of the workers' prefix caches (router_svc/prefix_index.py).
+PREFIX_TOKENS_SAVED = Counter(
+    "infermesh_router_prefix_tokens_saved",
+    "Prompt tokens the chosen worker had cached, as the router's index predicted, by worker",
+    ["worker"],
+)
+PREFIX_TOKENS_SAVED_PER_REQUEST = Histogram(
+    "infermesh_router_prefix_tokens_saved_per_request",
+    "Prompt tokens the chosen worker had cached per request routed with prefix hashes",
+    buckets=(0, 16, 256, 1024, 4096, 16384, 32768, 65536, 131072),
+)
+INDEX_BLOCKS = Gauge(
+    "infermesh_router_index_blocks", "Cached blocks the router's index holds, by worker", ["worker"]
+)
+INDEX_SIZE = Gauge(
+    "infermesh_router_index_size", "Distinct cached blocks in the router's index, all workers'"
+)
+CACHE_EVENTS = Counter(
+    "infermesh_router_cache_events",
+    "Workers' cache events the router applied (blocks stored and removed), by worker",
+    ["worker"],
+)
+CACHE_RESYNCS = Counter(
+    "infermesh_router_cache_resyncs",
+    "Snapshots that replaced a worker's blocks in the index, by worker and reason (start: the "
+    "first; gap: a seq skipped; epoch: the worker's cache started over; stale: the worker no "
+    "longer had the events after the router's last)",
+    ["worker", "reason"],
+)
+CACHE_EVENTS_CONNECTED = Gauge(
+    "infermesh_router_cache_events_connected",
+    "1 while the router's cache-event stream from the worker is open, by worker",
+    ["worker"],
+)
+CACHE_BATCH_APPLY = Histogram(
+    "infermesh_router_cache_batch_apply_seconds",
+    "Time the router's event loop spent applying one cache-event batch to its index",
+    buckets=(0.00001, 0.0001, 0.001, 0.01, 0.1, 1),
+)
+
+
 class MetricsEndpoint(Protocol):
     """Where /metrics is served: a service's ``[metrics]`` config section
     (infermesh.config.MetricsSection), taken as a value so telemetry depends on no config

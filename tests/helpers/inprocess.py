@@ -105,12 +105,13 @@ async def running_worker(
     worker_id: str = "",
     max_parallel: int | None = None,
     certs: Path | None = None,
+    port: int = 0,
 ) -> AsyncIterator[RunningWorker]:
-    """A worker registered with ``router`` (the context waits for it); ``max_parallel`` is
-    what it reports (None: its device's default), give the engine's. ``certs``: over TLS with
-    that directory's worker certificate; None: plaintext."""
+    """A worker on ``port`` (0: a free one) registered with ``router`` (the context waits for
+    it); ``max_parallel`` is what it reports (None: its device's default), give the engine's.
+    ``certs``: over TLS with that directory's worker certificate; None: plaintext."""
     config = WorkerConfig(
-        server=WorkerServerSection(port=0, worker_id=worker_id),
+        server=WorkerServerSection(port=port, worker_id=worker_id),
         router=RouterSection(address=router.address),
         parallel=ParallelSection(max_parallel=max_parallel),
         tls=tls_of(certs, "worker"),

@@ -12,8 +12,10 @@ import grpc
 import pytest
 
 from infermesh.pb import common_pb2
+from infermesh.prefix_hash import chain
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet
+from router_svc.prefix_index import PrefixIndex
 from router_svc.routing import Chooser, RouteError, RouteRequest, prefix_key
 from tests.helpers.fleet import BF16, info
 
@@ -270,3 +272,79 @@ def test_a_thousand_workers_grow_the_arrays():
     decision = chooser.choose(fleet, route())
     assert decision.reasons["candidates"] == 1000
     assert dataclasses.asdict(RoutingSection())["policy"] == "balanced"
+
+
+def cached_on(fleet: Fleet, holdings: dict[str, list[int]]) -> PrefixIndex:
+    index = PrefixIndex(max_blocks=10_000)
+    for worker_id, hashes in holdings.items():
+        entry = fleet.get(worker_id)
+        assert entry is not None
+        index.apply(entry.slot, hashes, ())
+    return index
+
+
+def with_hashes(hashes: list[int], session: str = "", prompt: str = "x") -> RouteRequest:
+    request = common_pb2.GenerateRequest(
+        model="m", prompt=prompt, prefix_hashes=hashes, affinity_key=session
+    )
+    return RouteRequest.of(request, 256)
+
+
+def test_the_worker_caching_the_longest_prefix_wins_and_the_byte_window_is_not_used():
+    fleet = fleet_of(*(info(f"w{i}") for i in range(6)))
+    hashes = chain(list(range(16 * 40)))
+    index = cached_on(fleet, {"w1": hashes[:10], "w4": hashes[:30], "w5": hashes[:2]})
+    chooser = Chooser(RoutingSection(), index)
+    decision = chooser.choose(fleet, with_hashes(hashes))
+    assert [w.worker_id for w in decision.workers] == ["w4", "w1"]
+    assert decision.cached_tokens == decision.reasons["cached_tokens"] == 30 * 16
+    assert decision.reasons["prefix_home"] is False
+    # the same prompt without hashes: its leading bytes' home, whatever the index holds
+    byte_home = first_choice(Chooser(RoutingSection()), fleet, route(prompt="x"))
+    assert first_choice(chooser, fleet, route(prompt="x")) == byte_home
+
+
+def test_a_cache_saves_more_on_slow_prefill_hardware_and_load_still_counts():
+    slow, fast = info("slow"), info("fast")
+    slow.capabilities.prefill_tokens_per_second = 1000.0
+    fast.capabilities.prefill_tokens_per_second = 20000.0
+    fleet = fleet_of(slow, fast)
+    hashes = chain(list(range(16 * 64)))
+    # load weighs nothing here: only the bound below can pass the cache over
+    config = RoutingSection(hardware_weight=0, load_weight=0)
+    chooser = Chooser(config, cached_on(fleet, {"slow": hashes}))
+    # 1,024 tokens: one second of prefill on the slow worker, saved by its cache
+    assert first_choice(chooser, fleet, with_hashes(hashes)) == "slow"
+    # nothing cached: the fast prefill wins
+    assert first_choice(chooser, fleet, with_hashes(chain(list(range(1, 16 * 64 + 1))))) == "fast"
+    # past its bounded-load share the cache counts for nothing: the prefix spreads
+    fleet.set_load(fleet.get("slow"), common_pb2.Load(running=3))
+    assert first_choice(chooser, fleet, with_hashes(hashes)) == "fast"
+
+
+def test_a_session_follows_its_history_cached_elsewhere_while_that_worker_has_room():
+    fleet = fleet_of(*(info(f"w{i}", max_parallel=2) for i in range(4)))
+    system, history = chain(list(range(16 * 8))), chain(list(range(16 * 40)))
+    chooser = Chooser(RoutingSection(), PrefixIndex(max_blocks=10_000))
+    home = first_choice(chooser, fleet, with_hashes(system, session="s"))
+    elsewhere = next(f"w{i}" for i in range(4) if f"w{i}" != home)
+    index = cached_on(fleet, {w.worker_id: system for w in fleet.entries()})
+    chooser = Chooser(RoutingSection(), index)
+    assert first_choice(chooser, fleet, with_hashes(history, session="s")) == home
+    entry = fleet.get(elsewhere)
+    assert entry is not None
+    index.apply(entry.slot, history[:20], ())
+    decision = chooser.choose(fleet, with_hashes(history, session="s"))
+    assert decision.workers[0].worker_id == elsewhere and decision.cached_tokens == 20 * 16
+    fleet.set_load(entry, common_pb2.Load(running=2))  # full: the session's own worker again
+    assert first_choice(chooser, fleet, with_hashes(history, session="s")) == home
+
+
+def test_a_new_session_stays_on_its_worker_though_its_system_prompt_is_cached_elsewhere():
+    fleet = fleet_of(*(info(f"w{i}", max_parallel=2) for i in range(4)))
+    system = chain(list(range(16 * 8)))
+    home = first_choice(Chooser(RoutingSection()), fleet, with_hashes(system, session="s"))
+    elsewhere = next(f"w{i}" for i in range(4) if f"w{i}" != home)
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {elsewhere: system}))
+    decision = chooser.choose(fleet, with_hashes(system + chain(list(range(9, 200))), "s"))
+    assert decision.workers[0].worker_id == home and decision.cached_tokens == 0
