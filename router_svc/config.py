@@ -73,15 +73,15 @@ class RegistrySection:
 @section
 class RoutingSection:
     """The worker choice. ``balanced`` ranks by one weighted cost (lower is better):
-    ``load_weight`` x (busy + 1) / max_parallel + ``kv_weight`` x KV cache use
-    + ``hardware_weight`` x (1 - decode speed / fastest candidate's), and then
+    ``load_weight`` x (busy + 1) / max_parallel, and then
 
     - for a request with ``prefix_hashes``: + ``prefill_weight`` x the seconds of prefill left on
       the worker, (prompt tokens - tokens of the prompt's prefix its cache holds, as the workers'
-      cache events say) / its prefill tokens per second; a worker over the bounded-load share
-      (``affinity_load_factor``) counts no cached tokens;
-    - otherwise: - ``affinity_weight`` if the worker is the home of the prompt's leading
-      ``prefix_bytes`` (rendezvous hashing under the same load bound).
+      cache events say) / its prefill tokens per second;
+    - otherwise: + ``kv_weight`` x KV cache use + ``hardware_weight`` x (1 - decode speed /
+      fastest candidate's) - ``affinity_weight`` if the worker is the home of the prompt's
+      leading ``prefix_bytes`` (rendezvous hashing, bounded by ``affinity_load_factor`` x the
+      worker's capacity-weighted fair share of the busy slots).
 
     ``index_max_blocks`` bounds how many cached blocks the router remembers per worker,
     ``index_max_probes`` the dict probes of one lookup (router_svc/prefix_index.py);

@@ -4,19 +4,22 @@
 takes the lowest share of busy slots; ``balanced`` (the default) ranks by one cost, lower is
 better (RoutingSection says it with its keys)::
 
-    load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
+    load_weight * (busy + 1) / max_parallel
       + prefill_weight * (prompt_tokens - cached_tokens) / prefill_tokens_per_second   (a)
+    or, for a request without ``prefix_hashes``,
+    load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
       - affinity_weight * [the worker is the home of the prompt's leading bytes]       (b)
 
-(a) with ``prefix_hashes``, (b) without. ``cached_tokens`` is the longest prefix of the request's
-``prefix_hashes`` that the worker's cache holds, as the workers' cache events have told the
-router's index (prefix_index.py); a worker past the bounded-load share (``affinity_load_factor``
-x its capacity-weighted fair share of the busy slots) counts none, so a hot prefix spreads instead
-of queueing. The term is in seconds of prefill still to do: what a cache saves a request is time
-to its first token, which depends on the prompt's length and the worker's prefill speed (so a
-long prompt also prefers fast prefill hardware), and one weight then says what a second of
-prefill is worth against load; a bonus proportional to the share cached would rank a cached 200
-tokens like a cached 80,000.
+``cached_tokens`` is the longest prefix of the request's ``prefix_hashes`` that the worker's
+cache holds, as the workers' cache events have told the router's index (prefix_index.py). Term
+(a) is in seconds of prefill still to do on that worker: what a cache saves a request is time to
+its first token, which depends on the prompt's length and the worker's prefill speed, so (a) is
+the hardware fitness too, measured where it counts for this prompt (the decode-speed ``slowness``
+and the KV use, a second reading of the load, made cached prefixes lose to fast empty workers:
+bench/cache_routing.py). One weight says what a second of prefill is worth against a full
+worker's load; the load term alone spreads a hot prefix: its holder is passed over once it is
+``prefill_weight`` x the prefill's seconds busier than another worker. A bonus proportional to the
+share cached would rank a cached 200 tokens like a cached 80,000.
 
 Sessions (``affinity_key``: an agent's turns, which resend their whole growing history) go to the
 session's worker while it has a free slot; only a full worker passes the session on. Its history
@@ -161,11 +164,13 @@ class Chooser:
         if policy == "balanced":
             config = self._config
             cost *= config.load_weight
-            cost += config.kv_weight * fleet.kv_usage[group.slots]
-            cost += config.hardware_weight * group.slowness
             if request.prefix_hashes:
                 cached = self._cached_tokens(fleet, group, request)
-                self._add_prefill_cost(cost, group, busy, request.prompt_tokens, cached)
+                uncached = request.prompt_tokens - cached
+                cost += config.prefill_weight * group.prefill_s_per_token * uncached
+            else:
+                cost += config.kv_weight * fleet.kv_usage[group.slots]
+                cost += config.hardware_weight * group.slowness
             if request.session:
                 home = _session_home(group, busy, request.prefix_key)
                 if cached is not None and cached.any():
@@ -210,23 +215,6 @@ class Chooser:
             return np.zeros(len(group), dtype=np.int64)
         cached: np.ndarray = blocks[group.slots] * BLOCK_TOKENS  # prompt_tokens counts whole blocks
         return cached
-
-    def _add_prefill_cost(
-        self,
-        cost: np.ndarray,
-        group: Group,
-        busy: np.ndarray,
-        prompt_tokens: int,
-        cached: np.ndarray,
-    ) -> None:
-        """Term (a) added to ``cost``: prefill_weight x the seconds of prefill left, with no
-        cache counted on a worker past its bounded-load share."""
-        weight_s = self._config.prefill_weight * group.prefill_s_per_token
-        if cached.any():
-            fair = self._config.affinity_load_factor * (busy.sum() + 1)
-            cost += (prompt_tokens - cached * (busy < fair * group.capacity_share)) * weight_s
-        else:
-            cost += prompt_tokens * weight_s
 
     def _affinity_home(self, group: Group, busy: np.ndarray, key: int) -> int:
         """Index (into the group) of the prefix's worker: the highest rendezvous hash of

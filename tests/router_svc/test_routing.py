@@ -305,21 +305,23 @@ def test_the_worker_caching_the_longest_prefix_wins_and_the_byte_window_is_not_u
 
 
 def test_a_cache_saves_more_on_slow_prefill_hardware_and_load_still_counts():
-    slow, fast = info("slow"), info("fast")
+    # decoding 100x faster, as well: that fitness does not count where the prefill is known
+    slow, fast = info("slow", speed=1), info("fast", speed=100)
     slow.capabilities.prefill_tokens_per_second = 1000.0
     fast.capabilities.prefill_tokens_per_second = 20000.0
     fleet = fleet_of(slow, fast)
     hashes = chain(list(range(16 * 64)))
-    # load weighs nothing here: only the bound below can pass the cache over
-    config = RoutingSection(hardware_weight=0, load_weight=0)
-    chooser = Chooser(config, cached_on(fleet, {"slow": hashes}))
+    chooser = Chooser(RoutingSection(hardware_weight=5), cached_on(fleet, {"slow": hashes}))
     # 1,024 tokens: one second of prefill on the slow worker, saved by its cache
     assert first_choice(chooser, fleet, with_hashes(hashes)) == "slow"
     # nothing cached: the fast prefill wins
     assert first_choice(chooser, fleet, with_hashes(chain(list(range(1, 16 * 64 + 1))))) == "fast"
-    # past its bounded-load share the cache counts for nothing: the prefix spreads
+    # busier by more than the second it saves (3 slots of 4: 0.75), the holder is passed over
     fleet.set_load(fleet.get("slow"), common_pb2.Load(running=3))
     assert first_choice(chooser, fleet, with_hashes(hashes)) == "fast"
+    # without prefix hashes the decode speed counts: the slow worker even idle loses
+    fleet.set_load(fleet.get("slow"), common_pb2.Load(running=0, report=2))
+    assert first_choice(chooser, fleet, route(prompt="another")) == "fast"
 
 
 def test_a_session_follows_its_history_cached_elsewhere_while_that_worker_has_room():
