@@ -8,6 +8,12 @@ the last applied (a lost batch), or of a new epoch without a snapshot, means the
 wrong for that worker: the router asks again from nothing (epoch 0), and the snapshot replaces
 what it held. A stream that fails is opened again after a backoff, from the last batch applied.
 A router that restarts has no index: its first stream to each worker starts from a snapshot.
+
+A stream from each worker rather than Redis: events come at the engines' rate (every block of
+every prefill, each evicted block), only routers read them, and each router already holds a
+mutually authenticated channel to every worker. Point to point, they cost no central store a
+write per block and a fan-out to every router, and there is nothing to lose when Redis fails
+over: the worker is the one source of what it holds, and its snapshot rebuilds a router.
 """
 
 from __future__ import annotations
