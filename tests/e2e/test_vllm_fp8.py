@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,11 +204,18 @@ def test_the_gateway_reports_each_vllm_workers_precision(
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 90
     wanted = {s.worker_id for s in _SERVED}
-    while not wanted <= seen.keys() and time.monotonic() < deadline:  # the router spreads them
+
+    def ask(_: int) -> tuple[str, str]:
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
         )
-        seen[raw.headers["x-infermesh-worker"]] = raw.headers["x-infermesh-precision"]
+        return raw.headers["x-infermesh-worker"], raw.headers["x-infermesh-precision"]
+
+    # together, so the router spreads them: one at a time, each goes to the idle worker that
+    # has the prompt's prefix cached
+    with ThreadPoolExecutor(2 * len(_SERVED) + 2) as pool:
+        while not wanted <= seen.keys() and time.monotonic() < deadline:
+            seen.update(pool.map(ask, range(2 * len(_SERVED) + 2)))
     assert {s.worker_id: seen.get(s.worker_id) for s in _SERVED} == {
         s.worker_id: s.header for s in _SERVED
     }, seen
