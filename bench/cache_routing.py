@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from bench import router_policies as policies
 from bench.router_policies import FLEET, MODEL, fleet_router, words, worker_config
 from devtools.redis_server import RedisServer
 from infermesh import prefix_hash
@@ -105,17 +106,9 @@ class Oracle:
 
 
 @dataclasses.dataclass
-class Outcome:
-    ttft_s: float | None = None
-    done_s: float | None = None  # from the run's start
-    text: str = ""
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+class Outcome(policies.Outcome):
     oracle_tokens: int = 0  # the longest prefix any worker held when it was sent
-    worker: str = ""
     on_holder: bool = False  # its worker held that longest prefix
-    error: str | None = None
 
 
 async def send(
@@ -141,20 +134,8 @@ async def send(
     best = max(cached.values(), default=0)
     outcome.oracle_tokens = best * prefix_hash.BLOCK_TOKENS
     sent = time.monotonic()
-    try:
-        async for chunk in stub.Generate(request, timeout=_TIMEOUT_S):
-            if outcome.ttft_s is None:
-                outcome.ttft_s = time.monotonic() - sent
-                outcome.worker = chunk.route.worker_id
-                outcome.on_holder = best > 0 and cached.get(outcome.worker, 0) == best
-            outcome.text += chunk.text
-            outcome.tokens += len(chunk.token_ids)
-            if chunk.HasField("usage"):
-                outcome.prompt_tokens = chunk.usage.prompt_tokens
-                outcome.cached_tokens = chunk.usage.cached_prompt_tokens
-        outcome.done_s = time.monotonic() - start
-    except grpc.aio.AioRpcError as e:
-        outcome.error = e.code().name
+    await policies.read_stream(stub.Generate(request, timeout=_TIMEOUT_S), outcome, sent, start)
+    outcome.on_holder = best > 0 and cached.get(outcome.worker, 0) == best
     return outcome
 
 

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
@@ -171,6 +171,27 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the worker's prefix cache
     error: str | None = None
+    worker: str = ""  # the worker the router chose
+    text: str = ""
+
+
+async def read_stream(
+    call: AsyncIterator[common_pb2.GenerateResponse], outcome: Outcome, sent: float, start: float
+) -> None:
+    """Fills ``outcome`` from a Generate stream sent at ``sent``, in a run begun at ``start``."""
+    try:
+        async for chunk in call:
+            if outcome.ttft_s is None:
+                outcome.ttft_s = time.monotonic() - sent
+                outcome.worker = chunk.route.worker_id
+            outcome.text += chunk.text
+            outcome.tokens += len(chunk.token_ids)
+            if chunk.HasField("usage"):
+                outcome.prompt_tokens = chunk.usage.prompt_tokens
+                outcome.cached_tokens = chunk.usage.cached_prompt_tokens
+        outcome.done_s = time.monotonic() - start
+    except grpc.aio.AioRpcError as e:
+        outcome.error = e.code().name
 
 
 async def send(stub: router_pb2_grpc.RouterStub, request: Request, start: float) -> Outcome:
@@ -185,17 +206,7 @@ async def send(stub: router_pb2_grpc.RouterStub, request: Request, start: float)
         ),
         timeout=_REQUEST_TIMEOUT_S,
     )
-    try:
-        async for chunk in call:
-            if outcome.ttft_s is None:
-                outcome.ttft_s = time.monotonic() - sent
-            outcome.tokens += len(chunk.token_ids)
-            if chunk.HasField("usage"):
-                outcome.prompt_tokens = chunk.usage.prompt_tokens
-                outcome.cached_tokens = chunk.usage.cached_prompt_tokens
-        outcome.done_s = time.monotonic() - start
-    except grpc.aio.AioRpcError as e:
-        outcome.error = e.code().name
+    await read_stream(call, outcome, sent, start)
     return outcome
 
 
