@@ -34,7 +34,7 @@ from aiohttp import web
 
 from gateway.config import RouterSection
 from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
-from gateway.route_stream import RouteStream
+from gateway.route_stream import RouteStream, without_ids
 from gateway.route_stream import workers as route_workers
 from gateway.worker_streams import WorkerStreams
 from infermesh.bidi import retry_after_ms
@@ -210,10 +210,14 @@ class MeshClient:
             finished: common_pb2.Route | None = workers[0]
         else:
             finished = None
+            routed = common_pb2.GenerateRequest()
+            routed.CopyFrom(request)
             workers = list(
                 (
                     await self._stub.Route(
-                        request, timeout=self._config.control_timeout_s, wait_for_ready=False
+                        without_ids(routed),
+                        timeout=self._config.control_timeout_s,
+                        wait_for_ready=False,
                     )
                 ).workers
             )

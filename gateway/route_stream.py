@@ -50,6 +50,15 @@ class _Call(SharedCall[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResp
             waiter.set_exception(error)
 
 
+def without_ids(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    """``request`` as the router routes it: its prefix hashes, not the prompt's token ids (an
+    80k-token prompt's are 320 KB the router would parse for nothing; only the worker serves
+    them)."""
+    if request.prefix_hashes:
+        request.ClearField("prompt_token_ids")
+    return request
+
+
 def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
     """The workers of a decision, best first; raises ``grpc.aio.AioRpcError`` with the
     router's status when it has none."""
@@ -89,6 +98,7 @@ class RouteStream:
         ask = call.outgoing.message.asks.add(
             id=ask_id, request=request, timeout_ms=round(wait_s * 1000)
         )
+        without_ids(ask.request)
         if telemetry.tracing_enabled():
             propagate.inject(ask.trace_context)
         call.outgoing.changed()

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from gateway.prompt_tokens import PROMPT_TOKENS
+from gateway.route_stream import without_ids
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
@@ -200,3 +201,13 @@ async def test_a_simulated_fleet_gets_its_simulated_tokens(redis_server, router,
     assert list(sent.prompt_token_ids) == sim_token_ids(prompt_text(messages, None))
     assert answer.usage.prompt_tokens == len(sent.prompt_token_ids)
     assert answer.usage.completion_tokens == 3
+
+
+def test_the_router_is_asked_with_the_prefix_hashes_not_the_prompt_ids():
+    request = common_pb2.GenerateRequest(
+        prompt_token_ids=list(range(40)), prefix_hashes=chain(list(range(40)))
+    )
+    assert not without_ids(request).prompt_token_ids and len(request.prefix_hashes) == 2
+    # no hashes (a prompt under one block): the ids are all the router has to count it by
+    short = common_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3])
+    assert list(without_ids(short).prompt_token_ids) == [1, 2, 3]
