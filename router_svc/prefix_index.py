@@ -20,7 +20,10 @@ holding the first block start together, each probe of the middle of a range spli
 holding it and those not. A lookup costs about log2(blocks) probes per distinct answer, not per
 worker or per block, and at most ``max_probes`` (32: exact for the two or three deepest answers
 of an 80k-token prompt, which are those the route score can prefer; the shallower ones are then
-counted short, never long). With a hole (a middle block evicted, later ones kept) the bisection
+counted short, never long). The deepest prefix is found exactly, the others to 1/``resolution``
+of the prompt (64: a range that narrow is not split further, and its workers count its first
+block): exact for prompts under 128 blocks, for an 80k-token prompt within 78 blocks (under 2 % of
+its prefill), which saves half the probes of each prefix past the deepest. With a hole (a middle block evicted, later ones kept) the bisection
 still ends on a block held followed by one not held, but may pass over the hole: the prediction
 then counts blocks past it the engine cannot reuse. The worker recomputes the hole when it serves
 the request and reports it stored again, which mends the index.
@@ -38,9 +41,10 @@ import numpy as np
 class PrefixIndex:
     """Block hash -> the fleet slots whose workers' caches hold it."""
 
-    def __init__(self, max_blocks: int, max_probes: int = 32) -> None:
+    def __init__(self, max_blocks: int, max_probes: int = 32, resolution: int = 64) -> None:
         self.max_blocks = max_blocks  # per worker
         self.max_probes = max_probes  # per lookup
+        self.resolution = resolution  # a depth is found to 1/resolution of the prompt
         self._holders: dict[int, int] = {}  # hash -> mask of slots
         self._blocks: dict[int, dict[int, None]] = {}  # slot -> its hashes, oldest first
         self._masks: dict[int, int] = {}  # each distinct mask once
@@ -96,8 +100,10 @@ class PrefixIndex:
     def cached_blocks(self, hashes: Sequence[int], members: int, slots: int) -> np.ndarray | None:
         """For each fleet slot (``slots`` of them) among ``members`` (a mask), how many of the
         leading blocks of ``hashes`` it holds; None when none holds the first. The deepest
-        prefixes are resolved first; once ``max_probes`` are spent, the workers still to be
-        told apart count only what the probes showed them to hold (a lower bound)."""
+        prefix is resolved first and exactly, the others to 1/``resolution`` of the prompt; once
+        ``max_probes`` are spent, the workers still to be told apart count only what the probes
+        showed them to hold. Every count is a lower bound, and a worker holding more than another
+        counts no less."""
         get = self._holders.get
         first = get(hashes[0], 0) & members if hashes else 0
         if not first:
@@ -105,12 +111,13 @@ class PrefixIndex:
         cached = np.zeros(slots, dtype=np.int64)
         size = (slots + 7) // 8
         probes = self.max_probes
+        finest = 1  # the narrowest range split: one block for the deepest prefix
         # (lo, hi, mask): the workers of mask hold block lo (as far as probed) and not block hi
         # (hi == len(hashes): past the last); the deepest range is on top
         ranges = [(0, len(hashes), first)]
         while ranges:
             lo, hi, mask = ranges.pop()
-            if hi - lo > 1 and probes:
+            if hi - lo > finest and probes:
                 probes -= 1
                 mid = (lo + hi) // 2
                 holding = mask & get(hashes[mid], 0)
@@ -119,7 +126,8 @@ class PrefixIndex:
                 if holding:
                     ranges.append((mid, hi, holding))
                 continue
-            depth = hi if hi - lo == 1 else lo + 1  # out of probes: block lo is held
+            depth = lo + 1  # block lo is held (hi, when the range is one block)
+            finest = max(len(hashes) // self.resolution, 1)
             if mask & (mask - 1):  # several workers' prefixes end there
                 packed = np.frombuffer(mask.to_bytes(size, "little"), np.uint8)
                 cached[np.unpackbits(packed, count=slots, bitorder="little").view(bool)] = depth

@@ -46,7 +46,7 @@ def test_the_longest_cached_prefix_of_each_worker_is_exact_without_holes():
 def test_out_of_probes_the_deepest_prefixes_are_exact_and_the_rest_counted_short():
     hashes = chain(prompt(16 * 4096))
     depths = [4096, 3000, 2500, 1200, 700, 64, 3, 1]
-    exact = PrefixIndex(max_blocks=10_000, max_probes=10_000)
+    exact = PrefixIndex(max_blocks=10_000, max_probes=10_000, resolution=4096)
     for slot, depth in enumerate(depths):
         exact.apply(slot, hashes[:depth], ())
     assert cached(exact, hashes) == depths
@@ -57,6 +57,23 @@ def test_out_of_probes_the_deepest_prefixes_are_exact_and_the_rest_counted_short
     assert found[0] == 4096  # the deepest first, exactly
     assert all(1 <= f <= d for f, d in zip(found, depths, strict=True)), found
     assert found != depths  # 16 probes cannot tell eight depths of 4,096 blocks apart
+
+
+def test_past_the_deepest_prefix_depths_are_found_to_a_64th_of_the_prompt():
+    hashes = chain(prompt(16 * 6400))  # 100k tokens: ranges of 100 blocks are not split
+    depths = [6400, 5001, 3333, 3290, 120, 0, 0, 7]
+    index = PrefixIndex(max_blocks=10_000, max_probes=10_000)
+    for slot, depth in enumerate(depths):
+        index.apply(slot, hashes[:depth], ())
+    found = cached(index, hashes)
+    assert found[0] == 6400
+    assert all(d - 100 < f <= d for f, d in zip(found, depths, strict=True)), found
+    assert found[2] >= found[3]  # a worker holding more never counts less
+    assert found != depths  # the others were not resolved to the block
+    index = PrefixIndex(max_blocks=10_000, max_probes=10_000)
+    for slot, depth in enumerate(depths[1:]):  # the deepest now 5,001: exact
+        index.apply(slot, hashes[:depth], ())
+    assert cached(index, hashes)[0] == 5001
 
 
 def test_a_hole_ends_the_prefix_at_a_held_block_followed_by_a_missing_one():
