@@ -1,17 +1,26 @@
-"""Cache-aware routing on the simulated mixed fleet: TTFT, throughput and prefix-cache hits per
-policy, against an oracle that knows every worker's cache, on two workloads, in one run.
+"""Cache-aware routing: TTFT, throughput and prefix-cache hits per policy, against an oracle that
+knows every worker's cache, on two workloads, in one run; on the simulated mixed fleet or on 2-3
+real torch workers serving the tiny model.
 
     .venv/bin/python bench/cache_routing.py [--workload shared-prefix agent] [--seed 1]
+    .venv/bin/python bench/cache_routing.py --fleet torch [--workers 3] [--cache-tokens 8192]
 
-Per policy, fresh processes on an emptied Redis: a real router and (``--fleet sim``, the only
-fleet) bench/router_policies.py's 16 simulated workers (4 x V100, A100, H100, MI100) as real gRPC
-servers, each with the prefix cache its GPU's memory holds after the weights (35k-127k tokens).
+Per policy, fresh processes on an emptied Redis: a real router and
+- ``--fleet sim`` (the default): bench/router_policies.py's 16 simulated workers (4 x V100, A100,
+  H100, MI100) as real gRPC servers, each with the prefix cache its GPU's memory holds after the
+  weights (35k-127k tokens);
+- ``--fleet torch``: ``--workers`` ``python -m worker_svc`` processes on models/tiny-deepseek-v3,
+  started as the end-to-end tests start them (devtools.mesh, whose gateway idles here), each
+  computing on one torch thread with a prefix cache of ``--cache-tokens``, and warmed up by a
+  request of the workloads' size. A first such fleet calibrates: the gateway's tokenizer is
+  learnt from it, a worker's prefill and decode speeds are timed alone, and the fleet's capacity
+  is a burst of shared-prefix-sized requests with unique prompts (no cache hits).
 
 Requests go to the router's Generate as the gateway relays them (``[router] relay = true``): the
 prompt rendered and tokenized as the gateway does it (gateway/prompt_tokens.py: the simulated
-tokens), sent with its ids and the tokenizer's digest; `cache_aware` is `balanced` with the
-prompt's `prefix_hashes`, every other policy gets none, so `balanced` is the byte-window guess of
-before.
+tokens, or the tokenizer the torch workers serve, fetched from one of them), sent with its ids
+and the tokenizer's digest; `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every
+other policy gets none, so `balanced` is the byte-window guess of before.
 
 - shared-prefix: tenants each with a long system prompt and short unique questions, Poisson
   arrivals at ``--load`` x the fleet's capacity without cache hits (or ``--rate``); the prefixes
@@ -20,7 +29,8 @@ before.
   turns: tool output in, the model's answer back), closed loop, with the session's affinity key.
 
 Sizes are in tokens of the fleet's tokenizer (the made-up words run 4 characters a simulated
-token); each fleet has its own defaults (DEFAULTS).
+token, about 1.5 a real one); each fleet has its own defaults (DEFAULTS), sized for the sim fleet
+and for the tiny model on 2 CPU cores.
 
 The oracle: this process follows every worker's Worker.CacheEvents stream (what the router's index
 follows) and, as each request is sent, finds the longest prefix any worker holds; its hit ratio is
@@ -40,20 +50,28 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
 import grpc
+import redis
 
 from bench import router_policies as policies
 from bench.router_policies import FLEET, MODEL, fleet_router, words, worker_config
+from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.prompt_tokens import SIM_RENDERER, Renderer
+from gateway.config import RouterSection
+from gateway.mesh_client import MeshClient
+from gateway.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infermesh.ports import free_port
+from infermesh.tls import TlsSection
+from router_svc.fleet import _UNKNOWN_PREFILL_TOKENS_PER_S as UNKNOWN_PREFILL_TOKENS_PER_S
+from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection
 from worker_svc.sim_engine.engine import SimEngine
 
 POLICIES = {  # name: (router policy, send prefix_hashes)
@@ -78,8 +96,26 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "answer_tokens": 48,
         "think_s": 1.0,
     },
+    # the tiny model on 2 shared cores: every policy's two runs in about a minute and a half
+    "torch": {
+        "tenants": 12,
+        "prefix_tokens": 1500,
+        "question_tokens": [25, 100],
+        "max_tokens": [8, 16],
+        "requests": 150,
+        "load": 1.2,
+        "sessions": 10,
+        "turns": 5,
+        "system_tokens": 1000,
+        "tool_output_tokens": [100, 400],
+        "answer_tokens": 16,
+        "think_s": 0.5,
+    },
 }
 _TIMEOUT_S = 300.0
+# A torch worker's longest prompt + answer (the agent's last turns reach ~3k tokens); its cache
+# must hold one whole context
+_TORCH_MAX_MODEL_LEN = 4096
 
 
 # ------------------------------------------------------------------------------ the oracle
@@ -315,7 +351,172 @@ def roofline_capacity_per_s(
     return total
 
 
-FLEETS = {"sim": sim_fleet}
+def torch_fleet(args: argparse.Namespace, redis_url: str, workdir: Path) -> Fleet:
+    """The torch fleet, calibrated on a first start of it: its tokenizer as the gateway learns
+    it, a worker's prefill and decode speeds alone, and a burst's requests/s."""
+    model = ModelSection(path=DEFAULT_MODEL_PATH).served_name
+    router = functools.partial(
+        torch_router,
+        redis_url=redis_url,
+        workdir=workdir,
+        workers=args.workers,
+        cache_bytes=args.cache_tokens * torch_cache_bytes_per_token(),
+    )
+    with router("least_load") as address:
+        calibration = asyncio.run(calibrate(address, model, args))
+    return Fleet(
+        model=model,
+        renderer=calibration.renderer,
+        chars_per_token=calibration.chars_per_token,
+        capacity_per_s=calibration.capacity_per_s,
+        cache_tokens=args.cache_tokens,
+        described=(
+            f"{args.workers} torch workers ({model}, 1 torch thread each); a worker alone "
+            f"prefills {calibration.prefill_tokens_per_s:.0f} tokens/s (the router assumes "
+            f"{UNKNOWN_PREFILL_TOKENS_PER_S:.0f}: torch workers report none) and decodes "
+            f"{calibration.decode_s_per_token * 1000:.1f} ms/token; the fleet serves "
+            f"{calibration.capacity_per_s:.1f} shared-prefix requests/s without cache hits"
+        ),
+        router=router,
+    )
+
+
+def torch_cache_bytes_per_token() -> int:
+    """A token's cache in the tiny model, in the precision its workers will serve in here."""
+    # torch only for this fleet: the simulated one runs without it
+    import torch
+
+    from worker_svc.model.checkpoint import read_config
+    from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities
+    from worker_svc.torch_engine.kv_cache import bytes_per_token
+
+    precision = detect_capabilities(
+        torch.device("cpu"), dtype=os.environ.get("INFERMESH_WORKER_MODEL_DTYPE", "auto")
+    ).precision
+    return bytes_per_token(read_config(DEFAULT_MODEL_PATH)[1], TORCH_DTYPES[precision])
+
+
+@contextlib.contextmanager
+def torch_router(
+    policy: str, *, redis_url: str, workdir: Path, workers: int, cache_bytes: int
+) -> Iterator[str]:
+    """A fresh router (``policy``) with ``workers`` fresh torch workers registered and warmed up,
+    on an emptied Redis; yields the router's address."""
+    redis.Redis.from_url(redis_url).flushall()
+    spec = MeshSpec(
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=tuple(free_port() for _ in range(workers)),
+        env={
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_LOG_LEVEL": "WARNING",
+            "INFERMESH_ROUTER_ROUTING_POLICY": policy,
+            # the workers share 2 cores with the router and this process
+            "INFERMESH_WORKER_ENGINE_THREADS": "1",
+            "INFERMESH_WORKER_CACHE_CPU_CACHE_BYTES": str(cache_bytes),
+            "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": str(_TORCH_MAX_MODEL_LEN),
+        },
+        log_dir=Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir)),
+    )
+    with Mesh(spec):
+        asyncio.run(warm_up([f"127.0.0.1:{port}" for port in spec.worker_ports]))
+        yield spec.router_address
+
+
+async def warm_up(worker_addresses: list[str]) -> None:
+    """A request of the workloads' size to each worker: a worker's first prefill of each size
+    takes up to three times longer than the later ones, which would land on a run's first
+    requests."""
+    request = common_pb2.GenerateRequest(
+        model=ModelSection(path=DEFAULT_MODEL_PATH).served_name,
+        messages=[
+            common_pb2.ChatMessage(role="user", content=words(random.Random("warm up"), 2000))
+        ],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4),
+    )
+
+    async def one(address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
+                pass
+
+    await asyncio.gather(*(one(a) for a in worker_addresses))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a first start of the torch fleet measured."""
+
+    renderer: Renderer
+    chars_per_token: float
+    prefill_tokens_per_s: float
+    decode_s_per_token: float
+    capacity_per_s: float
+
+
+async def calibrate(router_address: str, model: str, args: argparse.Namespace) -> Calibration:
+    renderer = await gateway_renderer(router_address, model)
+    rng = random.Random(f"calibrate {args.seed}")  # other words than the workloads': no hits
+    sample = words(rng, 20_000)
+    chars_per_token = len(sample) / len(
+        renderer.token_ids(common_pb2.GenerateRequest(prompt=sample))
+    )
+    text = Text(rng, chars_per_token)
+    completion_tokens = mean_request(args)[1]
+
+    def request() -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": text.of(args.prefix_tokens)},
+            {"role": "user", "content": text.of(sum(args.question_tokens) // 2)},
+        ]
+
+    async with grpc.aio.insecure_channel(router_address) as channel:
+        client = Client(router_pb2_grpc.RouterStub(channel), Oracle(), model, renderer, False)
+        # one at a time (least_load: each on another worker): a worker's own speeds
+        alone = [
+            await client.send(request(), completion_tokens, start=time.monotonic())
+            for _ in range(3)
+        ]
+        # all at once, a few batches' worth: what the fleet serves on the cores it shares
+        start = time.monotonic()
+        burst = await asyncio.gather(
+            *(
+                client.send(request(), completion_tokens, start=start)
+                for _ in range(6 * args.workers)
+            )
+        )
+    failed = [o.error for o in [*alone, *burst] if o.error]
+    if failed:
+        raise RuntimeError(f"calibration requests failed: {failed}")
+    return Calibration(
+        renderer,
+        chars_per_token,
+        statistics.median(o.prompt_tokens / o.ttft_s for o in alone if o.ttft_s),
+        statistics.median(
+            (o.done_s - o.ttft_s) / (o.tokens - 1) for o in alone if o.done_s and o.ttft_s
+        ),
+        len(burst) / max(o.done_s for o in burst if o.done_s),
+    )
+
+
+async def gateway_renderer(router_address: str, model: str) -> Renderer:
+    """The model's tokenizer as the gateway learns it: the digest its workers report in the
+    router's ListWorkers, the files fetched from one of them (Worker.TextFiles)."""
+    mesh = MeshClient(RouterSection(address=router_address), TlsSection(plaintext=True))
+    tokens = PromptTokens(mesh, refresh_s=1.0)
+    try:
+        async with asyncio.timeout(60):
+            while (renderer := tokens.renderer(model)) is None:
+                await asyncio.sleep(0.1)
+        return renderer
+    finally:
+        await tokens.close()
+        await mesh.close()
+
+
+FLEETS = {"sim": sim_fleet, "torch": torch_fleet}
 
 
 # ------------------------------------------------------------------------------ runs
@@ -361,6 +562,14 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
     parser.add_argument("--seed", type=int, default=1)
+    torch_fleet_args = parser.add_argument_group("torch fleet")
+    torch_fleet_args.add_argument("--workers", type=int, default=3)
+    torch_fleet_args.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=8192,
+        help=f"each worker's prefix cache (at least {_TORCH_MAX_MODEL_LEN}: one whole context)",
+    )
     shared = parser.add_argument_group("shared-prefix (defaults: the fleet's, DEFAULTS)")
     shared.add_argument("--tenants", type=int)
     shared.add_argument("--prefix-tokens", type=int)
