@@ -96,13 +96,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "answer_tokens": 48,
         "think_s": 1.0,
     },
-    # the tiny model on 2 shared cores: every policy's two runs in about a minute and a half
+    # the tiny model on 2 shared cores: each of the 11 fleet starts takes 15 s or more, and a
+    # policy's shared-prefix arrivals last 100 / (1.2 x the capacity measured, 1.6-6 requests/s) s
     "torch": {
         "tenants": 12,
         "prefix_tokens": 1500,
         "question_tokens": [25, 100],
         "max_tokens": [8, 16],
-        "requests": 150,
+        "requests": 100,
         "load": 1.2,
         "sessions": 10,
         "turns": 5,
