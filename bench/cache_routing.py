@@ -1,18 +1,36 @@
-"""Cache-aware routing on the simulated mixed fleet: TTFT, throughput and prefix-cache hits per
-policy, against an oracle that knows every worker's cache, on two workloads, in one run.
+"""Cache-aware routing: TTFT, throughput and prefix-cache hits per policy, against an oracle that
+knows every worker's cache, on two workloads, in one run; on the simulated mixed fleet or on 2-3
+real torch workers serving the tiny model.
 
     .venv/bin/python bench/cache_routing.py [--workload shared-prefix agent] [--seed 1]
+    .venv/bin/python bench/cache_routing.py --fleet torch [--workers 3] [--cache-tokens 8192]
 
-The fleet and router are bench/router_policies.py's: a real router per policy and 16 simulated
-workers (4 x V100, A100, H100, MI100) as real gRPC servers, each with the prefix cache its GPU's
-memory holds after the weights (35k-127k tokens). Requests go to the router's Generate as an
-internal caller's would; `cache_aware` is `balanced` with the prompt's `prefix_hashes` (what the
-gateway computes), every other policy gets none, so `balanced` is the byte-window guess of before.
+Per policy, fresh processes on an emptied Redis: a real router and
+- ``--fleet sim`` (the default): bench/router_policies.py's 16 simulated workers (4 x V100, A100,
+  H100, MI100) as real gRPC servers, each with the prefix cache its GPU's memory holds after the
+  weights (35k-127k tokens);
+- ``--fleet torch``: ``--workers`` ``python -m worker_svc`` processes on models/tiny-deepseek-v3,
+  started as the end-to-end tests start them (devtools.mesh, whose gateway idles here), each
+  computing on one torch thread with a prefix cache of ``--cache-tokens``, and warmed up by a
+  request of the workloads' size. A first such fleet calibrates: the gateway's tokenizer is
+  learnt from it, a worker's prefill and decode speeds are timed alone, and the fleet's capacity
+  is a burst of shared-prefix-sized requests with unique prompts (no cache hits).
 
-- shared-prefix: tenants each with a long system prompt (~6k tokens) and short unique questions,
-  Poisson arrivals; the prefixes together are more than twice the largest worker's cache.
+Requests go to the router's Generate as the gateway relays them (``[router] relay = true``): the
+prompt rendered and tokenized as the gateway does it (gateway/prompt_tokens.py: the simulated
+tokens, or the tokenizer the torch workers serve, fetched from one of them), sent with its ids
+and the tokenizer's digest; `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every
+other policy gets none, so `balanced` is the byte-window guess of before.
+
+- shared-prefix: tenants each with a long system prompt and short unique questions, Poisson
+  arrivals at ``--load`` x the fleet's capacity without cache hits (or ``--rate``); the prefixes
+  together are more than twice a worker's cache.
 - agent: sessions that each resend their growing history (a shared system prompt, then their own
   turns: tool output in, the model's answer back), closed loop, with the session's affinity key.
+
+Sizes are in tokens of the fleet's tokenizer (the made-up words run 4 characters a simulated
+token, about 1.5 a real one); each fleet has its own defaults (DEFAULTS), sized for the sim fleet
+and for the tiny model on 2 CPU cores.
 
 The oracle: this process follows every worker's Worker.CacheEvents stream (what the router's index
 follows) and, as each request is sent, finds the longest prefix any worker holds; its hit ratio is
@@ -24,22 +42,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
+
 import grpc
+import redis
 
 from bench import router_policies as policies
 from bench.router_policies import FLEET, MODEL, fleet_router, words, worker_config
+from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from infermesh import prefix_hash
+from gateway.config import RouterSection
+from gateway.mesh_client import MeshClient
+from gateway.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
+from infermesh import prefix_hash, sim_tokens
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from infermesh.sim_tokens import prompt_text, sim_token_ids
+from infermesh.ports import free_port
+from infermesh.tls import TlsSection
+from router_svc.fleet import _UNKNOWN_PREFILL_TOKENS_PER_S as UNKNOWN_PREFILL_TOKENS_PER_S
+from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection
 from worker_svc.sim_engine.engine import SimEngine
 
 POLICIES = {  # name: (router policy, send prefix_hashes)
@@ -49,8 +81,42 @@ POLICIES = {  # name: (router policy, send prefix_hashes)
     "balanced": ("balanced", False),
     "cache_aware": ("balanced", True),
 }
-_BYTES_PER_TOKEN = 4
+DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, high]
+    "sim": {
+        "tenants": 48,
+        "prefix_tokens": 6000,
+        "question_tokens": [25, 200],
+        "max_tokens": [16, 64],
+        "requests": 600,
+        "load": 1.5,
+        "sessions": 48,
+        "turns": 8,
+        "system_tokens": 3000,
+        "tool_output_tokens": [100, 1000],
+        "answer_tokens": 48,
+        "think_s": 1.0,
+    },
+    # the tiny model on 2 shared cores: each of the 11 fleet starts takes 15 s or more, and a
+    # policy's shared-prefix arrivals last 100 / (1.2 x the capacity measured, 1.6-6 requests/s) s
+    "torch": {
+        "tenants": 12,
+        "prefix_tokens": 1500,
+        "question_tokens": [25, 100],
+        "max_tokens": [8, 16],
+        "requests": 100,
+        "load": 1.2,
+        "sessions": 10,
+        "turns": 5,
+        "system_tokens": 1000,
+        "tool_output_tokens": [100, 400],
+        "answer_tokens": 16,
+        "think_s": 0.5,
+    },
+}
 _TIMEOUT_S = 300.0
+# A torch worker's longest prompt + answer (the agent's last turns reach ~3k tokens); its cache
+# must hold one whole context
+_TORCH_MAX_MODEL_LEN = 4096
 
 
 # ------------------------------------------------------------------------------ the oracle
@@ -111,49 +177,81 @@ class Outcome(policies.Outcome):
     on_holder: bool = False  # its worker held that longest prefix
 
 
-async def send(
-    stub: router_pb2_grpc.RouterStub,
-    oracle: Oracle,
-    messages: list[dict[str, str]],
-    max_tokens: int,
-    *,
-    with_hashes: bool,
-    session: str = "",
-    start: float,
-) -> Outcome:
-    hashes = prefix_hash.chain(sim_token_ids(prompt_text(messages, None)))
-    request = common_pb2.GenerateRequest(
-        model=MODEL,
-        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
-        affinity_key=session,
-        prefix_hashes=hashes if with_hashes else (),
-    )
-    outcome = Outcome()
-    cached = oracle.cached_now(hashes)  # before the chosen worker caches this prompt
-    best = max(cached.values(), default=0)
-    outcome.oracle_tokens = best * prefix_hash.BLOCK_TOKENS
-    sent = time.monotonic()
-    await policies.read_stream(stub.Generate(request, timeout=_TIMEOUT_S), outcome, sent, start)
-    outcome.on_holder = best > 0 and cached.get(outcome.worker, 0) == best
-    return outcome
+@dataclasses.dataclass(frozen=True)
+class Client:
+    """Sends a run's requests to its router as the gateway relays them: each prompt rendered and
+    tokenized with the fleet's tokenizer, its ids and the tokenizer's digest, and (cache_aware)
+    its prefix hashes."""
+
+    stub: router_pb2_grpc.RouterStub
+    oracle: Oracle
+    model: str
+    renderer: Renderer
+    with_hashes: bool
+
+    async def send(
+        self, messages: list[dict[str, str]], max_tokens: int, *, session: str = "", start: float
+    ) -> Outcome:
+        request = common_pb2.GenerateRequest(
+            model=self.model,
+            messages=[
+                common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+            ],
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+            affinity_key=session,
+        )
+        ids = self.renderer.token_ids(request)
+        hashes = prefix_hash.chain(ids)
+        request.prompt_token_ids[:] = ids
+        request.tokenizer = self.renderer.digest
+        if self.with_hashes:
+            request.prefix_hashes[:] = hashes
+        outcome = Outcome()
+        cached = self.oracle.cached_now(hashes)  # before the chosen worker caches this prompt
+        best = max(cached.values(), default=0)
+        outcome.oracle_tokens = best * prefix_hash.BLOCK_TOKENS
+        sent = time.monotonic()
+        await policies.read_stream(
+            self.stub.Generate(request, timeout=_TIMEOUT_S), outcome, sent, start
+        )
+        outcome.on_holder = best > 0 and cached.get(outcome.worker, 0) == best
+        return outcome
 
 
 # ------------------------------------------------------------------------------ workloads
 
-Workload = Callable[[router_pb2_grpc.RouterStub, Oracle, bool], Awaitable[list[Outcome]]]
+Workload = Callable[[Client], Awaitable[list[Outcome]]]
 
 
-def shared_prefix(args: argparse.Namespace) -> Workload:
+class Text:
+    """Made-up words by their length in the fleet's tokens (``chars_per_token`` of them)."""
+
+    def __init__(self, rng: random.Random, chars_per_token: float) -> None:
+        self.rng, self.chars_per_token = rng, chars_per_token
+
+    def of(self, tokens: int) -> str:
+        return words(self.rng, round(tokens * self.chars_per_token))
+
+    def between(self, low_tokens: int, high_tokens: int) -> str:
+        chars = (
+            round(low_tokens * self.chars_per_token),
+            round(high_tokens * self.chars_per_token),
+        )
+        return words(self.rng, self.rng.randrange(*chars))
+
+
+def shared_prefix(args: argparse.Namespace, chars_per_token: float) -> Workload:
     rng = random.Random(args.seed)
-    prefixes = [words(rng, args.prefix_tokens * _BYTES_PER_TOKEN) for _ in range(args.tenants)]
+    text = Text(rng, chars_per_token)
+    prefixes = [text.of(args.prefix_tokens) for _ in range(args.tenants)]
     plan, at = [], 0.0
     for _ in range(args.requests):
         at += rng.expovariate(args.rate)
-        question = words(rng, rng.randrange(100, 800))
-        plan.append((at, rng.randrange(len(prefixes)), question, rng.randrange(16, 65)))
+        question = text.between(*args.question_tokens)
+        low, high = args.max_tokens
+        plan.append((at, rng.randrange(len(prefixes)), question, rng.randrange(low, high + 1)))
 
-    async def run(stub: router_pb2_grpc.RouterStub, oracle: Oracle, hashes: bool) -> list[Outcome]:
+    async def run(client: Client) -> list[Outcome]:
         start = time.monotonic()
 
         async def one(at: float, tenant: int, question: str, max_tokens: int) -> Outcome:
@@ -162,23 +260,24 @@ def shared_prefix(args: argparse.Namespace) -> Workload:
                 {"role": "system", "content": prefixes[tenant]},
                 {"role": "user", "content": question},
             ]
-            return await send(stub, oracle, messages, max_tokens, with_hashes=hashes, start=start)
+            return await client.send(messages, max_tokens, start=start)
 
         return list(await asyncio.gather(*(one(*p) for p in plan)))
 
     return run
 
 
-def agent(args: argparse.Namespace) -> Workload:
+def agent(args: argparse.Namespace, chars_per_token: float) -> Workload:
     rng = random.Random(args.seed)
-    system = words(rng, args.system_tokens * _BYTES_PER_TOKEN)
+    text = Text(rng, chars_per_token)
+    system = text.of(args.system_tokens)
     sessions = [
-        [words(rng, rng.randrange(400, 4000)) for _ in range(args.turns)]
+        [text.between(*args.tool_output_tokens) for _ in range(args.turns)]
         for _ in range(args.sessions)
     ]
     thinks = [[rng.expovariate(1 / args.think_s) for _ in range(args.turns)] for _ in sessions]
 
-    async def run(stub: router_pb2_grpc.RouterStub, oracle: Oracle, hashes: bool) -> list[Outcome]:
+    async def run(client: Client) -> list[Outcome]:
         start = time.monotonic()
 
         async def session(i: int) -> list[Outcome]:
@@ -186,8 +285,8 @@ def agent(args: argparse.Namespace) -> Workload:
             for turn, tool_output in enumerate(sessions[i]):
                 await asyncio.sleep(thinks[i][turn])
                 history.append({"role": "user", "content": tool_output})
-                outcome = await send(
-                    stub, oracle, history, 48, with_hashes=hashes, session=f"s{i}", start=start
+                outcome = await client.send(
+                    history, args.answer_tokens, session=f"s{i}", start=start
                 )
                 outcomes.append(outcome)
                 if outcome.error:
@@ -204,16 +303,234 @@ def agent(args: argparse.Namespace) -> Workload:
 WORKLOADS = {"shared-prefix": shared_prefix, "agent": agent}
 
 
+def mean_request(args: argparse.Namespace) -> tuple[int, int]:
+    """A shared-prefix request's mean prompt and completion tokens."""
+    return args.prefix_tokens + sum(args.question_tokens) // 2, sum(args.max_tokens) // 2
+
+
+# ------------------------------------------------------------------------------ fleets
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+    """What the runs need of a fleet, and how to start it for each policy."""
+
+    model: str
+    renderer: Renderer  # the gateway's tokenization of this fleet's prompts
+    chars_per_token: float  # of the made-up words, in that tokenization
+    capacity_per_s: float  # shared-prefix requests the fleet serves a second without cache hits
+    cache_tokens: int  # the largest worker's prefix cache
+    described: str
+    # a fresh router of a policy and fresh workers, registered; yields the router's address
+    router: Callable[[str], contextlib.AbstractContextManager[str]]
+
+
+def sim_fleet(args: argparse.Namespace, redis_url: str, workdir: Path) -> Fleet:
+    engines = [SimEngine.from_config(worker_config(i, "unused:0")) for i in range(len(FLEET))]
+    return Fleet(
+        model=MODEL,
+        renderer=SIM_RENDERER,
+        chars_per_token=sim_tokens.BYTES_PER_TOKEN,  # the words are ASCII
+        capacity_per_s=roofline_capacity_per_s(engines, *mean_request(args)),
+        cache_tokens=max(e.roofline.kv_capacity_tokens for e in engines),
+        described=f"{len(FLEET)} simulated workers",
+        router=functools.partial(fleet_router, redis_url=redis_url),
+    )
+
+
+def roofline_capacity_per_s(
+    engines: list[SimEngine], prompt_tokens: int, completion_tokens: int
+) -> float:
+    """Requests/s the fleet sustains by the roofline when every prompt is prefilled in full."""
+    total = 0.0
+    for engine in engines:
+        batch = engine.max_parallel
+        step = engine.roofline.decode_step_s(
+            batch, batch * (prompt_tokens + completion_tokens // 2)
+        )
+        total += 1 / (engine.roofline.prefill_s(prompt_tokens) + completion_tokens * step / batch)
+    return total
+
+
+def torch_fleet(args: argparse.Namespace, redis_url: str, workdir: Path) -> Fleet:
+    """The torch fleet, calibrated on a first start of it: its tokenizer as the gateway learns
+    it, a worker's prefill and decode speeds alone, and a burst's requests/s."""
+    model = ModelSection(path=DEFAULT_MODEL_PATH).served_name
+    router = functools.partial(
+        torch_router,
+        redis_url=redis_url,
+        workdir=workdir,
+        workers=args.workers,
+        cache_bytes=args.cache_tokens * torch_cache_bytes_per_token(),
+    )
+    with router("least_load") as address:
+        calibration = asyncio.run(calibrate(address, model, args))
+    return Fleet(
+        model=model,
+        renderer=calibration.renderer,
+        chars_per_token=calibration.chars_per_token,
+        capacity_per_s=calibration.capacity_per_s,
+        cache_tokens=args.cache_tokens,
+        described=(
+            f"{args.workers} torch workers ({model}, 1 torch thread each); a worker alone "
+            f"prefills {calibration.prefill_tokens_per_s:.0f} tokens/s (the router assumes "
+            f"{UNKNOWN_PREFILL_TOKENS_PER_S:.0f}: torch workers report none) and decodes "
+            f"{calibration.decode_s_per_token * 1000:.1f} ms/token; the fleet serves "
+            f"{calibration.capacity_per_s:.1f} shared-prefix requests/s without cache hits"
+        ),
+        router=router,
+    )
+
+
+def torch_cache_bytes_per_token() -> int:
+    """A token's cache in the tiny model, in the precision its workers will serve in here."""
+    # torch only for this fleet: the simulated one runs without it
+    import torch
+
+    from worker_svc.model.checkpoint import read_config
+    from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities
+    from worker_svc.torch_engine.kv_cache import bytes_per_token
+
+    precision = detect_capabilities(
+        torch.device("cpu"), dtype=os.environ.get("INFERMESH_WORKER_MODEL_DTYPE", "auto")
+    ).precision
+    return bytes_per_token(read_config(DEFAULT_MODEL_PATH)[1], TORCH_DTYPES[precision])
+
+
+@contextlib.contextmanager
+def torch_router(
+    policy: str, *, redis_url: str, workdir: Path, workers: int, cache_bytes: int
+) -> Iterator[str]:
+    """A fresh router (``policy``) with ``workers`` fresh torch workers registered and warmed up,
+    on an emptied Redis; yields the router's address."""
+    redis.Redis.from_url(redis_url).flushall()
+    spec = MeshSpec(
+        redis_url=redis_url,
+        model_path=DEFAULT_MODEL_PATH,
+        gateway_port=free_port(),
+        router_port=free_port(),
+        worker_ports=tuple(free_port() for _ in range(workers)),
+        env={
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_LOG_LEVEL": "WARNING",
+            "INFERMESH_ROUTER_ROUTING_POLICY": policy,
+            # the workers share 2 cores with the router and this process
+            "INFERMESH_WORKER_ENGINE_THREADS": "1",
+            "INFERMESH_WORKER_CACHE_CPU_CACHE_BYTES": str(cache_bytes),
+            "INFERMESH_WORKER_ATTENTION_MAX_MODEL_LEN": str(_TORCH_MAX_MODEL_LEN),
+        },
+        log_dir=Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir)),
+    )
+    with Mesh(spec):
+        asyncio.run(warm_up([f"127.0.0.1:{port}" for port in spec.worker_ports]))
+        yield spec.router_address
+
+
+async def warm_up(worker_addresses: list[str]) -> None:
+    """A request of the workloads' size to each worker: a worker's first prefill of each size
+    takes up to three times longer than the later ones, which would land on a run's first
+    requests."""
+    request = common_pb2.GenerateRequest(
+        model=ModelSection(path=DEFAULT_MODEL_PATH).served_name,
+        messages=[
+            common_pb2.ChatMessage(role="user", content=words(random.Random("warm up"), 2000))
+        ],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4),
+    )
+
+    async def one(address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
+                pass
+
+    await asyncio.gather(*(one(a) for a in worker_addresses))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a first start of the torch fleet measured."""
+
+    renderer: Renderer
+    chars_per_token: float
+    prefill_tokens_per_s: float
+    decode_s_per_token: float
+    capacity_per_s: float
+
+
+async def calibrate(router_address: str, model: str, args: argparse.Namespace) -> Calibration:
+    renderer = await gateway_renderer(router_address, model)
+    rng = random.Random(f"calibrate {args.seed}")  # other words than the workloads': no hits
+    sample = words(rng, 20_000)
+    chars_per_token = len(sample) / len(
+        renderer.token_ids(common_pb2.GenerateRequest(prompt=sample))
+    )
+    text = Text(rng, chars_per_token)
+    completion_tokens = mean_request(args)[1]
+
+    def request() -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": text.of(args.prefix_tokens)},
+            {"role": "user", "content": text.of(sum(args.question_tokens) // 2)},
+        ]
+
+    async with grpc.aio.insecure_channel(router_address) as channel:
+        client = Client(router_pb2_grpc.RouterStub(channel), Oracle(), model, renderer, False)
+        # one at a time (least_load: each on another worker): a worker's own speeds
+        alone = [
+            await client.send(request(), completion_tokens, start=time.monotonic())
+            for _ in range(3)
+        ]
+        # all at once, a few batches' worth: what the fleet serves on the cores it shares
+        start = time.monotonic()
+        burst = await asyncio.gather(
+            *(
+                client.send(request(), completion_tokens, start=start)
+                for _ in range(6 * args.workers)
+            )
+        )
+    failed = [o.error for o in [*alone, *burst] if o.error]
+    if failed:
+        raise RuntimeError(f"calibration requests failed: {failed}")
+    return Calibration(
+        renderer,
+        chars_per_token,
+        statistics.median(o.prompt_tokens / o.ttft_s for o in alone if o.ttft_s),
+        statistics.median(
+            (o.done_s - o.ttft_s) / (o.tokens - 1) for o in alone if o.done_s and o.ttft_s
+        ),
+        len(burst) / max(o.done_s for o in burst if o.done_s),
+    )
+
+
+async def gateway_renderer(router_address: str, model: str) -> Renderer:
+    """The model's tokenizer as the gateway learns it: the digest its workers report in the
+    router's ListWorkers, the files fetched from one of them (Worker.TextFiles)."""
+    mesh = MeshClient(RouterSection(address=router_address), TlsSection(plaintext=True))
+    tokens = PromptTokens(mesh, refresh_s=1.0)
+    try:
+        async with asyncio.timeout(60):
+            while (renderer := tokens.renderer(model)) is None:
+                await asyncio.sleep(0.1)
+        return renderer
+    finally:
+        await tokens.close()
+        await mesh.close()
+
+
+FLEETS = {"sim": sim_fleet, "torch": torch_fleet}
+
+
 # ------------------------------------------------------------------------------ runs
 
 
-async def run_policy(address: str, workload: Workload, hashes: bool) -> list[Outcome]:
+async def run_policy(address: str, fleet: Fleet, workload: Workload, hashes: bool) -> list[Outcome]:
     oracle = Oracle()
     await oracle.follow(address)
-    await asyncio.sleep(0.5)  # the snapshots (empty caches) in
+    await asyncio.sleep(0.5)  # the snapshots in
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            return await workload(router_pb2_grpc.RouterStub(channel), oracle, hashes)
+            stub = router_pb2_grpc.RouterStub(channel)
+            return await workload(Client(stub, oracle, fleet.model, fleet.renderer, hashes))
     finally:
         await oracle.close()
 
@@ -238,60 +555,60 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def capacity_per_s(prompt_tokens: int, completion_tokens: int) -> float:
-    """Requests/s the fleet sustains by the roofline when every prompt is prefilled in full."""
-    total = 0.0
-    for i in range(len(FLEET)):
-        engine = SimEngine.from_config(worker_config(i, "unused:0"))
-        batch = engine.max_parallel
-        step = engine.roofline.decode_step_s(
-            batch, batch * (prompt_tokens + completion_tokens // 2)
-        )
-        total += 1 / (engine.roofline.prefill_s(prompt_tokens) + completion_tokens * step / batch)
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--fleet", choices=sorted(FLEETS), default="sim")
     parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
     parser.add_argument("--seed", type=int, default=1)
-    shared = parser.add_argument_group("shared-prefix")
-    shared.add_argument("--tenants", type=int, default=48)
-    shared.add_argument("--prefix-tokens", type=int, default=6000)
-    shared.add_argument("--requests", type=int, default=600)
+    torch_fleet_args = parser.add_argument_group("torch fleet")
+    torch_fleet_args.add_argument("--workers", type=int, default=3)
+    torch_fleet_args.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=8192,
+        help=f"each worker's prefix cache (at least {_TORCH_MAX_MODEL_LEN}: one whole context)",
+    )
+    shared = parser.add_argument_group("shared-prefix (defaults: the fleet's, DEFAULTS)")
+    shared.add_argument("--tenants", type=int)
+    shared.add_argument("--prefix-tokens", type=int)
+    shared.add_argument("--question-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    shared.add_argument("--max-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    shared.add_argument("--requests", type=int)
     shared.add_argument(
-        "--load", type=float, default=1.5, help="arrivals / the fleet's capacity without cache hits"
+        "--load", type=float, help="arrivals / the fleet's capacity without cache hits"
     )
-    agents = parser.add_argument_group("agent")
-    agents.add_argument("--sessions", type=int, default=48)
-    agents.add_argument("--turns", type=int, default=8)
-    agents.add_argument("--system-tokens", type=int, default=3000)
-    agents.add_argument("--think-s", type=float, default=1.0)
+    shared.add_argument("--rate", type=float, help="arrivals a second (instead of --load)")
+    agents = parser.add_argument_group("agent (defaults: the fleet's, DEFAULTS)")
+    agents.add_argument("--sessions", type=int)
+    agents.add_argument("--turns", type=int)
+    agents.add_argument("--system-tokens", type=int)
+    agents.add_argument("--tool-output-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    agents.add_argument("--answer-tokens", type=int)
+    agents.add_argument("--think-s", type=float)
+    parser.set_defaults(**DEFAULTS[parser.parse_known_args()[0].fleet])
     args = parser.parse_args()
-    args.rate = args.load * capacity_per_s(args.prefix_tokens + 110, 40)
-    largest = max(
-        SimEngine.from_config(worker_config(i, "unused:0")).roofline.kv_capacity_tokens
-        for i in range(len(FLEET))
-    )
-    print(
-        f"fleet: {len(FLEET)} simulated workers, largest cache {largest} tokens; shared-prefix: "
-        f"{args.tenants} tenants x {args.prefix_tokens} tokens "
-        f"({args.tenants * args.prefix_tokens / largest:.1f}x the largest cache), "
-        f"{args.requests} requests at {args.rate:.1f}/s ({args.load}x capacity without hits); "
-        f"agent: {args.sessions} sessions x {args.turns} turns",
-        flush=True,
-    )
     results: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
+        fleet = FLEETS[args.fleet](args, redis_server.url, Path(workdir))
+        args.rate = args.rate or args.load * fleet.capacity_per_s
+        print(
+            f"fleet: {fleet.described}; largest cache {fleet.cache_tokens} tokens; shared-prefix: "
+            f"{args.tenants} tenants x {args.prefix_tokens} tokens "
+            f"({args.tenants * args.prefix_tokens / fleet.cache_tokens:.1f}x the largest cache), "
+            f"{args.requests} requests at {args.rate:.1f}/s "
+            f"({args.rate / fleet.capacity_per_s:.2f}x capacity without hits); "
+            f"agent: {args.sessions} sessions x {args.turns} turns",
+            flush=True,
+        )
         for name in args.workload:
-            workload = WORKLOADS[name](args)
+            workload = WORKLOADS[name](args, fleet.chars_per_token)
             for label in args.policies:
                 policy, hashes = POLICIES[label]
-                with fleet_router(policy, redis_server.url) as address:
-                    outcomes = asyncio.run(run_policy(address, workload, hashes))
+                with fleet.router(policy) as address:
+                    outcomes = asyncio.run(run_policy(address, fleet, workload, hashes))
                 r = results[name, label] = summarize(outcomes)
                 print(
                     f"{name:<13} {label:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  "
