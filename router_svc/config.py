@@ -77,7 +77,8 @@ class RoutingSection:
 
     - for a request with ``prefix_hashes``: + ``prefill_weight`` x the seconds of prefill left on
       the worker, (prompt tokens - tokens of the prompt's prefix its cache holds, as the workers'
-      cache events say) / its prefill tokens per second;
+      cache events say) / its prefill tokens per second, times the streams that wait for that
+      prefill (busy + 1: the request's own and those it stalls there);
     - otherwise: + ``kv_weight`` x KV cache use + ``hardware_weight`` x (1 - decode speed /
       fastest candidate's) - ``affinity_weight`` if the worker is the home of the prompt's
       leading ``prefix_bytes`` (rendezvous hashing, bounded by ``affinity_load_factor`` x the
@@ -99,8 +100,8 @@ class RoutingSection:
     kv_weight: float = 0.5
     hardware_weight: float = 0.5
     affinity_weight: float = 0.5
-    # per second of prefill a worker would still have to do for the prompt: one second weighs
-    # as much as a full worker's load
+    # per second of prefill a worker would still have to do for the prompt, per stream waiting
+    # for it: one second of one stream weighs as much as a full worker's load
     prefill_weight: float = 1.0
     cache_events: bool = True
     # cached blocks the index remembers per worker: 2**16 of 16 tokens hold a million tokens

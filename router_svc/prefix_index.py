@@ -18,15 +18,16 @@ The longest cached prefix: a worker holding block i almost always holds every bl
 answer is where its blocks stop, found by bisection over the request's hashes: all candidates
 holding the first block start together, each probe of the middle of a range splits them into those
 holding it and those not. A lookup costs about log2(blocks) probes per distinct answer, not per
-worker or per block, and at most ``max_probes`` (32: exact for the two or three deepest answers
-of an 80k-token prompt, which are those the route score can prefer; the shallower ones are then
-counted short, never long). The deepest prefix is found exactly, the others to 1/``resolution``
-of the prompt (64: a range that narrow is not split further, and its workers count its first
-block): exact for prompts under 128 blocks, for an 80k-token prompt within 78 blocks (under 2 % of
-its prefill), which saves half the probes of each prefix past the deepest. With a hole (a middle block evicted, later ones kept) the bisection
-still ends on a block held followed by one not held, but may pass over the hole: the prediction
-then counts blocks past it the engine cannot reuse. The worker recomputes the hole when it serves
-the request and reports it stored again, which mends the index.
+worker or per block. The deepest prefix is found exactly, the others to 1/``resolution`` of the
+prompt (64: a range that narrow is not split further, and its workers count its first block):
+exact for prompts under 128 blocks, for an 80k-token prompt within 78 blocks (under 2 % of its
+prefill), which halves the probes of each prefix past the deepest. At most ``max_probes`` in all
+(32: the three or four deepest answers of an 80k-token prompt, which are those the route score can
+prefer; the shallower ones are then counted short, never long). With a hole (a middle block
+evicted, later ones kept) the bisection still ends on a block held followed by one not held, but
+may pass over the hole: the prediction then counts blocks past it the engine cannot reuse. The
+worker recomputes the hole when it serves the request and reports it stored again, which mends
+the index.
 
 Called from the router's event loop only.
 """
