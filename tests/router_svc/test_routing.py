@@ -324,6 +324,22 @@ def test_a_cache_saves_more_on_slow_prefill_hardware_and_load_still_counts():
     assert first_choice(chooser, fleet, route(prompt="another")) == "fast"
 
 
+def test_a_busy_holder_keeps_its_prefix_from_a_less_busy_worker_but_not_from_an_idle_one():
+    workers = [info(name, max_parallel=8) for name in ("holder", "busy", "idle")]
+    for worker in workers:
+        worker.capabilities.prefill_tokens_per_second = 10000.0
+    fleet = fleet_of(*workers[:2])
+    hashes = chain(list(range(16 * 200)))  # 3,200 tokens: 0.32 s of prefill, cached on holder
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": hashes}))
+    fleet.set_load(fleet.get("holder"), common_pb2.Load(running=5))
+    fleet.set_load(fleet.get("busy"), common_pb2.Load(running=2))
+    # 3 busy slots more (0.375) against a prefill that would stall 3 streams there (0.96)
+    assert first_choice(chooser, fleet, with_hashes(hashes)) == "holder"
+    # an idle worker stalls no one: 5 busy slots more (0.625) against the request's own 0.32 s
+    fleet.upsert(workers[2], common_pb2.Load(), registered_at=0, expires_in_s=3)
+    assert first_choice(chooser, fleet, with_hashes(hashes)) == "idle"
+
+
 def test_a_session_follows_its_history_cached_elsewhere_while_that_worker_has_room():
     fleet = fleet_of(*(info(f"w{i}", max_parallel=2) for i in range(4)))
     system, history = chain(list(range(16 * 8))), chain(list(range(16 * 40)))
