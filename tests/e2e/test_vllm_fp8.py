@@ -8,8 +8,9 @@ BF16 on every CPU (the policy picks FP32 without AVX512-BF16). One mesh: that vL
 torch worker on the same FP8 checkpoint in bfloat16, which dequantizes at load to the same bits;
 on a CPU with AMX tiles (the check vLLM's CPU FP8 kernels make) a third worker, vLLM left to the
 policy, which serves FP8 there (without AMX it would be one more BF16 start of 10-50 s, so the
-machines that cannot run FP8 start only the two). Then two more starts of a vLLM worker alone: one
-reusing the copy, one that cannot start.
+machines that cannot run FP8 start only the two). Two more starts of a vLLM worker alone, each
+overlapping the module's other work, since a vLLM start is tens of seconds: one that cannot start,
+beside the mesh's start, and one reusing the copy, from the mesh's start on.
 """
 
 from __future__ import annotations
@@ -112,6 +113,49 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dequant-cache")
+
+
+@dataclass(frozen=True)
+class _LoneStart:
+    """A vLLM worker started alone, and its log."""
+
+    worker: subprocess.Popen[bytes]
+    log: Path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def failed_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_LoneStart]:
+    """A vLLM worker on a truncated shard, started before the mesh (autouse, defined first) so
+    that its failure runs beside the mesh's start."""
+    workdir = tmp_path_factory.mktemp("broken")
+    broken = Path(shutil.copytree("models/tiny-deepseek-v3-mla", workdir / "checkpoint"))
+    shard = broken / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    start = _LoneStart(
+        _vllm_worker(broken, workdir / "cache", workdir / "worker.log"), workdir / "worker.log"
+    )
+    yield start
+    _stop(start.worker)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def second_start(
+    fleet: Mesh, cache_dir: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[_LoneStart, dict[str, int]]]:
+    """Once the mesh's vLLM worker wrote the copy: what it wrote (names, mtimes), and another
+    start on the same checkpoint and cache, which runs beside the module's tests."""
+    (copy,) = cache_dir.iterdir()
+    written = {p.name: p.stat().st_mtime_ns for p in copy.iterdir()}
+    log = tmp_path_factory.mktemp("second-start") / "worker.log"
+    start = _LoneStart(_vllm_worker(checkpoint, cache_dir, log), log)
+    yield start, written
+    _stop(start.worker)
+
+
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    if worker.poll() is None:
+        worker.terminate()
+        worker.wait(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -281,35 +325,24 @@ def _vllm_worker(checkpoint: Path, cache_dir: Path, log: Path) -> subprocess.Pop
 
 
 def test_a_second_start_reuses_the_copy(
-    fleet: Mesh, checkpoint: Path, cache_dir: Path, tmp_path: Path
+    second_start: tuple[_LoneStart, dict[str, int]], cache_dir: Path
 ) -> None:
     """The mesh's vLLM worker wrote the copy; another start finds it and writes nothing."""
+    start, written = second_start
+    deadline = time.monotonic() + 120
+    while "reusing its torch.bfloat16 copy" not in start.log.read_text(errors="replace"):
+        assert start.worker.poll() is None, start.log.read_text(errors="replace")[-4000:]
+        assert time.monotonic() < deadline, "the second start never reached the copy"
+        time.sleep(0.2)
+    _stop(start.worker)
     (copy,) = cache_dir.iterdir()
-    written = {p.name: p.stat().st_mtime_ns for p in copy.iterdir()}
-    log = tmp_path / "worker.log"
-    worker = _vllm_worker(checkpoint, cache_dir, log)
-    try:
-        deadline = time.monotonic() + 120
-        while "reusing its torch.bfloat16 copy" not in log.read_text(errors="replace"):
-            assert worker.poll() is None, log.read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, "the second start never reached the copy"
-            time.sleep(0.2)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=120)
-    assert list(cache_dir.iterdir()) == [copy]
     assert {p.name: p.stat().st_mtime_ns for p in copy.iterdir()} == written
 
 
-def test_a_failed_start_names_its_cause(tmp_path: Path) -> None:
+def test_a_failed_start_names_its_cause(failed_start: _LoneStart) -> None:
     """vLLM's engine process fails on a truncated shard: the worker's message quotes that error
     instead of suggesting memory settings."""
-    broken = Path(shutil.copytree("models/tiny-deepseek-v3-mla", tmp_path / "broken"))
-    shard = broken / "model.safetensors"
-    os.truncate(shard, shard.stat().st_size // 2)
-    log = tmp_path / "worker.log"
-    worker = _vllm_worker(broken, tmp_path / "cache", log)
-    assert worker.wait(timeout=280) != 0
-    last = log.read_text(errors="replace").strip().splitlines()[-1]
+    assert failed_start.worker.wait(timeout=280) != 0
+    last = failed_start.log.read_text(errors="replace").strip().splitlines()[-1]
     assert "vLLM's engine failed to start: " in last and "SafetensorError" in last, last
     assert "max_model_len" not in last and "memory" not in last
