@@ -278,6 +278,9 @@ async def admitted_generation(
             usage.prompt_tokens,
             usage.completion_tokens,
         )
+        metrics.observe_key_tokens(
+            key.name, key.tier or "default", usage.prompt_tokens, usage.completion_tokens
+        )
 
 
 def _operation(request: web.Request) -> str:

@@ -64,6 +64,13 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 TOKENS = Counter(
     "infermesh_tokens", "Tokens processed, by type (input or output)", ["service", "model", "type"]
 )
+# Per API key by its name, which an operator chose (never the key or its hash): one series per key
+# and type, so as many series as keys
+KEY_TOKENS = Counter(
+    "infermesh_gateway_key_tokens",
+    "Tokens the gateway billed per API key, by the key's name and tier, and type (input, output)",
+    ["key", "tier", "type"],
+)
 TOKENS_PER_SECOND = Gauge("infermesh_worker_tokens_per_second", "Recent decode rate")
 QUEUE_DEPTH = Gauge("infermesh_worker_queue_depth", "Requests waiting for a batch slot")
 RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being generated")
@@ -216,6 +223,12 @@ def observe_generation(
         series.per_output_token.observe((total_s - first_token_s) / (output_tokens - 1))
     series.input_tokens.inc(input_tokens)
     series.output_tokens.inc(output_tokens)
+
+
+def observe_key_tokens(name: str, tier: str, input_tokens: int, output_tokens: int) -> None:
+    """One finished generation's tokens, billed to the key named ``name``."""
+    KEY_TOKENS.labels(name, tier, "input").inc(input_tokens)
+    KEY_TOKENS.labels(name, tier, "output").inc(output_tokens)
 
 
 class _GenerationSeries(NamedTuple):

@@ -18,13 +18,6 @@ from tests.deploy.test_manifests import DEPLOY, SERVICES, _check_env, _compose, 
 ROOT = DEPLOY.parent
 DASHBOARD = DEPLOY / "grafana/dashboards/infermesh.json"
 GRAFANA_PROVISIONING = "/etc/grafana/provisioning"
-# The router's metrics of cache-aware routing and fair queueing, named before their code lands
-PENDING_METRICS = {
-    "infermesh_router_queue_depth",
-    "infermesh_router_queue_wait_seconds_bucket",
-    "infermesh_router_prefix_tokens_saved_total",
-    "infermesh_router_index_blocks",
-}
 # What each kind of metric exposes (prometheus_client: a counter's name without _total, + _total)
 _SUFFIXES = {
     "Counter": ("_total",),
@@ -73,10 +66,9 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 
 
 def dashboard_problems(dashboard: dict[str, Any]) -> list[str]:
-    """Each panel queries the provisioned Prometheus for metrics the code exports (or the router's
-    pending ones)."""
+    """Each panel queries the provisioned Prometheus for metrics the code exports."""
     (datasource,) = _provisioned("datasources/prometheus.yml")["datasources"]
-    known = exported_metrics() | PENDING_METRICS
+    known = exported_metrics()
     problems = []
     for panel in dashboard["panels"]:
         title = panel["title"]

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.keys import key_id
 from tests.helpers import MODEL
 
 _SERVICES = {"infermesh-gateway", "infermesh-router", "infermesh-worker"}
@@ -154,10 +155,25 @@ async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key, served
             and s.labels["status"] == "200"
         )
 
+    async def key_tokens() -> dict[tuple[str, str, str], float]:
+        families = await scrape(mesh.spec.gateway_port)
+        return {
+            (s.labels["key"], s.labels["tier"], s.labels["type"]): s.value
+            for s in families["infermesh_gateway_key_tokens"].samples
+            if s.name == "infermesh_gateway_key_tokens_total"
+        }
+
     await chat(mesh, api_key, max_tokens=1)
-    before = await requests_served()
+    before, tokens_before = await requests_served(), await key_tokens()
     await chat(mesh, api_key, max_tokens=1)
     assert await requests_served() == before + 1
+    # billed to the key by its name ("e2e", tests/helpers/e2e.py), never by the key or its hash
+    tokens = await key_tokens()
+    assert tokens["e2e", "default", "output"] == tokens_before["e2e", "default", "output"] + 1
+    assert tokens["e2e", "default", "input"] > tokens_before["e2e", "default", "input"]
+    assert not any(
+        key_id(api_key) in label or api_key in label for labels in tokens for label in labels
+    )
 
     router = await scrape(mesh.spec.env["INFERMESH_ROUTER_METRICS_PORT"])
     assert [
