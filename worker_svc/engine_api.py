@@ -149,6 +149,9 @@ class EngineLoad:
     waiting: int
     tokens_per_second: float  # recent decode rate
     kv_cache_usage: float = 0.0  # 0..1 of the KV cache in use
+    # prompt tokens a second over the recent steps that prefilled (PrefillSpeedMeter); 0: the
+    # engine does not measure it, or has not prefilled yet
+    prefill_tokens_per_second: float = 0.0
 
 
 class InvalidArgumentError(ValueError):
@@ -336,6 +339,25 @@ class DecodeRateMeter:
             self._tokens -= self._steps.popleft()[1]
         span = now - self._steps[0][0] if self._steps else 0.0
         return self._tokens / max(span, 1.0)
+
+
+class PrefillSpeedMeter:
+    """Prompt tokens a second over the last ``steps`` steps that prefilled at least
+    ``min_tokens`` (a step of a few prompt tokens is its fixed cost, not a prefill's speed), the
+    decodes batched with them included: the speed a prompt is prefilled at on this worker as it
+    runs, which the router weighs a cache's saving by. Not thread-safe, as DecodeRateMeter."""
+
+    def __init__(self, steps: int = 32, min_tokens: int = 64) -> None:
+        self._min_tokens = min_tokens
+        self._steps: deque[tuple[int, float]] = deque(maxlen=steps)  # (prompt tokens, seconds)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens >= self._min_tokens and seconds > 0:
+            self._steps.append((tokens, seconds))
+
+    def speed(self) -> float:
+        seconds = sum(s for _, s in self._steps)
+        return sum(t for t, _ in self._steps) / seconds if seconds else 0.0
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

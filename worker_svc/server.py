@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
+# A measured prefill speed is told to the router (by registering again, which regroups its fleet)
+# when it moved by more than this share from the one told, at most every _PREFILL_TELL_S
+_PREFILL_SLACK = 0.25
+_PREFILL_TELL_S = 30.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -50,6 +54,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self.info = info
         self._reports = itertools.count(1)
+        self._prefill_told_at = -_PREFILL_TELL_S
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
@@ -63,6 +68,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             + round(engine_load.kv_cache_usage * caps.kv_cache_bytes),
             report=next(self._reports),
         )
+
+    def take_prefill_speed(self) -> bool:
+        """Puts the engine's measured prefill speed into ``info`` when it has moved by more than
+        _PREFILL_SLACK from the one in it (an engine's own estimate, or none), at most every
+        _PREFILL_TELL_S; True when it did, and the router is to be told."""
+        measured = self._engine.load().prefill_tokens_per_second
+        told = self.info.capabilities.prefill_tokens_per_second
+        now = time.monotonic()
+        if (
+            not measured
+            or abs(measured - told) <= _PREFILL_SLACK * told
+            or now - self._prefill_told_at < _PREFILL_TELL_S
+        ):
+            return False
+        self.info.capabilities.prefill_tokens_per_second = measured
+        self._prefill_told_at = now
+        logger.info("prefill measured at %.0f tokens/s (told %.0f)", measured, told)
+        return True
 
     async def Info(
         self,
@@ -357,6 +380,8 @@ async def report_to_router(router_address: str, servicer: WorkerServicer, tls: T
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
         while True:
+            if registered and servicer.take_prefill_speed():
+                registered = False  # a registration tells the router the new speed
             try:
                 if not registered:
                     reply = await router.Register(

@@ -18,11 +18,19 @@ from tests.helpers.inprocess import (
     PLAINTEXT,
     eventually,
     running_router,
+    running_worker,
     sim_engine,
     wait_for_workers,
 )
 from worker_svc import server as worker_server
-from worker_svc.config import ParallelSection, RouterSection, ServerSection, WorkerConfig
+from worker_svc.config import (
+    DEFAULT_MODEL_PATH,
+    ParallelSection,
+    RouterSection,
+    ServerSection,
+    WorkerConfig,
+)
+from worker_svc.engine_api import PrefillSpeedMeter
 from worker_svc.torch_engine.engine import Engine
 
 
@@ -248,3 +256,44 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
         reporter.cancel()
         await server.stop(grace=None)
         await engine.close()
+
+
+async def test_a_torch_worker_tells_the_router_the_prefill_speed_it_measures(
+    worker_dtype: str, redis_server
+):
+    """A torch engine knows no prefill speed until it prefills; then it measures one, and its
+    worker registers again to tell the router, which weighs cached prefixes by it. (An engine of
+    its own: the shared one has prefilled already.)"""
+    engine = Engine.from_checkpoint(DEFAULT_MODEL_PATH, dtype=worker_dtype)
+    try:
+        async with (
+            running_router(redis_url=redis_server.url) as router,
+            running_worker(engine, router, "measuring") as worker,
+        ):
+            assert worker.servicer.info.capabilities.prefill_tokens_per_second == 0
+            async with grpc.aio.insecure_channel(worker.servicer.info.address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                await stub.Complete(_request("a prompt to prefill " * 40, max_tokens=1))
+
+            def told() -> float:
+                entry = router.resources.registry.fleet.get("measuring")
+                return 0.0 if entry is None else entry.info.capabilities.prefill_tokens_per_second
+
+            await eventually(lambda: told() > 0)
+            assert told() == pytest.approx(engine.load().prefill_tokens_per_second, rel=1e-6)
+            # told at most every 30 s, however it moves
+            assert not worker.servicer.take_prefill_speed()
+    finally:
+        await engine.close()
+
+
+def test_the_prefill_speed_is_prompt_tokens_over_the_steps_that_prefilled():
+    meter = PrefillSpeedMeter(steps=2, min_tokens=64)
+    assert meter.speed() == 0
+    meter.add(1000, 0.5)
+    meter.add(8, 0.1)  # a step of a few prompt tokens is its fixed cost: not counted
+    assert meter.speed() == 2000
+    meter.add(3000, 0.5)
+    assert meter.speed() == 4000
+    meter.add(600, 0.3)  # the oldest step leaves the window
+    assert meter.speed() == 3600 / 0.8

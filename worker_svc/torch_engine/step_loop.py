@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from worker_svc.engine_api import (
     EngineClosedError,
     EngineLoad,
     GenerationChunk,
+    PrefillSpeedMeter,
     SamplingParams,
     TokenLogprob,
 )
@@ -75,6 +77,7 @@ class StepLoop:
         self._requests: dict[int, RequestState] = {}  # seq_id -> its state, thread only
         self._load = EngineLoad(0, 0, 0.0)
         self._decode_rate = DecodeRateMeter()
+        self._prefill_speed = PrefillSpeedMeter()
         self._thread = threading.Thread(target=self._run, name="worker-step-loop", daemon=True)
         self._thread.start()
 
@@ -99,6 +102,7 @@ class StepLoop:
                 self._load,
                 waiting=self._load.waiting + len(self._incoming),
                 tokens_per_second=self._decode_rate.rate(),
+                prefill_tokens_per_second=self._prefill_speed.speed(),
             )
 
     def close(self) -> None:
@@ -153,6 +157,7 @@ class StepLoop:
             self._load = EngineLoad(len(s.running), len(s.waiting), 0.0, s.blocks.usage)
 
     def _step(self, output: SchedulerOutput) -> None:
+        started = time.perf_counter()
         try:
             logits = self._runner.execute(output)
         except Exception as e:  # a model/runtime failure ends this step's requests, not the engine
@@ -169,8 +174,10 @@ class StepLoop:
             [r.generator for r in requests],
             [r.output_ids if r.params.has_penalties else [] for r in requests],
         )
-        with self._lock:
+        prompt_tokens = sum(s.num_tokens for s in output.scheduled if s.num_tokens > 1)
+        with self._lock:  # the sampled tokens are on the host: the step's compute is done
             self._decode_rate.add(len(tokens))
+            self._prefill_speed.add(prompt_tokens, time.perf_counter() - started)
         for request, token, row in zip(requests, tokens, logits, strict=True):
             try:
                 self._append(request, token, row)
