@@ -70,7 +70,6 @@ from infermesh import prefix_hash, sim_tokens
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection
-from router_svc.fleet import _UNKNOWN_PREFILL_TOKENS_PER_S as UNKNOWN_PREFILL_TOKENS_PER_S
 from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection
 from worker_svc.sim_engine.engine import SimEngine
 
@@ -373,8 +372,8 @@ def torch_fleet(args: argparse.Namespace, redis_url: str, workdir: Path) -> Flee
         cache_tokens=args.cache_tokens,
         described=(
             f"{args.workers} torch workers ({model}, 1 torch thread each); a worker alone "
-            f"prefills {calibration.prefill_tokens_per_s:.0f} tokens/s (the router assumes "
-            f"{UNKNOWN_PREFILL_TOKENS_PER_S:.0f}: torch workers report none) and decodes "
+            f"prefills {calibration.prefill_tokens_per_s:.0f} tokens/s (each tells the router the "
+            "speed it measures once it has prefilled) and decodes "
             f"{calibration.decode_s_per_token * 1000:.1f} ms/token; the fleet serves "
             f"{calibration.capacity_per_s:.1f} shared-prefix requests/s without cache hits"
         ),
