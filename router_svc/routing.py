@@ -19,12 +19,13 @@ engine holds back while it prefills. What a cache saves is that time, which depe
 prompt's length and the worker's prefill speed, so (a) is the hardware fitness too, measured where
 it counts for this prompt (the decode-speed ``slowness`` and the KV use, a second reading of the
 load, made cached prefixes lose to fast empty workers: bench/cache_routing.py). Counting the
-stalled streams keeps a hot prefix on its busy holders, which prefill it for no one, rather than
-on a busy worker that would prefill it for everyone there (bench/cache_routing.py: 94 % of the
-oracle's hits, from 87 % without). One weight says what a second of one stream's prefill is worth
-against a full worker's load; the load term alone spreads a hot prefix: its holder is passed over
-for an idle worker once it is ``prefill_weight`` x the prefill's seconds busier. A bonus
-proportional to the share cached would rank a cached 200 tokens like a cached 80,000.
+stalled streams keeps a hot prefix on its busy holders, which need not prefill it again, rather
+than on another busy worker, whose every stream would wait for that prefill
+(bench/cache_routing.py: 94 % of the oracle's hits, from 87 % without). One weight says what a
+second of one stream's prefill is worth against a full worker's load; the load term alone spreads
+a hot prefix: its holder is passed over for an idle worker once it is ``prefill_weight`` x the
+prefill's seconds busier. A bonus proportional to the share cached would rank a cached 200 tokens
+like a cached 80,000.
 
 Sessions (``affinity_key``: an agent's turns, which resend their whole growing history) go to the
 session's worker while it has a free slot; only a full worker passes the session on. Its history
