@@ -113,6 +113,7 @@ class PrefixIndex:
         size = (slots + 7) // 8
         probes = self.max_probes
         finest = 1  # the narrowest range split: one block for the deepest prefix
+        coarse = max(len(hashes) // self.resolution, 1)  # then 1/resolution of the prompt
         # (lo, hi, mask): the workers of mask hold block lo (as far as probed) and not block hi
         # (hi == len(hashes): past the last); the deepest range is on top
         ranges = [(0, len(hashes), first)]
@@ -128,7 +129,7 @@ class PrefixIndex:
                     ranges.append((mid, hi, holding))
                 continue
             depth = lo + 1  # block lo is held (hi, when the range is one block)
-            finest = max(len(hashes) // self.resolution, 1)
+            finest = coarse
             if mask & (mask - 1):  # several workers' prefixes end there
                 packed = np.frombuffer(mask.to_bytes(size, "little"), np.uint8)
                 cached[np.unpackbits(packed, count=slots, bitorder="little").view(bool)] = depth

@@ -163,8 +163,8 @@ class Chooser:
             )
             return Decision([fleet.entry_at(s) for s in picked], {"policy": policy})
         busy = fleet.busy_now[group.slots]
-        cost = busy + 1
-        cost *= group.inverse_capacity  # the share of its slots busy once this request is in
+        streams = busy + 1  # on the worker once this request is in
+        cost = streams * group.inverse_capacity  # the share of its slots busy then
         home = -1
         cached = None
         if policy == "balanced":
@@ -173,7 +173,7 @@ class Chooser:
             if request.prefix_hashes:
                 cached = self._cached_tokens(fleet, group, request)
                 uncached = request.prompt_tokens - cached
-                cost += config.prefill_weight * group.prefill_s_per_token * uncached * (busy + 1)
+                cost += config.prefill_weight * group.prefill_s_per_token * uncached * streams
             else:
                 cost += config.kv_weight * fleet.kv_usage[group.slots]
                 cost += config.hardware_weight * group.slowness

@@ -226,9 +226,16 @@ def observe_generation(
 
 
 def observe_key_tokens(name: str, tier: str, input_tokens: int, output_tokens: int) -> None:
-    """One finished generation's tokens, billed to the key named ``name``."""
-    KEY_TOKENS.labels(name, tier, "input").inc(input_tokens)
-    KEY_TOKENS.labels(name, tier, "output").inc(output_tokens)
+    """One finished generation's tokens, billed to the key named ``name`` (its two series looked
+    up once, as _GenerationSeries)."""
+    series = _key_series.get((name, tier))
+    if series is None:
+        series = _key_series[name, tier] = (
+            KEY_TOKENS.labels(name, tier, "input"),
+            KEY_TOKENS.labels(name, tier, "output"),
+        )
+    series[0].inc(input_tokens)
+    series[1].inc(output_tokens)
 
 
 class _GenerationSeries(NamedTuple):
@@ -243,6 +250,7 @@ class _GenerationSeries(NamedTuple):
 
 
 _generation_series: dict[tuple[str, str], _GenerationSeries] = {}
+_key_series: dict[tuple[str, str], tuple[Counter, Counter]] = {}  # (key name, tier) -> in, out
 
 
 def serve_metrics(config: MetricsEndpoint) -> None:
