@@ -85,9 +85,14 @@ lint: install proto
 	$(RUFF) format --check .
 	$(MYPY)
 
-# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped
+# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped. The tests run on
+# TEST_WORKERS pytest-xdist workers, a module's tests (and a shared mesh's) on one worker
+# (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: lint install proto model vllm
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
 # simulated fleet on this machine.

@@ -1,10 +1,13 @@
-"""Tiny DeepSeek-V3 and DeepSeek-V2 checkpoints, written once per session."""
+"""Tiny DeepSeek-V3 and DeepSeek-V2 checkpoints, written once per run."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from devtools.tiny_model import (
     write_tiny_checkpoint,
@@ -13,41 +16,62 @@ from devtools.tiny_model import (
 )
 
 
+def _written_once(
+    factory: pytest.TempPathFactory, name: str, write: Callable[[Path], Path]
+) -> Path:
+    """The checkpoint ``write`` makes, written by the first pytest-xdist worker that asks for it
+    and read by the others (each takes 5-15 s to write)."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    out = root / f"checkpoint-{name}"
+    with FileLock(f"{out}.lock"):
+        if not (out / "config.json").exists():
+            write(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny checkpoint: 2 layers, n_group 2, DeepSeek-V3's YaRN and context."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    return _written_once(tmp_path_factory, "tiny", write_tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The second config: 3 layers, YaRN, n_group 4 / topk_group 2, q_lora_rank null."""
-    return write_variant_checkpoint(tmp_path_factory.mktemp("variant"))
+    return _written_once(tmp_path_factory, "variant", write_variant_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DeepSeek-V2: BF16, softmax gate, group-limited greedy, 3 layers, YaRN."""
-    return write_v2_checkpoint(tmp_path_factory.mktemp("v2"))
+    return _written_once(tmp_path_factory, "v2", write_v2_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V2-Lite's shape: q_lora_rank null, greedy routing over all experts."""
-    return write_v2_checkpoint(tmp_path_factory.mktemp("v2-lite"), lite=True)
+    return _written_once(
+        tmp_path_factory, "v2-lite", lambda out: write_v2_checkpoint(out, lite=True)
+    )
 
 
 @pytest.fixture(scope="session")
 def v32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint as DeepSeek-V3.2: each layer with a sparse-attention indexer (index_topk
     12)."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("v32"), v32=True)
+    return _written_once(tmp_path_factory, "v32", lambda out: write_tiny_checkpoint(out, v32=True))
 
 
 @pytest.fixture(scope="session")
 def v32_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The V3.2 checkpoint with the variant's YaRN, n_group 4 / topk_group 2 and 3 layers."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("v32-variant"), variant=True, v32=True)
+    return _written_once(
+        tmp_path_factory,
+        "v32-variant",
+        lambda out: write_tiny_checkpoint(out, variant=True, v32=True),
+    )
 
 
 @pytest.fixture(params=["tiny", "variant", "v2", "v2_lite"])
