@@ -95,11 +95,7 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
         worker_env=(dev_worker_env(),),
         env={
             "INFERMESH_LOG_FORMAT": os.environ.get("INFERMESH_LOG_FORMAT", "text"),
-            # the admin API's token for this run, printed below
-            "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
-            # agents' default model names (Claude Code's claude-..., Codex's gpt-...) are served
-            # by the model without configuring the agent
-            "INFERMESH_GATEWAY_MODELS_ALIASES": json.dumps({"claude-*": model, "gpt-*": model}),
+            **dev_gateway_env(model, admin_token),
         },
     )
     try:
@@ -129,6 +125,18 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
     finally:
         if redis_server is not None:
             redis_server.stop()
+
+
+def dev_gateway_env(model: str, admin_token: str) -> dict[str, str]:
+    """The dev mesh's gateway settings (`make run`; tests/e2e/test_readme.py runs the README's
+    commands against a gateway set up the same way)."""
+    return {
+        # the admin API's token for this run, printed once the mesh answers
+        "INFERMESH_GATEWAY_ADMIN_TOKEN": admin_token,
+        # agents' default model names (Claude Code's claude-..., Codex's gpt-...) are served by
+        # the model without configuring the agent
+        "INFERMESH_GATEWAY_MODELS_ALIASES": json.dumps({"claude-*": model, "gpt-*": model}),
+    }
 
 
 def _start_redis(url: str) -> RedisServer:

@@ -310,7 +310,7 @@ class MessagesRequest(MessagesBody):
 
 
 # Anthropic fields this gateway does not implement (server-side tools and containers): refused
-# rather than dropped (README lists the fields still ignored)
+# rather than dropped (docs/API.md lists the fields still ignored)
 UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers")
 
 B = TypeVar("B", bound=MessagesBody)

@@ -264,7 +264,7 @@ class ChatCompletionRequest(OpenAIGeneration):
 
 
 # OpenAI fields this gateway does not implement: refused rather than dropped, since the answer
-# would not be what the client asked for (README lists the fields still ignored)
+# would not be what the client asked for (docs/API.md lists the fields still ignored)
 UNSUPPORTED_CHAT_FIELDS = (
     "functions",
     "function_call",

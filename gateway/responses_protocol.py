@@ -527,7 +527,7 @@ class ResponsesRequest(MeshRequest):
 
 
 # Responses fields this gateway does not implement: refused rather than dropped, since the answer
-# would not be what the client asked for (README lists those accepted and ignored)
+# would not be what the client asked for (docs/API.md lists those accepted and ignored)
 UNSUPPORTED_RESPONSES_FIELDS = (
     "conversation",
     "prompt",
