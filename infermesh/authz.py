@@ -76,6 +76,11 @@ class Peer:
         role = self.uri.removeprefix(_URI_PREFIX).split("/", 1)[0]
         return role if self.uri and role in ROLES else ""
 
+    @property
+    def identity(self) -> str:
+        """The URI without ``spiffe://infermesh/`` ("client/batch-jobs"; "" when none)."""
+        return self.uri.removeprefix(_URI_PREFIX) if self.role else ""
+
     def describe(self) -> str:
         return f"{self.uri or 'no mesh identity'} at {self.address}"
 

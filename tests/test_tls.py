@@ -31,7 +31,8 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection, check_loaded, open_channel
 from infermesh.usage import identity_owner
-from router_svc.config import RouterConfig, ServerSection
+from router_svc.config import FairQueueSection, RouterConfig, ServerSection, Standing
+from router_svc.config import load as load_router_config
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
@@ -472,3 +473,71 @@ def _issue_without_identity(certs: Path, tmp_path: Path) -> TlsSection:
         key_file=str(tmp_path / "anon.key"),
         ca_file=str(certs / "ca.crt"),
     )
+
+
+async def test_a_client_certificate_cannot_grant_itself_a_weight_out_of_range(
+    router, worker, certs
+):
+    """weight 2**32 - 1 (the most a uint32 holds) would starve every API key: refused."""
+    request = _request()
+    request.weight = 2**32 - 1
+    async with open_channel(router.address, role_tls(certs, "client")) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "weight 4294967295 is out of range (0..1000" in refused.value.details()
+        request.weight, request.priority = 0, 11
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_client_certificate_queues_at_its_configured_standing_not_its_requests(
+    certs, redis_server
+):
+    """The one slot is taken; the client's request, claiming tier gold and the top weight and
+    priority, waits and is served under the tier [internal_callers] gives it."""
+
+    def waited(tier: str) -> float:
+        labels = {"tier": tier}
+        return REGISTRY.get_sample_value("infermesh_router_queue_wait_seconds_count", labels) or 0
+
+    queue = FairQueueSection(enabled=True, max_wait_s=10)
+    async with (
+        running_router(redis_url=redis_server.url, certs=certs, fair_queue=queue) as router,
+        running_worker(sim_engine(max_parallel=1), router, "w", 1, certs=certs),
+        open_channel(router.address, role_tls(certs, "gateway")) as gateway,
+        open_channel(router.address, role_tls(certs, "client")) as client,
+    ):
+        before = waited("internal"), waited("gold")
+        holder = router_pb2_grpc.RouterStub(gateway).RouteStream()
+        await holder.write(
+            router_pb2.RouteStreamRequest(asks=[router_pb2.RouteAsk(id=1, request=_request())])
+        )
+        assert (await holder.read()).decisions[0].workers[0].worker_id == "w"
+        claimed = _request()
+        claimed.tier, claimed.weight, claimed.priority = "gold", 1000, 10
+        served = router_pb2_grpc.RouterStub(client).Complete(claimed, timeout=10)
+        deadline = time.monotonic() + 5
+        while not REGISTRY.get_sample_value("infermesh_router_queue_depth", {"tier": "internal"}):
+            assert time.monotonic() < deadline, "the client's request never waited as internal"
+            await asyncio.sleep(0.01)
+        await holder.write(router_pb2.RouteStreamRequest(finished=["w"]))
+        assert (await served).finish_reason
+        holder.cancel()
+    assert (waited("internal"), waited("gold")) == (before[0] + 1, before[1])
+
+
+def test_the_standing_of_internal_callers_comes_from_the_config(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[internal_callers]\nweight = 2\n[internal_callers.identities."client/batch"]\n'
+        'tier = "batch"\npriority = -5\n'
+    )
+    callers = load_router_config(str(path)).internal_callers
+    assert callers.standing("client/batch") == Standing("batch", 2, -5)
+    assert callers.standing("client/other") == Standing("internal", 2, 0)
+    path.write_text('[internal_callers.identities."client/batch"]\nweight = 4294967296\n')
+    with pytest.raises(ConfigError, match=r"identities.client/batch.weight: must be an integer"):
+        load_router_config(str(path))
