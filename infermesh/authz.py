@@ -115,6 +115,14 @@ async def _refuse(
     await context.abort(_CODES.get(reason, grpc.StatusCode.PERMISSION_DENIED), message)
 
 
+async def refuse(
+    context: grpc.aio.ServicerContext[Any, Any], service: str, method: str, reason: str, why: str
+) -> None:
+    """Refuses (aborts) the call with PERMISSION_DENIED for ``why``, logged and counted under
+    ``reason`` as the checks here are (a check the servicer makes itself, e.g. ownership)."""
+    await _refuse(context, service, method, peer_of(context), reason, why)
+
+
 async def check_caller(
     context: grpc.aio.ServicerContext[Any, Any], service: str, method: str
 ) -> None:

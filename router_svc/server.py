@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from infermesh.authz import peer_of, require_address_host
+from infermesh.authz import peer_of, refuse, require_address_host
 from infermesh.bidi import RETRY_AFTER_MS
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
@@ -30,7 +30,12 @@ from router_svc.config import MAX_WEIGHT, PRIORITIES, RouterConfig
 from router_svc.fair_queue import FairQueue, QueueRefusedError
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.prefix_index import PrefixIndex
-from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
+from router_svc.registry import (
+    RegistrationError,
+    Registry,
+    RegistryUnavailableError,
+    WorkerOwnedError,
+)
 from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
 from telemetry import metrics
 
@@ -65,7 +70,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RegisterResponse:
         await require_address_host(context, "router", "Register", request.worker.address)
         try:
-            await self._registry.register(request.worker, request.load)
+            await self._registry.register(request.worker, request.load, peer_of(context).uri)
+        except WorkerOwnedError as e:
+            await refuse(context, "router", "Register", "owner", str(e))
         except RegistrationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RegistryUnavailableError as e:
@@ -83,10 +90,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ],
     ) -> router_pb2.HeartbeatResponse:
         registered = self._fleet.get(request.worker_id)
-        if registered is not None:  # a worker reports only its own load
+        # Workers that share one certificate identity are told apart by the hosts their
+        # certificates name; distinct identities by the id's owner, checked in Redis.
+        if registered is not None:
             await require_address_host(context, "router", "Heartbeat", registered.info.address)
         try:
-            known = await self._registry.heartbeat(request.worker_id, request.load)
+            known = await self._registry.heartbeat(
+                request.worker_id, request.load, peer_of(context).uri
+            )
+        except WorkerOwnedError as e:
+            await refuse(context, "router", "Heartbeat", "owner", str(e))
         except RegistrationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RegistryUnavailableError as e:

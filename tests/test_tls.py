@@ -49,7 +49,7 @@ from tests.helpers.inprocess import (
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("certs")
-    write_certs(directory)
+    write_certs(directory, workers={"gpu-0": [], "gpu-1": []})
     return directory
 
 
@@ -111,6 +111,7 @@ def _worker_info(address: str, worker_id: str = "rogue") -> common_pb2.WorkerInf
 
 
 async def _register(router: RunningRouter, tls: TlsSection, address: str) -> None:
+    """Registers the worker "rogue" at ``address``."""
     async with open_channel(router.address, tls) as channel:
         await router_pb2_grpc.RouterStub(channel).Register(
             router_pb2.RegisterRequest(worker=_worker_info(address)), timeout=5
@@ -316,6 +317,36 @@ async def test_a_worker_heartbeats_only_for_a_worker_at_a_host_it_names(router, 
     async with open_channel(router.address, role_tls(other, "worker")) as channel:
         reply = await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
     assert reply.registered
+
+
+async def test_a_second_worker_identity_cannot_take_over_a_registered_id(router, certs):
+    """Each worker its own certificate: gpu-1 can neither register gpu-0's id at its own
+    address nor heartbeat it; gpu-0 keeps it."""
+    real, impostor = role_tls(certs, "worker-gpu-0"), role_tls(certs, "worker-gpu-1")
+    await _register(router, real, "127.0.0.1:50999")
+    before = _refused("Register", "owner")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _register(router, impostor, "127.0.0.1:50071")
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        "Register refused for spiffe://infermesh/worker/gpu-1 at ipv4:127.0.0.1:"
+        in refused.value.details()
+    )
+    assert "worker rogue is registered by spiffe://infermesh/worker/gpu-0" in (
+        refused.value.details()
+    )
+    assert _refused("Register", "owner") == before + 1
+    heartbeat = router_pb2.HeartbeatRequest(worker_id="rogue", load=common_pb2.Load(running=9))
+    async with open_channel(router.address, impostor) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with open_channel(router.address, real) as channel:
+        assert (
+            await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+        ).registered
+    reply = await _list_workers(router.address, role_tls(certs, "admin"))
+    assert [(w.worker.address, w.load.running) for w in reply.workers] == [("127.0.0.1:50999", 9)]
 
 
 async def test_a_certificate_without_a_mesh_identity_is_unauthenticated(router, certs, tmp_path):
