@@ -13,7 +13,7 @@ import fnmatch
 import hashlib
 import re
 
-from infermesh.config import section
+from infermesh.config import MetricsSection, section
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
@@ -224,4 +224,6 @@ class GatewayConfig:
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)
+    # the side port of every metric, the per-key series too (the API's /metrics has them not)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)

@@ -327,7 +327,9 @@ EVERYONE = frozenset(
 # (a pod's app label, port) -> who may connect; a port not listed: no one.
 ACCESS: dict[tuple[str, int], frozenset[str]] = {
     ("gateway", 8000): EVERYONE,
+    ("gateway", 9100): frozenset({"prometheus"}),
     ("gateway-admin", 8000): frozenset({"admin-client"}),
+    ("gateway-admin", 9100): frozenset({"prometheus"}),
     ("router", 50051): frozenset({"gateway", "gateway-admin", "worker"}),
     ("router", 9101): frozenset({"prometheus"}),
     ("worker", 50061): frozenset({"gateway", "router"}),

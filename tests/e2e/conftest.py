@@ -79,6 +79,7 @@ def _start_mesh(
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
             "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "INFERMESH_GATEWAY_METRICS_PORT": str(free_port()),
             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
             "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype,

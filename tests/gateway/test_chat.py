@@ -3,13 +3,17 @@ worker on the tiny model (in-process, on loopback ports)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import aiohttp
 import grpc
 import pytest
 
 from devtools.tiny_model import V3_CONTEXT
 from gateway.errors import from_grpc
+from infermesh.config import MetricsSection
+from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually
@@ -251,3 +255,30 @@ async def test_alias_base_serves_the_same_api(redis_server, router, worker, api_
         assert "base URL of this API is" in (await response.json())["error"]["message"]
     finally:
         await client.close()
+
+
+async def test_per_key_series_are_served_on_the_metrics_port_only(
+    redis_server, router, worker, api_key
+):
+    """Key names, tiers and token volumes are not the public port's: its /metrics has the rest
+    of the process's metrics; the [metrics] side port has those too."""
+    config = dataclasses.replace(
+        make_config(redis_server.url, router.address),
+        metrics=MetricsSection(port=free_port()),
+    )
+    gateway = await start_gateway(config)
+    try:
+        async with sdk(gateway, api_key) as client:
+            await client.chat.completions.create(**_GREEDY)
+        public = await (await gateway.get("/metrics")).text()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{config.metrics.port}/metrics") as response,
+        ):
+            side = await response.text()
+    finally:
+        await gateway.close()
+    assert "infermesh_requests_total" in public and "infermesh_requests_total" in side
+    assert "infermesh_gateway_key_tokens" not in public
+    assert 'infermesh_gateway_key_tokens_total{key="test",tier="default",type="output"}' in side
+
