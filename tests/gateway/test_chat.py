@@ -8,10 +8,13 @@ import json
 
 import aiohttp
 import grpc
+import openai
 import pytest
 
 from devtools.tiny_model import V3_CONTEXT
+from gateway.config import GatewayConfig
 from gateway.errors import from_grpc
+from gateway.prompt_tokens import PROMPT_TOKENS
 from infermesh.config import MetricsSection
 from infermesh.ports import free_port
 from tests.helpers import MODEL
@@ -282,3 +285,19 @@ async def test_per_key_series_are_served_on_the_metrics_port_only(
     assert "infermesh_gateway_key_tokens" not in public
     assert 'infermesh_gateway_key_tokens_total{key="test",tier="default",type="output"}' in side
 
+
+async def test_a_request_at_the_body_limit_is_answered_never_a_5xx(gateway, api_key):
+    """A prompt as large as the body limit lets: its route ask (the text, its token ids and
+    their block hashes) is well past gRPC's default 4 MiB message, once the gateway tokenizes.
+    It reaches the mesh, which answers that it is past the model's context: a clear 400."""
+    limit = GatewayConfig().server.max_body_bytes
+    content = "hello world " * ((limit - 1024) // len("hello world "))
+    async with sdk(gateway, api_key, timeout=120) as client:
+        # the gateway tokenizes once it has the model's tokenizer, which its first request loads
+        await client.chat.completions.create(**_GREEDY)
+        await eventually(lambda: gateway.app[PROMPT_TOKENS].renderer(MODEL) is not None)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1
+            )
+    assert refused.value.body["code"] == "context_length_exceeded", refused.value.body
