@@ -61,10 +61,10 @@ def write_certs(
     file names written (empty: the existing set was kept). ``extra_hosts`` maps a role to more
     hosts it is reached at; ``client_name`` names the client (``spiffe://infermesh/client/NAME``);
     ``workers`` maps a worker's name to its hosts: each gets its own identity,
-    ``spiffe://infermesh/worker/NAME``, in ``worker-NAME.crt`` naming loopback, NAME and those
-    hosts (the router gives a worker id to the identity that registered it, so workers that
-    share one certificate could take over each other's); ``renew`` issues every role
-    certificate again from the existing CA."""
+    ``spiffe://infermesh/worker/NAME``, in ``worker-NAME.crt`` naming loopback and those hosts
+    (the router gives a worker id to the identity that registered it, so workers that share a
+    certificate could take over each other's ids); ``renew`` issues every role certificate
+    again from the existing CA."""
     directory.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     ca_key, ca_cert = _load_ca(directory)
@@ -79,7 +79,7 @@ def write_certs(
         for role in ROLES
         for extra in [(extra_hosts or {}).get(role, ())]
     ] + [
-        (f"worker-{name}", role_uri("worker", name), role_hosts(name, hosts))
+        (f"worker-{name}", role_uri("worker", name), [*_LOOPBACK_HOSTS, *hosts])
         for name, hosts in (workers or {}).items()
     ]
     for stem, uri, hosts in leaves:
@@ -267,7 +267,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="NAME[=HOST,...]",
         help="a worker certificate of its own, worker-NAME.crt (spiffe://infermesh/worker/NAME), "
-        "naming NAME and the hosts given (repeatable)",
+        "naming loopback and the hosts given (repeatable)",
     )
     certs.add_argument(
         "--renew", action="store_true", help="issue every role certificate again (same CA)"
