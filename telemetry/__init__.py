@@ -2,7 +2,10 @@
 
 Traces go over OTLP/gRPC to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default
 localhost:4317, Jaeger's OTLP port); every standard ``OTEL_*`` variable is
-honoured by the SDK (sampler, resource attributes, ``OTEL_SDK_DISABLED``).
+honoured by the SDK (sampler, resource attributes, ``OTEL_SDK_DISABLED``), TLS
+included: an ``https://`` endpoint, the collector's CA in
+``OTEL_EXPORTER_OTLP_CERTIFICATE`` and this service's certificate in
+``OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`` / ``_CLIENT_KEY`` (as deploy/ sets them).
 Context crosses services in gRPC metadata through the official
 instrumentations, never by hand. With ``OTEL_SDK_DISABLED=true`` no span is
 ever recorded, so the instrumentations are left out too: they would cost

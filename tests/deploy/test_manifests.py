@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from opentelemetry.sdk import environment_variables as otel_env
 
 from gateway.config import GatewayConfig
 from infermesh.config import env_names, load_config
@@ -37,7 +38,15 @@ SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_NAME"}
 TLS_KEYS = ("cert_file", "key_file", "ca_file", "plaintext")
 WORKLOADS = {"Deployment", "StatefulSet"}
 _VLLM_CONFIGS = ["worker-vllm-h200.toml", "worker-vllm-h100x2.toml"]  # configmap keys
-OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
+# the OpenTelemetry SDK's own variables (its exporter reads the OTLP TLS files)
+OTEL_ENV = {
+    otel_env.OTEL_EXPORTER_OTLP_ENDPOINT,
+    otel_env.OTEL_EXPORTER_OTLP_CERTIFICATE,
+    otel_env.OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE,
+    otel_env.OTEL_EXPORTER_OTLP_CLIENT_KEY,
+    otel_env.OTEL_TRACES_SAMPLER,
+    otel_env.OTEL_TRACES_SAMPLER_ARG,
+}
 
 
 def _module(command: list[str]) -> str:
@@ -752,6 +761,62 @@ def compose_worker_address_problems(compose: dict[str, Any]) -> list[str]:
     return problems
 
 
+_OTLP_TLS = {
+    "OTEL_EXPORTER_OTLP_CERTIFICATE": "ca_file",
+    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": "cert_file",
+    "OTEL_EXPORTER_OTLP_CLIENT_KEY": "key_file",
+}
+_JAEGER_TLS = [
+    "--collector.otlp.grpc.tls.enabled=true",
+    "--collector.otlp.grpc.tls.client-ca=/etc/jaeger-tls/ca.crt",
+    "--collector.otlp.http.tls.enabled=true",
+    "--collector.otlp.http.tls.client-ca=/etc/jaeger-tls/ca.crt",
+]
+
+
+def _otlp_env_problems(name: str, prefix: str, env: dict[str, str]) -> list[str]:
+    """A service's traces go over TLS to Jaeger, checked against the mesh's CA, with the
+    service's own certificate."""
+    problems = []
+    if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("https://"):
+        problems.append(f"{name}: traces in plaintext ({env.get('OTEL_EXPORTER_OTLP_ENDPOINT')})")
+    for variable, key in _OTLP_TLS.items():
+        if env.get(variable) != env.get(f"{prefix}_TLS_{key.upper()}"):
+            problems.append(f"{name}: {variable} is not its [tls] {key}")
+    return problems
+
+
+def otlp_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Traces over mutual TLS: every service's exporter, and Jaeger's collector serving only
+    TLS with its certificate from the mesh's CA."""
+    problems = []
+    for name, module, container in _service_containers(docs):
+        env = {k: e.get("value", "") for k, e in _env(container).items()}
+        problems += _otlp_env_problems(name, SERVICES[module][1].upper(), env)
+    jaeger = _named(docs, "Deployment", "jaeger")
+    args = _container(jaeger).get("args", [])
+    problems += [f"jaeger: no {flag}" for flag in _JAEGER_TLS if flag not in args]
+    if _mounted_secret(jaeger, "/etc/jaeger-tls/tls.crt") != ("infermesh-tls-jaeger", "tls.crt"):
+        problems.append("jaeger: its certificate is not infermesh-tls-jaeger")
+    return problems
+
+
+def compose_otlp_problems(compose: dict[str, Any]) -> list[str]:
+    """As ``otlp_problems``, for the compose file."""
+    problems = []
+    for name, service in _compose_services(compose).items():
+        env = {k: str(v) for k, v in service.get("environment", {}).items()}
+        problems += _otlp_env_problems(name, SERVICES[service["command"][2]][1].upper(), env)
+    jaeger = compose["services"]["jaeger"]
+    problems += [
+        f"jaeger: no {flag}" for flag in _JAEGER_TLS if flag not in jaeger.get("command", [])
+    ]
+    mounts = dict(v.rsplit(":", 2)[:2] for v in jaeger.get("volumes", []))
+    if mounts.get("./certs/jaeger.crt") != "/etc/jaeger-tls/tls.crt":
+        problems.append("jaeger: ./certs/jaeger.crt not mounted as its certificate")
+    return problems
+
+
 def _named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
 
@@ -767,12 +832,14 @@ K8S_CHECKS = {
     "certificates": certificate_problems,
     "redis": redis_problems,
     "worker address": worker_address_problems,
+    "otlp": otlp_problems,
 }
 COMPOSE_CHECKS = {
     "exposure": compose_problems,
     "tls": compose_tls_problems,
     "redis": compose_redis_problems,
     "worker address": compose_worker_address_problems,
+    "otlp": compose_otlp_problems,
 }
 
 
@@ -901,6 +968,17 @@ def _worker_as_deployment(docs):
     _named(docs, "StatefulSet", "worker-vllm-h200")["kind"] = "Deployment"
 
 
+def _traces_in_plaintext(docs):
+    env = _container(_named(docs, "Deployment", "router"))["env"]
+    next(e for e in env if e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT")["value"] = (
+        "http://jaeger:4317"
+    )
+
+
+def _jaeger_without_tls(docs):
+    _container(_named(docs, "Deployment", "jaeger"))["args"] = []
+
+
 def _probe_without_certificate(docs):
     probe = _container(_named(docs, "StatefulSet", "worker-a100"))["readinessProbe"]
     del probe["exec"]["command"][5:]
@@ -939,6 +1017,7 @@ BAD_K8S = {
         _worker_advertises_its_ip,
         _worker_as_deployment,
     ],
+    "otlp": [_traces_in_plaintext, _jaeger_without_tls],
 }
 
 
@@ -1004,6 +1083,14 @@ def _worker_host_not_in_certificate(compose):
     ] = "gpu-box:50061"
 
 
+def _compose_traces_without_the_ca(compose):
+    del compose["services"]["gateway"]["environment"]["OTEL_EXPORTER_OTLP_CERTIFICATE"]
+
+
+def _compose_jaeger_without_tls(compose):
+    del compose["services"]["jaeger"]["command"]
+
+
 def _healthcheck_without_certificate(compose):
     compose["services"]["router"]["healthcheck"]["test"][6:] = []
 
@@ -1024,6 +1111,7 @@ BAD_COMPOSE = {
     ],
     "redis": [_redis_url_in_environment, _gateway_without_env_file, _redis_plaintext],
     "worker address": [_worker_host_not_in_certificate],
+    "otlp": [_compose_traces_without_the_ca, _compose_jaeger_without_tls],
 }
 
 
