@@ -9,6 +9,8 @@ import dataclasses
 import datetime
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -143,6 +145,25 @@ def test_certs_name_each_role_and_keep_a_valid_set(tmp_path):
     assert "spiffe://infermesh/client/batch-jobs" in uris.get_values_for_type(
         x509.UniformResourceIdentifier
     )
+
+
+def test_the_certs_command_gives_each_worker_named_an_identity_of_its_own(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "infermesh", "certs", str(tmp_path), "--worker", "gpu-0=10.0.0.5"],
+        check=True,
+        capture_output=True,
+    )
+    cert = x509.load_pem_x509_certificate((tmp_path / "worker-gpu-0.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://infermesh/worker/gpu-0"
+    ]
+    assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {
+        "127.0.0.1",
+        "::1",
+        "10.0.0.5",
+    }
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]  # not the shared "worker"
 
 
 def test_every_mesh_rpc_has_a_row_in_the_table():

@@ -15,7 +15,7 @@ from devtools.tiny_model import V3_CONTEXT
 from gateway.config import GatewayConfig
 from gateway.errors import from_grpc
 from gateway.prompt_tokens import PROMPT_TOKENS
-from infermesh.config import MetricsSection
+from infermesh.config import ConfigError, MetricsSection, load_config
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
@@ -301,3 +301,13 @@ async def test_a_request_at_the_body_limit_is_answered_never_a_5xx(gateway, api_
                 model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1
             )
     assert refused.value.body["code"] == "context_length_exceeded", refused.value.body
+
+
+def test_a_body_limit_whose_route_ask_could_pass_the_grpc_limit_is_a_config_error(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text("[server]\nmax_body_bytes = 16777216\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(GatewayConfig, path, "infermesh_gateway", environ={})
+    assert f"{path}: [server]: max_body_bytes must be 1024..8388608, got 16777216" in str(
+        error.value
+    )
