@@ -254,10 +254,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Route's answer for a caller that reports the request's end (``released``): at once,
         or with fair queueing once a worker has a free slot; fails as ``route`` raises, or
         with QueueRefusedError. Cancelling it takes the ask out of the queue."""
+        decided: asyncio.Future[list[WorkerEntry]]
+        try:
+            _check_standing(request)
+        except RouteError as e:
+            decided = asyncio.get_running_loop().create_future()
+            decided.set_exception(e)
+            return decided
         if self._queue is None:
-            decided: asyncio.Future[list[WorkerEntry]] = asyncio.get_running_loop().create_future()
+            decided = asyncio.get_running_loop().create_future()
             try:
-                _check_standing(request)
                 placed = self._place(request, free_only=False)
             except Exception as e:
                 decided.set_exception(e)
@@ -265,12 +271,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 assert placed is not None, "not free_only: the full workers count too"
                 decided.set_result(placed)
         else:
-            try:
-                _check_standing(request)
-            except RouteError as e:
-                decided = asyncio.get_running_loop().create_future()
-                decided.set_exception(e)
-                return decided
             decided = self._queue.submit(request, request.tier, wait_s)
         return decided
 
