@@ -17,6 +17,7 @@ import urllib.request
 from typing import Any
 
 from gateway.keys import LIMIT_FIELDS
+from infermesh.redact import redact_url
 
 _DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 10.0
@@ -142,4 +143,4 @@ def _request(method: str, path: str, body: dict[str, Any] | None) -> Any:
             message = e.reason
         raise _CallFailed(f"{e.code} {message}") from None
     except urllib.error.URLError as e:
-        raise _CallFailed(f"cannot reach the gateway at {url}: {e.reason}") from None
+        raise _CallFailed(f"cannot reach the gateway at {redact_url(url)}: {e.reason}") from None

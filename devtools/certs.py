@@ -1,4 +1,5 @@
-"""``python -m infermesh certs DIR``: a development CA and one certificate per mesh role.
+"""``python -m infermesh certs DIR``: a development CA, one certificate per mesh role and one
+per worker named (``--worker NAME``).
 
 Each certificate names its role as a SAN URI ``spiffe://infermesh/<role>`` (what the services'
 per-RPC checks read, ``infermesh.authz``) and the hosts it may be reached at as DNS and IP
@@ -53,12 +54,17 @@ def write_certs(
     extra_hosts: Mapping[str, Iterable[str]] | None = None,
     *,
     client_name: str = "",
+    workers: Mapping[str, Iterable[str]] | None = None,
     renew: bool = False,
 ) -> list[str]:
     """Writes the CA and every role's certificate and key into ``directory``; returns the
     file names written (empty: the existing set was kept). ``extra_hosts`` maps a role to more
     hosts it is reached at; ``client_name`` names the client (``spiffe://infermesh/client/NAME``);
-    ``renew`` issues every role certificate again from the existing CA."""
+    ``workers`` maps a worker's name to its hosts: each gets its own identity,
+    ``spiffe://infermesh/worker/NAME``, in ``worker-NAME.crt`` naming loopback and those hosts
+    (the router gives a worker id to the identity that registered it, so workers that share a
+    certificate could take over each other's ids); ``renew`` issues every role certificate
+    again from the existing CA."""
     directory.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     ca_key, ca_cert = _load_ca(directory)
@@ -68,15 +74,21 @@ def write_certs(
         _write_public(directory / "ca.crt", ca_cert)
         written += ["ca.crt", "ca.key"]
         renew = True  # certificates of another CA are no use
-    for role in ROLES:
-        uri = role_uri(role, client_name if role == "client" else "")
-        hosts = role_hosts(role, (extra_hosts or {}).get(role, ()))
-        if not renew and _leaf_valid(directory, role, ca_cert, uri, hosts):
+    leaves = [
+        (role, role_uri(role, client_name if role == "client" else ""), role_hosts(role, extra))
+        for role in ROLES
+        for extra in [(extra_hosts or {}).get(role, ())]
+    ] + [
+        (f"worker-{name}", role_uri("worker", name), [*_LOOPBACK_HOSTS, *hosts])
+        for name, hosts in (workers or {}).items()
+    ]
+    for stem, uri, hosts in leaves:
+        if not renew and _leaf_valid(directory, stem, ca_cert, uri, hosts):
             continue
         key = ec.generate_private_key(ec.SECP256R1())
-        _write_key(directory / f"{role}.key", key)
-        _write_public(directory / f"{role}.crt", _leaf(ca_key, ca_cert, key, role, uri, hosts))
-        written += [f"{role}.crt", f"{role}.key"]
+        _write_key(directory / f"{stem}.key", key)
+        _write_public(directory / f"{stem}.crt", _leaf(ca_key, ca_cert, key, stem, uri, hosts))
+        written += [f"{stem}.crt", f"{stem}.key"]
     return written
 
 
@@ -188,13 +200,13 @@ def _load_ca(
 
 
 def _leaf_valid(
-    directory: Path, role: str, ca_cert: x509.Certificate, uri: str, hosts: list[str]
+    directory: Path, stem: str, ca_cert: x509.Certificate, uri: str, hosts: list[str]
 ) -> bool:
-    """The role's certificate and key are there, match, come from the CA, are in date and
+    """The certificate ``stem``.crt and key are there, match, come from the CA, are in date and
     name ``uri`` and every host of ``hosts``."""
     try:
-        cert = x509.load_pem_x509_certificate((directory / f"{role}.crt").read_bytes())
-        key = serialization.load_pem_private_key((directory / f"{role}.key").read_bytes(), None)
+        cert = x509.load_pem_x509_certificate((directory / f"{stem}.crt").read_bytes())
+        key = serialization.load_pem_private_key((directory / f"{stem}.key").read_bytes(), None)
         cert.verify_directly_issued_by(ca_cert)
     except (OSError, ValueError, TypeError, InvalidSignature):
         return False
@@ -250,13 +262,27 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--client-name", default="", help="names the client: spiffe://infermesh/client/NAME"
     )
     certs.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="NAME[=HOST,...]",
+        help="a worker certificate of its own, worker-NAME.crt (spiffe://infermesh/worker/NAME), "
+        "naming loopback and the hosts given (repeatable)",
+    )
+    certs.add_argument(
         "--renew", action="store_true", help="issue every role certificate again (same CA)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     extra = {role: getattr(args, f"{role}_host") for role in ROLES}
-    written = write_certs(args.directory, extra, client_name=args.client_name, renew=args.renew)
+    workers = {
+        name: [host for host in hosts.split(",") if host]
+        for name, _, hosts in (worker.partition("=") for worker in args.worker)
+    }
+    written = write_certs(
+        args.directory, extra, client_name=args.client_name, workers=workers, renew=args.renew
+    )
     if written:
         print(f"{args.directory}: wrote {', '.join(written)}")
     else:

@@ -28,6 +28,7 @@ from devtools.mesh import Mesh, MeshSpec, ServiceExited, dev_worker_env
 from devtools.redis_server import RedisServer, redis_reachable
 from gateway.keys import create_key_at
 from infermesh.ports import port_in_use
+from infermesh.redact import redact_url
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 logger = logging.getLogger("infermesh")
@@ -146,5 +147,5 @@ def _start_redis(url: str) -> RedisServer:
         port = 0
     server = RedisServer(port=port or None, workdir=Path(".run").resolve())
     Path(".run").mkdir(exist_ok=True)
-    logger.info("no Redis reachable at %s; starting one on port %d", url, server.port)
+    logger.info("no Redis reachable at %s; starting one on port %d", redact_url(url), server.port)
     return server.start()

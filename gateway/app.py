@@ -28,7 +28,7 @@ from gateway.middleware import (
 )
 from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
-from gateway.ops import health, metrics
+from gateway.ops import health, metrics, metrics_port
 from gateway.prompt_tokens import PROMPT_TOKENS, PromptTokens
 from gateway.responses import (
     create_response,
@@ -65,6 +65,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_mesh_ctx)
+    app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
     app.on_startup.append(publish_document)

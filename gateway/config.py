@@ -13,9 +13,14 @@ import fnmatch
 import hashlib
 import re
 
-from infermesh.config import section
+from infermesh.channels import GRPC_MESSAGE_LIMIT_BYTES
+from infermesh.config import MetricsSection, section
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
+
+# A route ask holds the prompt's text (at most the body's bytes), its token ids (up to 5 bytes
+# each, a token per byte at worst) and a block hash per 16 tokens: under 7 bytes a body byte.
+MAX_BODY_BYTES = GRPC_MESSAGE_LIMIT_BYTES // 8
 
 
 @section
@@ -43,8 +48,12 @@ class ServerSection:
             raise ValueError(f"processes must be >= 1, got {self.processes}")
         if self.processes > 1 and self.port == 0:
             raise ValueError("processes > 1 needs a fixed port, not 0")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not 1024 <= self.max_body_bytes <= MAX_BODY_BYTES:
+            raise ValueError(
+                f"max_body_bytes must be 1024..{MAX_BODY_BYTES}, got {self.max_body_bytes}: a "
+                "request's route ask (its text, token ids and block hashes) must fit the mesh's "
+                f"gRPC message limit of {GRPC_MESSAGE_LIMIT_BYTES} bytes"
+            )
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -224,4 +233,6 @@ class GatewayConfig:
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)
+    # the side port of every metric, the per-key series too (the API's /metrics has them not)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)

@@ -89,11 +89,15 @@ class RouteStream:
         decision (``workers`` reads it as Route's answer), or fails: the stream's status when
         it breaks, DEADLINE_EXCEEDED after ``timeout_s`` more than the ``wait_s`` it may wait
         in the router's fair queue. Cancelling the future cancels the ask on the router."""
-        check_size(request)
-        call = self._current()
-        ask_id = next(self._ids)
         loop = asyncio.get_running_loop()
         decided = loop.create_future()
+        try:
+            check_size(request)
+        except grpc.aio.AioRpcError as e:  # the caller reads it as the router's answer
+            decided.set_exception(e)
+            return decided
+        call = self._current()
+        ask_id = next(self._ids)
         call.waiting[ask_id] = decided
         ask = call.outgoing.message.asks.add(
             id=ask_id, request=request, timeout_ms=round(wait_s * 1000)

@@ -76,6 +76,11 @@ class Peer:
         role = self.uri.removeprefix(_URI_PREFIX).split("/", 1)[0]
         return role if self.uri and role in ROLES else ""
 
+    @property
+    def identity(self) -> str:
+        """The URI without ``spiffe://infermesh/`` ("client/batch-jobs"; "" when none)."""
+        return self.uri.removeprefix(_URI_PREFIX) if self.role else ""
+
     def describe(self) -> str:
         return f"{self.uri or 'no mesh identity'} at {self.address}"
 
@@ -108,6 +113,14 @@ async def _refuse(
     message = f"{name} refused for {peer.describe()}: {why}"
     logger.warning("%s: %s", service, message)
     await context.abort(_CODES.get(reason, grpc.StatusCode.PERMISSION_DENIED), message)
+
+
+async def refuse(
+    context: grpc.aio.ServicerContext[Any, Any], service: str, method: str, reason: str, why: str
+) -> None:
+    """Refuses (aborts) the call with PERMISSION_DENIED for ``why``, logged and counted under
+    ``reason`` as the checks here are (a check the servicer makes itself, e.g. ownership)."""
+    await _refuse(context, service, method, peer_of(context), reason, why)
 
 
 async def check_caller(

@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import context as otel_context
 
+from infermesh.channels import GRPC_MESSAGE_LIMIT_BYTES
 from telemetry.metrics import STREAM_BREAKS, STREAM_MESSAGES, STREAMS_OPEN
 
 Message = TypeVar("Message", bound=ProtoMessage)
@@ -27,10 +28,9 @@ Incoming = TypeVar("Incoming", bound=ProtoMessage)
 Waiter = TypeVar("Waiter")
 Call = TypeVar("Call", bound="SharedCall[Any, Any, Any]")
 
-# gRPC's default limit on a received message (4 MiB), less room for framing: what one message
-# of a shared stream may hold. A message past the limit would end the whole stream, and with it
-# every request on it.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+# The mesh's gRPC message limit, less room for framing: what one message of a shared stream
+# may hold. A message past the limit would end the whole stream, and with it every request on it.
+MAX_MESSAGE_BYTES = GRPC_MESSAGE_LIMIT_BYTES - 64 * 1024
 
 
 def check_size(request: ProtoMessage) -> None:

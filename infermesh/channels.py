@@ -10,6 +10,17 @@ import grpc
 from infermesh.pb import worker_pb2_grpc
 from infermesh.tls import TlsSection, open_channel
 
+# The largest gRPC message a hop of the mesh sends or takes (gRPC's default is 4 MiB). A
+# request's route ask carries its prompt's text, token ids and their block hashes, several
+# bytes for each byte of the request body: the gateway's body limit is bounded so that its
+# largest ask fits (gateway/config.py), and a bigger one (a long stored conversation) fails
+# alone with RESOURCE_EXHAUSTED (``infermesh.bidi.check_size``).
+GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+_MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+    ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+]
+
 # Reconnect soon after a peer comes back, rather than grpc's default of backing off for
 # up to two minutes: a channel whose peer was gone for any time tries again at least
 # every second, so a restarted router or worker is used again within about a second.
@@ -18,17 +29,19 @@ from infermesh.tls import TlsSection, open_channel
 # Keepalive: while calls are open, a ping every second; a peer that does not answer within
 # two (a frozen process: SIGSTOP, a host that vanished without closing the connection)
 # fails every call on the connection with UNAVAILABLE, so a request waiting for its first
-# token goes to the fallback worker. Servers accept these pings (SERVER_KEEPALIVE_OPTIONS).
+# token goes to the fallback worker. Servers accept these pings (SERVER_OPTIONS).
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.http2.max_pings_without_data", 0),
+    *_MESSAGE_SIZE_OPTIONS,
 ]
-SERVER_KEEPALIVE_OPTIONS = [
+SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
+    *_MESSAGE_SIZE_OPTIONS,
 ]
 
 

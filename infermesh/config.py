@@ -179,7 +179,8 @@ def section(cls: type[T]) -> type[T]:
 
 @section
 class MetricsSection:
-    """``[metrics]`` of the router and the worker: the HTTP side port of /metrics."""
+    """``[metrics]`` of every service: the HTTP side port of /metrics (the gateway's has the
+    per-key series its public port does not)."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: no side port (several workers on one host would collide)

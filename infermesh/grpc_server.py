@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 import telemetry
 from infermesh import tls as mesh_tls
 from infermesh.authz import Authorizer
-from infermesh.channels import SERVER_KEEPALIVE_OPTIONS
+from infermesh.channels import SERVER_OPTIONS
 
 
 async def create_grpc_server(
@@ -37,7 +37,7 @@ async def create_grpc_server(
     else:
         credentials = mesh_tls.server_credentials(tls)
         interceptors.append(Authorizer(service))
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_KEEPALIVE_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     port = (
         server.add_insecure_port(address)
         if credentials is None

@@ -1,17 +1,22 @@
 """Router configuration: ``[server]``, ``[redis]``, ``[registry]``, ``[routing]``,
-``[fair_queue]``, ``[metrics]``
+``[fair_queue]``, ``[internal_callers]``, ``[metrics]``
 and ``[tls]`` (``infermesh.tls``) sections."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from infermesh.config import MetricsSection, load_config, section
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
 Policy = Literal["balanced", "least_load", "round_robin", "random"]
+
+# The bounds of a request's fair-queue weight (0: its tier's) and priority, as the gateway's
+# admin API and request validation take them; past them a request is INVALID_ARGUMENT.
+MAX_WEIGHT = 1000
+PRIORITIES = range(-10, 11)
 
 
 @section
@@ -165,8 +170,74 @@ class FairQueueSection:
                 f"default_retry_after_ms: must be >= 1, got {self.default_retry_after_ms}"
             )
         for tier, weight in self.tier_weights.items():
-            if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 1000:
-                raise ValueError(f"tier_weights.{tier}: must be an integer 1..1000, got {weight!r}")
+            _check_weight(f"tier_weights.{tier}", weight)
+
+
+def _check_weight(key: str, weight: object) -> None:
+    if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"{key}: must be an integer 1..{MAX_WEIGHT}, got {weight!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """An internal caller's place in the fair queue: its tier, weight and priority."""
+
+    tier: str
+    weight: int
+    priority: int
+
+
+@section
+class InternalCallersSection:
+    """The fair-queue standing of internal callers (a client certificate's identity, which is
+    also their tenant): ``tier``, ``weight`` and ``priority`` for every one, and per identity in
+    ``identities``, keyed by the certificate's identity without ``spiffe://infermesh/``:
+    ``{"client/batch-jobs" = {tier = "batch", weight = 1, priority = -5}}`` (a key left out: the
+    defaults). What such a caller's request says of them is ignored: holding the client
+    certificate grants no more than this table does."""
+
+    tier: str = "internal"
+    weight: int = 1
+    priority: int = 0
+    identities: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check("", {"tier": self.tier, "weight": self.weight, "priority": self.priority})
+        for identity, standing in self.identities.items():
+            if not isinstance(standing, dict):
+                raise ValueError(f"identities.{identity}: expected a table, got {standing!r}")
+            self._check(f"identities.{identity}.", standing)
+
+    @staticmethod
+    def _check(where: str, standing: dict[str, Any]) -> None:
+        unknown = set(standing) - {"tier", "weight", "priority"}
+        if unknown:
+            raise ValueError(
+                f"{where}{sorted(unknown)[0]}: unknown key; known: priority, tier, weight"
+            )
+        if "tier" in standing and (not isinstance(standing["tier"], str) or not standing["tier"]):
+            raise ValueError(f"{where}tier: must be a non-empty string, got {standing['tier']!r}")
+        if "weight" in standing:
+            _check_weight(f"{where}weight", standing["weight"])
+        priority = standing.get("priority", 0)
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or priority not in PRIORITIES
+        ):
+            raise ValueError(
+                f"{where}priority: must be an integer {PRIORITIES[0]}..{PRIORITIES[-1]}, "
+                f"got {priority!r}"
+            )
+
+    def standing(self, identity: str) -> Standing:
+        """The standing of the caller whose certificate names ``identity`` (``client/NAME``)."""
+        own = self.identities.get(identity, {})
+        return Standing(
+            tier=own.get("tier", self.tier),
+            weight=own.get("weight", self.weight),
+            priority=own.get("priority", self.priority),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +247,9 @@ class RouterConfig:
     registry: RegistrySection = dataclasses.field(default_factory=RegistrySection)
     routing: RoutingSection = dataclasses.field(default_factory=RoutingSection)
     fair_queue: FairQueueSection = dataclasses.field(default_factory=FairQueueSection)
+    internal_callers: InternalCallersSection = dataclasses.field(
+        default_factory=InternalCallersSection
+    )
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)
 

@@ -3,8 +3,10 @@ alive by heartbeats, gone when their key's TTL runs out.
 
 Every router of a mesh reads and writes the same keys, so they share one view:
 
-- ``{<key_prefix>}worker:<id>``: a hash {info, load (serialized protos), registered_at},
-  with a TTL of ``[registry] ttl_s`` that each heartbeat renews;
+- ``{<key_prefix>}worker:<id>``: a hash {info, load (serialized protos), registered_at,
+  owner}, with a TTL of ``[registry] ttl_s`` that each heartbeat renews. ``owner`` is the
+  certificate identity that registered the id: while the hash lives, only that identity may
+  register or heartbeat it (checked in Redis, so every router of the mesh enforces it);
 - ``{<key_prefix>}workers``: the set of ids, pruned of those whose key expired
   (``[redis] key_prefix``, by default ``infermesh:router:``).
 
@@ -25,8 +27,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from infermesh.pb import common_pb2
 from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
@@ -37,11 +39,26 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _UNREACHABLE: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
 
-# Renews a worker's hash only while it exists: a heartbeat never resurrects an expired worker.
-# It also lists the worker in the index again, so a worker that heartbeats is always listed,
-# whatever removed it from the index.
+# Writes a worker's hash unless another identity owns it: {1, registered_at}, else {0, the
+# owner}. KEYS: the worker's hash, the index; ARGV: info, load, owner, now, TTL in ms, id.
+_REGISTER_LUA = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[3] then return {0, owner} end
+redis.call('HSET', KEYS[1], 'info', ARGV[1], 'load', ARGV[2], 'owner', ARGV[3])
+redis.call('HSETNX', KEYS[1], 'registered_at', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[6])
+return {1, redis.call('HGET', KEYS[1], 'registered_at')}
+"""
+
+# Renews a worker's hash only while it exists (0: unknown, it must register) and only for its
+# owner (-1: another identity's): a heartbeat never resurrects an expired worker nor reports
+# another's load. It also lists the worker in the index again, so a worker that heartbeats is
+# always listed, whatever removed it from the index.
 _HEARTBEAT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[4] then return -1 end
 redis.call('HSET', KEYS[1], 'load', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
@@ -76,6 +93,13 @@ return live
 
 class RegistrationError(ValueError):
     """A registration or heartbeat the registry refuses (the caller's fault)."""
+
+
+class WorkerOwnedError(Exception):
+    """The worker id belongs to another certificate identity while its entry lives."""
+
+    def __init__(self, worker_id: str, owner: str) -> None:
+        super().__init__(f"worker {worker_id} is registered by {owner or 'no mesh identity'}")
 
 
 class RegistryUnavailableError(RuntimeError):
@@ -117,6 +141,7 @@ class Registry:
         self._redis = redis_client(
             redis_config.url, timeout_s=redis_config.timeout_s, retries=False
         )
+        self._register = self._redis.register_script(_REGISTER_LUA)
         self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
         self._snapshot = self._redis.register_script(_SNAPSHOT_LUA)
         self._where = parse_redis_url(redis_config.url).where()
@@ -139,33 +164,41 @@ class Registry:
         if self._failure is not None:
             raise RegistryUnavailableError(self._failure)
 
-    async def register(self, info: common_pb2.WorkerInfo, load: common_pb2.Load) -> None:
+    async def register(
+        self, info: common_pb2.WorkerInfo, load: common_pb2.Load, owner: str = ""
+    ) -> None:
+        """Registers (or updates) the worker for the certificate identity ``owner`` ("" without
+        TLS); WorkerOwnedError when another identity holds the id."""
         check_registration(info, load)
-        key = self._worker_key + info.worker_id
-        fields = {"info": info.SerializeToString(), "load": load.SerializeToString()}
-        now = repr(time.time())
-        replies = await self._call(
-            self._transaction(
-                [
-                    lambda pipe: pipe.hset(key, mapping=fields),
-                    lambda pipe: pipe.hsetnx(key, "registered_at", now),
-                    lambda pipe: pipe.pexpire(key, self._ttl_ms),
-                    lambda pipe: pipe.sadd(self._index_key, info.worker_id),
-                    lambda pipe: pipe.hget(key, "registered_at"),
+        written, value = await self._call(
+            self._register(
+                keys=[self._worker_key + info.worker_id, self._index_key],
+                args=[
+                    info.SerializeToString(),
+                    load.SerializeToString(),
+                    owner,
+                    repr(time.time()),
+                    self._ttl_ms,
+                    info.worker_id,
                 ],
             )
         )
-        self.fleet.upsert(info, load, float(replies[-1]), self._ttl_s)
+        if not written:
+            raise WorkerOwnedError(info.worker_id, _text(value))
+        self.fleet.upsert(info, load, float(value), self._ttl_s)
 
-    async def heartbeat(self, worker_id: str, load: common_pb2.Load) -> bool:
-        """Refreshes a worker; False when it is unknown and must register again."""
+    async def heartbeat(self, worker_id: str, load: common_pb2.Load, owner: str = "") -> bool:
+        """Refreshes a worker for its owner; False when it is unknown and must register again,
+        WorkerOwnedError when another identity registered it."""
         check_load(load)
         known = await self._call(
             self._heartbeat(
                 keys=[self._worker_key + worker_id, self._index_key],
-                args=[load.SerializeToString(), self._ttl_ms, worker_id],
+                args=[load.SerializeToString(), self._ttl_ms, worker_id, owner],
             )
         )
+        if known == -1:
+            raise WorkerOwnedError(worker_id, "another identity")
         if known:
             self.fleet.heartbeat(worker_id, load, self._ttl_s)
         else:
@@ -180,7 +213,7 @@ class Registry:
         live = sorted(zip(flat[::5], flat[1::5], flat[2::5], flat[3::5], flat[4::5], strict=True))
         listed = set()
         for raw_id, info, load, registered_at, ttl_ms in live:
-            worker_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            worker_id = _text(raw_id)
             listed.add(worker_id)
             entry = self.fleet.get(worker_id)
             if entry is not None and entry.updated_at > taken_at:
@@ -221,14 +254,6 @@ class Registry:
             self._info_bytes[worker_id] = info_bytes
         self.fleet.upsert(info, common_pb2.Load.FromString(load_bytes), registered_at, expires_in_s)
 
-    async def _transaction(self, calls: Sequence[Callable[[Any], object]]) -> list[Any]:
-        """Queues ``calls`` (each given the pipeline) in one MULTI/EXEC and runs it. Opening
-        the pipeline is inside, for ``_call``: a cluster client may reach Redis there."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for call in calls:
-                call(pipe)
-            return await pipe.execute()
-
     async def _call(self, awaitable: Awaitable[T]) -> T:
         """Awaits a Redis call, turning a failure into RegistryUnavailableError and noting
         when Redis is back."""
@@ -246,3 +271,8 @@ class Registry:
             logger.info("worker registry (Redis at %s) reachable", self._where)
             self._failure = None
         return result
+
+
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text (a client may or may not decode replies)."""
+    return value.decode() if isinstance(value, bytes) else value

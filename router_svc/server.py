@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from infermesh.authz import require_address_host
+from infermesh.authz import peer_of, refuse, require_address_host
 from infermesh.bidi import RETRY_AFTER_MS
 from infermesh.channels import WorkerChannels
 from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
@@ -26,17 +26,20 @@ from infermesh.tasks import cancel_and_wait
 from router_svc import route_stream
 from router_svc.cache_events import CacheEventSubscriptions
 from router_svc.caller_usage import CallerUsage
-from router_svc.config import RouterConfig
+from router_svc.config import MAX_WEIGHT, PRIORITIES, RouterConfig
 from router_svc.fair_queue import FairQueue, QueueRefusedError
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.prefix_index import PrefixIndex
-from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
+from router_svc.registry import (
+    RegistrationError,
+    Registry,
+    RegistryUnavailableError,
+    WorkerOwnedError,
+)
 from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
-
-INTERNAL_TIER = "internal"  # the queue tier of internal callers (certificate identities)
 
 _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -67,7 +70,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RegisterResponse:
         await require_address_host(context, "router", "Register", request.worker.address)
         try:
-            await self._registry.register(request.worker, request.load)
+            await self._registry.register(request.worker, request.load, peer_of(context).uri)
+        except WorkerOwnedError as e:
+            await refuse(context, "router", "Register", "owner", str(e))
         except RegistrationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RegistryUnavailableError as e:
@@ -85,10 +90,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ],
     ) -> router_pb2.HeartbeatResponse:
         registered = self._fleet.get(request.worker_id)
-        if registered is not None:  # a worker reports only its own load
+        # Workers that share one certificate identity are told apart by the hosts their
+        # certificates name; distinct identities by the id's owner, checked in Redis.
+        if registered is not None:
             await require_address_host(context, "router", "Heartbeat", registered.info.address)
         try:
-            known = await self._registry.heartbeat(request.worker_id, request.load)
+            known = await self._registry.heartbeat(
+                request.worker_id, request.load, peer_of(context).uri
+            )
+        except WorkerOwnedError as e:
+            await refuse(context, "router", "Heartbeat", "owner", str(e))
         except RegistrationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RegistryUnavailableError as e:
@@ -243,8 +254,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Route's answer for a caller that reports the request's end (``released``): at once,
         or with fair queueing once a worker has a free slot; fails as ``route`` raises, or
         with QueueRefusedError. Cancelling it takes the ask out of the queue."""
+        decided: asyncio.Future[list[WorkerEntry]]
+        try:
+            _check_standing(request)
+        except RouteError as e:
+            decided = asyncio.get_running_loop().create_future()
+            decided.set_exception(e)
+            return decided
         if self._queue is None:
-            decided: asyncio.Future[list[WorkerEntry]] = asyncio.get_running_loop().create_future()
+            decided = asyncio.get_running_loop().create_future()
             try:
                 placed = self._place(request, free_only=False)
             except Exception as e:
@@ -327,14 +345,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _queued(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> list[WorkerEntry]:
-        """``_decide`` for a relayed request, through the fair queue when it is on: the
-        tenant is an internal caller's certificate identity (else the request's own)."""
+        """``_decide`` for a relayed request, through the fair queue when it is on. An
+        internal caller's tenant is its certificate identity and its tier, weight and priority
+        are what ``[internal_callers]`` gives that identity, never what its request says."""
+        try:
+            _check_standing(request)
+        except RouteError as e:
+            await context.abort(e.code, str(e))
+        peer = peer_of(context)
+        if peer.role == "client":
+            standing = self._config.internal_callers.standing(peer.identity)
+            request.tenant = self._usage.owner(context)
+            request.tier, request.weight = standing.tier, standing.weight
+            request.priority = standing.priority
         if self._queue is None:
             return await self._decide(request, context)
         await self._check_registry(context)
-        owner = self._usage.owner(context)
-        if owner:
-            request.tenant, request.tier = owner, request.tier or INTERNAL_TIER
         try:
             attempts = await self._queue.submit(
                 request, request.tier, context.time_remaining() or 0.0
@@ -430,6 +456,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._registry.check_available()
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
+
+
+def _check_standing(request: common_pb2.GenerateRequest) -> None:
+    """Raises RouteError (INVALID_ARGUMENT) for a fair-queue weight or priority out of range."""
+    if request.weight > MAX_WEIGHT:
+        raise RouteError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"weight {request.weight} is out of range (0..{MAX_WEIGHT}; 0: the tier's)",
+        )
+    if request.priority not in PRIORITIES:
+        raise RouteError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"priority {request.priority} is out of range ({PRIORITIES[0]}..{PRIORITIES[-1]})",
+        )
 
 
 def _add_delivered(delivered: common_pb2.Usage, chunk: common_pb2.GenerateResponse) -> None:

@@ -2,7 +2,10 @@
 
 Traces go over OTLP/gRPC to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default
 localhost:4317, Jaeger's OTLP port); every standard ``OTEL_*`` variable is
-honoured by the SDK (sampler, resource attributes, ``OTEL_SDK_DISABLED``).
+honoured by the SDK (sampler, resource attributes, ``OTEL_SDK_DISABLED``), TLS
+included: an ``https://`` endpoint, the collector's CA in
+``OTEL_EXPORTER_OTLP_CERTIFICATE`` and this service's certificate in
+``OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`` / ``_CLIENT_KEY`` (as deploy/ sets them).
 Context crosses services in gRPC metadata through the official
 instrumentations, never by hand. With ``OTEL_SDK_DISABLED=true`` no span is
 ever recorded, so the instrumentations are left out too: they would cost
@@ -45,12 +48,19 @@ def setup_tracing(service_name: str) -> TracerProvider:
     provider = TracerProvider(
         resource=Resource.create({SERVICE_NAME: service_name}), shutdown_on_exit=False
     )
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(span_exporter()))
     trace.set_tracer_provider(provider)
     # An absent collector is an operator's choice in development, not an
     # error worth a log line per export attempt.
     logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").setLevel(logging.CRITICAL)
     return provider
+
+
+def span_exporter() -> OTLPSpanExporter:
+    """The OTLP/gRPC exporter as the ``OTEL_EXPORTER_OTLP_*`` variables configure it: its
+    endpoint and, for an ``https://`` one, the CA it checks the collector against and the
+    certificate it presents."""
+    return OTLPSpanExporter()
 
 
 def shutdown_tracing(timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:

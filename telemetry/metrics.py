@@ -2,8 +2,8 @@
 
 Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
 (``gen_ai.server.time_to_first_token`` → ``gen_ai_server_time_to_first_token_seconds``);
-the rest are ``infermesh_*``. The gateway serves them at ``/metrics``; the
-router and each worker on an HTTP side port (``[metrics] port``)."""
+the rest are ``infermesh_*``. Each service serves them on an HTTP side port (``[metrics]
+port``); the gateway also at ``/metrics`` on its API port, less ``PER_KEY_FAMILIES``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ KEY_TOKENS = Counter(
     "Tokens the gateway billed per API key, by the key's name and tier, and type (input, output)",
     ["key", "tier", "type"],
 )
+# Families only the metrics side port serves: who the keys are and how much each uses
+PER_KEY_FAMILIES = frozenset({"infermesh_gateway_key_tokens"})
 TOKENS_PER_SECOND = Gauge("infermesh_worker_tokens_per_second", "Recent decode rate")
 QUEUE_DEPTH = Gauge("infermesh_worker_queue_depth", "Requests waiting for a batch slot")
 RUNNING_SEQUENCES = Gauge("infermesh_worker_running_sequences", "Sequences being generated")

@@ -29,7 +29,7 @@ def _open(request_id: int, prompt_bytes: int) -> worker_pb2.OpenRequest:
 
 def test_a_message_past_the_limit_is_split_in_order_within_it():
     message = worker_pb2.StreamRequest(
-        open=[_open(i, 1_500_000) for i in range(1, 6)], cancel=[7, 8]
+        open=[_open(i, MAX_MESSAGE_BYTES // 3) for i in range(1, 6)], cancel=[7, 8]
     )
     parts = split(message)
     assert len(parts) > 1 and all(p.ByteSize() <= MAX_MESSAGE_BYTES for p in parts)

@@ -9,6 +9,8 @@ import dataclasses
 import datetime
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,7 +33,8 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection, check_loaded, open_channel
 from infermesh.usage import identity_owner
-from router_svc.config import RouterConfig, ServerSection
+from router_svc.config import FairQueueSection, RouterConfig, ServerSection, Standing
+from router_svc.config import load as load_router_config
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
@@ -48,7 +51,7 @@ from tests.helpers.inprocess import (
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("certs")
-    write_certs(directory)
+    write_certs(directory, workers={"gpu-0": [], "gpu-1": []})
     return directory
 
 
@@ -110,6 +113,7 @@ def _worker_info(address: str, worker_id: str = "rogue") -> common_pb2.WorkerInf
 
 
 async def _register(router: RunningRouter, tls: TlsSection, address: str) -> None:
+    """Registers the worker "rogue" at ``address``."""
     async with open_channel(router.address, tls) as channel:
         await router_pb2_grpc.RouterStub(channel).Register(
             router_pb2.RegisterRequest(worker=_worker_info(address)), timeout=5
@@ -141,6 +145,25 @@ def test_certs_name_each_role_and_keep_a_valid_set(tmp_path):
     assert "spiffe://infermesh/client/batch-jobs" in uris.get_values_for_type(
         x509.UniformResourceIdentifier
     )
+
+
+def test_the_certs_command_gives_each_worker_named_an_identity_of_its_own(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "infermesh", "certs", str(tmp_path), "--worker", "gpu-0=10.0.0.5"],
+        check=True,
+        capture_output=True,
+    )
+    cert = x509.load_pem_x509_certificate((tmp_path / "worker-gpu-0.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://infermesh/worker/gpu-0"
+    ]
+    assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {
+        "127.0.0.1",
+        "::1",
+        "10.0.0.5",
+    }
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]  # not the shared "worker"
 
 
 def test_every_mesh_rpc_has_a_row_in_the_table():
@@ -317,6 +340,36 @@ async def test_a_worker_heartbeats_only_for_a_worker_at_a_host_it_names(router, 
     assert reply.registered
 
 
+async def test_a_second_worker_identity_cannot_take_over_a_registered_id(router, certs):
+    """Each worker its own certificate: gpu-1 can neither register gpu-0's id at its own
+    address nor heartbeat it; gpu-0 keeps it."""
+    real, impostor = role_tls(certs, "worker-gpu-0"), role_tls(certs, "worker-gpu-1")
+    await _register(router, real, "127.0.0.1:50999")
+    before = _refused("Register", "owner")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _register(router, impostor, "127.0.0.1:50071")
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        "Register refused for spiffe://infermesh/worker/gpu-1 at ipv4:127.0.0.1:"
+        in refused.value.details()
+    )
+    assert "worker rogue is registered by spiffe://infermesh/worker/gpu-0" in (
+        refused.value.details()
+    )
+    assert _refused("Register", "owner") == before + 1
+    heartbeat = router_pb2.HeartbeatRequest(worker_id="rogue", load=common_pb2.Load(running=9))
+    async with open_channel(router.address, impostor) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with open_channel(router.address, real) as channel:
+        assert (
+            await router_pb2_grpc.RouterStub(channel).Heartbeat(heartbeat, timeout=5)
+        ).registered
+    reply = await _list_workers(router.address, role_tls(certs, "admin"))
+    assert [(w.worker.address, w.load.running) for w in reply.workers] == [("127.0.0.1:50999", 9)]
+
+
 async def test_a_certificate_without_a_mesh_identity_is_unauthenticated(router, certs, tmp_path):
     """Same CA, no spiffe://infermesh/ URI: connected, yet no call but health."""
     anonymous = _issue_without_identity(certs, tmp_path)
@@ -472,3 +525,71 @@ def _issue_without_identity(certs: Path, tmp_path: Path) -> TlsSection:
         key_file=str(tmp_path / "anon.key"),
         ca_file=str(certs / "ca.crt"),
     )
+
+
+async def test_a_client_certificate_cannot_grant_itself_a_weight_out_of_range(
+    router, worker, certs
+):
+    """weight 2**32 - 1 (the most a uint32 holds) would starve every API key: refused."""
+    request = _request()
+    request.weight = 2**32 - 1
+    async with open_channel(router.address, role_tls(certs, "client")) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "weight 4294967295 is out of range (0..1000" in refused.value.details()
+        request.weight, request.priority = 0, 11
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_client_certificate_queues_at_its_configured_standing_not_its_requests(
+    certs, redis_server
+):
+    """The one slot is taken; the client's request, claiming tier gold and the top weight and
+    priority, waits and is served under the tier [internal_callers] gives it."""
+
+    def waited(tier: str) -> float:
+        labels = {"tier": tier}
+        return REGISTRY.get_sample_value("infermesh_router_queue_wait_seconds_count", labels) or 0
+
+    queue = FairQueueSection(enabled=True, max_wait_s=10)
+    async with (
+        running_router(redis_url=redis_server.url, certs=certs, fair_queue=queue) as router,
+        running_worker(sim_engine(max_parallel=1), router, "w", 1, certs=certs),
+        open_channel(router.address, role_tls(certs, "gateway")) as gateway,
+        open_channel(router.address, role_tls(certs, "client")) as client,
+    ):
+        before = waited("internal"), waited("gold")
+        holder = router_pb2_grpc.RouterStub(gateway).RouteStream()
+        await holder.write(
+            router_pb2.RouteStreamRequest(asks=[router_pb2.RouteAsk(id=1, request=_request())])
+        )
+        assert (await holder.read()).decisions[0].workers[0].worker_id == "w"
+        claimed = _request()
+        claimed.tier, claimed.weight, claimed.priority = "gold", 1000, 10
+        served = router_pb2_grpc.RouterStub(client).Complete(claimed, timeout=10)
+        deadline = time.monotonic() + 5
+        while not REGISTRY.get_sample_value("infermesh_router_queue_depth", {"tier": "internal"}):
+            assert time.monotonic() < deadline, "the client's request never waited as internal"
+            await asyncio.sleep(0.01)
+        await holder.write(router_pb2.RouteStreamRequest(finished=["w"]))
+        assert (await served).finish_reason
+        holder.cancel()
+    assert (waited("internal"), waited("gold")) == (before[0] + 1, before[1])
+
+
+def test_the_standing_of_internal_callers_comes_from_the_config(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[internal_callers]\nweight = 2\n[internal_callers.identities."client/batch"]\n'
+        'tier = "batch"\npriority = -5\n'
+    )
+    callers = load_router_config(str(path)).internal_callers
+    assert callers.standing("client/batch") == Standing("batch", 2, -5)
+    assert callers.standing("client/other") == Standing("internal", 2, 0)
+    path.write_text('[internal_callers.identities."client/batch"]\nweight = 4294967296\n')
+    with pytest.raises(ConfigError, match=r"identities.client/batch.weight: must be an integer"):
+        load_router_config(str(path))

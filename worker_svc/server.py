@@ -401,7 +401,13 @@ async def report_to_router(router_address: str, servicer: WorkerServicer, tls: T
                 reported_down = False
             except grpc.aio.AioRpcError as e:
                 registered = False
-                if not reported_down:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    # another identity holds the id, or the certificate does not name the
+                    # address: an operator must act (or the holder's entry expire)
+                    logger.error(
+                        "router %s refused %s: %s", router_address, info.worker_id, e.details()
+                    )
+                elif not reported_down:
                     logger.warning(
                         "router %s unreachable (%s); retrying", router_address, e.code().name
                     )

@@ -7,6 +7,8 @@ from typing import Any
 
 import aiohttp
 
+from infermesh.redact import redact_url
+
 _TIMEOUT_S = 10.0
 
 
@@ -40,11 +42,12 @@ class AdminClient:
                 body = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise FleetError(
-                f"cannot read the fleet from {self._url}: {type(e).__name__} {e}"
+                f"cannot read the fleet from {redact_url(self._url)}: {type(e).__name__} {e}"
             ) from None
         if response.status != 200:
             message = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
-            raise FleetError(f"the admin API at {self._url} answered {response.status}: {message}")
+            where = redact_url(self._url)
+            raise FleetError(f"the admin API at {where} answered {response.status}: {message}")
         data: list[dict[str, Any]] = body["data"]
         return data
 

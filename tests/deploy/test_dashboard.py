@@ -107,8 +107,9 @@ def provisioning_problems(compose: dict[str, Any]) -> list[str]:
 
 
 def _metrics_port(module: str, config: Any) -> int:
-    """Where a service serves /metrics: the gateway on its HTTP port, the others on [metrics]."""
-    return int(config.server.port if module == "gateway" else config.metrics.port)
+    """Where Prometheus reads a service's metrics: its [metrics] side port (the gateway's
+    API port serves no per-key series)."""
+    return int(config.metrics.port)
 
 
 def scrape_problems(compose: dict[str, Any], prometheus: dict[str, Any]) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import re
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from opentelemetry.sdk import environment_variables as otel_env
 
 from gateway.config import GatewayConfig
 from infermesh.config import env_names, load_config
@@ -36,7 +38,15 @@ SHARED_ENV = {"INFERMESH_LOG_FORMAT", "INFERMESH_LOG_LEVEL", "POD_NAME"}
 TLS_KEYS = ("cert_file", "key_file", "ca_file", "plaintext")
 WORKLOADS = {"Deployment", "StatefulSet"}
 _VLLM_CONFIGS = ["worker-vllm-h200.toml", "worker-vllm-h100x2.toml"]  # configmap keys
-OTEL_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
+# the OpenTelemetry SDK's own variables (its exporter reads the OTLP TLS files)
+OTEL_ENV = {
+    otel_env.OTEL_EXPORTER_OTLP_ENDPOINT,
+    otel_env.OTEL_EXPORTER_OTLP_CERTIFICATE,
+    otel_env.OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE,
+    otel_env.OTEL_EXPORTER_OTLP_CLIENT_KEY,
+    otel_env.OTEL_TRACES_SAMPLER,
+    otel_env.OTEL_TRACES_SAMPLER_ARG,
+}
 
 
 def _module(command: list[str]) -> str:
@@ -327,7 +337,9 @@ EVERYONE = frozenset(
 # (a pod's app label, port) -> who may connect; a port not listed: no one.
 ACCESS: dict[tuple[str, int], frozenset[str]] = {
     ("gateway", 8000): EVERYONE,
+    ("gateway", 9100): frozenset({"prometheus"}),
     ("gateway-admin", 8000): frozenset({"admin-client"}),
+    ("gateway-admin", 9100): frozenset({"prometheus"}),
     ("router", 50051): frozenset({"gateway", "gateway-admin", "worker"}),
     ("router", 9101): frozenset({"prometheus"}),
     ("worker", 50061): frozenset({"gateway", "router"}),
@@ -508,8 +520,8 @@ def tls_problems(docs: list[dict[str, Any]]) -> list[str]:
                 problems.append(f"{name}: [tls] {key} not set")
                 continue
             mounted = _mounted_secret(workloads[name], path)
-            if mounted != (f"infermesh-tls-{role}", secret_key):
-                problems.append(f"{name}: [tls] {key} {path} is {mounted}, not its role's")
+            if mounted != (_own_secret(name, role), secret_key):
+                problems.append(f"{name}: [tls] {key} {path} is {mounted}, not its own")
         files = [
             env.get(f"{prefix}_TLS_{key.upper()}", {}).get("value") for key in TLS_SECRET_FILES
         ]
@@ -521,15 +533,25 @@ def tls_problems(docs: list[dict[str, Any]]) -> list[str]:
             for v in workloads[name]["spec"]["template"]["spec"].get("volumes", [])
             if "secret" in v
         }
-        others = {s for s in secrets if s.startswith("infermesh-tls-")} - {f"infermesh-tls-{role}"}
+        others = {s for s in secrets if s.startswith("infermesh-tls-")} - {_own_secret(name, role)}
         if others:
             problems.append(f"{name}: mounts another role's certificate {sorted(others)}")
     return problems
 
 
+def _own_secret(workload: str, role: str) -> str:
+    """The certificate Secret a workload's pods mount: its role's, a worker pod's own (its
+    StatefulSet's one pod, ``<name>-0``)."""
+    return f"infermesh-tls-{workload}-0" if role == "worker" else f"infermesh-tls-{role}"
+
+
+def _worker_pods(docs: list[dict[str, Any]]) -> list[str]:
+    return [f"{name}-0" for name, module, _ in _service_containers(docs) if module == "worker_svc"]
+
+
 def certificate_problems(docs: list[dict[str, Any]]) -> list[str]:
-    """Each role's Secret: kubernetes.io/tls with the CA, from that role's files, or (the
-    alternative) from a cert-manager Certificate naming the role as its SPIFFE URI."""
+    """Each role's Secret, and each worker pod's own: kubernetes.io/tls with the CA, from its
+    files, or (the alternative) from a cert-manager Certificate naming its SPIFFE URI."""
     problems = []
     generators = {
         g["name"]: g
@@ -538,22 +560,29 @@ def certificate_problems(docs: list[dict[str, Any]]) -> list[str]:
         for g in k.get("secretGenerator", [])
     }
     certificates = {c["spec"]["secretName"]: c for c in docs if c["kind"] == "Certificate"}
-    for role in ("gateway", "router", "worker", "redis"):
-        secret = f"infermesh-tls-{role}"
+    identities = [(role, role, role) for role in ("gateway", "router", "redis")] + [
+        (pod, f"worker/{pod.removeprefix('worker-')}", f"{pod}.workers")
+        for pod in _worker_pods(docs)
+    ]
+    for stem, identity, host in identities:
+        secret = f"infermesh-tls-{stem}"
         if secret in generators:
             generator = generators[secret]
             files = dict(f.split("=", 1) for f in generator["files"])
             expected = {
-                "tls.crt": f"certs/{role}.crt",
-                "tls.key": f"certs/{role}.key",
+                "tls.crt": f"certs/{stem}.crt",
+                "tls.key": f"certs/{stem}.key",
                 "ca.crt": "certs/ca.crt",
             }
             if generator.get("type") != "kubernetes.io/tls" or files != expected:
                 problems.append(f"{secret}: {generator}")
         if secret in certificates:
             spec = certificates[secret]["spec"]
-            if spec.get("uris") != [f"spiffe://infermesh/{role}"] or role not in spec["dnsNames"]:
-                problems.append(f"Certificate of {secret} does not name {role}")
+            if (
+                spec.get("uris") != [f"spiffe://infermesh/{identity}"]
+                or host not in spec["dnsNames"]
+            ):
+                problems.append(f"Certificate of {secret} does not name {identity} at {host}")
         if secret not in generators and secret not in certificates:
             problems.append(f"nothing writes {secret}")
     return problems
@@ -620,6 +649,7 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
 def compose_tls_problems(compose: dict[str, Any]) -> list[str]:
     """Each service's [tls] files set, bind-mounted from its own role's files, none plaintext."""
     problems = []
+    holders: dict[str, str] = {}  # a worker certificate -> the service mounting it
     for name, service in _compose_services(compose).items():
         module = service["command"][2]
         role, prefix = ROLES[module], SERVICES[module][1].upper()
@@ -628,9 +658,15 @@ def compose_tls_problems(compose: dict[str, Any]) -> list[str]:
             problems.append(f"{name}: plaintext")
         mounts = dict(v.rsplit(":", 2)[:2] for v in service.get("volumes", []))  # source: target
         by_target = {target: source for source, target in mounts.items()}
+        stem = role
+        if role == "worker":  # each worker its own identity
+            stem = _compose_worker_stem(service) or "worker-?"
+            if stem in holders:
+                problems.append(f"{name} shares {stem}.crt with {holders[stem]}")
+            holders[stem] = name
         sources = {
-            "cert_file": f"./certs/{role}.crt",
-            "key_file": f"./certs/{role}.key",
+            "cert_file": f"./certs/{stem}.crt",
+            "key_file": f"./certs/{stem}.key",
             "ca_file": "./certs/ca.crt",
         }
         for key, source in sources.items():
@@ -644,9 +680,17 @@ def compose_tls_problems(compose: dict[str, Any]) -> list[str]:
         files = [env.get(f"{prefix}_TLS_{key.upper()}") for key in sources]
         problems += _probe_problems(name, service["healthcheck"]["test"][1:], files)
         keys = {s for s in mounts if s.startswith("./certs/") and s.endswith(".key")}
-        if keys - {f"./certs/{role}.key"}:
-            problems.append(f"{name}: mounts {sorted(keys - {f'./certs/{role}.key'})}")
+        if keys - {f"./certs/{stem}.key"}:
+            problems.append(f"{name}: mounts {sorted(keys - {f'./certs/{stem}.key'})}")
     return problems
+
+
+def _compose_worker_stem(service: dict[str, Any]) -> str | None:
+    """The worker certificate a compose worker mounts as its own ("worker-NAME"), if any."""
+    mounts = dict(v.rsplit(":", 2)[:2] for v in service.get("volumes", []))
+    cert = next((s for s, t in mounts.items() if t == "/etc/infermesh-tls/tls.crt"), "")
+    match = re.fullmatch(r"\./certs/(worker-[\w.-]+)\.crt", cert)
+    return match.group(1) if match else None
 
 
 def compose_redis_problems(compose: dict[str, Any]) -> list[str]:
@@ -669,10 +713,7 @@ def worker_address_problems(docs: list[dict[str, Any]]) -> list[str]:
     """Each worker pod registers its StatefulSet pod DNS name, which its certificate names."""
     problems = []
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    certificate = next(
-        c for c in docs if c["kind"] == "Certificate" and c["spec"]["secretName"].endswith("worker")
-    )
-    names = set(certificate["spec"]["dnsNames"])
+    certificates = {c["spec"]["secretName"]: c for c in docs if c["kind"] == "Certificate"}
     workloads = {w["metadata"]["name"]: w for w in _workloads(docs)}
     for name, module, container in _service_containers(docs):
         if module != "worker_svc":
@@ -692,24 +733,87 @@ def worker_address_problems(docs: list[dict[str, Any]]) -> list[str]:
         ):
             problems.append(f"{name} advertises {address}, not its pod DNS name")
             continue
-        for i in range(workload["spec"].get("replicas", 1)):
-            pod_host = host.replace("$(POD_NAME)", f"{name}-{i}")
-            if pod_host not in names:
-                problems.append(f"the worker certificate does not name {pod_host}")
+        if workload["spec"].get("replicas", 1) != 1:
+            problems.append(f"{name}: more than the one pod its Secret is the identity of")
+        pod_host = host.replace("$(POD_NAME)", f"{name}-0")
+        certificate = certificates.get(_own_secret(name, "worker"), {"spec": {"dnsNames": []}})
+        if pod_host not in certificate["spec"]["dnsNames"]:
+            problems.append(f"the certificate of {name}-0 does not name {pod_host}")
     return problems
 
 
 def compose_worker_address_problems(compose: dict[str, Any]) -> list[str]:
-    """Each compose worker's advertised host is one the certs service's worker certificate names."""
+    """Each compose worker's advertised host is one its own certificate names (the certs
+    service's ``--worker NAME=HOST,...``)."""
     command = " ".join(compose["services"]["certs"]["command"]).split()
-    hosts = {"worker", "localhost"} | {
-        command[i + 1] for i, arg in enumerate(command) if arg == "--worker-host"
+    named = {
+        f"worker-{name}": set(hosts.split(",")) | {"localhost"}
+        for arg, value in itertools.pairwise(command)
+        if arg == "--worker"
+        for name, _, hosts in [value.partition("=")]
     }
     problems = []
     for name, service in _compose_services(compose).items():
         address = service["environment"].get("INFERMESH_WORKER_SERVER_ADVERTISE_ADDRESS")
-        if address is not None and address.rsplit(":", 1)[0] not in hosts:
-            problems.append(f"{name} advertises {address}, which the worker certificate lacks")
+        stem = _compose_worker_stem(service)
+        if address is not None and address.rsplit(":", 1)[0] not in named.get(stem or "", set()):
+            problems.append(f"{name} advertises {address}, which its certificate {stem} lacks")
+    return problems
+
+
+_OTLP_TLS = {
+    "OTEL_EXPORTER_OTLP_CERTIFICATE": "ca_file",
+    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": "cert_file",
+    "OTEL_EXPORTER_OTLP_CLIENT_KEY": "key_file",
+}
+_JAEGER_TLS = [
+    "--collector.otlp.grpc.tls.enabled=true",
+    "--collector.otlp.grpc.tls.client-ca=/etc/jaeger-tls/ca.crt",
+    "--collector.otlp.http.tls.enabled=true",
+    "--collector.otlp.http.tls.client-ca=/etc/jaeger-tls/ca.crt",
+]
+
+
+def _otlp_env_problems(name: str, prefix: str, env: dict[str, str]) -> list[str]:
+    """A service's traces go over TLS to Jaeger, checked against the mesh's CA, with the
+    service's own certificate."""
+    problems = []
+    if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("https://"):
+        problems.append(f"{name}: traces in plaintext ({env.get('OTEL_EXPORTER_OTLP_ENDPOINT')})")
+    for variable, key in _OTLP_TLS.items():
+        if env.get(variable) != env.get(f"{prefix}_TLS_{key.upper()}"):
+            problems.append(f"{name}: {variable} is not its [tls] {key}")
+    return problems
+
+
+def otlp_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Traces over mutual TLS: every service's exporter, and Jaeger's collector serving only
+    TLS with its certificate from the mesh's CA."""
+    problems = []
+    for name, module, container in _service_containers(docs):
+        env = {k: e.get("value", "") for k, e in _env(container).items()}
+        problems += _otlp_env_problems(name, SERVICES[module][1].upper(), env)
+    jaeger = _named(docs, "Deployment", "jaeger")
+    args = _container(jaeger).get("args", [])
+    problems += [f"jaeger: no {flag}" for flag in _JAEGER_TLS if flag not in args]
+    if _mounted_secret(jaeger, "/etc/jaeger-tls/tls.crt") != ("infermesh-tls-jaeger", "tls.crt"):
+        problems.append("jaeger: its certificate is not infermesh-tls-jaeger")
+    return problems
+
+
+def compose_otlp_problems(compose: dict[str, Any]) -> list[str]:
+    """As ``otlp_problems``, for the compose file."""
+    problems = []
+    for name, service in _compose_services(compose).items():
+        env = {k: str(v) for k, v in service.get("environment", {}).items()}
+        problems += _otlp_env_problems(name, SERVICES[service["command"][2]][1].upper(), env)
+    jaeger = compose["services"]["jaeger"]
+    problems += [
+        f"jaeger: no {flag}" for flag in _JAEGER_TLS if flag not in jaeger.get("command", [])
+    ]
+    mounts = dict(v.rsplit(":", 2)[:2] for v in jaeger.get("volumes", []))
+    if mounts.get("./certs/jaeger.crt") != "/etc/jaeger-tls/tls.crt":
+        problems.append("jaeger: ./certs/jaeger.crt not mounted as its certificate")
     return problems
 
 
@@ -728,12 +832,14 @@ K8S_CHECKS = {
     "certificates": certificate_problems,
     "redis": redis_problems,
     "worker address": worker_address_problems,
+    "otlp": otlp_problems,
 }
 COMPOSE_CHECKS = {
     "exposure": compose_problems,
     "tls": compose_tls_problems,
     "redis": compose_redis_problems,
     "worker address": compose_worker_address_problems,
+    "otlp": compose_otlp_problems,
 }
 
 
@@ -785,6 +891,19 @@ def _public_service_selects_admin(docs):
 def _worker_mounts_router_certificate(docs):
     volumes = _named(docs, "StatefulSet", "worker-h100")["spec"]["template"]["spec"]["volumes"]
     next(v for v in volumes if v["name"] == "tls")["secret"]["secretName"] = "infermesh-tls-router"
+
+
+def _workers_share_a_certificate(docs):
+    volumes = _named(docs, "StatefulSet", "worker-a100")["spec"]["template"]["spec"]["volumes"]
+    secret = next(v for v in volumes if v["name"] == "tls")["secret"]
+    secret["secretName"] = "infermesh-tls-worker-h100-0"
+
+
+def _worker_certificate_of_another_pod(docs):
+    certificate = next(
+        c for c in docs if c["kind"] == "Certificate" and "worker-a100" in c["spec"]["secretName"]
+    )
+    certificate["spec"]["uris"] = ["spiffe://infermesh/worker/h100-0"]
 
 
 def _router_plaintext(docs):
@@ -849,6 +968,17 @@ def _worker_as_deployment(docs):
     _named(docs, "StatefulSet", "worker-vllm-h200")["kind"] = "Deployment"
 
 
+def _traces_in_plaintext(docs):
+    env = _container(_named(docs, "Deployment", "router"))["env"]
+    next(e for e in env if e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT")["value"] = (
+        "http://jaeger:4317"
+    )
+
+
+def _jaeger_without_tls(docs):
+    _container(_named(docs, "Deployment", "jaeger"))["args"] = []
+
+
 def _probe_without_certificate(docs):
     probe = _container(_named(docs, "StatefulSet", "worker-a100"))["readinessProbe"]
     del probe["exec"]["command"][5:]
@@ -865,12 +995,17 @@ BAD_K8S = {
     "admin": [_admin_token_on_public_gateway, _admin_service_public, _public_service_selects_admin],
     "tls": [
         _worker_mounts_router_certificate,
+        _workers_share_a_certificate,
         _router_plaintext,
         _gateway_without_ca,
         _plaintext_in_toml,
         _probe_without_certificate,
     ],
-    "certificates": [_certificate_of_another_role, _generated_secret_of_another_role],
+    "certificates": [
+        _certificate_of_another_role,
+        _generated_secret_of_another_role,
+        _worker_certificate_of_another_pod,
+    ],
     "redis": [
         _redis_url_in_configmap,
         _redis_url_in_clear,
@@ -882,6 +1017,7 @@ BAD_K8S = {
         _worker_advertises_its_ip,
         _worker_as_deployment,
     ],
+    "otlp": [_traces_in_plaintext, _jaeger_without_tls],
 }
 
 
@@ -916,6 +1052,11 @@ def _worker_with_gateway_key(compose):
     compose["services"]["worker"]["volumes"].append("./certs/gateway.key:/tmp/gateway.key:ro")
 
 
+def _compose_workers_share_a_certificate(compose):
+    volumes = compose["services"]["worker-gpu"]["volumes"]
+    volumes[:] = [v.replace("worker-gpu.", "worker-dev.") for v in volumes]
+
+
 def _router_without_key(compose):
     del compose["services"]["router"]["environment"]["INFERMESH_ROUTER_TLS_KEY_FILE"]
 
@@ -942,6 +1083,14 @@ def _worker_host_not_in_certificate(compose):
     ] = "gpu-box:50061"
 
 
+def _compose_traces_without_the_ca(compose):
+    del compose["services"]["gateway"]["environment"]["OTEL_EXPORTER_OTLP_CERTIFICATE"]
+
+
+def _compose_jaeger_without_tls(compose):
+    del compose["services"]["jaeger"]["command"]
+
+
 def _healthcheck_without_certificate(compose):
     compose["services"]["router"]["healthcheck"]["test"][6:] = []
 
@@ -955,12 +1104,14 @@ BAD_COMPOSE = {
     ],
     "tls": [
         _worker_with_gateway_key,
+        _compose_workers_share_a_certificate,
         _router_without_key,
         _gateway_plaintext,
         _healthcheck_without_certificate,
     ],
     "redis": [_redis_url_in_environment, _gateway_without_env_file, _redis_plaintext],
     "worker address": [_worker_host_not_in_certificate],
+    "otlp": [_compose_traces_without_the_ca, _compose_jaeger_without_tls],
 }
 
 

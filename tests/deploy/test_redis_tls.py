@@ -1,12 +1,17 @@
-"""Redis's side of TLS in the deployments: deploy/redis-cert.sh issues Redis's server certificate
-from the mesh's CA, and the project's Redis client dials a deployment's URL over TLS, checking
-that certificate against the CA the URL names. (The redis-server the tests run is built without
-TLS, so no handshake here.)"""
+"""Redis's side of TLS in the deployments: deploy/server-cert.sh issues Redis's server
+certificate from the mesh's CA, and the project's Redis client dials a deployment's URL over TLS,
+checking that certificate against the CA the URL names: against a TLS-only redis-server started
+as the deployments start it (the system's redis-server, built with TLS; the one the other tests
+run is built without)."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import ssl
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from redis.asyncio.connection import SSLConnection
 
-from infermesh.redis_client import redis_client
+from infermesh.ports import free_port
+from infermesh.redis_client import REDIS_ERRORS, redis_client
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -36,7 +42,7 @@ def ca_dir(tmp_path) -> Path:
 
 def _issue(directory: Path) -> str:
     result = subprocess.run(
-        ["sh", str(DEPLOY / "redis-cert.sh"), str(directory)],
+        ["sh", str(DEPLOY / "server-cert.sh"), str(directory), "redis"],
         check=True,
         capture_output=True,
         text=True,
@@ -85,3 +91,72 @@ async def test_the_redis_client_dials_a_deployment_url_over_verified_tls(tmp_pat
         assert (connection.username, connection.host) == ("gateway", "redis")
     finally:
         await client.aclose()
+
+
+@pytest.fixture
+def tls_only_redis(ca_dir) -> Iterator[int]:
+    """A redis-server with Redis's certificate from ``ca_dir``, on TLS only (as deploy/ runs
+    it: no plaintext port, clients not asked for a certificate) and one ACL user, gateway;
+    its TLS port."""
+    binary = shutil.which("redis-server")
+    assert binary, "these tests need a redis-server built with TLS on the PATH"
+    _issue(ca_dir)
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+            "--tls-cert-file", str(ca_dir / "redis.crt"),
+            "--tls-key-file", str(ca_dir / "redis.key"),
+            "--tls-ca-cert-file", str(ca_dir / "ca.crt"),
+            "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+            "--dir", str(ca_dir), "--user", "default", "off",
+            "--user", "gateway", "on", ">s3cret", "~*", "+@all",
+        ],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not _listening(port):
+            assert server.poll() is None and time.monotonic() < deadline, "redis never listened"
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(5)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+async def _ping(url: str) -> bool:
+    client = redis_client(url, timeout_s=2.0, retries=False)
+    try:
+        return bool(await client.ping())
+    finally:
+        await client.aclose()
+
+
+async def test_a_deployment_url_completes_a_verified_tls_handshake_with_redis(
+    ca_dir, tls_only_redis, tmp_path_factory
+):
+    """The URL make-secrets.sh writes, pointed here: a TLS handshake that checks Redis's
+    certificate against the mesh's CA, then the ACL user's login. Plaintext gets no answer,
+    and a client trusting another CA refuses the server."""
+    where = f"localhost:{tls_only_redis}/0"
+    assert await _ping(f"rediss://gateway:s3cret@{where}?ssl_ca_certs={ca_dir / 'ca.crt'}")
+    with pytest.raises(REDIS_ERRORS):
+        await _ping(f"redis://gateway:s3cret@{where}")
+    other = tmp_path_factory.mktemp("other-ca")
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-subj", "/CN=other-ca", "-days", "30",
+        "-keyout", str(other / "ca.key"), "-out", str(other / "ca.crt"),
+    )  # fmt: skip
+    with pytest.raises(REDIS_ERRORS) as refused:
+        await _ping(f"rediss://gateway:s3cret@{where}?ssl_ca_certs={other / 'ca.crt'}")
+    assert "certificate verify failed" in str(refused.value)

@@ -4,50 +4,19 @@ the log directory), exporting traces to a test OTLP receiver."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
+from tests.helpers.otlp import OtlpReceiver
 from worker_svc.config import DEFAULT_MODEL_PATH
-
-
-class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """The OTLP/gRPC trace endpoint a collector or Jaeger serves."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._spans: list[tuple[str, trace_pb2.Span]] = []
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                service = next(
-                    a.value.string_value
-                    for a in resource_spans.resource.attributes
-                    if a.key == "service.name"
-                )
-                for scope_spans in resource_spans.scope_spans:
-                    self._spans.extend((service, span) for span in scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def spans(self, trace_id: bytes | None = None) -> list[tuple[str, trace_pb2.Span]]:
-        with self._lock:
-            return [
-                (s, span)
-                for s, span in self._spans
-                if trace_id is None or span.trace_id == trace_id
-            ]
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +48,7 @@ def _start_mesh(
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
             "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "INFERMESH_GATEWAY_METRICS_PORT": str(free_port()),
             "INFERMESH_ROUTER_METRICS_PORT": str(free_port()),
             "INFERMESH_WORKER_METRICS_PORT": str(free_port()),
             "INFERMESH_WORKER_MODEL_DTYPE": worker_dtype,

@@ -156,7 +156,8 @@ async def test_metrics_move_and_logs_are_json_without_keys(mesh, api_key, served
         )
 
     async def key_tokens() -> dict[tuple[str, str, str], float]:
-        families = await scrape(mesh.spec.gateway_port)
+        assert "infermesh_gateway_key_tokens" not in await scrape(mesh.spec.gateway_port)
+        families = await scrape(mesh.spec.env["INFERMESH_GATEWAY_METRICS_PORT"])
         return {
             (s.labels["key"], s.labels["tier"], s.labels["type"]): s.value
             for s in families["infermesh_gateway_key_tokens"].samples

@@ -10,6 +10,7 @@ import pytest
 from gateway.config import RouterSection
 from gateway.errors import GatewayError
 from gateway.mesh_client import MeshClient
+from infermesh.bidi import MAX_MESSAGE_BYTES
 from infermesh.pb import common_pb2
 from tests.helpers import MODEL, rawhttp
 from tests.helpers.gateway import ADMIN, ADMIN_TOKEN, CHAT, auth
@@ -180,7 +181,9 @@ async def test_a_request_past_the_message_size_limit_fails_alone_on_the_streams(
         ]
 
     try:
-        huge, small = await asyncio.gather(ask("x" * 5_000_000), ask("hi"), return_exceptions=True)
+        huge, small = await asyncio.gather(
+            ask("x" * (MAX_MESSAGE_BYTES + 1)), ask("hi"), return_exceptions=True
+        )
     finally:
         await client.close()
     assert isinstance(huge, GatewayError) and huge.status == 413

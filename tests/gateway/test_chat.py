@@ -3,13 +3,20 @@ worker on the tiny model (in-process, on loopback ports)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import aiohttp
 import grpc
+import openai
 import pytest
 
 from devtools.tiny_model import V3_CONTEXT
+from gateway.config import GatewayConfig
 from gateway.errors import from_grpc
+from gateway.prompt_tokens import PROMPT_TOKENS
+from infermesh.config import ConfigError, MetricsSection, load_config
+from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually
@@ -251,3 +258,56 @@ async def test_alias_base_serves_the_same_api(redis_server, router, worker, api_
         assert "base URL of this API is" in (await response.json())["error"]["message"]
     finally:
         await client.close()
+
+
+async def test_per_key_series_are_served_on_the_metrics_port_only(
+    redis_server, router, worker, api_key
+):
+    """Key names, tiers and token volumes are not the public port's: its /metrics has the rest
+    of the process's metrics; the [metrics] side port has those too."""
+    config = dataclasses.replace(
+        make_config(redis_server.url, router.address),
+        metrics=MetricsSection(port=free_port()),
+    )
+    gateway = await start_gateway(config)
+    try:
+        async with sdk(gateway, api_key) as client:
+            await client.chat.completions.create(**_GREEDY)
+        public = await (await gateway.get("/metrics")).text()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{config.metrics.port}/metrics") as response,
+        ):
+            side = await response.text()
+    finally:
+        await gateway.close()
+    assert "infermesh_requests_total" in public and "infermesh_requests_total" in side
+    assert "infermesh_gateway_key_tokens" not in public
+    assert 'infermesh_gateway_key_tokens_total{key="test",tier="default",type="output"}' in side
+
+
+async def test_a_request_at_the_body_limit_is_answered_never_a_5xx(gateway, api_key):
+    """A prompt as large as the body limit lets: its route ask (the text, its token ids and
+    their block hashes) is well past gRPC's default 4 MiB message, once the gateway tokenizes.
+    It reaches the mesh, which answers that it is past the model's context: a clear 400."""
+    limit = GatewayConfig().server.max_body_bytes
+    content = "hello world " * ((limit - 1024) // len("hello world "))
+    async with sdk(gateway, api_key, timeout=120) as client:
+        # the gateway tokenizes once it has the model's tokenizer, which its first request loads
+        await client.chat.completions.create(**_GREEDY)
+        await eventually(lambda: gateway.app[PROMPT_TOKENS].renderer(MODEL) is not None)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1
+            )
+    assert refused.value.body["code"] == "context_length_exceeded", refused.value.body
+
+
+def test_a_body_limit_whose_route_ask_could_pass_the_grpc_limit_is_a_config_error(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text("[server]\nmax_body_bytes = 16777216\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(GatewayConfig, path, "infermesh_gateway", environ={})
+    assert f"{path}: [server]: max_body_bytes must be 1024..8388608, got 16777216" in str(
+        error.value
+    )

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -264,11 +263,29 @@ async def test_no_capacity_is_529_overloaded(redis_server, router, api_key):
     assert response.status == 503  # OpenAI's clients keep their status
 
 
-def test_the_shape_is_claude_codes():
-    """Guards the helper against drifting from what the tests claim to send."""
+async def test_each_part_of_claude_codes_shape_reaches_the_prompt(claude_served, api_key):
+    """What the gateway makes of the shape, not the helper's own data: the prompt it renders
+    (count_tokens, which is what is billed) grows with each part Claude Code sends: its system
+    blocks with cache_control, the system turn among its messages, its tools (the one whose
+    schema uses propertyNames too); none is dropped, and the whole is accepted."""
     shape = claude_code.request(_CLAUDE)
-    assert {m["role"] for m in shape["messages"]} == {"user", "system"}
-    assert len(shape["tools"]) >= 12 and json.dumps(shape["tools"]).count("propertyNames") == 1
-    assert shape["thinking"] == {"type": "adaptive", "display": "omitted"}
-    assert all("cache_control" in block for block in shape["system"][1:])
-    assert Path(DEFAULT_MODEL_PATH).name == MODEL
+    counted = {k: v for k, v in shape.items() if k not in ("max_tokens", "metadata")}
+    (odd_schema,) = [t for t in shape["tools"] if "propertyNames" in json.dumps(t)]
+    parts = {
+        "a cached system block": {**counted, "system": shape["system"][:-1]},
+        "the system turn": {
+            **counted,
+            "messages": [m for m in shape["messages"] if m["role"] != "system"],
+        },
+        "a tool": {**counted, "tools": shape["tools"][:-1]},
+        "the propertyNames tool": {
+            **counted,
+            "tools": [t for t in shape["tools"] if t is not odd_schema],
+        },
+    }
+    assert "cache_control" in shape["system"][-1] and shape["tools"][-1] is not odd_schema
+    async with _client(claude_served, api_key) as client:
+        whole = (await client.beta.messages.count_tokens(**counted)).input_tokens
+        for part, without in parts.items():
+            fewer = (await client.beta.messages.count_tokens(**without)).input_tokens
+            assert fewer < whole, f"{part} is not in the prompt"

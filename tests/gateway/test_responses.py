@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk
 from tests.helpers.tools import SLOW_TIMEOUT_S, TIME, WEATHER
+from worker_svc.config import CacheSection
 
 _EVENTS = TypeAdapter(ResponseStreamEvent)
 _GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
@@ -60,10 +61,10 @@ async def _raw_events(served, api_key, body: dict[str, Any]) -> list[dict[str, A
 
 
 async def test_create_answers_a_response_the_sdk_models_accept(served, api_key):
+    ask = {**_GREEDY, "input": "Hello " * 40, "instructions": "Be brief.", "metadata": {"run": "1"}}
     async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
-        raw = await client.responses.with_raw_response.create(
-            **_GREEDY, input="Hello", instructions="Be brief.", metadata={"run": "1"}
-        )
+        raw = await client.responses.with_raw_response.create(**ask)
+        again = await client.responses.create(**ask)
     response = Response.model_validate(json.loads(raw.content))
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status in ("completed", "incomplete") and response.model == MODEL
@@ -74,7 +75,12 @@ async def test_create_answers_a_response_the_sdk_models_accept(served, api_key):
     usage = response.usage
     assert usage.output_tokens <= 12 and usage.input_tokens > 0
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert usage.input_tokens_details.cached_tokens >= 0
+    # the same prompt again reads from the worker's prefix cache every whole block but the one
+    # holding its last token (whose logits are computed)
+    block = CacheSection().block_size
+    assert again.usage.input_tokens == usage.input_tokens > 2 * block
+    expected = (usage.input_tokens - 1) // block * block
+    assert again.usage.input_tokens_details.cached_tokens == expected
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
         assert message.status == "incomplete"

@@ -13,7 +13,12 @@ from infermesh.pb import common_pb2
 from infermesh.redis_client import redis_client
 from router_svc.config import RedisSection, RegistrySection
 from router_svc.fleet import Fleet
-from router_svc.registry import RegistrationError, Registry, RegistryUnavailableError
+from router_svc.registry import (
+    RegistrationError,
+    Registry,
+    RegistryUnavailableError,
+    WorkerOwnedError,
+)
 from tests.helpers.fleet import info
 
 
@@ -206,3 +211,31 @@ async def test_a_heartbeating_worker_missing_from_the_index_is_listed_again(redi
     finally:
         await raw.aclose()
         await a.close()
+
+
+async def test_a_worker_id_belongs_to_the_identity_that_registered_it_while_it_lives(
+    redis_server,
+):
+    """Through either router: another identity can neither register the id again nor report
+    its load; once the entry expired, the id is free again."""
+    a, b = registry(redis_server.url, ttl_s=0.4), registry(redis_server.url, ttl_s=0.4)
+    real, impostor = "spiffe://infermesh/worker/gpu-0", "spiffe://infermesh/worker/gpu-1"
+    try:
+        await a.register(info("w1"), common_pb2.Load(), real)
+        moved = info("w1")
+        moved.address = "127.0.0.1:50071"
+        for r in (a, b):
+            with pytest.raises(WorkerOwnedError, match=f"worker w1 is registered by {real}"):
+                await r.register(moved, common_pb2.Load(), impostor)
+            with pytest.raises(WorkerOwnedError):
+                await r.heartbeat("w1", common_pb2.Load(running=9), impostor)
+            assert await r.heartbeat("w1", common_pb2.Load(running=1), real)
+        await b.refresh()
+        assert b.fleet.get("w1").info.address == info("w1").address
+        assert b.fleet.get("w1").load.running == 1
+        assert not await b.heartbeat("w2", common_pb2.Load(), real)  # unknown: register first
+        await asyncio.sleep(0.5)  # the entry expires
+        await b.register(moved, common_pb2.Load(), impostor)
+    finally:
+        await a.close()
+        await b.close()
