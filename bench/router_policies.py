@@ -167,12 +167,16 @@ def fleet_capacity_per_s() -> float:
 class Outcome:
     ttft_s: float | None = None
     done_s: float | None = None
-    tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # of the completion
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the worker's prefix cache
     error: str | None = None
     worker: str = ""  # the worker the router chose
     text: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
 
 async def read_stream(
@@ -185,7 +189,7 @@ async def read_stream(
                 outcome.ttft_s = time.monotonic() - sent
                 outcome.worker = chunk.route.worker_id
             outcome.text += chunk.text
-            outcome.tokens += len(chunk.token_ids)
+            outcome.token_ids += chunk.token_ids
             if chunk.HasField("usage"):
                 outcome.prompt_tokens = chunk.usage.prompt_tokens
                 outcome.cached_tokens = chunk.usage.cached_prompt_tokens
