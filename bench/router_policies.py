@@ -86,11 +86,13 @@ async def serve_fleet(router_address: str) -> None:
     await serve_workers([worker_config(i, router_address) for i in range(len(FLEET))])
 
 
-async def serve_workers(configs: list[WorkerConfig]) -> None:
-    """Simulated workers, one gRPC server each, registered with their router until SIGTERM."""
-    reporters, servers = [], []
+async def serve_workers(configs: list[WorkerConfig]) -> dict[str, SimEngine]:
+    """Simulated workers, one gRPC server each, registered with their router until SIGTERM;
+    returns their engines by worker id."""
+    reporters, servers, engines = [], [], {}
     for config in configs:
-        server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
+        engine = engines[config.server.worker_id] = SimEngine.from_config(config)
+        server, servicer = await worker_server.create_server(config, engine)
         servers.append(server)
         reporters.append(
             asyncio.create_task(
@@ -103,6 +105,7 @@ async def serve_workers(configs: list[WorkerConfig]) -> None:
     for task in reporters:
         task.cancel()
     await asyncio.gather(*(s.stop(grace=None) for s in servers))
+    return engines
 
 
 # ------------------------------------------------------------------------------ workload
