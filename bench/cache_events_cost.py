@@ -4,17 +4,20 @@
         [--max-tokens 32] [--repeats 20]
 
 Serves --prompts distinct prompts at once on the torch engine (models/tiny-deepseek-v3, this
-machine's device) and times its steps: the first token (the prefill, which registers every whole
-block of the prompts) and the mean gap between the next ones (decode steps, which register one
-block per 16 tokens of each sequence). Then registers the same prompts' blocks on a BlockManager
-alone, publishing (prefix_hash names, CacheEvents, one flush per step) and not, and prints what
-publishing adds per block and what that is of each kind of step.
+machine's device) and times its steps. Prefill steps (each computes up to prefill_chunk_size
+prompt tokens and registers the whole blocks they complete): the gaps between the engine's
+cache-event batches while the prompts prefill, one batch flushed as each step ends, with the
+blocks each registered. Decode steps (one block per 16 tokens of each sequence): the median gap
+between a sequence's tokens. Then registers the same prompts' blocks on a BlockManager alone,
+publishing (prefix_hash names, CacheEvents, one flush per step) and not, and prints what
+publishing adds per block and what that is of each kind of step, as measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import statistics
 import time
@@ -36,9 +39,21 @@ def _prompts(engine: Engine, count: int, tokens: int) -> list[str]:
     return prompts
 
 
-async def _step_times(engine: Engine, prompts: list[str], max_tokens: int) -> tuple[float, float]:
-    """Seconds to the first token (the prefill) and the median gap between the later ones."""
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    prefill_s: list[float]  # each prefill step's time
+    prefill_blocks: list[int]  # the blocks each of those registered
+    decode_s: float  # the median gap between a sequence's tokens once all have their first
+
+
+async def _steps(engine: Engine, prompts: list[str], max_tokens: int) -> Steps:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    flushed: list[tuple[float, int]] = []  # (when, blocks stored) of each step's batch
+
+    async def follow() -> None:
+        async for batch in engine.cache_events.subscribe():
+            if not batch.snapshot:
+                flushed.append((time.perf_counter(), len(batch.stored)))
 
     async def one(i: int, prompt: str) -> list[float]:
         times = []
@@ -46,11 +61,21 @@ async def _step_times(engine: Engine, prompts: list[str], max_tokens: int) -> tu
             times.append(time.perf_counter())
         return times
 
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(0)  # subscribed before the first step
     started = time.perf_counter()
     runs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    first = statistics.median(t[0] - started for t in runs)
-    gaps = [b - a for t in runs for a, b in itertools.pairwise(t)]
-    return first, statistics.median(gaps)
+    follower.cancel()
+    await asyncio.gather(follower, return_exceptions=True)
+    prefilled = max(t[0] for t in runs)  # every prompt's last chunk is done
+    prefill = [(at, blocks) for at, blocks in flushed if at <= prefilled]
+    ends = [started] + [at for at, _ in prefill]
+    gaps = [b - a for t in runs for a, b in itertools.pairwise(t) if a >= prefilled]
+    return Steps(
+        [b - a for a, b in itertools.pairwise(ends)],
+        [blocks for _, blocks in prefill],
+        statistics.median(gaps),
+    )
 
 
 def _register_s(ids: list[list[int]], events: CacheEvents | None, repeats: int) -> float:
@@ -81,8 +106,8 @@ async def main() -> None:
     engine = Engine.from_checkpoint(DEFAULT_MODEL_PATH)
     try:
         prompts = _prompts(engine, args.prompts, args.prompt_tokens)
-        await _step_times(engine, _prompts(engine, 2, 64), 4)  # warm up
-        prefill_s, decode_s = await _step_times(engine, prompts, args.max_tokens)
+        await _steps(engine, _prompts(engine, 2, 64), 4)  # warm up
+        steps = await _steps(engine, prompts, args.max_tokens)
         ids = [engine.tokenizer.encode(p) for p in prompts]
     finally:
         await engine.close()
@@ -91,17 +116,33 @@ async def main() -> None:
     publishing = _register_s(ids, CacheEvents(), args.repeats)
     per_block_s = (publishing - plain) / blocks
     decode_blocks = args.prompts / 16  # blocks a decode step registers, on average
-    caps = engine.capabilities
-    print(f"device: {caps.device_name}, {args.prompts} prompts of ~{args.prompt_tokens} tokens")
-    print(f"prefill (to the first token): {prefill_s * 1e3:.1f} ms, registers {blocks} blocks")
-    print(f"decode step: {decode_s * 1e3:.2f} ms, registers {decode_blocks:.2f} blocks on average")
+    prefill_s = statistics.median(steps.prefill_s)
+    shares = [
+        per_block_s * n / step_s
+        for step_s, n in zip(steps.prefill_s, steps.prefill_blocks, strict=True)
+    ]
+    print(
+        f"device: {engine.capabilities.device_name}, "
+        f"{args.prompts} prompts of ~{args.prompt_tokens} tokens"
+    )
+    print(
+        f"prefill: {len(steps.prefill_s)} steps, median {prefill_s * 1e3:.1f} ms "
+        f"({min(steps.prefill_s) * 1e3:.1f}-{max(steps.prefill_s) * 1e3:.1f}), "
+        f"registering {statistics.median(steps.prefill_blocks):.0f} blocks each "
+        f"({sum(steps.prefill_blocks)} of the {blocks} in all)"
+    )
+    print(
+        f"decode step: {steps.decode_s * 1e3:.2f} ms, "
+        f"registers {decode_blocks:.2f} blocks on average"
+    )
     print(
         f"publishing: {per_block_s * 1e6:.2f} us a block "
         f"({plain * 1e3:.2f} ms -> {publishing * 1e3:.2f} ms for {blocks})"
     )
     print(
-        f"overhead: prefill {per_block_s * blocks / prefill_s:.3%}, "
-        f"decode {per_block_s * decode_blocks / decode_s:.3%}"
+        f"overhead: a prefill step {statistics.median(shares):.3%} (median; "
+        f"{min(shares):.3%}-{max(shares):.3%}), "
+        f"a decode step {per_block_s * decode_blocks / steps.decode_s:.3%}"
     )
 
 
