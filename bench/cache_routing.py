@@ -32,10 +32,17 @@ Sizes are in tokens of the fleet's tokenizer (the made-up words run 4 characters
 token, about 1.5 a real one); each fleet has its own defaults (DEFAULTS), sized for the sim fleet
 and for the tiny model on 2 CPU cores.
 
-The oracle: this process follows every worker's Worker.CacheEvents stream (what the router's index
-follows) and, as each request is sent, finds the longest prefix any worker holds; its hit ratio is
-those tokens over all prompt tokens: the best any policy could have done with the caches as they
-were. "On holder" (agent): the turns whose worker held the longest cached prefix of that turn.
+The oracle is one per workload, the same for every policy: for each request, the whole blocks of
+its prompt that a request before it in the workload shares (that request's prompt, or its prompt
+and answer, which a worker may cache too), the longest such prefix, over all prompt tokens.
+"Before" is the workload's schedule (shared-prefix: the arrival times; agent: turn by turn, each
+turn's sessions in the order of their first arrival), not the order a run happened to send them
+in. It is the hit ratio of a cache that kept everything and a placement that always found it: a
+bound that no policy's placements move. (An oracle read from the workers' caches as each run left
+them depends on where that run's policy put the prefixes, so it rose with the policy it judged,
+and a policy that routes by those same caches came out near 100 % of it by construction.)
+"On history's worker" (agent): the turns after a session's first, placed on the worker that served
+its previous turn, which holds its history.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from gateway.config import RouterSection
 from gateway.mesh_client import MeshClient
 from gateway.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection
 from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection
@@ -118,62 +125,16 @@ _TIMEOUT_S = 300.0
 _TORCH_MAX_MODEL_LEN = 4096
 
 
-# ------------------------------------------------------------------------------ the oracle
-
-
-class Oracle:
-    """Every worker's cached block hashes, from its CacheEvents stream."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, set[int]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def follow(self, router_address: str) -> None:
-        async with grpc.aio.insecure_channel(router_address) as channel:
-            listed = await router_pb2_grpc.RouterStub(channel).ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=5
-            )
-        for status in listed.workers:
-            self.held[status.worker.worker_id] = set()
-            self._tasks.append(
-                asyncio.create_task(self._follow(status.worker.worker_id, status.worker.address))
-            )
-
-    async def _follow(self, worker_id: str, address: str) -> None:
-        held = self.held[worker_id]
-        async with grpc.aio.insecure_channel(address) as channel:
-            stream = worker_pb2_grpc.WorkerStub(channel).CacheEvents(
-                worker_pb2.CacheEventsRequest()
-            )
-            async for batch in stream:
-                if batch.snapshot or batch.cleared:
-                    held.clear()
-                held.update(batch.stored)
-                held.difference_update(batch.removed)
-
-    def cached_blocks(self, worker_id: str, hashes: list[int]) -> int:
-        held, n = self.held.get(worker_id, set()), 0
-        while n < len(hashes) and hashes[n] in held:
-            n += 1
-        return n
-
-    def cached_now(self, hashes: list[int]) -> dict[str, int]:
-        """Each worker's cached blocks of the prompt `hashes` names, as they are now."""
-        return {w: self.cached_blocks(w, hashes) for w in self.held}
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
 # ------------------------------------------------------------------------------ one request
 
 
 @dataclasses.dataclass
 class Outcome(policies.Outcome):
-    oracle_tokens: int = 0  # the longest prefix any worker held when it was sent
-    on_holder: bool = False  # its worker held that longest prefix
+    # its place in the workload's schedule, the oracle's "before": (turn, scheduled arrival s)
+    order: tuple[int, float] = (0, 0.0)
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_hashes: list[int] = dataclasses.field(default_factory=list)  # its prompt's blocks
+    on_history: bool | None = None  # an agent turn after the first: on its previous turn's worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +144,18 @@ class Client:
     its prefix hashes."""
 
     stub: router_pb2_grpc.RouterStub
-    oracle: Oracle
     model: str
     renderer: Renderer
     with_hashes: bool
 
     async def send(
-        self, messages: list[dict[str, str]], max_tokens: int, *, session: str = "", start: float
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        *,
+        order: tuple[int, float],
+        session: str = "",
+        start: float,
     ) -> Outcome:
         request = common_pb2.GenerateRequest(
             model=self.model,
@@ -205,16 +171,34 @@ class Client:
         request.tokenizer = self.renderer.digest
         if self.with_hashes:
             request.prefix_hashes[:] = hashes
-        outcome = Outcome()
-        cached = self.oracle.cached_now(hashes)  # before the chosen worker caches this prompt
-        best = max(cached.values(), default=0)
-        outcome.oracle_tokens = best * prefix_hash.BLOCK_TOKENS
+        # the worker counts the same ids (the usage repeats it); a failed request keeps this
+        outcome = Outcome(prompt_tokens=len(ids), order=order, prompt_ids=ids, prompt_hashes=hashes)
         sent = time.monotonic()
         await policies.read_stream(
             self.stub.Generate(request, timeout=_TIMEOUT_S), outcome, sent, start
         )
-        outcome.on_holder = best > 0 and cached.get(outcome.worker, 0) == best
         return outcome
+
+
+# ------------------------------------------------------------------------------ the oracle
+
+
+def oracle_tokens(outcomes: list[Outcome]) -> int:
+    """The prompt tokens of ``outcomes`` that a request earlier in the workload's order shares (its
+    prompt, or its prompt and answer), as whole blocks of the longest such prefix: what a cache
+    that kept everything would have hit. Reads only the requests, their answers and their order,
+    never where a policy placed them or what a worker cached."""
+    seen: set[int] = set()
+    shared = 0
+    for outcome in sorted(outcomes, key=lambda o: o.order):
+        # a block's name chains every block before it: a name seen is that whole prefix seen
+        hashes = outcome.prompt_hashes
+        blocks = next((n for n, h in enumerate(hashes) if h not in seen), len(hashes))
+        shared += blocks * prefix_hash.BLOCK_TOKENS
+        # a worker may cache the answer's blocks too (the torch engine does): the next turn of
+        # an agent resends them
+        seen.update(prefix_hash.chain(outcome.prompt_ids + outcome.token_ids))
+    return shared
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -259,7 +243,7 @@ def shared_prefix(args: argparse.Namespace, chars_per_token: float) -> Workload:
                 {"role": "system", "content": prefixes[tenant]},
                 {"role": "user", "content": question},
             ]
-            return await client.send(messages, max_tokens, start=start)
+            return await client.send(messages, max_tokens, order=(0, at), start=start)
 
         return list(await asyncio.gather(*(one(*p) for p in plan)))
 
@@ -280,13 +264,20 @@ def agent(args: argparse.Namespace, chars_per_token: float) -> Workload:
         start = time.monotonic()
 
         async def session(i: int) -> list[Outcome]:
-            history, outcomes = [{"role": "system", "content": system}], []
+            history = [{"role": "system", "content": system}]
+            outcomes: list[Outcome] = []
             for turn, tool_output in enumerate(sessions[i]):
                 await asyncio.sleep(thinks[i][turn])
                 history.append({"role": "user", "content": tool_output})
                 outcome = await client.send(
-                    history, args.answer_tokens, session=f"s{i}", start=start
+                    history,
+                    args.answer_tokens,
+                    order=(turn, thinks[i][0]),
+                    session=f"s{i}",
+                    start=start,
                 )
+                if outcomes:
+                    outcome.on_history = outcome.worker == outcomes[-1].worker
                 outcomes.append(outcome)
                 if outcome.error:
                     break
@@ -473,17 +464,17 @@ async def calibrate(router_address: str, model: str, args: argparse.Namespace) -
         ]
 
     async with grpc.aio.insecure_channel(router_address) as channel:
-        client = Client(router_pb2_grpc.RouterStub(channel), Oracle(), model, renderer, False)
+        client = Client(router_pb2_grpc.RouterStub(channel), model, renderer, False)
         # one at a time (least_load: each on another worker): a worker's own speeds
         alone = [
-            await client.send(request(), completion_tokens, start=time.monotonic())
+            await client.send(request(), completion_tokens, order=(0, 0.0), start=time.monotonic())
             for _ in range(3)
         ]
         # all at once, a few batches' worth: what the fleet serves on the cores it shares
         start = time.monotonic()
         burst = await asyncio.gather(
             *(
-                client.send(request(), completion_tokens, start=start)
+                client.send(request(), completion_tokens, order=(0, 0.0), start=start)
                 for _ in range(6 * args.workers)
             )
         )
@@ -523,31 +514,25 @@ FLEETS = {"sim": sim_fleet, "torch": torch_fleet}
 
 
 async def run_policy(address: str, fleet: Fleet, workload: Workload, hashes: bool) -> list[Outcome]:
-    oracle = Oracle()
-    await oracle.follow(address)
-    await asyncio.sleep(0.5)  # the snapshots in
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            return await workload(Client(stub, oracle, fleet.model, fleet.renderer, hashes))
-    finally:
-        await oracle.close()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        return await workload(Client(stub, fleet.model, fleet.renderer, hashes))
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     done = [o for o in outcomes if o.done_s is not None and o.ttft_s is not None]
     ttfts = sorted(o.ttft_s for o in done if o.ttft_s is not None)
     q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else [float("nan")] * 9
-    prompt = max(sum(o.prompt_tokens for o in done), 1)
-    later_turns = [o for o in done if o.oracle_tokens > 0]
+    later_turns = [o.on_history for o in done if o.on_history is not None]
     makespan = max((o.done_s for o in done if o.done_s is not None), default=float("nan"))
     return {
         "p50": statistics.median(ttfts) if ttfts else float("nan"),
         "p90": q[8],
         "tokens_per_s": sum(o.tokens for o in done) / makespan,
-        "hit": sum(o.cached_tokens for o in done) / prompt,
-        "oracle": sum(o.oracle_tokens for o in done) / prompt,
-        "on_holder": sum(o.on_holder for o in later_turns) / max(len(later_turns), 1),
+        "hit": sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1),
+        # over every request sent, served or not: the same requests whatever the policy did
+        "oracle": oracle_tokens(outcomes) / max(sum(o.prompt_tokens for o in outcomes), 1),
+        "on_history": sum(later_turns) / len(later_turns) if later_turns else None,
         "done": len(done),
         "errors": len(outcomes) - len(done),
         "error_codes": ", ".join(sorted({o.error for o in outcomes if o.error})),
@@ -609,12 +594,17 @@ def main() -> None:
                 with fleet.router(policy) as address:
                     outcomes = asyncio.run(run_policy(address, fleet, workload, hashes))
                 r = results[name, label] = summarize(outcomes)
+                on_history = (
+                    f"on history's worker {r['on_history']:4.0%}  "
+                    if r["on_history"] is not None
+                    else ""
+                )
                 print(
                     f"{name:<13} {label:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  "
                     f"p90 {r['p90'] * 1000:7.0f} ms  {r['tokens_per_s']:6.0f} tok/s  "
                     f"hits {r['hit']:4.0%} (oracle {r['oracle']:4.0%}, "
                     f"{r['hit'] / max(r['oracle'], 1e-9):4.0%} of it)  "
-                    f"on holder {r['on_holder']:4.0%}  done {r['done']:.0f}  "
+                    f"{on_history}done {r['done']:.0f}  "
                     f"errors {r['errors']:.0f} {r['error_codes']}",
                     flush=True,
                 )
@@ -627,8 +617,8 @@ def main() -> None:
         )
     if ("agent", "cache_aware") in results:
         print(
-            f"agent cache_aware: {results['agent', 'cache_aware']['on_holder']:.0%} of turns on "
-            "the worker holding their history (target >= 90 %)"
+            f"agent cache_aware: {results['agent', 'cache_aware']['on_history']:.0%} of the turns "
+            "after a session's first on the worker holding their history (target >= 90 %)"
         )
 
 

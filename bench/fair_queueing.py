@@ -14,9 +14,10 @@ call the chosen worker and report the request finished. 3 x 11 clients on 4 x 4 
 
 Printed per key: requests and completion tokens served in the measured window (after a
 warm-up), its share against its weight's share (target: within 10 %), the p50 / p90 of the
-wait for a decision (the time in the router's queue); then the highest running + waiting any
-worker reported (ListWorkers, sampled every 50 ms) against max_parallel. ``--no-queue``: the
-same with [fair_queue] off, the baseline (the router routes every ask at once).
+wait for a decision (the time in the router's queue); then, per worker, the most requests it held
+at once (running and waiting, the engine's own count at each admission, over the whole run)
+against max_parallel. ``--no-queue``: the same with [fair_queue] off, the baseline (the router
+routes every ask at once).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 
@@ -35,7 +38,7 @@ from devtools.redis_server import RedisServer
 from gateway.route_stream import RouteStream
 from gateway.route_stream import workers as route_workers
 from infermesh.channels import WorkerChannels
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection
@@ -118,20 +121,9 @@ async def client(
             stats.waits.append(waited)
 
 
-async def peak_load(stub: router_pb2_grpc.RouterStub, stopping: asyncio.Event) -> int:
-    """The most running + waiting requests any worker reported while sampled."""
-    peak = 0
-    while not stopping.is_set():
-        reply = await stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=2)
-        for status in reply.workers:
-            peak = max(peak, status.load.running + status.load.waiting)
-        await asyncio.sleep(0.05)
-    return peak
-
-
 async def overload(
     router_address: str, seconds: float, clients: int, max_tokens: int
-) -> tuple[list[KeyStats], int]:
+) -> list[KeyStats]:
     channel = grpc.aio.insecure_channel(router_address)
     stub = router_pb2_grpc.RouterStub(channel)
     stream = RouteStream(stub)
@@ -147,15 +139,13 @@ async def overload(
     ]
     await asyncio.sleep(_WARMUP_S)
     measuring.set()
-    sampler = asyncio.create_task(peak_load(stub, stopping))
     await asyncio.sleep(seconds)
     stopping.set()
-    peak = await sampler
     await asyncio.gather(*tasks)
     await stream.close()
     await workers.close()
     await channel.close()
-    return stats, peak
+    return stats
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -164,7 +154,9 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def report(stats: list[KeyStats], peak: int, slots: int, clients: int, workers: int) -> None:
+def report(
+    stats: list[KeyStats], peaks: dict[str, int], slots: int, clients: int, workers: int
+) -> None:
     total_tokens = sum(s.tokens for s in stats) or 1
     total_weight = sum(WEIGHTS)
     print(
@@ -187,7 +179,11 @@ def report(stats: list[KeyStats], peak: int, slots: int, clients: int, workers: 
             f"{percentile(s.waits, 0.9) * 1000:>7.0f}ms {s.errors:>6}"
         )
     print(f"worst share off its weight's: {worst:.1%} (target: within 10%)")
-    print(f"most requests on one worker (running + waiting): {peak} (max_parallel {slots})")
+    print(
+        "most requests each worker held at once (running + waiting): "
+        + ", ".join(f"{worker} {peak}" for worker, peak in sorted(peaks.items()))
+        + f" (max_parallel {slots})"
+    )
 
 
 def main() -> None:
@@ -198,10 +194,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=11, help="per key")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--queue", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--fleet", help=argparse.SUPPRESS)  # the child: serve the workers
+    # the child: serve the workers, then write each one's peak to the file --peaks names
+    parser.add_argument("--fleet", help=argparse.SUPPRESS)
+    parser.add_argument("--peaks", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fleet:
-        asyncio.run(serve_workers(worker_configs(args.fleet, args.workers, args.slots)))
+        engines = asyncio.run(serve_workers(worker_configs(args.fleet, args.workers, args.slots)))
+        peaks = {worker: engine.peak_live for worker, engine in engines.items()}
+        Path(args.peaks).write_text(json.dumps(peaks))
         return
     env = {
         "OTEL_SDK_DISABLED": "true",
@@ -209,6 +209,7 @@ def main() -> None:
         "INFERMESH_ROUTER_TLS_PLAINTEXT": "true",
     }
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
+        peaks_file = str(Path(workdir) / "peaks.json")
         port = free_port()
         address = f"127.0.0.1:{port}"
         router = spawn(
@@ -233,18 +234,19 @@ def main() -> None:
                     str(args.workers),
                     "--slots",
                     str(args.slots),
+                    "--peaks",
+                    peaks_file,
                 ],
                 env,
             )
             wait_until(lambda: registered(address) == args.workers, "the fleet")
-            stats, peak = asyncio.run(
-                overload(address, args.seconds, args.clients, args.max_tokens)
-            )
+            stats = asyncio.run(overload(address, args.seconds, args.clients, args.max_tokens))
         finally:
             for proc in (fleet, router):
                 if proc is not None:
                     stop(proc)
-    report(stats, peak, args.slots, args.clients, args.workers)
+        peaks = json.loads(Path(peaks_file).read_text())
+    report(stats, peaks, args.slots, args.clients, args.workers)
 
 
 if __name__ == "__main__":

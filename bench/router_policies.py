@@ -86,11 +86,13 @@ async def serve_fleet(router_address: str) -> None:
     await serve_workers([worker_config(i, router_address) for i in range(len(FLEET))])
 
 
-async def serve_workers(configs: list[WorkerConfig]) -> None:
-    """Simulated workers, one gRPC server each, registered with their router until SIGTERM."""
-    reporters, servers = [], []
+async def serve_workers(configs: list[WorkerConfig]) -> dict[str, SimEngine]:
+    """Simulated workers, one gRPC server each, registered with their router until SIGTERM;
+    returns their engines by worker id."""
+    reporters, servers, engines = [], [], {}
     for config in configs:
-        server, servicer = await worker_server.create_server(config, SimEngine.from_config(config))
+        engine = engines[config.server.worker_id] = SimEngine.from_config(config)
+        server, servicer = await worker_server.create_server(config, engine)
         servers.append(server)
         reporters.append(
             asyncio.create_task(
@@ -103,6 +105,7 @@ async def serve_workers(configs: list[WorkerConfig]) -> None:
     for task in reporters:
         task.cancel()
     await asyncio.gather(*(s.stop(grace=None) for s in servers))
+    return engines
 
 
 # ------------------------------------------------------------------------------ workload
@@ -167,12 +170,16 @@ def fleet_capacity_per_s() -> float:
 class Outcome:
     ttft_s: float | None = None
     done_s: float | None = None
-    tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # of the completion
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the worker's prefix cache
     error: str | None = None
     worker: str = ""  # the worker the router chose
     text: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
 
 async def read_stream(
@@ -185,7 +192,7 @@ async def read_stream(
                 outcome.ttft_s = time.monotonic() - sent
                 outcome.worker = chunk.route.worker_id
             outcome.text += chunk.text
-            outcome.tokens += len(chunk.token_ids)
+            outcome.token_ids += chunk.token_ids
             if chunk.HasField("usage"):
                 outcome.prompt_tokens = chunk.usage.prompt_tokens
                 outcome.cached_tokens = chunk.usage.cached_prompt_tokens

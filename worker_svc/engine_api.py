@@ -285,6 +285,7 @@ class RequestFront:
         self._max_parallel = max_parallel
         self._max_waiting = max_waiting
         self.live = 0  # admitted and not ended: running and waiting together
+        self.peak_live = 0  # the most live at once: whether callers kept within max_parallel
         self.closed = False
 
     def check(self, request: GenerationRequest) -> None:
@@ -308,6 +309,7 @@ class RequestFront:
                 f"(max_parallel) and max_waiting {self._max_waiting}; retry later"
             )
         self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
         try:
             yield
         finally:

@@ -100,6 +100,7 @@ def test_the_front_refuses_in_one_order_and_one_wording():
             pass
         assert front.live == 2
     assert front.live == 0  # each request leaves, however it ends
+    assert front.peak_live == 2  # the refused one never counted
     front.close()
     with pytest.raises(EngineClosedError, match=r"^the engine is closed$"):
         front.check(good)  # closed is said before anything else

@@ -307,6 +307,7 @@ async def test_max_parallel_and_the_bounded_queue_are_enforced_and_cancellation_
             with contextlib.suppress(Exception):
                 await s.aclose()
         assert engine.load().running == 0 and engine.load().kv_cache_usage == 0
+        assert engine.peak_live == 3  # two running and one waiting; the refused one not counted
         await engine.close()
 
 

@@ -231,6 +231,11 @@ class SimEngine:
             kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens,
         )
 
+    @property
+    def peak_live(self) -> int:
+        """The most requests it held at once, running and waiting, counted at each admission."""
+        return self._front.peak_live
+
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
         self._front.close()
