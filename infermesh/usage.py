@@ -16,6 +16,8 @@ from infermesh.redis_client import RedisClient
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 USAGE_DAY_TTL_S = 400 * 86400
+# The owners internal callers' usage is counted under (a set), so they can be listed.
+CALLERS = "infermesh:callers"
 _IDENTITY_PREFIX = "spiffe://infermesh/"
 
 

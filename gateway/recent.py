@@ -1,0 +1,152 @@
+"""The recent requests of the API keys, for the console's Recent requests page (gateway.console).
+
+Every gateway records each request an API key authenticated, when it ends, in two capped Redis
+streams: ``infermesh:recent:{<key id>}`` (the key's last ``[console] recent_per_key``, in its
+hash slot) and ``infermesh:recent`` (all keys' last ``recent_total``). An entry holds the time,
+key id and name, path, model, status, tokens, time to first token, duration and trace id: never
+a prompt, a completion or key material. Recording happens off the request's path, and a Redis
+failure loses the entry (logged), never the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.config import ConsoleSection
+from gateway.keys import REDIS, key_tag
+from gateway.middleware import API_KEY, MODEL, REQUEST_ID, TRACE_ID
+from gateway.usage import TokenUsage
+from infermesh.redis_client import REDIS_ERRORS, RedisClient
+
+logger = logging.getLogger(__name__)
+
+ALL_KEYS = "infermesh:recent"
+# Set by the generation (gateway.generation) for the request's entry.
+USAGE = web.RequestKey("usage", TokenUsage)
+FIRST_TOKEN_S = web.RequestKey("first_token_s", float)
+RECENT = web.AppKey("recent", "RecentRequests")
+CONSOLE_CONFIG = web.AppKey("console_config", ConsoleSection)
+
+
+def key_stream(kid: str) -> str:
+    return f"{ALL_KEYS}:{key_tag(kid)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentRequest:
+    """One entry of the streams."""
+
+    at: float  # unix s, when it ended
+    key_id: str
+    key_name: str
+    path: str
+    model: str
+    status: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    first_token_ms: int | None  # None: no token came (refused, failed, or not a generation)
+    duration_ms: int
+    trace_id: str
+    request_id: str
+
+    def fields(self) -> dict[str, str]:
+        return {f: "" if v is None else str(v) for f, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def parse(cls, raw: dict[bytes, bytes]) -> RecentRequest:
+        text = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls(
+            at=float(text["at"]),
+            key_id=text["key_id"],
+            key_name=text["key_name"],
+            path=text["path"],
+            model=text["model"],
+            status=int(text["status"]),
+            prompt_tokens=int(text["prompt_tokens"]),
+            cached_tokens=int(text["cached_tokens"]),
+            completion_tokens=int(text["completion_tokens"]),
+            first_token_ms=int(text["first_token_ms"]) if text["first_token_ms"] else None,
+            duration_ms=int(text["duration_ms"]),
+            trace_id=text["trace_id"],
+            request_id=text["request_id"],
+        )
+
+
+class RecentRequests:
+    """Writes entries in the background and reads them back, newest first."""
+
+    def __init__(self, redis: RedisClient, config: ConsoleSection) -> None:
+        self._redis = redis
+        self._config = config
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def record(self, entry: RecentRequest) -> None:
+        task = asyncio.create_task(self._write(entry))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _write(self, entry: RecentRequest) -> None:
+        fields = entry.fields()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(  # type: ignore[arg-type]  # redis-py: invariant mapping keys
+                    key_stream(entry.key_id), fields, maxlen=self._config.recent_per_key
+                )
+                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total)  # type: ignore[arg-type]
+                await pipe.execute()
+        except REDIS_ERRORS as e:
+            logger.warning("recent request not recorded: Redis failed (%s)", type(e).__name__)
+
+    async def read(self, kid: str | None, count: int) -> list[RecentRequest]:
+        """The last ``count`` requests of the key ``kid``, or of every key (None)."""
+        stream = key_stream(kid) if kid else ALL_KEYS
+        rows = await self._redis.xrevrange(stream, count=count)
+        return [RecentRequest.parse(fields) for _, fields in rows]
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._pending)
+
+
+async def recent_ctx(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``, after the Redis client's: the recorder, drained at shutdown."""
+    recent = RecentRequests(app[REDIS], app[CONSOLE_CONFIG])
+    app[RECENT] = recent
+    yield
+    await recent.drain()
+
+
+@web.middleware
+async def record_recent(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outside the error middleware, so it sees the status every answer ends with."""
+    started = time.monotonic()
+    response = await handler(request)
+    key = request.get(API_KEY)
+    if key is not None:
+        usage = request.get(USAGE, TokenUsage())
+        first_token_s = request.get(FIRST_TOKEN_S)
+        request.config_dict[RECENT].record(
+            RecentRequest(
+                at=time.time(),
+                key_id=key.id,
+                key_name=key.name,
+                path=request.path,
+                model=request.get(MODEL, ""),
+                status=response.status,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+                first_token_ms=None if first_token_s is None else round(first_token_s * 1000),
+                duration_ms=round((time.monotonic() - started) * 1000),
+                trace_id=request.get(TRACE_ID, ""),
+                request_id=request.get(REQUEST_ID, ""),
+            )
+        )
+    return response
