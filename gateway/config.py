@@ -197,6 +197,9 @@ class ConsoleSection:
     sign_in_max_delay_s: float = 30.0
     # Trace ids link to this Jaeger UI ("http://jaeger:16686"); empty: shown without a link.
     jaeger_url: str = ""
+    # The router's /metrics ("http://router:9101/metrics"): the Fleet page shows its cache hits
+    # and fair queue from it; empty: not shown.
+    router_metrics_url: str = ""
     # The recent requests kept: per API key, and of all keys together (capped Redis streams).
     recent_per_key: int = 100
     recent_total: int = 1000
@@ -207,8 +210,10 @@ class ConsoleSection:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sign_in_failures_free < 0 or self.sign_in_max_delay_s < 0:
             raise ValueError("sign_in_failures_free and sign_in_max_delay_s must be >= 0")
-        if self.jaeger_url and not re.fullmatch(r"https?://[^\s]+", self.jaeger_url):
-            raise ValueError(f"jaeger_url must be an http(s) URL, got {self.jaeger_url!r}")
+        for name in ("jaeger_url", "router_metrics_url"):
+            url = getattr(self, name)
+            if url and not re.fullmatch(r"https?://[^\s]+", url):
+                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
 
 
 @section

@@ -14,7 +14,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -23,7 +24,7 @@ from gateway.config import ConsoleSection
 from gateway.keys import REDIS, key_tag
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID, TRACE_ID
 from gateway.usage import TokenUsage
-from infermesh.redis_client import REDIS_ERRORS, RedisClient
+from infermesh.redis_client import REDIS_ERRORS, RedisClient, decoded
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ ALL_KEYS = "infermesh:recent"
 # Set by the generation (gateway.generation) for the request's entry.
 USAGE = web.RequestKey("usage", TokenUsage)
 FIRST_TOKEN_S = web.RequestKey("first_token_s", float)
-RECENT = web.AppKey("recent", "RecentRequests")
 CONSOLE_CONFIG = web.AppKey("console_config", ConsoleSection)
 
 
@@ -61,8 +61,8 @@ class RecentRequest:
         return {f: "" if v is None else str(v) for f, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def parse(cls, raw: dict[bytes, bytes]) -> RecentRequest:
-        text = {k.decode(): v.decode() for k, v in raw.items()}
+    def parse(cls, raw: Mapping[bytes | str, bytes | str]) -> RecentRequest:
+        text = {decoded(k): decoded(v) for k, v in raw.items()}
         return cls(
             at=float(text["at"]),
             key_id=text["key_id"],
@@ -94,13 +94,11 @@ class RecentRequests:
         task.add_done_callback(self._pending.discard)
 
     async def _write(self, entry: RecentRequest) -> None:
-        fields = entry.fields()
+        fields: dict[Any, Any] = entry.fields()  # redis-py's mapping: invariant key type
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(  # type: ignore[arg-type]  # redis-py: invariant mapping keys
-                    key_stream(entry.key_id), fields, maxlen=self._config.recent_per_key
-                )
-                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total)  # type: ignore[arg-type]
+                pipe.xadd(key_stream(entry.key_id), fields, maxlen=self._config.recent_per_key)
+                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total)
                 await pipe.execute()
         except REDIS_ERRORS as e:
             logger.warning("recent request not recorded: Redis failed (%s)", type(e).__name__)
@@ -109,10 +107,13 @@ class RecentRequests:
         """The last ``count`` requests of the key ``kid``, or of every key (None)."""
         stream = key_stream(kid) if kid else ALL_KEYS
         rows = await self._redis.xrevrange(stream, count=count)
-        return [RecentRequest.parse(fields) for _, fields in rows]
+        return [RecentRequest.parse(fields) for _, fields in rows or [] if fields]
 
     async def drain(self) -> None:
         await asyncio.gather(*self._pending)
+
+
+RECENT = web.AppKey("recent", RecentRequests)
 
 
 async def recent_ctx(app: web.Application) -> AsyncIterator[None]:

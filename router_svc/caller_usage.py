@@ -16,7 +16,7 @@ import grpc
 from infermesh.authz import peer_of
 from infermesh.pb import common_pb2
 from infermesh.redis_client import REDIS_ERRORS, RedisClient
-from infermesh.usage import CALLERS, count_usage, identity_owner
+from infermesh.usage import count_usage, identity_owner
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ class CallerUsage:
     async def _count(self, owner: str, usage: common_pb2.Usage) -> None:
         try:
             await count_usage(self._redis, owner, usage)
-            await self._redis.sadd(CALLERS, owner)  # the console lists the callers from it
         except REDIS_ERRORS as e:
             logger.warning("usage of %s not counted: Redis failed (%s)", owner, e)
 

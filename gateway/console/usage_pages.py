@@ -19,7 +19,7 @@ from gateway.console.render import render, secure
 from gateway.keys import REDIS
 from gateway.limits import read_usage
 from gateway.validation import parse_body
-from infermesh.redis_client import RedisClient
+from infermesh.redis_client import RedisClient, decoded
 from infermesh.usage import CALLERS, USAGE_FIELDS
 
 _COUNTS = (*USAGE_FIELDS, "total_tokens")
@@ -40,7 +40,7 @@ class OwnerUsage:
 async def read_all(redis: RedisClient, days: int) -> tuple[list[OwnerUsage], list[OwnerUsage]]:
     """Every key's and every internal caller's usage over the last ``days`` days."""
     records = await keys.list_keys(redis)
-    callers = sorted(_text(c) for c in await redis.smembers(CALLERS))
+    callers = sorted(decoded(c) for c in await redis.smembers(CALLERS))
     owners: list[tuple[Literal["key", "caller"], str, str, str]] = [
         *(("key", r.id, r.name, r.tier or "default") for r in records),
         *(("caller", c, c.removeprefix("cert:"), "internal") for c in callers),
@@ -57,10 +57,6 @@ def _owner_usage(
 ) -> OwnerUsage:
     totals = {f: sum(day[f] for day in daily) for f in _COUNTS}
     return OwnerUsage(kind, oid, name, tier, daily, totals)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
