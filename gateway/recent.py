@@ -95,10 +95,11 @@ class RecentRequests:
 
     async def _write(self, entry: RecentRequest) -> None:
         fields: dict[Any, Any] = entry.fields()  # redis-py's mapping: invariant key type
+        per_key = self._config.recent_per_key  # exact caps: trimming one entry per add is cheap
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(key_stream(entry.key_id), fields, maxlen=self._config.recent_per_key)
-                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total)
+                pipe.xadd(key_stream(entry.key_id), fields, maxlen=per_key, approximate=False)
+                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total, approximate=False)
                 await pipe.execute()
         except REDIS_ERRORS as e:
             logger.warning("recent request not recorded: Redis failed (%s)", type(e).__name__)

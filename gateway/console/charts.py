@@ -10,6 +10,7 @@ import io
 import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 matplotlib.rcParams["svg.fonttype"] = "none"  # text as <text>, not paths
 matplotlib.rcParams["svg.hashsalt"] = "infermesh-console"  # the same data: the same SVG
@@ -55,6 +56,7 @@ def _svg(figure: Figure, axes: Axes, title: str, y_label: str, has_series: bool)
     axes.set_ylabel(y_label)
     axes.tick_params(axis="x", labelrotation=45)
     axes.grid(axis="y", alpha=0.3)
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no half requests
     if has_series:
         axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     out = io.StringIO()

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 class RecentQuery(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    key: Annotated[str, Field(pattern="^([0-9a-f]{64})?$")] = ""
+    # not "key": key-like query parameters are refused (gateway.middleware)
+    key_id: Annotated[str, Field(pattern="^([0-9a-f]{64})?$")] = ""
     count: Annotated[int, Field(ge=1, le=1000)] = 50
 
 
@@ -56,13 +57,13 @@ async def fleet_page(request: web.Request) -> web.Response:
 
 async def recent_page(request: web.Request) -> web.Response:
     query = parse_body(RecentQuery, dict(request.query))
-    entries = await request.config_dict[RECENT].read(query.key or None, query.count)
+    entries = await request.config_dict[RECENT].read(query.key_id or None, query.count)
     return render(
         request,
         "recent.html",
         title="Recent requests",
         entries=entries,
-        key=query.key,
+        key_id=query.key_id,
         count=query.count,
         jaeger_url=request.config_dict[CONSOLE_CONFIG].jaeger_url.rstrip("/"),
     )

@@ -69,7 +69,7 @@ async def usage_page(request: web.Request) -> web.Response:
     key_usage, caller_usage = await read_all(request.config_dict[REDIS], days)
     dates = [d["date"] for d in key_usage[0].daily] if key_usage else []
     used = [u for u in key_usage if u.totals["requests"]]
-    token_chart, request_chart = await asyncio.to_thread(_charts, dates, used)
+    drawn = await asyncio.to_thread(_charts, dates, used) if used else []
     tiers: dict[str, dict[str, int]] = {}
     for u in key_usage:
         tier = tiers.setdefault(u.tier, dict.fromkeys(_COUNTS, 0))
@@ -80,8 +80,7 @@ async def usage_page(request: web.Request) -> web.Response:
         "usage.html",
         title="Usage",
         days=days,
-        token_chart=token_chart,
-        request_chart=request_chart,
+        charts=drawn,
         rows=[(u, d) for d in _newest_first(dates) for u in used if _day(u, d)["requests"]],
         day_of=_day,
         tiers=sorted(tiers.items()),
@@ -90,13 +89,31 @@ async def usage_page(request: web.Request) -> web.Response:
     )
 
 
-def _charts(dates: list[str], used: list[OwnerUsage]) -> tuple[str, str]:
-    tokens = {u.name: [d["total_tokens"] for d in u.daily] for u in used}
-    requests = {u.name: [d["requests"] for d in u.daily] for u in used}
-    return (
-        charts.stacked_bars("Tokens per day, by key", dates, tokens, "tokens"),
-        charts.lines("Requests per day, by key", dates, requests, "requests"),
+def _charts(dates: list[str], used: list[OwnerUsage]) -> list[tuple[str, str]]:
+    """(title, SVG) of each chart."""
+    names = [u.name for u in used]
+    # two keys may share a name: their series apart, by id
+    labels = [f"{u.name} ({u.id[:8]})" if names.count(u.name) > 1 else u.name for u in used]
+    labelled = list(zip(labels, used, strict=True))
+    tokens = {label: [d["total_tokens"] for d in u.daily] for label, u in labelled}
+    requests = {label: [d["requests"] for d in u.daily] for label, u in labelled}
+    prompt, cached, completion = (
+        [sum(day[f] for day in same_day) for same_day in zip(*(u.daily for u in used), strict=True)]
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens")
     )
+    kinds = {
+        "prompt, not cached": [p - c for p, c in zip(prompt, cached, strict=True)],
+        "prompt, cached": cached,
+        "completion": completion,
+    }
+    return [
+        (title, draw(title, dates, series, unit))
+        for title, draw, series, unit in (
+            ("Tokens per day, by key", charts.stacked_bars, tokens, "tokens"),
+            ("Requests per day, by key", charts.lines, requests, "requests"),
+            ("Tokens per day, by kind, all keys", charts.stacked_bars, kinds, "tokens"),
+        )
+    ]
 
 
 def _newest_first(dates: list[str]) -> list[str]:

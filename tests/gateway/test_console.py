@@ -11,6 +11,8 @@ import time
 import prometheus_client
 
 from gateway.config import AdminSection, ConsoleSection
+from gateway.keys import get_key
+from gateway.recent import RecentRequest, RecentRequests
 from tests.helpers.gateway import ADMIN_TOKEN, start_gateway
 
 
@@ -111,3 +113,73 @@ async def test_the_public_gateway_has_no_console(redis_server, config):
         assert response.status == 404
     finally:
         await public.close()
+
+
+def _key_id(page: str) -> str:
+    match = re.search(r"<code>([0-9a-f]{64})</code>", page)
+    assert match, page
+    return match.group(1)
+
+
+async def test_a_key_is_edited_disabled_enabled_and_rotated(gateway, redis_client):
+    csrf = await _sign_in(gateway)
+    created = await gateway.post(
+        "/console/keys", data={"name": "edit-me", "rpm": "60", "models": "a, b", "csrf": csrf}
+    )
+    kid = _key_id(await created.text())
+    response = await gateway.post(
+        f"/console/keys/{kid}",
+        data={"name": "edited", "tpm": "5000", "expires": "2999-01-01", "csrf": csrf},
+    )
+    assert response.status == 200  # the key's page, after the redirect
+    record = await get_key(redis_client, kid)
+    assert record is not None and record.name == "edited"
+    assert record.limits == {"tpm": 5000} and record.models == ()  # empty fields cleared
+    assert record.expires_at == 32472144000
+
+    for action, status in (("disable", "disabled"), ("enable", "active")):
+        response = await gateway.post(f"/console/keys/{kid}/{action}", data={"csrf": csrf})
+        assert f'class="status-{status}">{status}</span>' in await response.text()
+    rotated = await gateway.post(f"/console/keys/{kid}/rotate", data={"csrf": csrf})
+    page = await rotated.text()
+    assert rotated.status == 201 and "shown this once" in page and "Rotated from" in page
+    old = await get_key(redis_client, kid)
+    assert old is not None and old.revoked and old.rotated_to == _key_id(page)
+    response = await gateway.post(f"/console/keys/{kid}/rotate", data={"csrf": csrf})
+    assert response.status == 400 and "can be rotated" in await response.text()
+    response = await gateway.get(f"/console/keys/{'0' * 64}")
+    assert response.status == 404 and "No API key" in await response.text()
+
+
+async def test_recent_requests_are_capped_and_link_to_jaeger(redis_server, config, redis_client):
+    console = ConsoleSection(recent_per_key=2, jaeger_url="http://jaeger.example:16686/")
+    gateway = await start_gateway(dataclasses.replace(config, console=console))
+    try:
+        recent = RecentRequests(redis_client, console)
+        for i in range(3):  # one after the other: each write in its own task
+            entry = RecentRequest(
+                i,
+                "a" * 64,
+                "k",
+                "/v1/chat/completions",
+                "m",
+                200,
+                1,
+                0,
+                1,
+                5,
+                9,
+                f"{i:032x}",
+                f"req-{i}",
+            )
+            recent.record(entry)
+            await recent.drain()
+        assert [e.request_id for e in await recent.read("a" * 64, 10)] == ["req-2", "req-1"]
+        await _sign_in(gateway)
+        page = await (await gateway.get(f"/console/requests?key_id={'a' * 64}")).text()
+        assert f'href="http://jaeger.example:16686/trace/{2:032x}"' in page
+        assert "req-0" not in page and f"{0:032x}" not in page
+        response = await gateway.get("/console/requests?key_id=not-an-id")
+        assert response.status == 400
+    finally:
+        await gateway.close()

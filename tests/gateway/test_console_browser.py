@@ -18,7 +18,11 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 from gateway.config import AdminSection, ConsoleSection
+from infermesh.authz import role_uri
+from infermesh.pb import common_pb2
 from infermesh.ports import free_port
+from infermesh.redis_client import redis_client
+from infermesh.usage import count_usage, identity_owner
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, sdk, start_gateway
 
 CHROMIUM = "/usr/bin/chromium"
@@ -95,6 +99,12 @@ async def test_an_operator_manages_a_key_from_the_console(
         await expect(row).to_contain_text("active")
         await expect(row).to_contain_text("Requests per minute: 600")
 
+        # an internal caller's request, counted as the router counts one (router_svc.caller_usage)
+        async with redis_client(redis_server.url, timeout_s=3.0) as redis:
+            usage = common_pb2.Usage(
+                prompt_tokens=1200, cached_prompt_tokens=800, completion_tokens=90
+            )
+            await count_usage(redis, identity_owner(role_uri("client", "billing")), usage)
         client = sdk(public, key)
         model = worker.servicer.info.models[0]
         prompt = [{"role": "user", "content": "Name three colours of the sea at dawn. " * 4}]
@@ -109,6 +119,9 @@ async def test_an_operator_manages_a_key_from_the_console(
         per_key = page.get_by_role("row").filter(has_text="team-a").first
         await expect(per_key).to_contain_text(f"{prompt_tokens}")
         await expect(page.get_by_role("img", name="Tokens per day, by key")).to_be_visible()
+        await expect(page.get_by_role("row").filter(has_text="client/billing")).to_contain_text(
+            "1,200"
+        )
         await _shot(page, screenshots, "usage")
         async with page.expect_download() as download:
             await page.get_by_role("link", name="Export CSV").click()
@@ -136,6 +149,10 @@ async def test_an_operator_manages_a_key_from_the_console(
         await expect(page.get_by_role("heading", name="Key “team-a” revoked")).to_be_visible()
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
+        await page.get_by_role("link", name="Its recent requests").click()
+        await expect(page.get_by_role("row").filter(has_text="/v1/chat/completions")).to_have_count(
+            2  # the refused one: not authenticated, not the key's
+        )
         await page.get_by_role("link", name="Keys").click()
         await expect(page.get_by_role("row").filter(has_text="team-a")).to_contain_text("revoked")
         assert (await public.get("/console")).status == 404
