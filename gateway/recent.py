@@ -4,13 +4,14 @@ Every gateway records each request an API key authenticated, when it ends, in tw
 streams: ``infermesh:recent:{<key id>}`` (the key's last ``[console] recent_per_key``, in its
 hash slot) and ``infermesh:recent`` (all keys' last ``recent_total``). An entry holds the time,
 key id and name, path, model, status, tokens, time to first token, duration and trace id: never
-a prompt, a completion or key material. Recording happens off the request's path, and a Redis
-failure loses the entry (logged), never the request.
+a prompt, a completion or key material. Recording happens off the request's path, in shared round
+trips, and a Redis failure loses entries (logged), never the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -29,6 +30,7 @@ from infermesh.redis_client import REDIS_ERRORS, RedisClient, decoded
 logger = logging.getLogger(__name__)
 
 ALL_KEYS = "infermesh:recent"
+_MAX_WAITING = 10_000  # entries waiting for their write, about 300 bytes each
 # Set by the generation (gateway.generation) for the request's entry.
 USAGE = web.RequestKey("usage", TokenUsage)
 FIRST_TOKEN_S = web.RequestKey("first_token_s", float)
@@ -81,28 +83,44 @@ class RecentRequest:
 
 
 class RecentRequests:
-    """Writes entries in the background and reads them back, newest first."""
+    """Writes entries in the background, in order, and reads them back, newest first.
+
+    One write is out at a time; the entries that end meanwhile go together in the next (one
+    pipelined round trip however many requests ended), at most ``_MAX_WAITING`` of them: past
+    that (Redis slow or away) the oldest are dropped."""
 
     def __init__(self, redis: RedisClient, config: ConsoleSection) -> None:
         self._redis = redis
         self._config = config
-        self._pending: set[asyncio.Task[None]] = set()
+        self._waiting: collections.deque[RecentRequest] = collections.deque(maxlen=_MAX_WAITING)
+        self._writer: asyncio.Task[None] | None = None
 
     def record(self, entry: RecentRequest) -> None:
-        task = asyncio.create_task(self._write(entry))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._waiting.append(entry)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_waiting())
 
-    async def _write(self, entry: RecentRequest) -> None:
-        fields: dict[Any, Any] = entry.fields()  # redis-py's mapping: invariant key type
-        per_key = self._config.recent_per_key  # exact caps: trimming one entry per add is cheap
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(key_stream(entry.key_id), fields, maxlen=per_key, approximate=False)
-                pipe.xadd(ALL_KEYS, fields, maxlen=self._config.recent_total, approximate=False)
-                await pipe.execute()
-        except REDIS_ERRORS as e:
-            logger.warning("recent request not recorded: Redis failed (%s)", type(e).__name__)
+    async def _write_waiting(self) -> None:
+        per_key, total = self._config.recent_per_key, self._config.recent_total
+        while self._waiting:
+            batch = list(self._waiting)
+            self._waiting.clear()
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for entry in batch:
+                        # exact caps: trimming one entry per add is cheap
+                        fields: dict[Any, Any] = entry.fields()  # redis-py: invariant key type
+                        pipe.xadd(
+                            key_stream(entry.key_id), fields, maxlen=per_key, approximate=False
+                        )
+                        pipe.xadd(ALL_KEYS, fields, maxlen=total, approximate=False)
+                    await pipe.execute()
+            except REDIS_ERRORS as e:
+                logger.warning(
+                    "%d recent requests not recorded: Redis failed (%s)",
+                    len(batch),
+                    type(e).__name__,
+                )
 
     async def read(self, kid: str | None, count: int) -> list[RecentRequest]:
         """The last ``count`` requests of the key ``kid``, or of every key (None)."""
@@ -111,7 +129,9 @@ class RecentRequests:
         return [RecentRequest.parse(fields) for _, fields in rows or [] if fields]
 
     async def drain(self) -> None:
-        await asyncio.gather(*self._pending)
+        """Waits for the entries recorded so far to be written (or to fail)."""
+        if self._writer is not None:
+            await self._writer
 
 
 RECENT = web.AppKey("recent", RecentRequests)
