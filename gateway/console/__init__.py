@@ -48,12 +48,13 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         if request.path != SIGN_IN:
             found = await session.find(request.config_dict[REDIS], request)
+            reading = request.method in ("GET", "HEAD")
             if found is None:
-                if request.method == "GET":
+                if reading:
                     return redirect(SIGN_IN)
                 return _refused(request, "You are not signed in (or your session expired).")
             request[SESSION] = found
-            if request.method == "POST":
+            if not reading:  # a change
                 presented = (await request.post()).get("csrf", "")
                 if not isinstance(presented, str) or not session.csrf_matches(found, presented):
                     return _refused(request, "The form's CSRF token is missing or wrong.")
