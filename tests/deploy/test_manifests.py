@@ -123,10 +123,10 @@ def test_compose_services_read_the_environment_they_are_given(credentials):
     configs = {name: _check_env(_module(s["command"]), envs[name]) for name, s in services.items()}
     ports = {name: config.server.port for name, config in configs.items()}
     # its metrics side port too, where it has one (the admin gateway's console reads the router's)
-    served = {
-        name: {ports[name], getattr(getattr(config, "metrics", None), "port", ports[name])}
-        for name, config in configs.items()
-    }
+    served = {name: [config.server.port] for name, config in configs.items()}
+    for name, config in configs.items():
+        if hasattr(config, "metrics"):
+            served[name].append(config.metrics.port)
     for name, service in services.items():
         assert str(ports[name]) in " ".join(service["healthcheck"]["test"]), name
         for mapping in service.get("ports", []):

@@ -105,14 +105,16 @@ async def test_an_operator_manages_a_key_from_the_console(
                 prompt_tokens=1200, cached_prompt_tokens=800, completion_tokens=90
             )
             await count_usage(redis, identity_owner(role_uri("client", "billing")), usage)
-        client = sdk(public, key)
         model = worker.servicer.info.models[0]
         prompt = [{"role": "user", "content": "Name three colours of the sea at dawn. " * 4}]
         prompt_tokens = 0
-        for _ in range(2):  # the second one's prompt is cached on the worker
-            reply = await client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
-            assert reply.usage is not None
-            prompt_tokens += reply.usage.prompt_tokens
+        async with sdk(public, key) as client:
+            for _ in range(2):  # the second one's prompt is cached on the worker
+                reply = await client.chat.completions.create(
+                    model=model, messages=prompt, max_tokens=4
+                )
+                assert reply.usage is not None
+                prompt_tokens += reply.usage.prompt_tokens
         await _shot(page, screenshots, "keys")
 
         await page.get_by_role("link", name="Usage").click()
@@ -147,8 +149,9 @@ async def test_an_operator_manages_a_key_from_the_console(
         await page.get_by_role("link", name="team-a").first.click()
         await page.get_by_role("button", name="Revoke for good").click()
         await expect(page.get_by_role("heading", name="Key “team-a” revoked")).to_be_visible()
-        with pytest.raises(openai.AuthenticationError):
-            await client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
+        async with sdk(public, key) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
         await page.get_by_role("link", name="Its recent requests").click()
         await expect(page.get_by_role("row").filter(has_text="/v1/chat/completions")).to_have_count(
             2  # the refused one: not authenticated, not the key's
