@@ -12,8 +12,10 @@ MODEL_DIR := models/tiny-deepseek-v3
 V32_DIR := models/tiny-deepseek-v32
 MLA_DIR := models/tiny-deepseek-v3-mla
 VLLM_INSTALLED := $(VENV)/.vllm-installed
+BROWSER_INSTALLED := $(VENV)/.browser-installed
+CHROMIUM := /usr/bin/chromium
 
-.PHONY: all venv install vllm proto model model-v2 model-v32 model-mla run lint test bench clean
+.PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla run lint test bench clean
 
 all: proto model
 
@@ -38,6 +40,17 @@ $(VLLM_INSTALLED): requirements-vllm.txt $(INSTALLED)
 	touch $@
 
 vllm: $(VLLM_INSTALLED) model-mla
+
+# The console's browser test: Playwright for Python driving Debian's Chromium (no browser is
+# downloaded; apt-get needs root, as on the test machines).
+$(CHROMIUM):
+	apt-get update -qq && apt-get install -y -qq chromium
+
+$(BROWSER_INSTALLED): requirements-browser.txt $(INSTALLED)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-browser.txt
+	touch $@
+
+browser: $(BROWSER_INSTALLED) $(CHROMIUM)
 
 # Python, .pyi stubs and gRPC stubs from protos/; never edited by hand.
 $(GENERATED): $(PROTOS) $(INSTALLED)
@@ -80,18 +93,19 @@ run: install proto model
 	$(PY) -m infermesh run
 
 # ruff and mypy, configured in pyproject.toml; mypy reads the generated .pyi stubs.
-lint: install proto
+lint: install proto $(BROWSER_INSTALLED)
 	$(RUFF) check .
 	$(RUFF) format --check .
 	$(MYPY)
 
-# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped. The tests run on
+# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped; and the browser
+# the console's test drives (tests/gateway/test_console_browser.py). The tests run on
 # TEST_WORKERS pytest-xdist workers, a module's tests (and a shared mesh's) on one worker
 # (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
-test: lint install proto model vllm
+test: lint install proto model vllm browser
 	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a

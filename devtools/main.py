@@ -111,6 +111,8 @@ def run_mesh(args: argparse.Namespace, redis_url: str) -> int:
                 f"For `python -m infermesh keys ...`:\n"
                 f"INFERMESH_ADMIN_URL=http://127.0.0.1:{spec.gateway_port}\n"
                 f"INFERMESH_ADMIN_TOKEN={admin_token}\n"
+                f"The operator's console: http://127.0.0.1:{spec.gateway_port}/console "
+                f"(sign in with that token)\n"
                 f"gRPC (mutual TLS): router at {spec.router_address}, as an internal client with "
                 f"{_CERTS}/client.crt, {_CERTS}/client.key and {_CERTS}/ca.crt\n",
                 flush=True,

@@ -19,8 +19,8 @@ credentials, and the admin token is not an API key.
                                        an internal gRPC caller's usage, counted by the router
                                        under its certificate's identity
                                        (spiffe://infermesh/client/NAME)
-    GET    /admin/fleet                the router's workers: models, GPU kind and count,
-                                       precision, memory, max_parallel, load
+    GET    /admin/fleet                the router's workers: models, engine, GPU kind and count,
+                                       precision, memory, max_parallel, speeds, load, ejected
 """
 
 from __future__ import annotations
@@ -134,9 +134,7 @@ def _redis(request: web.Request) -> RedisClient:
 
 async def create(request: web.Request) -> web.Response:
     body = parse_body(KeyCreate, await read_json(request))
-    values = body.model_dump(exclude={"name"}, exclude_none=True)
-    plaintext = await keys.create_key(_redis(request), body.name, **values)
-    record = await _record(request, keys.key_id(plaintext))
+    plaintext, record = await create_key(_redis(request), body)
     return web.json_response({"key": plaintext, **record.to_json()}, status=201)
 
 
@@ -146,55 +144,80 @@ async def list_all(request: web.Request) -> web.Response:
 
 
 async def get(request: web.Request) -> web.Response:
-    return web.json_response((await _record(request, request.match_info["id"])).to_json())
+    return web.json_response((await find_key(_redis(request), request.match_info["id"])).to_json())
 
 
 async def update(request: web.Request) -> web.Response:
     body = parse_body(KeyUpdate, await read_json(request))
+    record = await update_key(_redis(request), request.match_info["id"], body)
+    return web.json_response(record.to_json())
+
+
+async def disable(request: web.Request) -> web.Response:
+    kid = request.match_info["id"]
+    return web.json_response((await stop_key(request, kid, keys.disable_key)).to_json())
+
+
+async def revoke(request: web.Request) -> web.Response:
+    kid = request.match_info["id"]
+    return web.json_response((await stop_key(request, kid, keys.revoke_key)).to_json())
+
+
+async def rotate(request: web.Request) -> web.Response:
+    plaintext, record = await rotate_key(request, request.match_info["id"])
+    return web.json_response({"key": plaintext, **record.to_json()}, status=201)
+
+
+# The key operations behind these routes, shared with the console (gateway.console): each
+# answers the key's record as it is afterwards, or raises the GatewayError its route answers.
+
+
+async def create_key(redis: RedisClient, body: KeyCreate) -> tuple[str, keys.KeyRecord]:
+    """A new key: its plaintext (shown once) and its record."""
+    values = body.model_dump(exclude={"name"}, exclude_none=True)
+    plaintext = await keys.create_key(redis, body.name, **values)
+    return plaintext, await find_key(redis, keys.key_id(plaintext))
+
+
+async def update_key(redis: RedisClient, kid: str, body: KeyUpdate) -> keys.KeyRecord:
+    """Sets the fields ``body`` holds; null clears a field (never the name or disabled)."""
     changes = {f: getattr(body, f) for f in body.model_fields_set}
     if changes.get("name", "") is None or changes.get("disabled", False) is None:
         raise InvalidRequestError("name and disabled cannot be cleared")
     if not changes:
         raise InvalidRequestError(f"Nothing to update; fields: {', '.join(keys.UPDATABLE_FIELDS)}")
     try:
-        record = await keys.update_key(_redis(request), request.match_info["id"], changes)
+        record = await keys.update_key(redis, kid, changes)
     except ValueError as e:
         raise InvalidRequestError(str(e), param="disabled") from None
-    return web.json_response(_found(record, request).to_json())
+    if record is None:
+        raise _not_found(kid)
+    return record
 
 
-async def disable(request: web.Request) -> web.Response:
-    return await _stop(request, keys.disable_key)
-
-
-async def revoke(request: web.Request) -> web.Response:
-    return await _stop(request, keys.revoke_key)
-
-
-async def _stop(
-    request: web.Request, stop: Callable[[RedisClient, str], Awaitable[bool]]
-) -> web.Response:
-    kid = request.match_info["id"]
+async def stop_key(
+    request: web.Request, kid: str, stop: Callable[[RedisClient, str], Awaitable[bool]]
+) -> keys.KeyRecord:
+    """Disables or revokes (``stop``) the key ``kid``."""
     if not await stop(_redis(request), kid):
         raise _not_found(kid)
     request.config_dict[KEY_STORE].forget(kid)  # this process at once; the others at admission
-    return web.json_response((await _record(request, kid)).to_json())
+    return await find_key(_redis(request), kid)
 
 
-async def rotate(request: web.Request) -> web.Response:
-    kid = request.match_info["id"]
+async def rotate_key(request: web.Request, kid: str) -> tuple[str, keys.KeyRecord]:
+    """The new key replacing ``kid`` (revoked): its plaintext (shown once) and its record."""
     plaintext = await keys.rotate_key(_redis(request), kid)
     if plaintext is None:
-        await _record(request, kid)  # 404 when it does not exist
+        await find_key(_redis(request), kid)  # 404 when it does not exist
         raise InvalidRequestError("Only an enabled, unexpired, unrevoked key can be rotated")
     request.config_dict[KEY_STORE].forget(kid)
-    record = await _record(request, keys.key_id(plaintext))
-    return web.json_response({"key": plaintext, **record.to_json()}, status=201)
+    return plaintext, await find_key(_redis(request), keys.key_id(plaintext))
 
 
 async def usage(request: web.Request) -> web.Response:
     kid = request.match_info["id"]
-    record = await _record(request, kid)
+    record = await find_key(_redis(request), kid)
     days = parse_body(UsageQuery, dict(request.query)).days
     counts: dict[str, Any] = await read_usage(_redis(request), kid, days)
     return web.json_response({"name": record.name, **counts})
@@ -214,20 +237,23 @@ async def fleet(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "object": "list",
-            "data": [_worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)],
+            "data": [worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)],
         }
     )
 
 
-def _worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
+def worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
     info, caps, load = status.worker, status.worker.capabilities, status.load
     return {
         "worker_id": info.worker_id,
         "models": list(info.models),
+        "engine": caps.engine,
         "gpu_kind": caps.gpu_kind,
         "gpu_count": caps.gpu_count,
         "device_name": caps.device_name,
         "precision": precision_name(caps.precision),
+        "prefill_tokens_per_second": round(caps.prefill_tokens_per_second),
+        "decode_tokens_per_second": round(caps.decode_tokens_per_second),
         "memory_total_bytes": caps.memory_total_bytes,
         "memory_used_bytes": load.memory_used_bytes,
         "weight_bytes": caps.weight_bytes,
@@ -236,18 +262,15 @@ def _worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
         "waiting": load.waiting,
         "kv_cache_usage": load.kv_cache_usage,
         "last_heartbeat_age_s": round(status.last_heartbeat_age_s, 3),
+        "ejected": status.ejected,
     }
 
 
-async def _record(request: web.Request, kid: str) -> keys.KeyRecord:
-    return _found(await keys.get_key(_redis(request), kid), request, kid)
-
-
-def _found(
-    record: keys.KeyRecord | None, request: web.Request, kid: str | None = None
-) -> keys.KeyRecord:
+async def find_key(redis: RedisClient, kid: str) -> keys.KeyRecord:
+    """The key's record; a 404 when there is none."""
+    record = await keys.get_key(redis, kid)
     if record is None:
-        raise _not_found(kid or request.match_info["id"])
+        raise _not_found(kid)
     return record
 
 

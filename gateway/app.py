@@ -12,6 +12,7 @@ from gateway.admin import create_admin_app
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
+from gateway.console import create_console_app
 from gateway.generation import LIMITS_CONFIG, MODELS_CONFIG
 from gateway.keys import REDIS, KeyStore
 from gateway.limits import LIMITER, Limiter
@@ -30,6 +31,7 @@ from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
 from gateway.ops import health, metrics, metrics_port
 from gateway.prompt_tokens import PROMPT_TOKENS, PromptTokens
+from gateway.recent import CONSOLE_CONFIG, recent_ctx, record_recent
 from gateway.responses import (
     create_response,
     delete_response,
@@ -51,6 +53,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         middlewares=[
             redact_query_keys,
             *telemetry.aiohttp_middlewares(),
+            record_recent,
             error_middleware,
             auth_middleware,
         ],
@@ -61,9 +64,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[LIMITS_CONFIG] = config.limits
     app[MODELS_CONFIG] = config.models
     app[RESPONSES_CONFIG] = config.responses
+    app[CONSOLE_CONFIG] = config.console
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
+    app.cleanup_ctx.append(recent_ctx)
     app.cleanup_ctx.append(_mesh_ctx)
     app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
@@ -85,7 +90,10 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_document)
-    app.add_subapp("/admin", create_admin_app(config.admin.digest()))
+    admin_sha256 = config.admin.digest()
+    app.add_subapp("/admin", create_admin_app(admin_sha256))
+    if admin_sha256:  # the operator's console: on the admin gateway only
+        app.add_subapp("/console", create_console_app(admin_sha256))
     return app
 
 

@@ -1,5 +1,5 @@
 """The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``,
-``[admin]``, ``[models]`` and ``[responses]``.
+``[admin]``, ``[console]``, ``[models]`` and ``[responses]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -59,10 +59,10 @@ class ServerSection:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.alias_base and (
             not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", self.alias_base)
-            or self.alias_base in ("/v1", "/admin")
+            or self.alias_base in ("/v1", "/admin", "/console")
         ):
             raise ValueError(
-                f"alias_base must be a path such as /api (not /v1 or /admin), "
+                f"alias_base must be a path such as /api (not /v1, /admin or /console), "
                 f"got {self.alias_base!r}"
             )
 
@@ -193,6 +193,39 @@ class AdminSection:
 
 
 @section
+class ConsoleSection:
+    """The operator's console (``/console``, gateway.console), served by a gateway with the admin
+    credential only, and the recent requests every gateway records for it."""
+
+    # A sign-in lasts this long (the session cookie's and the Redis session's lifetime).
+    session_ttl_s: int = 8 * 3600
+    # Wrong admin tokens at sign-in from one address past this many (within the window) make each
+    # further sign-in from it wait, doubling per failure up to max_delay_s.
+    sign_in_failures_free: int = 3
+    sign_in_failure_window_s: int = 900
+    sign_in_max_delay_s: float = 30.0
+    # Trace ids link to this Jaeger UI ("http://jaeger:16686"); empty: shown without a link.
+    jaeger_url: str = ""
+    # The router's /metrics ("http://router:9101/metrics"): the Fleet page shows its cache hits
+    # and fair queue from it; empty: not shown.
+    router_metrics_url: str = ""
+    # The recent requests kept: per API key, and of all keys together (capped Redis streams).
+    recent_per_key: int = 100
+    recent_total: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("session_ttl_s", "sign_in_failure_window_s", "recent_per_key", "recent_total"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sign_in_failures_free < 0 or self.sign_in_max_delay_s < 0:
+            raise ValueError("sign_in_failures_free and sign_in_max_delay_s must be >= 0")
+        for name in ("jaeger_url", "router_metrics_url"):
+            url = getattr(self, name)
+            if url and not re.fullmatch(r"https?://[^\s]+", url):
+                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
+
+
+@section
 class ModelsSection:
     """Other names clients may ask for, each standing for a served model: exact names or glob
     patterns (``"claude-*"``), tried exact names first, then patterns in order. An agent's
@@ -231,6 +264,7 @@ class GatewayConfig:
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     admin: AdminSection = dataclasses.field(default_factory=AdminSection)
+    console: ConsoleSection = dataclasses.field(default_factory=ConsoleSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)
     # the side port of every metric, the per-key series too (the API's /metrics has them not)

@@ -26,6 +26,7 @@ from gateway.mesh_client import MESH, MeshClient
 from gateway.middleware import API_KEY, MODEL, REQUEST_ID
 from gateway.openai_protocol import GPU_HEADER, PRECISION_HEADER
 from gateway.prompt_tokens import PROMPT_TOKENS
+from gateway.recent import FIRST_TOKEN_S, USAGE
 from gateway.usage import TokenUsage
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from infermesh.pb import common_pb2
@@ -256,9 +257,11 @@ async def admitted_generation(
                 served = not mesh_failed(e)
                 raise
             first_token_s = time.monotonic() - started
+            request[FIRST_TOKEN_S] = first_token_s
             yield generation, {**admission.headers, **generation.route_headers()}
         finally:
             usage = generation.usage()
+            request[USAGE] = usage
             request.app[LIMITER].settle_soon(admission, usage, served=served)
             with contextlib.suppress(GatewayError):
                 await generation.aclose()

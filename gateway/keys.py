@@ -34,7 +34,7 @@ from typing import Any
 import redis.asyncio as redis
 from aiohttp import web
 
-from infermesh.redis_client import RedisClient
+from infermesh.redis_client import RedisClient, decoded
 
 REDIS = web.AppKey[RedisClient]("redis")
 
@@ -157,7 +157,7 @@ async def get_key(client: RedisClient, kid: str) -> KeyRecord | None:
 
 async def list_keys(client: RedisClient) -> list[KeyRecord]:
     """Every key, oldest first."""
-    ids = sorted(_text(k) for k in await client.smembers(INDEX))
+    ids = sorted(decoded(k) for k in await client.smembers(INDEX))
     async with client.pipeline(transaction=False) as pipe:
         for kid in ids:
             pipe.hgetall(redis_key(kid))
@@ -253,7 +253,7 @@ return 1
 
 def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | None:
     # Decoded either way: the client may or may not use decode_responses.
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {decoded(k): decoded(v) for k, v in raw.items()}
     if not fields:
         return None
     return KeyRecord(
@@ -270,10 +270,6 @@ def _record(kid: str, raw: Mapping[bytes | str, bytes | str]) -> KeyRecord | Non
         weight=int(fields["weight"]) if "weight" in fields else None,
         tier=fields.get("tier"),
     )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclasses.dataclass(frozen=True)

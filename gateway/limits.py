@@ -73,7 +73,7 @@ from aiohttp import web
 from gateway.errors import AuthenticationError, RateLimitError
 from gateway.keys import key_tag, redis_key
 from gateway.usage import TokenUsage
-from infermesh.redis_client import REDIS_ERRORS, RedisClient
+from infermesh.redis_client import REDIS_ERRORS, RedisClient, decoded
 from infermesh.script_batcher import ScriptBatcher, ScriptCall
 from infermesh.usage import USAGE_DAY_TTL_S, USAGE_FIELDS, usage_day, usage_key
 from telemetry.metrics import (
@@ -217,8 +217,8 @@ class Limiter:
             )
         headers = _rate_headers(out)
         if out[0] != _ADMITTED:
-            RATE_LIMITED.labels(limit=_text(out[1])).inc()
-            raise _limit_error(_text(out[1]), int(out[2]), reserve_tokens, headers)
+            RATE_LIMITED.labels(limit=decoded(out[1])).inc()
+            raise _limit_error(decoded(out[1]), int(out[2]), reserve_tokens, headers)
         held = bool(out[12])
         if held:
             self._leases[lease] = keys["inflight"]
@@ -227,7 +227,7 @@ class Limiter:
             second=int(out[9]),
             reserve=reserve_tokens,
             tokens_windowed=bool(out[10]),
-            quota_field=_text(out[11]),
+            quota_field=decoded(out[11]),
             lease=lease if held else "",
             headers=headers,
             id=lease,
@@ -370,7 +370,7 @@ async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]
         pipe.hgetall(keys["quota"])
         pipe.zcard(keys["inflight"])
         rows = await pipe.execute()
-    quota = {_text(k): int(v) for k, v in rows[-2].items()}
+    quota = {decoded(k): int(v) for k, v in rows[-2].items()}
     period = {k: v for k, v in quota.items() if k.startswith("p:")}
     return {
         "id": kid,
@@ -383,14 +383,10 @@ async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]
 
 
 def _counts(raw: dict[bytes, bytes]) -> dict[str, int]:
-    values = {_text(k): int(v) for k, v in raw.items()}
+    values = {decoded(k): int(v) for k, v in raw.items()}
     counts = {f: values.get(f, 0) for f in USAGE_FIELDS}
     counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
     return counts
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _rate_headers(out: list[Any]) -> dict[str, str]:

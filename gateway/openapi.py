@@ -188,12 +188,17 @@ def _operations() -> dict[Handler, Operation]:
     }
 
 
+# Set on a sub-application of pages for people (the console): no part of the API.
+PAGES = web.AppKey("pages", bool)
+
+
 def served_routes(app: web.Application) -> Iterator[tuple[str, str, Handler]]:
-    """(method, path template, handler) of every route, sub-applications included; HEAD,
-    which aiohttp adds to every GET, is left out."""
+    """(method, path template, handler) of every route, sub-applications included but for
+    pages (``PAGES``); HEAD, which aiohttp adds to every GET, is left out."""
     for resource in app.router.resources():
         if isinstance(resource, web.PrefixedSubAppResource):
-            yield from served_routes(resource.get_info()["app"])
+            if not resource.get_info()["app"].get(PAGES, False):
+                yield from served_routes(resource.get_info()["app"])
             continue
         for route in resource:
             if route.method != "HEAD":

@@ -48,6 +48,11 @@ _DEFAULT_PORT = 6379
 _DEFAULT_SENTINEL_PORT = 26379
 
 
+def decoded(value: bytes | str) -> str:
+    """A reply's string, whether or not the client decodes replies (decode_responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class RedisUrlError(ValueError):
     """A Redis URL infermesh cannot use; the message never holds its password."""
 

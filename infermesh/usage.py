@@ -16,6 +16,8 @@ from infermesh.redis_client import RedisClient
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 USAGE_DAY_TTL_S = 400 * 86400
+# The owners count_usage counted (a set), so the console can list the internal callers.
+CALLERS = "infermesh:callers"
 _IDENTITY_PREFIX = "spiffe://infermesh/"
 
 
@@ -37,7 +39,8 @@ def identity_owner(uri: str) -> str:
 
 
 async def count_usage(client: RedisClient, owner: str, usage: common_pb2.Usage) -> None:
-    """Adds one request and its tokens to ``owner``'s lifetime and today's counts, at once."""
+    """Adds one request and its tokens to ``owner``'s lifetime and today's counts, at once, and
+    ``owner`` to the set of ``CALLERS``."""
     lifetime = usage_key(owner)
     day = f"{lifetime}:d:{usage_day()}"
     counts = {
@@ -52,3 +55,4 @@ async def count_usage(client: RedisClient, owner: str, usage: common_pb2.Usage) 
                 pipe.hincrby(key, field, amount)
         pipe.expire(day, USAGE_DAY_TTL_S)
         await pipe.execute()
+    await client.sadd(CALLERS, owner)  # another slot than the counts': not in their transaction

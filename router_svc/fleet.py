@@ -270,6 +270,10 @@ class Fleet:
         if self._by_slot[entry.slot] is entry:
             self.failures[entry.slot] = 0
 
+    def ejected(self, entry: WorkerEntry) -> bool:
+        """Whether the worker gets no traffic now, after failed calls in a row."""
+        return bool(self.ejected_until[entry.slot] > self.clock())
+
     def failed(self, entry: WorkerEntry, failures_to_eject: int, cooldown_s: float) -> bool:
         """Counts a failed call; True when it ejects the worker for ``cooldown_s``."""
         if self._by_slot[entry.slot] is not entry:

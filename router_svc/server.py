@@ -137,7 +137,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListWorkersResponse(
             workers=[
                 router_pb2.WorkerStatus(
-                    worker=e.info, load=e.load, last_heartbeat_age_s=self._fleet.age_s(e)
+                    worker=e.info,
+                    load=e.load,
+                    last_heartbeat_age_s=self._fleet.age_s(e),
+                    ejected=self._fleet.ejected(e),
                 )
                 for e in self._fleet.entries()
             ]

@@ -365,6 +365,7 @@ def worker_info(
             gpu_kind=gpu_kind(caps.device, caps.device_name),
             gpu_count=caps.gpu_count,
             tokenizer=engine.text_files.digest,
+            engine=config.engine.kind,
         ),
     )
 

@@ -130,18 +130,21 @@ def _compose_env(service: dict[str, Any], credentials: Path) -> dict[str, str]:
 def test_compose_services_read_the_environment_they_are_given(credentials):
     services = _compose_services(_compose())
     envs = {name: _compose_env(s, credentials) for name, s in services.items()}
-    ports = {
-        name: _check_env(_module(s["command"]), envs[name]).server.port
-        for name, s in services.items()
-    }
+    configs = {name: _check_env(_module(s["command"]), envs[name]) for name, s in services.items()}
+    ports = {name: config.server.port for name, config in configs.items()}
+    # its metrics side port too, where it has one (the admin gateway's console reads the router's)
+    served = {name: [config.server.port] for name, config in configs.items()}
+    for name, config in configs.items():
+        if hasattr(config, "metrics"):
+            served[name].append(config.metrics.port)
     for name, service in services.items():
         assert str(ports[name]) in " ".join(service["healthcheck"]["test"]), name
         for mapping in service.get("ports", []):
             assert mapping.split(":")[-1] == str(ports[name]), f"{name} publishes {mapping}"
-        # every host:port naming another service dials the port that service serves
+        # every host:port naming another service dials a port that service serves
         for target, port in re.findall(r"\b([a-z-]+):(\d+)\b", " ".join(envs[name].values())):
             if target in ports:
-                assert int(port) == ports[target], f"{name} dials {target}:{port}"
+                assert int(port) in served[target], f"{name} dials {target}:{port}"
 
 
 def test_compose_gpu_worker_reserves_gpus():

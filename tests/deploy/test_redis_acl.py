@@ -10,11 +10,17 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as redis
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from redis.exceptions import NoPermissionError
 
 from devtools.redis_server import RedisServer
 from gateway import keys
+from gateway.config import ConsoleSection
+from gateway.console import session
+from gateway.console.usage_pages import read_all
 from gateway.limits import Limiter, read_usage
+from gateway.recent import RecentRequest, RecentRequests
 from gateway.responses_store import ResponseStore, StoredResponse
 from gateway.usage import TokenUsage
 from infermesh.authz import role_uri
@@ -111,6 +117,37 @@ async def test_the_gateway_serves_keys_limits_usage_and_responses(gateway_redis)
     await responses.save(kid, stored)
     assert await responses.load(kid, "resp_1") == stored
     assert await responses.delete(kid, "resp_1")
+
+
+async def test_the_gateway_serves_the_console_and_records_recent_requests(
+    gateway_redis, router_redis
+):
+    config = ConsoleSection(sign_in_failures_free=5)
+    await session.count_failure(gateway_redis, config, "10.0.0.1")
+    await session.wait_out_failures(gateway_redis, config, "10.0.0.1")
+    await session.forget_failures(gateway_redis, "10.0.0.1")
+    response = web.Response()
+    await session.start(gateway_redis, config, make_mocked_request("POST", "/"), response)
+    signed_in = make_mocked_request(
+        "GET", "/", headers={"Cookie": f"{session.COOKIE}={response.cookies[session.COOKIE].value}"}
+    )
+    found = await session.find(gateway_redis, signed_in)
+    assert found is not None
+    await session.end(gateway_redis, found, response)
+
+    kid = keys.key_id(await keys.create_key(gateway_redis, "acl"))
+    recent = RecentRequests(gateway_redis, config)
+    entry = RecentRequest(
+        1.0, kid, "acl", "/v1/chat/completions", "m", 200, 3, 0, 4, 12, 20, "", "r"
+    )
+    recent.record(entry)
+    await recent.drain()
+    assert await recent.read(kid, 10) == [entry] == await recent.read(None, 10)
+
+    owner = identity_owner(role_uri("client", "billing"))
+    await count_usage(router_redis, owner, common_pb2.Usage(prompt_tokens=3))
+    key_usage, caller_usage = await read_all(gateway_redis, 1)
+    assert [u.id for u in key_usage] == [kid] and [u.id for u in caller_usage] == [owner]
 
 
 async def test_the_router_keeps_its_registry(acl_redis):

@@ -1,0 +1,69 @@
+"""The Fleet page (the router's workers, as ``GET /admin/fleet`` lists them) and the Recent
+requests page (gateway.recent), their trace ids linked to Jaeger when ``[console] jaeger_url``
+is set."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.admin import worker_json
+from gateway.console.render import render
+from gateway.console.router_metrics import RouterFigures, read_router_figures
+from gateway.mesh_client import MESH
+from gateway.recent import CONSOLE_CONFIG, RECENT
+from gateway.validation import parse_body
+
+logger = logging.getLogger(__name__)
+
+
+class RecentQuery(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    # not "key": key-like query parameters are refused (gateway.middleware)
+    key_id: Annotated[str, Field(pattern="^([0-9a-f]{64})?$")] = ""
+    count: Annotated[int, Field(ge=1, le=1000)] = 50
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/fleet", fleet_page)
+    router.add_get("/requests", recent_page)
+
+
+async def fleet_page(request: web.Request) -> web.Response:
+    workers = await request.config_dict[MESH].list_workers()
+    rows = [worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)]
+    url = request.config_dict[CONSOLE_CONFIG].router_metrics_url
+    figures: RouterFigures | None = None
+    figures_error = ""
+    if url:
+        try:
+            figures = await read_router_figures(url)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            logger.warning("console: the router's metrics at %s: %s", url, e)
+            figures_error = f"The router's metrics at {url} could not be read ({e!r})."
+    return render(
+        request,
+        "fleet.html",
+        title="Fleet",
+        workers=rows,
+        figures=figures,
+        figures_error=figures_error,
+    )
+
+
+async def recent_page(request: web.Request) -> web.Response:
+    query = parse_body(RecentQuery, dict(request.query))
+    entries = await request.config_dict[RECENT].read(query.key_id or None, query.count)
+    return render(
+        request,
+        "recent.html",
+        title="Recent requests",
+        entries=entries,
+        key_id=query.key_id,
+        count=query.count,
+        jaeger_url=request.config_dict[CONSOLE_CONFIG].jaeger_url.rstrip("/"),
+    )

@@ -1,0 +1,115 @@
+"""Sign-in to the console: the admin token, exchanged for a session in Redis.
+
+The browser holds only a random session id, in a cookie that is HttpOnly, SameSite=Strict,
+Secure over TLS, and expires with the session (``[console] session_ttl_s``); the admin token
+never leaves the sign-in request. Redis keeps the session's CSRF token under the id's
+SHA-256 (``infermesh:console:session:<digest>``), so a copy of Redis holds no usable
+session. Every change is a POST carrying that CSRF token in a form field.
+
+Wrong tokens are counted (``infermesh_console_sign_in_failures_total``) and, per client
+address, in Redis (``infermesh:console:failures:<address>``, for the failure window):
+past ``sign_in_failures_free`` each sign-in from that address waits first, doubling per
+failure up to ``sign_in_max_delay_s``, right tokens included, so that guessing is slow
+whatever an answer's timing would tell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import secrets
+
+import prometheus_client
+from aiohttp import web
+
+from gateway.config import ConsoleSection
+from infermesh.redis_client import RedisClient
+
+COOKIE = "infermesh_console"
+COOKIE_PATH = "/console"
+_SESSION_PREFIX = "infermesh:console:session:"
+_FAILURES_PREFIX = "infermesh:console:failures:"
+
+SIGN_IN_FAILURES = prometheus_client.Counter(
+    "infermesh_console_sign_in_failures",
+    "Console sign-ins refused for a wrong admin token",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """A signed-in operator's session: what the pages need of it."""
+
+    digest: str  # SHA-256 of the session id: its Redis key
+    csrf: str  # the token every change must carry
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def token_matches(presented: str, admin_sha256: str) -> bool:
+    return hmac.compare_digest(_digest(presented), admin_sha256)
+
+
+async def start(
+    redis: RedisClient, config: ConsoleSection, request: web.Request, response: web.Response
+) -> None:
+    """A new session, its cookie set on ``response``."""
+    session_id = secrets.token_urlsafe(32)
+    await redis.set(
+        _SESSION_PREFIX + _digest(session_id), secrets.token_urlsafe(32), ex=config.session_ttl_s
+    )
+    response.set_cookie(
+        COOKIE,
+        session_id,
+        max_age=config.session_ttl_s,
+        path=COOKIE_PATH,
+        httponly=True,
+        secure=request.secure,
+        samesite="Strict",
+    )
+
+
+async def find(redis: RedisClient, request: web.Request) -> Session | None:
+    """The request's session, None when it has none or it expired."""
+    session_id = request.cookies.get(COOKIE)
+    if not session_id:
+        return None
+    digest = _digest(session_id)
+    csrf = await redis.get(_SESSION_PREFIX + digest)
+    if csrf is None:
+        return None
+    return Session(digest, csrf.decode() if isinstance(csrf, bytes) else csrf)
+
+
+async def end(redis: RedisClient, session: Session, response: web.StreamResponse) -> None:
+    await redis.delete(_SESSION_PREFIX + session.digest)
+    response.del_cookie(COOKIE, path=COOKIE_PATH)
+
+
+def csrf_matches(session: Session, presented: str) -> bool:
+    return hmac.compare_digest(session.csrf.encode(), presented.encode("utf-8", "surrogateescape"))
+
+
+async def wait_out_failures(redis: RedisClient, config: ConsoleSection, address: str) -> None:
+    """Waits before a sign-in from ``address`` once it failed past the free attempts."""
+    failures = int(await redis.get(_FAILURES_PREFIX + address) or 0)
+    past = failures - config.sign_in_failures_free
+    if past >= 0:
+        await asyncio.sleep(min(2.0**past, config.sign_in_max_delay_s))
+
+
+async def count_failure(redis: RedisClient, config: ConsoleSection, address: str) -> None:
+    SIGN_IN_FAILURES.inc()
+    key = _FAILURES_PREFIX + address
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.incr(key)
+        pipe.expire(key, config.sign_in_failure_window_s)
+        await pipe.execute()
+
+
+async def forget_failures(redis: RedisClient, address: str) -> None:
+    await redis.delete(_FAILURES_PREFIX + address)
