@@ -88,12 +88,17 @@ class RouteStream:
         """Sends the ask with the stream's next message; the future holds the router's
         decision (``workers`` reads it as Route's answer), or fails: the stream's status when
         it breaks, DEADLINE_EXCEEDED after ``timeout_s`` more than the ``wait_s`` it may wait
-        in the router's fair queue. Cancelling the future cancels the ask on the router."""
-        check_size(request)
-        call = self._current()
-        ask_id = next(self._ids)
+        in the router's fair queue, RESOURCE_EXHAUSTED for a request too large for a message.
+        Cancelling the future cancels the ask on the router."""
         loop = asyncio.get_running_loop()
         decided = loop.create_future()
+        try:
+            check_size(request)
+        except grpc.aio.AioRpcError as e:
+            decided.set_exception(e)
+            return decided
+        call = self._current()
+        ask_id = next(self._ids)
         call.waiting[ask_id] = decided
         ask = call.outgoing.message.asks.add(
             id=ask_id, request=request, timeout_ms=round(wait_s * 1000)
