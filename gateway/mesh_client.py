@@ -217,7 +217,8 @@ class MeshClient:
     def _report_failure(
         self, route: common_pb2.Route, code: grpc.StatusCode, details: str, started: bool
     ) -> None:
-        """Tells the router, in the background, so it ejects a worker that keeps failing."""
+        """Tells the router (with the route stream's next message), so that it ejects a worker
+        that keeps failing."""
         logger.warning(
             "worker %s failed %s the first token (%s: %s)",
             route.worker_id,

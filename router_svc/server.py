@@ -49,6 +49,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         config: RouterConfig,
         registry: Registry,
         channels: WorkerChannels,
+        serve_client: ServeClient,
         usage: CallerUsage,
         index: PrefixIndex | None = None,
     ) -> None:
@@ -57,7 +58,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._usage = usage
         self._fleet = registry.fleet
         self._channels = channels
-        self.serve_client = ServeClient(channels)
+        self._serve_client = serve_client
         self._chooser = Chooser(config.routing, index)
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
@@ -370,7 +371,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         span.set_attribute("infermesh.route.worker_id", worker.worker_id)
         span.set_attribute("infermesh.route.precision", common_pb2.Precision.Name(caps.precision))
         span.set_attribute("infermesh.route.device_name", caps.device_name)
-        chunks = self.serve_client.chunks(
+        chunks = self._serve_client.chunks(
             worker.info.address,
             request,
             whole=not stream,
@@ -492,7 +493,8 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     subscriptions = CacheEventSubscriptions(index, channels)
     if config.routing.cache_events:
         registry.fleet.watchers.append(subscriptions)
-    servicer = RouterServicer(config, registry, channels, usage, index)
+    serve_client = ServeClient(channels)
+    servicer = RouterServicer(config, registry, channels, serve_client, usage, index)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
@@ -506,9 +508,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     return (
         server,
         port,
-        RunningRouter(
-            registry, channels, usage, refresher, subscriptions, index, servicer.serve_client
-        ),
+        RunningRouter(registry, channels, usage, refresher, subscriptions, index, serve_client),
     )
 
 

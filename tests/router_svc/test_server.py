@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncGenerator
+
 import grpc
 import pytest
 
@@ -15,6 +18,8 @@ from tests.helpers.inprocess import (
     sim_engine,
     wait_for_workers,
 )
+from worker_svc.engine_api import GenerationChunk, GenerationRequest
+from worker_svc.sim_engine.engine import SimEngine
 
 
 def request() -> common_pb2.GenerateRequest:
@@ -109,10 +114,26 @@ async def test_complete_relays_the_whole_answer_with_its_route_and_fails_over(ti
         assert reply.usage == chunks[-1].usage and reply.finish_reason == chunks[-1].finish_reason
 
 
-async def test_a_worker_failing_mid_stream_ends_the_relay_with_its_own_status():
+class _BuggyEngine(SimEngine):
+    """A simulated engine with a bug: a generation raises after its first chunk."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        async with contextlib.aclosing(super().generate(request)) as chunks:
+            yield await anext(chunks)
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize(
+    "fault, code, details",
+    [
+        ("closed", grpc.StatusCode.UNAVAILABLE, "the engine was closed"),
+        ("bug", grpc.StatusCode.INTERNAL, "the worker failed: RuntimeError('a bug')"),
+    ],
+)
+async def test_a_worker_failing_mid_stream_ends_the_relay_with_its_own_status(fault, code, details):
     """Past its first chunk a worker's failure is the caller's answer, with the worker's own
-    status and message (here its engine closed under the running request)."""
-    engine = sim_engine("V100", max_parallel=2)
+    status and message: its engine closed under the running request, or failed by a bug."""
+    engine = sim_engine("V100", max_parallel=2, kind=_BuggyEngine if fault == "bug" else SimEngine)
     async with (
         running_router() as router,
         running_worker(engine, router, "w", max_parallel=2),
@@ -123,11 +144,13 @@ async def test_a_worker_failing_mid_stream_ends_the_relay_with_its_own_status():
             )
         )
         assert (await call.read()).route.worker_id == "w"
-        await engine.close()
+        if fault == "closed":
+            await engine.close()
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in call:
                 pass
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert e.value.details() == "worker w failed mid-stream: the engine was closed"
+        assert e.value.code() == code
+        assert e.value.details() == f"worker w failed mid-stream: {details}"
         fleet = router.resources.registry.fleet
         assert fleet.in_flight[fleet.get("w").slot] == 0  # its slot is free again
+    await engine.close()
