@@ -16,7 +16,7 @@ Per policy, fresh processes on an emptied Redis: a real router and
   learnt from it, a worker's prefill and decode speeds are timed alone, and the fleet's capacity
   is a burst of shared-prefix-sized requests with unique prompts (no cache hits).
 
-Requests go to the router's Generate as the gateway relays them (``[router] relay = true``): the
+Requests go to the router's Generate, as an internal caller sends them (the router relays): the
 prompt rendered and tokenized as the gateway does it (gateway/prompt_tokens.py: the simulated
 tokens, or the tokenizer the torch workers serve, fetched from one of them), sent with its ids
 and the tokenizer's digest; `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every

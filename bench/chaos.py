@@ -14,8 +14,7 @@ with keys of their own, one of them with a requests-per-minute limit. Scenarios:
   succeed on another worker, streams that had must end with an error event and [DONE],
   the worker must leave routing within the heartbeat TTL.
 - ``worker-freeze``: one worker SIGSTOPped for ``--down-s``: no stream stays silent much
-  longer than the stall timeout; the same outcomes as a kill. ``worker-freeze-relay``: the
-  same through a gateway with ``[router] relay = true`` (the router's stall timeout).
+  longer than the stall timeout; the same outcomes as a kill.
 - ``redis-restart``: Redis stopped for ``--down-s`` then started: 503 auth_unavailable
   while down (never 401, never admitted unmetered); seconds from its return to service.
 - ``router-restart``: the router SIGKILLed for ``--down-s`` then started again: streams in
@@ -115,7 +114,6 @@ class ChaosMesh:
         )
         self.keys: list[str] = []
         self.limited_key = ""
-        self._relay_url = ""
 
     @property
     def base_url(self) -> str:
@@ -139,20 +137,6 @@ class ChaosMesh:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.mesh.stop)
         self.redis.stop()
-
-    async def relay_url(self) -> str:
-        """The base URL of a second gateway, started on first use, with ``[router] relay =
-        true``: the router relays the workers' streams (and applies its stall timeout)."""
-        if not self._relay_url:
-            port = free_port()
-            await asyncio.to_thread(
-                self.mesh.add_gateway,
-                "relay-gateway",
-                port,
-                {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"},
-            )
-            self._relay_url = f"http://127.0.0.1:{port}/v1"
-        return self._relay_url
 
     @property
     def all_keys(self) -> list[str]:
@@ -334,14 +318,11 @@ async def worker_fault(
     before_s: float,
     after_s: float,
     max_tokens: int,
-    relay: bool = False,
 ) -> dict[str, object]:
-    """Worker 0 SIGKILLed (``freeze_s`` None) or SIGSTOPped for ``freeze_s`` mid-run;
-    ``relay``: through a gateway whose router relays the streams."""
+    """Worker 0 SIGKILLed (``freeze_s`` None) or SIGSTOPped for ``freeze_s`` mid-run."""
     await _reset_usage(chaos)
     victim = chaos.worker_id(0)
-    base_url = await chaos.relay_url() if relay else chaos.base_url
-    async with load(base_url, chaos.all_keys, concurrency, max_tokens) as results:
+    async with load(chaos.base_url, chaos.all_keys, concurrency, max_tokens) as results:
         await asyncio.sleep(before_s)
         struck = time.monotonic()
         if freeze_s is None:
@@ -547,7 +528,6 @@ async def main() -> None:
             "all",
             "worker-kill",
             "worker-freeze",
-            "worker-freeze-relay",
             "redis-restart",
             "router-restart",
             "revocation",
@@ -590,11 +570,6 @@ async def _run(args: argparse.Namespace, workdir: Path) -> None:
             _print(
                 f"worker SIGSTOPped for {args.down_s:g} s",
                 await worker_fault(chaos, freeze_s=args.down_s, **common),
-            )
-        if wanted("worker-freeze-relay"):
-            _print(
-                f"worker SIGSTOPped for {args.down_s:g} s, streams relayed by the router",
-                await worker_fault(chaos, freeze_s=args.down_s, relay=True, **common),
             )
         if wanted("redis-restart"):
             _print(

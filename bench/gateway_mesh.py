@@ -15,12 +15,10 @@ scripts run as for any key, so Redis's CPU is the mesh's and is counted with it.
 
 For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by these
 paths (--paths): ``direct`` (gRPC to the worker over the transport the gateway uses, its
-long-lived ``Worker.Serve`` streams: ``gateway.worker_streams``, in this load process),
-``router`` (gRPC calls to the router, which relays), ``mesh`` (HTTP chat completions through the
-gateway, which asks the router to choose and calls the worker itself: the default), ``calls``
-(the same through a second gateway with ``[router] streams = false``: gRPC calls of each
-request's own instead of the long-lived streams), ``relay`` (through a gateway with ``[router]
-relay = true``), ``tls`` (as ``mesh``, through a second mesh whose gRPC hops are all mutual TLS,
+long-lived ``Worker.Serve`` streams: ``infermesh.serve_client``, in this load process),
+``router`` (gRPC calls to the router, which relays, as for internal callers), ``mesh`` (HTTP chat
+completions through the gateway, which asks the router to choose and streams from the worker
+itself), ``tls`` (as ``mesh``, through a second mesh whose gRPC hops are all mutual TLS,
 its processes pinned as the first's; its reference is ``mesh``, so its +p50 is what TLS adds),
 ``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
 OpenAI-compatible server with its own step loop on core 1) and ``litellm`` (LiteLLM's proxy, one
@@ -62,10 +60,10 @@ from bench.mesh_load import simulated_mesh
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.keys import create_key_at
-from gateway.worker_streams import WorkerStreams
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
+from infermesh.serve_client import ServeClient
 from infermesh.tls import TlsSection
 
 _MESH_CORE, _LOAD_CORE = 0, 1
@@ -73,14 +71,12 @@ _LOAD_SIDE = {"worker0", "tls-worker0", "upstream"}  # processes pinned with the
 _WARMUP_S = 1.0
 _START_TIMEOUT_S = 120.0
 _MESSAGES = [{"role": "user", "content": "Benchmark the mesh, please."}]
-_PATHS = ("direct", "router", "mesh", "calls", "relay", "tls", "upstream", "litellm")
+_PATHS = ("direct", "router", "mesh", "tls", "upstream", "litellm")
 _REFERENCE = {"litellm": "upstream", "tls": "mesh"}  # else direct
 _TLS = "tls-"  # the names of the TLS mesh's processes
 _SERVED_BY = {
     "mesh": "gateway",
     "tls": f"{_TLS}gateway",
-    "calls": "calls-gateway",
-    "relay": "relay-gateway",
     "litellm": "litellm",
 }
 _LITELLM_KEY = "sk-bench-litellm-0123456789abcdef"
@@ -167,7 +163,7 @@ def _request(model: str, max_tokens: int) -> common_pb2.GenerateRequest:
 
 
 def _stream_one(
-    streams: WorkerStreams, address: str, model: str, max_tokens: int, whole: bool
+    streams: ServeClient, address: str, model: str, max_tokens: int, whole: bool
 ) -> Callable[[], Awaitable[Answer]]:
     """A request on the worker's Serve stream, as the gateway sends it."""
     request = _request(model, max_tokens)
@@ -251,7 +247,7 @@ async def _bench(
         os.sched_setaffinity(0, {_LOAD_CORE})
     connector = aiohttp.TCPConnector(limit=0)
     channels = WorkerChannels(TlsSection(plaintext=True))
-    streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)  # the gateway's default
+    streams = ServeClient(channels)  # the gateway's defaults
     async with (
         aiohttp.ClientSession(connector=connector) as session,
         grpc.aio.insecure_channel(router_address) as router_channel,
@@ -271,7 +267,7 @@ async def _table(
     key: str,
     model: str,
     session: aiohttp.ClientSession,
-    streams: WorkerStreams,
+    streams: ServeClient,
     worker_address: str,
     router: router_pb2_grpc.RouterStub,
     pids: dict[str, int],
@@ -289,7 +285,7 @@ async def _table(
                 "direct": _stream_one(streams, worker_address, model, max_tokens, whole=not stream),
                 "router": _grpc_one(router, model, max_tokens, unary=not stream),
             }
-            for path in ("mesh", "calls", "relay", "tls"):
+            for path in ("mesh", "tls"):
                 paths[path] = _http_one(
                     session,
                     f"{urls.get(path)}/chat/completions",
@@ -473,15 +469,6 @@ def main() -> int:
                 pids.update(
                     {_TLS + name: tls_mesh.pid(name) for name in ("router", "worker0", "gateway")}
                 )
-            for path, env in (
-                ("calls", {"INFERMESH_GATEWAY_ROUTER_STREAMS": "false"}),
-                ("relay", {"INFERMESH_GATEWAY_ROUTER_RELAY": "true"}),
-            ):
-                if path in args.paths:
-                    port = free_port()
-                    mesh.add_gateway(_SERVED_BY[path], port, env)
-                    urls[path] = f"http://127.0.0.1:{port}/v1"
-                    pids[_SERVED_BY[path]] = mesh.pid(_SERVED_BY[path])
             pids.update(proxy.pids())
             key = asyncio.run(create_key_at(redis_server.url, "bench"))
             pinning = (

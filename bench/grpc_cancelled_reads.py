@@ -7,7 +7,9 @@ task cancelled after the first chunk, while its next read is in flight (what a c
 dropping a streamed response does to the gateway's handler). Modes, each in a fresh
 process: ``drained`` reads every chunk (the reference), ``abandoned`` iterates the call
 itself and cancels it in a ``finally`` (the gateway before the fix), ``call_chunks`` reads
-through ``infermesh.failover.call_chunks``. Prints RSS growth per call after a warm-up;
+through ``call_chunks`` below (the fix, which the gateway and the router used while they read
+calls of each request's own; since #34 every generation reads a shared ``Worker.Serve`` stream,
+whose one reader task reads each stream to its end). Prints RSS growth per call after a warm-up;
 then what ``call_chunks`` costs: time per chunk of 500 concurrent streams of 64 chunks read
 raw and through it, three rounds alternating, and their ratio.
 """
@@ -19,15 +21,48 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import grpc
 import psutil
 
-from infermesh.failover import call_chunks
-
 MODES = ("drained", "abandoned", "call_chunks")
 _WARMUP_CALLS = 2000
+
+Reply = TypeVar("Reply")
+T = TypeVar("T")
+
+
+async def call_chunks(
+    call: grpc.aio.UnaryStreamCall[Any, Reply] | grpc.aio.UnaryUnaryCall[Any, Reply], stream: bool
+) -> AsyncGenerator[Reply, None]:
+    """The chunks of a streaming call (``stream``) or the one reply of a unary call; closing
+    the iterator cancels the call if it still runs."""
+    try:
+        if not stream:
+            yield await _uncancelled(call, cast(grpc.aio.UnaryUnaryCall[Any, Reply], call))
+            return
+        reads = cast(grpc.aio.UnaryStreamCall[Any, Reply], call)
+        while (chunk := await _uncancelled(call, reads.read())) is not grpc.aio.EOF:
+            yield cast(Reply, chunk)  # read() is typed as a reply or EOF, which ended the loop
+    finally:
+        call.cancel()
+
+
+async def _uncancelled(call: grpc.aio.Call, read: Awaitable[T]) -> T:
+    """``read`` of ``call``, never abandoned while in flight: a caller cancelled meanwhile
+    cancels the call, waits for the read to end, then goes on cancelled. grpc.aio (1.85)
+    keeps a few hundred bytes of native memory for every read whose awaiting task was
+    cancelled before it completed (docs/RELIABILITY.md, "Soak"), as each client dropping a
+    stream did to the gateway while it read calls of each request's own."""
+    pending = asyncio.ensure_future(read)
+    try:
+        return await asyncio.shield(pending)
+    except asyncio.CancelledError:
+        call.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        raise
 
 
 async def _serve(

@@ -96,12 +96,20 @@ class RedisSection:
 
 @section
 class RouterSection:
+    """Every generation is routed on one long-lived Router.RouteStream per process and served
+    over long-lived Worker.Serve streams to the chosen worker (gateway.mesh_client)."""
+
+    REMOVED = {
+        "relay": "every request is routed on the route stream and served by the chosen worker",
+        "streams": "every request travels the long-lived route and Serve streams",
+    }
+
     address: str = "127.0.0.1:50051"
     # Deadline of a whole generation, first token to last.
     request_timeout_s: float = 600.0
     # How long a request waits for a connection to the router before a 503.
     connect_timeout_s: float = 2.0
-    # Deadline of the small calls (ListModels, Route).
+    # Deadline of the small calls (ListModels, Tokenize) and of a route decision.
     control_timeout_s: float = 5.0
     # The longest silence of a worker's stream after its first chunk: past it the worker
     # counts as failed (stuck) and the stream ends with an error event, the failure
@@ -109,15 +117,6 @@ class RouterSection:
     # frozen worker is noticed by the channel's keepalive pings, see infermesh.channels.)
     stall_timeout_s: float = 30.0
     retry_after_s: int = 1
-    # false: the router only chooses (Router.Route) and the gateway streams from the
-    # worker itself; true: the router relays every chunk (Router.Generate), for networks
-    # where gateways cannot reach the workers. Relaying costs the router two message
-    # hops per chunk (docs/BENCHMARKS.md).
-    relay: bool = False
-    # true: route decisions and requests to workers travel over long-lived streams that all
-    # requests share (Router.RouteStream; a few Worker.Serve streams per worker): messages,
-    # not calls (docs/BENCHMARKS.md); false: gRPC calls of each request's own.
-    streams: bool = True
     # Streams per worker; more than one where one stream's flow-control window limits.
     streams_per_worker: int = 1
     # A request's chunks its client has not read yet, at most; past them (a client reading

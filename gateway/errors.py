@@ -216,6 +216,12 @@ class NoCapacityError(ServiceUnavailableError):
     anthropic_status = 529
 
 
+class ClientTooSlowError(GatewayError):
+    """The client read its stream so slowly that its request's buffer overflowed."""
+
+    status, code = 500, "client_too_slow"
+
+
 class UpstreamTimeoutError(GatewayError):
     status, type, code = 504, "server_error", "timeout"
 

@@ -1,18 +1,15 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-By default the router only chooses and the gateway asks the chosen worker itself, both over
-long-lived streams shared by all requests (``Router.RouteStream``: ``gateway.route_stream``;
-``Worker.Serve``: ``gateway.worker_streams``); with ``[router] streams = false`` they are
-calls of each request's own (``Route``, then ``Generate`` for a streamed request, ``Complete``,
-a cheaper unary call, otherwise),
-trying the fallback worker when the first fails before its first chunk and reporting that
-failure to the router; with ``[router] relay = true`` the router relays the call
-(``Router.Generate`` / ``Router.Complete``). One channel to the router per process, one per worker,
-opened lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed in the app's
-cleanup context. Calls never wait for a peer that is not
-there: a request first waits at most ``connect_timeout_s`` for the router, and RPCs run
-with ``wait_for_ready=False`` and a deadline. Failures come out as ``GatewayError``.
+Every generation travels one way: the router chooses on the gateway's long-lived route stream
+(``Router.RouteStream``: ``gateway.route_stream``), then the gateway streams from the chosen
+worker over its long-lived ``Worker.Serve`` streams (``infermesh.serve_client``), trying the
+fallback worker when the first fails before its first chunk and reporting each failure to the
+router on the route stream. One channel to the router per process, one per worker, opened
+lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed in the app's
+cleanup context. Calls never wait for a peer that is not there: a request first waits at
+most ``connect_timeout_s`` for the router, and RPCs run with ``wait_for_ready=False`` and a
+deadline. Failures come out as ``GatewayError``.
 
 On the route stream an ask may wait in the router's fair queue (``[fair_queue]``) for as long
 as the request may take; a request that ends reports its worker ``finished``, so the router
@@ -33,14 +30,14 @@ import grpc
 from aiohttp import web
 
 from gateway.config import RouterSection
-from gateway.errors import GatewayError, ServiceUnavailableError, from_grpc
-from gateway.route_stream import RouteStream, without_ids
+from gateway.errors import ClientTooSlowError, GatewayError, ServiceUnavailableError, from_grpc
+from gateway.route_stream import RouteStream
 from gateway.route_stream import workers as route_workers
-from gateway.worker_streams import WorkerStreams
 from infermesh.bidi import retry_after_ms
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
-from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
+from infermesh.failover import StreamFailedError, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from infermesh.serve_client import ReaderTooSlowError, ServeClient
 from infermesh.text.text_files import assembled
 from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
@@ -70,29 +67,21 @@ class MeshClient:
         self._channel = open_channel(config.address, tls, CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels(tls)
-        self._streams = (
-            WorkerStreams(
-                self._workers,
-                per_worker=config.streams_per_worker,
-                buffered_chunks=config.stream_buffer_chunks,
-            )
-            if config.streams
-            else None
+        self._streams = ServeClient(
+            self._workers,
+            per_worker=config.streams_per_worker,
+            buffered_chunks=config.stream_buffer_chunks,
         )
-        self._route_stream = RouteStream(self._stub) if config.streams else None
-        self._reports: set[asyncio.Task[None]] = set()
+        self._route_stream = RouteStream(self._stub)
 
     @property
-    def worker_streams(self) -> WorkerStreams | None:
-        """The long-lived streams to workers; None with ``[router] streams = false``."""
+    def serve_client(self) -> ServeClient:
+        """The long-lived streams to workers."""
         return self._streams
 
     async def close(self) -> None:
-        await asyncio.gather(*self._reports, return_exceptions=True)
-        if self._streams is not None:
-            await self._streams.close()
-        if self._route_stream is not None:
-            await self._route_stream.close()
+        await self._streams.close()
+        await self._route_stream.close()
         await self._workers.close()
         await self._channel.close()
 
@@ -103,11 +92,7 @@ class MeshClient:
         it is connected), while the caller does other work (admission) before it reads the
         chunks; a call that never starts hands its decision back with ``unused``."""
         call = MeshCall()
-        if (
-            self._route_stream is not None
-            and not self._config.relay
-            and self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
-        ):
+        if self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
             call.decided = self._ask(request)
         call.chunks = self._chunks(request, stream, call)
         return call
@@ -115,7 +100,7 @@ class MeshClient:
     def unused(self, call: MeshCall) -> None:
         """Hands back the decision of a call that never started (its request was refused)."""
         decided, call.decided = call.decided, None
-        if decided is not None and self._route_stream is not None:
+        if decided is not None:
             self._route_stream.unused(decided)
 
     async def _chunks(
@@ -125,11 +110,7 @@ class MeshClient:
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         await self._wait_connected()
-        chunks = (
-            self._relayed(request, stream, call)
-            if self._config.relay
-            else self._direct(request, stream, call)
-        )
+        chunks = self._served(request, stream, call)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -137,6 +118,8 @@ class MeshClient:
             raise self._error(e.code(), e.details(), retry_after_ms(e)) from None
         except StreamFailedError as e:
             raise self._error(e.code, e.details, from_router=False) from None
+        except ReaderTooSlowError as e:
+            raise ClientTooSlowError(str(e)) from None
         finally:
             await chunks.aclose()
 
@@ -173,54 +156,24 @@ class MeshClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e.code(), e.details()) from None
 
-    async def _relayed(
+    async def _served(
         self,
         request: common_pb2.GenerateRequest,
         stream: bool,
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        rpc = self._stub.Generate if stream else self._stub.Complete
-        grpc_call = rpc(request, timeout=self._config.request_timeout_s, wait_for_ready=False)
-        async with contextlib.aclosing(call_chunks(grpc_call, stream)) as chunks:
-            async for chunk in chunks:
-                if call.route is None and chunk.HasField("route"):  # the router stamps its first
-                    call.route = chunk.route
-                yield chunk
-
-    async def _direct(
-        self,
-        request: common_pb2.GenerateRequest,
-        stream: bool,
-        call: MeshCall,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        if self._route_stream is not None:
-            decided, call.decided = call.decided, None
-            if decided is None:  # not asked ahead: the channel was not connected then
-                decided = self._ask(request)
-            try:
-                decision = await decided
-            except grpc.aio.AioRpcError as e:
-                # the stream broke under the ask: no router answered it, whatever state the
-                # channel is in by now (it may have reconnected to a restarted router)
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise self._unreachable() from None
-                raise
-            workers = route_workers(decision)
-            # one report per routed request, however it ends: its slot is free again
-            finished: common_pb2.Route | None = workers[0]
-        else:
-            finished = None
-            routed = common_pb2.GenerateRequest()
-            routed.CopyFrom(request)
-            workers = list(
-                (
-                    await self._stub.Route(
-                        without_ids(routed),
-                        timeout=self._config.control_timeout_s,
-                        wait_for_ready=False,
-                    )
-                ).workers
-            )
+        decided, call.decided = call.decided, None
+        if decided is None:  # not asked ahead: the channel was not connected then
+            decided = self._ask(request)
+        try:
+            decision = await decided
+        except grpc.aio.AioRpcError as e:
+            # the stream broke under the ask: no router answered it, whatever state the
+            # channel is in by now (it may have reconnected to a restarted router)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise self._unreachable() from None
+            raise
+        workers = route_workers(decision)
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         stall_s = self._config.stall_timeout_s if stream else None
         try:
@@ -229,18 +182,15 @@ class MeshClient:
                 lambda route: self._from_worker(route, request, stream, deadline, stall_s, call),
                 self._report_failure,
                 lambda route: route.worker_id,
-                # the long-lived streams time stalls where chunks arrive (gateway.worker_streams)
-                stall_s if self._streams is None else None,
             ):
                 yield chunk
         finally:
-            if finished is not None and self._route_stream is not None:
-                self._route_stream.finished(finished.worker_id)
+            # one report per routed request, however it ends: its slot is free again
+            self._route_stream.finished(workers[0].worker_id)
 
     def _ask(self, request: common_pb2.GenerateRequest) -> asyncio.Future[router_pb2.RouteDecision]:
         """The route stream's ask for ``request``, which may wait in the router's fair queue
         for as long as the request may take."""
-        assert self._route_stream is not None
         return self._route_stream.ask(
             request, self._config.control_timeout_s, wait_s=self._config.request_timeout_s
         )
@@ -255,14 +205,10 @@ class MeshClient:
         call: MeshCall,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        if self._streams is not None:
-            chunks = self._streams.chunks(
-                route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
-            )
-        else:
-            worker = self._workers.stub(route.address)
-            rpc = worker.Generate if stream else worker.Complete
-            chunks = call_chunks(rpc(request, timeout=timeout, wait_for_ready=False), stream)
+        # stalls are timed where the chunks arrive (infermesh.serve_client), not here
+        chunks = self._streams.chunks(
+            route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
+        )
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 call.route = route  # the worker that answered: the fallback, if the first failed
@@ -271,7 +217,8 @@ class MeshClient:
     def _report_failure(
         self, route: common_pb2.Route, code: grpc.StatusCode, details: str, started: bool
     ) -> None:
-        """Tells the router, in the background, so it ejects a worker that keeps failing."""
+        """Tells the router (with the route stream's next message), so that it ejects a worker
+        that keeps failing."""
         logger.warning(
             "worker %s failed %s the first token (%s: %s)",
             route.worker_id,
@@ -279,27 +226,11 @@ class MeshClient:
             code.name,
             details,
         )
-        failure = router_pb2.ReportFailureRequest(
-            worker_id=route.worker_id, code=code.name, details=details
+        self._route_stream.report_failure(
+            router_pb2.ReportFailureRequest(
+                worker_id=route.worker_id, code=code.name, details=details
+            )
         )
-        if self._route_stream is not None:
-            self._route_stream.report_failure(failure)
-            return
-        report = asyncio.create_task(self._report(failure))
-        self._reports.add(report)
-        report.add_done_callback(self._reports.discard)
-
-    async def _report(self, failure: router_pb2.ReportFailureRequest) -> None:
-        try:
-            await self._stub.ReportFailure(
-                failure, timeout=self._config.control_timeout_s, wait_for_ready=False
-            )
-        except grpc.aio.AioRpcError as e:
-            logger.warning(
-                "could not report worker %s's failure to the router: %s",
-                failure.worker_id,
-                e.code().name,
-            )
 
     async def _wait_connected(self) -> None:
         """Returns once the channel is READY; a 503 when it fails or takes too long."""

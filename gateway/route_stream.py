@@ -6,7 +6,7 @@ An ask is answered by its id; the router still makes every decision. A request a
 its admission check (``gateway.generation``), so that the two round trips overlap; when
 admission refuses it, its decision goes back to the router as unused. The stream is opened
 on first use and again after it broke; a break fails the asks waiting on it with its status,
-as failed Route calls would.
+as a failed call would.
 """
 
 from __future__ import annotations
@@ -86,14 +86,15 @@ class RouteStream:
         self, request: common_pb2.GenerateRequest, timeout_s: float, wait_s: float = 0.0
     ) -> asyncio.Future[router_pb2.RouteDecision]:
         """Sends the ask with the stream's next message; the future holds the router's
-        decision (``workers`` reads it as Route's answer), or fails: the stream's status when
+        decision (``workers`` reads it), or fails: the stream's status when
         it breaks, DEADLINE_EXCEEDED after ``timeout_s`` more than the ``wait_s`` it may wait
-        in the router's fair queue. Cancelling the future cancels the ask on the router."""
+        in the router's fair queue, RESOURCE_EXHAUSTED for a request too large for a message.
+        Cancelling the future cancels the ask on the router."""
         loop = asyncio.get_running_loop()
         decided = loop.create_future()
         try:
             check_size(request)
-        except grpc.aio.AioRpcError as e:  # the caller reads it as the router's answer
+        except grpc.aio.AioRpcError as e:
             decided.set_exception(e)
             return decided
         call = self._current()

@@ -45,9 +45,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     f"{_WORKER}TextFiles": _PROMPT_CARRIERS,
     # what a worker caches, for the router's cache index
     f"{_WORKER}CacheEvents": frozenset({"router"}),
-    # the gateway's routing streams and failure reports
-    **{f"{_ROUTER}{m}": frozenset({"gateway"}) for m in ("Route", "RouteStream", "ReportFailure")},
-    # the relayed generation: the gateway and internal callers
+    # the gateway's route stream: route decisions and failure reports
+    f"{_ROUTER}RouteStream": frozenset({"gateway"}),
+    # the relayed generation: internal callers (and the gateway)
     **{f"{_ROUTER}{m}": frozenset({"gateway", "client"}) for m in ("Generate", "Complete")},
     f"{_ROUTER}Tokenize": frozenset({"gateway", "client"}),
     # the registry: only workers (each for an address its certificate names)

@@ -161,14 +161,19 @@ def _check_choice(value: Any, literal: Any, where: str) -> Any:
 def _check_renamed(
     cls: type, values: dict[str, Any], origin: str, env_prefix: str, environ: Mapping[str, str]
 ) -> None:
-    """A section's ``RENAMED`` maps an old key to what replaced it: a config still using
-    it fails, naming file (or variable) and key, instead of being silently ignored."""
-    for old, new in getattr(cls, "RENAMED", {}).items():
+    """A section's ``RENAMED`` maps an old key to what replaced it, its ``REMOVED`` a key that
+    went to why: a config still using one fails, naming file (or variable) and key, instead of
+    being silently ignored."""
+    gone = {
+        **{old: f"{old} was renamed {new}" for old, new in getattr(cls, "RENAMED", {}).items()},
+        **{old: f"{old} was removed: {why}" for old, why in getattr(cls, "REMOVED", {}).items()},
+    }
+    for old, message in gone.items():
         env_name = f"{env_prefix}_{old}".upper()
         if env_name in environ:
-            raise ConfigError(f"{env_name}: {old} was renamed {new}")
+            raise ConfigError(f"{env_name}: {message}")
         if old in values:
-            raise ConfigError(f"{origin} {old}: {old} was renamed {new}")
+            raise ConfigError(f"{origin} {old}: {message}")
 
 
 @typing.dataclass_transform(frozen_default=True)

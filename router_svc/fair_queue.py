@@ -86,7 +86,7 @@ class _Tenant(Generic[T]):
 class FairQueue(Generic[T]):
     """Asks waiting for a free slot. ``place(request)`` routes a request to a worker with a
     free slot (counting it) and returns the decision, or None when every eligible worker is
-    full; it raises what Route would (RouteError, RegistryUnavailableError)."""
+    full; it raises what a decision may (RouteError, RegistryUnavailableError)."""
 
     def __init__(
         self,

@@ -111,19 +111,15 @@ class Fleet:
         self.speed = np.zeros(0)  # decode tokens/s the worker estimates (0: unknown)
         self.prefill_speed = np.zeros(0)  # prefill tokens/s the worker estimates (0: unknown)
         self.salt = np.zeros(0, dtype=np.uint64)
-        self.in_flight = np.zeros(0)  # streams this router relays to the worker now
-        # Requests this router routed (without relaying, to callers that do not report their
-        # end: Route) since the worker's last load report, which will count them: the
-        # router's own count is fresher than the last heartbeat.
-        self.routed = np.zeros(0)
-        # Requests routed over route streams whose callers report each one's end (and, with
-        # it, the slot it frees) at once: exact between load reports.
-        self.tracked = np.zeros(0)
-        # in_flight + tracked when the worker's last load report came: what of its load the
-        # report owes to this router's own counts
+        # Requests this router routed to the worker (the first choice of each decision) whose
+        # end it has not heard of yet: the gateways' route streams report each one's end, the
+        # relay sees it. Exact between load reports.
+        self.in_flight = np.zeros(0)
+        # in_flight when the worker's last load report came: what of its load the report owes
+        # to this router's own count
         self.known_at_report = np.zeros(0)
         # The worker's busy slots as this router knows them now: its report less what this
-        # router counts itself (others' load), plus routed, in_flight and tracked.
+        # router counts itself (others' load), plus in_flight.
         self.busy_now = np.zeros(0)
         self.failures = np.zeros(0)  # consecutive failed calls
         self.ejected_until = np.zeros(0)  # monotonic seconds
@@ -171,8 +167,7 @@ class Fleet:
 
     def set_load(self, entry: WorkerEntry, load: common_pb2.Load) -> None:
         if load != entry.load:  # a new report: it counts what was routed before it
-            self.routed[entry.slot] = 0
-            self.known_at_report[entry.slot] = self.in_flight[entry.slot] + self.tracked[entry.slot]
+            self.known_at_report[entry.slot] = self.in_flight[entry.slot]
         entry.load = load
         self.busy[entry.slot] = load.running + load.waiting
         self.kv_usage[entry.slot] = load.kv_cache_usage
@@ -234,37 +229,23 @@ class Fleet:
     # ------------------------------------------------------------------ outcomes of calls
 
     def started(self, entry: WorkerEntry) -> None:
+        """A request routed to the worker, counted until ``ended``."""
         if self._by_slot[entry.slot] is entry:
             self.in_flight[entry.slot] += 1
             self._update_busy_now(entry.slot)
 
-    def routed_to(self, entry: WorkerEntry) -> None:
-        """A request routed to the worker that its caller streams from directly."""
-        if self._by_slot[entry.slot] is entry:
-            self.routed[entry.slot] += 1
-            self._update_busy_now(entry.slot)
-
-    def tracked_to(self, entry: WorkerEntry) -> None:
-        """A request routed to the worker whose caller reports its end (``finished``)."""
-        if self._by_slot[entry.slot] is entry:
-            self.tracked[entry.slot] += 1
-            self._update_busy_now(entry.slot)
-
-    def finished(self, entry: WorkerEntry) -> None:
-        """A tracked request ended, or its caller did not send it (never below zero)."""
-        if self._by_slot[entry.slot] is entry and self.tracked[entry.slot] > 0:
-            self.tracked[entry.slot] -= 1
+    def ended(self, entry: WorkerEntry) -> None:
+        """A request routed to the worker ended, or its caller did not send it (never below
+        zero)."""
+        # the slot may have gone to another worker since
+        if self._by_slot[entry.slot] is entry and self.in_flight[entry.slot] > 0:
+            self.in_flight[entry.slot] -= 1
             self._update_busy_now(entry.slot)
 
     def full(self, group: Group) -> np.ndarray:
         """Per worker of ``group``: True when every one of its slots is busy."""
         full: np.ndarray = self.busy_now[group.slots] >= self.capacity[group.slots]
         return full
-
-    def ended(self, entry: WorkerEntry) -> None:
-        if self._by_slot[entry.slot] is entry:  # the slot may have gone to another worker since
-            self.in_flight[entry.slot] -= 1
-            self._update_busy_now(entry.slot)
 
     def succeeded(self, entry: WorkerEntry) -> None:
         if self._by_slot[entry.slot] is entry:
@@ -314,8 +295,6 @@ class Fleet:
         self._by_slot[slot] = entry
         for array in (
             self.in_flight,
-            self.routed,
-            self.tracked,
             self.known_at_report,
             self.failures,
             self.ejected_until,
@@ -349,7 +328,7 @@ class Fleet:
 
     def _update_busy_now(self, slot: int) -> None:
         others = max(self.busy[slot] - self.known_at_report[slot], 0)
-        self.busy_now[slot] = others + self.routed[slot] + self.in_flight[slot] + self.tracked[slot]
+        self.busy_now[slot] = others + self.in_flight[slot]
 
     def _grow(self, size: int) -> None:
         old = len(self._by_slot)
@@ -361,8 +340,6 @@ class Fleet:
             "prefill_speed",
             "salt",
             "in_flight",
-            "routed",
-            "tracked",
             "known_at_report",
             "busy_now",
             "failures",

@@ -4,11 +4,12 @@ long-lived stream, so that a gateway's request costs the router a message, not a
 The asks of one message are decided in order and those decided at once are answered in one
 message; with fair queueing, an ask that waits for a free slot is answered by a later
 message, when its turn comes or its wait ends, unless its caller cancels it first. A decision
-is made as Route makes it (the same chooser, the same span attributes), on a span of its own
-in the ask's trace, linked to the stream's span. The caller reports each routed request's
-end (``finished``) and the decisions it did not use (``unused``: it asked ahead of its own
-admission check), so the router's count of each worker's requests stays exact; what the
-stream routed and never reported is released when the stream ends.
+is made as a relayed request's is (the same chooser, fair queue and count, the same span
+attributes), on a span of its own in the ask's trace, linked to the stream's span. The caller
+reports each routed request's end (``finished``) and the decisions it did not use
+(``unused``: it asked ahead of its own admission check), so the router's count of each
+worker's requests stays exact; what the stream routed and never reported is released when
+the stream ends.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Decider(Protocol):
         ...
 
     def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
-        """A decision's workers as Route answers them."""
+        """A decision's workers, with their addresses, as the stream answers them."""
         ...
 
     def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:

@@ -1,5 +1,6 @@
-"""The Router gRPC service: registry RPCs, worker choice (Route) and the relayed Generate
-stream with failover."""
+"""The Router gRPC service: registry RPCs, worker choice (RouteStream) and, for internal
+callers, the relayed Generate / Complete with failover, served over the same ``Worker.Serve``
+client the gateway uses."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from opentelemetry import trace
 from infermesh.authz import peer_of, refuse, require_address_host
 from infermesh.bidi import RETRY_AFTER_MS
 from infermesh.channels import WorkerChannels
-from infermesh.failover import StreamFailedError, call_chunks, stream_from_first
+from infermesh.failover import StreamFailedError, stream_from_first
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.redis_client import redis_client
+from infermesh.serve_client import ReaderTooSlowError, ServeClient
 from infermesh.tasks import cancel_and_wait
 from router_svc import route_stream
 from router_svc.cache_events import CacheEventSubscriptions
@@ -50,6 +52,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         config: RouterConfig,
         registry: Registry,
         channels: WorkerChannels,
+        serve_client: ServeClient,
         usage: CallerUsage,
         index: PrefixIndex | None = None,
     ) -> None:
@@ -58,6 +61,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._usage = usage
         self._fleet = registry.fleet
         self._channels = channels
+        self._serve_client = serve_client
         self._chooser = Chooser(config.routing, index)
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
@@ -155,12 +159,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         owner = self._usage.owner(context)
         delivered = common_pb2.Usage()
         try:
-            async for chunk in self._relayed(attempts, request, context, stream=True):
-                _add_delivered(delivered, chunk)
-                yield chunk
+            async with contextlib.aclosing(
+                self._relayed(attempts, request, context, stream=True)
+            ) as chunks:
+                async for chunk in chunks:
+                    _add_delivered(delivered, chunk)
+                    yield chunk
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
+        except ReaderTooSlowError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
+            self._release(attempts[0])
             # a stream that delivered anything counts, one that failed before it does not
             if owner and (delivered.prompt_tokens or delivered.completion_tokens):
                 self._usage.count(owner, delivered)
@@ -178,22 +188,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 reply = await anext(replies)
         except StreamFailedError as e:
             await context.abort(e.code, e.details)
+        finally:
+            self._release(attempts[0])
         owner = self._usage.owner(context)
         if owner:
             self._usage.count(owner, reply.usage)
         return reply
-
-    async def Route(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, router_pb2.RouteResponse],
-    ) -> router_pb2.RouteResponse:
-        await self._check_registry(context)
-        try:
-            return self.route(request)
-        except RouteError as e:
-            await context.abort(e.code, str(e))
-            raise
 
     async def Tokenize(
         self,
@@ -229,19 +229,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for response in responses:
                 yield response
 
-    async def ReportFailure(
-        self,
-        request: router_pb2.ReportFailureRequest,
-        context: grpc.aio.ServicerContext[
-            router_pb2.ReportFailureRequest, router_pb2.ReportFailureResponse
-        ],
-    ) -> router_pb2.ReportFailureResponse:
-        try:
-            self.report_failure(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return router_pb2.ReportFailureResponse()
-
     def report_failure(self, request: router_pb2.ReportFailureRequest) -> None:
         """Counts a routed worker's failure that a caller saw; ValueError for a bad code."""
         code = getattr(grpc.StatusCode, request.code, None)
@@ -254,8 +241,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def ask(
         self, request: common_pb2.GenerateRequest, wait_s: float
     ) -> asyncio.Future[list[WorkerEntry]]:
-        """Route's answer for a caller that reports the request's end (``released``): at once,
-        or with fair queueing once a worker has a free slot; fails as ``route`` raises, or
+        """The workers for a caller that reports the request's end (``released``): at once,
+        or with fair queueing once a worker has a free slot; fails as ``decide`` raises, or
         with QueueRefusedError. Cancelling it takes the ask out of the queue."""
         decided: asyncio.Future[list[WorkerEntry]]
         try:
@@ -278,15 +265,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decided
 
     def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
-        """The workers of a decision as Route answers them."""
+        """The workers of a decision as a route stream answers them."""
         return [_route(w, with_address=True) for w in attempts]
 
     def released(self, worker_id: str) -> None:
         """A request ``ask`` routed to ``worker_id`` ended, or its caller did not send it."""
         worker = self._fleet.get(worker_id)
         if worker is not None:
-            self._fleet.finished(worker)
-            self.slots_changed()
+            self._release(worker)
+
+    def _release(self, worker: WorkerEntry) -> None:
+        """A request placed on ``worker`` ended, or was not sent: its slot is free again."""
+        self._fleet.ended(worker)
+        self.slots_changed()
 
     def slots_changed(self) -> None:
         """A worker's slot may have freed: queued asks may go now."""
@@ -296,23 +287,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _place(
         self, request: common_pb2.GenerateRequest, *, free_only: bool = True
     ) -> list[WorkerEntry] | None:
-        """``decide`` among the workers with a free slot, the first counted as tracked (its
-        caller reports its end); None when every one is full."""
+        """``decide`` among the workers with a free slot (``free_only``), the first counted
+        in flight until the request's end is reported; None when every one is full."""
         try:
             attempts = self.decide(request, free_only=free_only)
         except FleetFullError:
             return None
         trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
-        self._fleet.tracked_to(attempts[0])
+        self._fleet.started(attempts[0])
         return attempts
-
-    def route(self, request: common_pb2.GenerateRequest) -> router_pb2.RouteResponse:
-        """Route's answer, its first worker counted as routed to (the fallback is tried only
-        when the first fails); raises RouteError or RegistryUnavailableError."""
-        attempts = self.decide(request)
-        trace.get_current_span().set_attribute("infermesh.route.worker_id", attempts[0].worker_id)
-        self._fleet.routed_to(attempts[0])
-        return router_pb2.RouteResponse(workers=[_route(w, with_address=True) for w in attempts])
 
     def decide(
         self, request: common_pb2.GenerateRequest, *, free_only: bool = False, routed: bool = True
@@ -348,9 +331,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _queued(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> list[WorkerEntry]:
-        """``_decide`` for a relayed request, through the fair queue when it is on. An
-        internal caller's tenant is its certificate identity and its tier, weight and priority
-        are what ``[internal_callers]`` gives that identity, never what its request says."""
+        """The workers for a relayed request, the first counted in flight (``_release`` it),
+        through the fair queue when it is on. An internal caller's tenant is its certificate
+        identity and its tier, weight and priority are what ``[internal_callers]`` gives that
+        identity, never what its request says."""
         try:
             _check_standing(request)
         except RouteError as e:
@@ -362,7 +346,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.tier, request.weight = standing.tier, standing.weight
             request.priority = standing.priority
         if self._queue is None:
-            return await self._decide(request, context)
+            attempts = await self._decide(request, context)
+            self._fleet.started(attempts[0])
+            return attempts
         await self._check_registry(context)
         try:
             attempts = await self._queue.submit(
@@ -379,8 +365,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RegistryUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
             raise
-        # the relay counts the first worker in flight (exactly) from here
-        self._fleet.finished(attempts[0])
         return attempts
 
     def _relayed(
@@ -392,13 +376,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stream: bool,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The first of ``attempts`` that serves the request, relayed; StreamFailedError
-        when none does."""
+        when none does (a worker's failure after its first chunk: its own status)."""
         return stream_from_first(
             attempts,
             lambda worker: self._relay(worker, request, context, stream=stream),
             self._failed,
             lambda worker: worker.worker_id,
-            self._config.routing.stall_timeout_s if stream else None,
         )
 
     async def _relay(
@@ -409,31 +392,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         *,
         stream: bool,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The worker's stream (or, not ``stream``, its Complete reply), the first chunk
-        stamped with the route. The worker call carries the caller's remaining deadline;
-        closing this iterator cancels it."""
+        """The worker's chunks (or, not ``stream``, its whole answer) over its Serve stream,
+        the first stamped with the route, within the caller's remaining deadline and, after
+        the first chunk, the stall timeout; closing this iterator cancels the request."""
         caps = worker.info.capabilities
         span = trace.get_current_span()
         span.set_attribute("infermesh.route.worker_id", worker.worker_id)
         span.set_attribute("infermesh.route.precision", common_pb2.Precision.Name(caps.precision))
         span.set_attribute("infermesh.route.device_name", caps.device_name)
-        stub = self._channels.stub(worker.info.address)
-        call = (stub.Generate if stream else stub.Complete)(
-            request, timeout=context.time_remaining()
+        chunks = self._serve_client.chunks(
+            worker.info.address,
+            request,
+            whole=not stream,
+            timeout_s=context.time_remaining(),
+            stall_s=self._config.routing.stall_timeout_s if stream else None,
         )
-        self._fleet.started(worker)
-        try:
-            async with contextlib.aclosing(call_chunks(call, stream)) as chunks:
-                first = True
-                async for chunk in chunks:
-                    if first:
-                        chunk.route.CopyFrom(_route(worker, with_address=False))
-                        self._fleet.succeeded(worker)
-                        first = False
-                    yield chunk
-        finally:
-            self._fleet.ended(worker)
-            self.slots_changed()
+        async with contextlib.aclosing(chunks):
+            first = True
+            async for chunk in chunks:
+                if first:
+                    chunk.route.CopyFrom(_route(worker, with_address=False))
+                    self._fleet.succeeded(worker)
+                    first = False
+                yield chunk
 
     def _failed(
         self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool
@@ -523,8 +504,10 @@ class RunningRouter:
         refresher: asyncio.Task[None],
         subscriptions: CacheEventSubscriptions,
         index: PrefixIndex,
+        serve_client: ServeClient,
     ) -> None:
         self.registry = registry
+        self._serve_client = serve_client
         self.index = index
         self._channels = channels
         self._usage = usage
@@ -534,6 +517,7 @@ class RunningRouter:
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
         await self._subscriptions.close()
+        await self._serve_client.close()
         await self._channels.close()
         await self._usage.close()
         await self.registry.close()
@@ -552,7 +536,8 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     subscriptions = CacheEventSubscriptions(index, channels)
     if config.routing.cache_events:
         registry.fleet.watchers.append(subscriptions)
-    servicer = RouterServicer(config, registry, channels, usage, index)
+    serve_client = ServeClient(channels)
+    servicer = RouterServicer(config, registry, channels, serve_client, usage, index)
     server, port, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         lambda s, _port: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
@@ -563,7 +548,11 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
     refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer.slots_changed))
-    return server, port, RunningRouter(registry, channels, usage, refresher, subscriptions, index)
+    return (
+        server,
+        port,
+        RunningRouter(registry, channels, usage, refresher, subscriptions, index, serve_client),
+    )
 
 
 async def _follow_registry(

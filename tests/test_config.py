@@ -5,6 +5,7 @@ from typing import Literal
 
 import pytest
 
+from gateway.config import GatewayConfig
 from infermesh.config import ConfigError, env_names, load_config, section
 
 
@@ -20,6 +21,7 @@ class _Server:
     timeout_s: float = 1.0
 
     RENAMED = {"timeout_ms": "timeout_s (seconds)"}
+    REMOVED = {"legacy": "it did nothing"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ def test_defaults_then_file_then_environment(tmp_path):
             "[server]\ntimeout_ms = 500\n",
             "[server] timeout_ms: timeout_ms was renamed timeout_s (seconds)",
         ),
+        ("[server]\nlegacy = true\n", "[server] legacy: legacy was removed: it did nothing"),
         ("[server\n", "invalid TOML"),
     ],
 )
@@ -80,6 +83,8 @@ def test_environment_errors_name_variable():
         ConfigError, match="SVC_SERVER_TIMEOUT_MS: timeout_ms was renamed timeout_s"
     ):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_TIMEOUT_MS": "500"})
+    with pytest.raises(ConfigError, match="SVC_SERVER_LEGACY: legacy was removed: it did nothing"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_LEGACY": "true"})
 
 
 def test_missing_file(tmp_path):
@@ -92,3 +97,12 @@ def test_env_names_cover_every_key():
         f"SVC_SERVER_{k}"
         for k in ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH", "MODE", "TIMEOUT_S")
     }
+
+
+@pytest.mark.parametrize("key", ["relay", "streams"])
+def test_the_gateways_removed_router_keys_name_file_and_key(tmp_path, key):
+    path = tmp_path / "gateway.toml"
+    path.write_text(f"[router]\n{key} = true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(GatewayConfig, path, "infermesh_gateway", environ={})
+    assert f"{path}: [router] {key}: {key} was removed" in str(e.value)

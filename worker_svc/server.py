@@ -31,8 +31,8 @@ from worker_svc.engine_api import (
     merge_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_kind
+from worker_svc.serve_server import serve_handler
 from worker_svc.sim_engine.engine import SimEngine
-from worker_svc.stream_server import serve_handler
 from worker_svc.torch_engine import threads
 from worker_svc.wire import RequestFailedError, to_engine, to_proto
 

@@ -1,6 +1,6 @@
 """The worker's side of the wire: a GenerateRequest as the engine takes it, a chunk as the
 caller reads it, and the failure a request ends with as a gRPC status. Both the unary calls
-(server.py) and the Serve stream (stream_server.py) speak through it."""
+(server.py) and the Serve stream (serve_server.py) speak through it."""
 
 from __future__ import annotations
 

@@ -111,15 +111,16 @@ async def test_a_100_kb_model_name_is_a_400_naming_model(gateway, api_key, path,
 
 
 async def test_grpc_size_limits_are_not_a_rate_limit(router):
-    """The router answers an unknown 100 KB model name with a status quoting it, past gRPC's
-    metadata limit (a Route call's; on the route stream the decision carries it in its
-    message): the client is told the request is too large, not to retry."""
+    """A request past a shared stream's message limit (a body near the gateway's own limit, its
+    prompt then past gRPC's): the client is told the request is too large, not to retry."""
     await register_unreachable_worker(router)
-    client = MeshClient(RouterSection(address=router.address, streams=False), PLAINTEXT)
+    client = MeshClient(RouterSection(address=router.address), PLAINTEXT)
     try:
         with pytest.raises(GatewayError) as caught:
             async for _ in client.call(
-                common_pb2.GenerateRequest(request_id="r", model="m" * 100_000, prompt="hi"),
+                common_pb2.GenerateRequest(
+                    request_id="r", model=MODEL, prompt="x" * (MAX_MESSAGE_BYTES + 1)
+                ),
                 stream=False,
             ):
                 pass

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import REGISTRY
 
 from gateway.keys import create_key
-from infermesh.pb import router_pb2
+from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
@@ -168,3 +168,52 @@ async def test_a_higher_priority_goes_first_among_a_keys_waiting_requests(
             await eventually(lambda: _depth("fqprio") == 2)
             await asyncio.gather(running, low, high)
         assert ended == ["high", "low"]
+
+
+async def test_internal_callers_and_gateway_requests_together_never_pass_max_parallel(
+    redis_server, api_key
+):
+    """The router's relay (an internal caller's Router.Generate / Complete) and the gateway's
+    requests share one count per worker: together they never run more than its slots."""
+    queue = FairQueueSection(enabled=True, max_per_tenant=16, max_total=32, max_wait_s=30)
+    engine = sim_engine("V100", max_parallel=2)
+    async with (
+        running_router(redis_url=redis_server.url, fair_queue=queue) as router,
+        running_worker(engine, router, "w", max_parallel=2),
+    ):
+        gateway = await start_gateway(make_config(redis_server.url, router.address))
+        peak = 0
+
+        async def sample() -> None:
+            nonlocal peak
+            while True:  # the engine's own count: what it runs and what waits for a slot
+                load = engine.load()
+                peak = max(peak, load.running + load.waiting)
+                await asyncio.sleep(0.005)
+
+        request = common_pb2.GenerateRequest(
+            model=MODEL, prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=10)
+        )
+
+        async def relayed() -> int:
+            chunks = [c async for c in router.stub.Generate(request)]
+            return sum(len(c.token_ids) for c in chunks)
+
+        async def whole() -> int:
+            return len((await router.stub.Complete(request)).token_ids)
+
+        body = {**_SLOW, "max_tokens": 10}
+        sampler = asyncio.create_task(sample())
+        try:
+            async with sdk(gateway, api_key) as client:
+                answers = await asyncio.gather(
+                    *(relayed() for _ in range(3)),
+                    *(whole() for _ in range(2)),
+                    *(client.chat.completions.create(**body) for _ in range(3)),
+                )
+        finally:
+            sampler.cancel()
+            await gateway.close()
+    assert answers[:5] == [10] * 5
+    assert all(a.choices[0].finish_reason == "length" for a in answers[5:])
+    assert peak == 2  # full while the others waited, never past its two slots

@@ -1,14 +1,11 @@
-"""How the gateway reaches workers: by default the router only chooses and the gateway
-streams from the worker (falling back to the second choice, reporting the failure); with
-``[router] relay = true`` the router relays the stream. Real router, workers and Redis."""
+"""How the gateway reaches workers: the router chooses on the route stream and the gateway
+streams from the worker (falling back to the second choice, reporting the failure). Real
+router, workers and Redis."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from prometheus_client import REGISTRY
 
-from gateway.config import RouterSection
 from gateway.keys import create_key
 from router_svc.config import RoutingSection
 from tests.helpers import MODEL
@@ -23,38 +20,21 @@ from tests.helpers.inprocess import (
 _GREEDY = {**CHAT, "model": MODEL, "temperature": 0, "max_tokens": 6}
 
 
-async def test_relayed_and_direct_streams_answer_alike(redis_server, router, worker, api_key):
-    answers = {}
-    for relay in (False, True):
-        config = make_config(redis_server.url, router.address)
-        gateway = await start_gateway(
-            dataclasses.replace(config, router=dataclasses.replace(config.router, relay=relay))
+async def test_streamed_and_whole_answers_agree(served, worker, api_key):
+    response = await served.post("/v1/chat/completions", json=_GREEDY, headers=auth(api_key))
+    assert response.status == 200
+    assert response.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
+    async with sdk(served, api_key) as client:
+        stream = await client.chat.completions.create(
+            **_GREEDY, stream=True, stream_options={"include_usage": True}
         )
-        try:
-            response = await gateway.post(
-                "/v1/chat/completions", json=_GREEDY, headers=auth(api_key)
-            )
-            assert response.status == 200
-            assert response.headers["x-infermesh-worker"] == worker.servicer.info.worker_id
-            async with sdk(gateway, api_key) as client:
-                stream = await client.chat.completions.create(
-                    **_GREEDY, stream=True, stream_options={"include_usage": True}
-                )
-                chunks = [c async for c in stream]
-            answers[relay] = (
-                (await response.json())["choices"][0]["message"]["content"],
-                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                chunks[-1].usage.completion_tokens,
-            )
-        finally:
-            await gateway.close()
-    assert answers[False] == answers[True]
-    assert answers[False][0] == answers[False][1] and answers[False][2] == 6
+        chunks = [c async for c in stream]
+    whole = (await response.json())["choices"][0]["message"]["content"]
+    assert whole == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 6
 
 
-async def test_direct_stream_falls_back_and_reports_a_dead_worker(
-    redis_server, tiny_engine, api_key
-):
+async def test_a_stream_falls_back_and_reports_a_dead_worker(redis_server, tiny_engine, api_key):
     routing = RoutingSection(policy="round_robin", failures_to_eject=2)
     # the dead worker never heartbeats: a TTL longer than the test keeps it registered, so that
     # what removes it from routing is the gateway's failure reports, not expiry (a loaded
@@ -95,10 +75,6 @@ async def test_unreachable_workers_answer_503_naming_them(redis_server, api_key)
     assert "dead" in error["message"] and error["type"]
 
 
-def test_relay_is_off_by_default():
-    assert RouterSection().relay is False
-
-
 async def test_a_refused_request_hands_its_early_decision_back(redis_server, redis_client):
     """The gateway asks the router while admission runs; a request admission refuses does not
     leave its worker counted as busy with it."""
@@ -123,7 +99,7 @@ async def test_a_refused_request_hands_its_early_decision_back(redis_server, red
         assert REGISTRY.get_sample_value(_ROUTER_SENT, {"peer": "router", "direction": "sent"}) > (
             sent or 0
         )
-        await eventually(lambda: fleet.routed[fleet.get("dead").slot] == 0)
+        await eventually(lambda: fleet.in_flight[fleet.get("dead").slot] == 0)
         assert fleet.busy_now[fleet.get("dead").slot] == 0
 
 

@@ -21,9 +21,9 @@ from prometheus_client import REGISTRY
 
 from gateway.config import GatewayConfig
 from gateway.mesh_client import MESH
-from gateway.worker_streams import WorkerStreams
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.serve_client import ServeClient
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import (
@@ -92,8 +92,8 @@ async def test_many_concurrent_requests_share_one_stream_one_event_per_token(
         # every token its own SSE event: the worker sends each engine step's chunk apart
         assert [len(events) for events in results[:40]] == [8] * 40
         assert results[40:] == [8] * 20
-        streams = gateway.app[MESH].worker_streams
-        assert streams is not None and streams.streams(sim_worker.servicer.info.address) == 1
+        streams = gateway.app[MESH].serve_client
+        assert streams.streams(sim_worker.servicer.info.address) == 1
         change = _change(before)
         # one engine step of every request open on the stream per message: far fewer
         # messages than the 340 chunks (40 x 8 tokens, 20 whole answers)
@@ -395,7 +395,7 @@ async def test_a_reader_slower_than_the_stall_timeout_is_no_stall(sim_worker):
     """Stalls are the worker's silence, timed where chunks arrive: a reader that pauses past
     the stall timeout while the worker keeps sending still gets every chunk."""
     channels = WorkerChannels(PLAINTEXT)
-    streams = WorkerStreams(channels, per_worker=1, buffered_chunks=4096)
+    streams = ServeClient(channels, per_worker=1, buffered_chunks=4096)
     request = _open(1, 60).request
     try:
         chunks = streams.chunks(

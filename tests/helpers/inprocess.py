@@ -143,11 +143,15 @@ async def register_unreachable_worker(router: RunningRouter, worker_id: str = "d
 
 
 def sim_engine(
-    gpu: str = "H100", max_parallel: int | None = None, max_waiting: int = 64, **engine: Any
+    gpu: str = "H100",
+    max_parallel: int | None = None,
+    max_waiting: int = 64,
+    kind: type[SimEngine] = SimEngine,
+    **engine: Any,
 ) -> SimEngine:
     """A simulated engine on a GPU profile (max_parallel None: the GPU's default);
-    ``engine`` overrides [engine] keys."""
-    return SimEngine.from_config(
+    ``engine`` overrides [engine] keys; ``kind``: SimEngine or a subclass of it."""
+    return kind.from_config(
         WorkerConfig(
             parallel=ParallelSection(max_parallel=max_parallel, max_waiting=max_waiting),
             engine=dataclasses.replace(EngineSection(kind="sim", gpu=gpu), **engine),

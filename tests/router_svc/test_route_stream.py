@@ -28,9 +28,10 @@ def _ask(ask_id: int, model: str = MODEL) -> router_pb2.RouteAsk:
 async def test_one_message_of_asks_is_answered_in_one_message_by_id():
     async with (
         running_router(routing=RoutingSection(policy="least_load")) as router,
-        running_worker(sim_engine(), router, "a"),
-        running_worker(sim_engine(), router, "b"),
+        running_worker(sim_engine(), router, "a") as a,
+        running_worker(sim_engine(), router, "b") as b,
     ):
+        addresses = {"a": a.servicer.info.address, "b": b.servicer.info.address}
         call = router.stub.RouteStream()
         await call.write(
             router_pb2.RouteStreamRequest(asks=[_ask(1), _ask(2), _ask(3, model="nope"), _ask(4)])
@@ -40,9 +41,13 @@ async def test_one_message_of_asks_is_answered_in_one_message_by_id():
         assert sorted(decisions) == [1, 2, 3, 4]
         assert decisions[3].code == grpc.StatusCode.NOT_FOUND.value[0]
         assert MODEL in decisions[3].details and not decisions[3].workers
+        for i in (1, 2, 4):  # the first try, then the fallback, each with its address
+            workers = decisions[i].workers
+            assert [w.worker_id for w in workers] in (["a", "b"], ["b", "a"])
+            assert all(w.address == addresses[w.worker_id] for w in workers)
+            assert workers[0].precision == a.servicer.info.capabilities.precision
+        # the router counts what it routed: the asks spread over both workers
         firsts = [decisions[i].workers[0].worker_id for i in (1, 2, 4)]
-        assert all(decisions[i].workers[0].address for i in (1, 2, 4))
-        # the router counts what it routed, as for Route: the asks spread over both workers
         assert set(firsts) == {"a", "b"}
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
@@ -58,7 +63,8 @@ async def test_failure_reports_on_the_stream_eject_the_worker():
         call = router.stub.RouteStream()
         report = router_pb2.ReportFailureRequest(worker_id="dead", code="UNAVAILABLE")
         unreadable = router_pb2.ReportFailureRequest(worker_id="live", code="BROKEN")
-        await call.write(router_pb2.RouteStreamRequest(failures=[report, unreadable, report]))
+        gone = router_pb2.ReportFailureRequest(worker_id="gone", code="UNAVAILABLE")
+        await call.write(router_pb2.RouteStreamRequest(failures=[report, unreadable, gone, report]))
         await call.write(router_pb2.RouteStreamRequest(asks=[_ask(i) for i in range(1, 5)]))
         response = await call.read()
         assert [d.workers[0].worker_id for d in response.decisions] == ["live"] * 4

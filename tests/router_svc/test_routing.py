@@ -171,35 +171,35 @@ def test_a_session_keeps_the_gpu_kind_it_asks_for():
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_an_idle_workers_repeated_report_still_resets_what_was_routed_since():
+def test_a_report_does_not_drop_what_the_router_counts_in_flight():
     fleet = fleet_of(info("a"))
     entry = fleet.entries()[0]
     for _ in range(3):
-        fleet.routed_to(entry)
-    fleet.set_load(entry, common_pb2.Load(report=1))
-    assert fleet.busy_now[entry.slot] == 0
-    fleet.routed_to(entry)
+        fleet.started(entry)
+    fleet.set_load(entry, common_pb2.Load(report=1))  # idle: sent before the three arrived
+    assert fleet.busy_now[entry.slot] == 3
+    fleet.started(entry)
     fleet.set_load(entry, common_pb2.Load(report=1))  # the same report, read again from Redis
-    assert fleet.busy_now[entry.slot] == 1
-    fleet.set_load(entry, common_pb2.Load(report=2))  # equal figures, but a new report
-    assert fleet.busy_now[entry.slot] == 0
+    assert fleet.busy_now[entry.slot] == 4
+    fleet.set_load(entry, common_pb2.Load(running=4, report=2))  # it counts all four: once
+    assert fleet.busy_now[entry.slot] == 4
 
 
-def test_a_tracked_request_frees_its_slot_when_it_ends_not_at_the_next_report():
+def test_a_request_frees_its_slot_when_it_ends_not_at_the_next_report():
     fleet = fleet_of(info("a"))
     entry = fleet.entries()[0]
-    fleet.tracked_to(entry)
-    fleet.tracked_to(entry)
+    fleet.started(entry)
+    fleet.started(entry)
     # the worker reports both, and one more from a caller this router does not see
     fleet.set_load(entry, common_pb2.Load(running=3, report=1))
     assert fleet.busy_now[entry.slot] == 3
-    fleet.finished(entry)  # before the next report: the slot is free at once
+    fleet.ended(entry)  # before the next report: the slot is free at once
     assert fleet.busy_now[entry.slot] == 2
     fleet.set_load(entry, common_pb2.Load(running=2, report=2))
     assert fleet.busy_now[entry.slot] == 2  # one of ours, one of theirs: not counted twice
-    for _ in range(3):  # never below zero: a stream releases what it routed, once
-        fleet.finished(entry)
-    assert fleet.tracked[entry.slot] == 0 and fleet.busy_now[entry.slot] == 1
+    for _ in range(3):  # never below zero: a request ends once
+        fleet.ended(entry)
+    assert fleet.in_flight[entry.slot] == 0 and fleet.busy_now[entry.slot] == 1
 
 
 def test_prefix_key_is_the_same_in_every_router_process_and_reads_only_the_leading_bytes():

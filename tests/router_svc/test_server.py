@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncGenerator
+
 import grpc
 import pytest
 
 from infermesh.pb import common_pb2, router_pb2
-from router_svc.config import RoutingSection
 from tests.helpers import MODEL
 from tests.helpers.inprocess import (
     eventually,
@@ -16,6 +18,8 @@ from tests.helpers.inprocess import (
     sim_engine,
     wait_for_workers,
 )
+from worker_svc.engine_api import GenerationChunk, GenerationRequest
+from worker_svc.sim_engine.engine import SimEngine
 
 
 def request() -> common_pb2.GenerateRequest:
@@ -95,55 +99,6 @@ async def test_cancelled_call_frees_the_sequence(tiny_engine):
         await eventually(lambda: worker.servicer.load().running == 0)
 
 
-async def test_route_chooses_without_relaying_and_counts_what_it_routed():
-    async with (
-        running_router(routing=RoutingSection(policy="least_load")) as router,
-        running_worker(sim_engine(), router, "a") as a,
-        running_worker(sim_engine(), router, "b") as b,
-    ):
-        addresses = {"a": a.servicer.info.address, "b": b.servicer.info.address}
-        replies = [await router.stub.Route(request()) for _ in range(4)]
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await router.stub.Route(common_pb2.GenerateRequest(model="nope", prompt="x"))
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND and MODEL in e.value.details()
-    for reply in replies:
-        assert [w.worker_id for w in reply.workers] in (["a", "b"], ["b", "a"])
-        assert all(w.address == addresses[w.worker_id] for w in reply.workers)
-        assert reply.workers[0].precision == a.servicer.info.capabilities.precision
-    # The idle simulated workers' heartbeats report the same load throughout, so the
-    # router's own count of what it routed is what spreads the requests.
-    firsts = [reply.workers[0].worker_id for reply in replies]
-    assert firsts.count("a") == firsts.count("b") == 2
-
-
-async def test_reported_failures_eject_the_worker(tiny_engine):
-    routing = RoutingSection(policy="round_robin", failures_to_eject=2)
-    async with (
-        running_router(routing=routing) as router,
-        running_worker(tiny_engine, router, "live"),
-    ):
-        await register_unreachable_worker(router)
-        firsts = [(await router.stub.Route(request())).workers[0].worker_id for _ in range(4)]
-        assert set(firsts) == {"live", "dead"}  # round robin over both
-        for _ in range(2):
-            await router.stub.ReportFailure(
-                router_pb2.ReportFailureRequest(
-                    worker_id="dead", code="UNAVAILABLE", details="connection refused"
-                )
-            )
-        firsts = [(await router.stub.Route(request())).workers[0].worker_id for _ in range(4)]
-        assert firsts == ["live"] * 4
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await router.stub.ReportFailure(
-                router_pb2.ReportFailureRequest(worker_id="live", code="BROKEN")
-            )
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "BROKEN" in e.value.details()
-        # an unknown worker (gone meanwhile) is no error
-        await router.stub.ReportFailure(
-            router_pb2.ReportFailureRequest(worker_id="gone", code="UNAVAILABLE")
-        )
-
-
 async def test_complete_relays_the_whole_answer_with_its_route_and_fails_over(tiny_engine):
     async with running_router() as router, running_worker(tiny_engine, router, "live") as worker:
         await register_unreachable_worker(router)
@@ -157,3 +112,45 @@ async def test_complete_relays_the_whole_answer_with_its_route_and_fails_over(ti
         assert reply.route.precision == worker.servicer.info.capabilities.precision
         assert reply.text == "".join(c.text for c in chunks)
         assert reply.usage == chunks[-1].usage and reply.finish_reason == chunks[-1].finish_reason
+
+
+class _BuggyEngine(SimEngine):
+    """A simulated engine with a bug: a generation raises after its first chunk."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        async with contextlib.aclosing(super().generate(request)) as chunks:
+            yield await anext(chunks)
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize(
+    "fault, code, details",
+    [
+        ("closed", grpc.StatusCode.UNAVAILABLE, "the engine was closed"),
+        ("bug", grpc.StatusCode.INTERNAL, "the worker failed: RuntimeError('a bug')"),
+    ],
+)
+async def test_a_worker_failing_mid_stream_ends_the_relay_with_its_own_status(fault, code, details):
+    """Past its first chunk a worker's failure is the caller's answer, with the worker's own
+    status and message: its engine closed under the running request, or failed by a bug."""
+    engine = sim_engine("V100", max_parallel=2, kind=_BuggyEngine if fault == "bug" else SimEngine)
+    async with (
+        running_router() as router,
+        running_worker(engine, router, "w", max_parallel=2),
+    ):
+        call = router.stub.Generate(
+            common_pb2.GenerateRequest(
+                model=MODEL, prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2000)
+            )
+        )
+        assert (await call.read()).route.worker_id == "w"
+        if fault == "closed":
+            await engine.close()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+        assert e.value.code() == code
+        assert e.value.details() == f"worker w failed mid-stream: {details}"
+        fleet = router.resources.registry.fleet
+        assert fleet.in_flight[fleet.get("w").slot] == 0  # its slot is free again
+    await engine.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
@@ -26,6 +27,8 @@ from opentelemetry import propagate, trace
 from infermesh.pb import common_pb2, worker_pb2
 from worker_svc.engine_api import EngineClosedError, GenerationChunk, merge_chunks
 from worker_svc.wire import RequestFailedError, to_proto
+
+logger = logging.getLogger(__name__)
 
 # Chunks waiting in a stream's outbox before its requests wait for room.
 OUTBOX_CHUNKS = 4096
@@ -154,6 +157,11 @@ class StreamSession:
             )
         except EngineClosedError as e:
             self._outbox.put_nowait(_failure(opened.id, grpc.StatusCode.UNAVAILABLE, str(e)))
+        except Exception as e:  # an engine's bug: that request fails, the stream goes on
+            logger.exception("request %d failed", opened.id)
+            self._outbox.put_nowait(
+                _failure(opened.id, grpc.StatusCode.INTERNAL, f"the worker failed: {e!r}")
+            )
         finally:
             del self._running[opened.id]
             self._outbox.wake()

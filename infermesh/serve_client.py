@@ -1,4 +1,5 @@
-"""The gateway's long-lived ``Worker.Serve`` streams: many requests multiplexed over a few
+"""The client of ``Worker.Serve``, the one way a generation reaches a worker (the gateway's
+requests and the router's relay alike): many requests multiplexed over a few long-lived
 bidirectional streams per worker, so that a request costs messages, not calls.
 
 A request is opened on a stream by a stream-local id (its open carries the generation request,
@@ -6,8 +7,8 @@ its deadline and trace context) and cancelled by that id when its reader stops e
 task per stream hands each chunk to its request's buffer; what requests opened and cancelled
 meanwhile goes out as one message whenever the stream can take the next (the shared-call client
 of ``infermesh.bidi``). Per-request flow control: a request's buffer holds at most
-``buffered_chunks`` chunks its reader has not taken; past that (an HTTP client reading slower
-than the worker writes) that request ends with ``ClientTooSlowError`` and is cancelled on the
+``buffered_chunks`` chunks its reader has not taken; past that (a client reading slower
+than the worker writes) that request ends with ``ReaderTooSlowError`` and is cancelled on the
 worker, while the stream and its other requests go on. A stream that breaks fails every request
 still open on it with the stream's status, as a failed call would (``infermesh.failover`` then
 tries the fallback worker before the first chunk, and ends the request cleanly after it).
@@ -24,7 +25,6 @@ import grpc
 from opentelemetry import propagate
 
 import telemetry
-from gateway.errors import GatewayError
 from infermesh.bidi import SharedCall, SharedCalls, call_error, check_size, status_code
 from infermesh.channels import WorkerChannels
 from infermesh.failover import stall_details
@@ -34,11 +34,12 @@ from telemetry.metrics import SLOW_CLIENTS, STREAM_REQUESTS_OPEN
 _PEER = "worker"
 
 
-class ClientTooSlowError(GatewayError):
-    """The client read its stream so slowly that its request's buffer overflowed."""
+# A request's chunks its reader has not taken yet, at most, by default.
+BUFFERED_CHUNKS = 4096
 
-    status = 500
-    code = "client_too_slow"
+
+class ReaderTooSlowError(Exception):
+    """A request's reader took its chunks so slowly that the request's buffer overflowed."""
 
 
 class _Request:
@@ -77,7 +78,7 @@ class _Request:
         """Buffers ``chunk``; False when the buffer overflowed (the request then failed)."""
         if len(self._chunks) >= self._limit:
             self.fail(
-                ClientTooSlowError(
+                ReaderTooSlowError(
                     f"The client read the stream too slowly: more than {self._limit} chunks waited "
                     "for it, so the request was ended"
                 )
@@ -130,7 +131,7 @@ class _Request:
         return self._chunks.popleft()
 
 
-class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _Request]):
+class _ServeCall(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _Request]):
     """One ``Worker.Serve`` call; its waiting requests buffer their chunks."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, buffered_chunks: int) -> None:
@@ -148,7 +149,7 @@ class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _R
         request: common_pb2.GenerateRequest,
         *,
         whole: bool,
-        timeout_s: float,
+        timeout_s: float | None,
         stall_s: float | None,
     ) -> _Request:
         if self.broken:
@@ -157,8 +158,10 @@ class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _R
         opened = _Request(next(self._ids), self._buffered_chunks, stall_s)
         self.waiting[opened.id] = opened
         STREAM_REQUESTS_OPEN.inc()
+        # timeout_ms 0: no deadline
+        timeout_ms = 0 if timeout_s is None else max(1, round(timeout_s * 1000))
         message = self.outgoing.message.open.add(
-            id=opened.id, request=request, whole=whole, timeout_ms=max(1, round(timeout_s * 1000))
+            id=opened.id, request=request, whole=whole, timeout_ms=timeout_ms
         )
         if telemetry.tracing_enabled():
             propagate.inject(message.trace_context)
@@ -196,13 +199,19 @@ class _Stream(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse, _R
         waiter.fail(error)
 
 
-class WorkerStreams:
+class ServeClient:
     """Up to ``per_worker`` streams per worker address, opened on first use and replaced
     when broken, requests spread over them in turn; safe to share across requests."""
 
-    def __init__(self, channels: WorkerChannels, *, per_worker: int, buffered_chunks: int) -> None:
-        self._streams: SharedCalls[_Stream] = SharedCalls(
-            lambda address: _Stream(channels.stub(address), buffered_chunks), per_worker
+    def __init__(
+        self,
+        channels: WorkerChannels,
+        *,
+        per_worker: int = 1,
+        buffered_chunks: int = BUFFERED_CHUNKS,
+    ) -> None:
+        self._streams: SharedCalls[_ServeCall] = SharedCalls(
+            lambda address: _ServeCall(channels.stub(address), buffered_chunks), per_worker
         )
 
     async def chunks(
@@ -211,26 +220,32 @@ class WorkerStreams:
         request: common_pb2.GenerateRequest,
         *,
         whole: bool,
-        timeout_s: float,
+        timeout_s: float | None,
         stall_s: float | None = None,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The request's chunks from the worker at ``address`` (``whole``: only the last, the
-        whole completion). Fails as the call would: ``grpc.aio.AioRpcError`` with the
-        worker's status, DEADLINE_EXCEEDED after ``timeout_s``, UNAVAILABLE when the worker
-        sends nothing for ``stall_s`` after its first chunk (None: no limit). Closing the
-        iterator early cancels the request on the worker."""
+        whole completion). Fails as a call of its own would: ``grpc.aio.AioRpcError`` with the
+        worker's status, DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE
+        when the worker sends nothing for ``stall_s`` after its first chunk (None: no limit);
+        ``ReaderTooSlowError`` past the buffer. Closing the iterator early cancels the request
+        on the worker."""
         stream = self._streams.get(address)
         opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s)
-        expiry = asyncio.get_running_loop().call_later(
-            timeout_s,
-            opened.fail,
-            call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+        expiry = (
+            None
+            if timeout_s is None
+            else asyncio.get_running_loop().call_later(
+                timeout_s,
+                opened.fail,
+                call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+            )
         )
         try:
             while (chunk := await opened.next()) is not None:
                 yield chunk
         finally:
-            expiry.cancel()
+            if expiry is not None:
+                expiry.cancel()
             opened.stop_timer()
             if not opened.finished:
                 stream.cancel(opened)
