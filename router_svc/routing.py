@@ -111,6 +111,21 @@ class Decision:
     workers: list[WorkerEntry]  # best first: the first try, then the fallback
     reasons: dict[str, str | float | bool | int]  # for the span: why the first was chosen
     cached_tokens: int = 0  # of the prompt, in the first worker's cache as the index predicts
+    # what chose the first worker, for the decisions metric: "turn" (round robin, random),
+    # "session" (the session's worker), "cache" (it holds part of the prompt), "affinity" (the
+    # prompt's head hashes to it) or "load" (the cost alone)
+    basis: str = "load"
+
+
+def _basis(request: RouteRequest, at_home: bool, cached_tokens: int) -> str:
+    """What chose the first worker of a cost-ranked decision (``Decision.basis``)."""
+    if request.session and at_home:
+        return "session"
+    if cached_tokens:
+        return "cache"
+    if at_home:
+        return "affinity"
+    return "load"
 
 
 def prefix_key(request: common_pb2.GenerateRequest, prefix_bytes: int) -> int:
@@ -161,7 +176,7 @@ class Chooser:
             picked = (
                 [group.slots[first], group.slots[(first + 1) % n]] if n > 1 else [group.slots[0]]
             )
-            return Decision([fleet.entry_at(s) for s in picked], {"policy": policy})
+            return Decision([fleet.entry_at(s) for s in picked], {"policy": policy}, basis="turn")
         busy = fleet.busy_now[group.slots]
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
@@ -208,7 +223,9 @@ class Chooser:
                 "cached_tokens": cached_tokens,
             }
         workers = [fleet.entry_at(group.slots[i]) for i in order]
-        return Decision(workers, reasons, cached_tokens)
+        return Decision(
+            workers, reasons, cached_tokens, _basis(request, best == home, cached_tokens)
+        )
 
     def _cached_tokens(self, fleet: Fleet, group: Group, request: RouteRequest) -> np.ndarray:
         """Each candidate's tokens of the prompt's prefix in its cache (all 0 without an index)."""

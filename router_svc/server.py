@@ -311,8 +311,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             free_only=free_only,
         )
         _record_decision(trace.get_current_span(), decision)
-        if routed and request.prefix_hashes:
-            _count_saved(decision)
+        if routed:
+            metrics.ROUTER_DECISIONS.labels(self._config.routing.policy, decision.basis).inc()
+            if request.prefix_hashes:
+                _count_saved(decision)
         return decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
 
     async def _decide(

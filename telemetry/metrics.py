@@ -147,6 +147,15 @@ ROUTER_QUEUE_REJECTED = Counter(
 )
 
 
+ROUTER_DECISIONS = Counter(
+    "infermesh_router_decisions",
+    "Requests the router placed, by policy and by what chose the worker (turn: round robin or "
+    "random; session: the session's worker; cache: it held part of the prompt; affinity: the "
+    "prompt's head hashes to it; load: the cost alone)",
+    ["policy", "basis"],
+)
+
+
 # The router's index of the workers' prefix caches (router_svc/prefix_index.py).
 PREFIX_TOKENS_SAVED = Counter(
     "infermesh_router_prefix_tokens_saved",

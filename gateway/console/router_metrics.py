@@ -1,8 +1,8 @@
 """The router's routing figures for the Fleet page, read from the router's own Prometheus
 exposition (``[console] router_metrics_url``: its ``[metrics]`` port) and parsed with
-prometheus_client: requests routed with prompt prefix hashes, how many went to a worker that had
-part of the prompt cached (cache hits, as the router's index predicted them), the cached tokens
-per worker, and its fair queue by tier."""
+prometheus_client: its decisions by policy and by what chose the worker, requests routed with
+prompt prefix hashes, how many went to a worker that had part of the prompt cached (cache hits, as
+the router's index predicted them), the cached tokens per worker, and its fair queue by tier."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ _TIMEOUT_S = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class RouterFigures:
+    # requests placed, by (policy, basis: what chose the worker; router_svc.routing.Decision)
+    decisions: dict[tuple[str, str], int]
     routed_with_prefix: int  # requests the router routed with prompt prefix hashes
     cache_hits: int  # of those, routed to a worker holding part of the prompt
     cached_tokens: int
@@ -57,7 +59,13 @@ async def read_router_figures(url: str) -> RouterFigures:
 
     histogram = "infermesh_router_prefix_tokens_saved_per_request"
     routed = total(f"{histogram}_count")
+    decisions = {
+        (tags["policy"], tags["basis"]): round(v)
+        for n, tags, v in samples
+        if n == "infermesh_router_decisions_total"
+    }
     return RouterFigures(
+        decisions=dict(sorted(decisions.items())),
         routed_with_prefix=routed,
         cache_hits=routed - total(f"{histogram}_bucket", le="0.0"),
         cached_tokens=total(f"{histogram}_sum"),

@@ -137,6 +137,9 @@ async def test_an_operator_manages_a_key_from_the_console(
         await expect(
             page.get_by_text("requests routed by their prompt's cached prefixes")
         ).to_be_visible()
+        # the chat completion above, as the router counted its decision
+        decisions = page.get_by_role("row").filter(has_text="balanced").first
+        await expect(decisions).to_be_visible()
         await _shot(page, screenshots, "fleet")
 
         await page.get_by_role("link", name="Recent requests").click()

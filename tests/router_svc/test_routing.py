@@ -366,3 +366,16 @@ def test_a_new_session_stays_on_its_worker_though_its_system_prompt_is_cached_el
     chooser = Chooser(RoutingSection(), cached_on(fleet, {elsewhere: system}))
     decision = chooser.choose(fleet, with_hashes(system + chain(list(range(9, 200))), "s"))
     assert decision.workers[0].worker_id == home and decision.cached_tokens == 0
+
+
+def test_a_decision_says_what_chose_its_worker():
+    fleet = fleet_of(*(info(f"w{i}") for i in range(4)))
+    hashes = chain(list(range(16 * 8)))
+    index = cached_on(fleet, {"w2": hashes[:8]})
+    balanced = Chooser(RoutingSection(hardware_weight=0), index)
+    assert balanced.choose(fleet, with_hashes(hashes)).basis == "cache"
+    assert balanced.choose(fleet, with_hashes(chain(list(range(99, 131))))).basis == "load"
+    assert balanced.choose(fleet, session("s1")).basis == "session"
+    assert balanced.choose(fleet, route(prompt="system " * 40)).basis == "affinity"
+    for policy in ("round_robin", "random"):
+        assert Chooser(RoutingSection(policy=policy)).choose(fleet, route()).basis == "turn"
