@@ -790,7 +790,7 @@ class Transformer(nn.Module):
     def absorb_prefill(self) -> bool:
         """Prefill chunks attend in the absorbed form, as decode does (the expanded form is the
         default: the same logits, for long prompts several times faster)."""
-        return cast(MLA, cast(Block, self.layers[0]).self_attn).absorb_prefill
+        return cast(Block, self.layers[0]).self_attn.absorb_prefill
 
     @absorb_prefill.setter
     def absorb_prefill(self, absorbed: bool) -> None:
