@@ -567,27 +567,27 @@ class MLA(nn.Module):
         layer_cache: torch.Tensor,
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The group's queries over its sequences' cached latents (only the `selected` ones, where
-        the indexer chose), kv_b_proj absorbed: q_nope -> latent space (one dot product with
-        [latent, k_pe] scores both parts), the latent output -> v. -> [b * s, H, d_v]"""
+        """The group's queries with kv_b_proj absorbed: q_nope -> latent space (one dot product
+        with [latent, k_pe] scores both parts), the latent output -> v. -> [b * s, H, d_v]"""
         a = self.args
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
-        end = group.token_start + group.batch * group.seqlen
-        q_nope = torch.einsum(
-            "thd,hdc->thc", q_nope[group.token_start : end], wkv_b[:, : a.qk_nope_head_dim]
-        )
+        rows = slice(group.token_start, group.token_start + group.batch * group.seqlen)
+        q_nope = torch.einsum("thd,hdc->thc", q_nope[rows], wkv_b[:, : a.qk_nope_head_dim])
         # [b, s, H, c + r]
-        q = torch.cat([q_nope, q_pe[group.token_start : end]], dim=-1).unflatten(
-            0, (group.batch, group.seqlen)
-        )
-        if selected is None:
-            keys = layer_cache[group.key_slots]  # [b, L, c + r]
-            scores = torch.einsum(
-                "bshc,btc->bsht", q, keys
-            ) * self.softmax_scale + group.mask.unsqueeze(2)
-            probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
-            out = torch.einsum("bsht,btc->bshc", probs, keys[..., : a.kv_lora_rank])
-        else:
+        q = torch.cat([q_nope, q_pe[rows]], dim=-1).unflatten(0, (group.batch, group.seqlen))
+        out = self._attend_latent(q, group, layer_cache, selected)  # [b * s, H, c]
+        return torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])
+
+    def _attend_latent(
+        self,
+        q: torch.Tensor,
+        group: AttentionGroup,
+        layer_cache: torch.Tensor,
+        selected: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The group's absorbed queries q: [b, s, H, c + r] over its sequences' cached latents (only
+        the `selected` ones, where the indexer chose) -> latent outputs [b * s, H, c]."""
+        if selected is not None:
             out = sparse_attend(
                 q,
                 layer_cache,
@@ -595,9 +595,17 @@ class MLA(nn.Module):
                 group.mask,
                 selected,
                 self.softmax_scale,
-                a.kv_lora_rank,
+                self.args.kv_lora_rank,
             )
-        return torch.einsum("bshc,hdc->bshd", out, wkv_b[:, a.qk_nope_head_dim :]).flatten(0, 1)
+            return out.flatten(0, 1)
+        keys = layer_cache[group.key_slots]  # [b, L, c + r]
+        scores = torch.einsum(
+            "bshc,btc->bsht", q, keys
+        ) * self.softmax_scale + group.mask.unsqueeze(2)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+        return torch.einsum("bsht,btc->bshc", probs, keys[..., : self.args.kv_lora_rank]).flatten(
+            0, 1
+        )
 
     def _attend_expanded(
         self,
