@@ -143,7 +143,7 @@ _DELTAS = {
 @dataclass
 class Turn:
     ttft_s: float
-    input_tokens: int  # as the usage reports them
+    input_tokens: int  # the whole prompt, cached tokens included
     cached_tokens: int
 
 
@@ -249,7 +249,8 @@ async def messages_turn(
     async with client.beta.messages.stream(**request) as stream:
         ttft, _ = await _timed(stream, started)
         usage = (await stream.get_final_message()).usage
-    return Turn(ttft, usage.input_tokens, usage.cache_read_input_tokens or 0)
+    cached = usage.cache_read_input_tokens or 0
+    return Turn(ttft, usage.input_tokens + cached, cached)  # Anthropic's input_tokens: uncached
 
 
 TurnFn = Callable[[str, str, bool], Awaitable[Turn]]

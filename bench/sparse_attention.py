@@ -155,7 +155,8 @@ def attention_split_s(
             q_index, weights, index_keys, group.mask, a.index_topk, indexer.softmax_scale
         )
 
-    full = fastest_s(lambda: mla._attend(query, group, layer_cache, None), repeats, device)
+    q = query.unflatten(0, (batch, seqlen))
+    full = fastest_s(lambda: mla._attend_latent(q, group, layer_cache, None), repeats, device)
     if length <= a.index_topk:
         return full, float("nan"), float("nan"), float("nan")
     selected = select()
@@ -168,7 +169,6 @@ def attention_split_s(
         indexer.softmax_scale,
     )
     agreement = (selected.unsqueeze(-1) == fp8.unsqueeze(-2)).any(-1).float().mean().item()
-    q = query.unflatten(0, (batch, seqlen))
     scoring = fastest_s(select, repeats, device)
     sparse = fastest_s(
         lambda: sparse_attend(

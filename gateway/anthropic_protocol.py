@@ -335,8 +335,10 @@ def message_id() -> str:
 
 
 def usage(tokens: TokenUsage) -> dict[str, int]:
+    """Anthropic's counts: ``input_tokens`` are the prompt's tokens read from no cache, so the
+    prompt is ``input_tokens + cache_read_input_tokens`` (+ creation, always 0 here)."""
     return {
-        "input_tokens": tokens.prompt_tokens,
+        "input_tokens": tokens.prompt_tokens - tokens.cached_tokens,
         "output_tokens": tokens.completion_tokens,
         "cache_read_input_tokens": tokens.cached_tokens,
         "cache_creation_input_tokens": 0,

@@ -94,6 +94,8 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
         "model": body.model,
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
         "prompt_cache_key": body.prompt_cache_key,
         # the Response object's reasoning: effort and summary (a request's context is not echoed)
         "reasoning": body.reasoning.model_dump(include={"effort", "summary"})

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, TypeAdapter, field_validator
 from gateway.errors import InvalidRequestError
 from gateway.openai_protocol import (
     MeshRequest,
+    Penalty,
     UInt32,
     router_role,
     with_precision_header,
@@ -406,6 +407,8 @@ class ResponsesRequest(MeshRequest):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
@@ -467,6 +470,8 @@ class ResponsesRequest(MeshRequest):
             temperature=self.temperature,
             top_p=self.top_p,
             max_tokens=self.max_output_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
         if self.logprobs:
             sampling.logprobs = True

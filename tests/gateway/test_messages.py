@@ -4,6 +4,7 @@ and worker, with the official anthropic SDK as the client."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import anthropic
 import pytest
@@ -70,6 +71,28 @@ async def test_wire_events_in_anthropic_framing(served, api_key):
     # the prompt's count is known with the first token, before message_start goes out
     start, delta = events[0]["message"]["usage"], events[-2]["usage"]
     assert start["input_tokens"] == delta["input_tokens"] > 0
+
+
+async def test_input_tokens_exclude_those_read_from_the_cache(served, api_key):
+    """As Anthropic counts: the prompt is input_tokens + cache_read_input_tokens, in a message,
+    in message_start and in message_delta."""
+    # a prompt no other test sends, long enough to fill a few of the prefix cache's blocks
+    ask = {**_WIRE, "system": f"{uuid.uuid4().hex} " + "Answer. " * 80}
+    first = await served.post("/v1/messages", headers=auth(api_key), json=ask)
+    cold = (await first.json())["usage"]
+    assert cold["cache_read_input_tokens"] == 0 and cold["input_tokens"] > 80
+    stream = {**ask, "stream": True}
+    streamed = await served.post("/v1/messages", headers=auth(api_key), json=stream)
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in (await streamed.text()).split("\n")
+        if line.startswith("data: ")
+    ]
+    again = await served.post("/v1/messages", headers=auth(api_key), json=ask)
+    for warm in (events[0]["message"]["usage"], events[-2]["usage"], (await again.json())["usage"]):
+        assert warm["cache_read_input_tokens"] > 0
+        assert warm["input_tokens"] + warm["cache_read_input_tokens"] == cold["input_tokens"]
+        assert warm["cache_creation_input_tokens"] == 0
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from gateway.config import ModelsSection
 from tests.helpers import MODEL, claude_code
-from tests.helpers.gateway import auth, make_config, sdk, start_gateway
+from tests.helpers.gateway import auth, make_config, prompt_tokens, sdk, start_gateway
 from tests.helpers.inprocess import running_worker
 from tests.helpers.tools import SLOW_TIMEOUT_S
 from worker_svc.config import DEFAULT_MODEL_PATH
@@ -77,7 +77,7 @@ async def test_claude_codes_request_is_streamed(claude_served, api_key):
     start = events[0]
     assert start.type == "message_start" and start.message.model == _CLAUDE
     # the prompt's count arrives with message_start, as it is billed
-    assert start.message.usage.input_tokens > 1000
+    assert prompt_tokens(start.message.usage) > 1000
     block = next(e.content_block for e in events if e.type == "content_block_start")
     assert block.type in ("text", "tool_use")
 
@@ -99,7 +99,7 @@ async def test_a_named_tool_in_claude_codes_shape_is_one_call(claude_served, api
         assert answer.context_management is not None
         assert answer.context_management.applied_edits == []
     assert events[0] == "message_start" and events[-1] == "message_stop"
-    assert streamed.usage.input_tokens == message.usage.input_tokens > 1000
+    assert prompt_tokens(streamed.usage) == prompt_tokens(message.usage) > 1000
 
 
 async def test_count_tokens_is_the_billed_input(claude_served, api_key):
@@ -134,7 +134,7 @@ async def test_count_tokens_is_the_billed_input(claude_served, api_key):
             billed = await client.beta.messages.create(
                 **{**shape, "messages": messages, "max_tokens": 1}
             )
-            assert counted.input_tokens == billed.usage.input_tokens > 1000
+            assert counted.input_tokens == prompt_tokens(billed.usage) > 1000
 
 
 def _tool_history(uses: int) -> list[dict[str, Any]]:
@@ -169,14 +169,14 @@ async def test_tool_results_are_cleared_server_side(claude_served, api_key):
         )
     assert counted.context_management is not None
     original = counted.context_management.original_input_tokens
-    assert counted.input_tokens == message.usage.input_tokens < original
+    assert counted.input_tokens == prompt_tokens(message.usage) < original
     assert message.context_management is not None
     (applied,) = message.context_management.applied_edits
     assert applied.type == "clear_tool_uses_20250919" and applied.cleared_tool_uses == 3
     assert applied.cleared_input_tokens == original - counted.input_tokens
     assert untouched.context_management is not None
     assert untouched.context_management.applied_edits == []
-    assert untouched.usage.input_tokens == original
+    assert prompt_tokens(untouched.usage) == original
 
 
 async def test_edit_types_not_implemented_are_refused_by_name(claude_served, api_key):

@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk
+from tests.helpers.openresponses import validate_event, validate_response
 from tests.helpers.tools import SLOW_TIMEOUT_S, TIME, WEATHER
 from worker_svc.config import CacheSection
 
@@ -65,6 +66,7 @@ async def test_create_answers_a_response_the_sdk_models_accept(served, api_key):
     async with sdk(served, api_key, timeout=SLOW_TIMEOUT_S) as client:
         raw = await client.responses.with_raw_response.create(**ask)
         again = await client.responses.create(**ask)
+    validate_response(json.loads(raw.content))
     response = Response.model_validate(json.loads(raw.content))
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status in ("completed", "incomplete") and response.model == MODEL
@@ -136,6 +138,7 @@ async def test_every_event_is_numbered_and_parses(served, api_key):
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
         _EVENTS.validate_python(event)
+        validate_event(event)
     kinds = [e["type"] for e in events]
     assert kinds[:4] == [
         "response.created",
@@ -156,6 +159,28 @@ async def test_every_event_is_numbered_and_parses(served, api_key):
     assert logprobs and all(len(lp["top_logprobs"]) == 2 for lp in logprobs)
     [message] = events[-1]["response"]["output"]
     assert message["content"][0]["logprobs"] == logprobs
+
+
+async def test_a_function_call_and_its_events_validate_against_open_responses(served, api_key):
+    """Every field the Open Responses document requires is there, in a response that calls a
+    tool with sampling penalties given (they are echoed) and in each event of its stream."""
+    body = {
+        **_GREEDY,
+        "input": "weather in Paris?",
+        "tools": [_WEATHER_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 300,
+        "presence_penalty": 0.5,
+    }
+    response = await served.post("/v1/responses", headers=auth(api_key), json=body)
+    answer = await response.json()
+    validate_response(answer)
+    assert (answer["presence_penalty"], answer["frequency_penalty"]) == (0.5, 0.0)
+    events = await _raw_events(served, api_key, body)
+    for event in events:
+        validate_event(event)
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["function_call"]
 
 
 async def test_stored_response_is_retrieved_listed_and_deleted(served, api_key, redis_client):
@@ -345,6 +370,7 @@ async def test_worker_lost_mid_stream_ends_with_response_failed(served, worker, 
     assert failed["response"]["error"]["code"] == "server_error"
     assert failed["sequence_number"] == events[-2]["sequence_number"] + 1
     _EVENTS.validate_python(failed)
+    validate_event(failed)
     retrieved = await served.get(f"/v1/responses/{failed['response']['id']}", headers=auth(api_key))
     assert retrieved.status == 404  # a failed response is not stored
 

@@ -54,6 +54,11 @@ def auth(key: str) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+def prompt_tokens(usage: Any) -> int:
+    """A Messages answer's whole prompt: Anthropic's ``input_tokens`` leave out the cached."""
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+
 def sdk(
     gateway: TestClient[web.Request, web.Application],
     key: str,

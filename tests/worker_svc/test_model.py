@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from tests.helpers.hf_reference import transformers_reference
 from worker_svc.hardware.sizing import model_size
+from worker_svc.model import model as model_module
 from worker_svc.model.checkpoint import load_checkpoint
 from worker_svc.model.kernel import FP8
 from worker_svc.model.model import (
@@ -324,3 +325,24 @@ def test_model_sizes_count_what_the_model_holds(model_dir: Path):
         + (config["vocab_size"] - 1) * dim
     )
     assert sizes.active_params == sizes.params - idle  # unchosen experts and other embedding rows
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_dir", "v2_lite_dir", "v32_dir"])
+def test_expanded_prefill_gives_the_absorbed_logits(request, checkpoint, monkeypatch):
+    """Prefill chunks attend over keys and values expanded from the cached latents by default; the
+    absorbed form (decode's) gives the same logits: in chunks of 7, 13 and the rest, each reading
+    the cached prefix, with queries attending in chunks of 5 (smaller than a prefill chunk). On
+    V3.2 (index_topk 12) the first chunk attends densely, the later ones where the indexer selects
+    (absorbed either way)."""
+    monkeypatch.setattr(model_module, "_QUERY_CHUNK", 5)
+    model, config = load_checkpoint(request.getfixturevalue(checkpoint), torch.float32)
+    prompt = _prompt(config, 40, seed=4)
+    logits = {}
+    for absorbed in (False, True):
+        model.absorb_prefill = absorbed
+        cache = model.setup_cache(1, prompt.size(1))
+        logits[absorbed] = [
+            model(prompt[:, start:end], start, cache) for start, end in ((0, 7), (7, 20), (20, 40))
+        ]
+    for expanded, absorbed_logits in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(expanded, absorbed_logits, atol=LOGITS_ATOL, rtol=0)

@@ -1,13 +1,15 @@
 """DeepSeek-V3, V3.2 and V2 (model_type deepseek_v3, deepseek_v32, deepseek_v2) forward pass in
 plain PyTorch.
 
-MLA attention with a compressed latent KV cache (kv_b_proj absorbed into the query and the
-output, DeepSeek's "absorb" mode), MoE with shared experts and the router config.json names
-(V3: sigmoid scores, bias-steered group-limited top-k; V2: softmax scores, greedy or
-group-limited greedy top-k), YaRN RoPE; V3.2 adds DeepSeek Sparse Attention: per layer an `Indexer`
-picks the tokens MLA attends to (worker_svc.model.indexer). Module and parameter names follow the HF
-checkpoint (`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's
-words (MLA, Gate, Expert, MoE, Block).
+MLA attention with a compressed latent KV cache: decode attends over the latents with kv_b_proj
+absorbed into the query and the output (DeepSeek's "absorb" mode), a prefill chunk over keys and
+values expanded from them (DeepSeek's "naive" mode, as its inference code and vLLM prefill). MoE
+with shared experts and the router config.json names (V3: sigmoid scores, bias-steered
+group-limited top-k; V2: softmax scores, greedy or group-limited greedy top-k), YaRN RoPE; V3.2
+adds DeepSeek Sparse Attention: per layer an `Indexer` picks the tokens MLA attends to
+(worker_svc.model.indexer). Module and parameter names follow the HF checkpoint
+(`self_attn.q_a_proj`, ...) so a state dict loads by name; classes carry the paper's words (MLA,
+Gate, Expert, MoE, Block).
 """
 
 from __future__ import annotations
@@ -329,16 +331,25 @@ class KVCache:
 class AttentionGroup:
     """`batch` sequences with `seqlen` new tokens each, packed consecutively from `token_start`.
 
-    key_slots: [batch, L] cache slots of each sequence's keys in position order (padded with slot
-    0); mask: [batch, seqlen, L] additive, -inf where a key lies after the query (future or
-    padding).
+    query_positions: [batch, seqlen] positions of the new tokens; key_slots: [batch, L] cache slots
+    of each sequence's keys in position order (padded with slot 0).
     """
 
     token_start: int
     batch: int
     seqlen: int
+    query_positions: torch.Tensor
     key_slots: torch.Tensor
-    mask: torch.Tensor
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[batch, seqlen, L] additive, -inf where a key lies after the query (future or padding);
+        made when first read (the expanded prefill masks each chunk of queries on its own)."""
+        key_positions = torch.arange(self.key_slots.size(1), device=self.key_slots.device)
+        future = key_positions > self.query_positions.unsqueeze(-1)  # [b, s, L]
+        return torch.zeros(future.shape, device=self.key_slots.device).masked_fill_(
+            future, float("-inf")
+        )
 
     @classmethod
     def build(
@@ -347,12 +358,7 @@ class AttentionGroup:
         """query_positions: [b, s] positions of the new tokens; key_slots: [b, L] slots of positions
         0..L-1."""
         batch, seqlen = query_positions.shape
-        key_positions = torch.arange(key_slots.size(1), device=key_slots.device)
-        future = key_positions > query_positions.unsqueeze(-1)  # [b, s, L]
-        mask = torch.zeros(future.shape, device=key_slots.device).masked_fill_(
-            future, float("-inf")
-        )
-        return cls(token_start, batch, seqlen, key_slots, mask)
+        return cls(token_start, batch, seqlen, query_positions, key_slots)
 
 
 @dataclass
@@ -456,8 +462,14 @@ class Indexer(nn.Module):
         return torch.cat([apply_rotary_emb(rope, freqs_cis, interleaved=False), rest], dim=-1)
 
 
+# queries of a prefill chunk that attend together in the expanded form: their scores stay bounded
+_QUERY_CHUNK = 1024
+
+
 class MLA(nn.Module):
-    """Multi-head Latent Attention; decode attends over the latent cache without expanding it."""
+    """Multi-head Latent Attention. Decode attends over the latent cache without expanding it; a
+    prefill chunk expands the latents it reads (and, on V3.2, attends absorbed where its indexer
+    selects tokens: the selection differs per query)."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -481,6 +493,12 @@ class MLA(nn.Module):
         # set by pack(): the two projections of x as one GEMM
         self.wq_kv_a: torch.Tensor | None = None
         self.indexer = Indexer(args, layer_id) if args.sparse else None
+        # prefill chunks attend in the absorbed form too (Transformer.absorb_prefill)
+        self.absorb_prefill = False
+        assert args.qk_head_dim <= args.qk_nope_head_dim + args.v_head_dim, (
+            f"the expanded prefill reads values {args.qk_head_dim} wide out of kv_b_proj's "
+            f"{args.qk_nope_head_dim + args.v_head_dim} features per head"
+        )
 
     def pack(self) -> None:
         self.wq_kv_a = pack_linears([self._first_q_proj, self.kv_a_proj_with_mqa])
@@ -525,36 +543,50 @@ class MLA(nn.Module):
             0, layout.write_slots, torch.cat([self.kv_a_layernorm(kv), k_pe], dim=-1)
         )
 
-        # absorb kv_b_proj: q_nope -> latent space (one dot product with [latent, k_pe] scores both
-        # parts), attention output latent -> v
-        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
-        q_nope = torch.einsum("thd,hdc->thc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
-        query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, c + r]
-        groups = layout.groups
         chosen = (
-            [None] * len(groups)
+            [None] * len(layout.groups)
             if self.indexer is None
             else self.indexer(x, q_latent, layout, freqs_cis, cache)
         )
-        # [T, H, c]
+        # [T, H, d_v]
         out = torch.cat(
-            [self._attend(query, g, layer_cache, c) for g, c in zip(groups, chosen, strict=True)]
+            [
+                self._attend_expanded(q_nope, q_pe, g, layer_cache)
+                if g.seqlen > 1 and c is None and not self.absorb_prefill
+                else self._attend_absorbed(q_nope, q_pe, g, layer_cache, c)
+                for g, c in zip(layout.groups, chosen, strict=True)
+            ]
         )
-        out = torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])  # [T, H, d_v]
         return self.o_proj(out.flatten(1))
 
-    def _attend(
+    def _attend_absorbed(
         self,
-        query: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
         group: AttentionGroup,
         layer_cache: torch.Tensor,
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The group's queries over its sequences' cached keys (only the `selected` ones, where the
-        indexer chose) -> latent outputs [b * s, H, c]."""
-        end = group.token_start + group.batch * group.seqlen
+        """The group's queries with kv_b_proj absorbed: q_nope -> latent space (one dot product
+        with [latent, k_pe] scores both parts), the latent output -> v. -> [b * s, H, d_v]"""
+        a = self.args
+        wkv_b = self.kv_b_proj.weight.view(self.n_heads, -1, a.kv_lora_rank)  # [H, d_nope + d_v, c]
+        rows = slice(group.token_start, group.token_start + group.batch * group.seqlen)
+        q_nope = torch.einsum("thd,hdc->thc", q_nope[rows], wkv_b[:, : a.qk_nope_head_dim])
         # [b, s, H, c + r]
-        q = query[group.token_start : end].unflatten(0, (group.batch, group.seqlen))
+        q = torch.cat([q_nope, q_pe[rows]], dim=-1).unflatten(0, (group.batch, group.seqlen))
+        out = self._attend_latent(q, group, layer_cache, selected)  # [b * s, H, c]
+        return torch.einsum("thc,hdc->thd", out, wkv_b[:, a.qk_nope_head_dim :])
+
+    def _attend_latent(
+        self,
+        q: torch.Tensor,
+        group: AttentionGroup,
+        layer_cache: torch.Tensor,
+        selected: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The group's absorbed queries q: [b, s, H, c + r] over its sequences' cached latents (only
+        the `selected` ones, where the indexer chose) -> latent outputs [b * s, H, c]."""
         if selected is not None:
             out = sparse_attend(
                 q,
@@ -574,6 +606,50 @@ class MLA(nn.Module):
         return torch.einsum("bsht,btc->bshc", probs, keys[..., : self.args.kv_lora_rank]).flatten(
             0, 1
         )
+
+    def _attend_expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        group: AttentionGroup,
+        layer_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """A prefill group's queries over keys and values expanded from its cached latents by
+        kv_b_proj (prefix included), per head qk_head_dim wide keys and v_head_dim wide values: for
+        many queries far fewer operations than the absorbed form's kv_lora_rank-wide ones. Queries
+        go in chunks of _QUERY_CHUNK, each over the keys up to its last position only, so the
+        masked half of causal attention is skipped and memory stays bounded. -> [b * s, H, d_v]"""
+        a = self.args
+        end = group.token_start + group.batch * group.seqlen
+        # [b, H, s, qk_head_dim]
+        q = torch.cat([q_nope[group.token_start : end], q_pe[group.token_start : end]], dim=-1)
+        q = q.unflatten(0, (group.batch, group.seqlen)).transpose(1, 2)
+        latent, k_pe = layer_cache[group.key_slots].split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(latent.flatten(0, 1)).unflatten(0, latent.shape[:2])
+        kv = kv.unflatten(-1, (self.n_heads, -1))  # [b, L, H, d_nope + d_v]
+        k_nope = kv[..., : a.qk_nope_head_dim]
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)], dim=-1)
+        # torch's fused (flash) attention wants values as wide as keys: the qk_head_dim features
+        # that end with v (a view, no copy), of whose outputs only v's are kept
+        v = kv[..., -a.qk_head_dim :]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, H, L, qk_head_dim]
+        key_positions = torch.arange(group.key_slots.size(1), device=q.device)
+        out = []
+        for start in range(0, group.seqlen, _QUERY_CHUNK):
+            query_positions = group.query_positions[:, start : start + _QUERY_CHUNK]  # [b, chunk]
+            keys = int(query_positions[:, -1].max()) + 1  # none later is visible to the chunk
+            # [b, 1, chunk, keys]: shared by the heads
+            visible = (key_positions[:keys] <= query_positions.unsqueeze(-1)).unsqueeze(1)
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start : start + _QUERY_CHUNK],
+                    k[:, :, :keys],
+                    v[:, :, :keys],
+                    attn_mask=visible,
+                    scale=self.softmax_scale,
+                )[..., -a.v_head_dim :]
+            )
+        return torch.cat(out, dim=2).transpose(1, 2).flatten(0, 1)
 
 
 class MLP(nn.Module):
@@ -717,6 +793,17 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.lm_head = _linear(args.dim, args.vocab_size)
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    @property
+    def absorb_prefill(self) -> bool:
+        """Prefill chunks attend in the absorbed form, as decode does (the expanded form is the
+        default: the same logits, for long prompts several times faster)."""
+        return cast(Block, self.layers[0]).self_attn.absorb_prefill
+
+    @absorb_prefill.setter
+    def absorb_prefill(self, absorbed: bool) -> None:
+        for layer in cast(Iterator[Block], iter(self.layers)):
+            layer.self_attn.absorb_prefill = absorbed
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Recompute non-persistent buffers (after building on the meta device and loading
