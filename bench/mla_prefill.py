@@ -62,6 +62,12 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=_DEFAULT_DIR)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[3370, 13497, 32000])
     parser.add_argument("--prefill-chunk-size", type=int, default=256)
+    parser.add_argument(
+        "--idle-prefill-chunk-size",
+        type=int,
+        default=ParallelSection.idle_prefill_chunk_size,
+        help="prompt tokens per step with nothing decoding (the worker's default)",
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="[model] dtype: auto is the policy's")
     ns = parser.parse_args()
@@ -70,7 +76,11 @@ def main() -> None:
         ns.model_dir,
         dtype=ns.dtype,
         max_model_len=longest + 1,
-        parallel=ParallelSection(max_parallel=1, prefill_chunk_size=ns.prefill_chunk_size),
+        parallel=ParallelSection(
+            max_parallel=1,
+            prefill_chunk_size=ns.prefill_chunk_size,
+            idle_prefill_chunk_size=max(ns.prefill_chunk_size, ns.idle_prefill_chunk_size),
+        ),
         cache=CacheSection(enable_prefix_caching=False),
     )
     print(

@@ -96,6 +96,11 @@ class ParallelSection:
     max_waiting: int = 256  # requests queued past the running batch; more get RESOURCE_EXHAUSTED
     # prompt tokens computed per step in all, so running decodes never stall long
     prefill_chunk_size: int = 256
+    # the same when no sequence is decoding: nothing waits on the step, and a long prompt's
+    # prefill costs less in fewer, larger steps (each step expands every cached latent of it
+    # again). A step attending absorbed (V3.2's sparse prefill) holds scores of this many
+    # queries over the whole context: lower it where those do not fit
+    idle_prefill_chunk_size: int = 2048
     # Model parallelism across GPUs and nodes: only [engine] kind = "vllm" serves more than one GPU.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -119,6 +124,11 @@ class ParallelSection:
             raise ValueError(
                 f"prefill_chunk_size: must be at least 1, got {self.prefill_chunk_size}"
             )
+        if self.idle_prefill_chunk_size < self.prefill_chunk_size:
+            raise ValueError(
+                f"idle_prefill_chunk_size: must be at least prefill_chunk_size "
+                f"({self.prefill_chunk_size}), got {self.idle_prefill_chunk_size}"
+            )
 
     def resolved(self, device: str, device_name: str) -> Batching:
         """This section with the unset knobs taken from the defaults for the device
@@ -138,6 +148,7 @@ class ParallelSection:
             else self.dynamic_batch_timeout_ms,
             max_waiting=self.max_waiting,
             prefill_chunk_size=self.prefill_chunk_size,
+            idle_prefill_chunk_size=self.idle_prefill_chunk_size,
         )
 
 
@@ -149,6 +160,7 @@ class Batching:
     dynamic_batch_timeout_ms: int
     max_waiting: int
     prefill_chunk_size: int
+    idle_prefill_chunk_size: int
 
 
 MIN_CPU_CACHE_BYTES = 64 * 2**20

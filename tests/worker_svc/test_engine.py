@@ -277,7 +277,7 @@ async def test_chunked_prefill_and_preemption_do_not_change_the_output(
         tiny_dir,
         dtype=EXACT_DTYPE,
         max_model_len=64,
-        parallel=ParallelSection(prefill_chunk_size=16),
+        parallel=ParallelSection(prefill_chunk_size=16, idle_prefill_chunk_size=16),
         cache=CacheSection(block_size=16, cpu_cache_bytes=2 * 64 * _bytes_per_token(fp32_engine)),
     )
     try:
@@ -435,7 +435,7 @@ async def test_v2_batched_chunked_and_prefix_cached_greedy_matches_transformers(
     engine = Engine.from_checkpoint(
         model_dir,
         dtype="float32",
-        parallel=ParallelSection(prefill_chunk_size=8),
+        parallel=ParallelSection(prefill_chunk_size=8, idle_prefill_chunk_size=8),
         cache=CacheSection(block_size=16),
     )
     try:

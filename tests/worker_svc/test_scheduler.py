@@ -176,3 +176,13 @@ def test_a_repeated_prefix_is_not_recomputed():
     s.add_request(second)
     out = _run_step(s)
     assert second.num_cached_prompt_tokens == 12 and _tokens(out) == {second.seq_id: 4}
+
+
+def test_with_nothing_decoding_prompts_share_the_idle_budget():
+    s = Scheduler(BlockManager(128, 4), 8, 16, _Clock(), idle_prefill_chunk_size=48)
+    short, long = _seq(3), _seq(200)
+    s.add_request(short)
+    s.add_request(long)
+    assert _tokens(_run_step(s)) == {short.seq_id: 3, long.seq_id: 45}  # nothing decodes yet
+    # short decodes now: the long prompt's chunks shrink so that it never waits long
+    assert _tokens(_run_step(s)) == {short.seq_id: 1, long.seq_id: 16}

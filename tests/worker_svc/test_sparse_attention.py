@@ -191,7 +191,7 @@ async def test_a_batch_with_chunked_prefill_preemption_and_prefix_cache_matches_
         v32_dir,
         dtype="float32",
         max_model_len=64,
-        parallel=ParallelSection(prefill_chunk_size=16),
+        parallel=ParallelSection(prefill_chunk_size=16, idle_prefill_chunk_size=16),
         cache=CacheSection(block_size=16, cpu_cache_bytes=80 * per_token),
     )
     params = SamplingParams(temperature=0, max_tokens=20)  # 32 steps are checked alone, above

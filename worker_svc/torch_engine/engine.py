@@ -102,7 +102,12 @@ class Engine:
             max_parallel=self.parallel.max_parallel,
             max_waiting=self.parallel.max_waiting,
         )
-        scheduler = Scheduler(blocks, self.parallel.max_parallel, self.parallel.prefill_chunk_size)
+        scheduler = Scheduler(
+            blocks,
+            self.parallel.max_parallel,
+            self.parallel.prefill_chunk_size,
+            idle_prefill_chunk_size=self.parallel.idle_prefill_chunk_size,
+        )
         runner = ModelRunner(model, kv_cache, device)
         self._loop = StepLoop(scheduler, runner, tokenizer)
 

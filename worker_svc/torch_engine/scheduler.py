@@ -2,7 +2,8 @@
 
 Every running sequence that is decoding gets its one token per step; prompt tokens (prefill, or
 the recompute of a preempted sequence) share a budget of `prefill_chunk_size` tokens per step,
-so a long prompt is computed in chunks beside the running decodes instead of stalling them.
+so a long prompt is computed in chunks beside the running decodes instead of stalling them; with
+no sequence decoding nothing waits on the step, and the budget is `idle_prefill_chunk_size`.
 New requests join at the next step while there is room (`max_parallel`, cache blocks); a
 sequence that finishes or is aborted leaves at once and frees its blocks. When the cache runs
 out mid-generation the newest running sequence is preempted: its blocks are freed and it is
@@ -90,9 +91,11 @@ class Scheduler:
         max_parallel: int,
         prefill_chunk_size: int,
         clock: Callable[[], float] = time.monotonic,
+        idle_prefill_chunk_size: int | None = None,
     ):
         self.blocks = blocks
         self.max_parallel, self.prefill_chunk_size = max_parallel, prefill_chunk_size
+        self.idle_prefill_chunk_size = idle_prefill_chunk_size or prefill_chunk_size
         self._clock = clock
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # oldest first
@@ -128,7 +131,8 @@ class Scheduler:
         return max(0.0, self.waiting[0].admit_deadline - self._clock())
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.prefill_chunk_size
+        decoding = any(seq.is_decoding for seq in self.running)
+        budget = self.prefill_chunk_size if decoding else self.idle_prefill_chunk_size
         scheduled: list[ScheduledSequence] = []
         preempted: list[SequenceState] = []
         i = 0
