@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -23,7 +24,7 @@ class WorkerClient:
     """Requests to workers by address (with ``tls``, this caller's certificate); a failed
     request raises ``grpc.aio.AioRpcError`` with the worker's status, as its own call would."""
 
-    def __init__(self, tls: TlsSection, *, per_worker: int = 1) -> None:
+    def __init__(self, tls: TlsSection = PLAINTEXT, *, per_worker: int = 1) -> None:
         self._channels = WorkerChannels(tls)
         self._serve = ServeClient(self._channels, per_worker=per_worker)
 
@@ -53,12 +54,29 @@ class WorkerClient:
 
 
 @contextlib.asynccontextmanager
-async def worker_client(tls: TlsSection, *, per_worker: int = 1) -> AsyncIterator[WorkerClient]:
+async def worker_client(
+    tls: TlsSection = PLAINTEXT, *, per_worker: int = 1
+) -> AsyncIterator[WorkerClient]:
     client = WorkerClient(tls, per_worker=per_worker)
     try:
         yield client
     finally:
         await client.close()
+
+
+def complete_once(
+    address: str,
+    request: common_pb2.GenerateRequest,
+    tls: TlsSection = PLAINTEXT,
+    timeout_s: float = TIMEOUT_S,
+) -> common_pb2.GenerateResponse:
+    """One whole completion, for a caller without an event loop (a synchronous test)."""
+
+    async def complete() -> common_pb2.GenerateResponse:
+        async with worker_client(tls) as client:
+            return await client.complete(address, request, timeout_s)
+
+    return asyncio.run(complete())
 
 
 class LoopbackWorker:
