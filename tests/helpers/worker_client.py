@@ -24,9 +24,9 @@ class WorkerClient:
     """Requests to workers by address (with ``tls``, this caller's certificate); a failed
     request raises ``grpc.aio.AioRpcError`` with the worker's status, as its own call would."""
 
-    def __init__(self, tls: TlsSection = PLAINTEXT, *, per_worker: int = 1) -> None:
+    def __init__(self, tls: TlsSection = PLAINTEXT) -> None:
         self._channels = WorkerChannels(tls)
-        self._serve = ServeClient(self._channels, per_worker=per_worker)
+        self._serve = ServeClient(self._channels)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """The worker's stub on the same channel, for its other methods (Info, Tokenize...)."""
@@ -54,10 +54,8 @@ class WorkerClient:
 
 
 @contextlib.asynccontextmanager
-async def worker_client(
-    tls: TlsSection = PLAINTEXT, *, per_worker: int = 1
-) -> AsyncIterator[WorkerClient]:
-    client = WorkerClient(tls, per_worker=per_worker)
+async def worker_client(tls: TlsSection = PLAINTEXT) -> AsyncIterator[WorkerClient]:
+    client = WorkerClient(tls)
     try:
         yield client
     finally:
@@ -106,7 +104,7 @@ async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWork
     config = WorkerConfig(server=ServerSection(port=0), tls=PLAINTEXT)
     server, servicer = await worker_server.create_server(config, engine)
     try:
-        async with worker_client(PLAINTEXT) as client:
+        async with worker_client() as client:
             yield LoopbackWorker(client, servicer.info)
     finally:
         await server.stop(grace=None)

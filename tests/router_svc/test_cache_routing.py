@@ -20,7 +20,6 @@ from router_svc.config import RoutingSection
 from router_svc.routing import Chooser, RouteRequest
 from tests.helpers import MODEL
 from tests.helpers.inprocess import (
-    PLAINTEXT,
     RunningRouter,
     RunningWorker,
     eventually,
@@ -58,7 +57,7 @@ def worker_sim(**engine):
 
 async def serve_on(worker: RunningWorker, prompt: str) -> None:
     """Serves ``prompt`` on that worker directly (the router does not see it), which caches it."""
-    async with worker_client(PLAINTEXT) as client:
+    async with worker_client() as client:
         await client.complete(worker.servicer.info.address, request(prompt, with_hashes=False))
 
 

@@ -262,7 +262,7 @@ async def test_a_torch_worker_tells_the_router_the_prefill_speed_it_measures(
             running_worker(engine, router, "measuring") as worker,
         ):
             assert worker.servicer.info.capabilities.prefill_tokens_per_second == 0
-            async with worker_client(PLAINTEXT) as client:
+            async with worker_client() as client:
                 prefill = _request("a prompt to prefill " * 40, max_tokens=1)
                 await client.complete(worker.servicer.info.address, prefill)
 
