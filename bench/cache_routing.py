@@ -74,9 +74,10 @@ from gateway.config import RouterSection
 from gateway.mesh_client import MeshClient
 from gateway.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
-from infermesh.pb import common_pb2, router_pb2_grpc, worker_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection
+from tests.helpers.worker_client import worker_client
 from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection
 from worker_svc.sim_engine.engine import SimEngine
 
@@ -428,12 +429,8 @@ async def warm_up(worker_addresses: list[str]) -> None:
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4),
     )
 
-    async def one(address: str) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
-            async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
-                pass
-
-    await asyncio.gather(*(one(a) for a in worker_addresses))
+    async with worker_client() as client:
+        await asyncio.gather(*(client.complete(a, request) for a in worker_addresses))
 
 
 @dataclasses.dataclass(frozen=True)

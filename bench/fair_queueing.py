@@ -37,11 +37,11 @@ from bench.router_policies import registered, serve_workers, spawn, stop, wait_u
 from devtools.redis_server import RedisServer
 from gateway.route_stream import RouteStream
 from gateway.route_stream import workers as route_workers
-from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection
+from tests.helpers.worker_client import WorkerClient
 from worker_svc.config import (
     EngineSection,
     ModelSection,
@@ -82,7 +82,7 @@ def worker_configs(router_address: str, workers: int, slots: int) -> list[Worker
 
 async def client(
     stream: RouteStream,
-    workers: WorkerChannels,
+    workers: WorkerClient,
     stats: KeyStats,
     tenant: str,
     max_tokens: int,
@@ -109,7 +109,7 @@ async def client(
             await asyncio.sleep(0.05)
             continue
         try:
-            reply = await workers.stub(chosen.address).Complete(request, timeout=60)
+            reply = await workers.complete(chosen.address, request, timeout_s=60)
         except grpc.aio.AioRpcError:
             stats.errors += measuring.is_set()
             continue
@@ -127,7 +127,7 @@ async def overload(
     channel = grpc.aio.insecure_channel(router_address)
     stub = router_pb2_grpc.RouterStub(channel)
     stream = RouteStream(stub)
-    workers = WorkerChannels(_PLAINTEXT)
+    workers = WorkerClient(_PLAINTEXT)
     stats = [KeyStats(w) for w in WEIGHTS]
     measuring, stopping = asyncio.Event(), asyncio.Event()
     tasks = [

@@ -2,12 +2,11 @@
 
     .venv/bin/python bench/grpc_floor.py [--duration 3] [--concurrency 1 64]
 
-A server process on core 0 answers infermesh.v1.Worker with no work at all (Complete: a
-unary reply of 16 tokens; Generate: the same as one streamed message);
+A server process on core 0 answers a bench service's two methods with no work at all (Unary:
+a reply of 16 tokens, the mesh's GenerateResponse; Stream: the same as one streamed message);
 a client process on core 1 calls it closed-loop. Prints calls/s and the CPU microseconds
-per call of each side, on asyncio's default loop and on uvloop. These are floors for the
-mesh: a request through the gateway makes two such calls (Router.Route, then
-Worker.Complete or Worker.Generate) and the router serves one.
+per call of each side, on asyncio's default loop and on uvloop: the floor of a call, the
+cost the mesh's long-lived streams (RouteStream, Worker.Serve) spread over many requests.
 """
 
 from __future__ import annotations
@@ -20,40 +19,45 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import psutil
 import uvloop
 
-from infermesh.pb import common_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2
 from infermesh.ports import free_port
 
 _SERVER_CORE, _CLIENT_CORE = 0, 1
+_SERVICE = "infermesh.bench.Floor"
+_REPLY = common_pb2.GenerateResponse(
+    text="x" * 64, token_ids=range(16), finish_reason=common_pb2.FINISH_REASON_LENGTH
+)
 
 
-class _Idle(worker_pb2_grpc.WorkerServicer):
-    async def Generate(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        yield common_pb2.GenerateResponse(
-            text="x" * 64, token_ids=range(16), finish_reason=common_pb2.FINISH_REASON_LENGTH
-        )
+async def _unary(
+    request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+) -> common_pb2.GenerateResponse:
+    return _REPLY
 
-    async def Complete(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
-    ) -> common_pb2.GenerateResponse:
-        return common_pb2.GenerateResponse(
-            text="x" * 64, token_ids=range(16), finish_reason=common_pb2.FINISH_REASON_LENGTH
-        )
+
+async def _stream(
+    request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[common_pb2.GenerateResponse]:
+    yield _REPLY
 
 
 async def _serve(port: int) -> None:
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(_Idle(), server)
+    coding: dict[str, Any] = {
+        "request_deserializer": common_pb2.GenerateRequest.FromString,
+        "response_serializer": common_pb2.GenerateResponse.SerializeToString,
+    }
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary, **coding),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream, **coding),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -63,7 +67,12 @@ async def _call(
     address: str, rpc: str, concurrency: int, duration_s: float, server: psutil.Process
 ) -> tuple[float, float, float]:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        coding: dict[str, Any] = {
+            "request_serializer": common_pb2.GenerateRequest.SerializeToString,
+            "response_deserializer": common_pb2.GenerateResponse.FromString,
+        }
+        unary = channel.unary_unary(f"/{_SERVICE}/Unary", **coding)
+        stream = channel.unary_stream(f"/{_SERVICE}/Stream", **coding)
         request = common_pb2.GenerateRequest(model="m", prompt="hello")
         calls = 0
 
@@ -71,9 +80,9 @@ async def _call(
             nonlocal calls
             while time.perf_counter() < until:
                 if rpc == "unary":
-                    await stub.Complete(request)
+                    await unary(request)
                 else:
-                    async for _ in stub.Generate(request):
+                    async for _ in stream(request):
                         pass
                 calls += 1
 

@@ -28,23 +28,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from bench.vllm_vs_torch import Side, _generate, _prompts, _start_worker
 from devtools.tiny_model import write_tiny_checkpoint
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, worker_pb2
+from tests.helpers.worker_client import WorkerClient, worker_client
 
 _Timed = tuple[float, float, list[int]]  # TTFT, TPOT, token ids
 _MODEL = "tiny-deepseek-v3-mla-fp8"
 
 
 async def _timed(
-    stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
+    client: WorkerClient, address: str, model: str, prompt: str, max_tokens: int
 ) -> _Timed:
     """(TTFT, TPOT, token ids) of one greedy streamed request."""
     started = time.perf_counter()
-    first, tokens = await _generate(stub, model, prompt, max_tokens)
+    first, tokens = await _generate(client, address, model, prompt, max_tokens)
     total = time.perf_counter() - started
     return first, (total - first) / max(len(tokens) - 1, 1), tokens
 
@@ -58,12 +58,14 @@ class _Served:
 
 
 async def _run(port: int, model: str, prompts: list[str], max_tokens: int) -> _Served:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
-        await _timed(stub, model, "warm up", 8)
-        single = [await _timed(stub, model, p, max_tokens) for p in prompts[:1]]
-        batch = await asyncio.gather(*(_timed(stub, model, p, max_tokens) for p in prompts))
+    address = f"127.0.0.1:{port}"
+    async with worker_client() as client:
+        info = await client.stub(address).Info(worker_pb2.InfoRequest(), timeout=10)
+        await _timed(client, address, model, "warm up", 8)
+        single = [await _timed(client, address, model, p, max_tokens) for p in prompts[:1]]
+        batch = await asyncio.gather(
+            *(_timed(client, address, model, p, max_tokens) for p in prompts)
+        )
         return _Served(
             precision=common_pb2.Precision.Name(info.worker.capabilities.precision),
             device=info.worker.capabilities.device_name,

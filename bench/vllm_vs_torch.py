@@ -36,6 +36,7 @@ import grpc
 from devtools.tiny_model import CORPUS, write_tiny_checkpoint
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
+from tests.helpers.worker_client import WorkerClient, worker_client
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def _prompts(count: int) -> list[str]:
 
 
 async def _generate(
-    stub: worker_pb2_grpc.WorkerStub, model: str, prompt: str, max_tokens: int
+    client: WorkerClient, address: str, model: str, prompt: str, max_tokens: int
 ) -> tuple[float, list[int]]:
     """(TTFT, the token ids) of one greedy streamed request."""
     request = common_pb2.GenerateRequest(
@@ -109,7 +110,7 @@ async def _generate(
     started = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
-    async for chunk in stub.Generate(request, timeout=600):
+    async for chunk in client.generate(address, request, timeout_s=600):
         if chunk.token_ids and not first:
             first = time.perf_counter() - started
         tokens.extend(chunk.token_ids)
@@ -121,10 +122,10 @@ async def _measure(
 ) -> tuple[list[Run], list[list[int]]]:
     """The median run (by tokens/s) of `repeats` per concurrency, and the greedy outputs of up to 8
     prompts."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+    address = f"127.0.0.1:{port}"
+    async with worker_client() as client:
         for c in sorted(set(concurrencies)):  # warm up every batch shape once
-            await asyncio.gather(*(_generate(stub, model, p, 8) for p in _prompts(c)))
+            await asyncio.gather(*(_generate(client, address, model, p, 8) for p in _prompts(c)))
         runs = []
         greedy: list[list[int]] = []
         for c in concurrencies:
@@ -132,7 +133,7 @@ async def _measure(
             for _ in range(repeats):
                 started = time.perf_counter()
                 results = await asyncio.gather(
-                    *(_generate(stub, model, p, max_tokens) for p in _prompts(c))
+                    *(_generate(client, address, model, p, max_tokens) for p in _prompts(c))
                 )
                 wall = time.perf_counter() - started
                 tries.append(

@@ -39,7 +39,7 @@ _CODES = {"unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 # Which roles may call each method of the mesh's services; a method not listed is refused.
 ALLOWED: Mapping[str, frozenset[str]] = {
     # a worker's prompts and tokens: only the gateway and the router's relay
-    **{f"{_WORKER}{m}": _PROMPT_CARRIERS for m in ("Generate", "Complete", "Tokenize", "Serve")},
+    **{f"{_WORKER}{m}": _PROMPT_CARRIERS for m in ("Serve", "Tokenize")},
     f"{_WORKER}Info": _PROMPT_CARRIERS | {"admin"},
     # the tokenizer's files, for the callers that render prompts as the worker does
     f"{_WORKER}TextFiles": _PROMPT_CARRIERS,

@@ -45,6 +45,7 @@ from tests.helpers.inprocess import (
     sim_engine,
     wait_for_workers,
 )
+from tests.helpers.worker_client import worker_client
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +85,8 @@ def _request() -> common_pb2.GenerateRequest:
 
 
 async def _generate(address: str, tls: TlsSection) -> list[common_pb2.GenerateResponse]:
-    async with open_channel(address, tls) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        return [chunk async for chunk in stub.Generate(_request(), timeout=10)]
+    async with worker_client(tls) as client:
+        return [chunk async for chunk in client.generate(address, _request(), timeout_s=10)]
 
 
 async def _list_workers(address: str, tls: TlsSection) -> router_pb2.ListWorkersResponse:
@@ -216,7 +216,7 @@ async def test_a_worker_certificate_cannot_generate_on_a_worker(worker, certs):
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await _generate(worker.servicer.info.address, role_tls(certs, "worker"))
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "Generate refused for spiffe://infermesh/worker" in refused.value.details()
+    assert "Serve refused for spiffe://infermesh/worker" in refused.value.details()
     assert "role worker may not call it" in refused.value.details()
 
 

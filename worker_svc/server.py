@@ -28,13 +28,12 @@ from worker_svc.engine_api import (
     GenerationChunk,
     InferenceEngine,
     InvalidArgumentError,
-    merge_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.serve_server import serve_handler
 from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.torch_engine import threads
-from worker_svc.wire import RequestFailedError, to_engine, to_proto
+from worker_svc.wire import RequestFailedError, to_engine
 
 logger = logging.getLogger(__name__)
 
@@ -138,36 +137,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except InvalidArgumentError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return common_pb2.TokenizeResponse(prompt_tokens=count)
-
-    async def Generate(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-            async for chunk in chunks:
-                yield to_proto(chunk)
-
-    async def Complete(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
-    ) -> common_pb2.GenerateResponse:
-        async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-            return to_proto(merge_chunks([chunk async for chunk in chunks]))
-
-    async def _chunks(
-        self,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, Any],
-    ) -> AsyncGenerator[GenerationChunk, None]:
-        """The engine's chunks for ``request``; a failed request aborts the call."""
-        try:
-            async with contextlib.aclosing(self.chunks(request)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        except RequestFailedError as e:
-            await context.abort(e.code, e.details)
 
     async def chunks(
         self,
@@ -277,46 +246,25 @@ class _Timing:
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
-    """The generated add_WorkerServicer_to_server, except that Generate, Complete and Tokenize
-    parse their own request: one that does not parse (a string that is not UTF-8) fails with
+    """The generated add_WorkerServicer_to_server, except that Tokenize and Serve parse their
+    own requests: one that does not parse (a string that is not UTF-8) fails with
     INVALID_ARGUMENT, where grpc's deserializer would answer UNKNOWN."""
-    # the request arrives as bytes (no deserializer); the servicer sees the parsed message
-    Context = grpc.aio.ServicerContext[Any, common_pb2.GenerateResponse]
 
-    async def parse(
-        data: bytes, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> common_pb2.GenerateRequest:
+    # the request arrives as bytes (no deserializer); the servicer sees the parsed message
+    async def tokenize_from_bytes(
+        data: bytes, context: grpc.aio.ServicerContext[Any, common_pb2.TokenizeResponse]
+    ) -> common_pb2.TokenizeResponse:
         try:
-            return common_pb2.GenerateRequest.FromString(data)
+            request = common_pb2.GenerateRequest.FromString(data)
         except DecodeError as e:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"malformed GenerateRequest ({e}); strings must be UTF-8",
             )
-
-    async def generate_from_bytes(
-        data: bytes, context: Context
-    ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        async for response in servicer.Generate(await parse(data, context), context):
-            yield response
-
-    async def complete_from_bytes(data: bytes, context: Context) -> common_pb2.GenerateResponse:
-        return await servicer.Complete(await parse(data, context), context)
-
-    async def tokenize_from_bytes(
-        data: bytes, context: grpc.aio.ServicerContext[Any, common_pb2.TokenizeResponse]
-    ) -> common_pb2.TokenizeResponse:
-        return await servicer.Tokenize(await parse(data, context), context)
+        return await servicer.Tokenize(request, context)
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-    serialize = common_pb2.GenerateResponse.SerializeToString
     handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            generate_from_bytes, response_serializer=serialize
-        ),
-        "Complete": grpc.unary_unary_rpc_method_handler(
-            complete_from_bytes, response_serializer=serialize
-        ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             tokenize_from_bytes, response_serializer=common_pb2.TokenizeResponse.SerializeToString
         ),

@@ -40,6 +40,7 @@ from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.text.tokenizer import Tokenizer
 from tests.helpers.e2e import new_key
 from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
+from tests.helpers.worker_client import complete_once
 from worker_svc.engine_api import GenerationRequest, SamplingParams
 from worker_svc.text.prompt import prompt_token_ids
 
@@ -164,7 +165,7 @@ def _complete(fleet: Mesh, i: int, content: str, **sampling: Any) -> common_pb2.
         messages=[common_pb2.ChatMessage(role="user", content=content)],
         sampling=common_pb2.SamplingParams(**sampling),
     )
-    return _worker(fleet, i).Complete(request, timeout=120)
+    return complete_once(f"127.0.0.1:{fleet.spec.worker_ports[i]}", request, timeout_s=120)
 
 
 def _running(fleet: Mesh) -> int:

@@ -37,6 +37,7 @@ from devtools.tiny_model import write_tiny_checkpoint
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
+from tests.helpers.worker_client import complete_once
 
 MODEL = "tiny-deepseek-v3-mla-fp8"
 VLLM, TORCH, NATIVE = "vllm-worker", "torch-worker", "vllm-fp8-worker"
@@ -216,7 +217,7 @@ def _greedy(fleet: Mesh, i: int, prompt: str) -> common_pb2.GenerateResponse:
             temperature=0, max_tokens=_GREEDY_TOKENS, logprobs=True, top_logprobs=2
         ),
     )
-    return _worker(fleet, i).Complete(request, timeout=120)
+    return complete_once(f"127.0.0.1:{fleet.spec.worker_ports[i]}", request, timeout_s=120)
 
 
 def test_the_vllm_worker_serves_the_copy_in_bf16_and_says_so(fleet: Mesh) -> None:

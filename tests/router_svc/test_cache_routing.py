@@ -9,15 +9,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import grpc
 from prometheus_client import REGISTRY
 
 from devtools.certs import role_tls, write_certs
-from infermesh.pb import common_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import prompt_text, sim_token_ids
-from infermesh.tls import open_channel
 from router_svc.config import RoutingSection
 from router_svc.routing import Chooser, RouteRequest
 from tests.helpers import MODEL
@@ -29,6 +27,7 @@ from tests.helpers.inprocess import (
     running_worker,
     sim_engine,
 )
+from tests.helpers.worker_client import worker_client
 
 # kv bytes a token that leave an H100 2,048 tokens (128 blocks) of cache
 SMALL_CACHE_KV_BYTES = 64_000_000_000 // 2048
@@ -58,8 +57,8 @@ def worker_sim(**engine):
 
 async def serve_on(worker: RunningWorker, prompt: str) -> None:
     """Serves ``prompt`` on that worker directly (the router does not see it), which caches it."""
-    async with grpc.aio.insecure_channel(worker.servicer.info.address) as channel:
-        await worker_pb2_grpc.WorkerStub(channel).Complete(request(prompt, with_hashes=False))
+    async with worker_client() as client:
+        await client.complete(worker.servicer.info.address, request(prompt, with_hashes=False))
 
 
 async def routed_to(router: RunningRouter, prompt: str, with_hashes: bool = True) -> str:
@@ -240,6 +239,6 @@ async def test_the_router_follows_cache_events_over_its_tls_worker_channels(redi
     ):
         prompt = text("t", 64 * BLOCK_TOKENS)
         # the gateway's certificate serves it on the worker; the router only hears of it
-        async with open_channel(b.servicer.info.address, role_tls(tmp_path, "gateway")) as channel:
-            await worker_pb2_grpc.WorkerStub(channel).Complete(request(prompt, with_hashes=False))
+        async with worker_client(role_tls(tmp_path, "gateway")) as client:
+            await client.complete(b.servicer.info.address, request(prompt, with_hashes=False))
         await eventually(lambda: indexed_blocks(router, b, prompt) == 64)

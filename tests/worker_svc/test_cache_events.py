@@ -4,31 +4,26 @@ cache evicts, reconnects that resume or resync, and a subscriber too slow to kee
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 from infermesh.config import ConfigError
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, worker_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import prompt_text, sim_token_ids
 from tests.helpers import MODEL
-from tests.helpers.inprocess import PLAINTEXT
-from worker_svc import server as worker_server
+from tests.helpers.worker_client import LoopbackWorker, loopback_worker
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import (
     DEFAULT_MODEL_PATH,
     CacheSection,
     EngineSection,
     ParallelSection,
-    ServerSection,
     WorkerConfig,
 )
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import bytes_per_token
@@ -48,18 +43,7 @@ def _sim(cache: CacheSection | None = None, kv_bytes_per_token: int | None = Non
     )
 
 
-@contextlib.asynccontextmanager
-async def _worker(engine: InferenceEngine) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
-    config = WorkerConfig(server=ServerSection(port=0), tls=PLAINTEXT)
-    server, servicer = await worker_server.create_server(config, engine)
-    try:
-        async with grpc.aio.insecure_channel(servicer.info.address) as channel:
-            yield worker_pb2_grpc.WorkerStub(channel)
-    finally:
-        await server.stop(grace=None)
-
-
-async def _serve(stub: worker_pb2_grpc.WorkerStub, prompt: str) -> None:
+async def _serve(worker: LoopbackWorker, prompt: str) -> None:
     """One token for `prompt`: what the engine computed (and caches) is the prompt alone."""
     request = common_pb2.GenerateRequest(
         request_id="r",
@@ -67,7 +51,7 @@ async def _serve(stub: worker_pb2_grpc.WorkerStub, prompt: str) -> None:
         prompt=prompt,
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=1),
     )
-    await stub.Complete(request)
+    await worker.complete(request)
 
 
 async def _next(call) -> worker_pb2.CacheEventBatch:
@@ -87,19 +71,19 @@ def _text(tag: str, tokens: int) -> str:
 
 async def test_a_served_prompt_stores_the_chain_of_its_whole_blocks():
     engine = _sim()
-    async with _worker(engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         first = await _next(call)
         assert first.snapshot and not first.stored and first.seq == 0
         assert first.epoch == engine.cache_events.epoch != 0
         prompt = _text("a", 3 * BLOCK_TOKENS + 5)  # three whole blocks and a partial one
-        await _serve(stub, prompt)
+        await _serve(worker, prompt)
         batch = await _next(call)
         assert list(batch.stored) == _sim_chain(prompt) and len(batch.stored) == 3
         assert not batch.snapshot and not batch.removed and batch.seq == 3
         # a prompt that shares its first two blocks stores only what follows them
         longer = prompt[: 4 * 2 * BLOCK_TOKENS] + _text("b", 2 * BLOCK_TOKENS)
-        await _serve(stub, longer)
+        await _serve(worker, longer)
         batch = await _next(call)
         assert list(batch.stored) == _sim_chain(longer)[2:] and batch.seq == 5
         call.cancel()
@@ -108,10 +92,10 @@ async def test_a_served_prompt_stores_the_chain_of_its_whole_blocks():
 async def test_a_chat_prompt_is_hashed_as_its_rendered_text():
     engine = _sim()
     messages = [{"role": "system", "content": "s" * 80}, {"role": "user", "content": "hi"}]
-    async with _worker(engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         await _next(call)
-        await stub.Complete(
+        await worker.complete(
             common_pb2.GenerateRequest(
                 request_id="r",
                 model=MODEL,
@@ -128,12 +112,12 @@ async def test_eviction_in_a_small_cache_publishes_removed():
     engine = _sim(kv_bytes_per_token=_SMALL_CACHE_KV_BYTES)
     assert engine.roofline.kv_capacity_tokens // BLOCK_TOKENS == 128
     prompts = [_text(tag, 60 * BLOCK_TOKENS) for tag in "xyz"]  # 60 blocks each
-    async with _worker(engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         held = set((await _next(call)).stored)
         removed: list[int] = []
         for prompt in prompts:
-            await _serve(stub, prompt)
+            await _serve(worker, prompt)
             batch = await _next(call)
             held.difference_update(batch.removed)
             held.update(batch.stored)
@@ -146,18 +130,20 @@ async def test_eviction_in_a_small_cache_publishes_removed():
 
 async def test_a_reconnect_resumes_from_the_ring_else_gets_a_snapshot():
     engine = _sim(cache=CacheSection(events_history=5))
-    async with _worker(engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         await _next(call)
         first = _text("p", 3 * BLOCK_TOKENS)
-        await _serve(stub, first)
+        await _serve(worker, first)
         seen = await _next(call)
         call.cancel()
         # missed while away: two more prompts, 5 events, all still in the ring
         missed = [_text("q", 2 * BLOCK_TOKENS), _text("r", 3 * BLOCK_TOKENS)]
         for prompt in missed:
-            await _serve(stub, prompt)
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=seen.epoch, after_seq=seen.seq))
+            await _serve(worker, prompt)
+        call = worker.stub.CacheEvents(
+            worker_pb2.CacheEventsRequest(epoch=seen.epoch, after_seq=seen.seq)
+        )
         resumed = [await _next(call), await _next(call)]
         assert [list(b.stored) for b in resumed] == [_sim_chain(p) for p in missed]
         assert [b.seq for b in resumed] == [5, 8] and not any(b.snapshot for b in resumed)
@@ -166,14 +152,16 @@ async def test_a_reconnect_resumes_from_the_ring_else_gets_a_snapshot():
         # the ring keeps 5 events (those after seq 3): an unknown epoch, a seq older than the
         # ring, and a seq no batch ended at each get a snapshot of everything held
         for epoch, after_seq in ((seen.epoch + 1, 8), (seen.epoch, 0), (seen.epoch, 4)):
-            call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=epoch, after_seq=after_seq))
+            call = worker.stub.CacheEvents(
+                worker_pb2.CacheEventsRequest(epoch=epoch, after_seq=after_seq)
+            )
             snapshot = await _next(call)
             assert snapshot.snapshot and set(snapshot.stored) == everything
             assert snapshot.seq == 8
             call.cancel()
         # caught up: nothing until the next event
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=seen.epoch, after_seq=8))
-        await _serve(stub, _text("s", BLOCK_TOKENS))
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=seen.epoch, after_seq=8))
+        await _serve(worker, _text("s", BLOCK_TOKENS))
         batch = await _next(call)
         assert not batch.snapshot and list(batch.stored) == _sim_chain(_text("s", BLOCK_TOKENS))
         call.cancel()
@@ -190,8 +178,8 @@ async def test_a_slow_subscriber_is_dropped_not_buffered():
             events.removed(range((i - 1) * per_batch, i * per_batch))
             events.flush()
 
-    async with _worker(engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         await _next(call)
         thread = threading.Thread(target=engine_thread)
         thread.start()
@@ -205,7 +193,7 @@ async def test_a_slow_subscriber_is_dropped_not_buffered():
         assert "reconnect to resync" in (error.value.details() or "")
         assert received < batches * per_batch  # far from all of them was kept for it
         # the worker goes on publishing, and a new subscriber resyncs from a snapshot
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=events.epoch))
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=events.epoch))
         snapshot = await _next(call)
         assert snapshot.snapshot and len(snapshot.stored) == per_batch
         call.cancel()
@@ -222,13 +210,13 @@ def _torch_prompt(engine: Engine, tag: str, tokens: int) -> tuple[str, list[int]
 async def test_the_torch_engine_stores_the_chain_of_a_served_prompts_whole_blocks(
     tiny_engine: Engine,
 ):
-    async with _worker(tiny_engine) as stub:
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+    async with loopback_worker(tiny_engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
         first = await _next(call)
         assert first.snapshot and first.epoch == tiny_engine.cache_events.epoch
         held = set(first.stored)
         text, ids = _torch_prompt(tiny_engine, "kv", 3 * BLOCK_TOKENS + 3)
-        await _serve(stub, text)
+        await _serve(worker, text)
         batch = await _next(call)
         whole = chain(ids)
         assert len(whole) == len(ids) // BLOCK_TOKENS >= 3
@@ -236,7 +224,7 @@ async def test_the_torch_engine_stores_the_chain_of_a_served_prompts_whole_block
         assert set(batch.stored) == set(whole) - held and set(whole) <= held | set(batch.stored)
         # a reconnect that names another epoch gets a snapshot holding it
         call.cancel()
-        call = stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=first.epoch + 1))
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest(epoch=first.epoch + 1))
         snapshot = await _next(call)
         assert snapshot.snapshot and set(whole) <= set(snapshot.stored)
         call.cancel()
@@ -254,14 +242,14 @@ async def test_the_torch_engine_publishes_evicted_blocks_in_its_names(
         cache=CacheSection(block_size=32, cpu_cache_bytes=6 * per_block),
     )
     try:
-        async with _worker(small) as stub:
-            call = stub.CacheEvents(worker_pb2.CacheEventsRequest())
+        async with loopback_worker(small) as worker:
+            call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
             held = set((await _next(call)).stored)
             stored: list[int] = []
             removed: list[int] = []
             prompts = [_torch_prompt(small, tag, 100) for tag in ("a", "b")]
             for text, _ in prompts:
-                await _serve(stub, text)
+                await _serve(worker, text)
                 batch = await _next(call)
                 held.difference_update(batch.removed)
                 held.update(batch.stored)

@@ -1,17 +1,15 @@
-"""The Worker gRPC service on loopback: admission, cancellation, malformed input, usage and
-logprobs."""
+"""The Worker gRPC service on loopback, asked over Worker.Serve as the mesh asks it: admission,
+cancellation, malformed input, usage and logprobs."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.pb import common_pb2, worker_pb2
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.inprocess import (
@@ -22,6 +20,7 @@ from tests.helpers.inprocess import (
     sim_engine,
     wait_for_workers,
 )
+from tests.helpers.worker_client import loopback_worker, worker_client
 from worker_svc import server as worker_server
 from worker_svc.config import (
     DEFAULT_MODEL_PATH,
@@ -34,19 +33,6 @@ from worker_svc.engine_api import PrefillSpeedMeter
 from worker_svc.torch_engine.engine import Engine
 
 
-@contextlib.asynccontextmanager
-async def _worker(
-    engine: Engine,
-) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
-    config = WorkerConfig(server=ServerSection(port=0), tls=PLAINTEXT)
-    server, servicer = await worker_server.create_server(config, engine)
-    try:
-        async with grpc.aio.insecure_channel(servicer.info.address) as channel:
-            yield worker_pb2_grpc.WorkerStub(channel), channel
-    finally:
-        await server.stop(grace=None)
-
-
 def _request(prompt: str = "Hello there", **sampling) -> common_pb2.GenerateRequest:
     return common_pb2.GenerateRequest(
         request_id="r",
@@ -56,20 +42,16 @@ def _request(prompt: str = "Hello there", **sampling) -> common_pb2.GenerateRequ
     )
 
 
-async def _load(stub: worker_pb2_grpc.WorkerStub) -> common_pb2.Load:
-    return (await stub.Info(worker_pb2.InfoRequest())).load
-
-
 async def test_usage_logprobs_and_cached_prompt_tokens_reach_the_proto(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
+    async with loopback_worker(tiny_engine) as worker:
         prompt = "A long shared system prompt about latent attention. " * 6
         responses = [
             r
-            async for r in stub.Generate(
+            async for r in worker.generate(
                 _request(prompt, max_tokens=4, logprobs=True, top_logprobs=2)
             )
         ]
-        again = [r async for r in stub.Generate(_request(prompt, max_tokens=4))]
+        again = [r async for r in worker.generate(_request(prompt, max_tokens=4))]
     # one logprob per token, however many tokens a chunk carries (a loaded machine merges them)
     assert [len(r.logprobs) for r in responses] == [len(r.token_ids) for r in responses]
     logprobs = [lp for r in responses for lp in r.logprobs]
@@ -90,9 +72,10 @@ async def test_tokenize_counts_the_prompt_as_generate_bills_it(tiny_engine: Engi
         tools=[common_pb2.Tool(name="get_weather", parameters_json='{"type": "object"}')],
         sampling=common_pb2.SamplingParams(max_tokens=2),
     )
-    async with _worker(tiny_engine) as (stub, _):
+    async with loopback_worker(tiny_engine) as worker:
+        stub = worker.stub
         counted = await stub.Tokenize(chat)
-        chunks = [r async for r in stub.Generate(chat)]
+        chunks = [r async for r in worker.generate(chat)]
         without_tools = common_pb2.GenerateRequest(request_id="r", model=MODEL)
         without_tools.messages.extend(chat.messages)
         fewer = await stub.Tokenize(without_tools)
@@ -107,41 +90,47 @@ async def test_tokenize_counts_the_prompt_as_generate_bills_it(tiny_engine: Engi
     assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_grpc_cancellation_frees_the_cache(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
-        calls = [stub.Generate(_request(f"stream {i}")) for i in range(3)]
+async def test_a_cancelled_request_frees_the_cache(tiny_engine: Engine):
+    async with loopback_worker(tiny_engine) as worker:
+        calls = [worker.generate(_request(f"stream {i}")) for i in range(3)]
         for call in calls:
-            await anext(call.__aiter__())
-        load = await _load(stub)
+            await anext(call)
+        load = await worker.load()
         assert load.running == 3 and load.kv_cache_usage > 0
         for call in calls:
-            call.cancel()
+            await call.aclose()
         await eventually(lambda: tiny_engine.load().running == 0)
-        load = await _load(stub)
+        load = await worker.load()
         assert load.running == 0 and load.kv_cache_usage == 0
 
 
 async def test_invalid_utf8_is_invalid_argument_and_the_worker_keeps_serving(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, channel):
-        raw = _request("hi").SerializeToString().replace(b"hi", b"\xff\xfe")
-        generate = channel.unary_stream(
-            "/infermesh.v1.Worker/Generate",
+    async with (
+        loopback_worker(tiny_engine) as worker,
+        grpc.aio.insecure_channel(worker.address) as channel,
+    ):
+        opened = worker_pb2.StreamRequest(
+            open=[worker_pb2.OpenRequest(id=1, request=_request("hi"))]
+        )
+        raw = opened.SerializeToString().replace(b"hi", b"\xff\xfe")
+        serve = channel.stream_stream(
+            "/infermesh.v1.Worker/Serve",
             request_serializer=lambda b: b,
-            response_deserializer=common_pb2.GenerateResponse.FromString,
+            response_deserializer=worker_pb2.StreamResponse.FromString,
         )
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            [r async for r in generate(raw)]
+            [r async for r in serve(iter([raw]))]
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in (
             err.value.details() or ""
         )
         # chunks that queued up while the stream was busy come merged: count tokens, not messages
-        assert sum([len(r.token_ids) async for r in stub.Generate(_request(max_tokens=3))]) == 3
+        assert sum([len(r.token_ids) async for r in worker.generate(_request(max_tokens=3))]) == 3
 
 
 async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
-        good = stub.Generate(_request(max_tokens=8))
-        first = await anext(good.__aiter__())
+    async with loopback_worker(tiny_engine) as worker:
+        good = worker.generate(_request(max_tokens=8))
+        first = await anext(good)
         for request, detail in [
             (_request(stop=[str(i) for i in range(17)]), "at most 16"),
             (_request("word " * tiny_engine.max_model_len), "prompt is too long"),
@@ -157,7 +146,7 @@ async def test_bad_requests_are_invalid_argument_beside_good_streams(tiny_engine
             ),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [r async for r in stub.Generate(request)]
+                [r async for r in worker.generate(request)]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in (
                 err.value.details() or ""
             )
@@ -171,23 +160,24 @@ async def test_past_the_waiting_bound_the_worker_answers_resource_exhausted(
         tiny_dir, dtype=worker_dtype, parallel=ParallelSection(max_parallel=1, max_waiting=0)
     )
     try:
-        async with _worker(engine) as (stub, _):
-            running = stub.Generate(_request())
-            await anext(running.__aiter__())
+        async with loopback_worker(engine) as worker:
+            running = worker.generate(_request())
+            await anext(running)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [r async for r in stub.Generate(_request(max_tokens=2))]
+                [r async for r in worker.generate(_request(max_tokens=2))]
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in (
                 err.value.details() or ""
             )
-            running.cancel()
+            await running.aclose()
             await eventually(lambda: engine.load().running == 0)
-            assert sum([len(r.token_ids) async for r in stub.Generate(_request(max_tokens=2))]) == 2
+            tokens = [len(r.token_ids) async for r in worker.generate(_request(max_tokens=2))]
+            assert sum(tokens) == 2
     finally:
         await engine.close()
 
 
 async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
+    async with loopback_worker(tiny_engine) as worker:
         alone = common_pb2.GenerateRequest(
             request_id="alone",
             model=MODEL,
@@ -198,30 +188,31 @@ async def test_batching_hints_reach_the_engine(tiny_engine: Engine):
         running: list[int] = []
 
         async def watch(request: common_pb2.GenerateRequest) -> None:
-            async for chunk in stub.Generate(request):  # merged chunks: one entry per token
+            async for chunk in worker.generate(request):  # merged chunks: one entry per token
                 running.extend([tiny_engine.load().running] * len(chunk.token_ids))
 
         await asyncio.gather(watch(alone), watch(_request("two", max_tokens=6)))
     assert len(running) == 12 and max(running) == 1
 
 
-async def test_complete_answers_one_message_equal_to_the_stream(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
-        streamed = [r async for r in stub.Generate(_request(max_tokens=6, logprobs=True))]
-        whole = await stub.Complete(_request(max_tokens=6, logprobs=True))
+async def test_a_whole_request_answers_one_message_equal_to_the_stream(tiny_engine: Engine):
+    async with loopback_worker(tiny_engine) as worker:
+        streamed = [r async for r in worker.generate(_request(max_tokens=6, logprobs=True))]
+        whole = await worker.complete(_request(max_tokens=6, logprobs=True))
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Complete(_request(prompt="x", max_tokens=tiny_engine.max_model_len + 1))
+            await worker.complete(_request(prompt="x", max_tokens=tiny_engine.max_model_len + 1))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert (await _load(stub)).running == 0
+        assert (await worker.load()).running == 0
     assert whole.text == "".join(r.text for r in streamed)
     assert list(whole.token_ids) == [t for r in streamed for t in r.token_ids]
     assert [lp.token for lp in whole.logprobs] == [lp.token for r in streamed for lp in r.logprobs]
     assert whole.finish_reason == streamed[-1].finish_reason and whole.usage == streamed[-1].usage
 
 
-async def test_cancelled_complete_frees_the_sequence(tiny_engine: Engine):
-    async with _worker(tiny_engine) as (stub, _):
-        call = stub.Complete(_request(prompt="go on"))  # no max_tokens: to the context's end
+async def test_a_cancelled_whole_request_frees_the_sequence(tiny_engine: Engine):
+    async with loopback_worker(tiny_engine) as worker:
+        # no max_tokens: to the context's end
+        call = asyncio.create_task(worker.complete(_request(prompt="go on")))
         await eventually(lambda: tiny_engine.load().running == 1)
         call.cancel()
         await eventually(lambda: tiny_engine.load().running == 0)
@@ -271,9 +262,9 @@ async def test_a_torch_worker_tells_the_router_the_prefill_speed_it_measures(
             running_worker(engine, router, "measuring") as worker,
         ):
             assert worker.servicer.info.capabilities.prefill_tokens_per_second == 0
-            async with grpc.aio.insecure_channel(worker.servicer.info.address) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                await stub.Complete(_request("a prompt to prefill " * 40, max_tokens=1))
+            async with worker_client() as client:
+                prefill = _request("a prompt to prefill " * 40, max_tokens=1)
+                await client.complete(worker.servicer.info.address, prefill)
 
             def told() -> float:
                 entry = router.resources.registry.fleet.get("measuring")
