@@ -54,7 +54,7 @@ $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 	$(PY) -m devtools.tiny_model $(MODEL_DIR)
 
 # The default model `make run` serves: the same tiny DeepSeek-V3 trained to chat, stored in the
-# repository beside the command that rebuilds it (devtools/chat_model/train.py, ~45 minutes).
+# repository beside the command that rebuilds it (devtools/chat_model/train.py, ~40 minutes).
 $(CHAT_DIR)/config.json: $(CHAT_CHECKPOINT)/*
 	rm -rf $(CHAT_DIR)
 	mkdir -p $(dir $(CHAT_DIR))
