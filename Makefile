@@ -11,6 +11,8 @@ GENERATED := infermesh/pb/.generated
 MODEL_DIR := models/tiny-deepseek-v3
 V32_DIR := models/tiny-deepseek-v32
 MLA_DIR := models/tiny-deepseek-v3-mla
+CHAT_DIR := models/tiny-deepseek-v3-chat
+CHAT_CHECKPOINT := devtools/chat_model/checkpoint
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
@@ -60,11 +62,18 @@ $(GENERATED): $(PROTOS) $(INSTALLED)
 
 proto: $(GENERATED)
 
-# The embedded default model: a tiny DeepSeek-V3 checkpoint with random weights.
+# The tiny DeepSeek-V3 checkpoint with random weights, which the tests serve.
 $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 	$(PY) -m devtools.tiny_model $(MODEL_DIR)
 
-model: $(MODEL_DIR)/config.json
+# The default model `make run` serves: the same tiny DeepSeek-V3 trained to chat, stored in the
+# repository beside the command that rebuilds it (devtools/chat_model/train.py, ~40 minutes).
+$(CHAT_DIR)/config.json: $(CHAT_CHECKPOINT)/*
+	rm -rf $(CHAT_DIR)
+	mkdir -p $(dir $(CHAT_DIR))
+	cp -r $(CHAT_CHECKPOINT) $(CHAT_DIR)
+
+model: $(MODEL_DIR)/config.json $(CHAT_DIR)/config.json
 
 # Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax gate), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
@@ -114,4 +123,4 @@ bench: install proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(CHAT_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR)

@@ -23,13 +23,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from devtools import admin_cli, certs, plan
+from devtools.chat_model import SERVED_PATH
 from devtools.hwbench import cli as bench_cli
 from devtools.mesh import Mesh, MeshSpec, ServiceExited, dev_worker_env
 from devtools.redis_server import RedisServer, redis_reachable
 from gateway.keys import create_key_at
 from infermesh.ports import port_in_use
 from infermesh.redact import redact_url
-from worker_svc.config import DEFAULT_MODEL_PATH
 
 logger = logging.getLogger("infermesh")
 
@@ -43,7 +43,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infermesh")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="start Redis (if needed), router, worker and gateway")
-    run.add_argument("--model", default=DEFAULT_MODEL_PATH, help="checkpoint directory")
+    run.add_argument(
+        "--model",
+        default=SERVED_PATH,
+        help="checkpoint directory (default: the trained chat model)",
+    )
     run.add_argument("--gateway-port", type=int, default=8000)
     run.add_argument("--router-port", type=int, default=50051)
     run.add_argument("--worker-port", type=int, default=50061)

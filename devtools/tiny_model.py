@@ -377,7 +377,7 @@ def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
     )
 
 
-def _mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def mtp_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """A few tensors of the multi-token-prediction layer that real checkpoints store past the last
     layer."""
     prefix = f"model.layers.{args.n_layers}"
@@ -460,12 +460,21 @@ def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
 
 
 def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: int) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
     args = model_args(config)
     generator = torch.Generator().manual_seed(seed)
     state = _random_state(args, generator)
     if config.get("num_nextn_predict_layers"):
-        state |= _mtp_state(args, generator)
+        state |= mtp_state(args, generator)
+    return write_checkpoint(out, tok, config, state)
+
+
+def write_checkpoint(
+    out: Path, tok: Tokenizer, config: dict[str, Any], state: dict[str, torch.Tensor]
+) -> Path:
+    """The checkpoint's files in out: `state` (HF-named float weights, MTP layer included) in the
+    checkpoint's dtypes (FP8 blocks when config has a quantization_config), config.json,
+    generation_config.json and the tokenizer with DeepSeek's chat template."""
+    out.mkdir(parents=True, exist_ok=True)
     tensors = _to_checkpoint_format(state, fp8="quantization_config" in config)
     save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # save_file creates it owner-only

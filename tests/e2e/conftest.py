@@ -11,6 +11,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from devtools.chat_model import SERVED_PATH
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from infermesh.ports import free_port
@@ -37,11 +38,16 @@ def e2e_redis(tmp_path_factory) -> Iterator[RedisServer]:
 
 
 def _start_mesh(
-    redis_url: str, otlp_port: int, log_dir, workers: int, worker_dtype: str = "auto"
+    redis_url: str,
+    otlp_port: int,
+    log_dir,
+    workers: int,
+    worker_dtype: str = "auto",
+    model_path: str = DEFAULT_MODEL_PATH,
 ) -> Mesh:
     spec = MeshSpec(
         redis_url=redis_url,
-        model_path=DEFAULT_MODEL_PATH,
+        model_path=model_path,
         gateway_port=free_port(),
         router_port=free_port(),
         worker_ports=tuple(free_port() for _ in range(workers)),
@@ -79,6 +85,25 @@ def mesh(e2e_redis, otlp_receiver, tmp_path_factory, worker_dtype) -> Iterator[M
     )
     yield mesh
     mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_mesh(otlp_receiver, tmp_path_factory, worker_dtype) -> Iterator[tuple[Mesh, str]]:
+    """One router, one worker on the trained default chat model (`make run`'s), one gateway, and
+    a key. Its own Redis: routers sharing one see each other's workers through the registry."""
+    with RedisServer(workdir=tmp_path_factory.mktemp("chat-redis")) as redis_server:
+        mesh = _start_mesh(
+            redis_server.url,
+            otlp_receiver[1],
+            tmp_path_factory.mktemp("chat-mesh"),
+            workers=1,
+            worker_dtype=worker_dtype,
+            model_path=SERVED_PATH,
+        )
+        try:
+            yield mesh, new_key(redis_server.url)
+        finally:
+            mesh.stop()
 
 
 @pytest.fixture(scope="session")

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from devtools.chat_model import SERVED_PATH
 from devtools.main import dev_gateway_env
 from devtools.mesh import Mesh, MeshSpec
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import open_blocking_channel
-from tests.helpers import MODEL
 from tests.helpers.e2e import new_key
 
 _ROOT = Path(__file__).parents[2]
@@ -107,7 +107,7 @@ def readme_mesh(e2e_redis, tmp_path_factory) -> Iterator[tuple[Mesh, Path]]:
         gateway_port=free_port(),
         router_port=free_port(),
         worker_ports=(),
-        env={"OTEL_SDK_DISABLED": "true", **dev_gateway_env(MODEL, _ADMIN_TOKEN)},
+        env={"OTEL_SDK_DISABLED": "true", **dev_gateway_env(Path(SERVED_PATH).name, _ADMIN_TOKEN)},
         log_dir=home,
         certs=home / ".certs",
     )

@@ -18,12 +18,14 @@ import openai
 import psutil
 
 from devtools.certs import role_tls
+from devtools.chat_model import SERVED_PATH
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port, port_in_use
 from infermesh.probe import grpc_serving
 from infermesh.tls import open_blocking_channel
-from tests.helpers import MODEL
 
+# `make run` serves the trained chat model, under its directory's name
+MODEL = Path(SERVED_PATH).name
 _START_TIMEOUT_S = 90.0
 _STOP_TIMEOUT_S = 15.0
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from devtools.chat_model import CHECKPOINT
+from infermesh.text.tokenizer import Tokenizer
 from tests.helpers.hf_reference import transformers_reference
 from worker_svc.hardware.sizing import model_size
 from worker_svc.model import model as model_module
@@ -117,6 +119,22 @@ def test_greedy_generation_matches_transformers(models, chunks):
     got = _greedy(ours, prompt, GREEDY_STEPS, chunks)
     assert got == expected
     assert len(set(got)) > GREEDY_STEPS // 2, f"degenerate tiny model output {got}"
+
+
+def test_the_trained_chat_model_answers_as_transformers_and_ends_its_turn():
+    """The stored default chat model (FP8, as served): our greedy answer to a chat prompt rendered
+    by the served template is transformers', token for token, through its end of turn."""
+    ours, _ = load_checkpoint(CHECKPOINT, torch.float32)
+    tokenizer = Tokenizer(CHECKPOINT)
+    prompt = torch.tensor([tokenizer.encode_chat([{"role": "user", "content": "Say hello"}])])
+    reference = transformers_reference(CHECKPOINT)
+    with torch.no_grad():
+        answer = reference.generate(
+            prompt, max_new_tokens=GREEDY_STEPS, do_sample=False, eos_token_id=1, pad_token_id=2
+        )
+    expected = answer[0, prompt.size(1) :].tolist()
+    assert expected[-1] == tokenizer.eos_token_id
+    assert _greedy(ours, prompt, len(expected), []) == expected
 
 
 def _checkpoint_with_config(model_dir: Path, out: Path, config: dict[str, Any]) -> Path:

@@ -1,0 +1,332 @@
+"""Train the default chat model and write it as a DeepSeek-V3 FP8 checkpoint.
+
+    nice -n 10 .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
+
+rebuilds the stored checkpoint (about 40 minutes on two busy cores; fixed seeds, two torch
+threads). The model is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config
+(multi-head latent attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes
+of CHAT_SIZES, with its trained byte-level BPE and DeepSeek's chat and tool templates. It learns
+from devtools.chat_model.corpus's dialogues, each rendered by the chat template the mesh serves the
+checkpoint with (infermesh.text.tokenizer, the workers' and gateway's renderer), with the loss on
+the assistant's tokens only (the tool-call markers and the end of the turn included). The linear
+weights the checkpoint stores in FP8 are trained through their FP8 block rounding
+(straight-through), so that the stored model is the trained one; the routing bias is balanced as
+DeepSeek-V3 does, without an auxiliary loss. Checkpoints are written every --save-every steps, so
+a usable model exists early.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from devtools.chat_model import CHECKPOINT
+from devtools.chat_model.corpus import Dialogue, dialogues
+from devtools.tiny_model import mtp_state, tiny_config, train_tokenizer, write_checkpoint
+from infermesh.text.tokenizer import Tokenizer
+from worker_svc.hardware.sizing import is_fp8_linear
+from worker_svc.model.kernel import BLOCK_SIZE, FP8
+from worker_svc.model.model_config import model_args
+
+# 256 wide (whole FP8 blocks), two layers (one dense, one MoE of 8 + 1 experts) as the random
+# tiny model: the BF16 embeddings and head are 16.8 MB of the 18.6 MB of weights
+CHAT_SIZES: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+_SEED = 36
+_BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma) for the routing balance
+
+
+def chat_config(vocab_size: int) -> dict[str, Any]:
+    """config.json of the chat model: the tiny model's, at CHAT_SIZES."""
+    return tiny_config(vocab_size) | CHAT_SIZES
+
+
+# ------------------------------------------------------------------------------- rendering
+
+
+def render(tok: Tokenizer, dialogue: Dialogue) -> tuple[list[int], list[bool]]:
+    """The dialogue's ids as the mesh renders its prompts, and which ids are the assistant's: for
+    each assistant turn, the conversation up to it rendered with the generation prompt (what a
+    request ends with) is a prefix of the one through it, the rest of which the model writes."""
+    messages = [_template_message(m) for m in dialogue.messages]
+    tools = dialogue.tools or None
+    ids = _full(tok, messages, tools)
+    learn = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = tok.encode_chat(messages[:i], tools)
+        through = _full(tok, messages[: i + 1], tools)
+        assert through[: len(prompt)] == prompt and ids[: len(through)] == through, dialogue
+        learn[len(prompt) : len(through)] = [True] * (len(through) - len(prompt))
+    return ids, learn
+
+
+def _full(tok: Tokenizer, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+    text = tok.hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert isinstance(text, str)
+    return tok.encode_rendered(text)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """As infermesh.text.prompt passes messages on: a turn of only tool calls has no content."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return message
+
+
+# ------------------------------------------------------------------------- FP8 rounding
+
+
+class FP8Rounded(nn.Module):
+    """A weight as the checkpoint stores it: each 128x128 block in FP8 E4M3 times its scale (as
+    worker_svc.model.kernel.weight_quant), with the gradient passed straight through. 3-D expert
+    stacks round each expert's blocks (their rows are whole blocks)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        cols = weight.shape[-1]
+        flat = weight.reshape(-1, cols)
+        pad_r, pad_c = -flat.size(0) % BLOCK_SIZE, -cols % BLOCK_SIZE
+        padded = nn.functional.pad(flat, (0, pad_c, 0, pad_r))
+        sm, sn = padded.size(0) // BLOCK_SIZE, padded.size(1) // BLOCK_SIZE
+        blocks = padded.view(sm, BLOCK_SIZE, sn, BLOCK_SIZE)
+        scale = (blocks.detach().abs().amax(dim=(1, 3), keepdim=True) / 448.0).clamp(min=1e-12)
+        rounded = ((blocks / scale).to(FP8).float() * scale).view_as(padded)
+        rounded = rounded[: flat.size(0), :cols].reshape(weight.shape)
+        return weight + (rounded - weight).detach()
+
+
+def round_fp8_weights(model: DeepseekV3ForCausalLM) -> None:
+    for name, module in list(model.named_modules()):
+        for param in ("weight", "gate_up_proj", "down_proj"):
+            value = getattr(module, param, None)
+            if not isinstance(value, nn.Parameter):
+                continue
+            stored = _stored_name(f"{name}.{param}") if param != "weight" else f"{name}.weight"
+            if is_fp8_linear(stored):
+                parametrize.register_parametrization(module, param, FP8Rounded())
+
+
+def _stored_name(name: str) -> str:
+    """A stacked expert tensor's name as one expert's checkpoint weight (for is_fp8_linear)."""
+    return name.replace("experts.gate_up_proj", "experts.0.gate_proj.weight").replace(
+        "experts.down_proj", "experts.0.down_proj.weight"
+    )
+
+
+# ------------------------------------------------------------------------------ checkpoint
+
+
+def checkpoint_state(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's float weights under the checkpoint's names: each MoE layer's stacked experts
+    split into experts.{e}.gate_proj / up_proj / down_proj."""
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        key = key.replace(".parametrizations.", ".").replace(".original", "")
+        value = value.detach().float()
+        if key.endswith("experts.gate_up_proj"):
+            prefix = key.removesuffix("gate_up_proj")
+            for e, stacked in enumerate(value):
+                gate, up = stacked.chunk(2, dim=0)
+                state[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                state[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif key.endswith("experts.down_proj"):
+            prefix = key.removesuffix("down_proj")
+            for e, expert in enumerate(value):
+                state[f"{prefix}{e}.down_proj.weight"] = expert.contiguous()
+        else:
+            state[key] = value.contiguous()
+    return state
+
+
+def save(model: DeepseekV3ForCausalLM, out: Path, tok: Any, config: dict[str, Any]) -> None:
+    """The checkpoint in out, with the random MTP layer the tiny checkpoints carry (the engine
+    and transformers skip it)."""
+    state = checkpoint_state(model)
+    state |= mtp_state(model_args(config), torch.Generator().manual_seed(_SEED))
+    write_checkpoint(out, tok, config, state)
+
+
+# ----------------------------------------------------------------------------------- batches
+
+
+def batches(
+    examples: list[tuple[list[int], list[bool]]], batch_tokens: int, rng: random.Random
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless batches of similar lengths, padded to at most batch_tokens: (ids, labels with
+    -100 off the assistant's ids, attention mask)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for i in order:
+        longest = len(examples[i][0])
+        if group and longest * (len(group) + 1) > batch_tokens:
+            groups.append(group)
+            group = []
+        group.append(i)
+    groups.append(group)
+    while True:
+        rng.shuffle(groups)
+        for g in groups:
+            width = max(len(examples[i][0]) for i in g)
+            ids = torch.zeros(len(g), width, dtype=torch.long)
+            labels = torch.full((len(g), width), -100, dtype=torch.long)
+            mask = torch.zeros(len(g), width, dtype=torch.long)
+            for row, i in enumerate(g):
+                seq, learn = examples[i]
+                ids[row, : len(seq)] = torch.tensor(seq)
+                mask[row, : len(seq)] = 1
+                labels[row, : len(seq)] = torch.tensor(
+                    [t if on else -100 for t, on in zip(seq, learn, strict=True)]
+                )
+            yield ids, labels, mask
+
+
+def assistant_loss(
+    model: DeepseekV3ForCausalLM, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of the assistant's ids, the head computed at their positions only (the
+    prompts' ids, most of a batch, need none of its 16k-wide rows)."""
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    targets = labels[:, 1:]
+    learn = targets != -100
+    logits = model.lm_head(hidden[:, :-1][learn])
+    return nn.functional.cross_entropy(logits.float(), targets[learn])
+
+
+class RoutingBalance:
+    """DeepSeek-V3's auxiliary-loss-free balance: after each step, each MoE layer's
+    e_score_correction_bias moves by _BIAS_RATE towards the experts that got fewer tokens."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM) -> None:
+        self.biases: list[torch.Tensor] = []
+        self.loads: dict[int, torch.Tensor] = {}  # tokens per expert, by index into biases
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                self.biases.append(bias)
+                layer.mlp.gate.register_forward_hook(partial(self._count, len(self.biases) - 1))
+
+    def _count(
+        self, index: int, _gate: nn.Module, _inputs: Any, output: tuple[torch.Tensor, ...]
+    ) -> None:
+        routed = output[2].flatten()  # the gate returns (logits, weights, expert indices)
+        self.loads[index] = torch.bincount(routed, minlength=self.biases[index].numel())
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for index, load in self.loads.items():
+            load = load.float()
+            self.biases[index] += _BIAS_RATE * torch.sign(load.mean() - load)
+        self.loads.clear()
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=CHECKPOINT)
+    parser.add_argument("--dialogues", type=int, default=12_000)
+    parser.add_argument("--steps", type=int, default=260)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--max-len", type=int, default=1280)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument(
+        "--stop-at", type=int, help="end after this many of the schedule's --steps (and save)"
+    )
+    ns = parser.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    torch.manual_seed(_SEED)
+    started = time.monotonic()
+
+    bpe = train_tokenizer()
+    config = chat_config(bpe.get_vocab_size())
+    hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config))  # float32, as built
+    with tempfile.TemporaryDirectory() as files:
+        save(model, Path(files), bpe, config)  # the tokenizer files the renderer loads
+        tok = Tokenizer(files)
+    examples = []
+    for dialogue in dialogues(ns.dialogues, _SEED):
+        rendered, learn = render(tok, dialogue)
+        if len(rendered) <= ns.max_len:
+            examples.append((rendered, learn))
+    tokens = sum(len(rendered) for rendered, _ in examples)
+    print(
+        f"{len(examples)} dialogues, {tokens} tokens, rendered in "
+        f"{time.monotonic() - started:.0f} s",
+        flush=True,
+    )
+
+    round_fp8_weights(model)
+    balance = RoutingBalance(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+        lr=ns.lr,
+        betas=(0.9, 0.95),
+        fused=True,  # one pass over the 8M embedding and head rows
+    )
+    peak: float = ns.lr
+    steps: int = ns.steps
+    warmup = max(1, steps // 30)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    model.train()
+    stream = batches(examples, ns.batch_tokens, random.Random(_SEED))
+    recent: list[float] = []
+    for step in range(ns.stop_at or ns.steps):
+        ids, labels, mask = next(stream)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        with parametrize.cached():  # each FP8-rounded weight once per step
+            loss = assistant_loss(model, ids, labels, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        balance.update()
+        recent.append(loss.item())
+        if (step + 1) % 10 == 0:
+            print(
+                f"step {step + 1}/{ns.steps} loss {sum(recent) / len(recent):.4f} "
+                f"lr {lr_at(step):.2e} {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+            recent.clear()
+        if (step + 1) % ns.save_every == 0 or step + 1 in (ns.steps, ns.stop_at):
+            save(model, ns.out, bpe, config)
+            print(f"saved {ns.out} at step {step + 1}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
