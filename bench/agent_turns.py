@@ -26,7 +26,6 @@ import asyncio
 import copy
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -38,10 +37,7 @@ import openai
 from openai.types.responses import FunctionToolParam
 from tokenizers import Tokenizer
 
-from devtools.mesh import Mesh, MeshSpec
-from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
-from infermesh.ports import free_port
+from devtools.mesh import one_worker_mesh
 from tests.helpers import claude_code
 from worker_svc.config import DEFAULT_MODEL_PATH
 
@@ -312,20 +308,8 @@ def main() -> None:
             parser.error("--base-url needs --api-key")
         asyncio.run(run(ns.base_url.rstrip("/"), ns.api_key, ns.prompt_tokens, ns.repeats))
         return
-    with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=Path(workdir)) as redis:
-        spec = MeshSpec(
-            redis_url=redis.url,
-            model_path=DEFAULT_MODEL_PATH,
-            gateway_port=free_port(),
-            router_port=free_port(),
-            worker_ports=(free_port(),),
-            log_dir=Path(workdir),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING"},
-        )
-        with Mesh(spec) as mesh:
-            key = asyncio.run(create_key_at(redis.url, "agent-turns"))
-            gateway = mesh.spec.base_url.removesuffix("/v1")
-            asyncio.run(run(gateway, key, ns.prompt_tokens, ns.repeats))
+    with one_worker_mesh(DEFAULT_MODEL_PATH, "agent-turns") as (gateway, key):
+        asyncio.run(run(gateway, key, ns.prompt_tokens, ns.repeats))
 
 
 if __name__ == "__main__":

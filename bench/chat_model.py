@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -36,10 +35,7 @@ import openai
 
 from devtools.chat_model import SERVED_PATH
 from devtools.chat_model.corpus import EvalCase, eval_cases
-from devtools.mesh import Mesh, MeshSpec
-from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
-from infermesh.ports import free_port
+from devtools.mesh import one_worker_mesh
 
 KINDS = ("short", "tool", "recall", "json")
 LONG = "long"
@@ -157,20 +153,8 @@ def main() -> None:
             run(ns.base_url.rstrip("/"), ns.api_key, name, ns.cases, ns.long_cases, ns.concurrency)
         )
         return
-    with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=Path(workdir)) as redis:
-        spec = MeshSpec(
-            redis_url=redis.url,
-            model_path=ns.model,
-            gateway_port=free_port(),
-            router_port=free_port(),
-            worker_ports=(free_port(),),
-            log_dir=Path(workdir),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING"},
-        )
-        with Mesh(spec) as mesh:
-            key = asyncio.run(create_key_at(redis.url, "chat-model-bench"))
-            gateway = mesh.spec.base_url.removesuffix("/v1")
-            asyncio.run(run(gateway, key, name, ns.cases, ns.long_cases, ns.concurrency))
+    with one_worker_mesh(ns.model, "chat-model-bench") as (gateway, key):
+        asyncio.run(run(gateway, key, name, ns.cases, ns.long_cases, ns.concurrency))
 
 
 if __name__ == "__main__":

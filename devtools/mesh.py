@@ -6,14 +6,17 @@ first start (``devtools.certs``); without one, plaintext."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -21,7 +24,10 @@ import grpc
 
 from devtools.certs import role_tls, write_certs
 from devtools.processes import stop_with_parent
+from devtools.redis_server import RedisServer
+from gateway.keys import create_key_at
 from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.ports import free_port
 from infermesh.probe import grpc_serving, http_ok
 from infermesh.tls import TlsSection, open_blocking_channel
 
@@ -262,3 +268,23 @@ class Mesh:
         except grpc.RpcError:  # a router slow to answer (a loaded machine): ask again
             return False
         return len(reply.workers) >= len(self.spec.worker_ports)
+
+
+@contextmanager
+def one_worker_mesh(model_path: str, key_name: str) -> Iterator[tuple[str, str]]:
+    """A bench's mesh: its own Redis, a router, one worker on ``model_path`` and a gateway as
+    processes, quiet, untraced; yields the gateway's URL (without /v1) and a key named
+    ``key_name``."""
+    with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=Path(workdir)) as redis:
+        spec = MeshSpec(
+            redis_url=redis.url,
+            model_path=model_path,
+            gateway_port=free_port(),
+            router_port=free_port(),
+            worker_ports=(free_port(),),
+            log_dir=Path(workdir),
+            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING"},
+        )
+        with Mesh(spec) as mesh:
+            key = asyncio.run(create_key_at(redis.url, key_name))
+            yield mesh.spec.base_url.removesuffix("/v1"), key
