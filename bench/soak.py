@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 import psutil
@@ -57,7 +58,7 @@ _SAMPLE_S = 0.1  # between two samples of the requests in flight
 class Snapshot:
     at_s: float
     rss_mb: dict[str, float]
-    fds: dict[str, int]
+    fds: dict[str, int]  # but the Redis pool's connections (bounded by [redis] max_connections)
     tasks: dict[str, int]
     redis_keys: int
     leases: int  # members of the concurrency lease sets
@@ -122,6 +123,7 @@ class _Probe:
             "worker0": f"http://127.0.0.1:{env['INFERMESH_WORKER_METRICS_PORT']}/metrics",
         }
         self._redis = aioredis.Redis.from_url(redis_url)
+        self._redis_port = urlparse(redis_url).port
         self._session = session
         self._start = time.monotonic()
 
@@ -137,10 +139,18 @@ class _Probe:
         return Snapshot(
             at_s=time.monotonic() - self._start,
             rss_mb={n: p.memory_info().rss / 2**20 for n, p in self._procs.items()},
-            fds={n: p.num_fds() for n, p in self._procs.items()},
+            fds={n: p.num_fds() - self._redis_connections(p) for n, p in self._procs.items()},
             tasks=tasks,
             redis_keys=await self._redis.dbsize() - settled,
             leases=leases,
+        )
+
+    def _redis_connections(self, process: psutil.Process) -> int:
+        """A pool opens one more at a new peak of concurrent calls, up to its bound: no leak."""
+        return sum(
+            1
+            for c in process.net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == self._redis_port
         )
 
     async def _tasks(self, url: str) -> int:

@@ -3,9 +3,16 @@ a free one to listen on."""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 
 import psutil
+
+# "LO-HI": free_port draws from these ports instead of the OS's; processes that start servers side
+# by side (pytest-xdist's workers) each take a range of their own, so that none is handed a port
+# another just drew (gRPC servers bind with SO_REUSEPORT: two would share it silently)
+PORT_RANGE_ENV = "INFERMESH_PORT_RANGE"
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
@@ -24,7 +31,14 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now (the OS picks it)."""
+    """A loopback port nothing listens on now: the OS picks it, or one of INFERMESH_PORT_RANGE."""
+    if bounds := os.environ.get(PORT_RANGE_ENV):
+        low, high = (int(b) for b in bounds.split("-"))
+        for _ in range(100):
+            drawn = random.randint(low, high)
+            if port_in_use(drawn) is None:
+                return drawn
+        raise RuntimeError(f"{PORT_RANGE_ENV}={bounds}: no free port found in 100 draws")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]

@@ -12,6 +12,11 @@ import pytest
 # fixture after earlier tests' servers) before it can exec. No test forks a process that keeps
 # using grpc; set before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Each pytest-xdist worker draws its servers' ports from a range of its own, below the OS's
+# ephemeral ports (32768 up), so that two workers are never handed the same port.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    _low = 20000 + 3000 * int(worker.removeprefix("gw"))
+    os.environ.setdefault("INFERMESH_PORT_RANGE", f"{_low}-{_low + 2999}")
 
 from devtools.redis_server import RedisServer
 from worker_svc.config import DEFAULT_MODEL_PATH

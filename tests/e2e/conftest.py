@@ -37,6 +37,14 @@ def e2e_redis(tmp_path_factory) -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    """A module's own Redis, for a fleet that must see no other's workers: routers sharing a Redis
+    see each other's workers through the registry (the vLLM modules both name one torch-worker)."""
+    with RedisServer(workdir=tmp_path_factory.mktemp("module-redis")) as server:
+        yield server
+
+
 def _start_mesh(
     redis_url: str,
     otlp_port: int,

@@ -7,8 +7,9 @@ import asyncio
 
 from bench.soak import SERVICES, run
 
-# The gateway's Redis pool may open a connection or two more at a new peak of concurrent
-# calls (bounded by [redis] max_connections); that is not a leak.
+# The probe leaves out the Redis pools' connections, which a new peak of concurrent calls may add
+# (bounded by [redis] max_connections): not a leak. What else may differ by a descriptor or two
+# between two idle moments (a keep-alive connection closing late) is not one either.
 _FD_SLACK = 2
 
 

@@ -97,12 +97,12 @@ def bad_argument_starts(
 
 
 @pytest.fixture(scope="module")
-def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
+def fleet(module_redis, tmp_path_factory) -> Iterator[Mesh]:
     if not os.path.exists(f"{MODEL_PATH}/config.json"):
         pytest.fail(f"{MODEL_PATH} is missing: `make model-mla` writes it", pytrace=False)
     metrics_port = free_port()
     spec = MeshSpec(
-        redis_url=e2e_redis.url,
+        redis_url=module_redis.url,
         model_path=MODEL_PATH,
         gateway_port=free_port(),
         router_port=free_port(),
@@ -143,8 +143,8 @@ def fleet(e2e_redis, tmp_path_factory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="module")
-def key(e2e_redis) -> str:
-    return new_key(e2e_redis.url)
+def key(module_redis) -> str:
+    return new_key(module_redis.url)
 
 
 @pytest.fixture

@@ -161,13 +161,13 @@ def _stop(worker: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(
-    e2e_redis: RedisServer,
+    module_redis: RedisServer,
     checkpoint: Path,
     cache_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Mesh]:
     spec = MeshSpec(
-        redis_url=e2e_redis.url,
+        redis_url=module_redis.url,
         model_path=str(checkpoint),
         gateway_port=free_port(),
         router_port=free_port(),
@@ -241,10 +241,10 @@ def test_each_vllm_worker_tells_the_router_its_precision(fleet: Mesh, served: _S
 
 
 def test_the_gateway_reports_each_vllm_workers_precision(
-    fleet: Mesh, e2e_redis: RedisServer
+    fleet: Mesh, module_redis: RedisServer
 ) -> None:
     client = openai.OpenAI(
-        base_url=fleet.spec.base_url, api_key=new_key(e2e_redis.url), max_retries=0, timeout=120
+        base_url=fleet.spec.base_url, api_key=new_key(module_redis.url), max_retries=0, timeout=120
     )
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 90
