@@ -3,6 +3,7 @@ a free one to listen on."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import socket
@@ -13,6 +14,7 @@ import psutil
 # by side (pytest-xdist's workers) each take a range of their own, so that none is handed a port
 # another just drew (gRPC servers bind with SO_REUSEPORT: two would share it silently)
 PORT_RANGE_ENV = "INFERMESH_PORT_RANGE"
+_drawn = itertools.count(random.randrange(1 << 16))  # this process's turn through the range
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
@@ -31,14 +33,16 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> str | None:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now: the OS picks it, or one of INFERMESH_PORT_RANGE."""
+    """A loopback port nothing listens on now: the OS picks it, or the next of
+    INFERMESH_PORT_RANGE that nothing listens on (in turn, so that a process is not handed one
+    port twice before its first taker binds it)."""
     if bounds := os.environ.get(PORT_RANGE_ENV):
         low, high = (int(b) for b in bounds.split("-"))
-        for _ in range(100):
-            drawn = random.randint(low, high)
+        for _ in range(high - low + 1):
+            drawn = low + next(_drawn) % (high - low + 1)
             if port_in_use(drawn) is None:
                 return drawn
-        raise RuntimeError(f"{PORT_RANGE_ENV}={bounds}: no free port found in 100 draws")
+        raise RuntimeError(f"{PORT_RANGE_ENV}={bounds}: every port of the range is in use")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
