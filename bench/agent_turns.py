@@ -308,7 +308,8 @@ def main() -> None:
             parser.error("--base-url needs --api-key")
         asyncio.run(run(ns.base_url.rstrip("/"), ns.api_key, ns.prompt_tokens, ns.repeats))
         return
-    with one_worker_mesh(DEFAULT_MODEL_PATH, "agent-turns") as (gateway, key):
+    with one_worker_mesh(DEFAULT_MODEL_PATH, "agent-turns") as (mesh, key):
+        gateway = mesh.spec.base_url.removesuffix("/v1")
         asyncio.run(run(gateway, key, ns.prompt_tokens, ns.repeats))
 
 

@@ -153,7 +153,8 @@ def main() -> None:
             run(ns.base_url.rstrip("/"), ns.api_key, name, ns.cases, ns.long_cases, ns.concurrency)
         )
         return
-    with one_worker_mesh(ns.model, "chat-model-bench") as (gateway, key):
+    with one_worker_mesh(ns.model, "chat-model-bench") as (mesh, key):
+        gateway = mesh.spec.base_url.removesuffix("/v1")
         asyncio.run(run(gateway, key, name, ns.cases, ns.long_cases, ns.concurrency))
 
 

@@ -21,16 +21,11 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import psutil
 
-from devtools.mesh import Mesh, MeshSpec
-from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
-from infermesh.ports import free_port
+from devtools.mesh import Mesh, one_worker_mesh
 from tests.helpers import fuzz
 from worker_svc.config import DEFAULT_MODEL_PATH
 
@@ -51,19 +46,10 @@ def main() -> int:
     parser.add_argument("--slow", type=int, default=20, help="slow clients of each kind")
     parser.add_argument("--idle", type=int, default=500, help="idle keep-alive connections")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(workdir=Path(tmp)) as redis_server:
-        spec = MeshSpec(
-            redis_url=redis_server.url,
-            model_path=DEFAULT_MODEL_PATH,
-            gateway_port=free_port(),
-            router_port=free_port(),
-            worker_ports=(free_port(),),
-            env={"OTEL_SDK_DISABLED": "true", **fuzz.mesh_env(ADMIN_TOKEN, TIMEOUT_S)},
-            log_dir=Path(tmp),
-        )
-        with Mesh(spec) as mesh:
-            api_key = asyncio.run(create_key_at(redis_server.url, "fuzz"))
-            return _fuzz(args, mesh, api_key)
+    # every log line is read for keys: INFO, not the bench default of warnings only
+    env = {"INFERMESH_LOG_LEVEL": "INFO", **fuzz.mesh_env(ADMIN_TOKEN, TIMEOUT_S)}
+    with one_worker_mesh(DEFAULT_MODEL_PATH, "fuzz", env) as (mesh, api_key):
+        return _fuzz(args, mesh, api_key)
 
 
 def _fuzz(args: argparse.Namespace, mesh: Mesh, api_key: str) -> int:

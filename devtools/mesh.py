@@ -271,10 +271,12 @@ class Mesh:
 
 
 @contextmanager
-def one_worker_mesh(model_path: str, key_name: str) -> Iterator[tuple[str, str]]:
+def one_worker_mesh(
+    model_path: str, key_name: str, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[Mesh, str]]:
     """A bench's mesh: its own Redis, a router, one worker on ``model_path`` and a gateway as
-    processes, quiet, untraced; yields the gateway's URL (without /v1) and a key named
-    ``key_name``."""
+    processes, untraced and logging warnings only unless ``env`` says otherwise; yields it, started,
+    and a key named ``key_name``."""
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=Path(workdir)) as redis:
         spec = MeshSpec(
             redis_url=redis.url,
@@ -283,8 +285,7 @@ def one_worker_mesh(model_path: str, key_name: str) -> Iterator[tuple[str, str]]
             router_port=free_port(),
             worker_ports=(free_port(),),
             log_dir=Path(workdir),
-            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING"},
+            env={"OTEL_SDK_DISABLED": "true", "INFERMESH_LOG_LEVEL": "WARNING", **(env or {})},
         )
         with Mesh(spec) as mesh:
-            key = asyncio.run(create_key_at(redis.url, key_name))
-            yield mesh.spec.base_url.removesuffix("/v1"), key
+            yield mesh, asyncio.run(create_key_at(redis.url, key_name))
