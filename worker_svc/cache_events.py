@@ -51,6 +51,7 @@ class _Subscriber:
         self._batches: collections.deque[CacheBatch] = collections.deque()
         self._ready = asyncio.Event()
         self.dropped = False
+        self.closed = False
 
     def offer(self, batch: CacheBatch) -> bool:
         """Queues `batch`; False when that puts the subscriber over its backlog (dropped)."""
@@ -66,15 +67,24 @@ class _Subscriber:
         self._ready.set()
         return not self.dropped
 
-    async def next(self) -> CacheBatch:
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def next(self) -> CacheBatch | None:
+        """The next batch; None once closed, what is queued left unsent (the worker stops)."""
         while not self._batches:
             if self.dropped:
                 raise SubscriberDroppedError(
                     f"more than {self._backlog} cache events waited for this subscriber; "
                     "reconnect to resync"
                 )
+            if self.closed:
+                return None
             self._ready.clear()
             await self._ready.wait()
+        if self.closed:
+            return None
         batch = self._batches.popleft()
         self._queued -= batch.events
         return batch
@@ -177,6 +187,12 @@ class CacheEvents:
             if not subscriber.offer(batch):
                 self._subscribers.discard(subscriber)
 
+    def end_subscriptions(self) -> None:
+        """Ends every subscriber's stream: a server stopping ends them itself, so that grpc never
+        aborts them as still running (the subscribers resync from whoever serves next)."""
+        for subscriber in self._subscribers:
+            subscriber.close()
+
     def _catch_up(self, epoch: int, after_seq: int) -> list[CacheBatch] | None:
         """The ring's batches after `after_seq`, or None when they are not all there."""
         if epoch != self.epoch or not self._ring_base <= after_seq <= self._seq:
@@ -210,7 +226,7 @@ class CacheEvents:
             else:
                 for batch in missed:
                     yield batch
-            while True:
-                yield await subscriber.next()
+            while (batch := await subscriber.next()) is not None:
+                yield batch
         finally:
             self._subscribers.discard(subscriber)

@@ -444,5 +444,6 @@ async def serve(config: WorkerConfig) -> None:
         await server.wait_for_termination()
     finally:
         reporter.cancel()
+        engine.cache_events.end_subscriptions()
         await server.stop(grace=2)
         await engine.close()

@@ -199,6 +199,16 @@ async def test_a_slow_subscriber_is_dropped_not_buffered():
         call.cancel()
 
 
+async def test_ending_subscriptions_ends_each_stream_cleanly():
+    engine = _sim()
+    async with loopback_worker(engine) as worker:
+        call = worker.stub.CacheEvents(worker_pb2.CacheEventsRequest())
+        await _next(call)  # the (empty) snapshot
+        engine.cache_events.end_subscriptions()  # as a stopping worker does, before its server
+        assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
 def _torch_prompt(engine: Engine, tag: str, tokens: int) -> tuple[str, list[int]]:
     """A prompt of the tiny model of at least `tokens` tokens, and its ids."""
     text = ""

@@ -45,6 +45,7 @@ def vllm_events() -> Iterator[tuple[VllmKvEvents, ZmqEventPublisher]]:
     subscriber = VllmKvEvents(CacheEvents())
     publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=subscriber.config.endpoint)
     try:
+        _await_subscription(subscriber, publisher)
         yield subscriber, publisher
     finally:
         publisher.shutdown()
@@ -55,11 +56,25 @@ def _publish(publisher: ZmqEventPublisher, *events) -> None:
     publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
 
 
+def _await_subscription(subscriber: VllmKvEvents, publisher: ZmqEventPublisher) -> None:
+    """ZeroMQ's PUB drops what it sends until the SUB's subscription has reached it (as vLLM's
+    engine, publishing only once it serves, never meets): the empty cache's "cleared" until one
+    arrives, so that the tests' events all do. A second arrives only if one took over a second."""
+    deadline = time.monotonic() + 30
+    while subscriber.events.seq == 0:
+        assert time.monotonic() < deadline, "vLLM's publisher never reached the subscriber"
+        _publish(publisher, AllBlocksCleared())
+        waited = time.monotonic() + 1
+        while subscriber.events.seq == 0 and time.monotonic() < waited:
+            time.sleep(0.01)
+
+
 async def test_stored_blocks_chain_from_their_vllm_parent(vllm_events):
     subscriber, publisher = vllm_events
     events = subscriber.events
     assert subscriber.config.endpoint.startswith("tcp://127.0.0.1:")
     tokens = list(range(1000, 1048))
+    settled = events.seq
     batches = events.subscribe()
     assert (await anext(batches)).snapshot
     _publish(publisher, _stored([b"a", b"b"], None, tokens[:32]))
@@ -74,7 +89,7 @@ async def test_stored_blocks_chain_from_their_vllm_parent(vllm_events):
     _publish(publisher, _stored([b"x"], b"never-stored", tokens[:16]))
     third = await asyncio.wait_for(anext(batches), 10)
     assert list(third.removed) == chain(tokens)[:1] and not third.stored
-    await eventually(lambda: events.seq == 4)
+    await eventually(lambda: events.seq == settled + 4)
     assert events.held() == set(chain(tokens)[1:])
     _publish(publisher, AllBlocksCleared())
     cleared = await asyncio.wait_for(anext(batches), 10)
