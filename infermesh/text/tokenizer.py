@@ -73,7 +73,7 @@ class Tokenizer:
         """`tools`: OpenAI-shaped function definitions, as HF templates take them; `thinking`: the
         template's thinking flag (V3.1's, V3.2's), None: the template's default."""
         hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
-        flag = {} if thinking is None else {"thinking": thinking}
+        flag: dict[str, Any] = {} if thinking is None else {"thinking": thinking}
         # tokenize=False: the rendered text
         return cast(
             str,

@@ -25,6 +25,7 @@ from worker_svc.engine_api import (
     GenerationRequest,
     SamplingParams,
     Tool,
+    ToolCallDelta,
     merge_chunks,
 )
 from worker_svc.server import worker_info
@@ -92,6 +93,12 @@ def test_released_text_bounds_what_is_handed_out():
     assert parser.feed("abc</think>def", 14) == ("c", "def")
 
 
+def _think_end_id(tokenizer: Tokenizer) -> int:
+    token_id = tokenizer.hf.convert_tokens_to_ids(THINK_END)
+    assert isinstance(token_id, int)
+    return token_id
+
+
 @pytest.fixture(scope="module")
 def r1_tokenizer(r1_dir: Path) -> Tokenizer:
     return Tokenizer(r1_dir)
@@ -117,7 +124,8 @@ def test_a_tool_call_after_the_thinking_parses(r1_tokenizer: Tokenizer):
     decoder = CompletionDecoder(
         r1_tokenizer, (), Constraints(_TOOLS), ToolMarkers.of(r1_tokenizer), thinking
     )
-    calls, finish, pieces = [], None, []
+    calls: list[ToolCallDelta] = []
+    finish, pieces = None, []
     for i, token in enumerate(ids):
         decoded = decoder.add(token, "stop_token" if i == len(ids) - 1 else None)
         pieces.append((decoded.reasoning_text, decoded.text))
@@ -128,7 +136,7 @@ def test_a_tool_call_after_the_thinking_parses(r1_tokenizer: Tokenizer):
     assert finish == "tool_calls"
     assert [c.name for c in calls if c.name] == ["get_weather"]
     assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
-    close = ids.index(r1_tokenizer.hf.convert_tokens_to_ids(THINK_END))
+    close = ids.index(_think_end_id(r1_tokenizer))
     assert decoder.reasoning_tokens == close + 1
 
 
@@ -157,7 +165,7 @@ def test_a_closing_tag_that_decodes_to_nothing_closes_on_its_token(r1_dir: Path,
         added["special"] = added["special"] or added["content"] == THINK_END
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tokenizer = Tokenizer(tmp_path)
-    end_id = tokenizer.hf.convert_tokens_to_ids(THINK_END)
+    end_id = _think_end_id(tokenizer)
     assert tokenizer.decode([end_id]) == ""
     decoder = CompletionDecoder(
         tokenizer, (), Constraints(), None, Thinking(ReasoningParser(True), (end_id,))
@@ -245,7 +253,7 @@ async def test_a_budget_reached_mid_thought_closes_the_thinking(r1_engine: Engin
     free = merge_chunks(await _run(r1_engine, _request(10)))
     chunks = await _run(r1_engine, _request(10, budget=3))
     merged = merge_chunks(chunks)
-    end_id = r1_engine.tokenizer.hf.convert_tokens_to_ids(THINK_END)
+    end_id = _think_end_id(r1_engine.tokenizer)
     # the thinking before the budget is the model's own; then the closing tag is forced
     assert merged.token_ids[:3] == free.token_ids[:3] and merged.token_ids[3] == end_id
     decode = r1_engine.tokenizer.decode
