@@ -327,3 +327,17 @@ def test_reasoning_format_is_configured_or_read_from_the_template(
     path.write_text('[model]\nreasoning_format = "deepseek_r2"\n')
     with pytest.raises(ConfigError, match=r"worker\.toml.*reasoning_format.*deepseek_r2"):
         load_worker_config(str(path))
+
+
+def test_a_stop_string_like_the_closing_tag_neither_leaks_the_tag_nor_stops_early(
+    r1_tokenizer: Tokenizer,
+):
+    """The detokenizer holds the tag's "k>" back for the stop string "k>!"; the answer starts past
+    the tag all the same, and the stop string still ends it."""
+    ids = r1_tokenizer.encode_rendered(f"hm{THINK_END}a k>!")
+    request = GenerationRequest("r", _CHAT, None, SamplingParams())
+    thinking = thinking_of(r1_tokenizer, "deepseek_r1", request)
+    decoder = CompletionDecoder(r1_tokenizer, ("k>!",), Constraints(), None, thinking)
+    out = [decoder.add(token, None) for token in ids]
+    assert "".join(d.reasoning_text for d in out) == "hm"
+    assert "".join(d.text for d in out) == "a " and out[-1].finish == "stop"

@@ -97,6 +97,8 @@ class CompletionDecoder:
                 finish = "stop"
             elif finish is not None:
                 text += detok.flush()
+        if self._thinking is not None:  # after the thinking: never what the closing tag held back
+            text = self._thinking.parser.feed(detok.text, detok.emitted)[1]
         return DecodedToken(text, calls, finish)
 
     def _add_thinking(self, token: int, end: TokenEnd | None) -> DecodedToken:
