@@ -144,6 +144,7 @@ def test_a_closing_tag_of_several_tokens_parses_as_text(tiny_dir: Path):
     """A tokenizer without the think tags writes them in pieces: the text-level parser finds the
     tag across tokens, and counts the thinking up to the token that completes it."""
     tokenizer = Tokenizer(tiny_dir)
+    assert tokenizer.reasoning_format == ""  # DeepSeek-V3's template: it does not reason
     end_ids = tuple(tokenizer.encode_rendered(THINK_END))
     assert len(end_ids) > 1
     thought, answer = tokenizer.encode_rendered("Hmm"), tokenizer.encode_rendered(" Four.")
@@ -234,6 +235,9 @@ def test_the_templates_turn_thinking_on_and_off(r1_engine: Engine, v31_engine: E
         {"role": "user", "content": "again"},
     ]
     for engine in (r1_engine, v31_engine):
+        # neither released template renders tool definitions: the family's tool template, served
+        # instead, keeps its reasoning
+        assert engine.tokenizer.renders_tools
         rendered = engine.tokenizer.render_chat(history)
         assert "Hello!" in rendered and "secret" not in rendered
 
