@@ -1,0 +1,221 @@
+"""KV blocks between two real torch workers over mutual TLS, each with its own worker identity
+(Worker.KVBlocks, and an open's KVPull): a prompt's cached prefix pulled from the peer gives the
+tokens computing it gives; only a worker may fetch blocks; a block not held is NOT_FOUND; a
+block that is not the prompt's is refused and computed; a dead peer or a spent deadline falls
+back to computing, unseen by the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from devtools.certs import role_tls, write_certs
+from infermesh.pb import common_pb2, worker_pb2
+from infermesh.ports import free_port
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.tls import TlsSection
+from telemetry import metrics
+from tests.helpers.worker_client import worker_client
+from worker_svc import server as worker_server
+from worker_svc.config import ModelSection, ServerSection, WorkerConfig
+from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
+from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.wire import to_engine
+
+# DeepSeek-V3's MLA sizes (kv_lora_rank 512, qk_rope_head_dim 64) in two layers
+MLA_MODEL = "models/tiny-deepseek-v3-mla"
+MODEL = Path(MLA_MODEL).name
+
+
+@dataclasses.dataclass
+class Pair:
+    """The peer holding a prefix (P) and the worker that pulls it (D), served over TLS."""
+
+    p: Engine
+    d: Engine
+    p_address: str
+    d_address: str
+    certs: Path
+
+    def tls(self, stem: str) -> TlsSection:
+        return dataclasses.replace(
+            role_tls(self.certs, "worker"),
+            cert_file=str(self.certs / f"{stem}.crt"),
+            key_file=str(self.certs / f"{stem}.key"),
+        )
+
+
+@pytest.fixture(scope="module")
+def engines(worker_dtype: str) -> Iterator[tuple[Engine, Engine]]:
+    pair = [Engine.from_checkpoint(MLA_MODEL, dtype=worker_dtype, max_model_len=4096) for _ in "pd"]
+    yield pair[0], pair[1]
+    for engine in pair:
+        asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("certs")
+    write_certs(directory, workers={"p": [], "d": []})
+    return directory
+
+
+@contextlib.asynccontextmanager
+async def _serving(engine: Engine, name: str, certs: Path) -> AsyncIterator[str]:
+    tls = dataclasses.replace(
+        role_tls(certs, "worker"),
+        cert_file=str(certs / f"worker-{name}.crt"),
+        key_file=str(certs / f"worker-{name}.key"),
+    )
+    config = WorkerConfig(
+        server=ServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
+        model=ModelSection(path=MLA_MODEL),
+        tls=tls,
+    )
+    server, servicer = await worker_server.create_server(config, engine)
+    try:
+        yield servicer.info.address
+    finally:
+        await server.stop(grace=None)
+        await servicer.close()
+
+
+@pytest.fixture
+async def pair(engines: tuple[Engine, Engine], certs: Path) -> AsyncIterator[Pair]:
+    async with _serving(engines[0], "p", certs) as p, _serving(engines[1], "d", certs) as d:
+        yield Pair(engines[0], engines[1], p, d, certs)
+
+
+def _request(tag: str, words: int = 100) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
+        request_id=tag,
+        model=MODEL,
+        prompt=" ".join(f"{tag}{i}" for i in range(words)),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
+    )
+
+
+def _prompt_ids(engine: Engine, request: common_pb2.GenerateRequest) -> list[int]:
+    return list(prompt_token_ids(engine.tokenizer, to_engine(request)))
+
+
+def _pull(address: str, hashes: list[int], timeout_ms: int = 30_000) -> common_pb2.KVPull:
+    return common_pb2.KVPull(
+        worker_id="p", address=address, prefix_hashes=hashes, timeout_ms=timeout_ms
+    )
+
+
+async def _complete(
+    pair: Pair,
+    address: str,
+    request: common_pb2.GenerateRequest,
+    pull: common_pb2.KVPull | None = None,
+) -> common_pb2.GenerateResponse:
+    """The whole completion from the worker at ``address``, asked as the gateway asks."""
+    async with worker_client(role_tls(pair.certs, "gateway")) as client:
+        return await client.complete(address, request, pull=pull)
+
+
+def _pulls(outcome: str) -> float:
+    return metrics.KV_PULLS.labels("p", "d", outcome)._value.get()
+
+
+async def test_a_prefix_pulled_from_the_peer_gives_the_tokens_computing_it_gives(pair: Pair):
+    request = _request("exact")
+    computed = await _complete(pair, pair.p_address, request)  # P computes and caches the prompt
+    hashes = chain(_prompt_ids(pair.p, request))
+    assert len(hashes) >= 8
+    before = metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get()
+    pulled = await _complete(pair, pair.d_address, request, _pull(pair.p_address, hashes))
+    assert list(pulled.token_ids) == list(computed.token_ids)
+    assert pulled.text == computed.text
+    # D had none of it: every whole block but the one holding the last token came from P
+    assert pulled.usage.cached_prompt_tokens >= (len(hashes) - 1) * BLOCK_TOKENS
+    assert metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get() - before == len(hashes)
+    # the blocks taken are D's prefix cache now: published as its own
+    assert pair.d.cache_events.held_prefix(hashes) == len(hashes)
+
+
+async def test_only_a_worker_may_fetch_blocks(pair: Pair):
+    request = _request("authz", words=20)
+    await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    ask = worker_pb2.KVBlocksRequest(prefix_hashes=hashes)
+    async with worker_client(role_tls(pair.certs, "gateway")) as gateway:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in gateway.stub(pair.p_address).KVBlocks(ask):
+                pass
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with worker_client(pair.tls("worker-d")) as peer:
+        blocks = [b async for m in peer.stub(pair.p_address).KVBlocks(ask) for b in m.blocks]
+    assert [b.prefix_hash for b in blocks] == hashes
+    shape = [2, BLOCK_TOKENS, 512 + 64]
+    assert all(list(b.tensors[0].shape) == shape for b in blocks)
+
+
+async def test_a_block_not_held_is_not_found_after_the_blocks_before_it(pair: Pair):
+    request = _request("evicted", words=20)
+    await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    ask = worker_pb2.KVBlocksRequest(prefix_hashes=[*hashes[:2], 12345, *hashes[2:]])
+    got: list[int] = []
+    async with worker_client(pair.tls("worker-d")) as peer:
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            async for message in peer.stub(pair.p_address).KVBlocks(ask):
+                got += [b.prefix_hash for b in message.blocks]
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "0000000000003039" in (missing.value.details() or "")
+    assert got == hashes[:2]
+
+
+async def test_a_block_that_is_not_the_prompts_is_refused_and_computed(pair: Pair):
+    request = _request("corrupt")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    blocks = await pair.p.export_blocks(hashes)
+    # block 4 cut short: it and those after it are computed, the four before it taken
+    bad = blocks[4].tensors[0]
+    blocks[4] = dataclasses.replace(
+        blocks[4], tensors=(RawTensor(bad.data[:-2], bad.dtype, bad.shape),)
+    )
+    refused = metrics.KV_PULL_REFUSED_BLOCKS._value.get()
+    served = to_engine(request)
+    engine_request: GenerationRequest = dataclasses.replace(
+        served, request_id="corrupt-d", peer_prefix=PeerPrefix(0, tuple(blocks))
+    )
+    tokens: list[int] = []
+    cached = 0
+    async for chunk in pair.d.generate(engine_request):
+        tokens += chunk.token_ids
+        cached = chunk.cached_prompt_tokens
+    assert tokens == list(computed.token_ids)
+    assert cached == 4 * BLOCK_TOKENS
+    assert metrics.KV_PULL_REFUSED_BLOCKS._value.get() - refused == len(blocks) - 4
+
+
+async def test_a_dead_peer_or_a_spent_deadline_falls_back_to_computing(pair: Pair):
+    request = _request("dead")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    unavailable = _pulls("UNAVAILABLE")
+    dead = _pull(f"127.0.0.1:{free_port()}", hashes)
+    fallback = await _complete(pair, pair.d_address, request, dead)
+    assert list(fallback.token_ids) == list(computed.token_ids)
+    assert fallback.usage.cached_prompt_tokens == 0
+    assert _pulls("UNAVAILABLE") - unavailable == 1
+    late = _pulls("DEADLINE_EXCEEDED")
+    request = _request("late")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    spent = await _complete(
+        pair, pair.d_address, request, _pull(pair.p_address, hashes, timeout_ms=1)
+    )
+    assert list(spent.token_ids) == list(computed.token_ids)
+    assert _pulls("DEADLINE_EXCEEDED") - late == 1
