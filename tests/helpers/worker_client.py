@@ -113,3 +113,4 @@ async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWork
             yield LoopbackWorker(client, servicer.info)
     finally:
         await server.stop(grace=None)
+        await servicer.close()

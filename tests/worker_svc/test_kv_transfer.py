@@ -20,7 +20,10 @@ from infermesh.pb import common_pb2, worker_pb2
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.tls import TlsSection
+from router_svc.config import RoutingSection
 from telemetry import metrics
+from tests.helpers import MODEL as CONFIGURED_MODEL
+from tests.helpers.inprocess import eventually, running_router, running_worker
 from tests.helpers.worker_client import worker_client
 from worker_svc import server as worker_server
 from worker_svc.config import ModelSection, ServerSection, WorkerConfig
@@ -219,3 +222,54 @@ async def test_a_dead_peer_or_a_spent_deadline_falls_back_to_computing(pair: Pai
     )
     assert list(spent.token_ids) == list(computed.token_ids)
     assert _pulls("DEADLINE_EXCEEDED") - late == 1
+
+
+async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
+    engines: tuple[Engine, Engine],
+):
+    """A P/D request through the router's relay: the worker holding the prompt's prefix is at
+    its max_parallel, so the other takes the prefix from it and gives the tokens the holder's
+    own computation gives."""
+    # the load decides between the two (a second of prefill weighs little); a 10 Gb/s link
+    routing = RoutingSection(link_gbps=10, prefill_weight=0.01)
+    async with (
+        running_router(routing=routing) as router,
+        running_worker(engines[0], router, "w1", max_parallel=1),
+        running_worker(engines[1], router, "w2", max_parallel=1),
+    ):
+        # served as the workers' configuration names the model (their engines run the MLA one)
+        def routed(tag: str, words: int, max_tokens: int) -> common_pb2.GenerateRequest:
+            request = _request(tag, words)
+            request.model = CONFIGURED_MODEL
+            request.sampling.max_tokens = max_tokens
+            request.prefix_hashes[:] = chain(_prompt_ids(engines[0], request))
+            return request
+
+        held = routed("shared", 60, 1)
+        holder = (await router.stub.Complete(held)).route.worker_id
+        entry = router.resources.registry.fleet.get(holder)
+        assert entry is not None
+        index = router.resources.index
+        await eventually(lambda: index.blocks(entry.slot) >= len(held.prefix_hashes))
+        # the holder busy with a long generation (at its max_parallel once the router hears)
+        busy = routed("busy", 20, 200)
+        async with worker_client() as client:
+            stream = client.generate(entry.info.address, busy)
+            await anext(stream)
+            fleet = router.resources.registry.fleet
+            await eventually(lambda: fleet.busy_now[entry.slot] >= 1)
+            puller = "w2" if holder == "w1" else "w1"
+            pulled_before = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get()
+            request = routed("shared", 70, 6)
+            request.request_id = "pd"
+            answer = await router.stub.Complete(request)
+            await stream.aclose()
+    assert answer.route.worker_id == puller
+    pulled = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get() - pulled_before
+    # every block of the held prompt (its last one's tokens may end differently in the longer)
+    assert pulled >= len(held.prefix_hashes) - 1
+    assert answer.usage.cached_prompt_tokens >= pulled * BLOCK_TOKENS - BLOCK_TOKENS
+    # computed alone, on the holder: the same tokens
+    reference = dataclasses.replace(to_engine(request), request_id="reference")
+    tokens = [t async for chunk in engines[0].generate(reference) for t in chunk.token_ids]
+    assert list(answer.token_ids) == tokens
