@@ -30,7 +30,9 @@ def _decide(fleet: Fleet, link_gbps: float, hashes: list[int], holder_running: i
     chooser = Chooser(
         RoutingSection(link_gbps=link_gbps), cached_on(fleet, {"holder": hashes[:400]})
     )
-    fleet.set_load(fleet.get("holder"), common_pb2.Load(running=holder_running))
+    holder = fleet.get("holder")
+    assert holder is not None
+    fleet.set_load(holder, common_pb2.Load(running=holder_running))
     return chooser.choose(fleet, with_hashes(hashes))
 
 
