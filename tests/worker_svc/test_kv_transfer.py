@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from devtools.certs import role_tls, write_certs
-from infermesh.pb import common_pb2, worker_pb2
+from infermesh.pb import common_pb2, router_pb2, worker_pb2
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.tls import TlsSection
@@ -245,7 +245,10 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
             request.prefix_hashes[:] = chain(_prompt_ids(engines[0], request))
             return request
 
-        held = routed("shared", 60, 1)
+        # ~1,900 tokens: long enough that computing them takes longer than the holder's step
+        # and the pull's round trip, whatever prefill speed the workers measured meanwhile (the
+        # pull's deadline)
+        held = routed("shared", 1000, 1)
         holder = (await router.stub.Complete(held)).route.worker_id
         entry = router.resources.registry.fleet.get(holder)
         assert entry is not None
@@ -260,8 +263,23 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
             await eventually(lambda: fleet.busy_now[entry.slot] >= 1)
             puller = "w2" if holder == "w1" else "w1"
             pulled_before = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get()
-            request = routed("shared", 70, 6)
+            request = routed("shared", 1010, 6)
             request.request_id = "pd"
+            # the gateway's way: the decision on its route stream carries the pull
+            route_stream = router.stub.RouteStream()
+            await route_stream.write(
+                router_pb2.RouteStreamRequest(asks=[router_pb2.RouteAsk(id=1, request=request)])
+            )
+            (decision,) = (await route_stream.read()).decisions
+            chosen = decision.workers[0]
+            await route_stream.write(router_pb2.RouteStreamRequest(unused=[chosen.worker_id]))
+            await route_stream.done_writing()
+            assert await route_stream.read() is grpc.aio.EOF
+            assert chosen.worker_id == puller and chosen.pull.worker_id == holder
+            assert chosen.pull.address == entry.info.address and chosen.pull.timeout_ms > 0
+            prefix = list(chosen.pull.prefix_hashes)
+            assert prefix == request.prefix_hashes[: len(prefix)] and len(prefix) >= 2
+            # and the router's own relay pulls
             answer = await router.stub.Complete(request)
             await stream.aclose()
     assert answer.route.worker_id == puller
@@ -273,3 +291,25 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
     reference = dataclasses.replace(to_engine(request), request_id="reference")
     tokens = [t async for chunk in engines[0].generate(reference) for t in chunk.token_ids]
     assert list(answer.token_ids) == tokens
+
+
+async def test_a_sparse_attention_models_blocks_carry_the_indexer_keys_too(v32_dir: Path):
+    """DeepSeek-V3.2 caches each token's indexer key beside its latent: a block carries both,
+    and the tokens are those computing the prompt gives."""
+    p, d = (Engine.from_checkpoint(v32_dir, max_model_len=1024) for _ in "pd")
+    try:
+        request = to_engine(_request("sparse", words=60))
+        tokens = [t async for chunk in p.generate(request) for t in chunk.token_ids]
+        hashes = chain(prompt_token_ids(p.tokenizer, request))
+        blocks = await p.export_blocks(hashes)
+        assert [len(b.tensors) for b in blocks] == [2] * len(hashes)
+        pulled = dataclasses.replace(request, peer_prefix=PeerPrefix(0, tuple(blocks)))
+        cached = 0
+        taken: list[int] = []
+        async for chunk in d.generate(pulled):
+            taken += chunk.token_ids
+            cached = chunk.cached_prompt_tokens
+        assert taken == tokens and cached >= (len(hashes) - 1) * BLOCK_TOKENS
+    finally:
+        await p.close()
+        await d.close()

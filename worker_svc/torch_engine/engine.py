@@ -95,14 +95,7 @@ class Engine:
         )
         self._blocks = blocks
         # what a token's cache is made of: the latent and rope'd key, then (V3.2) indexer keys
-        self._cache_tensors = (
-            [kv_cache.kv]
-            if kv_cache.index_k is None
-            else [
-                kv_cache.kv,
-                kv_cache.index_k,
-            ]
-        )
+        self._cache_tensors = [t for t in (kv_cache.kv, kv_cache.index_k) if t is not None]
         logger.info(
             "latent cache: %d blocks of %d tokens (%.1f MB; "
             "per token %d B latent + %d B indexer keys); "
