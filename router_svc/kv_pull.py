@@ -7,12 +7,17 @@ holds more of the prompt than the chosen one, and has no free slot (at its max_p
 request would wait there); then the tokens it holds beyond the chosen worker's are pulled when
 sending their KV cache over the link is estimated to take less time than computing them::
 
-    tokens * kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9)  <  tokens * prefill_s_per_token
+    1 / holder's decode_tokens_per_second
+        + tokens * kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9)
+    <  tokens * prefill_s_per_token
 
-(``[routing] link_gbps``; the right-hand side uses the chosen worker's prefill speed, measured or
-estimated). The pull's deadline is that right-hand side: past it, computing would have been done.
-Both workers must send and take KV blocks (``Capabilities.kv_transfer_bytes_per_token``), of one
-size per token and in one precision. ``link_gbps = 0`` (the default) never pulls.
+(``[routing] link_gbps``; the holder copies the blocks out between two of its steps, so the pull
+first waits for one, a decode step of one of its sequences; the right-hand side uses the chosen
+worker's prefill speed, measured or estimated: a short prefix is computed sooner than a busy
+holder gets to it). The pull's deadline is that right-hand side: past it, computing would have
+been done. Both workers must send and take KV blocks
+(``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
+``link_gbps = 0`` (the default) never pulls.
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ def plan_pull(
         or theirs.precision != mine.precision
     ):
         return None
-    transfer_s = tokens * bytes_per_token * 8 / (link_gbps * 1e9)
+    decode_speed = float(fleet.speed[group.slots[holder]])
+    step_s = 1 / decode_speed if decode_speed > 0 else 0.0
+    transfer_s = step_s + tokens * bytes_per_token * 8 / (link_gbps * 1e9)
     compute_s = tokens * float(group.prefill_s_per_token[chosen])
     if transfer_s >= compute_s:
         return None

@@ -38,7 +38,8 @@ def _decide(fleet: Fleet, link_gbps: float, hashes: list[int], holder_running: i
 
 def test_a_full_holder_has_its_prefix_pulled_when_the_link_beats_the_prefill():
     hashes = chain(list(range(16 * 500)))
-    # 6,400 tokens cached: 0.64 s of prefill against 0.45 GB over 100 Gb/s (0.036 s)
+    # 6,400 tokens cached: 0.64 s of prefill against the holder's next step (0.01 s at 100
+    # tokens/s) and 0.45 GB over 100 Gb/s (0.036 s)
     decision = _decide(_fleet(), 100, hashes, holder_running=2)
     assert decision.workers[0].worker_id == "other"
     assert decision.pull is not None and decision.pull.holder.worker_id == "holder"
@@ -60,3 +61,6 @@ def test_no_pull_over_a_slow_link_from_a_holder_with_room_or_between_unlike_cach
     assert _decide(_fleet(), 100, hashes, holder_running=1).pull is None
     # another size of KV per token (another model or precision): its blocks are no use
     assert _decide(_fleet(bytes_per_token=1234), 100, hashes, holder_running=2).pull is None
+    # 4 blocks: their 6.4 ms of prefill are done before the holder's next step (10 ms at 100
+    # tokens/s) could send them
+    assert _decide(_fleet(), 100, hashes[:4], holder_running=2).pull is None
