@@ -139,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not isinstance(engine, KVBlockPeer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this worker's engine ({self.info.capabilities.engine}) sends no KV blocks",
+                f"this worker's engine ({type(engine).__name__}) sends no KV blocks",
             )
         bytes_per_token = self.info.capabilities.kv_transfer_bytes_per_token
         try:

@@ -23,8 +23,8 @@ from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from telemetry import metrics
 from tests.helpers import MODEL as CONFIGURED_MODEL
-from tests.helpers.inprocess import eventually, running_router, running_worker
-from tests.helpers.worker_client import worker_client
+from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
+from tests.helpers.worker_client import loopback_worker, worker_client
 from worker_svc import server as worker_server
 from worker_svc.config import ModelSection, ServerSection, WorkerConfig
 from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
@@ -313,3 +313,12 @@ async def test_a_sparse_attention_models_blocks_carry_the_indexer_keys_too(v32_d
     finally:
         await p.close()
         await d.close()
+
+
+async def test_an_engine_without_kv_blocks_says_so():
+    async with loopback_worker(sim_engine()) as worker:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in worker.stub.KVBlocks(worker_pb2.KVBlocksRequest(prefix_hashes=[1])):
+                pass
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "(SimEngine) sends no KV blocks" in (refused.value.details() or "")
