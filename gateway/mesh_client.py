@@ -207,7 +207,12 @@ class MeshClient:
         timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         # stalls are timed where the chunks arrive (infermesh.serve_client), not here
         chunks = self._streams.chunks(
-            route.address, request, whole=not stream, timeout_s=timeout, stall_s=stall_s
+            route.address,
+            request,
+            whole=not stream,
+            timeout_s=timeout,
+            stall_s=stall_s,
+            pull=route.pull if route.HasField("pull") else None,
         )
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:

@@ -45,6 +45,8 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     f"{_WORKER}TextFiles": _PROMPT_CARRIERS,
     # what a worker caches, for the router's cache index
     f"{_WORKER}CacheEvents": frozenset({"router"}),
+    # the KV cache of cached blocks, for a peer worker that would otherwise compute them
+    f"{_WORKER}KVBlocks": frozenset({"worker"}),
     # the gateway's route stream: route decisions and failure reports
     f"{_ROUTER}RouteStream": frozenset({"gateway"}),
     # the relayed generation: internal callers (and the gateway)

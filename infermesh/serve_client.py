@@ -151,6 +151,7 @@ class _ServeCall(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse,
         whole: bool,
         timeout_s: float | None,
         stall_s: float | None,
+        pull: common_pb2.KVPull | None,
     ) -> _Request:
         if self.broken:
             raise call_error(grpc.StatusCode.UNAVAILABLE, "the worker's stream is closed")
@@ -161,7 +162,7 @@ class _ServeCall(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse,
         # timeout_ms 0: no deadline
         timeout_ms = 0 if timeout_s is None else max(1, round(timeout_s * 1000))
         message = self.outgoing.message.open.add(
-            id=opened.id, request=request, whole=whole, timeout_ms=timeout_ms
+            id=opened.id, request=request, whole=whole, timeout_ms=timeout_ms, pull=pull
         )
         if telemetry.tracing_enabled():
             propagate.inject(message.trace_context)
@@ -222,15 +223,17 @@ class ServeClient:
         whole: bool,
         timeout_s: float | None,
         stall_s: float | None = None,
+        pull: common_pb2.KVPull | None = None,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The request's chunks from the worker at ``address`` (``whole``: only the last, the
-        whole completion). Fails as a call of its own would: ``grpc.aio.AioRpcError`` with the
-        worker's status, DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE
-        when the worker sends nothing for ``stall_s`` after its first chunk (None: no limit);
+        whole completion; ``pull``: the prompt's blocks it is to take from a peer first). Fails
+        as a call of its own would: ``grpc.aio.AioRpcError`` with the worker's status,
+        DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE when the worker
+        sends nothing for ``stall_s`` after its first chunk (None: no limit);
         ``ReaderTooSlowError`` past the buffer. Closing the iterator early cancels the request
         on the worker."""
         stream = self._streams.get(address)
-        opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s)
+        opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull)
         expiry = (
             None
             if timeout_s is None

@@ -124,6 +124,10 @@ class RoutingSection:
     # past it the worker has failed (stuck) and the stream ends with an error. (A frozen
     # worker is noticed sooner by the channel's keepalive pings, see infermesh.channels.)
     stall_timeout_s: float = 30.0
+    # The link between workers, Gb/s: a request's worker pulls a longer cached prefix of its
+    # prompt from a full peer when sending it is estimated faster than computing it
+    # (router_svc/kv_pull.py); 0: never
+    link_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         weights = (
@@ -144,6 +148,8 @@ class RoutingSection:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
+        if self.link_gbps < 0:
+            raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
 
 
 @section

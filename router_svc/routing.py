@@ -64,6 +64,7 @@ from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
+from router_svc.kv_pull import PullPlan, plan_pull
 from router_svc.prefix_index import PrefixIndex
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # a splitmix64 multiplier: mixes (salt ^ key)
@@ -120,6 +121,8 @@ class Decision:
     # "session" (the session's worker), "cache" (it holds part of the prompt), "affinity" (the
     # prompt's head hashes to it) or "load" (the cost alone)
     basis: str = "load"
+    # the first worker takes a longer cached prefix from a busy peer (router_svc/kv_pull.py)
+    pull: PullPlan | None = None
 
 
 def _basis(request: RouteRequest, at_home: bool, cached_tokens: int) -> str:
@@ -229,9 +232,17 @@ class Chooser:
                 "session": request.session,
                 "cached_tokens": cached_tokens,
             }
+        pull = None
+        if cached is not None and self._config.link_gbps > 0:
+            pull = plan_pull(
+                self._config.link_gbps, fleet, group, busy, cached, best, request.prefix_hashes
+            )
+            if pull is not None:
+                reasons["pull_from"] = pull.holder.worker_id
+                reasons["pull_blocks"] = len(pull.prefix_hashes)
         workers = [fleet.entry_at(group.slots[i]) for i in order]
         return Decision(
-            workers, reasons, cached_tokens, _basis(request, best == home, cached_tokens)
+            workers, reasons, cached_tokens, _basis(request, best == home, cached_tokens), pull
         )
 
     def _cached_tokens(self, fleet: Fleet, group: Group, request: RouteRequest) -> np.ndarray:

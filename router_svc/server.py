@@ -31,6 +31,7 @@ from router_svc.caller_usage import CallerUsage
 from router_svc.config import MAX_WEIGHT, PRIORITIES, RouterConfig
 from router_svc.fair_queue import FairQueue, QueueRefusedError
 from router_svc.fleet import Fleet, WorkerEntry
+from router_svc.kv_pull import Attempts
 from router_svc.prefix_index import PrefixIndex
 from router_svc.registry import (
     RegistrationError,
@@ -265,8 +266,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decided
 
     def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
-        """The workers of a decision as a route stream answers them."""
-        return [_route(w, with_address=True) for w in attempts]
+        """The workers of a decision as a route stream answers them (the first with its
+        pull)."""
+        routes = [_route(w, with_address=True) for w in attempts]
+        if isinstance(attempts, Attempts) and attempts.pull is not None:
+            routes[0].pull.CopyFrom(attempts.pull.proto())
+        return routes
 
     def released(self, worker_id: str) -> None:
         """A request ``ask`` routed to ``worker_id`` ended, or its caller did not send it."""
@@ -315,7 +320,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.ROUTER_DECISIONS.labels(self._config.routing.policy, decision.basis).inc()
             if request.prefix_hashes:
                 _count_saved(decision)
-        return decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
+        attempts = Attempts(
+            decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
+        )
+        attempts.pull = decision.pull
+        return attempts
 
     async def _decide(
         self,
@@ -379,9 +388,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """The first of ``attempts`` that serves the request, relayed; StreamFailedError
         when none does (a worker's failure after its first chunk: its own status)."""
+        pull = attempts.pull if isinstance(attempts, Attempts) else None
         return stream_from_first(
             attempts,
-            lambda worker: self._relay(worker, request, context, stream=stream),
+            lambda worker: self._relay(
+                worker,
+                request,
+                context,
+                stream=stream,
+                pull=pull.proto() if pull is not None and worker is attempts[0] else None,
+            ),
             self._failed,
             lambda worker: worker.worker_id,
         )
@@ -393,10 +409,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         stream: bool,
+        pull: common_pb2.KVPull | None,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The worker's chunks (or, not ``stream``, its whole answer) over its Serve stream,
-        the first stamped with the route, within the caller's remaining deadline and, after
-        the first chunk, the stall timeout; closing this iterator cancels the request."""
+        """The worker's chunks (or, not ``stream``, its whole answer) over its Serve stream
+        (its prompt's blocks ``pull`` names taken from a peer first), the first stamped with
+        the route, within the caller's remaining deadline and, after the first chunk, the
+        stall timeout; closing this iterator cancels the request."""
         caps = worker.info.capabilities
         span = trace.get_current_span()
         span.set_attribute("infermesh.route.worker_id", worker.worker_id)
@@ -408,6 +426,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             whole=not stream,
             timeout_s=context.time_remaining(),
             stall_s=self._config.routing.stall_timeout_s if stream else None,
+            pull=pull,
         )
         async with contextlib.aclosing(chunks):
             first = True

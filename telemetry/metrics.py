@@ -197,6 +197,32 @@ CACHE_BATCH_APPLY = Histogram(
 )
 
 
+# KV blocks a worker pulled from a peer instead of computing them (worker_svc/kv_transfer.py):
+# counted by the worker that pulled, labelled by the peer they came from and itself.
+KV_PULLS = Counter(
+    "infermesh_worker_kv_pulls",
+    "Pulls of a prompt's KV blocks from a peer, by the peer (from), this worker (to) and outcome "
+    "(OK: every block asked came; else the gRPC status that ended it, the rest computed)",
+    ["from", "to", "outcome"],
+)
+KV_PULL_BYTES = Counter(
+    "infermesh_worker_kv_pull_bytes", "KV cache bytes pulled from peers", ["from", "to"]
+)
+KV_PULL_BLOCKS = Counter(
+    "infermesh_worker_kv_pull_blocks",
+    "KV blocks (of infermesh.prefix_hash.BLOCK_TOKENS tokens) pulled from peers",
+    ["from", "to"],
+)
+KV_PULL_SECONDS = Counter(
+    "infermesh_worker_kv_pull_seconds", "Time spent pulling KV blocks from peers", ["from", "to"]
+)
+KV_PULL_REFUSED_BLOCKS = Counter(
+    "infermesh_worker_kv_pull_refused_blocks",
+    "KV blocks a peer sent that did not match the prompt or the cache (name, dtype, shape or "
+    "size), computed instead",
+)
+
+
 class MetricsEndpoint(Protocol):
     """Where /metrics is served: a service's ``[metrics]`` config section
     (infermesh.config.MetricsSection), taken as a value so telemetry depends on no config

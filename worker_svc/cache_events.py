@@ -120,6 +120,16 @@ class CacheEvents:
         with self._lock:
             return frozenset(self._held)
 
+    def held_prefix(self, hashes: Iterable[int]) -> int:
+        """How many of the leading ``hashes`` are held."""
+        count = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._held:
+                    break
+                count += 1
+        return count
+
     # ------------------------------------------------------------------ engine side (any thread)
 
     def stored(self, hashes: Iterable[int]) -> None:

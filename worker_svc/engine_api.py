@@ -14,9 +14,9 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
@@ -46,6 +46,8 @@ class DeviceCapabilities:
     model_type: str = ""
     index_topk: int = 0
     reasoning_format: ReasoningFormat = ""  # how the served model reasons ("": it does not)
+    # bytes per token of the KV blocks it sends and takes from peers (KVBlockPeer); 0: none
+    kv_transfer_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,37 @@ class GenerationRequest:
     # many reasoning tokens before the engine makes the model close its thinking (None: no bound)
     thinking: bool | None = None
     thinking_budget_tokens: int | None = None
+    # the prompt's KV blocks a peer computed (Worker.KVBlocks), for an engine that takes them
+    peer_prefix: PeerPrefix | None = None
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor as it travels between workers: C-order bytes of ``shape`` in ``dtype`` (a torch
+    dtype's name)."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PeerBlock:
+    """The KV cache of one block of infermesh.prefix_hash.BLOCK_TOKENS tokens, named by its
+    chained hash: the engine's cache tensors for its tokens."""
+
+    prefix_hash: int
+    tensors: tuple[RawTensor, ...]
+
+
+@dataclass(frozen=True)
+class PeerPrefix:
+    """KV blocks of a prompt from a peer: its BLOCK_TOKENS-token blocks from number ``first`` on,
+    in order. The engine checks each against its own names for the prompt, and its shapes and
+    dtypes against its cache; past the first that does not match it computes the prompt."""
+
+    first: int
+    blocks: tuple[PeerBlock, ...]
 
 
 @dataclass(frozen=True)
@@ -473,6 +506,22 @@ async def drain_chunks(
     finally:
         if not finished:
             abort()
+
+
+@runtime_checkable
+class KVBlockPeer(Protocol):
+    """An engine whose prefix cache sends its blocks to peers and takes theirs (the torch engine):
+    its GenerationRequest.peer_prefix is inserted into its prefix cache before the prompt is
+    prefilled."""
+
+    def blocks_to_pull(self, prefix_hashes: Sequence[int]) -> range:
+        """Which of a prompt's leading blocks ``prefix_hashes`` (held by a peer) to take from
+        it: those past what this engine's cache holds, in whole blocks of its own."""
+        ...
+
+    async def export_blocks(self, prefix_hashes: Sequence[int]) -> list[PeerBlock]:
+        """The cached blocks ``prefix_hashes`` names, in order, up to the first not held."""
+        ...
 
 
 class InferenceEngine(Protocol):

@@ -39,9 +39,12 @@ _tracer = trace.get_tracer(__name__)
 class ChunkSource(Protocol):
     """Where a stream's requests are served: the worker's servicer, as its unary calls are."""
 
-    def chunks(self, request: common_pb2.GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
-        """The engine's chunks for ``request``; a request the worker cannot serve raises
-        RequestFailedError with its status."""
+    def chunks(
+        self, request: common_pb2.GenerateRequest, pull: common_pb2.KVPull | None = None
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The engine's chunks for ``request`` (its prompt's blocks ``pull`` names taken from
+        their peer first); a request the worker cannot serve raises RequestFailedError with
+        its status."""
         ...
 
 
@@ -167,7 +170,8 @@ class StreamSession:
             self._outbox.wake()
 
     async def _generate(self, opened: worker_pb2.OpenRequest) -> None:
-        async with contextlib.aclosing(self._servicer.chunks(opened.request)) as chunks:
+        pull = opened.pull if opened.HasField("pull") else None
+        async with contextlib.aclosing(self._servicer.chunks(opened.request, pull)) as chunks:
             if opened.whole:
                 whole = merge_chunks([chunk async for chunk in chunks])
                 await self._outbox.put(worker_pb2.StreamChunk(id=opened.id, chunk=to_proto(whole)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -28,8 +29,10 @@ from worker_svc.engine_api import (
     GenerationChunk,
     InferenceEngine,
     InvalidArgumentError,
+    KVBlockPeer,
 )
 from worker_svc.hardware.gpu_profiles import gpu_kind
+from worker_svc.kv_transfer import BlockNotHeldError, KVPuller, sent_blocks
 from worker_svc.serve_server import serve_handler
 from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.torch_engine import threads
@@ -49,9 +52,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Streams the engine's generations. The engine batches and queues; past its bounded
     waiting queue a request fails with RESOURCE_EXHAUSTED (the gateway's 429)."""
 
-    def __init__(self, engine: InferenceEngine, info: common_pb2.WorkerInfo) -> None:
+    def __init__(
+        self, engine: InferenceEngine, info: common_pb2.WorkerInfo, tls: TlsSection
+    ) -> None:
         self._engine = engine
         self.info = info
+        self._puller = KVPuller(engine, info.worker_id, tls)
         self._reports = itertools.count(1)
         self._prefill_told_at = -_PREFILL_TELL_S
 
@@ -124,6 +130,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except SubscriberDroppedError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
+    async def KVBlocks(
+        self,
+        request: worker_pb2.KVBlocksRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.KVBlocksRequest, worker_pb2.KVBlocksResponse],
+    ) -> AsyncIterator[worker_pb2.KVBlocksResponse]:
+        engine = self._engine
+        if not isinstance(engine, KVBlockPeer):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker's engine ({type(engine).__name__}) sends no KV blocks",
+            )
+        bytes_per_token = self.info.capabilities.kv_transfer_bytes_per_token
+        try:
+            async for message in sent_blocks(engine, request.prefix_hashes, bytes_per_token):
+                yield message
+        except BlockNotHeldError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+
+    async def close(self) -> None:
+        """Closes the channels of its pulls from peers."""
+        await self._puller.close()
+
     async def Tokenize(
         self,
         request: common_pb2.GenerateRequest,
@@ -141,10 +169,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def chunks(
         self,
         request: common_pb2.GenerateRequest,
+        pull: common_pb2.KVPull | None = None,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """The engine's chunks for ``request``, timed under the current span; a request this
+        """The engine's chunks for ``request``, timed under the current span (after pulling
+        the prompt's blocks ``pull`` names from their peer, when it does); a request this
         worker cannot serve raises RequestFailedError with its status."""
         self._check_model(request)
+        engine_request = to_engine(request)
+        if pull is not None:
+            engine_request = dataclasses.replace(
+                engine_request, peer_prefix=await self._puller.pull(pull)
+            )
         caps = self.info.capabilities
         trace.get_current_span().set_attributes(
             {
@@ -156,7 +191,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         timing = _Timing(request.model, lambda: self._engine.load().running)
         try:
-            async with contextlib.aclosing(self._engine.generate(to_engine(request))) as chunks:
+            async with contextlib.aclosing(self._engine.generate(engine_request)) as chunks:
                 async for chunk in chunks:
                     timing.saw(chunk)
                     yield chunk
@@ -279,6 +314,11 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
             request_deserializer=worker_pb2.TextFilesRequest.FromString,
             response_serializer=worker_pb2.TextFileChunk.SerializeToString,
         ),
+        "KVBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.KVBlocks,
+            request_deserializer=worker_pb2.KVBlocksRequest.FromString,
+            response_serializer=worker_pb2.KVBlocksResponse.SerializeToString,
+        ),
         "CacheEvents": grpc.unary_stream_rpc_method_handler(
             servicer.CacheEvents,
             request_deserializer=worker_pb2.CacheEventsRequest.FromString,
@@ -315,6 +355,7 @@ def worker_info(
             tokenizer=engine.text_files.digest,
             engine=config.engine.kind,
             reasoning_format=caps.reasoning_format,
+            kv_transfer_bytes_per_token=caps.kv_transfer_bytes_per_token,
         ),
     )
 
@@ -378,7 +419,7 @@ async def create_server(
     def add(server: grpc.aio.Server, port: int) -> None:
         nonlocal servicer
         address = config.server.advertise_address or f"{config.server.host}:{port}"
-        servicer = WorkerServicer(engine, worker_info(config, engine, address))
+        servicer = WorkerServicer(engine, worker_info(config, engine, address), config.tls)
         _add_worker_servicer(servicer, server)
 
     server, _, _ = await create_grpc_server(
@@ -448,4 +489,5 @@ async def serve(config: WorkerConfig) -> None:
         reporter.cancel()
         engine.cache_events.end_subscriptions()
         await server.stop(grace=2)
+        await servicer.close()
         await engine.close()

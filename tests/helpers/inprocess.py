@@ -126,6 +126,7 @@ async def running_worker(
     finally:
         reporter.cancel()
         await server.stop(grace=None)
+        await servicer.close()
 
 
 async def register_unreachable_worker(router: RunningRouter, worker_id: str = "dead") -> None:

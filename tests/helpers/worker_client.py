@@ -40,10 +40,15 @@ class WorkerClient:
         return self._serve.chunks(address, request, whole=False, timeout_s=timeout_s)
 
     async def complete(
-        self, address: str, request: common_pb2.GenerateRequest, timeout_s: float = TIMEOUT_S
+        self,
+        address: str,
+        request: common_pb2.GenerateRequest,
+        timeout_s: float = TIMEOUT_S,
+        pull: common_pb2.KVPull | None = None,
     ) -> common_pb2.GenerateResponse:
-        """The whole completion in one message; cancelling the caller cancels the request."""
-        chunks = self._serve.chunks(address, request, whole=True, timeout_s=timeout_s)
+        """The whole completion in one message (``pull``: the prompt's blocks the worker is to
+        take from a peer first); cancelling the caller cancels the request."""
+        chunks = self._serve.chunks(address, request, whole=True, timeout_s=timeout_s, pull=pull)
         async with contextlib.aclosing(chunks):
             (whole,) = [chunk async for chunk in chunks]
         return whole
@@ -108,3 +113,4 @@ async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWork
             yield LoopbackWorker(client, servicer.info)
     finally:
         await server.stop(grace=None)
+        await servicer.close()

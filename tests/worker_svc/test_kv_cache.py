@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from infermesh.prefix_hash import chain
+from worker_svc.cache_events import CacheEvents
 from worker_svc.config import MIN_CPU_CACHE_BYTES, CacheSection
 from worker_svc.model.model import ModelArgs
 from worker_svc.torch_engine.kv_cache import (
@@ -77,6 +79,24 @@ def test_a_held_cached_block_is_not_evicted():
     reader = BlockTable()
     assert manager.match_prefix(reader, prompt) == 8
     assert manager.allocate(BlockTable(), 4) and not manager.allocate(BlockTable(), 4)
+
+
+def test_blocks_named_for_peers_are_found_until_evicted_and_adopted_ones_match():
+    manager = BlockManager(num_blocks=4, block_size=32, events=CacheEvents())
+    tokens = list(range(100))  # three whole blocks of 32: six names of 16 tokens
+    names = chain(tokens)
+    manager.free(_computed(manager, tokens))
+    assert manager.slots_of(names) == [b * 32 + i * 16 for b in (0, 1, 2) for i in (0, 1)]
+    assert manager.slots_of([names[0], 7, names[1]]) == [0]  # up to the first not held
+    manager.free(_computed(manager, [1000 + t for t in range(128)]))  # evicts the prompt's first
+    assert manager.slots_of(names) == []
+    # a peer's blocks join the cache: a prompt matching them finds them computed
+    other = BlockManager(num_blocks=4, block_size=32, events=CacheEvents())
+    assert other.adopt(tokens, 1, 3) == []  # block 0 is not cached: the prefix would break
+    assert [number for number, _ in other.adopt(tokens, 0, 3)] == [0, 1, 2]
+    assert other.events is not None and other.events.held_prefix(names) == 6
+    assert other.usage == 0.0  # cached, held by nobody
+    assert other.match_prefix(BlockTable(), tokens) == 96
 
 
 def test_block_hash_chains_through_the_parent():

@@ -16,15 +16,17 @@ import itertools
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from infermesh import prefix_hash
 from infermesh.config import ConfigError
 from infermesh.text.chat_templates import ReasoningFormat
 from infermesh.text.tokenizer import Tokenizer
+from telemetry import metrics
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.engine_api import (
@@ -32,6 +34,9 @@ from worker_svc.engine_api import (
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
+    PeerBlock,
+    PeerPrefix,
+    RawTensor,
     RequestFront,
     bounded_batching_hints,
     drain_chunks,
@@ -84,8 +89,15 @@ class Engine:
         self.cache_events = CacheEvents(cache.events_history, cache.events_backlog)
         blocks = _block_manager(model, device, max_model_len, cache, self.cache_events)
         kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
-        self.capabilities = dataclasses.replace(capabilities, kv_cache_bytes=kv_cache.nbytes)
         dtype = model.lm_head.weight.dtype
+        self.capabilities = dataclasses.replace(
+            capabilities,
+            kv_cache_bytes=kv_cache.nbytes,
+            kv_transfer_bytes_per_token=bytes_per_token(model.args, dtype),
+        )
+        self._blocks = blocks
+        # what a token's cache is made of: the latent and rope'd key, then (V3.2) indexer keys
+        self._cache_tensors = [t for t in (kv_cache.kv, kv_cache.index_k) if t is not None]
         logger.info(
             "latent cache: %d blocks of %d tokens (%.1f MB; "
             "per token %d B latent + %d B indexer keys); "
@@ -229,6 +241,97 @@ class Engine:
     def load(self) -> EngineLoad:
         return self._loop.load()
 
+    def blocks_to_pull(self, prefix_hashes: Sequence[int]) -> range:
+        per_block = self._blocks.block_size // prefix_hash.BLOCK_TOKENS
+        held = self.cache_events.held_prefix(prefix_hashes)
+        return range(held // per_block * per_block, len(prefix_hashes) // per_block * per_block)
+
+    async def export_blocks(self, prefix_hashes: Sequence[int]) -> list[PeerBlock]:
+        names = list(prefix_hashes)
+        # between two steps, so that no block is reclaimed while it is copied
+        gathered = await asyncio.wrap_future(
+            self._loop.call(functools.partial(self._gather, names))
+        )
+        if not gathered:
+            return []
+        count = gathered[0].size(1) // prefix_hash.BLOCK_TOKENS
+        # [count, n_layers, BLOCK_TOKENS, width] per tensor, each block's bytes one row
+        rows = [
+            t.unflatten(1, (count, prefix_hash.BLOCK_TOKENS)).transpose(0, 1).contiguous().cpu()
+            for t in gathered
+        ]
+        raw = [
+            (r.view(torch.uint8).numpy(), _dtype_name(r.dtype), tuple(r.shape[1:])) for r in rows
+        ]
+        return [
+            PeerBlock(
+                name,
+                tuple(RawTensor(data[i].tobytes(), dtype, shape) for data, dtype, shape in raw),
+            )
+            for i, name in enumerate(names[:count])
+        ]
+
+    def _gather(self, names: list[int]) -> list[torch.Tensor]:
+        """A copy of each cache tensor's slots of the held blocks ``names`` starts with
+        ([n_layers, blocks * BLOCK_TOKENS, width]); none when it holds the first not. On the step
+        loop's thread."""
+        slots = self._blocks.slots_of(names)
+        if not slots:
+            return []
+        device = self._cache_tensors[0].device
+        offsets = torch.arange(prefix_hash.BLOCK_TOKENS)
+        index = (torch.tensor(slots).unsqueeze(1) + offsets).flatten().to(device)
+        return [t.index_select(1, index) for t in self._cache_tensors]
+
+    def _peer_kv(self, prompt_ids: list[int], prefix: PeerPrefix) -> Callable[[], None] | None:
+        """What puts the blocks of ``prefix`` that match this prompt and this cache into the
+        prefix cache (to run on the step loop's thread before the request joins); None when
+        none does. A block whose name, dtype, shape or size is not what this engine would have
+        computed is refused, and it and those after it are computed instead."""
+        bs = self._blocks.block_size
+        per_block = bs // prefix_hash.BLOCK_TOKENS
+        names = prefix_hash.chain(prompt_ids)
+        first = -(-prefix.first // per_block) * per_block  # at a block of this cache
+        offered = prefix.blocks[first - prefix.first :]
+        expected: list[tuple[str, tuple[int, ...]]] = [
+            (_dtype_name(t.dtype), (t.size(0), prefix_hash.BLOCK_TOKENS, t.size(2)))
+            for t in self._cache_tensors
+        ]
+        good = 0
+        for number, block in enumerate(offered, first):
+            if not _matches(block, names[number] if number < len(names) else None, expected):
+                metrics.KV_PULL_REFUSED_BLOCKS.inc(len(offered) - good)
+                logger.warning(
+                    "refused %d KV blocks from a peer from block %d on (its name, dtype, shape "
+                    "or size is not this prompt's): computing them",
+                    len(offered) - good,
+                    number,
+                )
+                break
+            good += 1
+        good = good // per_block * per_block
+        if not good:
+            return None
+        decoded = [
+            torch.frombuffer(
+                bytearray(b"".join(block.tensors[j].data for block in offered[:good])),
+                dtype=t.dtype,
+            )
+            .view(good, *shape)
+            .transpose(0, 1)
+            .flatten(1, 2)
+            for j, (t, (_, shape)) in enumerate(zip(self._cache_tensors, expected, strict=True))
+        ]
+        start = first // per_block
+
+        def adopt() -> None:
+            for number, block in self._blocks.adopt(prompt_ids, start, start + good // per_block):
+                offset = (number - start) * bs
+                for cache, source in zip(self._cache_tensors, decoded, strict=True):
+                    cache[:, block * bs : (block + 1) * bs].copy_(source[:, offset : offset + bs])
+
+        return adopt
+
     async def close(self) -> None:
         """Stop the step loop; streams still running end with EngineClosedError."""
         self._front.close()
@@ -267,8 +370,28 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             emit=emitter(asyncio.get_running_loop(), queue),
             matcher=matcher,
+            adopt_peer_kv=None
+            if request.peer_prefix is None
+            else self._peer_kv(prompt_ids, request.peer_prefix),
         )
         return state, queue
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _matches(
+    block: PeerBlock, name: int | None, expected: list[tuple[str, tuple[int, ...]]]
+) -> bool:
+    """Whether a peer's block is the one named ``name``, in this cache's dtypes and shapes."""
+    if block.prefix_hash != name or len(block.tensors) != len(expected):
+        return False
+    for tensor, (dtype, shape) in zip(block.tensors, expected, strict=True):
+        size = getattr(torch, dtype).itemsize * shape[0] * shape[1] * shape[2]
+        if tensor.dtype != dtype or tensor.shape != shape or len(tensor.data) != size:
+            return False
+    return True
 
 
 def _block_manager(

@@ -9,7 +9,8 @@ ones. SHA-256 keeps a crafted prompt from colliding with another tenant's prefix
 
 What the prefix cache holds is published (`CacheEvents`) in the mesh's names: each registered
 block as the `prefix_hash` hashes of its block_size / BLOCK_TOKENS sub-blocks, each evicted one
-as the same hashes removed.
+as the same hashes removed. By those names a peer worker asks for cached blocks' contents
+(`slots_of`), and blocks a peer sent join the prefix cache as computed ones would (`adopt`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class BlockManager:
         # a registered block's prefix_hash names (the last one names its whole prefix), when
         # publishing
         self._names_of: dict[int, list[int]] = {}
+        # each published name's first token slot, for the peers that ask for its contents
+        self._slot_of_name: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,10 +145,57 @@ class BlockManager:
                 self._by_hash[h], self._hash_of[block] = block, h
             if self.events is not None:
                 if cached is None:
-                    self._names_of[block] = prefix_hash.chain(tokens, table.last_name)
-                    self.events.stored(self._names_of[block])
+                    self._publish(block, prefix_hash.chain(tokens, table.last_name))
                 table.last_name = self._names_of[block if cached is None else cached][-1]
             table.num_hashed, table.last_hash = i + 1, h
+
+    def slots_of(self, names: list[int]) -> list[int]:
+        """The first token slot of each of the BLOCK_TOKENS-token blocks ``names`` names, up to
+        the first one not held."""
+        slots = []
+        for name in names:
+            slot = self._slot_of_name.get(name)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def adopt(self, token_ids: list[int], start: int, stop: int) -> list[tuple[int, int]]:
+        """Blocks ``start``..``stop - 1`` of ``token_ids``' whole blocks (a peer computed them)
+        join the prefix cache, as (block number, cache block) for each one not cached already;
+        the caller writes their contents before the next forward pass. Nothing when a block
+        before ``start`` is not cached (the prefix would break) or prefix caching is off; no
+        further than the free and reclaimable blocks reach (the prompt's own are held meanwhile,
+        so that none of them is reclaimed for the next)."""
+        if not self.enable_prefix_caching or self.events is None:
+            return []
+        bs = self.block_size
+        chain = BlockTable()
+        adopted: list[tuple[int, int]] = []
+        for i in range(stop):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(chain.last_hash, tokens)
+            block = self._by_hash.get(h)
+            if block is not None:
+                self._hold(block)
+            elif i < start or not self.num_free_blocks:
+                break
+            else:
+                block = self._take()
+                self._by_hash[h], self._hash_of[block] = block, h
+                self._publish(block, prefix_hash.chain(tokens, chain.last_name))
+                adopted.append((i, block))
+            chain.blocks.append(block)
+            chain.last_hash, chain.last_name = h, self._names_of[block][-1]
+        self.free(chain)
+        return adopted
+
+    def _publish(self, block: int, names: list[int]) -> None:
+        assert self.events is not None, "publishing without events"
+        self._names_of[block] = names
+        for i, name in enumerate(names):
+            self._slot_of_name[name] = block * self.block_size + i * prefix_hash.BLOCK_TOKENS
+        self.events.stored(names)
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`; its tail blocks are the first to be reused."""
@@ -172,7 +222,10 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
             if self.events is not None:
-                self.events.removed(self._names_of.pop(block))
+                names = self._names_of.pop(block)
+                for name in names:
+                    del self._slot_of_name[name]
+                self.events.removed(names)
         self._refs[block] = 1
         return block
 

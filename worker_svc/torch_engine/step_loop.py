@@ -11,6 +11,7 @@ aborted when the consumer goes away (its blocks are freed at the next step).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import llguidance
 import torch
@@ -40,6 +42,8 @@ from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, Sequen
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass
 class RequestState:
@@ -55,6 +59,8 @@ class RequestState:
     # thread-safe: hands an item to the consumer
     emit: Callable[[GenerationChunk | BaseException], None]
     matcher: llguidance.LLMatcher | None = None  # the grammar its tokens must follow
+    # puts the prompt's KV blocks a peer sent into the prefix cache, before the request joins
+    adopt_peer_kv: Callable[[], None] | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -73,6 +79,7 @@ class StepLoop:
         self._lock = threading.Condition()
         self._incoming: list[RequestState] = []
         self._aborts: list[int] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._closed = False
         self._requests: dict[int, RequestState] = {}  # seq_id -> its state, thread only
         self._load = EngineLoad(0, 0, 0.0)
@@ -88,6 +95,18 @@ class StepLoop:
             assert not self._closed, "submit after close: the engine's front refuses requests"
             self._incoming.append(request)
             self._lock.notify()
+
+    def call(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Runs ``function`` on the thread between two steps (it may read and change the cache
+        and its blocks); its result or exception in the future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                future.set_exception(EngineClosedError("engine closed"))
+                return future
+            self._calls.append((function, future))
+            self._lock.notify()
+        return future
 
     def abort(self, seq_id: int) -> None:
         """The consumer went away: the sequence is dropped, and its blocks freed, at the next
@@ -134,11 +153,22 @@ class StepLoop:
     def _take_requests(self) -> bool:
         """Hand new and aborted requests to the scheduler; False once the engine is closed."""
         with self._lock:
-            incoming, aborts = self._incoming, self._aborts
-            self._incoming, self._aborts = [], []
+            incoming, aborts, calls = self._incoming, self._aborts, self._calls
+            self._incoming, self._aborts, self._calls = [], [], []
             closed = self._closed
+        for function, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function())
+                except Exception as e:
+                    future.set_exception(e)
         for request in incoming:
             self._requests[request.seq.seq_id] = request
+            if request.adopt_peer_kv is not None:
+                try:
+                    request.adopt_peer_kv()
+                except Exception:  # the prompt is computed instead
+                    logger.exception("taking a peer's KV blocks for %s failed", request.request_id)
             self._scheduler.add_request(request.seq)
         for seq_id in aborts:
             if self._forget(seq_id) is not None:
@@ -148,7 +178,7 @@ class StepLoop:
     def _idle(self) -> None:
         """Nothing to compute: sleep until a request arrives, or a held one may be admitted."""
         with self._lock:
-            if not (self._incoming or self._aborts or self._closed):
+            if not (self._incoming or self._aborts or self._calls or self._closed):
                 self._lock.wait(self._scheduler.seconds_until_admission())
 
     def _publish_load(self) -> None:

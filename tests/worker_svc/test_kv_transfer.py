@@ -1,0 +1,324 @@
+"""KV blocks between two real torch workers over mutual TLS, each with its own worker identity
+(Worker.KVBlocks, and an open's KVPull): a prompt's cached prefix pulled from the peer gives the
+tokens computing it gives; only a worker may fetch blocks; a block not held is NOT_FOUND; a
+block that is not the prompt's is refused and computed; a dead peer or a spent deadline falls
+back to computing, unseen by the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from devtools.certs import role_tls, write_certs
+from infermesh.pb import common_pb2, router_pb2, worker_pb2
+from infermesh.ports import free_port
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.tls import TlsSection
+from router_svc.config import RoutingSection
+from telemetry import metrics
+from tests.helpers import MODEL as CONFIGURED_MODEL
+from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
+from tests.helpers.worker_client import loopback_worker, worker_client
+from worker_svc import server as worker_server
+from worker_svc.config import ModelSection, ServerSection, WorkerConfig
+from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
+from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.torch_engine.engine import Engine
+from worker_svc.wire import to_engine
+
+# DeepSeek-V3's MLA sizes (kv_lora_rank 512, qk_rope_head_dim 64) in two layers
+MLA_MODEL = "models/tiny-deepseek-v3-mla"
+MODEL = Path(MLA_MODEL).name
+
+
+@dataclasses.dataclass
+class Pair:
+    """The peer holding a prefix (P) and the worker that pulls it (D), served over TLS."""
+
+    p: Engine
+    d: Engine
+    p_address: str
+    d_address: str
+    certs: Path
+
+    def tls(self, stem: str) -> TlsSection:
+        return dataclasses.replace(
+            role_tls(self.certs, "worker"),
+            cert_file=str(self.certs / f"{stem}.crt"),
+            key_file=str(self.certs / f"{stem}.key"),
+        )
+
+
+@pytest.fixture(scope="module")
+def engines(worker_dtype: str) -> Iterator[tuple[Engine, Engine]]:
+    pair = [Engine.from_checkpoint(MLA_MODEL, dtype=worker_dtype, max_model_len=4096) for _ in "pd"]
+    yield pair[0], pair[1]
+    for engine in pair:
+        asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("certs")
+    write_certs(directory, workers={"p": [], "d": []})
+    return directory
+
+
+@contextlib.asynccontextmanager
+async def _serving(engine: Engine, name: str, certs: Path) -> AsyncIterator[str]:
+    tls = dataclasses.replace(
+        role_tls(certs, "worker"),
+        cert_file=str(certs / f"worker-{name}.crt"),
+        key_file=str(certs / f"worker-{name}.key"),
+    )
+    config = WorkerConfig(
+        server=ServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
+        model=ModelSection(path=MLA_MODEL),
+        tls=tls,
+    )
+    server, servicer = await worker_server.create_server(config, engine)
+    try:
+        yield servicer.info.address
+    finally:
+        await server.stop(grace=None)
+        await servicer.close()
+
+
+@pytest.fixture
+async def pair(engines: tuple[Engine, Engine], certs: Path) -> AsyncIterator[Pair]:
+    async with _serving(engines[0], "p", certs) as p, _serving(engines[1], "d", certs) as d:
+        yield Pair(engines[0], engines[1], p, d, certs)
+
+
+def _request(tag: str, words: int = 100) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
+        request_id=tag,
+        model=MODEL,
+        prompt=" ".join(f"{tag}{i}" for i in range(words)),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6),
+    )
+
+
+def _prompt_ids(engine: Engine, request: common_pb2.GenerateRequest) -> list[int]:
+    return list(prompt_token_ids(engine.tokenizer, to_engine(request)))
+
+
+def _pull(address: str, hashes: list[int], timeout_ms: int = 30_000) -> common_pb2.KVPull:
+    return common_pb2.KVPull(
+        worker_id="p", address=address, prefix_hashes=hashes, timeout_ms=timeout_ms
+    )
+
+
+async def _complete(
+    pair: Pair,
+    address: str,
+    request: common_pb2.GenerateRequest,
+    pull: common_pb2.KVPull | None = None,
+) -> common_pb2.GenerateResponse:
+    """The whole completion from the worker at ``address``, asked as the gateway asks."""
+    async with worker_client(role_tls(pair.certs, "gateway")) as client:
+        return await client.complete(address, request, pull=pull)
+
+
+def _pulls(outcome: str) -> float:
+    return metrics.KV_PULLS.labels("p", "d", outcome)._value.get()
+
+
+async def test_a_prefix_pulled_from_the_peer_gives_the_tokens_computing_it_gives(pair: Pair):
+    request = _request("exact")
+    computed = await _complete(pair, pair.p_address, request)  # P computes and caches the prompt
+    hashes = chain(_prompt_ids(pair.p, request))
+    assert len(hashes) >= 8
+    before = metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get()
+    pulled = await _complete(pair, pair.d_address, request, _pull(pair.p_address, hashes))
+    assert list(pulled.token_ids) == list(computed.token_ids)
+    assert pulled.text == computed.text
+    # D had none of it: every whole block but the one holding the last token came from P
+    assert pulled.usage.cached_prompt_tokens >= (len(hashes) - 1) * BLOCK_TOKENS
+    assert metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get() - before == len(hashes)
+    # the blocks taken are D's prefix cache now: published as its own
+    assert pair.d.cache_events.held_prefix(hashes) == len(hashes)
+
+
+async def test_only_a_worker_may_fetch_blocks(pair: Pair):
+    request = _request("authz", words=20)
+    await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    ask = worker_pb2.KVBlocksRequest(prefix_hashes=hashes)
+    async with worker_client(role_tls(pair.certs, "gateway")) as gateway:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in gateway.stub(pair.p_address).KVBlocks(ask):
+                pass
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with worker_client(pair.tls("worker-d")) as peer:
+        blocks = [b async for m in peer.stub(pair.p_address).KVBlocks(ask) for b in m.blocks]
+    assert [b.prefix_hash for b in blocks] == hashes
+    shape = [2, BLOCK_TOKENS, 512 + 64]
+    assert all(list(b.tensors[0].shape) == shape for b in blocks)
+
+
+async def test_a_block_not_held_is_not_found_after_the_blocks_before_it(pair: Pair):
+    request = _request("evicted", words=20)
+    await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    ask = worker_pb2.KVBlocksRequest(prefix_hashes=[*hashes[:2], 12345, *hashes[2:]])
+    got: list[int] = []
+    async with worker_client(pair.tls("worker-d")) as peer:
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            async for message in peer.stub(pair.p_address).KVBlocks(ask):
+                got += [b.prefix_hash for b in message.blocks]
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "0000000000003039" in (missing.value.details() or "")
+    assert got == hashes[:2]
+
+
+async def test_a_block_that_is_not_the_prompts_is_refused_and_computed(pair: Pair):
+    request = _request("corrupt")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    blocks = await pair.p.export_blocks(hashes)
+    # block 4 cut short: it and those after it are computed, the four before it taken
+    bad = blocks[4].tensors[0]
+    blocks[4] = dataclasses.replace(
+        blocks[4], tensors=(RawTensor(bad.data[:-2], bad.dtype, bad.shape),)
+    )
+    refused = metrics.KV_PULL_REFUSED_BLOCKS._value.get()
+    served = to_engine(request)
+    engine_request: GenerationRequest = dataclasses.replace(
+        served, request_id="corrupt-d", peer_prefix=PeerPrefix(0, tuple(blocks))
+    )
+    tokens: list[int] = []
+    cached = 0
+    async for chunk in pair.d.generate(engine_request):
+        tokens += chunk.token_ids
+        cached = chunk.cached_prompt_tokens
+    assert tokens == list(computed.token_ids)
+    assert cached == 4 * BLOCK_TOKENS
+    assert metrics.KV_PULL_REFUSED_BLOCKS._value.get() - refused == len(blocks) - 4
+
+
+async def test_a_dead_peer_or_a_spent_deadline_falls_back_to_computing(pair: Pair):
+    request = _request("dead")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    unavailable = _pulls("UNAVAILABLE")
+    dead = _pull(f"127.0.0.1:{free_port()}", hashes)
+    fallback = await _complete(pair, pair.d_address, request, dead)
+    assert list(fallback.token_ids) == list(computed.token_ids)
+    assert fallback.usage.cached_prompt_tokens == 0
+    assert _pulls("UNAVAILABLE") - unavailable == 1
+    late = _pulls("DEADLINE_EXCEEDED")
+    request = _request("late")
+    computed = await _complete(pair, pair.p_address, request)
+    hashes = chain(_prompt_ids(pair.p, request))
+    spent = await _complete(
+        pair, pair.d_address, request, _pull(pair.p_address, hashes, timeout_ms=1)
+    )
+    assert list(spent.token_ids) == list(computed.token_ids)
+    assert _pulls("DEADLINE_EXCEEDED") - late == 1
+
+
+async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
+    engines: tuple[Engine, Engine],
+):
+    """A P/D request through the router's relay: the worker holding the prompt's prefix is at
+    its max_parallel, so the other takes the prefix from it and gives the tokens the holder's
+    own computation gives."""
+    # the load decides between the two (a second of prefill weighs little); a 10 Gb/s link
+    routing = RoutingSection(link_gbps=10, prefill_weight=0.01)
+    async with (
+        running_router(routing=routing) as router,
+        running_worker(engines[0], router, "w1", max_parallel=1),
+        running_worker(engines[1], router, "w2", max_parallel=1),
+    ):
+        # served as the workers' configuration names the model (their engines run the MLA one)
+        def routed(tag: str, words: int, max_tokens: int) -> common_pb2.GenerateRequest:
+            request = _request(tag, words)
+            request.model = CONFIGURED_MODEL
+            request.sampling.max_tokens = max_tokens
+            request.prefix_hashes[:] = chain(_prompt_ids(engines[0], request))
+            return request
+
+        # ~1,900 tokens: long enough that computing them takes longer than the holder's step
+        # and the pull's round trip, whatever prefill speed the workers measured meanwhile (the
+        # pull's deadline)
+        held = routed("shared", 1000, 1)
+        holder = (await router.stub.Complete(held)).route.worker_id
+        entry = router.resources.registry.fleet.get(holder)
+        assert entry is not None
+        index = router.resources.index
+        await eventually(lambda: index.blocks(entry.slot) >= len(held.prefix_hashes))
+        # the holder busy with a long generation (at its max_parallel once the router hears)
+        busy = routed("busy", 20, 200)
+        async with worker_client() as client:
+            stream = client.generate(entry.info.address, busy)
+            await anext(stream)
+            fleet = router.resources.registry.fleet
+            await eventually(lambda: fleet.busy_now[entry.slot] >= 1)
+            puller = "w2" if holder == "w1" else "w1"
+            pulled_before = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get()
+            request = routed("shared", 1010, 6)
+            request.request_id = "pd"
+            # the gateway's way: the decision on its route stream carries the pull
+            route_stream = router.stub.RouteStream()
+            await route_stream.write(
+                router_pb2.RouteStreamRequest(asks=[router_pb2.RouteAsk(id=1, request=request)])
+            )
+            (decision,) = (await route_stream.read()).decisions
+            chosen = decision.workers[0]
+            await route_stream.write(router_pb2.RouteStreamRequest(unused=[chosen.worker_id]))
+            await route_stream.done_writing()
+            assert await route_stream.read() is grpc.aio.EOF
+            assert chosen.worker_id == puller and chosen.pull.worker_id == holder
+            assert chosen.pull.address == entry.info.address and chosen.pull.timeout_ms > 0
+            prefix = list(chosen.pull.prefix_hashes)
+            assert prefix == request.prefix_hashes[: len(prefix)] and len(prefix) >= 2
+            # and the router's own relay pulls
+            answer = await router.stub.Complete(request)
+            await stream.aclose()
+    assert answer.route.worker_id == puller
+    pulled = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get() - pulled_before
+    # every block of the held prompt (its last one's tokens may end differently in the longer)
+    assert pulled >= len(held.prefix_hashes) - 1
+    assert answer.usage.cached_prompt_tokens >= pulled * BLOCK_TOKENS - BLOCK_TOKENS
+    # computed alone, on the holder: the same tokens
+    reference = dataclasses.replace(to_engine(request), request_id="reference")
+    tokens = [t async for chunk in engines[0].generate(reference) for t in chunk.token_ids]
+    assert list(answer.token_ids) == tokens
+
+
+async def test_a_sparse_attention_models_blocks_carry_the_indexer_keys_too(v32_dir: Path):
+    """DeepSeek-V3.2 caches each token's indexer key beside its latent: a block carries both,
+    and the tokens are those computing the prompt gives."""
+    p, d = (Engine.from_checkpoint(v32_dir, max_model_len=1024) for _ in "pd")
+    try:
+        request = to_engine(_request("sparse", words=60))
+        tokens = [t async for chunk in p.generate(request) for t in chunk.token_ids]
+        hashes = chain(prompt_token_ids(p.tokenizer, request))
+        blocks = await p.export_blocks(hashes)
+        assert [len(b.tensors) for b in blocks] == [2] * len(hashes)
+        pulled = dataclasses.replace(request, peer_prefix=PeerPrefix(0, tuple(blocks)))
+        cached = 0
+        taken: list[int] = []
+        async for chunk in d.generate(pulled):
+            taken += chunk.token_ids
+            cached = chunk.cached_prompt_tokens
+        assert taken == tokens and cached >= (len(hashes) - 1) * BLOCK_TOKENS
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_an_engine_without_kv_blocks_says_so():
+    async with loopback_worker(sim_engine()) as worker:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in worker.stub.KVBlocks(worker_pb2.KVBlocksRequest(prefix_hashes=[1])):
+                pass
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "(SimEngine) sends no KV blocks" in (refused.value.details() or "")
