@@ -315,6 +315,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.ROUTER_DECISIONS.labels(self._config.routing.policy, decision.basis).inc()
             if request.prefix_hashes:
                 _count_saved(decision)
+            self._fleet.queued_prefill(decision.workers[0], decision.prefill_s)
         return decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
 
     async def _decide(
