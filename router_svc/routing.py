@@ -192,7 +192,7 @@ class Chooser:
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
         home = -1
-        cached = prefill_s = None
+        cached = prefill_s = queued_s = None
         if policy == "balanced":
             config = self._config
             cost *= config.load_weight
@@ -236,6 +236,8 @@ class Chooser:
                 "session": request.session,
                 "cached_tokens": cached_tokens,
             }
+            if queued_s is not None:
+                reasons["queued_prefill_s"] = float(queued_s[best])
         workers = [fleet.entry_at(group.slots[i]) for i in order]
         return Decision(
             workers,

@@ -363,7 +363,9 @@ def test_a_short_hit_behind_a_prefill_queue_loses_to_a_worker_without_one_a_long
     assert first_choice(chooser, fleet, with_hashes(prompt)) == "other"
     # 7,680 of the 8,000 tokens cached: 0.77 s saved on each of 3 streams outweighs the wait
     chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": prompt[:480]}))
-    assert first_choice(chooser, fleet, with_hashes(prompt)) == "holder"
+    decision = chooser.choose(fleet, with_hashes(prompt))
+    assert decision.workers[0].worker_id == "holder"
+    assert decision.reasons["queued_prefill_s"] == pytest.approx(2.0)
     # the queue drains as the worker prefills: 2 s later the short hit wins again
     chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": common}))
     clock.now += 1.0
