@@ -2,7 +2,7 @@
 knows every worker's cache, on two workloads, in one run; on the simulated mixed fleet or on 2-3
 real torch workers serving the tiny model.
 
-    .venv/bin/python bench/cache_routing.py [--workload shared-prefix agent] [--seed 1]
+    .venv/bin/python bench/cache_routing.py [--workload shared-prefix agent production] [--seed 1]
     .venv/bin/python bench/cache_routing.py --fleet torch [--workers 3] [--cache-tokens 8192]
 
 Per policy, fresh processes on an emptied Redis: a real router and
@@ -27,6 +27,13 @@ other policy gets none, so `balanced` is the byte-window guess of before.
   together are more than twice a worker's cache.
 - agent: sessions that each resend their growing history (a shared system prompt, then their own
   turns: tool output in, the model's answer back), closed loop, with the session's affinity key.
+- production: the shape of a production conversation trace, where prefixes are reused little:
+  long prompts (log-normal lengths, long-tailed, clipped to ``--long-prompt-tokens``) that all
+  open with one short common block (``--common-tokens``), a few (``--follow-ups``) resending an
+  earlier prompt with a new user turn; bursty arrivals (gamma gaps of shape ``--burst-shape``)
+  at ``--long-load`` x the fleet's capacity without hits. On the sim fleet the prompts stop at
+  32k tokens: its V100 and MI100 workers hold 34,586 tokens of KV cache and serve 32,768 at most,
+  and the router knows no worker's context limit, so a longer prompt sent there would be refused.
 
 Sizes are in tokens of the fleet's tokenizer (the made-up words run 4 characters a simulated
 token, about 1.5 a real one); each fleet has its own defaults (DEFAULTS), sized for the sim fleet
@@ -52,6 +59,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import random
 import statistics
@@ -102,6 +110,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "tool_output_tokens": [100, 1000],
         "answer_tokens": 48,
         "think_s": 1.0,
+        "common_tokens": 512,
+        "long_prompt_tokens": [1000, 32000],
+        "long_median_tokens": 4000,
+        "long_sigma": 1.1,
+        "follow_ups": 0.05,
+        "follow_up_tokens": [50, 1000],
+        "burst_shape": 0.25,
+        "long_load": 2.0,
     },
     # the tiny model on 2 shared cores: each of the 11 fleet starts takes 15 s or more, and a
     # policy's shared-prefix arrivals last 100 / (1.2 x the capacity measured, 1.6-6 requests/s) s
@@ -118,6 +134,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "tool_output_tokens": [100, 400],
         "answer_tokens": 16,
         "think_s": 0.5,
+        "common_tokens": 64,
+        "long_prompt_tokens": [200, 3000],
+        "long_median_tokens": 600,
+        "long_sigma": 0.9,
+        "follow_ups": 0.05,
+        "follow_up_tokens": [20, 200],
+        "burst_shape": 0.25,
+        "long_load": 1.0,
     },
 }
 _TIMEOUT_S = 300.0
@@ -291,7 +315,55 @@ def agent(args: argparse.Namespace, chars_per_token: float) -> Workload:
     return run
 
 
-WORKLOADS = {"shared-prefix": shared_prefix, "agent": agent}
+def production(args: argparse.Namespace, chars_per_token: float) -> Workload:
+    """Long prompts that share little, bursty: the shape of a production conversation trace."""
+    rng = random.Random(args.seed)
+    text = Text(rng, chars_per_token)
+    common = text.of(args.common_tokens)
+    low, high = args.long_prompt_tokens
+    prompts: list[list[dict[str, str]]] = []
+    lengths: list[int] = []  # each prompt's tokens, as planned
+    for _ in range(args.requests):
+        follow_up = args.follow_up_tokens[1]
+        earlier = [i for i in range(len(prompts)) if lengths[i] + follow_up <= high]
+        if earlier and rng.random() < args.follow_ups:
+            i = rng.choice(earlier)  # a conversation's next turn: its whole prompt again
+            tokens = rng.randrange(args.follow_up_tokens[0], follow_up + 1)
+            messages = [*prompts[i], {"role": "user", "content": text.of(tokens)}]
+            lengths.append(lengths[i] + tokens)
+        else:
+            tokens = round(rng.lognormvariate(math.log(args.long_median_tokens), args.long_sigma))
+            tokens = min(max(tokens, low), high)
+            messages = [
+                {"role": "system", "content": common},
+                {"role": "user", "content": text.of(tokens - args.common_tokens)},
+            ]
+            lengths.append(tokens)
+        prompts.append(messages)
+    # the arrivals' rate: --long-load x the fleet's capacity, scaled from the shared-prefix
+    # requests it was measured for by prompt tokens (prefill is most of a long prompt's work)
+    rate = args.long_load * args.capacity_per_s * mean_request(args)[0] / statistics.mean(lengths)
+    args.long_rate = rate
+    plan, at = [], 0.0
+    for messages in prompts:
+        # gamma gaps of shape < 1 (mean 1 / rate): bursts of arrivals, then lulls
+        at += rng.gammavariate(args.burst_shape, 1 / (args.burst_shape * rate))
+        low_max, high_max = args.max_tokens
+        plan.append((at, messages, rng.randrange(low_max, high_max + 1)))
+
+    async def run(client: Client) -> list[Outcome]:
+        start = time.monotonic()
+
+        async def one(at: float, messages: list[dict[str, str]], max_tokens: int) -> Outcome:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            return await client.send(messages, max_tokens, order=(0, at), start=start)
+
+        return list(await asyncio.gather(*(one(*p) for p in plan)))
+
+    return run
+
+
+WORKLOADS = {"shared-prefix": shared_prefix, "agent": agent, "production": production}
 
 
 def mean_request(args: argparse.Namespace) -> tuple[int, int]:
@@ -519,12 +591,14 @@ async def run_policy(address: str, fleet: Fleet, workload: Workload, hashes: boo
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     done = [o for o in outcomes if o.done_s is not None and o.ttft_s is not None]
     ttfts = sorted(o.ttft_s for o in done if o.ttft_s is not None)
-    q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else [float("nan")] * 9
+    q = statistics.quantiles(ttfts, n=100) if len(ttfts) > 1 else [float("nan")] * 99
     later_turns = [o.on_history for o in done if o.on_history is not None]
     makespan = max((o.done_s for o in done if o.done_s is not None), default=float("nan"))
     return {
+        "mean": statistics.mean(ttfts) if ttfts else float("nan"),
         "p50": statistics.median(ttfts) if ttfts else float("nan"),
-        "p90": q[8],
+        "p90": q[89],
+        "p99": q[98],
         "tokens_per_s": sum(o.tokens for o in done) / makespan,
         "hit": sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1),
         # over every request sent, served or not: the same requests whatever the policy did
@@ -569,23 +643,53 @@ def main() -> None:
     agents.add_argument("--tool-output-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
     agents.add_argument("--answer-tokens", type=int)
     agents.add_argument("--think-s", type=float)
+    long = parser.add_argument_group(
+        "production: long prompts sharing little, bursty (--requests too; defaults: DEFAULTS)"
+    )
+    long.add_argument("--common-tokens", type=int, help="the one leading block every prompt shares")
+    long.add_argument(
+        "--long-prompt-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"), help="clipped to these"
+    )
+    long.add_argument("--long-median-tokens", type=int, help="of the log-normal prompt lengths")
+    long.add_argument("--long-sigma", type=float, help="of the log-normal prompt lengths")
+    long.add_argument(
+        "--follow-ups", type=float, help="share of requests resending an earlier one's prompt"
+    )
+    long.add_argument("--follow-up-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    long.add_argument(
+        "--burst-shape", type=float, help="of the gamma gaps between arrivals (< 1: bursty)"
+    )
+    long.add_argument(
+        "--long-load",
+        type=float,
+        help="arrivals / the fleet's capacity without cache hits, for these prompts",
+    )
     parser.set_defaults(**DEFAULTS[parser.parse_known_args()[0].fleet])
     args = parser.parse_args()
     results: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         fleet = FLEETS[args.fleet](args, redis_server.url, Path(workdir))
         args.rate = args.rate or args.load * fleet.capacity_per_s
+        args.capacity_per_s = fleet.capacity_per_s
         print(
             f"fleet: {fleet.described}; largest cache {fleet.cache_tokens} tokens; shared-prefix: "
             f"{args.tenants} tenants x {args.prefix_tokens} tokens "
             f"({args.tenants * args.prefix_tokens / fleet.cache_tokens:.1f}x the largest cache), "
             f"{args.requests} requests at {args.rate:.1f}/s "
             f"({args.rate / fleet.capacity_per_s:.2f}x capacity without hits); "
-            f"agent: {args.sessions} sessions x {args.turns} turns",
+            f"agent: {args.sessions} sessions x {args.turns} turns; production: "
+            f"{args.requests} prompts of {args.long_prompt_tokens[0]}-{args.long_prompt_tokens[1]} "
+            f"tokens (median {args.long_median_tokens}) sharing {args.common_tokens}",
             flush=True,
         )
         for name in args.workload:
             workload = WORKLOADS[name](args, fleet.chars_per_token)
+            if name == "production":
+                print(
+                    f"production: {args.long_rate:.1f} requests/s on average "
+                    f"({args.long_load:.2f}x capacity without hits)",
+                    flush=True,
+                )
             for label in args.policies:
                 policy, hashes = POLICIES[label]
                 with fleet.router(policy) as address:
@@ -597,8 +701,9 @@ def main() -> None:
                     else ""
                 )
                 print(
-                    f"{name:<13} {label:<12} TTFT p50 {r['p50'] * 1000:7.0f} ms  "
-                    f"p90 {r['p90'] * 1000:7.0f} ms  {r['tokens_per_s']:6.0f} tok/s  "
+                    f"{name:<13} {label:<12} TTFT mean {r['mean'] * 1000:6.0f} ms  "
+                    f"p50 {r['p50'] * 1000:6.0f}  p90 {r['p90'] * 1000:6.0f}  "
+                    f"p99 {r['p99'] * 1000:6.0f}  {r['tokens_per_s']:6.0f} tok/s  "
                     f"hits {r['hit']:4.0%} (oracle {r['oracle']:4.0%}, "
                     f"{r['hit'] / max(r['oracle'], 1e-9):4.0%} of it)  "
                     f"{on_history}done {r['done']:.0f}  "
@@ -611,6 +716,12 @@ def main() -> None:
             f"shared-prefix cache_aware vs balanced: p90 TTFT x{new['p90'] / old['p90']:.2f} "
             f"(target <= 0.2); hits {new['hit'] / max(new['oracle'], 1e-9):.0%} of the oracle's "
             "(target >= 90 %)"
+        )
+    if ("production", "balanced") in results and ("production", "cache_aware") in results:
+        old, new = results["production", "balanced"], results["production", "cache_aware"]
+        print(
+            f"production cache_aware vs balanced: p90 TTFT x{new['p90'] / old['p90']:.2f} "
+            "(target < 1)"
         )
     if ("agent", "cache_aware") in results:
         print(

@@ -184,6 +184,7 @@ def time_policy(
         timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
         timings.cached_tokens.append(decision.cached_tokens)
         fleet.started(decision.workers[0])
+        fleet.queued_prefill(decision.workers[0], decision.prefill_s)  # as the router does
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())

@@ -80,12 +80,13 @@ class RoutingSection:
     """The worker choice. ``balanced`` ranks by one weighted cost (lower is better):
     ``load_weight`` x (busy + 1) / max_parallel, and then
 
-    - for a request with ``prefix_hashes``: + ``prefill_weight`` x the seconds of prefill left on
-      the worker, (prompt tokens - tokens of the prompt's prefix its cache holds, as the workers'
-      cache events say) / its prefill tokens per second, times the streams that wait for that
-      prefill (busy + 1: the request's own and those it stalls there); for a request with
-      thinking on, whose output may be long, + ``hardware_weight`` x (1 - decode speed /
-      fastest candidate's) as well;
+    - for a request with ``prefix_hashes``: + ``prefill_weight`` x seconds: the prefill this
+      router has already queued on the worker and it has not finished by the estimate (the wait
+      before the request's own), plus the request's own prefill there, (prompt tokens - tokens of
+      the prompt's prefix its cache holds, as the workers' cache events say) / its prefill tokens
+      per second, times the streams that wait for it (busy + 1: the request's own and those it
+      stalls there); for a request with thinking on, whose output may be long, +
+      ``hardware_weight`` x (1 - decode speed / fastest candidate's) as well;
     - otherwise: + ``kv_weight`` x KV cache use + ``hardware_weight`` x (1 - decode speed /
       fastest candidate's) - ``affinity_weight`` if the worker is the home of the prompt's
       leading ``prefix_bytes`` (rendezvous hashing, bounded by ``affinity_load_factor`` x the
@@ -108,7 +109,8 @@ class RoutingSection:
     hardware_weight: float = 0.5
     affinity_weight: float = 0.5
     # per second of prefill a worker would still have to do for the prompt, per stream waiting
-    # for it: one second of one stream weighs as much as a full worker's load
+    # for it (and per second of prefill queued ahead of it): one second of one stream weighs as
+    # much as a full worker's load
     prefill_weight: float = 1.0
     cache_events: bool = True
     # cached blocks the index remembers per worker: 2**16 of 16 tokens hold a million tokens

@@ -121,6 +121,10 @@ class Fleet:
         # The worker's busy slots as this router knows them now: its report less what this
         # router counts itself (others' load), plus in_flight.
         self.busy_now = np.zeros(0)
+        # Monotonic seconds when the prefills this router sent the worker end, as the route
+        # score estimates them (each one's uncached tokens at the worker's prefill speed, one
+        # after another from when it was routed): the queue wait a new request's prefill adds to.
+        self.prefill_until = np.zeros(0)
         self.failures = np.zeros(0)  # consecutive failed calls
         self.ejected_until = np.zeros(0)  # monotonic seconds
         self.watchers: list[FleetWatcher] = []
@@ -242,6 +246,12 @@ class Fleet:
             self.in_flight[entry.slot] -= 1
             self._update_busy_now(entry.slot)
 
+    def queued_prefill(self, entry: WorkerEntry, seconds: float) -> None:
+        """A request routed to the worker adds ``seconds`` of prefill to its queue."""
+        if self._by_slot[entry.slot] is entry and seconds > 0:
+            start = max(self.prefill_until[entry.slot], self.clock())
+            self.prefill_until[entry.slot] = start + seconds
+
     def full(self, group: Group) -> np.ndarray:
         """Per worker of ``group``: True when every one of its slots is busy."""
         full: np.ndarray = self.busy_now[group.slots] >= self.capacity[group.slots]
@@ -300,6 +310,7 @@ class Fleet:
             self.ejected_until,
             self.busy,
             self.busy_now,
+            self.prefill_until,
         ):
             array[slot] = 0
         self._set_static(entry)
@@ -342,6 +353,7 @@ class Fleet:
             "in_flight",
             "known_at_report",
             "busy_now",
+            "prefill_until",
             "failures",
             "ejected_until",
         ):

@@ -5,23 +5,31 @@ takes the lowest share of busy slots; ``balanced`` (the default) ranks by one co
 better (RoutingSection says it with its keys)::
 
     load_weight * (busy + 1) / max_parallel
-      + prefill_weight * (prompt_tokens - cached_tokens) / prefill_tokens_per_second
-        * (busy + 1)
-      [+ hardware_weight * slowness, for a request with thinking on]                    (a)
+      + prefill_weight * (queued_s + prefill_s * (busy + 1))                         (a)
+      [+ hardware_weight * slowness, for a request with thinking on]
+      with prefill_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_second
     or, for a request without ``prefix_hashes``,
     load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
       - affinity_weight * [the worker is the home of the prompt's leading bytes]       (b)
 
 ``cached_tokens`` is the longest prefix of the request's ``prefix_hashes`` that the worker's
 cache holds, as the workers' cache events have told the router's index (prefix_index.py). Term
-(a) is in seconds of prefill still to do on that worker, times the streams that wait for it: the
-request's own first token, and every stream busy there, whose next tokens a continuous-batching
-engine holds back while it prefills. What a cache saves is that time, which depends on the
-prompt's length and the worker's prefill speed, so (a) is the hardware fitness too, measured where
-it counts for this prompt (the decode-speed ``slowness`` and the KV use, a second reading of the
-load, made cached prefixes lose to fast empty workers: bench/cache_routing.py). Counting the
-stalled streams keeps a hot prefix on its busy holders, which need not prefill it again, rather
-than on another busy worker, whose every stream would wait for that prefill
+(a) is in seconds, one documented estimate of what the request costs on that worker:
+``queued_s + prefill_s`` is its time to first token there (the prefill queued ahead of it, then
+its own uncached tokens at the worker's measured prefill speed), and ``prefill_s * busy`` what its
+prefill costs the streams decoding there, whose next tokens a continuous-batching engine holds
+back while it prefills. ``queued_s`` is the prefill this router has sent the worker and, by the
+same estimate, the worker has not finished yet (Fleet.prefill_until: each routed request's
+``prefill_s``, one after another from when it was routed; a request without prefix hashes adds
+none, its tokens unknown). What a cache saves is prefill time, which depends on the prompt's
+length and the worker's prefill speed, so (a) is the hardware fitness too, measured where it
+counts for this prompt (the decode-speed ``slowness`` and the KV use, a second reading of the
+load, made cached prefixes lose to fast empty workers: bench/cache_routing.py). A hit is worth the
+seconds it saves and no more: one short block that every prompt shares does not outweigh seconds
+of another prompt's prefill queued on its holder (bench/cache_routing.py's production workload:
+without the queue, the few fastest workers took most long prompts and their queues set the p90).
+Counting the stalled streams keeps a hot prefix on its busy holders, which need not prefill it
+again, rather than on another busy worker, whose every stream would wait for that prefill
 (bench/cache_routing.py: 94 % of the oracle's hits, from 87 % without). One weight says what a
 second of one stream's prefill is worth against a full worker's load; the load term alone spreads
 a hot prefix: its holder is passed over for an idle worker once it is ``prefill_weight`` x the
@@ -123,6 +131,9 @@ class Decision:
     basis: str = "load"
     # the first worker takes a longer cached prefix from a busy peer (router_svc/kv_pull.py)
     pull: PullPlan | None = None
+    # the first worker's prefill of the prompt, estimated: what the request adds to its queue
+    # (Fleet.queued_prefill) once routed there
+    prefill_s: float = 0.0
 
 
 def _basis(request: RouteRequest, at_home: bool, cached_tokens: int) -> str:
@@ -189,14 +200,16 @@ class Chooser:
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
         home = -1
-        cached = None
+        cached = prefill_s = queued_s = None
         if policy == "balanced":
             config = self._config
             cost *= config.load_weight
             if request.prefix_hashes:
                 cached = self._cached_tokens(fleet, group, request)
-                uncached = request.prompt_tokens - cached
-                cost += config.prefill_weight * group.prefill_s_per_token * uncached * streams
+                prefill_s = group.prefill_s_per_token * (request.prompt_tokens - cached)
+                queued_s = fleet.prefill_until[group.slots] - fleet.clock()
+                np.maximum(queued_s, 0.0, out=queued_s)
+                cost += config.prefill_weight * (queued_s + prefill_s * streams)
                 if request.long_output:
                     cost += config.hardware_weight * group.slowness
             else:
@@ -224,6 +237,7 @@ class Chooser:
             "candidates": n,
         }
         cached_tokens = 0 if cached is None else int(cached[best])
+        first_prefill_s = 0.0 if prefill_s is None else float(prefill_s[best])
         if policy == "balanced":
             reasons |= {
                 "kv_usage": float(fleet.kv_usage[slot]),
@@ -232,6 +246,8 @@ class Chooser:
                 "session": request.session,
                 "cached_tokens": cached_tokens,
             }
+            if queued_s is not None:
+                reasons["queued_prefill_s"] = float(queued_s[best])
         pull = None
         if cached is not None and self._config.link_gbps > 0:
             pull = plan_pull(
@@ -242,7 +258,12 @@ class Chooser:
                 reasons["pull_blocks"] = len(pull.prefix_hashes)
         workers = [fleet.entry_at(group.slots[i]) for i in order]
         return Decision(
-            workers, reasons, cached_tokens, _basis(request, best == home, cached_tokens), pull
+            workers,
+            reasons,
+            cached_tokens,
+            _basis(request, best == home, cached_tokens),
+            pull=pull,
+            prefill_s=first_prefill_s,
         )
 
     def _cached_tokens(self, fleet: Fleet, group: Group, request: RouteRequest) -> np.ndarray:

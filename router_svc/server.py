@@ -320,6 +320,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.ROUTER_DECISIONS.labels(self._config.routing.policy, decision.basis).inc()
             if request.prefix_hashes:
                 _count_saved(decision)
+            self._fleet.queued_prefill(decision.workers[0], decision.prefill_s)
         attempts = Attempts(
             decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
         )
@@ -508,7 +509,8 @@ def _record_decision(span: trace.Span, decision: Decision) -> None:
     """The choice and its reasons as span attributes: infermesh.route.order (first try, then
     the fallback), .policy, .candidates, .load and, for balanced, .kv_usage, .hardware,
     .prefix_home, .session and .cached_tokens (of the prompt, in the first worker's cache as
-    the router's index predicts)."""
+    the router's index predicts) and, for a request with prefix hashes, .queued_prefill_s (the
+    prefill this router estimates the first worker still has queued ahead of it)."""
     span.set_attribute("infermesh.route.order", [w.worker_id for w in decision.workers])
     for name, value in decision.reasons.items():
         span.set_attribute(f"infermesh.route.{name}", value)

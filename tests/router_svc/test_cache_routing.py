@@ -115,8 +115,13 @@ async def test_a_prefix_cached_on_b_goes_to_b_though_its_leading_bytes_hash_to_a
         before = saved("b")
         assert await routed_to(router, prompt) == "b"
         assert saved("b") - before == 1536 * BLOCK_TOKENS
-        # a prompt that goes on from the cached prefix goes there too
+        # all of it cached: nothing for b to prefill, its queue stays empty
+        fleet, b_entry = router.resources.registry.fleet, router.resources.registry.fleet.get("b")
+        assert b_entry is not None and fleet.prefill_until[b_entry.slot] == 0
+        # a prompt that goes on from the cached prefix goes there too, and queues its 300
+        # uncached tokens' prefill there
         assert await routed_to(router, prompt + text("z", 300)) == "b"
+        assert fleet.prefill_until[b_entry.slot] > 0
         # without hashes: the bytes' home, whatever is cached where
         assert await routed_to(router, prompt, with_hashes=False) == "a"
 

@@ -359,6 +359,53 @@ def test_a_busy_holder_keeps_its_prefix_from_a_less_busy_worker_but_not_from_an_
     assert first_choice(chooser, fleet, with_hashes(hashes)) == "idle"
 
 
+def test_a_short_hit_behind_a_prefill_queue_loses_to_a_worker_without_one_a_long_hit_wins():
+    clock = Clock()
+    workers = [info(name, max_parallel=8) for name in ("holder", "other")]
+    for worker in workers:
+        worker.capabilities.prefill_tokens_per_second = 10_000.0
+    fleet = fleet_of(*workers, clock=clock)
+    holder = fleet.get("holder")
+    assert holder is not None
+    common = chain(list(range(16 * 32)))  # one short block every prompt starts with: 512 tokens
+    prompt = chain([*range(16 * 32), *range(9, 16 * 468 + 9)])  # 8,000 tokens: 0.8 s of prefill
+    assert prompt[:32] == common
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": common}))
+    for worker in ("holder", "other"):  # as busy as each other: only the prefill terms differ
+        fleet.set_load(fleet.get(worker), common_pb2.Load(running=2))
+    # without a queue, the 0.05 s the block saves (on each of the 3 streams) wins
+    assert first_choice(chooser, fleet, with_hashes(prompt)) == "holder"
+    # a 20,000-token prompt routed there first: 2 s of prefill the next one would wait for
+    long = chooser.choose(fleet, with_hashes(chain(list(range(1, 16 * 1250 + 1)))))
+    assert long.prefill_s == pytest.approx(2.0)
+    fleet.queued_prefill(holder, long.prefill_s)
+    assert first_choice(chooser, fleet, with_hashes(prompt)) == "other"
+    # 7,680 of the 8,000 tokens cached: 0.77 s saved on each of 3 streams outweighs the wait
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": prompt[:480]}))
+    decision = chooser.choose(fleet, with_hashes(prompt))
+    assert decision.workers[0].worker_id == "holder"
+    assert decision.reasons["queued_prefill_s"] == pytest.approx(2.0)
+    # the queue drains as the worker prefills: 2 s later the short hit wins again
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {"holder": common}))
+    clock.now += 1.0
+    assert first_choice(chooser, fleet, with_hashes(prompt)) == "other"
+    clock.now += 1.0
+    assert first_choice(chooser, fleet, with_hashes(prompt)) == "holder"
+
+
+def test_prefills_routed_to_a_worker_queue_one_after_another():
+    clock = Clock()
+    fleet = fleet_of(info("w"), clock=clock)
+    worker = fleet.get("w")
+    assert worker is not None
+    fleet.queued_prefill(worker, 2.0)
+    fleet.queued_prefill(worker, 0.5)
+    assert fleet.prefill_until[worker.slot] == clock.now + 2.5
+    clock.now += 10.0  # the queue ran dry: the next prefill starts now
+    fleet.queued_prefill(worker, 0.5)
+    assert fleet.prefill_until[worker.slot] == clock.now + 0.5
+
+
 def test_a_session_follows_its_history_cached_elsewhere_while_that_worker_has_room():
     fleet = fleet_of(*(info(f"w{i}", max_parallel=2) for i in range(4)))
     system, history = chain(list(range(16 * 8))), chain(list(range(16 * 40)))
