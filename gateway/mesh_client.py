@@ -298,6 +298,7 @@ class MeshClient:
             retry_after_s=-(-retry_after_ms // 1000)
             if retry_after_ms
             else self._config.retry_after_s,
+            from_workers=not from_router,
         )
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
