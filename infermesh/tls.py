@@ -199,7 +199,7 @@ def open_channel(
     of several addresses, of which the channel uses the first that answers and moves to the
     next when it fails (gRPC's pick_first)."""
     interceptors = telemetry.grpc_client_interceptors()
-    options = [*options, *address_options(address)]
+    options = [*options, *_list_authority(address)]
     if tls.plaintext:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return RotatingChannel(address, TlsFiles(tls), options, interceptors)
@@ -207,13 +207,13 @@ def open_channel(
 
 def open_blocking_channel(address: str, tls: TlsSection) -> grpc.Channel:
     """A blocking client channel (probes, developer tools) with ``tls``'s certificate."""
-    options = address_options(address)
+    options = _list_authority(address)
     if tls.plaintext:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, channel_credentials(TlsFiles(tls).pems()), options)
 
 
-def address_options(address: str) -> list[tuple[str, Any]]:
+def _list_authority(address: str) -> list[tuple[str, Any]]:
     """A list target's authority: its first address. gRPC's would be the whole list, which no
     certificate names, so that TLS would refuse every server of it."""
     scheme, _, addresses = address.partition(":")
