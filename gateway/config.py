@@ -70,7 +70,8 @@ class ServerSection:
 @section
 class RedisSection:
     # One server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:port,...)
-    # or Sentinel (redis+sentinel://host:port,.../service): see infermesh.redis_client.
+    # or Sentinel (redis+sentinel://host:port,.../service), over TLS as rediss+cluster:// and
+    # rediss+sentinel://: see infermesh.redis_client.
     RENAMED = {"key_cache_ttl_ms": "key_cache_ttl_s (seconds)"}
 
     url: str = "redis://127.0.0.1:6379/0"
