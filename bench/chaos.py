@@ -19,6 +19,12 @@ with keys of their own, one of them with a requests-per-minute limit. Scenarios:
   while down (never 401, never admitted unmetered); seconds from its return to service.
 - ``router-restart``: the router SIGKILLed for ``--down-s`` then started again: streams in
   flight complete, new requests fail fast with 503 + Retry-After; seconds to service.
+- ``router-failover``: a mesh of two routers active-active (one registry in Redis) and two
+  gateways, each dialing both routers (``[router] address`` a gRPC list, the first router
+  leading for one gateway, the second for the other); the first router SIGKILLed mid-run:
+  every request is served (one whose decision the dead router never sent is asked again of
+  the other), streams in flight complete, the workers register with the survivor, whose index
+  of their caches holds what each worker holds.
 - ``revocation``: two gateway processes under load; seconds from the admin API's revoke
   to the first 401 on each, over ``--revocations`` keys.
 
@@ -38,17 +44,18 @@ import json
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
 import grpc
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.keys import create_key, key_id, key_tag
-from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.pb import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from worker_svc.config import DEFAULT_MODEL_PATH
@@ -67,6 +74,16 @@ _ENV = {
     "INFERMESH_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN,
     "INFERMESH_GATEWAY_ROUTER_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
     "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
+}
+
+
+# The router-failover mesh: fewer worker slots than clients, the rest waiting in the routers'
+# fair queues, so that asks wait in the router that is killed, longer than the gateway's
+# connect timeout (which bounds asking again, not the wait before)
+QUEUEING_ENV = {
+    "INFERMESH_WORKER_PARALLEL_MAX_PARALLEL": "2",
+    "INFERMESH_ROUTER_FAIR_QUEUE_ENABLED": "true",
+    "INFERMESH_GATEWAY_ROUTER_CONNECT_TIMEOUT_S": "0.5",
 }
 
 
@@ -95,11 +112,19 @@ class Result:
 
 
 class ChaosMesh:
-    """Persistent Redis, router, three simulated workers, a gateway, and keys."""
+    """Persistent Redis, router, three simulated workers, a gateway, and keys; with
+    ``routers=2``, two routers and two gateways dialing both (the second router leading for the
+    second gateway)."""
 
-    def __init__(self, workdir: Path, workers: int = 3) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        workers: int = 3,
+        routers: int = 1,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.redis = RedisServer(workdir=workdir / "redis", persistent=True)
-        (workdir / "redis").mkdir()
+        (workdir / "redis").mkdir(parents=True)
         (workdir / "logs").mkdir()
         self.mesh = Mesh(
             MeshSpec(
@@ -108,16 +133,25 @@ class ChaosMesh:
                 gateway_port=free_port(),
                 router_port=free_port(),
                 worker_ports=tuple(free_port() for _ in range(workers)),
-                env=_ENV,
+                env={**_ENV, **(env or {})},
                 log_dir=workdir / "logs",
+                extra_router_ports=tuple(free_port() for _ in range(routers - 1)),
+                router_env=tuple(
+                    {"INFERMESH_ROUTER_METRICS_PORT": str(free_port())} for _ in range(routers)
+                ),
             )
         )
+        self.base_urls = [self.mesh.spec.base_url]
         self.keys: list[str] = []
         self.limited_key = ""
 
     @property
     def base_url(self) -> str:
         return self.mesh.spec.base_url
+
+    def router_metrics_url(self, i: int) -> str:
+        port = self.mesh.spec.router_env[i]["INFERMESH_ROUTER_METRICS_PORT"]
+        return f"http://127.0.0.1:{port}/metrics"
 
     def worker_id(self, i: int) -> str:
         return f"worker-127.0.0.1:{self.mesh.spec.worker_ports[i]}"
@@ -126,6 +160,12 @@ class ChaosMesh:
         self.redis.start()
         try:
             await asyncio.to_thread(self.mesh.start)
+            spec = self.mesh.spec
+            for i in range(1, len(spec.router_ports)):
+                port = free_port()
+                env = {"INFERMESH_GATEWAY_ROUTER_ADDRESS": spec.router_target(first=i)}
+                await asyncio.to_thread(self.mesh.add_gateway, f"gateway{i + 1}", port, env)
+                self.base_urls.append(f"http://127.0.0.1:{port}/v1")
             async with aioredis.Redis.from_url(self.redis.url) as client:
                 self.keys = [await create_key(client, f"chaos-{i}") for i in range(3)]
                 self.limited_key = await create_key(client, "chaos-limited", rpm=LIMITED_RPM)
@@ -142,18 +182,20 @@ class ChaosMesh:
     def all_keys(self) -> list[str]:
         return [*self.keys, self.limited_key]
 
-    async def routed_workers(self) -> set[str]:
-        async with grpc.aio.insecure_channel(self.mesh.spec.router_address) as channel:
+    async def routed_workers(self, router: int = 0) -> set[str]:
+        """The workers router ``router`` (0: the first) routes to."""
+        address = f"127.0.0.1:{self.mesh.spec.router_ports[router]}"
+        async with grpc.aio.insecure_channel(address) as channel:
             reply = await router_pb2_grpc.RouterStub(channel).ListWorkers(
                 router_pb2.ListWorkersRequest(), timeout=1
             )
         return {w.worker.worker_id for w in reply.workers}
 
-    async def wait_for_workers(self, count: int, timeout_s: float = 30.0) -> None:
+    async def wait_for_workers(self, count: int, timeout_s: float = 30.0, router: int = 0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                if len(await self.routed_workers()) >= count:
+                if len(await self.routed_workers(router)) >= count:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} workers registered in {timeout_s} s")
@@ -161,7 +203,11 @@ class ChaosMesh:
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int
+    session: aiohttp.ClientSession,
+    base_url: str,
+    key: str,
+    max_tokens: int,
+    content: str = "Tell the chaos monkey a story.",
 ) -> Result:
     """One streamed chat completion, every SSE event timed."""
     result = Result(key=key, sent=time.monotonic())
@@ -169,7 +215,7 @@ async def stream_chat(
         "model": MODEL,
         "stream": True,
         "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": "Tell the chaos monkey a story."}],
+        "messages": [{"role": "user", "content": content}],
     }
     try:
         async with session.post(
@@ -438,6 +484,92 @@ async def _until_serving(address: str, timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
+async def router_failover(
+    chaos: ChaosMesh,
+    *,
+    concurrency: int,
+    before_s: float,
+    after_s: float,
+    max_tokens: int,
+) -> dict[str, object]:
+    """The first of two routers SIGKILLed under load through both gateways, then started again;
+    what the clients saw, and the survivor's view of the workers and their caches."""
+    await _reset_usage(chaos)
+    first, second = chaos.base_urls
+    async with (
+        load(first, chaos.all_keys, concurrency // 2, max_tokens) as results,
+        load(second, chaos.all_keys, concurrency - concurrency // 2, max_tokens) as more,
+    ):
+        await asyncio.sleep(before_s)
+        killed_at = time.monotonic()
+        chaos.mesh.kill("router")
+        await asyncio.sleep(after_s)
+    results = [*results, *more]
+    in_flight = [r for r in results if r.sent < killed_at < r.ended and r.status == 200]
+    counted = await accounts(chaos, results)
+    # prompts of several blocks each, so that every worker caches blocks the index must hold
+    async with aiohttp.ClientSession() as session:
+        cached = await asyncio.gather(
+            *(
+                stream_chat(session, first, chaos.keys[0], 4, f"{i}: " + "a story of blocks. " * 20)
+                for i in range(3 * len(chaos.mesh.spec.worker_ports))
+            )
+        )
+    figures = {
+        "requests": len(results),
+        "statuses": _statuses(results),
+        "failed (not 200)": sum(1 for r in results if r.status != 200),
+        "sent after the kill": sum(1 for r in results if r.sent >= killed_at),
+        "in flight at the kill": len(in_flight),
+        "of them, no token yet (queued or in prefill)": sum(
+            1 for r in in_flight if r.first_token_at is None or r.first_token_at > killed_at
+        ),
+        "in flight, completed": sum(1 for r in in_flight if r.finished and r.done),
+        "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
+        "long prompts served after the load": sum(1 for r in cached if r.status == 200),
+        "workers on the surviving router": len(await chaos.routed_workers(router=1)),
+        "index blocks / cached blocks per worker": await _index_against_caches(chaos, router=1),
+        "accounts": counted,
+    }
+    chaos.mesh.respawn("router")
+    await _until_serving(chaos.mesh.spec.router_address, 30.0)
+    return figures
+
+
+async def _index_against_caches(
+    chaos: ChaosMesh, router: int, timeout_s: float = 5.0
+) -> dict[str, tuple[int, int]]:
+    """Per worker: the blocks router ``router``'s index holds for it (its metrics) and the blocks
+    the worker holds (its CacheEvents snapshot), once they agree or after ``timeout_s`` (the
+    last cache events may still be on their way)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {}
+        for i, port in enumerate(chaos.mesh.spec.worker_ports):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = worker_pb2_grpc.WorkerStub(channel).CacheEvents(
+                    worker_pb2.CacheEventsRequest(), timeout=5
+                )
+                snapshot = await call.read()
+                call.cancel()
+            held[chaos.worker_id(i)] = len(snapshot.stored)  # one chunk: under 65,536 blocks
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(chaos.router_metrics_url(router)) as response,
+        ):
+            text = await response.text()
+        indexed = {
+            sample.labels["worker"]: int(sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "infermesh_router_index_blocks"
+            for sample in family.samples
+        }
+        compared = {w: (indexed.get(w, 0), n) for w, n in held.items()}
+        if all(i == n for i, n in compared.values()) or time.monotonic() > deadline:
+            return compared
+        await asyncio.sleep(0.1)
+
+
 async def revocations(
     chaos: ChaosMesh,
     count: int,
@@ -530,6 +662,7 @@ async def main() -> None:
             "worker-freeze",
             "redis-restart",
             "router-restart",
+            "router-failover",
             "revocation",
         ],
     )
@@ -585,6 +718,12 @@ async def _run(args: argparse.Namespace, workdir: Path) -> None:
             _print(
                 f"revocation, {args.revocations} keys, two gateways",
                 await revocations(chaos, args.revocations, args.concurrency, args.max_tokens),
+            )
+    if wanted("router-failover"):
+        async with ChaosMesh(workdir / "routers", routers=2, env=QUEUEING_ENV) as chaos:
+            _print(
+                "the first of two routers SIGKILLed, two gateways dialing both",
+                await router_failover(chaos, **common),
             )
 
 

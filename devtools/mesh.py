@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -60,6 +61,10 @@ class MeshSpec:
     # where the CA and the roles' certificates are (written on start if not valid); None:
     # the services run without TLS, trusting every caller
     certs: Path | None = None
+    # more routers, active-active on the same registry; every worker and gateway dials them all
+    extra_router_ports: tuple[int, ...] = ()
+    # extra for router i only (e.g. its metrics port); fewer than the routers: none
+    router_env: tuple[Mapping[str, str], ...] = ()
 
     def tls(self, role: str) -> TlsSection:
         """The [tls] of a service or caller in ``role`` (gateway, router, worker, client,
@@ -80,7 +85,25 @@ class MeshSpec:
 
     @property
     def router_address(self) -> str:
+        """The first router's."""
         return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def router_ports(self) -> tuple[int, ...]:
+        return (self.router_port, *self.extra_router_ports)
+
+    @property
+    def router_names(self) -> list[str]:
+        """The routers' service names: "router", then "router2", ..."""
+        return ["router", *(f"router{i}" for i in range(2, len(self.extra_router_ports) + 2))]
+
+    def router_target(self, first: int = 0) -> str:
+        """What the workers and gateways dial: the router, or every router (a gRPC list, of
+        which a channel uses the first that answers), router ``first`` leading."""
+        if not self.extra_router_ports:
+            return self.router_address
+        ports = self.router_ports[first:] + self.router_ports[:first]
+        return "ipv4:" + ",".join(f"127.0.0.1:{port}" for port in ports)
 
     @property
     def base_url(self) -> str:
@@ -107,15 +130,20 @@ class Mesh:
         if self.spec.certs is not None:
             write_certs(self.spec.certs)
         try:
-            router_env = {
-                **self.spec.tls_env("router", "router"),
-                "INFERMESH_ROUTER_SERVER_PORT": str(self.spec.router_port),
-                "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
-                # a registry of its own, should meshes share a Redis
-                "INFERMESH_ROUTER_REDIS_KEY_PREFIX": f"infermesh:router:{self.spec.router_port}:",
-            }
-            self._spawn("router", "router_svc", router_env)
-            self._wait(deadline, "router", self._router_serving)
+            routers = zip(self.spec.router_names, self.spec.router_ports, strict=True)
+            for i, (name, port) in enumerate(routers):
+                router_env = {
+                    **self.spec.tls_env("router", "router"),
+                    "INFERMESH_ROUTER_SERVER_PORT": str(port),
+                    "INFERMESH_ROUTER_REDIS_URL": self.spec.redis_url,
+                    # a registry of its own, should meshes share a Redis; one for its routers
+                    "INFERMESH_ROUTER_REDIS_KEY_PREFIX": (
+                        f"infermesh:router:{self.spec.router_port}:"
+                    ),
+                    **(self.spec.router_env[i] if i < len(self.spec.router_env) else {}),
+                }
+                self._spawn(name, "router_svc", router_env)
+                self._wait(deadline, name, functools.partial(self._router_serving, port))
             for i, port in enumerate(self.spec.worker_ports):
                 self._spawn(
                     f"worker{i}",
@@ -123,7 +151,7 @@ class Mesh:
                     {
                         **self.spec.tls_env("worker", "worker"),
                         "INFERMESH_WORKER_SERVER_PORT": str(port),
-                        "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_address,
+                        "INFERMESH_WORKER_ROUTER_ADDRESS": self.spec.router_target(),
                         "INFERMESH_WORKER_MODEL_PATH": self.spec.model_path,
                         **(self.spec.worker_env[i] if i < len(self.spec.worker_env) else {}),
                     },
@@ -152,7 +180,7 @@ class Mesh:
                 **self.spec.tls_env("gateway", "gateway"),
                 "INFERMESH_GATEWAY_SERVER_PORT": str(port),
                 "INFERMESH_GATEWAY_REDIS_URL": self.spec.redis_url,
-                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_address,
+                "INFERMESH_GATEWAY_ROUTER_ADDRESS": self.spec.router_target(),
                 **(env or {}),
             },
         )
@@ -256,8 +284,8 @@ class Mesh:
                 raise TimeoutError(f"{what} not ready in time")
             time.sleep(_POLL_S)
 
-    def _router_serving(self) -> bool:
-        return grpc_serving(self.spec.router_address, tls=self.spec.tls("admin"))
+    def _router_serving(self, port: int) -> bool:
+        return grpc_serving(f"127.0.0.1:{port}", tls=self.spec.tls("admin"))
 
     def _workers_registered(self) -> bool:
         try:

@@ -70,7 +70,8 @@ class ServerSection:
 @section
 class RedisSection:
     # One server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:port,...)
-    # or Sentinel (redis+sentinel://host:port,.../service): see infermesh.redis_client.
+    # or Sentinel (redis+sentinel://host:port,.../service), over TLS as rediss+cluster:// and
+    # rediss+sentinel://: see infermesh.redis_client.
     RENAMED = {"key_cache_ttl_ms": "key_cache_ttl_s (seconds)"}
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -104,6 +105,10 @@ class RouterSection:
         "streams": "every request travels the long-lived route and Serve streams",
     }
 
+    # The router's gRPC target. Several routers of one mesh (active-active on one registry):
+    # "ipv4:10.0.0.5:50051,10.0.0.6:50051", or a DNS name that resolves to each
+    # ("dns:///routers:50051"); the channel uses the first that answers and moves on when it
+    # fails, and a request whose route ask the failed router never answered is asked again.
     address: str = "127.0.0.1:50051"
     # Deadline of a whole generation, first token to last.
     request_timeout_s: float = 600.0

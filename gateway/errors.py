@@ -284,10 +284,16 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> Gateway
 
 
 def from_grpc(
-    code: grpc.StatusCode, details: str, *, router_reachable: bool, retry_after_s: int
+    code: grpc.StatusCode,
+    details: str,
+    *,
+    router_reachable: bool,
+    retry_after_s: int,
+    from_workers: bool = False,
 ) -> GatewayError:
     """Maps a generation's gRPC status; ``router_reachable`` tells a router's own
-    UNAVAILABLE (no worker now) from a connection that failed."""
+    UNAVAILABLE (no worker now) from a connection that failed. ``from_workers``: the status is
+    the workers' the router chose (``details`` name the worker), not the router's."""
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFoundError(details, param="model")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
@@ -314,4 +320,6 @@ def from_grpc(
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeoutError("The request took longer than the gateway's deadline")
+    if from_workers:
+        return UpstreamError(f"{details} ({code.name})")
     return UpstreamError(f"The inference router failed ({code.name})")

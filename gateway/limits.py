@@ -34,6 +34,8 @@ Redis layout, per key id (see ``gateway.keys`` for the key's own hash):
 - ``infermesh:usage:{<id>}`` (lifetime) and ``infermesh:usage:{<id>}:d:<YYYY-MM-DD>``
   (UTC day): hash requests, prompt_tokens, completion_tokens, cached_tokens, laid out by
   ``infermesh.usage``, in which the router counts its internal callers' usage too.
+- ``infermesh:admitted:{<id>}:<admission id>``: an admission's reply, from its admission to
+  its settlement (at most ``_ADMITTED_TTL_S``), see below.
 
 Tokens are reserved at admission (prompt estimate plus max_tokens, see
 ``gateway.generation``) so that concurrent requests cannot overrun a tokens-per-minute
@@ -55,6 +57,13 @@ logged (by key id). Each settlement marks itself done in Redis
 reply was lost (it ran, but the connection dropped) does not count twice. The mark holds the
 request's id (``x-request-id``), so that which requests were settled can be told afterwards
 (``bench/redis_failover.py`` looks each one up).
+
+Admissions are idempotent too: the Redis client sends a round trip again on a new connection
+when the first one broke (a failover, a restart), also when its scripts had run and only their
+replies were lost. Each admission writes its reply to its own mark
+(``infermesh:admitted:{<id>}:<admission id>``) in the script that counts it, so the mark is
+replicated with the counts or not at all, and the same admission run again answers that reply
+without counting anything. Its settlement deletes the mark.
 """
 
 from __future__ import annotations
@@ -90,6 +99,9 @@ logger = logging.getLogger(__name__)
 # Retries run every 0.5 s once Redis answers; a longer life only grew the keyspace
 # (RELIABILITY.md, Soak).
 _SETTLED_TTL_S = 60
+# How long an admission's mark lives when no settlement deletes it (its caller got an error):
+# the client's retries of a round trip come within seconds.
+_ADMITTED_TTL_S = 60
 _RETRY_INTERVAL_S = 0.5
 _LUA = importlib.resources.files("gateway") / "lua"
 _ADMIT = (_LUA / "admit.lua").read_text()
@@ -149,6 +161,10 @@ def _keys(kid: str) -> dict[str, str]:
     }
 
 
+def _admitted_mark(kid: str, admission_id: str) -> str:
+    return f"infermesh:admitted:{key_tag(kid)}:{admission_id}"
+
+
 def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | float]]:
     """The keys and arguments of the settlement script for ``settlement``."""
     admission = settlement.admission
@@ -163,6 +179,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             f"{keys['usage']}:d:{usage_day()}",
             keys["rpm"],
             f"infermesh:settled:{key_tag(admission.key_id)}:{admission.id}",
+            _admitted_mark(admission.key_id, admission.id),
         ],
         [
             admission.second,
@@ -207,8 +224,15 @@ class Limiter:
         lease = secrets.token_hex(8)
         call: ScriptCall = (
             self._admit,
-            [keys["key"], keys["rpm"], keys["tpm"], keys["inflight"], keys["quota"]],
-            [reserve_tokens, lease, self._lease_ttl_ms],
+            [
+                keys["key"],
+                keys["rpm"],
+                keys["tpm"],
+                keys["inflight"],
+                keys["quota"],
+                _admitted_mark(kid, lease),
+            ],
+            [reserve_tokens, lease, self._lease_ttl_ms, _ADMITTED_TTL_S],
         )
         out = await self._scripts.call(call)
         if out[0] == _UNAUTHORIZED:

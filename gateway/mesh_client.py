@@ -149,12 +149,20 @@ class MeshClient:
         return assembled([(chunk.name, chunk.data) async for chunk in call])
 
     async def _control(self, rpc: Any, request: Any) -> Any:
-        """A unary call that is not a generation: bounded by control_timeout_s, errors mapped."""
-        await self._wait_connected()
-        try:
-            return await rpc(request, timeout=self._config.control_timeout_s, wait_for_ready=False)
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e.code(), e.details()) from None
+        """A unary call that is not a generation: bounded by control_timeout_s, errors mapped.
+        Each is a read, asked once more when the router was unavailable (it went away: the
+        channel's next connection may reach another router of ``[router] address``)."""
+        tries = 2
+        while True:
+            tries -= 1
+            await self._wait_connected()
+            try:
+                return await rpc(
+                    request, timeout=self._config.control_timeout_s, wait_for_ready=False
+                )
+            except grpc.aio.AioRpcError as e:
+                if not tries or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise self._error(e.code(), e.details()) from None
 
     async def _served(
         self,
@@ -165,15 +173,7 @@ class MeshClient:
         decided, call.decided = call.decided, None
         if decided is None:  # not asked ahead: the channel was not connected then
             decided = self._ask(request)
-        try:
-            decision = await decided
-        except grpc.aio.AioRpcError as e:
-            # the stream broke under the ask: no router answered it, whatever state the
-            # channel is in by now (it may have reconnected to a restarted router)
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise self._unreachable() from None
-            raise
-        workers = route_workers(decision)
+        workers = route_workers(await self._decision(request, decided))
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         stall_s = self._config.stall_timeout_s if stream else None
         try:
@@ -187,6 +187,31 @@ class MeshClient:
         finally:
             # one report per routed request, however it ends: its slot is free again
             self._route_stream.finished(workers[0].worker_id)
+
+    async def _decision(
+        self,
+        request: common_pb2.GenerateRequest,
+        decided: asyncio.Future[router_pb2.RouteDecision],
+    ) -> router_pb2.RouteDecision:
+        """The router's decision; when the route stream broke under the ask (the router died),
+        no router answered it and no worker has the request, so it is asked again on the
+        channel's next connection, to another router of ``[router] address`` or the same one
+        restarted, for up to ``connect_timeout_s`` from the first break (the ask may have waited
+        in the router's fair queue for much longer)."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while True:
+            try:
+                return await decided
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                if deadline is None:
+                    deadline = loop.time() + self._config.connect_timeout_s
+                elif loop.time() >= deadline:
+                    raise self._unreachable() from None
+            await self._wait_connected()
+            decided = self._ask(request)
 
     def _ask(self, request: common_pb2.GenerateRequest) -> asyncio.Future[router_pb2.RouteDecision]:
         """The route stream's ask for ``request``, which may wait in the router's fair queue
@@ -278,6 +303,7 @@ class MeshClient:
             retry_after_s=-(-retry_after_ms // 1000)
             if retry_after_ms
             else self._config.retry_after_s,
+            from_workers=not from_router,
         )
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)

@@ -10,6 +10,10 @@ Redis Sentinel names. The gateway and the router build theirs here.
   master that the Sentinels listed name for ``service``; after a failover the client
   reconnects to the new master. The password is the master's; the Sentinels are
   reached without one.
+- ``rediss+cluster://`` and ``rediss+sentinel://``: the same over TLS (to every node, and to
+  the Sentinels and the master), taking ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``
+  in the query as redis-py's ``rediss://`` does; the server's certificate is checked against
+  the CA given (else the system's) and its host name.
 
 Every key a Lua script or a transaction of infermesh touches shares one hash slot
 (``{...}`` hash tags), so the same code runs on all three.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal, TypeAlias, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -40,7 +44,11 @@ SCHEMES: dict[str, Mode] = {
     "unix": "single",
     "redis+cluster": "cluster",
     "redis+sentinel": "sentinel",
+    "rediss+cluster": "cluster",
+    "rediss+sentinel": "sentinel",
 }
+# What the query of a rediss+cluster:// or rediss+sentinel:// URL may set (redis-py's names).
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 # What a Redis call can raise when Redis is unreachable or failing over: a cluster client
 # also raises RedisClusterException (e.g. a slot no live node serves), not a RedisError.
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
@@ -68,6 +76,7 @@ class RedisTarget:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    tls: tuple[tuple[str, str], ...] | None = None  # cluster, sentinel: None, or its options
 
     def where(self) -> str:
         """host:port list of the URL, never its credentials: for logs and errors."""
@@ -92,10 +101,11 @@ def parse_redis_url(url: str) -> RedisTarget:
         )
     if mode == "single":
         return RedisTarget(mode=mode, url=url)
-    netloc, _, rest = url.split("://", 1)[1].partition("/")
+    address, _, query = url.split("://", 1)[1].partition("?")
+    netloc, _, rest = address.partition("/")
     credentials, _, hosts = netloc.rpartition("@")
     username, _, password = credentials.partition(":")
-    path = [p for p in rest.split("?", 1)[0].split("/") if p]
+    path = [p for p in rest.split("/") if p]
     default_port = _DEFAULT_SENTINEL_PORT if mode == "sentinel" else _DEFAULT_PORT
     target = RedisTarget(
         mode=mode,
@@ -103,6 +113,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         nodes=_nodes(hosts, default_port),
         username=unquote(username) or None,
         password=unquote(password) or None,
+        tls=_tls_options(scheme, query),
     )
     if mode == "cluster":
         if path:
@@ -123,6 +134,20 @@ def check_redis_url(url: str) -> None:
         parse_redis_url(url)
     except RedisUrlError as e:
         raise RedisUrlError(f"url: {e}") from None
+
+
+def _tls_options(scheme: str, query: str) -> tuple[tuple[str, str], ...] | None:
+    options = parse_qsl(query, keep_blank_values=True)
+    for name, _ in options:
+        if name not in _TLS_OPTIONS:
+            raise RedisUrlError(f"unknown option {name!r}: takes only {', '.join(_TLS_OPTIONS)}")
+    if not scheme.startswith("rediss"):
+        if options:
+            raise RedisUrlError(
+                f"{options[0][0]} is a TLS option: use {scheme.replace('redis', 'rediss', 1)}://"
+            )
+        return None
+    return tuple(options)
 
 
 def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
@@ -155,6 +180,7 @@ def redis_client(
         else {"retry": None}
     )
     sockets = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    tls: dict[str, Any] = {} if target.tls is None else {"ssl": True, **dict(target.tls)}
     if target.mode == "cluster":
         return _RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
@@ -163,9 +189,10 @@ def redis_client(
             max_connections=max_connections,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            **tls,
         )
     if target.mode == "sentinel":
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=dict(sockets))
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs={**sockets, **tls})
         master: _SentinelMaster = sentinel.master_for(
             target.service,
             redis_class=_SentinelMaster,
@@ -177,6 +204,7 @@ def redis_client(
             password=target.password,
             **sockets,
             **retry_policy,
+            **tls,
         )
         pool = master.connection_pool
         pool.connection_class = _packed_in_c(pool.connection_class)

@@ -194,8 +194,12 @@ def open_channel(
     address: str, tls: TlsSection, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
     """A client channel to ``address`` with this service's certificate (plaintext: without
-    TLS), traced; the one way every service dials another."""
+    TLS), traced; the one way every service dials another. ``address`` is a gRPC target: also
+    several servers of one role, ``ipv4:host:port,host:port`` (or ``ipv6:``) or a DNS name
+    of several addresses, of which the channel uses the first that answers and moves to the
+    next when it fails (gRPC's pick_first)."""
     interceptors = telemetry.grpc_client_interceptors()
+    options = [*options, *_list_authority(address)]
     if tls.plaintext:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return RotatingChannel(address, TlsFiles(tls), options, interceptors)
@@ -203,9 +207,19 @@ def open_channel(
 
 def open_blocking_channel(address: str, tls: TlsSection) -> grpc.Channel:
     """A blocking client channel (probes, developer tools) with ``tls``'s certificate."""
+    options = _list_authority(address)
     if tls.plaintext:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, channel_credentials(TlsFiles(tls).pems()))
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, channel_credentials(TlsFiles(tls).pems()), options)
+
+
+def _list_authority(address: str) -> list[tuple[str, Any]]:
+    """A list target's authority: its first address. gRPC's would be the whole list, which no
+    certificate names, so that TLS would refuse every server of it."""
+    scheme, _, addresses = address.partition(":")
+    if scheme in ("ipv4", "ipv6") and "," in addresses:
+        return [("grpc.default_authority", addresses.split(",")[0])]
+    return []
 
 
 class RotatingChannel(grpc.aio.Channel):

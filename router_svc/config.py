@@ -30,7 +30,7 @@ class RedisSection:
     """Where the shared worker registry lives; every router of a mesh points at the same one.
     ``url``: one server (``redis://``, ``rediss://``, ``unix://``), a Redis Cluster
     (``redis+cluster://host:port,...``) or Sentinel (``redis+sentinel://host:port,.../service``),
-    see ``infermesh.redis_client``."""
+    over TLS as ``rediss+cluster://`` and ``rediss+sentinel://``, see ``infermesh.redis_client``."""
 
     url: str = "redis://127.0.0.1:6379/0"
     RENAMED = {"timeout_ms": "timeout_s (seconds)"}

@@ -27,6 +27,20 @@ def test_a_sentinel_url_names_its_service_and_database():
     assert parse_redis_url("redis+sentinel://s1/mymaster").db == 0
 
 
+def test_a_tls_url_of_a_cluster_or_sentinel_carries_its_tls_options():
+    target = parse_redis_url("rediss+cluster://:pw@h1:7000?ssl_ca_certs=/tls/ca.crt")
+    assert (target.mode, target.nodes, target.tls) == (
+        "cluster",
+        (("h1", 7000),),
+        (("ssl_ca_certs", "/tls/ca.crt"),),
+    )
+    target = parse_redis_url("rediss+sentinel://s1/svc/1?ssl_certfile=c&ssl_keyfile=k")
+    assert (target.service, target.db) == ("svc", 1)
+    assert target.tls == (("ssl_certfile", "c"), ("ssl_keyfile", "k"))
+    assert parse_redis_url("rediss+cluster://h1").tls == ()
+    assert parse_redis_url("redis+cluster://h1").tls is None
+
+
 def test_single_server_urls_pass_through():
     for url in ("redis://:pw@host:6380/1", "rediss://host", "unix:///run/redis.sock"):
         target = parse_redis_url(url)
@@ -46,6 +60,8 @@ def test_single_server_urls_pass_through():
         ("redis+sentinel://:secret@s1:26379", "needs /service"),
         ("redis+sentinel://:secret@s1/svc/x", "is not a number"),
         ("redis+sentinel://:secret@s1/svc/1/2", "needs /service"),
+        ("rediss+cluster://:secret@h1?ssl=false", "unknown option 'ssl'"),
+        ("redis+cluster://:secret@h1?ssl_ca_certs=/ca", "use rediss\\+cluster://"),
     ],
 )
 def test_a_bad_url_is_refused_by_what_is_wrong_without_its_password(url, says):

@@ -29,6 +29,7 @@ from infermesh import probe
 from infermesh.authz import ALLOWED, ROLES, role_uri
 from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection, check_loaded, open_channel
 from infermesh.usage import identity_owner
@@ -194,6 +195,17 @@ async def test_a_certificate_of_another_ca_never_connects(router, worker, other_
 async def test_health_is_open_to_every_role_of_the_mesh(router, certs):
     for role in ROLES:
         assert await _serving(router.address, role_tls(certs, role)), role
+
+
+async def test_a_list_of_routers_is_dialed_over_tls_whichever_answers(router, certs):
+    """A gRPC list target (several routers of one mesh): the channel checks each router's
+    certificate against the list's first address, where gRPC's own authority, the whole list,
+    matches no certificate."""
+    dead = f"127.0.0.1:{free_port()}"
+    for target in (f"ipv4:{dead},{router.address}", f"ipv4:{router.address},{dead}"):
+        listed = await _list_workers(target, role_tls(certs, "admin"))
+        assert listed.workers == [], target
+        assert await _serving(target, role_tls(certs, "admin")), target
 
 
 async def test_the_probe_command_asks_health_with_a_certificate(router, certs):

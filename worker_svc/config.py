@@ -32,6 +32,8 @@ class ServerSection:
 
 @section
 class RouterSection:
+    # The router's gRPC target; several routers as the gateway's [router] address lists them:
+    # the worker registers with the first that answers, and with the next when that one fails.
     address: str = "127.0.0.1:50051"
 
 

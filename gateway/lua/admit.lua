@@ -1,6 +1,12 @@
 -- Limiter.admit (gateway/limits.py): checks the key and its limits, and either refuses the
--- request or records it, in one atomic step. KEYS: the key's hash, rpm, tpm, inflight, quota.
--- ARGV: tokens to reserve, the lease id, the lease's TTL in ms.
+-- request or records it, in one atomic step. KEYS: the key's hash, rpm, tpm, inflight, quota,
+-- the admission's mark. ARGV: tokens to reserve, the lease id, the lease's TTL in ms, the mark's
+-- TTL in s.
+-- Idempotent: an admission records its reply in its mark, with its counts; the same admission
+-- run again (a client's retry of a round trip whose reply a failover lost) answers that reply
+-- and counts nothing.
+local replay = redis.call('GET', KEYS[6])
+if replay then return cjson.decode(replay) end
 local WINDOW_S = 60
 local f = redis.call('HMGET', KEYS[1], 'disabled', 'revoked', 'expires_at', 'rpm', 'tpm',
   'max_concurrent', 'quota_tokens', 'quota_period_tokens', 'quota_period_s')
@@ -109,4 +115,5 @@ if admitted and reserve > 0 then
   end
   out[12] = period_field
 end
+if admitted then redis.call('SET', KEYS[6], cjson.encode(out), 'EX', ARGV[4]) end
 return out

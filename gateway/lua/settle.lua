@@ -1,10 +1,12 @@
 -- Limiter.settle (gateway/limits.py): the reservation replaced by the real usage, the
 -- concurrency slot freed, the usage counted; at most once per admission (KEYS[7], the
--- done-mark). KEYS: tpm, inflight, quota, usage, the day's usage, rpm, the done-mark. ARGV: the
--- admission's second, its reservation, whether it was windowed (1), its quota field, prompt,
--- completion and cached tokens, its lease, the day's usage TTL, served (1), the done-mark's TTL,
--- the request's id (what the done-mark holds).
+-- done-mark). KEYS: tpm, inflight, quota, usage, the day's usage, rpm, the done-mark, the
+-- admission's mark. ARGV: the admission's second, its reservation, whether it was windowed (1),
+-- its quota field, prompt, completion and cached tokens, its lease, the day's usage TTL,
+-- served (1), the done-mark's TTL, the request's id (what the done-mark holds).
 if not redis.call('SET', KEYS[7], ARGV[12], 'NX', 'EX', ARGV[11]) then return 0 end
+-- its admission can no longer be run again: only admissions in flight keep their mark
+redis.call('DEL', KEYS[8])
 local prompt, completion, cached = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local delta = prompt + completion - tonumber(ARGV[2])
 if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then

@@ -6,21 +6,24 @@ run is built without)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import redis
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from redis.asyncio.connection import SSLConnection
 
 from infermesh.ports import free_port
 from infermesh.redis_client import REDIS_ERRORS, redis_client
+from tests.helpers.redis_cluster import cluster_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -98,10 +101,61 @@ def tls_only_redis(ca_dir) -> Iterator[int]:
     """A redis-server with Redis's certificate from ``ca_dir``, on TLS only (as deploy/ runs
     it: no plaintext port, clients not asked for a certificate) and one ACL user, gateway;
     its TLS port."""
+    with _tls_only_server(ca_dir, free_port()) as port:
+        yield port
+
+
+@pytest.fixture
+def tls_only_cluster(ca_dir) -> Iterator[int]:
+    """As ``tls_only_redis``, a Redis Cluster of that one node (its bus over TLS too), which
+    serves every slot; its TLS port."""
+    port = cluster_port()
+    cluster = ["--cluster-enabled", "yes", "--tls-cluster", "yes"]
+    with _tls_only_server(ca_dir, port, cluster) as started:
+        with redis.Redis(
+            port=started, username="gateway", password="s3cret", ssl=True,
+            ssl_ca_certs=str(ca_dir / "ca.crt"),
+        ) as node:  # fmt: skip
+            node.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            deadline = time.monotonic() + 10
+            while node.cluster("INFO")["cluster_state"] != "ok":
+                assert time.monotonic() < deadline, "the cluster never served its slots"
+                time.sleep(0.05)
+        yield started
+
+
+@pytest.fixture
+def tls_only_sentinel(ca_dir, tls_only_redis) -> Iterator[int]:
+    """A Sentinel on TLS only, watching ``tls_only_redis`` as master ``svc`` over TLS (with the
+    gateway user's login); its TLS port."""
+    port = free_port()
+    config = ca_dir / "sentinel.conf"
+    config.write_text(
+        f"port 0\ntls-port {port}\nbind 127.0.0.1\ndir {ca_dir}\n"
+        f"tls-cert-file {ca_dir / 'redis.crt'}\ntls-key-file {ca_dir / 'redis.key'}\n"
+        f"tls-ca-cert-file {ca_dir / 'ca.crt'}\ntls-auth-clients no\ntls-replication yes\n"
+        f"sentinel monitor svc 127.0.0.1 {tls_only_redis} 1\n"
+        "sentinel auth-user svc gateway\nsentinel auth-pass svc s3cret\n"
+    )
+    binary = shutil.which("redis-server")
+    assert binary
+    sentinel = subprocess.Popen([binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _listening(port):
+            assert sentinel.poll() is None and time.monotonic() < deadline, "no sentinel"
+            time.sleep(0.05)
+        yield port
+    finally:
+        sentinel.terminate()
+        sentinel.wait(5)
+
+
+@contextlib.contextmanager
+def _tls_only_server(ca_dir: Path, port: int, more: Sequence[str] = ()) -> Iterator[int]:
     binary = shutil.which("redis-server")
     assert binary, "these tests need a redis-server built with TLS on the PATH"
     _issue(ca_dir)
-    port = free_port()
     server = subprocess.Popen(
         [
             binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
@@ -110,7 +164,7 @@ def tls_only_redis(ca_dir) -> Iterator[int]:
             "--tls-ca-cert-file", str(ca_dir / "ca.crt"),
             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
             "--dir", str(ca_dir), "--user", "default", "off",
-            "--user", "gateway", "on", ">s3cret", "~*", "+@all",
+            "--user", "gateway", "on", ">s3cret", "~*", "+@all", *more,
         ],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
@@ -160,3 +214,41 @@ async def test_a_deployment_url_completes_a_verified_tls_handshake_with_redis(
     with pytest.raises(REDIS_ERRORS) as refused:
         await _ping(f"rediss://gateway:s3cret@{where}?ssl_ca_certs={other / 'ca.crt'}")
     assert "certificate verify failed" in str(refused.value)
+
+
+async def test_a_cluster_url_completes_a_verified_tls_handshake_with_every_node(
+    ca_dir, tls_only_cluster
+):
+    """rediss+cluster://: the cluster client's discovery and its commands go over TLS, checking
+    each node's certificate against the mesh's CA; a script runs (as an admission does)."""
+    where = f"gateway:s3cret@localhost:{tls_only_cluster}"
+    client = redis_client(
+        f"rediss+cluster://{where}?ssl_ca_certs={ca_dir / 'ca.crt'}", timeout_s=2.0
+    )
+    try:
+        await client.set("{k}:tls", "yes")
+        assert await client.eval("return redis.call('GET', KEYS[1])", 1, "{k}:tls") == b"yes"
+    finally:
+        await client.aclose()
+    plaintext = redis_client(f"redis+cluster://{where}", timeout_s=1.0)
+    with pytest.raises(REDIS_ERRORS):
+        await plaintext.ping()
+    await plaintext.aclose()
+
+
+async def test_a_sentinel_url_completes_verified_tls_handshakes_with_sentinel_and_master(
+    ca_dir, tls_only_sentinel
+):
+    """rediss+sentinel://: the Sentinel is asked over TLS, then the master it names is dialed
+    over TLS, each certificate checked against the mesh's CA."""
+    url = f"rediss+sentinel://gateway:s3cret@localhost:{tls_only_sentinel}/svc"
+    client = redis_client(f"{url}?ssl_ca_certs={ca_dir / 'ca.crt'}", timeout_s=2.0)
+    try:
+        await client.set("tls", "yes")
+        assert await client.get("tls") == b"yes"
+    finally:
+        await client.aclose()
+    plaintext = redis_client(url.replace("rediss", "redis", 1), timeout_s=1.0, retries=False)
+    with pytest.raises(REDIS_ERRORS):
+        await plaintext.ping()
+    await plaintext.aclose()

@@ -295,7 +295,9 @@ def test_greedy_continuations_match_the_torch_engine(fleet: Mesh, served: _Serve
             assert _near_tie(mine, vllms.token, tolerance) and _near_tie(
                 vllms, mine.token, tolerance
             ), (prompt, split)
-    assert max(splits) > 1, splits  # most of the text agrees
+    # most of the text agrees: more than half of all the tokens come before the first near-tie
+    # of their prompt (measured on an AMX Xeon: 48 of 48 in BF16, 29 of 48 in FP8)
+    assert 2 * sum(splits) > len(splits) * _GREEDY_TOKENS, splits
 
 
 def _near_tie(chosen: common_pb2.TokenLogprob, other: str, tolerance: float) -> bool:

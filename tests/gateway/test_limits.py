@@ -22,6 +22,7 @@ from gateway.errors import RateLimitError
 from gateway.keys import create_key, key_id, key_tag
 from gateway.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
 from gateway.usage import TokenUsage
+from infermesh.redis_client import redis_client as redis_client_for
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway
 from tests.helpers.inprocess import eventually
@@ -374,6 +375,68 @@ async def test_concurrent_admissions_share_round_trips_and_stay_exact(redis_serv
     )
     assert {e.headers["x-ratelimit-remaining-requests"] for e in refused} == {"0"}
     assert {e.type for e in refused} == {"requests"}
+
+
+class _LosesScriptReplies(Connection):
+    """A connection that loses the reply of a round trip carrying a script call (EVALSHA) after
+    Redis ran it, as a connection a failover breaks does, while ``lose`` is above 0: the
+    client's retry sends the round trip again on a new connection."""
+
+    lose = 0
+    _script_sent = False
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        if isinstance(command, str):
+            command = command.encode()
+        data = command if isinstance(command, bytes) else b"".join(command)
+        self._script_sent = b"EVALSHA" in data
+        await super().send_packed_command(data, check_health)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        reply = await super().read_response(*args, **kwargs)
+        if self._script_sent and _LosesScriptReplies.lose > 0:
+            _LosesScriptReplies.lose -= 1
+            await self.disconnect()
+            raise redis.exceptions.ConnectionError("the reply was lost")
+        return reply
+
+
+async def test_an_admission_sent_again_after_its_reply_was_lost_counts_once(redis_server):
+    """The gateway's Redis client (one retry on a new connection) meets a round trip whose
+    admission ran but whose reply was lost: the retry runs the script again, which answers the
+    first run's reply and counts nothing; the settlement frees the admission's mark."""
+    client = redis_client_for(redis_server.url, timeout_s=5)
+    assert isinstance(client, aioredis.Redis)
+    pool = client.connection_pool
+    pool.connection_class = type("Losing", (_LosesScriptReplies, pool.connection_class), {})
+    try:
+        limiter = Limiter(client, lease_ttl_s=10, settle_retry_max=10)
+        key = await create_key(client, "replayed", rpm=10, tpm=1000, max_concurrent=5)
+        kid = key_id(key)
+        await limiter.admit(kid, 100)  # the scripts are loaded: the next round trip is one call
+        calls, _ = await _evalsha_calls(client)
+        _LosesScriptReplies.lose = 1
+        admission = await limiter.admit(kid, 100, "req-replayed")
+        assert _LosesScriptReplies.lose == 0
+        assert (await _evalsha_calls(client))[0] == calls + 2  # it ran twice
+        assert admission.headers["x-ratelimit-remaining-requests"] == "8"
+        assert admission.headers["x-ratelimit-remaining-tokens"] == "800"
+        tag = key_tag(kid)
+        counts = [
+            sum(int(v) for v in (await client.hgetall(f"infermesh:rl:{tag}:{limit}")).values())
+            for limit in ("rpm", "tpm")
+        ]
+        usage = await read_usage(client, kid, 1)
+        assert (counts, usage["quota_consumed_tokens"], usage["in_flight"]) == ([2, 200], 200, 2)
+        mark = f"infermesh:admitted:{tag}:{admission.id}"
+        assert await client.ttl(mark) > 0
+        await limiter.settle(admission, TokenUsage(completion_tokens=5))
+        assert not await client.exists(mark)
+    finally:
+        _LosesScriptReplies.lose = 0
+        await client.aclose()
 
 
 async def _evalsha_calls(client: aioredis.Redis) -> tuple[int, int]:

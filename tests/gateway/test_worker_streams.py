@@ -322,7 +322,12 @@ async def test_a_worker_that_ends_its_stream_mid_requests_fails_them_cleanly(
     assert len(rogue.opened) > len(rogue.started) > 0  # both kinds of request were open on it
     # each request the rogue started ends after its first token with an error event
     assert len(failed) == len(rogue.started)
-    ended = "INTERNAL" if aborts else "failed mid-stream: the worker ended the stream"
+    # the worker's own failure, named as the worker's, with its status
+    ended = (
+        "worker rogue failed mid-stream: the rogue worker crashed (INTERNAL)"
+        if aborts
+        else "worker rogue failed mid-stream: the worker ended the stream"
+    )
     assert all(texts == ["x"] and ended in error for texts, error in failed), failed
     # the others (those it never started among them) finish on the healthy worker
     assert len(finished) == 20 - len(rogue.started)

@@ -35,7 +35,7 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float = _READY_TIMEOU
         time.sleep(_POLL_S)
 
 
-def _cluster_port() -> int:
+def cluster_port() -> int:
     """A free port whose cluster bus port is free too (so below 55536)."""
     while True:
         port = random.randint(20000, 65535 - _BUS_PORT_OFFSET)
@@ -88,7 +88,7 @@ class RedisClusterServers:
                 RedisServer(
                     workdir=workdir,
                     args=[*args, "--cluster-config-file", f"nodes-{i}.conf"],
-                    pick_port=_cluster_port,
+                    pick_port=cluster_port,
                 )
             )
 
