@@ -236,7 +236,7 @@ class CacheEvents:
             else:
                 for batch in missed:
                     yield batch
-            while (batch := await subscriber.next()) is not None:
-                yield batch
+            while (delivered := await subscriber.next()) is not None:
+                yield delivered
         finally:
             self._subscribers.discard(subscriber)
