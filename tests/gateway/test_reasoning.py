@@ -173,7 +173,7 @@ def test_responses_reasoning_item_streamed_as_the_sdk_and_open_responses_read_it
         }
     )
     assert response.output_text == ANSWER
-    assert response.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
+    assert response.output[0].content[0].text == THOUGHT
 
 
 async def test_bad_thinking_switches_are_400s_in_each_apis_words(gateway, api_key):
