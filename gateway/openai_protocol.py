@@ -76,6 +76,8 @@ class ChatMessage(BaseModel):
     # assistant turns
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool turns: the call answered
+    # an earlier turn's thinking (DeepSeek's API): dropped, as DeepSeek's templates drop it
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod

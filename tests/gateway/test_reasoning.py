@@ -94,6 +94,12 @@ def test_messages_thinking_and_its_budget(thinking, flag, budget):
     ) == budget
 
 
+def test_earlier_turns_thinking_is_left_out_of_the_prompt():
+    turn = {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+    body = ChatCompletionRequest.model_validate({**CHAT, "messages": [*CHAT["messages"], turn]})
+    assert [m.content for m in body.router_messages()] == ["hi", ANSWER]
+
+
 def test_chat_message_carries_reasoning_content_the_sdk_reads():
     choice = chat_choice(0, ANSWER, "stop", None, None, THOUGHT)
     completion = ChatCompletion.model_validate(
