@@ -17,7 +17,8 @@ VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla run lint test bench clean
+.PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla model-r1 model-v31 run \
+	lint test bench clean
 
 all: proto model
 
@@ -91,6 +92,18 @@ $(V32_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 model-v32: $(V32_DIR)/config.json
 
+# Reasoning checkpoints of the tiny model: the think tags and DeepSeek-R1's or V3.1's chat template.
+REASONING_DIRS := models/tiny-deepseek-r1 models/tiny-deepseek-v31
+
+models/tiny-deepseek-r1/config.json: $(GENERATED) devtools/tiny_model.py devtools/templates/*
+	$(PY) -m devtools.tiny_model models/tiny-deepseek-r1 --r1
+
+models/tiny-deepseek-v31/config.json: $(GENERATED) devtools/tiny_model.py devtools/templates/*
+	$(PY) -m devtools.tiny_model models/tiny-deepseek-v31 --v31
+
+model-r1: models/tiny-deepseek-r1/config.json
+model-v31: models/tiny-deepseek-v31/config.json
+
 # The tiny model with DeepSeek's attention head sizes and BF16 weights, which vLLM's CPU build serves
 # (its MLA kernels take only a 512 + 64 latent head; its FP8 linear kernels need AMX).
 $(MLA_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
@@ -123,4 +136,5 @@ bench: install proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(CHAT_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR)
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(CHAT_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR) \
+		$(REASONING_DIRS)

@@ -18,6 +18,10 @@ routing bias and no MTP layer, as DeepSeek-V2, V2.5 and V2-Lite ship. Reproducib
 writes byte-identical files. `--v32` writes a DeepSeek-V3.2 (model_type deepseek_v32) checkpoint
 instead: the same model plus each layer's sparse-attention indexer (FP8 wq_b and wk, BF16 k_norm
 and weights_proj), with an index_topk small enough that short prompts exercise the sparsity.
+`--r1` and `--v31` write reasoning checkpoints of the same model: `<think>` and `</think>` added
+to the vocabulary as in DeepSeek's (added tokens, not special: they decode as text), with
+DeepSeek-R1's chat template (the generation prompt opens the thinking; earlier turns' thinking
+dropped) or DeepSeek-V3.1's (its `thinking` flag opens the thinking, or closes it at once).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import importlib.metadata
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -78,6 +82,10 @@ TOOL_TOKENS = [
     OUTPUT_BEGIN,
     OUTPUT_END,
 ]
+# The reasoning models' think tags: added tokens after the tool markers, as in DeepSeek's vocabulary
+THINK, THINK_END = "<think>", "</think>"
+# how many tokens a tiny tokenizer adds past the BPE's: the tool markers, then the think tags
+_ADDED_TOKENS = (len(TOOL_TOKENS), len(TOOL_TOKENS) + 2)
 
 # DeepSeek-V3's template in its own tool format, with the tool definitions (HF's `tools`) rendered
 # into the system prompt as DeepSeek's later releases do. An assistant turn after tool results
@@ -138,6 +146,15 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 3.14159 -1 +1 = < > [ ] { } ( ) ; : 
 Émojis and accents: café, naïve, résumé, façade, Straße, Ωμέγα, Привет мир! 🙂🚀🎉👍🏽❤️🔥
 """
 
+
+# The reasoning checkpoints' chat templates, as DeepSeek-R1's and DeepSeek-V3.1's
+# tokenizer_config.json ship them
+_TEMPLATES = Path(__file__).parent / "templates"
+Reasoning = Literal["r1", "v31"]
+REASONING_TEMPLATES: dict[Reasoning, Path] = {
+    "r1": _TEMPLATES / "deepseek_r1.jinja",
+    "v31": _TEMPLATES / "deepseek_v31.jinja",
+}
 
 # DeepSeek-V3's attention head sizes: vLLM's CPU MLA attention serves only a 512 + 64 latent head
 # (its nope and value widths may be narrower: 32 matches transformers as well)
@@ -299,8 +316,9 @@ def _corpus_texts() -> list[str]:
     return (lines + [x.upper() for x in lines] + [x.title() for x in lines]) * 4 + numbers + package
 
 
-def train_tokenizer() -> Tokenizer:
-    """Byte-level BPE over the corpus: every UTF-8 string encodes."""
+def train_tokenizer(reasoning: bool = False) -> Tokenizer:
+    """Byte-level BPE over the corpus: every UTF-8 string encodes; `reasoning`: with the think tags
+    after the tool markers."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -313,13 +331,15 @@ def train_tokenizer() -> Tokenizer:
     tok.train_from_iterator(_corpus_texts(), trainer=trainer)
     # after the BPE merges, as in DeepSeek's vocabulary (ids 16384..16392 here)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TOKENS])
+    if reasoning:  # not special, as in DeepSeek's: they decode as text
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK, THINK_END)])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]
     )
     return tok
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(chat_template: str) -> dict[str, Any]:
     return {
         "add_bos_token": True,
         "add_eos_token": False,
@@ -327,7 +347,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "eos_token": EOS,
         "pad_token": PAD,
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "legacy": True,
         "model_max_length": V3_CONTEXT,
@@ -345,11 +365,10 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     state = {}
     for key, shape in shapes.items():
-        # the tool tokens' rows come last and apart, so every other weight is drawn as before they
-        # were added
-        grown = key in ("embed_tokens.weight", "lm_head.weight") and shape[
-            0
-        ] == _BPE_VOCAB_SIZE + len(TOOL_TOKENS)
+        # the added tokens' rows (tool markers, think tags) come last and apart, so every other
+        # weight is drawn as before they were added
+        added = shape[0] - _BPE_VOCAB_SIZE
+        grown = key in ("embed_tokens.weight", "lm_head.weight") and added in _ADDED_TOKENS
         if grown:
             shape = torch.Size([_BPE_VOCAB_SIZE, *shape[1:]])
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
@@ -361,19 +380,20 @@ def _random_state(args: ModelArgs, generator: torch.Generator) -> dict[str, torc
         else:
             t = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
         if grown:
-            t = torch.cat([t, _tool_token_rows(key, shape[-1])])
+            t = torch.cat([t, _added_token_rows(key, added, shape[-1])])
         state["lm_head.weight" if key == "lm_head.weight" else f"model.{key}"] = t
     return state
 
 
-def _tool_token_rows(key: str, dim: int) -> torch.Tensor:
-    """Random embeddings for the tool tokens; zero output rows, so their logit (0) is never a greedy
-    choice over sixteen thousand random ones: unconstrained outputs are those of the model without
-    them."""
+def _added_token_rows(key: str, added: int, dim: int) -> torch.Tensor:
+    """Random embeddings for the added tokens; zero output rows, so their logit (0) is never a
+    greedy choice over sixteen thousand random ones: unconstrained outputs are those of the model
+    without them (a reasoning checkpoint never closes its thinking unprompted: a thinking budget
+    or a grammar does)."""
     if key == "lm_head.weight":
-        return torch.zeros(len(TOOL_TOKENS), dim)
+        return torch.zeros(added, dim)
     return torch.randn(
-        len(TOOL_TOKENS), dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS))
+        added, dim, generator=torch.Generator().manual_seed(_SEED + len(TOOL_TOKENS))
     )
 
 
@@ -415,13 +435,16 @@ def write_tiny_checkpoint(
     v32: bool = False,
     mla: bool = False,
     bf16: bool = False,
+    reasoning: Reasoning | None = None,
     seed: int = _SEED,
 ) -> Path:
     """Write the tiny checkpoint (or the YaRN / n_group 4 / 3-layer `variant`; `v32`:
-    DeepSeek-V3.2; `mla`: DeepSeek's latent sizes; `bf16`: BF16 weights) to out_dir."""
-    tok = train_tokenizer()
+    DeepSeek-V3.2; `mla`: DeepSeek's latent sizes; `bf16`: BF16 weights; `reasoning`: the think
+    tags and DeepSeek-R1's or V3.1's chat template) to out_dir."""
+    tok = train_tokenizer(reasoning=reasoning is not None)
     config = tiny_config(tok.get_vocab_size(), variant=variant, v32=v32, mla=mla, bf16=bf16)
-    return _write_checkpoint(Path(out_dir), tok, config, seed + variant)
+    template = CHAT_TEMPLATE if reasoning is None else REASONING_TEMPLATES[reasoning].read_text()
+    return _write_checkpoint(Path(out_dir), tok, config, seed + variant, template)
 
 
 def bench_config() -> dict[str, Any]:
@@ -459,21 +482,31 @@ def write_bench_checkpoint(out_dir: str | Path, seed: int = _SEED) -> Path:
     return _write_checkpoint(Path(out_dir), train_tokenizer(), bench_config(), seed)
 
 
-def _write_checkpoint(out: Path, tok: Tokenizer, config: dict[str, Any], seed: int) -> Path:
+def _write_checkpoint(
+    out: Path,
+    tok: Tokenizer,
+    config: dict[str, Any],
+    seed: int,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
     args = model_args(config)
     generator = torch.Generator().manual_seed(seed)
     state = _random_state(args, generator)
     if config.get("num_nextn_predict_layers"):
         state |= mtp_state(args, generator)
-    return write_checkpoint(out, tok, config, state)
+    return write_checkpoint(out, tok, config, state, chat_template)
 
 
 def write_checkpoint(
-    out: Path, tok: Tokenizer, config: dict[str, Any], state: dict[str, torch.Tensor]
+    out: Path,
+    tok: Tokenizer,
+    config: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """The checkpoint's files in out: `state` (HF-named float weights, MTP layer included) in the
     checkpoint's dtypes (FP8 blocks when config has a quantization_config), config.json,
-    generation_config.json and the tokenizer with DeepSeek's chat template."""
+    generation_config.json and the tokenizer with `chat_template` (DeepSeek-V3's with tools)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = _to_checkpoint_format(state, fp8="quantization_config" in config)
     save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
@@ -490,7 +523,7 @@ def write_checkpoint(
         },
     )
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(chat_template))
     return out
 
 
@@ -537,9 +570,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bf16", action="store_true", help="BF16 weights without a quantization_config"
     )
+    reasoning = parser.add_mutually_exclusive_group()
+    reasoning.add_argument(
+        "--r1", action="store_true", help="DeepSeek-R1: the think tags and R1's chat template"
+    )
+    reasoning.add_argument(
+        "--v31",
+        action="store_true",
+        help="DeepSeek-V3.1: the think tags and V3.1's chat template (its thinking flag)",
+    )
     ns = parser.parse_args(argv)
-    if (ns.bench or ns.v2 or ns.v2_lite) and (ns.v32 or ns.mla or ns.bf16):
-        parser.error("--v32, --mla and --bf16 apply to the tiny model and --variant")
+    extras = ns.v32 or ns.mla or ns.bf16 or ns.r1 or ns.v31
+    if (ns.bench or ns.v2 or ns.v2_lite) and extras:
+        parser.error("--v32, --mla, --bf16, --r1 and --v31 apply to the tiny model and --variant")
     if ns.bench:
         print(write_bench_checkpoint(ns.out_dir))
     elif ns.v2 or ns.v2_lite:
@@ -547,7 +590,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(
             write_tiny_checkpoint(
-                ns.out_dir, variant=ns.variant, v32=ns.v32, mla=ns.mla, bf16=ns.bf16
+                ns.out_dir,
+                variant=ns.variant,
+                v32=ns.v32,
+                mla=ns.mla,
+                bf16=ns.bf16,
+                reasoning="r1" if ns.r1 else "v31" if ns.v31 else None,
             )
         )
 

@@ -6,7 +6,8 @@ better (RoutingSection says it with its keys)::
 
     load_weight * (busy + 1) / max_parallel
       + prefill_weight * (prompt_tokens - cached_tokens) / prefill_tokens_per_second
-        * (busy + 1)                                                                   (a)
+        * (busy + 1)
+      [+ hardware_weight * slowness, for a request with thinking on]                    (a)
     or, for a request without ``prefix_hashes``,
     load_weight * (busy + 1) / max_parallel + kv_weight * kv_use + hardware_weight * slowness
       - affinity_weight * [the worker is the home of the prompt's leading bytes]       (b)
@@ -25,7 +26,9 @@ than on another busy worker, whose every stream would wait for that prefill
 second of one stream's prefill is worth against a full worker's load; the load term alone spreads
 a hot prefix: its holder is passed over for an idle worker once it is ``prefill_weight`` x the
 prefill's seconds busier. A bonus proportional to the share cached would rank a cached 200 tokens
-like a cached 80,000.
+like a cached 80,000. A request with thinking on is one whose output may be long (a reasoning
+model's thinking runs to thousands of tokens): its decode, not its prefill, is most of its time,
+so the decode-speed ``slowness`` counts for it in (a) as well.
 
 Sessions (``affinity_key``: an agent's turns, which resend their whole growing history) go to the
 session's worker while it has a free slot; only a full worker passes the session on. Its history
@@ -87,19 +90,21 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
     session: bool = False  # prefix_key names a session: its worker takes it while not full
     prefix_hashes: Sequence[int] = ()  # the prompt's blocks (infermesh/prefix_hash.py)
     prompt_tokens: int = 0  # known with prefix_hashes
+    long_output: bool = False  # thinking on: a reasoning model's output may be long
 
     @classmethod
     def of(cls, request: common_pb2.GenerateRequest, prefix_bytes: int) -> RouteRequest:
         model, precision, gpu = request.model, request.precision, request.gpu
         hashes = request.prefix_hashes
         tokens = max(len(request.prompt_token_ids), len(hashes) * BLOCK_TOKENS)
+        long = request.thinking
         if request.affinity_key:
             key = _hash64(request.affinity_key.encode())
-            return cls(model, precision, key, 1.0, gpu, True, hashes, tokens)
+            return cls(model, precision, key, 1.0, gpu, True, hashes, tokens, long)
         if hashes:
-            return cls(model, precision, 0, 0.0, gpu, False, hashes, tokens)
+            return cls(model, precision, 0, 0.0, gpu, False, hashes, tokens, long)
         head = _prompt_head(request, prefix_bytes)
-        return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu)
+        return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu, long_output=long)
 
 
 class FleetFullError(RouteError):
@@ -189,6 +194,8 @@ class Chooser:
                 cached = self._cached_tokens(fleet, group, request)
                 uncached = request.prompt_tokens - cached
                 cost += config.prefill_weight * group.prefill_s_per_token * uncached * streams
+                if request.long_output:
+                    cost += config.hardware_weight * group.slowness
             else:
                 cost += config.kv_weight * fleet.kv_usage[group.slots]
                 cost += config.hardware_weight * group.slowness

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from infermesh.config import ConfigError, MetricsSection, load_config, section
 from infermesh.prefix_hash import BLOCK_TOKENS
+from infermesh.text.chat_templates import REASONING_FORMATS, ReasoningFormat
 from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
@@ -42,16 +43,33 @@ class ModelSection:
     # A Jinja chat template file served instead of the checkpoint's; empty: the checkpoint's, or
     # its family's tool template when the checkpoint's cannot render tool definitions.
     chat_template: str = ""
+    # How the model reasons: "deepseek_r1" (it always thinks, between <think> and </think>, before
+    # its answer), "deepseek_v3" (it thinks when a request's thinking is set: V3.1, V3.2), "" (it
+    # does not); auto: as the served chat template says (R1's opens <think> in its generation
+    # prompt, V3.1's and V3.2's read a `thinking` flag).
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
             )
+        if self.reasoning_format != "auto" and self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(
+                'reasoning_format: expected auto, "" (no reasoning), deepseek_r1 or deepseek_v3, '
+                f"got {self.reasoning_format!r}"
+            )
 
     @property
     def served_name(self) -> str:
         return self.name or Path(self.path).resolve().name
+
+    @property
+    def configured_reasoning(self) -> ReasoningFormat | None:
+        """reasoning_format, None for auto (checked in __post_init__)."""
+        if self.reasoning_format == "auto":
+            return None
+        return cast(ReasoningFormat, self.reasoning_format)
 
 
 @section

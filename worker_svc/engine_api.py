@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 from infermesh.context_limit import ContextOverflow
 from infermesh.names import FinishReason, Precision
+from infermesh.text.chat_templates import ReasoningFormat
 from infermesh.text.text_files import TextFiles
 from worker_svc.cache_events import CacheEvents
 
@@ -44,6 +45,7 @@ class DeviceCapabilities:
     # The served architecture (config.json model_type) and V3.2's sparse attention width (0: dense).
     model_type: str = ""
     index_topk: int = 0
+    reasoning_format: ReasoningFormat = ""  # how the served model reasons ("": it does not)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ class GenerationRequest:
     # (infermesh.text.text_files): served when it is the engine's own, else rendered again
     prompt_token_ids: tuple[int, ...] = ()
     tokenizer: str = ""
+    # reasoning models: the chat template's thinking flag (None: its default), and at most this
+    # many reasoning tokens before the engine makes the model close its thinking (None: no bound)
+    thinking: bool | None = None
+    thinking_budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     queue_s: float = 0.0  # how long the request waited before joining the batch
     tool_calls: list[ToolCallDelta] | None = None  # tool-call pieces decoded with these tokens
+    reasoning_text: str = ""  # new thinking (a reasoning model's), apart from the answer's text
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking (closing tag included)
 
 
 @dataclass(frozen=True)
@@ -416,6 +424,8 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
         logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None,
         queue_s=chunks[0].queue_s,
         tool_calls=_merged_deltas(tool_calls) or None,
+        reasoning_text="".join(c.reasoning_text for c in chunks),
+        reasoning_tokens=last.reasoning_tokens,
     )
 
 

@@ -314,6 +314,7 @@ def worker_info(
             gpu_count=caps.gpu_count,
             tokenizer=engine.text_files.digest,
             engine=config.engine.kind,
+            reasoning_format=caps.reasoning_format,
         ),
     )
 
@@ -421,6 +422,7 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         parallel=config.parallel,
         cache=config.cache,
         chat_template=config.model.chat_template or None,
+        reasoning_format=config.model.configured_reasoning,
     )
 
 

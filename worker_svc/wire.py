@@ -64,6 +64,10 @@ def to_engine(request: common_pb2.GenerateRequest) -> GenerationRequest:
         constraints=_constraints(request),
         prompt_token_ids=tuple(request.prompt_token_ids),
         tokenizer=request.tokenizer,
+        thinking=request.thinking if request.HasField("thinking") else None,
+        thinking_budget_tokens=(
+            request.thinking_budget_tokens if request.HasField("thinking_budget_tokens") else None
+        ),
     )
 
 
@@ -80,6 +84,7 @@ def _constraints(request: common_pb2.GenerateRequest) -> Constraints:
 def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
     response = common_pb2.GenerateResponse(
         text=chunk.text,
+        reasoning_text=chunk.reasoning_text,
         token_ids=chunk.token_ids,
         finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED
         if chunk.finish_reason is None
@@ -92,6 +97,7 @@ def to_proto(chunk: GenerationChunk) -> common_pb2.GenerateResponse:
                 prompt_tokens=chunk.prompt_tokens,
                 completion_tokens=chunk.completion_tokens,
                 cached_prompt_tokens=chunk.cached_prompt_tokens,
+                reasoning_tokens=chunk.reasoning_tokens,
             )
         )
     if chunk.logprobs is not None:

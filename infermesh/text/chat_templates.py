@@ -15,6 +15,16 @@ grammar alike:
   ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>``, calls chained.
 
 A template's syntax is read from what it renders for a probe call, not from its text.
+
+The reasoning families think between ``<think>`` and ``</think>`` before they answer, and their
+templates say how (``ReasoningFormat``):
+
+- ``deepseek_r1`` (R1): the generation prompt opens the thinking, always;
+- ``deepseek_v3`` (V3.1, V3.2): the template's ``thinking`` flag opens it, or closes it at once;
+- ``""``: the model does not reason.
+
+The family tool templates keep the checkpoint's reasoning: R1's opens the thinking, V3.1's reads
+the flag.
 """
 
 from __future__ import annotations
@@ -31,7 +41,11 @@ import jinja2.meta
 logger = logging.getLogger(__name__)
 
 ToolFormat = Literal["v3", "v31"]
-Render = Callable[[str, list[dict[str, Any]]], str]  # (template, messages) -> the rendered text
+ReasoningFormat = Literal["", "deepseek_r1", "deepseek_v3"]
+REASONING_FORMATS: tuple[ReasoningFormat, ...] = ("", "deepseek_r1", "deepseek_v3")
+THINK, THINK_END = "<think>", "</think>"
+# (template, messages, add_generation_prompt) -> the rendered text
+Render = Callable[[str, list[dict[str, Any]], bool], str]
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -62,6 +76,7 @@ class ChatTemplate:
     source: str  # where it came from, for the load log
     tool_format: ToolFormat | None  # None: it renders no tool calls DeepSeek's ways
     renders_tools: bool  # it reads the tool definitions
+    reasoning_format: ReasoningFormat
 
 
 def read_template_file(path: str | Path) -> str:
@@ -92,7 +107,7 @@ def choose_template(
     served = _described(own, "the checkpoint's tokenizer_config.json", render)
     if served.renders_tools or served.tool_format is None:
         return served
-    family = _family_template(served.tool_format, model_type)
+    family = _family_template(served.tool_format, model_type, served.reasoning_format)
     logger.info(
         "the checkpoint's chat template cannot render tool definitions; serving with %s "
         "(DeepSeek's %s tool syntax)",
@@ -102,9 +117,13 @@ def choose_template(
     return _described(family.read_text(encoding="utf-8"), str(family), render)
 
 
-def _family_template(tool_format: ToolFormat, model_type: str) -> Path:
+def _family_template(
+    tool_format: ToolFormat, model_type: str, reasoning_format: ReasoningFormat
+) -> Path:
     if tool_format == "v31":
         return _TEMPLATES / "deepseek_v31_tools.jinja"
+    if reasoning_format == "deepseek_r1":
+        return _TEMPLATES / "deepseek_r1_tools.jinja"
     if model_type == "deepseek_v2":
         return _TEMPLATES / "deepseek_v25_tools.jinja"
     return _TEMPLATES / "deepseek_v3_tools.jinja"
@@ -115,18 +134,32 @@ def _described(text: str, source: str, render: Render) -> ChatTemplate:
         parsed = jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{source}: the chat template is not valid Jinja: {e}") from None
+    variables = jinja2.meta.find_undeclared_variables(parsed)
     return ChatTemplate(
         text=text,
         source=source,
         tool_format=_tool_format(text, render),
-        renders_tools="tools" in jinja2.meta.find_undeclared_variables(parsed),
+        renders_tools="tools" in variables,
+        reasoning_format=_reasoning_format(text, variables, render),
     )
+
+
+def _reasoning_format(text: str, variables: set[str], render: Render) -> ReasoningFormat:
+    """V3.1's and V3.2's templates read a ``thinking`` flag; R1's generation prompt opens the
+    thinking."""
+    if "thinking" in variables:
+        return "deepseek_v3"
+    try:
+        prompt = render(text, [{"role": "user", "content": "probe"}], True)
+    except Exception:  # a template that cannot render a user's turn: no reasoning read from it
+        return ""
+    return "deepseek_r1" if prompt.rstrip().endswith(THINK) else ""
 
 
 def _tool_format(text: str, render: Render) -> ToolFormat | None:
     """The call syntax the template writes a probe call in; None for neither of DeepSeek's."""
     try:
-        rendered = render(text, _PROBE)
+        rendered = render(text, _PROBE, False)
     except Exception:
         # HF drops a None content, which DeepSeek's V2.5 and V3 templates test for a call-only
         # turn (`message['content'] is none`) and then fail on: their source names the syntax

@@ -51,13 +51,17 @@ def render_token_ids(
     messages: Sequence[dict[str, Any]] | None,
     prompt: str | None,
     tools: Sequence[dict[str, Any]],
+    thinking: bool | None = None,
 ) -> list[int]:
-    """Chat messages (with ``tools``, as ``tool_definition`` shapes them) rendered with the served
-    template, or raw text; UnrenderableToolsError for tools the template cannot render."""
+    """Chat messages (with ``tools``, as ``tool_definition`` shapes them; ``thinking``, the
+    template's thinking flag, None: its default) rendered with the served template, or raw text;
+    UnrenderableToolsError for tools the template cannot render."""
     if messages:
         if tools and not tokenizer.renders_tools:
             raise UnrenderableToolsError()
-        return tokenizer.encode_chat([_template_message(m) for m in messages], list(tools))
+        return tokenizer.encode_chat(
+            [_template_message(m) for m in messages], list(tools), thinking
+        )
     assert prompt is not None, "exactly one of messages and prompt"
     return tokenizer.encode(prompt)
 
@@ -69,6 +73,7 @@ def request_token_ids(tokenizer: Tokenizer, request: common_pb2.GenerateRequest)
         [chat_message(m) for m in request.messages],
         request.prompt,
         [tool_definition(t.name, t.description, t.parameters_json) for t in request.tools],
+        request.thinking if request.HasField("thinking") else None,
     )
 
 

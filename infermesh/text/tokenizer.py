@@ -12,7 +12,7 @@ from typing import Any, cast
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from infermesh.config import ConfigError
-from infermesh.text.chat_templates import ToolFormat, choose_template
+from infermesh.text.chat_templates import ReasoningFormat, ToolFormat, choose_template
 from infermesh.text.text_files import TextFiles, checkpoint_text_files
 
 
@@ -40,15 +40,24 @@ class Tokenizer:
         # would drop them
         self.renders_tools = template.renders_tools
         self.tool_format: ToolFormat | None = template.tool_format
+        # how the template turns thinking on (the worker's [model] reasoning_format may override)
+        self.reasoning_format: ReasoningFormat = template.reasoning_format
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.bos_token_id: int | None = self.hf.bos_token_id
         self.vocab_size = len(self.hf)  # with the added tokens
         self.text_files: TextFiles = checkpoint_text_files(Path(model_dir), template.text)
 
-    def _render(self, template: str, messages: list[dict[str, Any]]) -> str:
+    def _render(
+        self, template: str, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str:
         return cast(
             str,
-            self.hf.apply_chat_template(messages, chat_template=template, tokenize=False),
+            self.hf.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            ),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -56,15 +65,20 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        thinking: bool | None = None,
     ) -> str:
-        """`tools`: OpenAI-shaped function definitions, as HF templates take them."""
+        """`tools`: OpenAI-shaped function definitions, as HF templates take them; `thinking`: the
+        template's thinking flag (V3.1's, V3.2's), None: the template's default."""
         hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+        flag: dict[str, Any] = {} if thinking is None else {"thinking": thinking}
         # tokenize=False: the rendered text
         return cast(
             str,
             self.hf.apply_chat_template(
-                messages, tools=hf_tools, tokenize=False, add_generation_prompt=True
+                messages, tools=hf_tools, tokenize=False, add_generation_prompt=True, **flag
             ),
         )
 
@@ -73,10 +87,13 @@ class Tokenizer:
         return list(self.hf.encode(rendered, add_special_tokens=False))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        thinking: bool | None = None,
     ) -> list[int]:
         """Messages rendered with the served chat template, then tokenized."""
-        return self.encode_rendered(self.render_chat(messages, tools))
+        return self.encode_rendered(self.render_chat(messages, tools, thinking))
 
     def decode(self, ids: list[int]) -> str:
         # one sequence of ids: one string

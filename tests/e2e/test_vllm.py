@@ -60,6 +60,7 @@ _BAD_ENGINE_ARGS = {  # [engine.vllm] a worker refuses: its message
     '{"structured_outputs_config": {"backend": "xgrammar"}}': (
         "[engine.vllm] structured_outputs_config: the worker sets it"
     ),
+    '{"reasoning_parser": "qwen3"}': "[engine.vllm] reasoning_parser: the worker sets it",
 }
 
 

@@ -324,6 +324,25 @@ def test_a_cache_saves_more_on_slow_prefill_hardware_and_load_still_counts():
     assert first_choice(chooser, fleet, route(prompt="another")) == "fast"
 
 
+def test_a_request_with_thinking_on_weighs_the_decode_speed_against_the_cache():
+    """A reasoning model's thinking makes the output long: the decode speed counts beside the
+    prefill the cache saves."""
+    slow, fast = info("slow", speed=1), info("fast", speed=100)
+    for worker in (slow, fast):
+        worker.capabilities.prefill_tokens_per_second = 1000.0
+    fleet = fleet_of(slow, fast)
+    hashes = chain(list(range(16 * 64)))
+    chooser = Chooser(RoutingSection(hardware_weight=5), cached_on(fleet, {"slow": hashes}))
+    # one second of prefill saved on the slow decoder: it wins a short answer
+    assert first_choice(chooser, fleet, with_hashes(hashes)) == "slow"
+    for thinking in (True, False):
+        request = common_pb2.GenerateRequest(
+            model="m", prompt="x", prefix_hashes=hashes, thinking=thinking
+        )
+        decision = chooser.choose(fleet, RouteRequest.of(request, 256))
+        assert decision.workers[0].worker_id == ("fast" if thinking else "slow")
+
+
 def test_a_busy_holder_keeps_its_prefix_from_a_less_busy_worker_but_not_from_an_idle_one():
     workers = [info(name, max_parallel=8) for name in ("holder", "busy", "idle")]
     for worker in workers:

@@ -74,6 +74,22 @@ def v32_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def r1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as DeepSeek-R1: the think tags and R1's chat template."""
+    return _written_once(
+        tmp_path_factory, "r1", lambda out: write_tiny_checkpoint(out, reasoning="r1")
+    )
+
+
+@pytest.fixture(scope="session")
+def v31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as DeepSeek-V3.1: the think tags and V3.1's chat template."""
+    return _written_once(
+        tmp_path_factory, "v31", lambda out: write_tiny_checkpoint(out, reasoning="v31")
+    )
+
+
 @pytest.fixture(params=["tiny", "variant", "v2", "v2_lite"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")

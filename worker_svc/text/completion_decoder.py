@@ -1,9 +1,12 @@
-"""A sequence's sampled tokens as the chunks' text and tool-call pieces, and the reason it ends.
+"""A sequence's sampled tokens as the chunks' text, reasoning and tool-call pieces, and the reason
+it ends.
 
-Every engine feeds its tokens through one `CompletionDecoder`, so text, tool calls and finish
-reasons come out the same whichever engine sampled them: the text before a turn's calls is text,
-the calls are tool-call pieces (worker_svc.text.tool_parser), and a stop ends the turn as
-``tool_calls`` once a call has started.
+Every engine feeds its tokens through one `CompletionDecoder`, so text, reasoning, tool calls and
+finish reasons come out the same whichever engine sampled them: a reasoning model's thinking is
+reasoning text (worker_svc.text.reasoning_parser), the text before a turn's calls is text, the
+calls are tool-call pieces (worker_svc.text.tool_parser), and a stop ends the turn as
+``tool_calls`` once a call has started. The thinking comes first: the tool parser, and the
+request's grammar, see only the tokens after it. A thinking budget is kept by `forced_token`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from infermesh.names import FinishReason
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import Constraints, ToolCallDelta
 from worker_svc.text.detokenizer import IncrementalDetokenizer
+from worker_svc.text.reasoning_parser import Thinking
 from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 
 # why the engine ends the sequence at this token: it is a stop token, or the last one the
@@ -27,6 +31,7 @@ class DecodedToken:
     text: str
     tool_calls: list[ToolCallDelta] | None  # None: a token of the text before the calls
     finish: FinishReason | None
+    reasoning_text: str = ""
 
 
 class CompletionDecoder:
@@ -38,6 +43,7 @@ class CompletionDecoder:
         stop: tuple[str, ...],
         constraints: Constraints,
         markers: ToolMarkers | None,
+        thinking: Thinking | None = None,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
         may_call = bool(constraints.tools) and constraints.tool_choice != "none"
@@ -46,13 +52,31 @@ class CompletionDecoder:
             if may_call and markers is not None
             else None
         )
+        self._thinking = thinking
+        self.reasoning_tokens = 0  # tokens sampled inside the thinking, the closing one included
 
     @property
     def stopped(self) -> bool:
         """A stop string ended the text."""
         return self._detokenizer.stopped
 
+    @property
+    def thinking(self) -> bool:
+        """The output is still inside the thinking: no grammar applies yet."""
+        return self._thinking is not None and self._thinking.parser.thinking
+
+    def forced_token(self) -> int | None:
+        """The token the engine must sample next: the closing tag's, once the thinking budget is
+        spent (as vLLM's and SGLang's thinking budgets force it); else None."""
+        t = self._thinking
+        if t is None or t.budget is None or not t.parser.thinking:
+            return None
+        spent = self.reasoning_tokens - t.budget
+        return t.end_token_ids[spent] if 0 <= spent < len(t.end_token_ids) else None
+
     def add(self, token: int, end: TokenEnd | None) -> DecodedToken:
+        if self.thinking:
+            return self._add_thinking(token, end)
         detok, parser = self._detokenizer, self._parser
         finish: FinishReason | None = None
         if end == "stop_token":
@@ -73,4 +97,31 @@ class CompletionDecoder:
                 finish = "stop"
             elif finish is not None:
                 text += detok.flush()
+        if self._thinking is not None:  # after the thinking: never what the closing tag held back
+            text = self._thinking.parser.feed(detok.text, detok.emitted)[1]
         return DecodedToken(text, calls, finish)
+
+    def _add_thinking(self, token: int, end: TokenEnd | None) -> DecodedToken:
+        """A token of the thinking, or the one that closes it (its text past the tag is the
+        answer's); stop strings apply to the thinking as to the answer."""
+        assert self._thinking is not None
+        detok, reasoning = self._detokenizer, self._thinking.parser
+        self.reasoning_tokens += 1
+        finish: FinishReason | None = None
+        if end == "stop_token":
+            finish = "stop"
+        else:
+            detok.add(token)
+            if detok.stopped:
+                finish = "stop"
+            elif end == "length":
+                finish = "length"
+        if finish is not None:
+            detok.flush()
+        thought, text = reasoning.feed(detok.text, detok.emitted, final=finish is not None)
+        if reasoning.thinking and self._thinking.end_token_ids == (token,):
+            # a closing tag that decodes to no text (a special token)
+            reasoning.close_at(len(detok.text))
+            more_thought, text = reasoning.feed(detok.text, detok.emitted)
+            thought += more_thought
+        return DecodedToken(text, None, finish, reasoning_text=thought)

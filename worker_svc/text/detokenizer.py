@@ -56,11 +56,15 @@ class IncrementalDetokenizer:
         return piece
 
     def _partial_stop_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        """Length of the longest suffix of the text that is a prefix of a stop string (none is
+        whole: _release found those)."""
+        return max(partial_suffix(self.text, stop) for stop in self.stop)
+
+
+def partial_suffix(text: str, whole: str) -> int:
+    """Length of the longest suffix of `text` that is a prefix of `whole` (what may be `whole`,
+    or its start cut off by the end of the text so far)."""
+    for n in range(min(len(whole), len(text)), 0, -1):
+        if text.endswith(whole[:n]):
+            return n
+    return 0

@@ -28,6 +28,7 @@ def prompt_token_ids(tokenizer: Tokenizer, request: GenerationRequest) -> list[i
             request.messages,
             request.prompt,
             [tool_definition(t.name, t.description, t.parameters) for t in tools],
+            request.thinking,
         )
     except UnrenderableToolsError as e:
         raise InvalidArgumentError(str(e)) from None

@@ -29,7 +29,7 @@ from infermesh.text.chat_templates import (
 )
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import ToolCallDelta
-from worker_svc.text.detokenizer import IncrementalDetokenizer
+from worker_svc.text.detokenizer import IncrementalDetokenizer, partial_suffix
 
 _ARGS_OPEN, _ARGS_CLOSE = "```json\n", "\n```"
 
@@ -142,7 +142,8 @@ class ToolCallParser:
                 body = body[len(_ARGS_OPEN) :]
             elif _ARGS_OPEN.startswith(body) and not final:
                 return []  # the opening fence may still come
-            body = body.removesuffix(_ARGS_CLOSE) if final else body[: len(body) - _held_back(body)]
+            held_back = partial_suffix(body, _ARGS_CLOSE)  # may be the closing fence
+            body = body.removesuffix(_ARGS_CLOSE) if final else body[: len(body) - held_back]
         piece = body[self._sent :]
         self._sent += len(piece)
         return [ToolCallDelta(self.calls - 1, arguments=piece)] if piece else []
@@ -153,11 +154,3 @@ class ToolCallParser:
         deltas = self._arguments(final=True) if self._state == "args" else []
         self._state = "between"
         return deltas
-
-
-def _held_back(body: str) -> int:
-    """Length of the suffix of `body` that may be the start of the closing fence."""
-    for n in range(min(len(_ARGS_CLOSE), len(body)), 0, -1):
-        if body.endswith(_ARGS_CLOSE[:n]):
-            return n
-    return 0

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from infermesh.config import ConfigError
+from infermesh.text.chat_templates import ReasoningFormat
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
@@ -41,6 +42,7 @@ from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolv
 from worker_svc.text.completion_decoder import CompletionDecoder
 from worker_svc.text.grammar import GrammarCompiler
 from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.text.reasoning_parser import thinking_of
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,
@@ -123,9 +125,11 @@ class Engine:
         parallel: ParallelSection | None = None,
         cache: CacheSection | None = None,
         chat_template: str | None = None,
+        reasoning_format: ReasoningFormat | None = None,
     ) -> Engine:
         """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
-        in a thread). ``chat_template``: a template file served instead of the checkpoint's."""
+        in a thread). ``chat_template``: a template file served instead of the checkpoint's;
+        ``reasoning_format``: how the model reasons (None: as its chat template says)."""
         # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
         # pooled threads than cores it stops spinning between ops, and each op of the step loop then
         # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
@@ -140,6 +144,7 @@ class Engine:
             parallel=parallel,
             cache=cache,
             chat_template=chat_template,
+            reasoning_format=reasoning_format,
         )
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
             return loader.submit(load).result()
@@ -156,6 +161,7 @@ class Engine:
         parallel: ParallelSection | None,
         cache: CacheSection | None,
         chat_template: str | None,
+        reasoning_format: ReasoningFormat | None,
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
@@ -180,6 +186,12 @@ class Engine:
                 "(the checkpoint's max_position_embeddings)"
             )
         tokenizer = Tokenizer(model_dir, chat_template)
+        caps = dataclasses.replace(
+            caps,
+            reasoning_format=tokenizer.reasoning_format
+            if reasoning_format is None
+            else reasoning_format,
+        )
         eos = _eos_token_ids(Path(model_dir), config, tokenizer)
         logger.info(
             "loaded %s: %.1f MB of weights as %s", model_dir, weight_bytes / 2**20, caps.precision
@@ -246,7 +258,11 @@ class Engine:
             max_len=max_len,
             stop_token_ids=self._eos_token_ids | frozenset(params.stop_token_ids),
             decoder=CompletionDecoder(
-                self.tokenizer, params.stop, request.constraints, self.grammars.markers
+                self.tokenizer,
+                params.stop,
+                request.constraints,
+                self.grammars.markers,
+                thinking_of(self.tokenizer, self.capabilities.reasoning_format, request),
             ),
             generator=torch.Generator().manual_seed(seed),
             emit=emitter(asyncio.get_running_loop(), queue),

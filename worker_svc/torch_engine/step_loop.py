@@ -167,13 +167,17 @@ class StepLoop:
             return
         requests = [self._requests[s.seq.seq_id] for s in output.scheduled if s.samples]
         self._scheduler.complete_step(output)
-        logits = apply_masks(logits, [r.matcher for r in requests])
-        tokens = sample_batch(
+        # a reasoning model's grammar applies to its answer, after the thinking
+        logits = apply_masks(logits, [None if r.decoder.thinking else r.matcher for r in requests])
+        sampled = sample_batch(
             logits,
             [r.params for r in requests],
             [r.generator for r in requests],
             [r.output_ids if r.params.has_penalties else [] for r in requests],
         )
+        # a spent thinking budget: the closing tag is the token sampled
+        forced = [r.decoder.forced_token() for r in requests]
+        tokens = [t if f is None else f for t, f in zip(sampled, forced, strict=True)]
         prompt_tokens = sum(s.num_tokens for s in output.scheduled if s.num_tokens > 1)
         with self._lock:  # the sampled tokens are on the host: the step's compute is done
             self._decode_rate.add(len(tokens))
@@ -188,7 +192,8 @@ class StepLoop:
     def _append(self, request: RequestState, token: int, logits: torch.Tensor) -> None:
         """Add a sampled token: stream its text, and end the sequence on a stop or at its length."""
         request.seq.token_ids.append(token)
-        if request.matcher is not None and not request.matcher.consume_token(token):
+        in_answer = not request.decoder.thinking
+        if request.matcher is not None and in_answer and not request.matcher.consume_token(token):
             raise RuntimeError(
                 f"token {token} broke the request's grammar: {request.matcher.get_error()}"
             )
@@ -214,6 +219,8 @@ class StepLoop:
                 logprobs,
                 seq.queue_s,
                 decoded.tool_calls or None,
+                decoded.reasoning_text,
+                request.decoder.reasoning_tokens,
             )
         )
         if finish is not None:

@@ -8,8 +8,10 @@ from its dequantized copy (worker_svc.model.dequant_cache), in the precision pol
 worker keeps its own front: it renders the chat template and tokenizes as for the torch engine and
 hands vLLM token ids, checks requests with the same rules, and bounds the waiting queue; vLLM
 detokenizes, applies stop strings and samples, enforcing the worker's grammar of a request's tools
-and JSON schema with its guidance backend. With tools, the worker decodes the tokens itself
-(worker_svc.text.completion_decoder), as the torch engine does, into text and tool-call pieces. Load
+and JSON schema with its guidance backend. With tools, or a reasoning model's turn, the worker
+decodes the tokens itself (worker_svc.text.completion_decoder), as the torch engine does, into text,
+reasoning and tool-call pieces; vLLM's own reasoning parser (R1's think tags) holds the grammar back
+until the thinking closes and keeps the thinking budget (its thinking_token_budget). Load
 comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a stat logger, and
 vLLM's Prometheus metrics land in the process's default registry, which the worker's metrics port
 serves.
@@ -44,6 +46,7 @@ from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerSt
 
 from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
+from infermesh.text.chat_templates import THINK, THINK_END
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
@@ -72,6 +75,7 @@ from worker_svc.model.precision import (
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import lark_grammar
 from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.text.reasoning_parser import thinking_of
 from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.vllm_engine.args import (
     VLLM_FP8_NEEDS,
@@ -182,6 +186,10 @@ class VllmEngine:
                 "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
                 "backend runs its grammars)"
             )
+        if "reasoning_parser" in config.engine.vllm:
+            raise ConfigError(
+                "[engine.vllm] reasoning_parser: the worker sets it (from [model] reasoning_format)"
+            )
         if "kv_events_config" in config.engine.vllm:
             raise ConfigError(
                 "[engine.vllm] kv_events_config: the worker sets it (it reads vLLM's cache events "
@@ -189,6 +197,20 @@ class VllmEngine:
             )
         # the worker's grammars (worker_svc.text.grammar) are llguidance's Lark
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
+        tokenizer = Tokenizer(config.model.path, config.model.chat_template or None)
+        reasoning = config.model.configured_reasoning
+        if reasoning is None:
+            reasoning = tokenizer.reasoning_format
+        if reasoning:
+            if _has_think_tokens(tokenizer):
+                # both formats' thinking opens in the prompt (V3.1's when asked): R1's parser
+                # reads from the prompt's last tag whether a sequence is thinking
+                args["reasoning_parser"] = "deepseek_r1"
+            else:
+                logger.warning(
+                    "the think tags are not tokens of this tokenizer: on vLLM, grammars apply to "
+                    "the thinking too and thinking budgets are not kept"
+                )
         if config.cache.swap_space is not None:
             logger.warning(
                 "[cache] swap_space is ignored: vLLM's V1 engine recomputes preempted sequences"
@@ -235,7 +257,10 @@ class VllmEngine:
             if model_config.quantization == "fp8"
             else _PRECISIONS.get(model_config.dtype, "bf16")
         )
-        capabilities = _capabilities(config, devices, served, llm, Path(args["model"]))
+        capabilities = dataclasses.replace(
+            _capabilities(config, devices, served, llm, Path(args["model"])),
+            reasoning_format=reasoning,
+        )
         parallel = config.parallel.resolved(capabilities.device, capabilities.device_name)
         assert parallel.max_parallel is not None, "resolved above"
         logger.info(
@@ -247,7 +272,7 @@ class VllmEngine:
         )
         return cls(
             llm,
-            Tokenizer(config.model.path, config.model.chat_template or None),
+            tokenizer,
             capabilities,
             model_config.max_model_len,
             model_config.get_vocab_size(),
@@ -276,13 +301,15 @@ class VllmEngine:
             propagate.inject(carrier)
         finished = False
         completion_tokens = 0
-        # with tools, text and calls come from the worker's own decoding of the tokens, as on the
-        # torch engine; vLLM's text (markers skipped) cannot tell a call's arguments from text
+        # with tools or thinking, text, reasoning and calls come from the worker's own decoding of
+        # the tokens, as on the torch engine; vLLM's text (markers skipped) cannot tell a call's
+        # arguments from text, nor the thinking from the answer
+        thinking = thinking_of(self.tokenizer, self.capabilities.reasoning_format, request)
         decoder = (
             CompletionDecoder(
-                self.tokenizer, request.sampling.stop, request.constraints, self._markers
+                self.tokenizer, request.sampling.stop, request.constraints, self._markers, thinking
             )
-            if request.constraints.tools
+            if request.constraints.tools or thinking is not None
             else None
         )
         try:
@@ -329,6 +356,14 @@ class VllmEngine:
         budget = self._front.budget(len(ids), p.max_tokens)
         constraints = request.constraints
         grammar = lark_grammar(constraints, self._markers) if constraints.active else None
+        thinking = thinking_of(self.tokenizer, self.capabilities.reasoning_format, request)
+        # vLLM keeps the budget where its reasoning parser runs (the think tags are tokens)
+        keeps_budget = self._llm.vllm_config.reasoning_config is not None
+        thinking_budget = (
+            thinking.budget
+            if keeps_budget and thinking is not None and thinking.parser.thinking
+            else None
+        )
         params = VllmSamplingParams(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -343,6 +378,7 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=True,
             structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None,
+            thinking_token_budget=thinking_budget,
         )
         return TokensPrompt(prompt_token_ids=ids), params
 
@@ -364,9 +400,11 @@ class VllmEngine:
                     f"vLLM ended request {out.request_id} with {completion.finish_reason!r}"
                 )
             finish = _FINISH_REASONS[completion.finish_reason]
-        text, calls = completion.text, None
+        text, calls, reasoning = completion.text, None, ""
         if decoder is not None:
-            text, calls, finish = _decode(decoder, tokens, finish, completion.stop_reason)
+            reasoning, text, calls, finish = _decode(
+                decoder, tokens, finish, completion.stop_reason
+            )
         logprobs = None
         if sampling.logprobs:
             logprobs = [
@@ -392,6 +430,8 @@ class VllmEngine:
             logprobs,
             queue_s,
             calls,
+            reasoning,
+            0 if decoder is None else decoder.reasoning_tokens,
         )
 
     def _logprob(self, token: int, alternatives: dict[int, Logprob], top: int) -> TokenLogprob:
@@ -409,7 +449,7 @@ def _decode(
     tokens: list[int],
     finish: FinishReason | None,
     stop_reason: int | str | None,
-) -> tuple[str, list[ToolCallDelta] | None, FinishReason | None]:
+) -> tuple[str, str, list[ToolCallDelta] | None, FinishReason | None]:
     """A delta's tokens through the worker's decoder. vLLM keeps a stop token (an eos, or one of
     stop_token_ids: its `stop_reason` is not a stop string) as the last of a finished request's
     tokens; a stop string, which vLLM stopped at too, the decoder finds itself."""
@@ -418,15 +458,22 @@ def _decode(
         last_end = "length"
     elif finish == "stop" and not isinstance(stop_reason, str):
         last_end = "stop_token"
-    text, calls, decoded_finish = "", list[ToolCallDelta](), None
+    reasoning, text, calls, decoded_finish = "", "", list[ToolCallDelta](), None
     for i, token in enumerate(tokens):
         if decoder.stopped:
             break
         decoded = decoder.add(token, last_end if i == len(tokens) - 1 else None)
+        reasoning += decoded.reasoning_text
         text += decoded.text
         calls += decoded.tool_calls or ()
         decoded_finish = decoded.finish or decoded_finish
-    return text, calls or None, decoded_finish or finish
+    return reasoning, text, calls or None, decoded_finish or finish
+
+
+def _has_think_tokens(tokenizer: Tokenizer) -> bool:
+    """Both think tags are tokens of the vocabulary, as vLLM's reasoning parser needs."""
+    vocab = tokenizer.hf.get_vocab()
+    return THINK in vocab and THINK_END in vocab
 
 
 def _precision(config: WorkerConfig, devices: Devices, fp8: bool) -> Precision:
