@@ -264,6 +264,8 @@ class ChatCompletionRequest(OpenAIGeneration):
     parallel_tool_calls: bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: at most this many thinking tokens, then the model is made to close its thinking
+    thinking_token_budget: Annotated[int, Field(ge=1, le=2**32 - 1)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -296,6 +298,8 @@ class ChatCompletionRequest(OpenAIGeneration):
         request.MergeFrom(self._structure)
         if self.thinking is not None:
             request.thinking = self.thinking
+        if self.thinking_token_budget is not None:
+            request.thinking_budget_tokens = self.thinking_token_budget
         return request
 
     @property

@@ -13,6 +13,8 @@ from typing import Any
 import anthropic
 import prometheus_client
 import pytest
+from agents import Agent, ModelSettings, RunConfig, Runner
+from agents.models.openai_provider import OpenAIProvider
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
@@ -111,6 +113,45 @@ async def test_chat_carries_r1s_thinking_as_reasoning_content(r1, api_key):
     usage = deltas[-1].usage
     assert usage is not None and usage.completion_tokens_details is not None
     assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 12
+
+
+async def test_a_chat_thinking_budget_closes_the_thinking_and_the_usage_adds_up(r1, api_key):
+    async with sdk(r1, api_key, timeout=60) as client:
+        completion = await client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=12, extra_body={"thinking_token_budget": 4}
+        )
+    message = completion.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] and message.content
+    usage = completion.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    thinking = usage.completion_tokens_details.reasoning_tokens
+    assert usage.completion_tokens == 12
+    assert 4 <= thinking < usage.completion_tokens  # the rest, the answer's
+
+
+async def test_an_agent_on_chat_completions_reads_the_thinking_apart(r1, api_key):
+    """The Agents SDK's chat model turns reasoning_content into a reasoning item; the budget
+    (its model settings' extra_body) lets the random model answer after it."""
+    agent = Agent(
+        name="thinker",
+        instructions="Answer.",
+        model=MODEL,
+        model_settings=ModelSettings(max_tokens=24, extra_body={"thinking_token_budget": 8}),
+    )
+    async with sdk(r1, api_key, timeout=60) as client:
+        result = await Runner.run(
+            agent,
+            "What is 2 + 2?",
+            run_config=RunConfig(
+                model_provider=OpenAIProvider(openai_client=client, use_responses=False),
+                tracing_disabled=True,
+            ),
+        )
+    reasoning, message = (item.raw_item for item in result.new_items)
+    assert reasoning.type == "reasoning" and reasoning.summary[0].text
+    assert message.type == "message" and result.final_output
+    usage = result.context_wrapper.usage
+    assert 8 <= usage.output_tokens_details.reasoning_tokens < usage.output_tokens == 24
 
 
 async def test_v31_thinks_only_when_asked_on_chat_and_responses(v31, api_key):
