@@ -145,7 +145,7 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = STRICT
     format: OutputFormat | None = None
-    # accepted and ignored: how hard to think, for a model that does not think
+    # accepted and ignored: a DeepSeek model thinks or not (`thinking`), never more or less hard
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
@@ -203,8 +203,8 @@ class ClearToolUses(BaseModel):
 
 
 class ClearThinking(BaseModel):
-    """Clears thinking blocks of earlier turns: this model writes none, and the prompt never holds
-    any (gateway.context_editing)."""
+    """Clears thinking blocks of earlier turns: the prompt never holds any
+    (gateway.context_editing)."""
 
     model_config = STRICT
     type: Literal["clear_thinking_20251015"]
