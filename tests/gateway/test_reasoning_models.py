@@ -254,4 +254,6 @@ async def test_responses_reasoning_item_and_the_console_count(r1, api_key):
     )
     assert signed_in.status == 303
     page = await (await r1.get("/console/fleet")).text()
-    assert "deepseek_r1" in page and f"<td>{MODEL}</td>" in page
+    assert "<td>deepseek_r1</td>" in page  # the worker's reasoning format
+    served = f"{round(_reasoning_tokens()):,}"  # this process's count, which the page shows
+    assert f'<tr><td>{MODEL}</td><td class="num">{served}</td></tr>' in page
