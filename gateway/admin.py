@@ -248,6 +248,7 @@ def worker_json(status: router_pb2.WorkerStatus) -> dict[str, Any]:
         "worker_id": info.worker_id,
         "models": list(info.models),
         "engine": caps.engine,
+        "reasoning_format": caps.reasoning_format,  # "": the model does not reason
         "gpu_kind": caps.gpu_kind,
         "gpu_count": caps.gpu_count,
         "device_name": caps.device_name,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
@@ -48,8 +50,8 @@ class ToolResultBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """Thinking of an earlier assistant turn (a conversation begun with a thinking model): this
-    model does not think, so it is left out of the prompt."""
+    """Thinking of an earlier assistant turn: left out of the prompt, as DeepSeek's templates
+    drop the reasoning of earlier turns (and a chat turn has no place for it)."""
 
     model_config = STRICT
     type: Literal["thinking"]
@@ -143,17 +145,28 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = STRICT
     format: OutputFormat | None = None
-    # accepted and ignored: how hard to think, for a model that does not think
+    # accepted and ignored: a DeepSeek model thinks or not (`thinking`), never more or less hard
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
+# Anthropic's least thinking budget
+MIN_BUDGET_TOKENS = 1024
+
+
 class Thinking(BaseModel):
-    """Only what a model without thinking blocks serves: none, or the model's own choice (which
-    is not to think); ``display`` then has nothing to show or omit."""
+    """Extended thinking: ``enabled`` turns a reasoning model's thinking on, at most
+    ``budget_tokens`` of it; ``adaptive`` (the model's own choice) turns it on too, as a
+    DeepSeek model's thinking is on or off; ``disabled`` off. ``display``: ``omitted`` (and
+    ``updates``, whose progress notes this model does not write) leaves the blocks' text out."""
 
     model_config = STRICT
-    type: Literal["disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     display: Literal["summarized", "omitted", "updates"] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
 
 
 class InputTokens(BaseModel):
@@ -190,8 +203,8 @@ class ClearToolUses(BaseModel):
 
 
 class ClearThinking(BaseModel):
-    """Clears thinking blocks of earlier turns: this model writes none, and the prompt never holds
-    any (gateway.context_editing)."""
+    """Clears thinking blocks of earlier turns: the prompt never holds any
+    (gateway.context_editing)."""
 
     model_config = STRICT
     type: Literal["clear_thinking_20251015"]
@@ -234,13 +247,17 @@ class MessagesBody(BaseModel):
         return messages
 
     def prompt_request(self, request_id: str) -> common_pb2.GenerateRequest:
-        """The worker's request for this prompt, without sampling: what count_tokens counts."""
-        return common_pb2.GenerateRequest(
+        """The worker's request for this prompt, without sampling: what count_tokens counts
+        (thinking included: a template's thinking flag changes the prompt's end)."""
+        request = common_pb2.GenerateRequest(
             request_id=request_id,
             model=self.model,
             messages=self.router_messages(),
             **self._tools(),
         )
+        if self.thinking is not None:
+            request.thinking = self.thinking.on
+        return request
 
     def _tools(self) -> dict[str, Any]:
         """The request's tools, tool choice and output format; 400s naming the bad parameter."""
@@ -295,8 +312,40 @@ class MessagesRequest(MessagesBody):
     top_k: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     stream: bool = False
 
+    def thinking_blocks(self) -> ThinkingBlocks | None:
+        """How the answer shows the model's thinking: None, left out (thinking disabled, which
+        an R1, thinking always, cannot honour otherwise); else as ``display`` says."""
+        thinking = self.thinking
+        if thinking is not None and not thinking.on:
+            return None
+        return ThinkingBlocks(shown=thinking is None or thinking.display in (None, "summarized"))
+
+    def check_budget(self) -> None:
+        """Anthropic's checks of an enabled thinking's budget, 400s in its own words."""
+        thinking = self.thinking
+        if thinking is None or thinking.type != "enabled":
+            return
+        param = "thinking.budget_tokens"
+        if thinking.budget_tokens is None:
+            raise InvalidRequestError("thinking.enabled.budget_tokens: Field required", param=param)
+        if thinking.budget_tokens < MIN_BUDGET_TOKENS:
+            raise InvalidRequestError(
+                "thinking.enabled.budget_tokens: Input should be greater than or equal to "
+                f"{MIN_BUDGET_TOKENS}",
+                param=param,
+            )
+        if thinking.budget_tokens >= self.max_tokens:
+            raise InvalidRequestError(
+                "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our "
+                "documentation at https://docs.claude.com/en/docs/build-with-claude/"
+                "extended-thinking#max-tokens-and-context-window-size",
+                param=param,
+            )
+
     def generate_request(self, request_id: str) -> common_pb2.GenerateRequest:
         request = self.prompt_request(request_id)
+        if self.thinking is not None and self.thinking.budget_tokens is not None:
+            request.thinking_budget_tokens = self.thinking.budget_tokens
         request.sampling.CopyFrom(
             sampling_params(
                 stop=self.stop_sequences or [],
@@ -369,15 +418,45 @@ def message(
     return body
 
 
-def content(text: str, tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """A message's blocks: its text, then its calls (``tool_calls`` in OpenAI's shape, as
-    gateway.tools.ToolCalls assembles them). No empty text block: Anthropic's API refuses one
-    when a client sends the history back."""
-    blocks = [{"type": "text", "text": text}] if text else []
+def content(
+    text: str, tool_calls: list[dict[str, Any]] | None, thinking: ThinkingBlocks | None = None
+) -> list[dict[str, Any]]:
+    """A message's blocks: its thinking (as ``thinking`` has it shown), its text, then its calls
+    (``tool_calls`` in OpenAI's shape, as gateway.tools.ToolCalls assembles them). No empty text
+    block: Anthropic's API refuses one when a client sends the history back."""
+    blocks = [thinking.block()] if thinking is not None and thinking.text else []
+    if text:
+        blocks.append({"type": "text", "text": text})
     return blocks + [
         tool_use(c["id"], c["function"]["name"], _input(c["function"]["arguments"]))
         for c in tool_calls or ()
     ]
+
+
+class ThinkingBlocks:
+    """The model's thinking as a message shows it: a ``thinking`` block whose text is the
+    thinking, or empty where ``display`` omits it, and whose ``signature`` (which clients must
+    send back with the block) is an opaque digest of the whole thinking, checked by no one: the
+    thinking of earlier turns never reaches the prompt."""
+
+    def __init__(self, shown: bool) -> None:
+        self.shown = shown
+        self.text = ""
+
+    def add(self, text: str) -> str:
+        """Adds a piece; what of it the block shows."""
+        self.text += text
+        return text if self.shown else ""
+
+    def signature(self) -> str:
+        return base64.b64encode(hashlib.sha256(self.text.encode()).digest()).decode()
+
+    def block(self) -> dict[str, Any]:
+        return {
+            "type": "thinking",
+            "thinking": self.text if self.shown else "",
+            "signature": self.signature(),
+        }
 
 
 def tool_use(call_id: str, name: str, input: dict[str, Any]) -> dict[str, Any]:
@@ -403,13 +482,35 @@ def stream_start(mid: str, model: str, tokens: TokenUsage) -> list[dict[str, Any
 
 class StreamBlocks:
     """A streamed message's content blocks, each started when its first content arrives (so no
-    empty text block) and stopped when the next starts: the text, then one block per call whose
-    input streams as JSON deltas."""
+    empty text block) and stopped when the next starts: the thinking (its text in
+    ``thinking_delta`` events, its signature in a ``signature_delta`` as it stops), the text, then
+    one block per call whose input streams as JSON deltas. ``thinking`` None: the thinking is
+    left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, thinking: ThinkingBlocks | None) -> None:
+        self._thinking = thinking
+        self._started = 0  # blocks started
         self._open: int | None = None  # the index of the block open now
+        self._thinking_index: int | None = None  # the thinking block's index, once started
         self._text: int | None = None  # the text block's index, once started
         self._calls: dict[int, int] = {}  # call index -> its block's index
+
+    def thinking(self, text: str) -> list[dict[str, Any]]:
+        if not text or self._thinking is None:
+            return []
+        events = []
+        if self._thinking_index is None:
+            self._thinking_index = self._next()
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+            events = [*self.stop(), _block_start(self._thinking_index, start)]
+            self._open = self._thinking_index
+        shown = self._thinking.add(text)
+        if shown:
+            delta = {"type": "thinking_delta", "thinking": shown}
+            events.append(
+                {"type": "content_block_delta", "index": self._thinking_index, "delta": delta}
+            )
+        return events
 
     def text(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -441,10 +542,15 @@ class StreamBlocks:
         if self._open is None:
             return []
         index, self._open = self._open, None
-        return [{"type": "content_block_stop", "index": index}]
+        events = []
+        if index == self._thinking_index and self._thinking is not None:
+            delta = {"type": "signature_delta", "signature": self._thinking.signature()}
+            events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        return [*events, {"type": "content_block_stop", "index": index}]
 
     def _next(self) -> int:
-        return (self._text is not None) + len(self._calls)
+        self._started += 1
+        return self._started - 1
 
 
 def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:

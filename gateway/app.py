@@ -31,6 +31,7 @@ from gateway.models import list_models, retrieve_model
 from gateway.openapi import openapi_document, publish_document
 from gateway.ops import health, metrics, metrics_port
 from gateway.prompt_tokens import PROMPT_TOKENS, PromptTokens
+from gateway.reasoning import REASONING_FORMATS, ReasoningFormats
 from gateway.recent import CONSOLE_CONFIG, recent_ctx, record_recent
 from gateway.responses import (
     create_response,
@@ -132,6 +133,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
     client = MeshClient(app[CONFIG].router, app[CONFIG].tls)
     app[MESH] = client
+    app[REASONING_FORMATS] = ReasoningFormats(client)
     prompt_tokens = (
         PromptTokens(client, app[CONFIG].router.tokenizer_refresh_s)
         if app[CONFIG].router.prompt_tokens

@@ -26,6 +26,7 @@ from gateway.openai_protocol import (
     usage,
     usage_chunk,
 )
+from gateway.reasoning import refuse_unless_reasoning
 from gateway.tools import ToolCalls, chunk_deltas
 from gateway.validation import estimate_tokens, read_json
 from infermesh.names import FinishReason
@@ -33,6 +34,14 @@ from infermesh.names import FinishReason
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse_chat_request(await read_json(request), request.headers)
+    if body.thinking and body.reasoning_effort not in (None, "none"):
+        await refuse_unless_reasoning(
+            request,
+            body.model,
+            "reasoning_effort",
+            f"Unsupported parameter: 'reasoning_effort' is not supported with model "
+            f"'{body.model}', which does not reason.",
+        )
     messages = body.router_messages()
     plan = Plan(
         model=body.model,
@@ -62,11 +71,13 @@ async def _collect(
     body: ChatCompletionRequest, generation: Generation, headers: dict[str, str]
 ) -> web.Response:
     texts: list[list[str]] = [[] for _ in range(generation.choices)]
+    reasoning: list[list[str]] = [[] for _ in range(generation.choices)]
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
     finishes: list[FinishReason | None] = [None] * generation.choices
     calls = [ToolCalls() for _ in range(generation.choices)]
     async for i, chunk in generation.chunks():
         texts[i].append(chunk.text)
+        reasoning[i].append(chunk.reasoning_text)
         logprobs[i].extend(token_logprobs(chunk.logprobs))
         calls[i].add(chunk.tool_calls)
         finishes[i] = finish_reason(chunk) or finishes[i]
@@ -77,6 +88,7 @@ async def _collect(
             finishes[i],  # type: ignore[arg-type]
             logprobs[i] if body.logprobs and logprobs[i] else None,
             calls[i].message_field(),
+            "".join(reasoning[i]),
         )
         for i in range(generation.choices)
     ]
@@ -87,8 +99,9 @@ async def _collect(
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
-    """The stream's chunks: role, text and tool-call deltas, finish reason per choice, then usage
-    if asked for. The events of one worker chunk go out as one write."""
+    """The stream's chunks: role, reasoning (``reasoning_content``, DeepSeek's API), text and
+    tool-call deltas, finish reason per choice, then usage if asked for. The events of one worker
+    chunk go out as one write."""
     cid, created, with_usage = completion_id(), now_s(), body.include_usage
 
     def chunk(
@@ -108,6 +121,8 @@ async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncI
     )
     async for i, item in generation.chunks():
         events: list[bytes] = []
+        if item.reasoning_text:
+            events.append(chunk(i, {"reasoning_content": item.reasoning_text}))
         if item.text or item.logprobs:
             logprobs = token_logprobs(item.logprobs) if body.logprobs and item.logprobs else None
             events.append(chunk(i, {"content": item.text}, logprobs=logprobs))

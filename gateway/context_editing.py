@@ -6,8 +6,8 @@ whole history and resends it; only what the model sees is edited.
   counts them, or tool uses), the results of all but the last ``keep`` tool uses are replaced by a
   placeholder (and their inputs emptied, with ``clear_tool_inputs``), except those of
   ``exclude_tools``; not at all when that would clear fewer than ``clear_at_least`` tokens.
-- ``clear_thinking_20251015``: thinking blocks never reach this model's prompt (it does not think,
-  and those of a conversation begun elsewhere are left out), so there is nothing to clear.
+- ``clear_thinking_20251015``: thinking blocks of earlier turns never reach the prompt (DeepSeek's
+  templates drop earlier turns' thinking), so there is nothing to clear.
 
 Counting tokens asks a worker (``Router.Tokenize``), only when an edit could apply.
 """

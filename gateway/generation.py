@@ -71,6 +71,7 @@ class Generation:
         self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
         self._counted = [0] * len(plan.requests)
+        self._reasoning_counted = [0] * len(plan.requests)  # tokens of chunks of only reasoning
         self._reported: list[common_pb2.Usage | None] = [None] * len(plan.requests)
         self._finish_reasons: list[FinishReason | None] = [None] * len(plan.requests)
 
@@ -121,6 +122,8 @@ class Generation:
 
     def _seen(self, i: int, chunk: Chunk) -> Chunk:
         self._counted[i] += len(chunk.token_ids)
+        if chunk.reasoning_text and not chunk.text:
+            self._reasoning_counted[i] += len(chunk.token_ids)
         if chunk.HasField("usage"):
             self._reported[i] = chunk.usage
         if chunk.finish_reason:
@@ -136,22 +139,25 @@ class Generation:
         """Usage so far: as the worker reported it (its prompt counts come with the first
         chunk, the rest with the last), else counted from the tokens seen (the prompt then
         estimated), so an abandoned stream is charged what it used. A prompt counts once
-        however many choices it had, as OpenAI counts it."""
+        however many choices it had, as OpenAI counts it. Reasoning tokens are among the
+        completion tokens; an unfinished choice's are those of its chunks of reasoning alone."""
         prompts = [0] * len(self._plan.prompt_estimates)
         cached = [0] * len(self._plan.prompt_estimates)
-        completion = 0
+        completion = reasoning = 0
         for i, reported in enumerate(self._reported):
             group = self._plan.prompt_of[i]
             if reported is not None:
                 prompts[group] = max(prompts[group], reported.prompt_tokens)
                 cached[group] = max(cached[group], reported.cached_prompt_tokens)
-                finished = self._finish_reasons[i] is not None
-                completion += reported.completion_tokens if finished else self._counted[i]
+            elif self._counted[i]:
+                prompts[group] = max(prompts[group], self._plan.prompt_estimates[group])
+            if reported is not None and self._finish_reasons[i] is not None:
+                completion += reported.completion_tokens
+                reasoning += reported.reasoning_tokens
             else:
-                if self._counted[i]:
-                    prompts[group] = max(prompts[group], self._plan.prompt_estimates[group])
                 completion += self._counted[i]
-        return TokenUsage(sum(prompts), completion, sum(cached))
+                reasoning += self._reasoning_counted[i]
+        return TokenUsage(sum(prompts), completion, sum(cached), reasoning)
 
     async def aclose(self) -> None:
         for call in self._calls:
@@ -281,6 +287,8 @@ async def admitted_generation(
             usage.prompt_tokens,
             usage.completion_tokens,
         )
+        if usage.reasoning_tokens:
+            metrics.REASONING_TOKENS.labels(model).inc(usage.reasoning_tokens)
         metrics.observe_key_tokens(
             key.name, key.tier or "default", usage.prompt_tokens, usage.completion_tokens
         )

@@ -23,6 +23,7 @@ from gateway.generation import Generation, Plan, admit, admitted_generation, ser
 from gateway.limits import LIMITER, mesh_failed
 from gateway.mesh_client import MESH
 from gateway.middleware import REQUEST_ID
+from gateway.reasoning import refuse_unless_reasoning
 from gateway.tools import ToolCalls
 from gateway.usage import TokenUsage
 from gateway.validation import estimate_tokens, read_json
@@ -30,6 +31,15 @@ from gateway.validation import estimate_tokens, read_json
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = wire.parse_messages_request(await read_json(request), wire.MessagesRequest)
+    body.check_budget()
+    if body.thinking is not None and body.thinking.type == "enabled":
+        await refuse_unless_reasoning(
+            request,
+            body.model,
+            "thinking.type",
+            f"thinking.type: 'enabled' is not supported by model '{body.model}', which does not "
+            "think",
+        )
     body, applied = await apply_edits(body, _counter(request, body.model))
     edits = {"applied_edits": applied} if body.context_management is not None else None
     prompt = "".join(m.content for m in body.router_messages())
@@ -92,8 +102,10 @@ async def _collect(
     headers: dict[str, str],
     edits: dict[str, Any] | None,
 ) -> web.Response:
-    texts, stop, calls = [], None, ToolCalls()
+    texts, stop, calls, thinking = [], None, ToolCalls(), body.thinking_blocks()
     async for _, chunk in generation.chunks():
+        if thinking is not None:
+            thinking.add(chunk.reasoning_text)
         texts.append(chunk.text)
         calls.add(chunk.tool_calls)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
@@ -101,7 +113,7 @@ async def _collect(
         wire.message(
             wire.message_id(),
             body.model,
-            wire.content("".join(texts), calls.message_field()),
+            wire.content("".join(texts), calls.message_field(), thinking),
             _stop_reason(stop),
             generation.usage(),
             edits,
@@ -121,12 +133,13 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     """The stream's events; those of one worker chunk go out as one write. ``message_start``
     waits for the first chunk, which brings the prompt's token count."""
-    stop, blocks, started = None, wire.StreamBlocks(), False
+    stop, blocks, started = None, wire.StreamBlocks(body.thinking_blocks()), False
     async for _, chunk in generation.chunks():
         events = []
         if not started:
             events = wire.stream_start(wire.message_id(), body.model, generation.usage())
             started = True
+        events += blocks.thinking(chunk.reasoning_text)
         events += blocks.text(chunk.text)
         for piece in chunk.tool_calls:
             events += blocks.tool_call(piece.index, piece.id, piece.name, piece.arguments)

@@ -14,7 +14,14 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.errors import InvalidRequestError
 from gateway.sampling import sampling_params
@@ -69,6 +76,8 @@ class ChatMessage(BaseModel):
     # assistant turns
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool turns: the call answered
+    # an earlier turn's thinking (DeepSeek's API): dropped, as DeepSeek's templates drop it
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +219,38 @@ class OpenAIGeneration(MeshRequest):
         )
 
 
+# OpenAI's reasoning efforts: "none" asks a model not to reason, every other to reason (a
+# DeepSeek model's thinking is on or off, however hard it is asked to think)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's ``chat_template_kwargs``: the keys DeepSeek's templates read, ``thinking`` (V3.1,
+    V3.2) and ``enable_thinking`` (vLLM's and SGLang's alias, from Qwen3's templates); any other
+    key is refused by name, as a template would not read it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    thinking: bool | None = None
+    enable_thinking: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_answer(self) -> ChatTemplateKwargs:
+        if None not in (self.thinking, self.enable_thinking) and (
+            self.thinking != self.enable_thinking
+        ):
+            raise ValueError("thinking and enable_thinking disagree")
+        return self
+
+    @property
+    def think(self) -> bool | None:
+        return self.thinking if self.thinking is not None else self.enable_thinking
+
+
+def thinking_of(effort: ReasoningEffort | None) -> bool | None:
+    """The thinking flag an OpenAI reasoning effort asks for (None: the template's default)."""
+    return None if effort is None else effort != "none"
+
+
 class ChatCompletionRequest(OpenAIGeneration):
     """The body of ``POST /v1/chat/completions``."""
 
@@ -221,6 +262,10 @@ class ChatCompletionRequest(OpenAIGeneration):
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: at most this many thinking tokens, then the model is made to close its thinking
+    thinking_token_budget: Annotated[int, Field(ge=1, le=2**32 - 1)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -251,7 +296,19 @@ class ChatCompletionRequest(OpenAIGeneration):
     ) -> common_pb2.GenerateRequest:
         request = super().generate_request(request_id, choice, messages=messages, prompt=prompt)
         request.MergeFrom(self._structure)
+        if self.thinking is not None:
+            request.thinking = self.thinking
+        if self.thinking_token_budget is not None:
+            request.thinking_budget_tokens = self.thinking_token_budget
         return request
+
+    @property
+    def thinking(self) -> bool | None:
+        """Thinking as the template's kwargs set it, else as the reasoning effort asks."""
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and kwargs.think is not None:
+            return kwargs.think
+        return thinking_of(self.reasoning_effort)
 
     @functools.cached_property
     def _structure(self) -> common_pb2.GenerateRequest:
@@ -319,6 +376,7 @@ def usage(tokens: TokenUsage) -> dict[str, Any]:
         "completion_tokens": tokens.completion_tokens,
         "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
     }
 
 
@@ -337,12 +395,17 @@ def chat_choice(
     finish_reason: FinishReason,
     logprobs: list[dict[str, Any]] | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
+    """A choice; a reasoning model's thinking is the message's ``reasoning_content`` (DeepSeek's
+    API), left out when it did not think."""
     message: dict[str, Any] = {
         "role": "assistant",
         "content": text or (None if tool_calls else text),
         "refusal": None,
     }
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

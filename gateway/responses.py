@@ -130,7 +130,8 @@ class _Answer:
         self._store = store  # None: not stored
         self._kid = kid
         self._record = record  # what is stored, but the response
-        self._output = OutputBuilder(body.tool_set, body.logprobs)
+        summary = body.reasoning is not None and body.reasoning.summary not in (None, "none")
+        self._output = OutputBuilder(body.tool_set, body.logprobs, summary)
         self._sequence = 0
         self._incomplete = False  # cut by max_output_tokens
 

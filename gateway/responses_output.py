@@ -40,7 +40,7 @@ def usage(tokens: TokenUsage) -> dict[str, Any]:
         # the prefix cache is automatic: nothing is written to it on request
         "input_tokens_details": {"cached_tokens": tokens.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": tokens.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
         "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
     }
 
@@ -121,17 +121,24 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
 
 
 class OutputBuilder:
-    """One generation's output items (``output``), written from the worker's chunks."""
+    """One generation's output items (``output``), written from the worker's chunks: a reasoning
+    model's thinking is a ``reasoning`` item, its text a ``reasoning_text`` content part (as
+    open-weight reasoning models' are served), streamed with OpenAI's
+    ``response.reasoning_text.*`` events (which Open Responses names ``response.reasoning.*``),
+    and with ``summary`` its summary too (the model writes no other)."""
 
-    def __init__(self, tools: ToolSet, logprobs: bool) -> None:
+    def __init__(self, tools: ToolSet, logprobs: bool, summary: bool = False) -> None:
         self.output: list[dict[str, Any]] = []
         self._tools = tools
         self._logprobs = logprobs
+        self._summary = summary
         self._open: dict[str, Any] | None = None  # the item being written, in its final shape
 
     def add(self, chunk: common_pb2.GenerateResponse) -> list[Event]:
         """The events of one worker chunk."""
         events: list[Event] = []
+        if chunk.reasoning_text:
+            events += self._reasoning(chunk.reasoning_text)
         if chunk.text:
             logprobs = token_logprobs(chunk.logprobs) if self._logprobs else []
             events += self._text(chunk.text, logprobs)
@@ -174,6 +181,61 @@ class OutputBuilder:
                     "content_index": 0,
                     "delta": text,
                     "logprobs": logprobs,
+                }
+            )
+        return events
+
+    def _reasoning(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close("completed")
+            events += self._open_reasoning()
+        assert self._open is not None, "a reasoning item is open"
+        self._open["content"][0]["text"] += text
+        events.append(
+            {
+                **self._where(),
+                "type": "response.reasoning_text.delta",
+                "content_index": 0,
+                "delta": text,
+            }
+        )
+        if self._summary:
+            self._open["summary"][0]["text"] += text
+            events.append(
+                {
+                    **self._where(),
+                    "type": "response.reasoning_summary_text.delta",
+                    "summary_index": 0,
+                    "delta": text,
+                }
+            )
+        return events
+
+    def _open_reasoning(self) -> list[Event]:
+        self._open = {
+            "id": new_id("rs"),
+            "type": "reasoning",
+            "status": "in_progress",
+            "summary": [_summary_part("")] if self._summary else [],
+            "content": [_reasoning_part("")],
+        }
+        events = [
+            self._added({**self._open, "summary": [], "content": []}),
+            {
+                **self._where(),
+                "type": "response.content_part.added",
+                "content_index": 0,
+                "part": _reasoning_part(""),
+            },
+        ]
+        if self._summary:
+            events.append(
+                {
+                    **self._where(),
+                    "type": "response.reasoning_summary_part.added",
+                    "summary_index": 0,
+                    "part": _summary_part(""),
                 }
             )
         return events
@@ -230,6 +292,32 @@ class OutputBuilder:
                 },
                 {**where, "type": "response.content_part.done", "content_index": 0, "part": part},
             ]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [
+                {
+                    **where,
+                    "type": "response.reasoning_text.done",
+                    "content_index": 0,
+                    "text": part["text"],
+                },
+                {**where, "type": "response.content_part.done", "content_index": 0, "part": part},
+            ]
+            for summary in item["summary"]:
+                events += [
+                    {
+                        **where,
+                        "type": "response.reasoning_summary_text.done",
+                        "summary_index": 0,
+                        "text": summary["text"],
+                    },
+                    {
+                        **where,
+                        "type": "response.reasoning_summary_part.done",
+                        "summary_index": 0,
+                        "part": summary,
+                    },
+                ]
         else:
             events = [
                 {
@@ -259,3 +347,11 @@ class OutputBuilder:
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}

@@ -4,10 +4,10 @@ sampling, tools, tool choice and structured output), from input items instead of
 
 Items become chat turns: ``message`` items their role's turn (``developer`` a system one),
 ``function_call`` items the calls of an assistant turn, ``function_call_output`` items tool turns;
-``reasoning`` items are dropped, as this model does not reason and another model's reasoning is
-nothing it can read. Function tools grouped in a ``namespace`` tool are offered to the model under
-one flat name (``namespace__name``, as Codex flattens them) and their calls answered with the
-name and namespace apart again. Tools the mesh cannot offer (hosted tools it cannot run, client
+``reasoning`` items are dropped, as DeepSeek's templates drop the reasoning of earlier turns.
+Function tools grouped in a ``namespace`` tool are offered to the model under one flat name
+(``namespace__name``, as Codex flattens them) and their calls answered with the name and
+namespace apart again. Tools the mesh cannot offer (hosted tools it cannot run, client
 tools whose calls are not function calls) are left out of the prompt and named, never silently
 dropped (``gateway.responses``).
 """
@@ -25,8 +25,10 @@ from gateway.errors import InvalidRequestError
 from gateway.openai_protocol import (
     MeshRequest,
     Penalty,
+    ReasoningEffort,
     UInt32,
     router_role,
+    thinking_of,
     with_precision_header,
 )
 from gateway.sampling import sampling_params
@@ -197,7 +199,7 @@ class FunctionCallOutputItem(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """Accepted and dropped (see the module docstring)."""
+    """Reasoning of an earlier turn: accepted and dropped (see the module docstring)."""
 
     model_config = STRICT
     type: Literal["reasoning"]
@@ -322,12 +324,15 @@ class TextConfig(BaseModel):
 
 
 class ReasoningConfig(BaseModel):
-    """Accepted and echoed: this model does not reason, so it yields no reasoning items."""
+    """``effort`` turns a reasoning model's thinking on ("none": off); a model that does not
+    reason ignores it, as Codex sends one with every request. ``summary``: the reasoning items
+    carry the thinking as their summary too (the model writes no other)."""
 
     model_config = STRICT
-    effort: str | None = None
-    summary: str | None = None
-    context: str | None = None  # which turns' reasoning to keep (Codex: "all_turns"): none here
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+    # which turns' reasoning to keep (Codex: "all_turns"): none reaches the prompt
+    context: str | None = None
 
 
 def flat_name(namespace: str | None, name: str) -> str:
@@ -498,6 +503,9 @@ class ResponsesRequest(MeshRequest):
     ) -> common_pb2.GenerateRequest:
         request = super().generate_request(request_id, choice, messages=messages, prompt=prompt)
         request.MergeFrom(common_pb2.GenerateRequest(**self._structure()))
+        thinking = thinking_of(self.reasoning.effort if self.reasoning else None)
+        if thinking is not None:
+            request.thinking = thinking
         return request
 
     def _structure(self) -> dict[str, Any]:

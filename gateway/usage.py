@@ -8,5 +8,6 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class TokenUsage:
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the reasoning tokens among them: billed as completion tokens
     cached_tokens: int = 0
+    reasoning_tokens: int = 0

@@ -64,6 +64,12 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 TOKENS = Counter(
     "infermesh_tokens", "Tokens processed, by type (input or output)", ["service", "model", "type"]
 )
+# Of the output tokens, those a reasoning model spent thinking (gateway.generation), per model
+REASONING_TOKENS = Counter(
+    "infermesh_reasoning_tokens",
+    "Output tokens reasoning models spent thinking, by model (the gateway's count)",
+    ["model"],
+)
 # Per API key by its name, which an operator chose (never the key or its hash): one series per key
 # and type, so as many series as keys
 KEY_TOKENS = Counter(

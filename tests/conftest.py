@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("INFERMESH_PORT_RANGE", f"{_low}-{_low + 2999}")
 
 from devtools.redis_server import RedisServer
+from devtools.tiny_model import write_tiny_checkpoint
+from tests.helpers.checkpoints import written_once
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.config import load as load_worker_config
 from worker_svc.model.precision import detect_capabilities, resolve_device
@@ -76,3 +79,19 @@ def tiny_engine(worker_dtype: str) -> Iterator[Engine]:
     engine = Engine.from_checkpoint(DEFAULT_MODEL_PATH, dtype=worker_dtype)
     yield engine
     asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="session")
+def r1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as DeepSeek-R1: the think tags and R1's chat template."""
+    return written_once(
+        tmp_path_factory, "r1", lambda out: write_tiny_checkpoint(out, reasoning="r1")
+    )
+
+
+@pytest.fixture(scope="session")
+def v31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint as DeepSeek-V3.1: the think tags and V3.1's chat template."""
+    return written_once(
+        tmp_path_factory, "v31", lambda out: write_tiny_checkpoint(out, reasoning="v31")
+    )

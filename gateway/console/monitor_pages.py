@@ -17,6 +17,7 @@ from gateway.console.router_metrics import RouterFigures, read_router_figures
 from gateway.mesh_client import MESH
 from gateway.recent import CONSOLE_CONFIG, RECENT
 from gateway.validation import parse_body
+from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,18 @@ async def fleet_page(request: web.Request) -> web.Response:
         workers=rows,
         figures=figures,
         figures_error=figures_error,
+        reasoning_tokens=_reasoning_tokens(),
     )
+
+
+def _reasoning_tokens() -> dict[str, int]:
+    """The reasoning tokens this gateway process served, per model, since it started."""
+    return {
+        sample.labels["model"]: round(sample.value)
+        for family in metrics.REASONING_TOKENS.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 async def recent_page(request: web.Request) -> web.Response:

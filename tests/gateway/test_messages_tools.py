@@ -131,7 +131,10 @@ async def test_output_format_answers_json_of_the_schema(served, api_key):
             {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
             "output_config.format.schema",
         ),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type"),
+        (  # a model that does not think
+            {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 4096},
+            "thinking.type",
+        ),
         ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
         (
             {"messages": [{"role": "system", "content": [{"type": "thinking", "thinking": ""}]}]},

@@ -1,11 +1,29 @@
-"""A checkpoint like another, with some of its settings changed: files linked, the two JSON
-configs rewritten."""
+"""Tiny checkpoints for the tests: one written once per run, and one like another with some of its
+settings changed (files linked, the two JSON configs rewritten)."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+from filelock import FileLock
+
+
+def written_once(factory: pytest.TempPathFactory, name: str, write: Callable[[Path], Path]) -> Path:
+    """The checkpoint ``write`` makes, written by the first pytest-xdist worker that asks for it
+    and read by the others (each takes 5-15 s to write)."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    out = root / f"checkpoint-{name}"
+    with FileLock(f"{out}.lock"):
+        if not (out / "config.json").exists():
+            write(out)
+    return out
 
 
 def variant_of(

@@ -2,57 +2,40 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from devtools.tiny_model import (
     write_tiny_checkpoint,
     write_v2_checkpoint,
     write_variant_checkpoint,
 )
-
-
-def _written_once(
-    factory: pytest.TempPathFactory, name: str, write: Callable[[Path], Path]
-) -> Path:
-    """The checkpoint ``write`` makes, written by the first pytest-xdist worker that asks for it
-    and read by the others (each takes 5-15 s to write)."""
-    root = factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's directory, above each worker's own
-    out = root / f"checkpoint-{name}"
-    with FileLock(f"{out}.lock"):
-        if not (out / "config.json").exists():
-            write(out)
-    return out
+from tests.helpers.checkpoints import written_once
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny checkpoint: 2 layers, n_group 2, DeepSeek-V3's YaRN and context."""
-    return _written_once(tmp_path_factory, "tiny", write_tiny_checkpoint)
+    return written_once(tmp_path_factory, "tiny", write_tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The second config: 3 layers, YaRN, n_group 4 / topk_group 2, q_lora_rank null."""
-    return _written_once(tmp_path_factory, "variant", write_variant_checkpoint)
+    return written_once(tmp_path_factory, "variant", write_variant_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DeepSeek-V2: BF16, softmax gate, group-limited greedy, 3 layers, YaRN."""
-    return _written_once(tmp_path_factory, "v2", write_v2_checkpoint)
+    return written_once(tmp_path_factory, "v2", write_v2_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V2-Lite's shape: q_lora_rank null, greedy routing over all experts."""
-    return _written_once(
+    return written_once(
         tmp_path_factory, "v2-lite", lambda out: write_v2_checkpoint(out, lite=True)
     )
 
@@ -61,32 +44,16 @@ def v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def v32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint as DeepSeek-V3.2: each layer with a sparse-attention indexer (index_topk
     12)."""
-    return _written_once(tmp_path_factory, "v32", lambda out: write_tiny_checkpoint(out, v32=True))
+    return written_once(tmp_path_factory, "v32", lambda out: write_tiny_checkpoint(out, v32=True))
 
 
 @pytest.fixture(scope="session")
 def v32_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The V3.2 checkpoint with the variant's YaRN, n_group 4 / topk_group 2 and 3 layers."""
-    return _written_once(
+    return written_once(
         tmp_path_factory,
         "v32-variant",
         lambda out: write_tiny_checkpoint(out, variant=True, v32=True),
-    )
-
-
-@pytest.fixture(scope="session")
-def r1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint as DeepSeek-R1: the think tags and R1's chat template."""
-    return _written_once(
-        tmp_path_factory, "r1", lambda out: write_tiny_checkpoint(out, reasoning="r1")
-    )
-
-
-@pytest.fixture(scope="session")
-def v31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint as DeepSeek-V3.1: the think tags and V3.1's chat template."""
-    return _written_once(
-        tmp_path_factory, "v31", lambda out: write_tiny_checkpoint(out, reasoning="v31")
     )
 
 

@@ -1,0 +1,70 @@
+"""Which served models reason: each model's reasoning format as its workers report it
+(Capabilities.reasoning_format: "" it does not reason, "deepseek_r1" it always thinks,
+"deepseek_v3" it thinks when a request's ``thinking`` is set), learnt from the router's
+ListWorkers. It is looked up only for a request asking to reason where its API refuses that of a
+model that cannot (chat's ``reasoning_effort``, Messages' ``thinking``), at most once every
+``REFRESH_S``."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+from aiohttp import web
+
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.generation import served_model
+from gateway.mesh_client import MeshClient
+from infermesh.pb import router_pb2
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = 10.0
+
+
+class ReasoningFormats:
+    """The fleet's reasoning formats per served model; safe to share across requests."""
+
+    def __init__(self, mesh: MeshClient) -> None:
+        self._mesh = mesh
+        self._formats: dict[str, str] = {}
+        self._looked_at = -float("inf")  # monotonic time of the last ListWorkers
+        self._lock = asyncio.Lock()  # one look at a time, which the requests waiting share
+
+    async def of(self, model: str) -> str | None:
+        """``model``'s format; None when no worker of it is known (or the router cannot be
+        asked): the request then goes on, and the mesh answers it as it can."""
+        async with self._lock:
+            if time.monotonic() - self._looked_at >= REFRESH_S:
+                self._looked_at = time.monotonic()
+                try:
+                    self._formats = fleet_formats(await self._mesh.list_workers())
+                except GatewayError as e:
+                    logger.warning("could not list workers to learn their reasoning: %s", e)
+        return self._formats.get(model)
+
+
+def fleet_formats(workers: list[router_pb2.WorkerStatus]) -> dict[str, str]:
+    """Per served model the format most of its workers that reason report; "" where none does."""
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for status in workers:
+        for model in status.worker.models:
+            counts[model][status.worker.capabilities.reasoning_format] += 1
+    formats = {}
+    for model, count in counts.items():
+        reasoning = [(n, f) for f, n in count.items() if f]
+        formats[model] = max(reasoning)[1] if reasoning else ""
+    return formats
+
+
+async def refuse_unless_reasoning(
+    request: web.Request, model: str, param: str, message: str
+) -> None:
+    """A 400 (``message``, which names the model) when ``model`` is known not to reason."""
+    if await request.app[REASONING_FORMATS].of(served_model(request, model)) == "":
+        raise InvalidRequestError(message, param=param)
+
+
+REASONING_FORMATS = web.AppKey("reasoning_formats", ReasoningFormats)
