@@ -14,9 +14,12 @@ token, as the gateway does (Worker.Serve), after one 1,024-token prompt on each 
 it up: first to P, which computes it (recompute), then to D
 with a KVPull naming P and the prompt's block hashes (pull: D pulls the blocks over Worker.KVBlocks,
 takes them into its prefix cache, computes the last block); then the blocks alone are fetched
-from P again (transfer). Prints the median of each, the ratio recompute / pull (the issue's
-target: >= 3), and the bytes per token received against the model's n_layers x (kv_lora_rank +
-qk_rope_head_dim) x dtype size.
+from P again (transfer); then another fresh prompt to D with a KVPull whose ``compute`` is set
+(prefill on P, decode on D: D sends P the request, P computes the prompt and sends its blocks, D
+computes the last block). Prints the median of each, the ratio recompute / pull (the issue's
+target: >= 3), P/D's TTFT against recompute (what handing the prefill to P costs: the transfer
+and D's last block), and the bytes per token received against the model's n_layers x
+(kv_lora_rank + qk_rope_head_dim) x dtype size.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ async def run(args: argparse.Namespace) -> None:
     dtype = p.model.lm_head.weight.dtype
     computed = model.n_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * dtype.itemsize
     corpus = prompt_ids(p, args.prompt_tokens)
-    recompute, pull, transfer, per_token = [], [], [], []
+    recompute, pull, transfer, prefill_on_p, per_token = [], [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         certs = Path(workdir)
         write_certs(certs, workers={"p": [], "d": []})
@@ -134,20 +137,36 @@ async def run(args: argparse.Namespace) -> None:
                     received += sum(len(t.data) for b in message.blocks for t in b.tensors)
                 transfer.append(time.perf_counter() - start)
                 per_token.append(received / (len(hashes) * 16))
+                # prefill on P, decode on D: a prompt neither holds
+                fresh = [10_000 + repeat, *corpus[1:]]
+                request.request_id, request.prompt_token_ids[:] = f"pd-{repeat}", fresh
+                pd = common_pb2.KVPull(
+                    worker_id="p",
+                    address=p_address,
+                    prefix_hashes=chain(fresh),
+                    timeout_ms=3_600_000,
+                    compute=True,
+                )
+                start = time.perf_counter()
+                disaggregated = await gateway.complete(d_address, request, timeout_s=3600, pull=pd)
+                prefill_on_p.append(time.perf_counter() - start)
+                assert disaggregated.usage.cached_prompt_tokens >= len(fresh) - 16, "not P/D"
                 print(
                     f"repeat {repeat}: recompute {recompute[-1]:.2f} s, pull {pull[-1]:.3f} s, "
-                    f"transfer {transfer[-1]:.3f} s ({received / 2**20:.1f} MiB)",
+                    f"transfer {transfer[-1]:.3f} s ({received / 2**20:.1f} MiB), "
+                    f"prefill on P {prefill_on_p[-1]:.2f} s",
                     flush=True,
                 )
     for engine in engines:
         await engine.close()
-    r, q, t = (statistics.median(x) for x in (recompute, pull, transfer))
+    r, q, t, pd_s = (statistics.median(x) for x in (recompute, pull, transfer, prefill_on_p))
     print(
         f"{args.prompt_tokens} tokens, {dtype}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}"
     )
     print(f"recompute (P's TTFT):              {r:8.3f} s")
     print(f"pull (D's TTFT, pulled from P):    {q:8.3f} s   recompute / pull = {r / q:.1f}x")
+    print(f"prefill on P, decode on D (TTFT):  {pd_s:8.3f} s   P/D / recompute = {pd_s / r:.2f}x")
     print(
         f"transfer alone (Worker.KVBlocks):  {t:8.3f} s   "
         f"{statistics.median(per_token) * args.prompt_tokens / t / 2**30:.2f} GiB/s"

@@ -102,8 +102,8 @@ class Fleet:
         self._entries: dict[str, WorkerEntry] = {}
         self._by_slot: list[WorkerEntry | None] = []
         self._free: list[int] = []
-        # (model, precision, gpu) -> its workers
-        self._groups: dict[tuple[str, int, str], Group] = {}
+        # (model, precision, gpu, prefill) -> its workers
+        self._groups: dict[tuple[str, int, str, bool], Group] = {}
         self.ejected_until_max = 0.0  # the latest ejection's end: none are ejected after it
         self.busy = np.zeros(0)  # running + waiting, as last reported
         self.kv_usage = np.zeros(0)
@@ -210,10 +210,13 @@ class Fleet:
         assert entry is not None, f"slot {slot} is free"
         return entry
 
-    def group(self, model: str, precision: common_pb2.Precision, gpu: str = "") -> Group:
+    def group(
+        self, model: str, precision: common_pb2.Precision, gpu: str = "", *, prefill: bool = False
+    ) -> Group:
         """The workers serving ``model`` in ``precision`` (UNSPECIFIED: any) on GPU kind ``gpu``
-        ("": any); cached until the membership changes."""
-        key = (model, precision, gpu)
+        ("": any) that decode (role "decode" or "both"), or with ``prefill`` those of role
+        "prefill"; cached until the membership changes."""
+        key = (model, precision, gpu, prefill)
         group = self._groups.get(key)
         if group is None:
             slots = np.array(
@@ -224,6 +227,7 @@ class Fleet:
                     and precision
                     in (common_pb2.PRECISION_UNSPECIFIED, e.info.capabilities.precision)
                     and gpu in ("", e.info.capabilities.gpu_kind)
+                    and (e.info.capabilities.role == "prefill") == prefill
                 ],
                 dtype=np.intp,
             )

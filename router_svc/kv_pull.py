@@ -18,6 +18,18 @@ holder gets to it). The pull's deadline is that right-hand side: past it, comput
 been done. Both workers must send and take KV blocks
 (``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
 ``link_gbps = 0`` (the default) never pulls.
+
+Prefill on P, decode on D (``plan_prefill``): a request whose chosen worker D is of role "decode"
+(``[worker] role``; a "prefill" worker is never a request's worker), and which pulls no cached
+prefix from a busy peer, has a worker of role "prefill" P compute the prompt and send D its blocks
+(``KVPull.compute``: D sends P the request with the pull). P is the one estimated to finish the
+prompt's prefill first (the prefill queued there, then the whole prompt at its prefill speed),
+among those of D's model, precision and KV block size and not ejected; with none, or when D holds
+the prompt's whole blocks already, D computes it. The pull's deadline is twice the estimate (P's
+queue and prefill, then the transfer over ``link_gbps``, counted 0 when 0), at least
+PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. A "decode" worker always hands its
+prefills to P when it can, whatever the load: that is what the role asks for; a "both" worker
+computes its own.
 """
 
 from __future__ import annotations
@@ -31,6 +43,11 @@ from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.fleet import Fleet, Group, WorkerEntry
 
+# A P/D pull's deadline is twice the estimate (P's queue and prefill, then the transfer), at
+# least this: an estimate is rough, and a guess (10,000 tokens/s) on a worker whose prefill speed
+# is not known yet; a dead P fails at once whatever the deadline, only a stuck one waits it out.
+PREFILL_MIN_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class PullPlan:
@@ -39,6 +56,10 @@ class PullPlan:
     holder: WorkerEntry
     prefix_hashes: list[int]
     timeout_s: float
+    # the holder computes the blocks first (prefill on P, decode on D: ``plan_prefill``), its
+    # prefill estimated to take ``prefill_s``
+    compute: bool = False
+    prefill_s: float = 0.0
 
     def proto(self) -> common_pb2.KVPull:
         return common_pb2.KVPull(
@@ -46,6 +67,7 @@ class PullPlan:
             address=self.holder.info.address,
             prefix_hashes=self.prefix_hashes,
             timeout_ms=max(1, round(self.timeout_s * 1000)),
+            compute=self.compute,
         )
 
 
@@ -91,3 +113,50 @@ def plan_pull(
         return None
     blocks = int(cached_tokens[holder]) // BLOCK_TOKENS
     return PullPlan(holder_entry, list(prefix_hashes[:blocks]), compute_s)
+
+
+def plan_prefill(
+    link_gbps: float,
+    fleet: Fleet,
+    model: str,
+    decoder: WorkerEntry,
+    cached_tokens: int,
+    prefix_hashes: Sequence[int],
+) -> PullPlan | None:
+    """Prefill on P, decode on D: the pull that has a prefill worker compute the prompt's blocks
+    ``decoder`` (a "decode" worker serving ``model``, holding ``cached_tokens`` of them) lacks
+    and send them, or None when no prefill worker can (the module's rule)."""
+    tokens = len(prefix_hashes) * BLOCK_TOKENS - cached_tokens
+    mine = decoder.info.capabilities
+    if tokens <= 0 or not mine.kv_transfer_bytes_per_token:
+        return None
+    group = fleet.group(model, mine.precision, prefill=True)
+    if not len(group):
+        return None
+    now = fleet.clock()
+    queued_s = np.maximum(fleet.prefill_until[group.slots] - now, 0.0)
+    # its time to first token: the prefill queued there, then the whole prompt (a prefill
+    # worker's prefix cache may hold part of it, which only makes it sooner)
+    prefill_s = queued_s + len(prefix_hashes) * BLOCK_TOKENS * group.prefill_s_per_token
+    for i, slot in enumerate(group.slots):
+        theirs = fleet.entry_at(slot).info.capabilities
+        if (
+            fleet.ejected_until[slot] > now
+            or theirs.kv_transfer_bytes_per_token != mine.kv_transfer_bytes_per_token
+            or theirs.precision != mine.precision
+        ):
+            prefill_s[i] = np.inf
+    best = int(prefill_s.argmin())
+    if not np.isfinite(prefill_s[best]):
+        return None
+    transfer_s = (
+        tokens * mine.kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9) if link_gbps > 0 else 0.0
+    )
+    estimate = float(prefill_s[best]) + transfer_s
+    return PullPlan(
+        fleet.entry_at(group.slots[best]),
+        list(prefix_hashes),
+        max(PREFILL_MIN_TIMEOUT_S, 2 * estimate),
+        compute=True,
+        prefill_s=float(prefill_s[best] - queued_s[best]),
+    )

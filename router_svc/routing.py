@@ -72,7 +72,7 @@ from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
-from router_svc.kv_pull import PullPlan, plan_pull
+from router_svc.kv_pull import PullPlan, plan_prefill, plan_pull
 from router_svc.prefix_index import PrefixIndex
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # a splitmix64 multiplier: mixes (salt ^ key)
@@ -253,9 +253,22 @@ class Chooser:
             pull = plan_pull(
                 self._config.link_gbps, fleet, group, busy, cached, best, request.prefix_hashes
             )
+        chosen = fleet.entry_at(slot)
+        if pull is None and request.prefix_hashes and chosen.info.capabilities.role == "decode":
+            pull = plan_prefill(
+                self._config.link_gbps,
+                fleet,
+                request.model,
+                chosen,
+                cached_tokens,
+                request.prefix_hashes,
+            )
             if pull is not None:
-                reasons["pull_from"] = pull.holder.worker_id
-                reasons["pull_blocks"] = len(pull.prefix_hashes)
+                first_prefill_s = 0.0  # P's, not D's (Fleet.queued_prefill)
+        if pull is not None:
+            reasons["pull_from"] = pull.holder.worker_id
+            reasons["pull_blocks"] = len(pull.prefix_hashes)
+            reasons["pull_compute"] = pull.compute
         workers = [fleet.entry_at(group.slots[i]) for i in order]
         return Decision(
             workers,
@@ -341,6 +354,12 @@ def _explain_empty(fleet: Fleet, request: RouteRequest) -> None:
     if not entries:
         raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker is registered; retry later")
     serving = [e for e in entries if request.model in e.info.models]
+    if serving and all(e.info.capabilities.role == "prefill" for e in serving):
+        raise RouteError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"every worker serving {request.model!r} is a prefill worker ([worker] role = "
+            '"prefill"): none decodes; retry later',
+        )
     if not serving:
         served = sorted({m for e in entries for m in e.info.models})
         raise RouteError(

@@ -321,6 +321,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if request.prefix_hashes:
                 _count_saved(decision)
             self._fleet.queued_prefill(decision.workers[0], decision.prefill_s)
+            if decision.pull is not None and decision.pull.compute:
+                self._fleet.queued_prefill(decision.pull.holder, decision.pull.prefill_s)
         attempts = Attempts(
             decision.workers[: 2 if self._config.routing.retry_before_first_token else 1]
         )

@@ -30,6 +30,19 @@ class ServerSection:
     worker_id: str = ""
 
 
+# The phases a worker serves (Capabilities.role): "prefill" workers compute prompts' KV blocks
+# for "decode" workers, which take them and decode (prefill on P, decode on D); "both" does all.
+Role = Literal["prefill", "decode", "both"]
+
+
+@section
+class WorkerSection:
+    # prefill: never a request's worker, it prefills prompts for decode workers; decode: its
+    # requests' prompts are prefilled on a prefill worker when the router has one; both: the
+    # worker prefills its own (docs/OPERATING.md)
+    role: Role = "both"
+
+
 @section
 class RouterSection:
     # The router's gRPC target; several routers as the gateway's [router] address lists them:
@@ -344,6 +357,7 @@ class EngineSection:
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    worker: WorkerSection = dataclasses.field(default_factory=WorkerSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     attention: AttentionSection = dataclasses.field(default_factory=AttentionSection)

@@ -8,8 +8,10 @@ BLOCK_TOKENS tokens, as many to a message as MESSAGE_BYTES holds. A pull is best
 ends it (the peer gone, the stream broken, a block evicted meanwhile, its deadline: what computing
 the blocks was estimated to take) leaves the blocks that came, and the engine computes the rest;
 the engine also refuses any block that is not what it would have computed (its name for this
-prompt, its dtype and shape). Each pull is a span (``infermesh.kv_pull``) and counted in
-``infermesh_worker_kv_pull*``.
+prompt, its dtype and shape). A pull with ``compute`` (prefill on P, decode on D) sends the peer
+the request, which it prefills before sending the blocks: the same RPC, caller check and fallback,
+its deadline covering the peer's prefill too. Each pull is a span (``infermesh.kv_pull``) and
+counted in ``infermesh_worker_kv_pull*``.
 """
 
 from __future__ import annotations
@@ -92,9 +94,12 @@ class KVPuller:
         self._worker_id = worker_id
         self._channels = WorkerChannels(tls)
 
-    async def pull(self, pull: common_pb2.KVPull) -> PeerPrefix | None:
+    async def pull(
+        self, pull: common_pb2.KVPull, request: common_pb2.GenerateRequest
+    ) -> PeerPrefix | None:
         """The blocks of ``pull`` this engine's cache lacks, as far as they came; None when
-        none did (or none was needed)."""
+        none did (or none was needed). With ``pull.compute`` the peer prefills ``request``
+        first."""
         if self._engine is None or not pull.address:
             return None
         wanted = self._engine.blocks_to_pull(pull.prefix_hashes)
@@ -111,11 +116,13 @@ class KVPuller:
                 "infermesh.kv_pull.from": pull.worker_id,
                 "infermesh.kv_pull.to": self._worker_id,
                 "infermesh.kv_pull.blocks_asked": len(wanted),
+                "infermesh.kv_pull.compute": pull.compute,
             },
         ) as span:
             call = self._channels.stub(pull.address).KVBlocks(
                 worker_pb2.KVBlocksRequest(
-                    prefix_hashes=pull.prefix_hashes[wanted.start : wanted.stop]
+                    prefix_hashes=pull.prefix_hashes[wanted.start : wanted.stop],
+                    prefill=request if pull.compute else None,
                 ),
                 timeout=pull.timeout_ms / 1000 if pull.timeout_ms else None,
                 wait_for_ready=False,

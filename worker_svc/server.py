@@ -143,10 +143,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         bytes_per_token = self.info.capabilities.kv_transfer_bytes_per_token
         try:
+            if request.HasField("prefill"):
+                await self._prefill(request.prefill)
             async for message in sent_blocks(engine, request.prefix_hashes, bytes_per_token):
                 yield message
+        except RequestFailedError as e:
+            await context.abort(e.code, e.details)
         except BlockNotHeldError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+
+    async def _prefill(self, request: common_pb2.GenerateRequest) -> None:
+        """Computes ``request``'s prompt into the prefix cache for a decode worker: a greedy
+        generation of one token (its tools and thinking kept: they are part of the prompt)."""
+        prefill = common_pb2.GenerateRequest()
+        prefill.CopyFrom(request)
+        prefill.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0, max_tokens=1))
+        prefill.ClearField("json_schema")
+        async with contextlib.aclosing(self.chunks(prefill)) as chunks:
+            async for _ in chunks:
+                pass
 
     async def close(self) -> None:
         """Closes the channels of its pulls from peers."""
@@ -178,7 +193,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine_request = to_engine(request)
         if pull is not None:
             engine_request = dataclasses.replace(
-                engine_request, peer_prefix=await self._puller.pull(pull)
+                engine_request, peer_prefix=await self._puller.pull(pull, request)
             )
         caps = self.info.capabilities
         trace.get_current_span().set_attributes(
@@ -356,6 +371,7 @@ def worker_info(
             engine=config.engine.kind,
             reasoning_format=caps.reasoning_format,
             kv_transfer_bytes_per_token=caps.kv_transfer_bytes_per_token,
+            role=config.worker.role,
         ),
     )
 

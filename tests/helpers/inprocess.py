@@ -30,7 +30,14 @@ from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
 from worker_svc import server as worker_server
-from worker_svc.config import EngineSection, ParallelSection, RouterSection, WorkerConfig
+from worker_svc.config import (
+    EngineSection,
+    ParallelSection,
+    Role,
+    RouterSection,
+    WorkerConfig,
+    WorkerSection,
+)
 from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine.engine import SimEngine
@@ -106,12 +113,15 @@ async def running_worker(
     max_parallel: int | None = None,
     certs: Path | None = None,
     port: int = 0,
+    role: Role = "both",
 ) -> AsyncIterator[RunningWorker]:
     """A worker on ``port`` (0: a free one) registered with ``router`` (the context waits for
     it); ``max_parallel`` is what it reports (None: its device's default), give the engine's.
-    ``certs``: over TLS with that directory's worker certificate; None: plaintext."""
+    ``certs``: over TLS with that directory's worker certificate; None: plaintext. ``role``: its
+    [worker] role."""
     config = WorkerConfig(
         server=WorkerServerSection(port=port, worker_id=worker_id),
+        worker=WorkerSection(role=role),
         router=RouterSection(address=router.address),
         parallel=ParallelSection(max_parallel=max_parallel),
         tls=tls_of(certs, "worker"),

@@ -1,17 +1,22 @@
 """The router's choice to have a request's worker pull a cached prefix from a busy peer
 (router_svc/kv_pull.py): a pull when the holder is full and the link makes sending the prefix
 cheaper than computing it; none when the link is slow, the holder has room, or the two workers'
-KV blocks differ."""
+KV blocks differ. Worker roles: a prefill worker never decodes; a decode worker has its prompt
+prefilled on the prefill worker that finishes it first."""
 
 from __future__ import annotations
+
+import grpc
+import pytest
 
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet
-from router_svc.routing import Chooser
+from router_svc.kv_pull import PREFILL_MIN_TIMEOUT_S
+from router_svc.routing import Chooser, RouteError
 from tests.helpers.fleet import info
-from tests.router_svc.test_routing import cached_on, fleet_of, with_hashes
+from tests.router_svc.test_routing import cached_on, fleet_of, route, with_hashes
 
 # DeepSeek-V3's latent cache in BF16: 61 layers x 576 values x 2 bytes
 V3_BYTES_PER_TOKEN = 61 * 576 * 2
@@ -64,3 +69,76 @@ def test_no_pull_over_a_slow_link_from_a_holder_with_room_or_between_unlike_cach
     # 4 blocks: their 6.4 ms of prefill are done before the holder's next step (10 ms at 100
     # tokens/s) could send them
     assert _decide(_fleet(), 100, hashes[:4], holder_running=2).pull is None
+
+
+def _roles_fleet(*roles: tuple[str, str], slow: str = "", bytes_per_token: int = 0) -> Fleet:
+    """Workers (name, role) prefilling 10,000 tokens/s (``slow``: 1,000) with DeepSeek-V3's KV
+    size (the first: ``bytes_per_token`` when set)."""
+    workers = [info(name, max_parallel=2) for name, _ in roles]
+    for worker, (name, role) in zip(workers, roles, strict=True):
+        worker.capabilities.prefill_tokens_per_second = 1_000.0 if name == slow else 10_000.0
+        worker.capabilities.kv_transfer_bytes_per_token = V3_BYTES_PER_TOKEN
+        worker.capabilities.role = role
+    workers[0].capabilities.kv_transfer_bytes_per_token = bytes_per_token or V3_BYTES_PER_TOKEN
+    return fleet_of(*workers)
+
+
+def test_a_prefill_worker_is_never_a_requests_worker():
+    # idle prefill workers beside a decode worker with one free slot and a "both" one full
+    fleet = _roles_fleet(("p1", "prefill"), ("p2", "prefill"), ("d", "decode"), ("b", "both"))
+    b = fleet.get("b")
+    assert b is not None
+    fleet.set_load(b, common_pb2.Load(running=2))
+    hashes = chain(list(range(16 * 50)))
+    chooser = Chooser(RoutingSection(), cached_on(fleet, {"p1": hashes}))
+    for i in range(20):
+        for request in (with_hashes(hashes, prompt=f"{i}"), route(prompt=f"{i}")):
+            decision = chooser.choose(fleet, request)
+            assert {w.worker_id for w in decision.workers} <= {"d", "b"}
+    # a fleet of prefill workers only decodes nothing
+    only_prefill = _roles_fleet(("p1", "prefill"))
+    with pytest.raises(RouteError) as error:
+        Chooser(RoutingSection()).choose(only_prefill, with_hashes(hashes))
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "prefill worker" in str(error.value)
+
+
+def test_a_decode_worker_has_the_prompt_prefilled_on_the_prefill_worker_that_finishes_first():
+    fleet = _roles_fleet(
+        ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"), ("b", "both"), slow="p2"
+    )
+    b = fleet.get("b")
+    assert b is not None
+    fleet.set_load(b, common_pb2.Load(running=2))  # full: D is chosen
+    hashes = chain(list(range(16 * 50)))  # 800 tokens: 0.08 s on p1, 0.8 s on p2
+    decision = Chooser(RoutingSection(link_gbps=100)).choose(fleet, with_hashes(hashes))
+    assert decision.workers[0].worker_id == "d"
+    pull = decision.pull
+    assert pull is not None and pull.compute and pull.holder.worker_id == "p1"
+    assert pull.prefix_hashes == hashes
+    assert pull.prefill_s == pytest.approx(0.08) and decision.prefill_s == 0
+    assert decision.reasons["pull_compute"] is True
+    proto = pull.proto()
+    assert proto.compute and proto.worker_id == "p1"
+    assert proto.timeout_ms == round(PREFILL_MIN_TIMEOUT_S * 1000)  # 2 x 0.087 s is less
+    # a prefill already queued on p1 past p2's whole prefill: p2 is sooner
+    p1 = fleet.get("p1")
+    assert p1 is not None
+    fleet.queued_prefill(p1, 2.0)
+    later = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes))
+    assert later.pull is not None and later.pull.holder.worker_id == "p2"
+    # a long prompt: twice the estimate (p1's queue and prefill, then the transfer)
+    long = chain(list(range(16 * 500)))  # 8,000 tokens: 2 + 0.8 s on p1, 8 s on p2
+    long_pull = Chooser(RoutingSection(link_gbps=100)).choose(fleet, with_hashes(long)).pull
+    assert long_pull is not None and long_pull.holder.worker_id == "p1"
+    transfer_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 100e9
+    assert long_pull.timeout_s == pytest.approx(2 * (2.8 + transfer_s))
+    # a "both" worker computes its own prompt; no prefill worker of its KV size: D computes
+    fleet.set_load(b, common_pb2.Load())
+    d = fleet.get("d")
+    assert d is not None
+    fleet.set_load(d, common_pb2.Load(running=2))
+    both = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes))
+    assert both.workers[0].worker_id == "b" and both.pull is None
+    unlike = _roles_fleet(("p1", "prefill"), ("d", "decode"), bytes_per_token=1234)
+    assert Chooser(RoutingSection()).choose(unlike, with_hashes(hashes)).pull is None

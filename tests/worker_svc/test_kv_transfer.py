@@ -2,7 +2,8 @@
 (Worker.KVBlocks, and an open's KVPull): a prompt's cached prefix pulled from the peer gives the
 tokens computing it gives; only a worker may fetch blocks; a block not held is NOT_FOUND; a
 block that is not the prompt's is refused and computed; a dead peer or a spent deadline falls
-back to computing, unseen by the caller."""
+back to computing, unseen by the caller. Prefill on P, decode on D: a decode worker takes the
+blocks a prefill worker computes for it, and gives the tokens one worker doing both gives."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 
 from devtools.certs import role_tls, write_certs
+from infermesh.config import ConfigError
 from infermesh.pb import common_pb2, router_pb2, worker_pb2
 from infermesh.ports import free_port
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
@@ -27,6 +29,7 @@ from tests.helpers.inprocess import eventually, running_router, running_worker, 
 from tests.helpers.worker_client import loopback_worker, worker_client
 from worker_svc import server as worker_server
 from worker_svc.config import ModelSection, ServerSection, WorkerConfig
+from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
 from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.torch_engine.engine import Engine
@@ -224,6 +227,16 @@ async def test_a_dead_peer_or_a_spent_deadline_falls_back_to_computing(pair: Pai
     assert _pulls("DEADLINE_EXCEEDED") - late == 1
 
 
+def _routed(engine: Engine, tag: str, words: int, max_tokens: int) -> common_pb2.GenerateRequest:
+    """A request as a gateway sends it through the router: its prompt's block hashes, and the
+    model as the workers' configuration names it (their engines run the MLA one)."""
+    request = _request(tag, words)
+    request.model = CONFIGURED_MODEL
+    request.sampling.max_tokens = max_tokens
+    request.prefix_hashes[:] = chain(_prompt_ids(engine, request))
+    return request
+
+
 async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
     engines: tuple[Engine, Engine],
 ):
@@ -237,25 +250,17 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
         running_worker(engines[0], router, "w1", max_parallel=1),
         running_worker(engines[1], router, "w2", max_parallel=1),
     ):
-        # served as the workers' configuration names the model (their engines run the MLA one)
-        def routed(tag: str, words: int, max_tokens: int) -> common_pb2.GenerateRequest:
-            request = _request(tag, words)
-            request.model = CONFIGURED_MODEL
-            request.sampling.max_tokens = max_tokens
-            request.prefix_hashes[:] = chain(_prompt_ids(engines[0], request))
-            return request
-
         # ~1,900 tokens: long enough that computing them takes longer than the holder's step
         # and the pull's round trip, whatever prefill speed the workers measured meanwhile (the
         # pull's deadline)
-        held = routed("shared", 1000, 1)
+        held = _routed(engines[0], "shared", 1000, 1)
         holder = (await router.stub.Complete(held)).route.worker_id
         entry = router.resources.registry.fleet.get(holder)
         assert entry is not None
         index = router.resources.index
         await eventually(lambda: index.blocks(entry.slot) >= len(held.prefix_hashes))
         # the holder busy with a long generation (at its max_parallel once the router hears)
-        busy = routed("busy", 20, 200)
+        busy = _routed(engines[0], "busy", 20, 200)
         async with worker_client() as client:
             stream = client.generate(entry.info.address, busy)
             await anext(stream)
@@ -263,7 +268,7 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
             await eventually(lambda: fleet.busy_now[entry.slot] >= 1)
             puller = "w2" if holder == "w1" else "w1"
             pulled_before = metrics.KV_PULL_BLOCKS.labels(holder, puller)._value.get()
-            request = routed("shared", 1010, 6)
+            request = _routed(engines[0], "shared", 1010, 6)
             request.request_id = "pd"
             # the gateway's way: the decision on its route stream carries the pull
             route_stream = router.stub.RouteStream()
@@ -291,6 +296,66 @@ async def test_the_router_has_a_free_worker_pull_the_prefix_a_full_one_holds(
     reference = dataclasses.replace(to_engine(request), request_id="reference")
     tokens = [t async for chunk in engines[0].generate(reference) for t in chunk.token_ids]
     assert list(answer.token_ids) == tokens
+
+
+async def test_prefill_on_p_decode_on_d_gives_the_aggregated_tokens(
+    engines: tuple[Engine, Engine],
+):
+    """A decode worker (role "decode") has its prompts prefilled on the prefill worker, which
+    sends it the blocks; the tokens are those one worker doing both phases gives. The prefill
+    worker decodes nothing."""
+    async with (
+        running_router() as router,
+        running_worker(engines[0], router, "p", role="prefill"),
+        running_worker(engines[1], router, "d", role="decode"),
+    ):
+        for tag in ("pd1", "pd2"):
+            request = _routed(engines[0], tag, 100, 6)
+            hashes = list(request.prefix_hashes)
+            ok, blocks = _pulls("OK"), metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get()
+            answer = await router.stub.Complete(request)
+            assert answer.route.worker_id == "d"
+            assert _pulls("OK") - ok == 1
+            assert metrics.KV_PULL_BLOCKS.labels("p", "d")._value.get() - blocks == len(hashes)
+            # P computed the prompt (its cache holds it), D took every whole block but the
+            # last token's
+            assert engines[0].cache_events.held_prefix(hashes) == len(hashes)
+            assert answer.usage.cached_prompt_tokens >= (len(hashes) - 1) * BLOCK_TOKENS
+            # one worker doing both phases: the same tokens
+            aggregated = dataclasses.replace(to_engine(request), request_id=f"{tag}-aggregated")
+            tokens = [t async for c in engines[0].generate(aggregated) for t in c.token_ids]
+            assert list(answer.token_ids) == tokens
+
+
+async def test_a_dead_prefill_worker_falls_back_to_the_decode_worker_computing_it(
+    engines: tuple[Engine, Engine],
+):
+    async with (
+        running_router() as router,
+        running_worker(engines[1], router, "d", role="decode") as d,
+    ):
+        dead = common_pb2.WorkerInfo()
+        dead.CopyFrom(d.servicer.info)
+        dead.worker_id, dead.address = "dead-p", f"127.0.0.1:{free_port()}"
+        dead.capabilities.role = "prefill"
+        await router.stub.Register(router_pb2.RegisterRequest(worker=dead))
+        unavailable = metrics.KV_PULLS.labels("dead-p", "d", "UNAVAILABLE")._value.get()
+        request = _routed(engines[1], "pd-dead", 100, 6)
+        answer = await router.stub.Complete(request)
+    assert answer.route.worker_id == "d"
+    assert metrics.KV_PULLS.labels("dead-p", "d", "UNAVAILABLE")._value.get() - unavailable == 1
+    assert answer.usage.cached_prompt_tokens == 0
+    computed = dataclasses.replace(to_engine(request), request_id="pd-dead-computed")
+    tokens = [t async for c in engines[0].generate(computed) for t in c.token_ids]
+    assert list(answer.token_ids) == tokens
+
+
+def test_a_bad_role_is_a_config_error_naming_the_file_and_key(tmp_path: Path):
+    path = tmp_path / "worker.toml"
+    path.write_text('[worker]\nrole = "prefil"\n')
+    with pytest.raises(ConfigError, match=r"\[worker\].*role.*'prefil'") as error:
+        load_worker_config(str(path))
+    assert str(path) in str(error.value)
 
 
 async def test_a_sparse_attention_models_blocks_carry_the_indexer_keys_too(v32_dir: Path):
