@@ -122,10 +122,11 @@ lint: install proto $(BROWSER_INSTALLED)
 
 # vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped; and the browser
 # the console's test drives (tests/gateway/test_console_browser.py). The tests run on
-# TEST_WORKERS pytest-xdist workers, a module's tests (and a shared mesh's) on one worker
-# (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+# TEST_WORKERS pytest-xdist workers, a module's tests on one worker (--dist loadfile: its module
+# fixtures, some starting processes, run once; pytest 9 ignores the node ids --dist loadgroup
+# rewrites, so its groups would be split); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 test: lint install proto model vllm browser
 	$(PY) -m pytest $(PYTEST_PARALLEL)

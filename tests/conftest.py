@@ -27,27 +27,17 @@ from worker_svc.config import load as load_worker_config
 from worker_svc.model.precision import detect_capabilities, resolve_device
 from worker_svc.torch_engine.engine import Engine
 
-# The e2e session fixtures that start a whole mesh: the tests using them run on one pytest-xdist
-# worker (`make test` runs `pytest -n 2 --dist loadgroup`), so the run starts each mesh once.
-_SHARED_MESHES = frozenset({"mesh", "workerless_mesh"})
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the tests whose arithmetic depends on the worker's CPU dtype: the engine's own tests
     that serve in worker_dtype and those asserting the precision served. `.ci/run` reruns them with
-    `-m dtype_sensitive` and the other CPU dtype forced. Groups the tests for pytest-xdist: a
-    module's tests on one worker (so its module fixtures, some starting processes, run once), and
-    every test of a shared mesh on one worker."""
+    `-m dtype_sensitive` and the other CPU dtype forced."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if "served_precision" in names or (
             "worker_dtype" in names and item.path.parent.name == "worker_svc"
         ):
             item.add_marker(pytest.mark.dtype_sensitive)
-        if names & _SHARED_MESHES:
-            item.add_marker(pytest.mark.xdist_group("e2e-mesh"))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture
