@@ -15,7 +15,6 @@ from infermesh.text.chat_templates import REASONING_FORMATS, ReasoningFormat
 from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
-from worker_svc.torch_engine.threads import AUTO_THREADS, WaitPolicy
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
@@ -242,8 +241,11 @@ _SIZE_DEFAULTS = {
 }
 
 
-# A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
+# A fourth engine adds its name here and a branch in worker_svc.engines.load_engine.
 EngineKind = Literal["checkpoint", "sim", "vllm"]
+# [engine] omp_wait_policy: how idle OpenMP threads wait (worker_svc/torch_engine/threads.py)
+WaitPolicy = Literal["auto", "passive", "active", "runtime"]
+AUTO_THREADS = 0  # [engine] threads: chosen from the cores available
 
 
 @section
