@@ -29,7 +29,7 @@ from worker_svc.config import (
     ServerSection,
     WorkerConfig,
 )
-from worker_svc.engine_api import PrefillSpeedMeter
+from worker_svc.meters import PrefillSpeedMeter
 from worker_svc.torch_engine.engine import Engine
 
 
