@@ -1,6 +1,6 @@
 """Which fixed-size blocks of the latent cache each sequence holds, and prefix caching.
 
-The cache itself (`model.KVCache`) is one tensor of token slots; this module hands out its
+The cache itself (`paged_batch.KVCache`) is one tensor of token slots; this module hands out its
 blocks. A full block is keyed by a hash of its tokens and of every token before it (a chain
 through the parent block's hash), so a later prompt starting with the same tokens (a repeated
 system prompt) reuses the computed latents. Blocks nobody holds keep their contents and hash
