@@ -20,7 +20,7 @@ DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
 
 @section
-class ServerSection:
+class WorkerServerSection:
     host: str = "127.0.0.1"
     port: int = 50061
     # The host:port the router dials; empty: host:bound port.
@@ -343,7 +343,7 @@ class EngineSection:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    server: WorkerServerSection = dataclasses.field(default_factory=WorkerServerSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     attention: AttentionSection = dataclasses.field(default_factory=AttentionSection)
