@@ -47,8 +47,8 @@ from worker_svc.config import (
     ModelSection,
     ParallelSection,
     RouterSection,
-    ServerSection,
     WorkerConfig,
+    WorkerServerSection,
 )
 
 MODEL = "sim-fair"
@@ -69,7 +69,7 @@ class KeyStats:
 def worker_configs(router_address: str, workers: int, slots: int) -> list[WorkerConfig]:
     return [
         WorkerConfig(
-            server=ServerSection(port=0, worker_id=f"v100-{i:02d}"),
+            server=WorkerServerSection(port=0, worker_id=f"v100-{i:02d}"),
             router=RouterSection(address=router_address),
             model=ModelSection(name=MODEL),
             parallel=ParallelSection(max_parallel=slots),

@@ -64,7 +64,8 @@ from worker_svc.model.kernel import (
     weight_dequant,
     weight_quant,
 )
-from worker_svc.model.model import BatchLayout, Linear, ModelArgs, MoE, Transformer
+from worker_svc.model.model import Linear, ModelArgs, MoE, Transformer
+from worker_svc.model.paged_batch import BatchLayout
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,7 @@ from infermesh.ports import free_port
 from infermesh.prefix_hash import chain
 from tests.helpers.worker_client import worker_client
 from worker_svc import server as worker_server
-from worker_svc.config import ModelSection, ServerSection, WorkerConfig
+from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
 from worker_svc.torch_engine.engine import Engine
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"
@@ -59,7 +59,7 @@ async def serving(engine: Engine, name: str, model_dir: Path, certs: Path) -> As
         key_file=str(certs / f"worker-{name}.key"),
     )
     config = WorkerConfig(
-        server=ServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
+        server=WorkerServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
         model=ModelSection(path=str(model_dir)),
         tls=tls,
     )

@@ -50,8 +50,8 @@ from worker_svc.config import (
     EngineSection,
     ModelSection,
     RouterSection,
-    ServerSection,
     WorkerConfig,
+    WorkerServerSection,
 )
 from worker_svc.sim_engine.engine import SimEngine
 
@@ -73,7 +73,7 @@ _REQUEST_TIMEOUT_S = 120.0
 def worker_config(i: int, router_address: str) -> WorkerConfig:
     gpu, count = FLEET[i]
     return WorkerConfig(
-        server=ServerSection(port=0, worker_id=f"{gpu.lower()}-{i:02d}"),
+        server=WorkerServerSection(port=0, worker_id=f"{gpu.lower()}-{i:02d}"),
         router=RouterSection(address=router_address),
         model=ModelSection(name=MODEL),
         engine=dataclasses.replace(_ENGINE, gpu=gpu, gpu_count=count),

@@ -47,7 +47,8 @@ from worker_svc.model.indexer import (
     select_tokens_fp8,
     sparse_attend,
 )
-from worker_svc.model.model import MLA, AttentionGroup, KVCache, ModelArgs, Transformer
+from worker_svc.model.model import MLA, ModelArgs, Transformer
+from worker_svc.model.paged_batch import AttentionGroup, KVCache
 
 V3_ARGS = ModelArgs(
     vocab_size=1024,

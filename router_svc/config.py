@@ -20,7 +20,7 @@ PRIORITIES = range(-10, 11)
 
 
 @section
-class ServerSection:
+class RouterServerSection:
     host: str = "127.0.0.1"
     port: int = 50051
 
@@ -252,7 +252,7 @@ class InternalCallersSection:
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    server: RouterServerSection = dataclasses.field(default_factory=RouterServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     registry: RegistrySection = dataclasses.field(default_factory=RegistrySection)
     routing: RoutingSection = dataclasses.field(default_factory=RoutingSection)

@@ -33,7 +33,7 @@ from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection, check_loaded, open_channel
 from infermesh.usage import identity_owner
-from router_svc.config import FairQueueSection, RouterConfig, ServerSection, Standing
+from router_svc.config import FairQueueSection, RouterConfig, RouterServerSection, Standing
 from router_svc.config import load as load_router_config
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
@@ -478,7 +478,7 @@ def test_a_key_that_is_not_the_certificates_is_a_config_error(certs):
 
 async def test_a_server_started_with_neither_files_nor_plaintext_is_a_config_error():
     with pytest.raises(ConfigError, match=r"\[tls\] cert_file: TLS is required"):
-        await create_router(RouterConfig(server=ServerSection(port=0)))
+        await create_router(RouterConfig(server=RouterServerSection(port=0)))
 
 
 async def _serving(address: str, tls: TlsSection) -> bool:

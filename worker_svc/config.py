@@ -15,13 +15,12 @@ from infermesh.text.chat_templates import REASONING_FORMATS, ReasoningFormat
 from infermesh.tls import TlsSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import ModelSize, model_size_of
-from worker_svc.torch_engine.threads import AUTO_THREADS, WaitPolicy
 
 DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
 
 @section
-class ServerSection:
+class WorkerServerSection:
     host: str = "127.0.0.1"
     port: int = 50061
     # The host:port the router dials; empty: host:bound port.
@@ -257,8 +256,11 @@ _SIZE_DEFAULTS = {
 }
 
 
-# A third engine (e.g. vLLM) adds its name here and a branch in worker_svc.server.load_engine.
+# A fourth engine adds its name here and a branch in worker_svc.engines.load_engine.
 EngineKind = Literal["checkpoint", "sim", "vllm"]
+# [engine] omp_wait_policy: how idle OpenMP threads wait (worker_svc/torch_engine/threads.py)
+WaitPolicy = Literal["auto", "passive", "active", "runtime"]
+AUTO_THREADS = 0  # [engine] threads: chosen from the cores available
 
 
 @section
@@ -356,7 +358,7 @@ class EngineSection:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    server: WorkerServerSection = dataclasses.field(default_factory=WorkerServerSection)
     worker: WorkerSection = dataclasses.field(default_factory=WorkerSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)

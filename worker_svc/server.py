@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -31,11 +30,10 @@ from worker_svc.engine_api import (
     InvalidArgumentError,
     KVBlockPeer,
 )
+from worker_svc.engines import load_engine
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.kv_transfer import BlockNotHeldError, KVPuller, sent_blocks
 from worker_svc.serve_server import serve_handler
-from worker_svc.sim_engine.engine import SimEngine
-from worker_svc.torch_engine import threads
 from worker_svc.wire import RequestFailedError, to_engine
 
 logger = logging.getLogger(__name__)
@@ -447,40 +445,6 @@ async def create_server(
     )
     assert servicer is not None, "create_grpc_server did not add the servicer"
     return server, servicer
-
-
-async def load_engine(config: WorkerConfig) -> InferenceEngine:
-    """The engine ``[engine] kind`` names. Only the checkpoint and vllm engines import torch, so a
-    simulated worker process stays small."""
-    if config.engine.kind == "sim":
-        return SimEngine.from_config(config)
-    if config.engine.kind == "vllm":
-        from worker_svc.vllm_engine.engine import VllmEngine
-
-        return await VllmEngine.start(config)
-    # before the engine's import brings torch, whose OpenMP runtime reads the policy as it loads
-    threads.apply(
-        threads.choose_threads(
-            threads.available_cores(),
-            config.engine.threads,
-            config.engine.reserved_cores,
-            config.engine.omp_wait_policy,
-            os.environ,
-        )
-    )
-    from worker_svc.torch_engine.engine import Engine
-
-    return await asyncio.to_thread(
-        Engine.from_checkpoint,
-        config.model.path,
-        dtype=config.model.dtype,
-        use_native_fp8=config.quantization.use_native_fp8,
-        max_model_len=config.attention.max_model_len,
-        parallel=config.parallel,
-        cache=config.cache,
-        chat_template=config.model.chat_template or None,
-        reasoning_format=config.model.configured_reasoning,
-    )
 
 
 async def serve(config: WorkerConfig) -> None:

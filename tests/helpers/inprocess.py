@@ -23,8 +23,8 @@ from router_svc.config import (
     RedisSection,
     RegistrySection,
     RouterConfig,
+    RouterServerSection,
     RoutingSection,
-    ServerSection,
 )
 from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
@@ -37,8 +37,8 @@ from worker_svc.config import (
     RouterSection,
     WorkerConfig,
     WorkerSection,
+    WorkerServerSection,
 )
-from worker_svc.config import ServerSection as WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 from worker_svc.sim_engine.engine import SimEngine
 
@@ -89,7 +89,7 @@ async def running_router(
                 yield router
         return
     config = RouterConfig(
-        server=ServerSection(port=port),
+        server=RouterServerSection(port=port),
         redis=RedisSection(url=redis_url),
         registry=RegistrySection(heartbeat_interval_s=0.1, ttl_s=ttl_s, refresh_s=0.05),
         routing=routing or RoutingSection(),

@@ -13,7 +13,7 @@ from infermesh.serve_client import ServeClient
 from infermesh.tls import TlsSection
 from tests.helpers.inprocess import PLAINTEXT
 from worker_svc import server as worker_server
-from worker_svc.config import ServerSection, WorkerConfig
+from worker_svc.config import WorkerConfig, WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 
 # Long enough for a CPU worker's slowest test prompt, short enough that a stuck one fails.
@@ -106,7 +106,7 @@ class LoopbackWorker:
 @contextlib.asynccontextmanager
 async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWorker]:
     """``engine`` served by a plaintext worker on a free loopback port, and a client of it."""
-    config = WorkerConfig(server=ServerSection(port=0), tls=PLAINTEXT)
+    config = WorkerConfig(server=WorkerServerSection(port=0), tls=PLAINTEXT)
     server, servicer = await worker_server.create_server(config, engine)
     try:
         async with worker_client() as client:

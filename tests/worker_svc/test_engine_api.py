@@ -13,11 +13,11 @@ from worker_svc.engine_api import (
     GenerationChunk,
     GenerationRequest,
     InvalidArgumentError,
-    RequestFront,
     SamplingParams,
     TokenLogprob,
     drain_chunks,
 )
+from worker_svc.request_front import RequestFront
 
 
 def _chunk(token: int, finish: str | None = None) -> GenerationChunk:

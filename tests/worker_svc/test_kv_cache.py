@@ -12,9 +12,9 @@ from worker_svc.model.model import ModelArgs
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     BlockTable,
-    block_hash,
     bytes_per_token,
     cache_budget_bytes,
+    page_digest,
     unabsorbed_bytes_per_token,
 )
 
@@ -100,8 +100,8 @@ def test_blocks_named_for_peers_are_found_until_evicted_and_adopted_ones_match()
 
 
 def test_block_hash_chains_through_the_parent():
-    assert block_hash(b"", [1, 2]) != block_hash(block_hash(b"", [0]), [1, 2])
-    assert block_hash(b"", [1, 2]) == block_hash(b"", [1, 2]) != block_hash(b"", [2, 1])
+    assert page_digest(b"", [1, 2]) != page_digest(page_digest(b"", [0]), [1, 2])
+    assert page_digest(b"", [1, 2]) == page_digest(b"", [1, 2]) != page_digest(b"", [2, 1])
 
 
 def test_latent_cache_bytes_per_token_against_a_per_head_cache():

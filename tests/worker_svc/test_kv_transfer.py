@@ -28,7 +28,7 @@ from tests.helpers import MODEL as CONFIGURED_MODEL
 from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
 from tests.helpers.worker_client import loopback_worker, worker_client
 from worker_svc import server as worker_server
-from worker_svc.config import ModelSection, ServerSection, WorkerConfig
+from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
 from worker_svc.text.prompt import prompt_token_ids
@@ -81,7 +81,7 @@ async def _serving(engine: Engine, name: str, certs: Path) -> AsyncIterator[str]
         key_file=str(certs / f"worker-{name}.key"),
     )
     config = WorkerConfig(
-        server=ServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
+        server=WorkerServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
         model=ModelSection(path=MLA_MODEL),
         tls=tls,
     )

@@ -26,10 +26,10 @@ from worker_svc.config import (
     DEFAULT_MODEL_PATH,
     ParallelSection,
     RouterSection,
-    ServerSection,
     WorkerConfig,
+    WorkerServerSection,
 )
-from worker_svc.engine_api import PrefillSpeedMeter
+from worker_svc.meters import PrefillSpeedMeter
 from worker_svc.torch_engine.engine import Engine
 
 
@@ -225,7 +225,7 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
     engine = sim_engine()
     server, servicer = await worker_server.create_server(
         WorkerConfig(
-            server=ServerSection(port=0, worker_id="comeback"),
+            server=WorkerServerSection(port=0, worker_id="comeback"),
             router=RouterSection(address=address),
             tls=PLAINTEXT,
         ),

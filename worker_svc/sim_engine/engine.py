@@ -9,7 +9,7 @@ precision it runs and a KV budget (sizing.py; [engine] gpu_count overrides).
 Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
 the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
 budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests generate()
-raises EngineOverloadedError (the request front every engine shares, engine_api.RequestFront).
+raises EngineOverloadedError (the request front every engine shares, request_front.RequestFront).
 Tokens are words from a fixed list, deterministic per seed. A prompt's tokens are
 infermesh.sim_tokens's (4 bytes of its text each); its prefix cache keeps whole blocks of them by
 their infermesh.prefix_hash names, least recently used first, and publishes what it stores and
@@ -36,18 +36,18 @@ from infermesh.text.text_files import TextFiles
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
-    DecodeRateMeter,
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
     InvalidArgumentError,
-    RequestFront,
     drain_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import fewest_gpus, serving_profile
+from worker_svc.meters import DecodeRateMeter
+from worker_svc.request_front import RequestFront
 from worker_svc.sim_engine.roofline import Roofline
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The async front of the DeepSeek-V3 engine: requests in, streamed text chunks out.
 
-`generate()` puts a request through engine_api's `RequestFront`, tokenizes it, hands it to the
+`generate()` puts a request through request_front's `RequestFront`, tokenizes it, hands it to the
 engine core (worker_svc.torch_engine.step_loop, one background thread) as a `RequestState` over a
 scheduler `SequenceState`, and reads its chunks from an asyncio queue that the core fills.
 """
@@ -37,13 +37,12 @@ from worker_svc.engine_api import (
     PeerBlock,
     PeerPrefix,
     RawTensor,
-    RequestFront,
-    bounded_batching_hints,
     drain_chunks,
 )
 from worker_svc.model.checkpoint import load_checkpoint, read_config
 from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
+from worker_svc.request_front import RequestFront, bounded_batching_hints
 from worker_svc.text.completion_decoder import CompletionDecoder
 from worker_svc.text.grammar import GrammarCompiler
 from worker_svc.text.prompt import prompt_token_ids

@@ -1,6 +1,6 @@
 """Which fixed-size blocks of the latent cache each sequence holds, and prefix caching.
 
-The cache itself (`model.KVCache`) is one tensor of token slots; this module hands out its
+The cache itself (`paged_batch.KVCache`) is one tensor of token slots; this module hands out its
 blocks. A full block is keyed by a hash of its tokens and of every token before it (a chain
 through the parent block's hash), so a later prompt starting with the same tokens (a repeated
 system prompt) reuses the computed latents. Blocks nobody holds keep their contents and hash
@@ -35,12 +35,13 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks whose hash is known (registered or found in the cache)
-    last_hash: bytes = b""  # hash of block num_hashed - 1; b"" before the first block
+    last_digest: bytes = b""  # page_digest of block num_hashed - 1; b"" before the first block
     last_name: int = prefix_hash.ROOT  # the same prefix's prefix_hash name
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The key of a full block: its tokens and, through `parent`, all tokens before it."""
+def page_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """The engine's own key of a full block (SHA-256, not the mesh's `prefix_hash` names): its
+    tokens and, through `parent`, all tokens before it."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
@@ -72,8 +73,8 @@ class BlockManager:
         # hashed, held by nobody; oldest first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
-        self._by_hash: dict[bytes, int] = {}
-        self._hash_of: dict[int, bytes] = {}
+        self._by_digest: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
         self.events = events  # None: publishes nothing
         # a registered block's prefix_hash names (the last one names its whole prefix), when
         # publishing
@@ -108,13 +109,13 @@ class BlockManager:
             return 0
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
-            block = self._by_hash.get(h)
+            h = page_digest(table.last_digest, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_digest.get(h)
             if block is None:
                 break
             self._hold(block)
             table.blocks.append(block)
-            table.num_hashed, table.last_hash = i + 1, h
+            table.num_hashed, table.last_digest = i + 1, h
             if self.events is not None:
                 table.last_name = self._names_of[block][-1]
         return len(table.blocks) * bs
@@ -137,17 +138,17 @@ class BlockManager:
         bs = self.block_size
         for i in range(table.num_hashed, num_computed // bs):
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(table.last_hash, tokens)
+            h = page_digest(table.last_digest, tokens)
             block = table.blocks[i]
             # a duplicate of a cached block stays private and is freed plainly
-            cached = self._by_hash.get(h)
+            cached = self._by_digest.get(h)
             if cached is None:
-                self._by_hash[h], self._hash_of[block] = block, h
+                self._by_digest[h], self._digest_of[block] = block, h
             if self.events is not None:
                 if cached is None:
                     self._publish(block, prefix_hash.chain(tokens, table.last_name))
                 table.last_name = self._names_of[block if cached is None else cached][-1]
-            table.num_hashed, table.last_hash = i + 1, h
+            table.num_hashed, table.last_digest = i + 1, h
 
     def slots_of(self, names: list[int]) -> list[int]:
         """The first token slot of each of the BLOCK_TOKENS-token blocks ``names`` names, up to
@@ -174,19 +175,19 @@ class BlockManager:
         adopted: list[tuple[int, int]] = []
         for i in range(stop):
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(chain.last_hash, tokens)
-            block = self._by_hash.get(h)
+            h = page_digest(chain.last_digest, tokens)
+            block = self._by_digest.get(h)
             if block is not None:
                 self._hold(block)
             elif i < start or not self.num_free_blocks:
                 break
             else:
                 block = self._take()
-                self._by_hash[h], self._hash_of[block] = block, h
+                self._by_digest[h], self._digest_of[block] = block, h
                 self._publish(block, prefix_hash.chain(tokens, chain.last_name))
                 adopted.append((i, block))
             chain.blocks.append(block)
-            chain.last_hash, chain.last_name = h, self._names_of[block][-1]
+            chain.last_digest, chain.last_name = h, self._names_of[block][-1]
         self.free(chain)
         return adopted
 
@@ -203,12 +204,12 @@ class BlockManager:
             self._refs[block] -= 1
             assert self._refs[block] >= 0, f"block {block} freed twice"
             if self._refs[block] == 0:
-                if block in self._hash_of:
+                if block in self._digest_of:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
         table.blocks.clear()
-        table.num_hashed, table.last_hash, table.last_name = 0, b"", prefix_hash.ROOT
+        table.num_hashed, table.last_digest, table.last_name = 0, b"", prefix_hash.ROOT
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -220,7 +221,7 @@ class BlockManager:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            del self._by_digest[self._digest_of.pop(block)]
             if self.events is not None:
                 names = self._names_of.pop(block)
                 for name in names:

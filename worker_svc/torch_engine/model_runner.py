@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.model.model import AttentionGroup, BatchLayout, KVCache, Transformer
+from worker_svc.model.model import Transformer
+from worker_svc.model.paged_batch import AttentionGroup, BatchLayout, KVCache
 from worker_svc.torch_engine.scheduler import ScheduledSequence, SchedulerOutput
 
 

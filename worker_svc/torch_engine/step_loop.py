@@ -26,14 +26,13 @@ import torch
 
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.engine_api import (
-    DecodeRateMeter,
     EngineClosedError,
     EngineLoad,
     GenerationChunk,
-    PrefillSpeedMeter,
     SamplingParams,
     TokenLogprob,
 )
+from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import apply_masks
 from worker_svc.torch_engine.model_runner import ModelRunner

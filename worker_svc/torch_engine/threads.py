@@ -42,11 +42,11 @@ import sys
 from collections.abc import Mapping
 from typing import Literal
 
+from worker_svc.config import AUTO_THREADS, WaitPolicy
+
 logger = logging.getLogger(__name__)
 
-WaitPolicy = Literal["auto", "passive", "active", "runtime"]
 ChosenWaitPolicy = Literal["passive", "active", "runtime"]
-AUTO_THREADS = 0  # [engine] threads: chosen from the cores available
 # OMP_WAIT_POLICY's values as libgomp reads them (any case)
 _GIVEN_WAIT_POLICIES: dict[str, ChosenWaitPolicy] = {
     "passive": "passive",

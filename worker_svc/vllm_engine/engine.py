@@ -51,18 +51,17 @@ from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.engine_api import (
-    DecodeRateMeter,
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
     GenerationChunk,
     GenerationRequest,
     InvalidArgumentError,
-    RequestFront,
     SamplingParams,
     TokenLogprob,
     ToolCallDelta,
 )
+from worker_svc.meters import DecodeRateMeter
 from worker_svc.model.checkpoint import CheckpointError
 from worker_svc.model.dequant_cache import dequantized_checkpoint
 from worker_svc.model.precision import (
@@ -72,6 +71,7 @@ from worker_svc.model.precision import (
     probe_device,
     resolve_device,
 )
+from worker_svc.request_front import RequestFront
 from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.text.grammar import lark_grammar
 from worker_svc.text.prompt import prompt_token_ids
