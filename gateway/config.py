@@ -24,7 +24,7 @@ MAX_BODY_BYTES = GRPC_MESSAGE_LIMIT_BYTES // 8
 
 
 @section
-class ServerSection:
+class HttpServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
@@ -263,7 +263,7 @@ class ResponsesSection:
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
-    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+    server: HttpServerSection = dataclasses.field(default_factory=HttpServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)

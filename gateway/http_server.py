@@ -34,7 +34,7 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
-from gateway.config import ServerSection
+from gateway.config import HttpServerSection
 from gateway.errors import (
     GatewayError,
     HeadersTooLargeError,
@@ -217,7 +217,7 @@ class _GatewayServer(web.Server):
 class GatewayRunner(web.AppRunner):
     """``web.AppRunner`` serving through ``GatewayRequestHandler`` with ``[server]``'s timeouts."""
 
-    def __init__(self, app: web.Application, server: ServerSection, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, server: HttpServerSection, **kwargs: Any) -> None:
         super().__init__(app, keepalive_timeout=server.keepalive_timeout_s, **kwargs)
         self._header_timeout_s = server.header_timeout_s
 

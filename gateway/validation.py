@@ -18,11 +18,11 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gateway.config import ServerSection
+from gateway.config import HttpServerSection
 from gateway.errors import InvalidRequestError, RequestTimeoutError, RequestTooLargeError
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-SERVER_CONFIG = web.AppKey("server_config", ServerSection)  # body size and read time limits
+SERVER_CONFIG = web.AppKey("server_config", HttpServerSection)  # body size and read time limits
 
 # A \uD800-\uDFFF escape: JSON decodes an unpaired one into a str no encoder accepts.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

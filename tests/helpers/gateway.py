@@ -11,7 +11,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import CONFIG, create_app
-from gateway.config import AdminSection, GatewayConfig, RedisSection, RouterSection, ServerSection
+from gateway.config import (
+    AdminSection,
+    GatewayConfig,
+    HttpServerSection,
+    RedisSection,
+    RouterSection,
+)
 from gateway.http_server import GatewayRunner
 from infermesh.ports import free_port
 from tests.helpers.inprocess import tls_of
@@ -25,7 +31,7 @@ def make_config(
     """The gateway's config; ``certs``: over TLS with that directory's gateway certificate,
     None: plaintext."""
     return GatewayConfig(
-        server=ServerSection(**server),
+        server=HttpServerSection(**server),
         # generous: 200 concurrent requests share this one event loop in the limit tests
         redis=RedisSection(url=redis_url, timeout_s=3.0),
         router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
@@ -72,7 +78,7 @@ def sdk(
 
 
 def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:
-    return dataclasses.replace(config, server=ServerSection(**server))
+    return dataclasses.replace(config, server=HttpServerSection(**server))
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
