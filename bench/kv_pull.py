@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -40,35 +38,11 @@ import torch
 from bench.mla_prefill import prompt_ids
 from devtools.certs import role_tls, write_certs
 from infermesh.pb import common_pb2, worker_pb2
-from infermesh.ports import free_port
 from infermesh.prefix_hash import chain
-from tests.helpers.worker_client import worker_client
-from worker_svc import server as worker_server
-from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
+from tests.helpers.worker_client import serving_as_worker, worker_client
 from worker_svc.torch_engine.engine import Engine
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"
-
-
-@contextlib.asynccontextmanager
-async def serving(engine: Engine, name: str, model_dir: Path, certs: Path) -> AsyncIterator[str]:
-    """``engine`` served over TLS with the worker certificate ``name``; yields its address."""
-    tls = dataclasses.replace(
-        role_tls(certs, "worker"),
-        cert_file=str(certs / f"worker-{name}.crt"),
-        key_file=str(certs / f"worker-{name}.key"),
-    )
-    config = WorkerConfig(
-        server=WorkerServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
-        model=ModelSection(path=str(model_dir)),
-        tls=tls,
-    )
-    server, servicer = await worker_server.create_server(config, engine)
-    try:
-        yield servicer.info.address
-    finally:
-        await server.stop(grace=None)
-        await servicer.close()
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -86,8 +60,8 @@ async def run(args: argparse.Namespace) -> None:
         certs = Path(workdir)
         write_certs(certs, workers={"p": [], "d": []})
         async with (
-            serving(p, "p", args.model_dir, certs) as p_address,
-            serving(d, "d", args.model_dir, certs) as d_address,
+            serving_as_worker(p, "p", args.model_dir, certs) as p_address,
+            serving_as_worker(d, "d", args.model_dir, certs) as d_address,
             worker_client(role_tls(certs, "gateway")) as gateway,
             worker_client(
                 dataclasses.replace(

@@ -280,30 +280,26 @@ class OutputBuilder:
         item["status"] = status
         where = {"item_id": item["id"], "output_index": len(self.output)}
         events: list[Event]
-        if item["type"] == "message":
-            part = item["content"][0]
+        if item["type"] == "function_call":
             events = [
                 {
                     **where,
-                    "type": "response.output_text.done",
-                    "content_index": 0,
-                    "text": part["text"],
-                    "logprobs": part["logprobs"],
-                },
-                {**where, "type": "response.content_part.done", "content_index": 0, "part": part},
+                    "type": "response.function_call_arguments.done",
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
             ]
-        elif item["type"] == "reasoning":
+        else:  # a message or a reasoning item: one text part
             part = item["content"][0]
+            done = {**where, "type": _TEXT_DONE[item["type"]], "content_index": 0}
+            done["text"] = part["text"]
+            if "logprobs" in part:
+                done["logprobs"] = part["logprobs"]
             events = [
-                {
-                    **where,
-                    "type": "response.reasoning_text.done",
-                    "content_index": 0,
-                    "text": part["text"],
-                },
+                done,
                 {**where, "type": "response.content_part.done", "content_index": 0, "part": part},
             ]
-            for summary in item["summary"]:
+            for summary in item.get("summary", ()):
                 events += [
                     {
                         **where,
@@ -318,15 +314,6 @@ class OutputBuilder:
                         "part": summary,
                     },
                 ]
-        else:
-            events = [
-                {
-                    **where,
-                    "type": "response.function_call_arguments.done",
-                    "name": item["name"],
-                    "arguments": item["arguments"],
-                }
-            ]
         events.append(
             {"type": "response.output_item.done", "output_index": len(self.output), "item": item}
         )
@@ -343,6 +330,10 @@ class OutputBuilder:
     def _where(self) -> dict[str, Any]:
         assert self._open is not None, "an item is open"
         return {"item_id": self._open["id"], "output_index": len(self.output)}
+
+
+# the event that ends an item's text part
+_TEXT_DONE = {"message": "response.output_text.done", "reasoning": "response.reasoning_text.done"}
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:

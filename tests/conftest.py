@@ -66,9 +66,7 @@ def served_precision(worker_dtype: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_engine(worker_dtype: str) -> Iterator[Engine]:
     """The engine on the tiny default model, shared by the tests that serve it."""
-    engine = Engine.from_checkpoint(DEFAULT_MODEL_PATH, dtype=worker_dtype)
-    yield engine
-    asyncio.run(engine.close())
+    yield from _engine_on(Path(DEFAULT_MODEL_PATH), worker_dtype)
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +83,21 @@ def v31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return written_once(
         tmp_path_factory, "v31", lambda out: write_tiny_checkpoint(out, reasoning="v31")
     )
+
+
+def _engine_on(model_dir: Path, dtype: str) -> Iterator[Engine]:
+    engine = Engine.from_checkpoint(model_dir, dtype=dtype)
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def r1_engine(r1_dir: Path, worker_dtype: str) -> Iterator[Engine]:
+    """The torch engine on the tiny R1, a module's own."""
+    yield from _engine_on(r1_dir, worker_dtype)
+
+
+@pytest.fixture(scope="module")
+def v31_engine(v31_dir: Path, worker_dtype: str) -> Iterator[Engine]:
+    """The torch engine on the tiny V3.1, a module's own."""
+    yield from _engine_on(v31_dir, worker_dtype)

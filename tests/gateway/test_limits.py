@@ -338,6 +338,13 @@ async def test_requests_the_mesh_failed_count_against_no_limit(gateway, redis_cl
     assert buckets and sum(int(v) for v in buckets.values()) == 0  # counted, then given back
 
 
+def _packed(command: bytes | str | Iterable[bytes]) -> bytes:
+    """A round trip's bytes, as redis-py hands them to a connection to write."""
+    if isinstance(command, str):
+        return command.encode()
+    return command if isinstance(command, bytes) else b"".join(command)
+
+
 class _ScriptWrites(Connection):
     """A connection that counts its writes that carry a script call (EVALSHA): the round
     trips to Redis that run scripts, one write whether it holds one call or a pipeline."""
@@ -347,9 +354,7 @@ class _ScriptWrites(Connection):
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
     ) -> None:
-        if isinstance(command, str):
-            command = command.encode()
-        data = command if isinstance(command, bytes) else b"".join(command)
+        data = _packed(command)
         if b"EVALSHA" in data:
             _ScriptWrites.count += 1
         await super().send_packed_command(data, check_health)
@@ -388,9 +393,7 @@ class _LosesScriptReplies(Connection):
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
     ) -> None:
-        if isinstance(command, str):
-            command = command.encode()
-        data = command if isinstance(command, bytes) else b"".join(command)
+        data = _packed(command)
         self._script_sent = b"EVALSHA" in data
         await super().send_packed_command(data, check_health)
 

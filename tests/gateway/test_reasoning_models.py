@@ -5,10 +5,8 @@ a call follows the thinking where a budget closes it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -44,22 +42,6 @@ def _reasoning_tokens() -> float:
         )
         or 0.0
     )
-
-
-def _engine(path: Path, dtype: str) -> Iterator[Engine]:
-    engine = Engine.from_checkpoint(path, dtype=dtype)
-    yield engine
-    asyncio.run(engine.close())
-
-
-@pytest.fixture(scope="module")
-def r1_engine(r1_dir: Path, worker_dtype: str) -> Iterator[Engine]:
-    yield from _engine(r1_dir, worker_dtype)
-
-
-@pytest.fixture(scope="module")
-def v31_engine(v31_dir: Path, worker_dtype: str) -> Iterator[Engine]:
-    yield from _engine(v31_dir, worker_dtype)
 
 
 async def _served(

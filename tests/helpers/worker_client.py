@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 
+from devtools.certs import role_tls
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.ports import free_port
 from infermesh.serve_client import ServeClient
 from infermesh.tls import TlsSection
 from tests.helpers.inprocess import PLAINTEXT
 from worker_svc import server as worker_server
-from worker_svc.config import WorkerConfig, WorkerServerSection
+from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
 from worker_svc.engine_api import InferenceEngine
 
 # Long enough for a CPU worker's slowest test prompt, short enough that a stuck one fails.
@@ -111,6 +115,31 @@ async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWork
     try:
         async with worker_client() as client:
             yield LoopbackWorker(client, servicer.info)
+    finally:
+        await server.stop(grace=None)
+        await servicer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving_as_worker(
+    engine: InferenceEngine, name: str, model_dir: Path | str, certs: Path
+) -> AsyncIterator[str]:
+    """``engine`` served over mutual TLS with the worker certificate ``name`` of ``certs``
+    (`python -m infermesh certs --worker name=`), as workers calling each other are; yields its
+    address."""
+    tls = dataclasses.replace(
+        role_tls(certs, "worker"),
+        cert_file=str(certs / f"worker-{name}.crt"),
+        key_file=str(certs / f"worker-{name}.key"),
+    )
+    config = WorkerConfig(
+        server=WorkerServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
+        model=ModelSection(path=str(model_dir)),
+        tls=tls,
+    )
+    server, servicer = await worker_server.create_server(config, engine)
+    try:
+        yield servicer.info.address
     finally:
         await server.stop(grace=None)
         await servicer.close()

@@ -8,7 +8,6 @@ blocks a prefill worker computes for it, and gives the tokens one worker doing b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,9 +25,7 @@ from router_svc.config import RoutingSection
 from telemetry import metrics
 from tests.helpers import MODEL as CONFIGURED_MODEL
 from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
-from tests.helpers.worker_client import loopback_worker, worker_client
-from worker_svc import server as worker_server
-from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
+from tests.helpers.worker_client import loopback_worker, serving_as_worker, worker_client
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
 from worker_svc.text.prompt import prompt_token_ids
@@ -73,29 +70,12 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@contextlib.asynccontextmanager
-async def _serving(engine: Engine, name: str, certs: Path) -> AsyncIterator[str]:
-    tls = dataclasses.replace(
-        role_tls(certs, "worker"),
-        cert_file=str(certs / f"worker-{name}.crt"),
-        key_file=str(certs / f"worker-{name}.key"),
-    )
-    config = WorkerConfig(
-        server=WorkerServerSection(host="127.0.0.1", port=free_port(), worker_id=name),
-        model=ModelSection(path=MLA_MODEL),
-        tls=tls,
-    )
-    server, servicer = await worker_server.create_server(config, engine)
-    try:
-        yield servicer.info.address
-    finally:
-        await server.stop(grace=None)
-        await servicer.close()
-
-
 @pytest.fixture
 async def pair(engines: tuple[Engine, Engine], certs: Path) -> AsyncIterator[Pair]:
-    async with _serving(engines[0], "p", certs) as p, _serving(engines[1], "d", certs) as d:
+    async with (
+        serving_as_worker(engines[0], "p", MLA_MODEL, certs) as p,
+        serving_as_worker(engines[1], "d", MLA_MODEL, certs) as d,
+    ):
         yield Pair(engines[0], engines[1], p, d, certs)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -178,22 +177,6 @@ def test_a_closing_tag_that_decodes_to_nothing_closes_on_its_token(r1_dir: Path,
 
 
 # -------------------------------------------------------------------------------- the engine
-
-
-def _engine(model_dir: Path, dtype: str) -> Iterator[Engine]:
-    engine = Engine.from_checkpoint(model_dir, dtype=dtype, max_model_len=1024)
-    yield engine
-    asyncio.run(engine.close())
-
-
-@pytest.fixture(scope="module")
-def r1_engine(r1_dir: Path, worker_dtype: str) -> Iterator[Engine]:
-    yield from _engine(r1_dir, worker_dtype)
-
-
-@pytest.fixture(scope="module")
-def v31_engine(v31_dir: Path, worker_dtype: str) -> Iterator[Engine]:
-    yield from _engine(v31_dir, worker_dtype)
 
 
 def _request(
