@@ -14,7 +14,6 @@ the worker renders it).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import logging
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.fleet_view import per_model
 from gateway.mesh_client import MeshClient
 from infermesh.pb import common_pb2, router_pb2
 from infermesh.prefix_hash import chain
@@ -158,17 +158,16 @@ def _fleet_digests(
     """Per served model the digest most of its workers report (of those the gateway can load:
     "sha256:..." and the simulated tokens), and per digest a worker's address to fetch it
     from."""
-    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     addresses: dict[str, str] = {}
     for status in workers:
-        info = status.worker
-        digest = info.capabilities.tokenizer
-        if not (digest.startswith("sha256:") or digest == SIM_TOKENIZER):
-            continue
-        addresses.setdefault(digest, info.address)
-        for model in info.models:
-            counts[model][digest] += 1
-    return {model: c.most_common(1)[0][0] for model, c in counts.items()}, addresses
+        if (digest := _loadable(status.worker)) is not None:
+            addresses.setdefault(digest, status.worker.address)
+    return per_model(workers, _loadable), addresses
+
+
+def _loadable(info: common_pb2.WorkerInfo) -> str | None:
+    digest = info.capabilities.tokenizer
+    return digest if digest.startswith("sha256:") or digest == SIM_TOKENIZER else None
 
 
 def _load(files: TextFiles) -> Tokenizer:

@@ -8,13 +8,13 @@ model that cannot (chat's ``reasoning_effort``, Messages' ``thinking``), at most
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 
 from aiohttp import web
 
 from gateway.errors import GatewayError, InvalidRequestError
+from gateway.fleet_view import per_model
 from gateway.generation import served_model
 from gateway.mesh_client import MeshClient
 from infermesh.pb import router_pb2
@@ -48,15 +48,8 @@ class ReasoningFormats:
 
 def fleet_formats(workers: list[router_pb2.WorkerStatus]) -> dict[str, str]:
     """Per served model the format most of its workers that reason report; "" where none does."""
-    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for status in workers:
-        for model in status.worker.models:
-            counts[model][status.worker.capabilities.reasoning_format] += 1
-    formats = {}
-    for model, count in counts.items():
-        reasoning = [(n, f) for f, n in count.items() if f]
-        formats[model] = max(reasoning)[1] if reasoning else ""
-    return formats
+    every_model = {model: "" for status in workers for model in status.worker.models}
+    return every_model | per_model(workers, lambda info: info.capabilities.reasoning_format or None)
 
 
 async def refuse_unless_reasoning(

@@ -97,17 +97,11 @@ def plan_pull(
         return None  # a holder with a free slot: the cost chose against it, no need to pull
     holder_entry = fleet.entry_at(group.slots[holder])
     mine = fleet.entry_at(group.slots[chosen]).info.capabilities
-    theirs = holder_entry.info.capabilities
-    bytes_per_token = theirs.kv_transfer_bytes_per_token
-    if (
-        not bytes_per_token
-        or bytes_per_token != mine.kv_transfer_bytes_per_token
-        or theirs.precision != mine.precision
-    ):
+    if not _exchange_blocks(mine, holder_entry.info.capabilities):
         return None
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
-    transfer_s = step_s + tokens * bytes_per_token * 8 / (link_gbps * 1e9)
+    transfer_s = step_s + _transfer_s(tokens, mine, link_gbps)
     compute_s = tokens * float(group.prefill_s_per_token[chosen])
     if transfer_s >= compute_s:
         return None
@@ -128,7 +122,7 @@ def plan_prefill(
     and send them, or None when no prefill worker can (the module's rule)."""
     tokens = len(prefix_hashes) * BLOCK_TOKENS - cached_tokens
     mine = decoder.info.capabilities
-    if tokens <= 0 or not mine.kv_transfer_bytes_per_token:
+    if tokens <= 0:
         return None
     group = fleet.group(model, mine.precision, prefill=True)
     if not len(group):
@@ -140,19 +134,12 @@ def plan_prefill(
     prefill_s = queued_s + len(prefix_hashes) * BLOCK_TOKENS * group.prefill_s_per_token
     for i, slot in enumerate(group.slots):
         theirs = fleet.entry_at(slot).info.capabilities
-        if (
-            fleet.ejected_until[slot] > now
-            or theirs.kv_transfer_bytes_per_token != mine.kv_transfer_bytes_per_token
-            or theirs.precision != mine.precision
-        ):
+        if fleet.ejected_until[slot] > now or not _exchange_blocks(mine, theirs):
             prefill_s[i] = np.inf
     best = int(prefill_s.argmin())
     if not np.isfinite(prefill_s[best]):
         return None
-    transfer_s = (
-        tokens * mine.kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9) if link_gbps > 0 else 0.0
-    )
-    estimate = float(prefill_s[best]) + transfer_s
+    estimate = float(prefill_s[best]) + (_transfer_s(tokens, mine, link_gbps) if link_gbps else 0.0)
     return PullPlan(
         fleet.entry_at(group.slots[best]),
         list(prefix_hashes),
@@ -160,3 +147,18 @@ def plan_prefill(
         compute=True,
         prefill_s=float(prefill_s[best] - queued_s[best]),
     )
+
+
+def _exchange_blocks(mine: common_pb2.Capabilities, theirs: common_pb2.Capabilities) -> bool:
+    """Whether two workers can send each other KV blocks: both can, of one size per token, in
+    one precision."""
+    return (
+        mine.kv_transfer_bytes_per_token > 0
+        and theirs.kv_transfer_bytes_per_token == mine.kv_transfer_bytes_per_token
+        and theirs.precision == mine.precision
+    )
+
+
+def _transfer_s(tokens: int, caps: common_pb2.Capabilities, link_gbps: float) -> float:
+    """Seconds to send ``tokens`` of KV cache over a ``link_gbps`` link."""
+    return tokens * caps.kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9)

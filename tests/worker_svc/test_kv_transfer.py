@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -27,7 +27,7 @@ from tests.helpers import MODEL as CONFIGURED_MODEL
 from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
 from tests.helpers.worker_client import loopback_worker, serving_as_worker, worker_client
 from worker_svc.config import load as load_worker_config
-from worker_svc.engine_api import GenerationRequest, PeerPrefix, RawTensor
+from worker_svc.engine_api import GenerationRequest, PeerBlock, PeerPrefix, RawTensor
 from worker_svc.text.prompt import prompt_token_ids
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.wire import to_engine
@@ -161,20 +161,30 @@ async def test_a_block_not_held_is_not_found_after_the_blocks_before_it(pair: Pa
     assert got == hashes[:2]
 
 
-async def test_a_block_that_is_not_the_prompts_is_refused_and_computed(pair: Pair):
-    request = _request("corrupt")
+def _cut_short(block: PeerBlock) -> PeerBlock:
+    bad = block.tensors[0]
+    return dataclasses.replace(block, tensors=(RawTensor(bad.data[:-2], bad.dtype, bad.shape),))
+
+
+def _misnamed(block: PeerBlock) -> PeerBlock:
+    return dataclasses.replace(block, prefix_hash=block.prefix_hash ^ 1)
+
+
+@pytest.mark.parametrize("spoil", [_cut_short, _misnamed])
+async def test_a_block_that_is_not_the_prompts_is_refused_and_computed(
+    pair: Pair, spoil: Callable[[PeerBlock], PeerBlock]
+):
+    request = _request(f"corrupt-{spoil.__name__}")
     computed = await _complete(pair, pair.p_address, request)
     hashes = chain(_prompt_ids(pair.p, request))
     blocks = await pair.p.export_blocks(hashes)
-    # block 4 cut short: it and those after it are computed, the four before it taken
-    bad = blocks[4].tensors[0]
-    blocks[4] = dataclasses.replace(
-        blocks[4], tensors=(RawTensor(bad.data[:-2], bad.dtype, bad.shape),)
-    )
+    # block 4 cut short, or named as another prefix's: it and those after it are computed, the
+    # four before it taken
+    blocks[4] = spoil(blocks[4])
     refused = metrics.KV_PULL_REFUSED_BLOCKS._value.get()
     served = to_engine(request)
     engine_request: GenerationRequest = dataclasses.replace(
-        served, request_id="corrupt-d", peer_prefix=PeerPrefix(0, tuple(blocks))
+        served, request_id=f"corrupt-d-{spoil.__name__}", peer_prefix=PeerPrefix(0, tuple(blocks))
     )
     tokens: list[int] = []
     cached = 0

@@ -78,7 +78,9 @@ class ReasoningParser:
             head = text.lstrip()
             if head.startswith(THINK):  # the model opened the thinking itself
                 self._reasoning_from = len(text) - len(head) + len(THINK)
-        close = text.find(THINK_END, self._reasoning_from)
+        # what was handed out held no tag, nor the start of one: look only past it (each token
+        # feeds the whole text; searching from its start again would be quadratic)
+        close = text.find(THINK_END, max(self._reasoning_from, self._sent))
         if close >= 0:
             self.thinking = False
             self._close_at, self._answer_from = close, close + len(THINK_END)
