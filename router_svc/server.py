@@ -159,6 +159,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         attempts = await self._queued(request, context)
         owner = self._usage.owner(context)
         delivered = common_pb2.Usage()
+        # the worker's slot is free before the caller hears of a failure, so the caller's
+        # next request finds it free
+        failure: tuple[grpc.StatusCode, str] | None = None
         try:
             async with contextlib.aclosing(
                 self._relayed(attempts, request, context, stream=True)
@@ -167,14 +170,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     _add_delivered(delivered, chunk)
                     yield chunk
         except StreamFailedError as e:
-            await context.abort(e.code, e.details)
+            failure = (e.code, e.details)
         except ReaderTooSlowError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             self._release(attempts[0])
             # a stream that delivered anything counts, one that failed before it does not
             if owner and (delivered.prompt_tokens or delivered.completion_tokens):
                 self._usage.count(owner, delivered)
+        if failure is not None:
+            await context.abort(*failure)
 
     async def Complete(
         self,
@@ -182,15 +187,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> common_pb2.GenerateResponse:
         attempts = await self._queued(request, context)
+        failure: tuple[grpc.StatusCode, str] | None = None
         try:
             async with contextlib.aclosing(
                 self._relayed(attempts, request, context, stream=False)
             ) as replies:
                 reply = await anext(replies)
         except StreamFailedError as e:
-            await context.abort(e.code, e.details)
+            failure = (e.code, e.details)
         finally:
             self._release(attempts[0])
+        if failure is not None:
+            await context.abort(*failure)
         owner = self._usage.owner(context)
         if owner:
             self._usage.count(owner, reply.usage)
