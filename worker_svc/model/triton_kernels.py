@@ -23,11 +23,12 @@ import triton.language as tl
 from triton import knobs
 
 GROUP = 128  # the 1x128 activation groups and 128x128 weight blocks of DeepSeek-V3's FP8
-_E4M3_MAX = 448.0
-_E4M3_MIN_NORMAL = 2.0**-6
+# the kernels' globals are constexpr: compiled Triton (not its interpreter) reads no other globals
+_E4M3_MAX = tl.constexpr(448.0)
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 # (x + c) - c rounds |x| < 2^13 to a multiple of 2^-9, E4M3's subnormal step: c's ulp is 2^-9
-_E4M3_SUBNORMAL_ROUNDER = 1.5 * 2.0**14
-_MIN_SCALE = 1e-12  # kernel.py's: an all-zero group gets a tiny scale instead of 0/0
+_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)
+_MIN_SCALE = tl.constexpr(1e-12)  # kernel.py's: an all-zero group gets a tiny scale, not 0/0
 # act_quant: 1x128 groups per program (8 KiB of BF16)
 _QUANT_GROUPS_PER_PROGRAM = 32
 
