@@ -2,8 +2,9 @@
 
     nice -n 10 .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-rebuilds the stored checkpoint (1,500 steps: 20 minutes on two busy cores; fixed seeds, two torch
-threads). The model is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config
+rebuilds the stored checkpoint with the arguments docs/BENCHMARKS.md records for it (fixed seeds;
+on a CUDA device when there is one, else on the CPU: 1,500 steps of 4,096 tokens take 20 minutes on
+two busy cores). The model is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config
 (multi-head latent attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes
 of CHAT_SIZES, with its trained byte-level BPE and DeepSeek's chat and tool templates. It learns
 from devtools.chat_model.corpus's dialogues, each rendered by the chat template the mesh serves the
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
+import os
 import random
 import tempfile
 import time
@@ -82,6 +85,33 @@ def render(tok: Tokenizer, dialogue: Dialogue) -> tuple[list[int], list[bool]]:
     return ids, learn
 
 
+_renderer: Tokenizer | None = None  # each rendering process's own
+
+
+def _load_renderer(files: str) -> None:
+    global _renderer
+    _renderer = Tokenizer(files)
+
+
+def _render_one(dialogue: Dialogue) -> tuple[list[int], list[bool]]:
+    assert _renderer is not None
+    return render(_renderer, dialogue)
+
+
+def render_all(
+    files: str, corpus: list[Dialogue], processes: int
+) -> list[tuple[list[int], list[bool]]]:
+    """Every dialogue rendered (``render``) by the tokenizer in ``files``, in ``processes``
+    processes: the chat template takes milliseconds a dialogue."""
+    if processes <= 1:
+        _load_renderer(files)
+        return [_render_one(d) for d in corpus]
+    with multiprocessing.get_context("spawn").Pool(
+        processes, initializer=_load_renderer, initargs=(files,)
+    ) as pool:
+        return pool.map(_render_one, corpus, chunksize=256)
+
+
 def _full(tok: Tokenizer, messages: list[dict[str, Any]], tools: Any) -> list[int]:
     text = tok.hf.apply_chat_template(messages, tools=tools, tokenize=False)
     assert isinstance(text, str)
@@ -143,7 +173,7 @@ def checkpoint_state(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         key = key.replace(".parametrizations.", ".").replace(".original", "")
-        value = value.detach().float()
+        value = value.detach().float().cpu()
         if key.endswith("experts.gate_up_proj"):
             prefix = key.removesuffix("gate_up_proj")
             for e, stacked in enumerate(value):
@@ -252,28 +282,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--max-len", type=int, default=1280)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--layers", type=int, default=CHAT_SIZES["num_hidden_layers"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--render-processes", type=int, default=os.cpu_count() or 1, help="for the corpus"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument(
         "--stop-at", type=int, help="end after this many of the schedule's --steps (and save)"
     )
     ns = parser.parse_args(argv)
     torch.set_num_threads(ns.threads)
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 training; TF32 products on a GPU
     torch.manual_seed(_SEED)
     started = time.monotonic()
 
     bpe = train_tokenizer()
-    config = chat_config(bpe.get_vocab_size())
+    config = chat_config(bpe.get_vocab_size()) | {"num_hidden_layers": ns.layers}
     hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config))  # float32, as built
     with tempfile.TemporaryDirectory() as files:
         save(model, Path(files), bpe, config)  # the tokenizer files the renderer loads
-        tok = Tokenizer(files)
-    examples = []
-    for dialogue in dialogues(ns.dialogues, _SEED):
-        rendered, learn = render(tok, dialogue)
-        if len(rendered) <= ns.max_len:
-            examples.append((rendered, learn))
+        rendered_all = render_all(files, dialogues(ns.dialogues, _SEED), ns.render_processes)
+    examples = [(ids, learn) for ids, learn in rendered_all if len(ids) <= ns.max_len]
     tokens = sum(len(rendered) for rendered, _ in examples)
     print(
         f"{len(examples)} dialogues, {tokens} tokens, rendered in "
@@ -281,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
+    model.to(ns.device)
     round_fp8_weights(model)
     balance = RoutingBalance(model)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
@@ -305,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     stream = batches(examples, ns.batch_tokens, random.Random(_SEED))
     recent: list[float] = []
     for step in range(ns.stop_at or ns.steps):
-        ids, labels, mask = next(stream)
+        ids, labels, mask = (t.to(ns.device) for t in next(stream))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         with parametrize.cached():  # each FP8-rounded weight once per step
@@ -319,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % 10 == 0:
             print(
                 f"step {step + 1}/{ns.steps} loss {sum(recent) / len(recent):.4f} "
-                f"lr {lr_at(step):.2e} {time.monotonic() - started:.0f} s",
+                f"lr {lr_at(step):.2e} {time.monotonic() - started:.1f} s",
                 flush=True,
             )
             recent.clear()
