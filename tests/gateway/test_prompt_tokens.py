@@ -25,7 +25,7 @@ from tests.helpers.inprocess import eventually, running_worker, sim_engine, wait
 from tests.helpers.tools import TOOLS
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.engine_api import GenerationChunk, GenerationRequest
-from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.prompt_ids import prompt_token_ids
 from worker_svc.torch_engine.engine import Engine
 
 _HISTORY = [

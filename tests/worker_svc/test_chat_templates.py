@@ -16,6 +16,7 @@ from infermesh.text.tokenizer import Tokenizer
 from tests.helpers import deepseek_templates
 from tests.helpers.checkpoints import variant_of
 from tests.helpers.tools import WEATHER
+from worker_svc.decoding.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.engine_api import (
     Constraints,
     GenerationRequest,
@@ -23,7 +24,6 @@ from worker_svc.engine_api import (
     Tool,
     merge_chunks,
 )
-from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.torch_engine.engine import Engine
 
 _TOOLS: list[dict[str, Any]] = [

@@ -28,7 +28,7 @@ from tests.helpers.inprocess import eventually, running_router, running_worker, 
 from tests.helpers.worker_client import loopback_worker, serving_as_worker, worker_client
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import GenerationRequest, PeerBlock, PeerPrefix, RawTensor
-from worker_svc.text.prompt import prompt_token_ids
+from worker_svc.prompt_ids import prompt_token_ids
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.wire import to_engine
 

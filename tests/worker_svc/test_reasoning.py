@@ -18,6 +18,9 @@ from infermesh.pb import common_pb2
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection, WorkerConfig
 from worker_svc.config import load as load_worker_config
+from worker_svc.decoding.completion_decoder import CompletionDecoder
+from worker_svc.decoding.reasoning_parser import ReasoningParser, Thinking, thinking_of
+from worker_svc.decoding.tool_parser import ToolMarkers
 from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
@@ -27,11 +30,8 @@ from worker_svc.engine_api import (
     ToolCallDelta,
     merge_chunks,
 )
+from worker_svc.prompt_ids import prompt_token_ids
 from worker_svc.server import worker_info
-from worker_svc.text.completion_decoder import CompletionDecoder
-from worker_svc.text.prompt import prompt_token_ids
-from worker_svc.text.reasoning_parser import ReasoningParser, Thinking, thinking_of
-from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.wire import to_engine, to_proto
 

@@ -8,7 +8,7 @@ import pytest
 
 from devtools.tiny_model import ASSISTANT, BOS, USER
 from infermesh.text.tokenizer import Tokenizer
-from worker_svc.text.detokenizer import IncrementalDetokenizer
+from worker_svc.decoding.detokenizer import IncrementalDetokenizer
 
 _MULTIBYTE = "Hello 世界! 深度求索 🚀🎉👍🏽 naïve café — 한국어 Привет ok"
 

@@ -15,6 +15,8 @@ import torch
 
 from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.decoding.grammar import GrammarCompiler, apply_masks, lark_grammar
+from worker_svc.decoding.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.engine_api import (
     Constraints,
     GenerationChunk,
@@ -25,8 +27,6 @@ from worker_svc.engine_api import (
     ToolCallDelta,
     merge_chunks,
 )
-from worker_svc.text.grammar import GrammarCompiler, apply_masks, lark_grammar
-from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.torch_engine.engine import Engine
 
 WEATHER = {

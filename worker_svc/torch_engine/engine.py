@@ -29,6 +29,9 @@ from infermesh.text.tokenizer import Tokenizer
 from telemetry import metrics
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
+from worker_svc.decoding.completion_decoder import CompletionDecoder
+from worker_svc.decoding.grammar import GrammarCompiler
+from worker_svc.decoding.reasoning_parser import thinking_of
 from worker_svc.engine_api import (
     DeviceCapabilities,
     EngineLoad,
@@ -42,11 +45,8 @@ from worker_svc.engine_api import (
 from worker_svc.model.checkpoint import load_checkpoint, read_config
 from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
+from worker_svc.prompt_ids import prompt_token_ids
 from worker_svc.request_front import RequestFront, bounded_batching_hints
-from worker_svc.text.completion_decoder import CompletionDecoder
-from worker_svc.text.grammar import GrammarCompiler
-from worker_svc.text.prompt import prompt_token_ids
-from worker_svc.text.reasoning_parser import thinking_of
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,

@@ -25,6 +25,8 @@ import llguidance
 import torch
 
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.decoding.completion_decoder import CompletionDecoder, TokenEnd
+from worker_svc.decoding.grammar import apply_masks
 from worker_svc.engine_api import (
     EngineClosedError,
     EngineLoad,
@@ -33,8 +35,6 @@ from worker_svc.engine_api import (
     TokenLogprob,
 )
 from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
-from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
-from worker_svc.text.grammar import apply_masks
 from worker_svc.torch_engine.model_runner import ModelRunner
 from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
 from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState

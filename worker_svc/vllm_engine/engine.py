@@ -9,12 +9,12 @@ worker keeps its own front: it renders the chat template and tokenizes as for th
 hands vLLM token ids, checks requests with the same rules, and bounds the waiting queue; vLLM
 detokenizes, applies stop strings and samples, enforcing the worker's grammar of a request's tools
 and JSON schema with its guidance backend. With tools, or a reasoning model's turn, the worker
-decodes the tokens itself (worker_svc.text.completion_decoder), as the torch engine does, into text,
-reasoning and tool-call pieces; vLLM's own reasoning parser (R1's think tags) holds the grammar back
-until the thinking closes and keeps the thinking budget (its thinking_token_budget). Load
-comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a stat logger, and
-vLLM's Prometheus metrics land in the process's default registry, which the worker's metrics port
-serves.
+decodes the tokens itself (worker_svc.decoding.completion_decoder), as the torch engine does, into
+text, reasoning and tool-call pieces; vLLM's own reasoning parser (R1's think tags) holds the
+grammar back until the thinking closes and keeps the thinking budget (its thinking_token_budget).
+Load comes from vLLM's own scheduler stats (running, waiting, KV-cache use) through a stat logger,
+and vLLM's Prometheus metrics land in the process's default registry, which the worker's metrics
+port serves.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ from infermesh.text.chat_templates import THINK, THINK_END
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
+from worker_svc.decoding.completion_decoder import CompletionDecoder, TokenEnd
+from worker_svc.decoding.grammar import lark_grammar
+from worker_svc.decoding.reasoning_parser import thinking_of
+from worker_svc.decoding.tool_parser import ToolMarkers
 from worker_svc.engine_api import (
     DeviceCapabilities,
     EngineClosedError,
@@ -71,12 +75,8 @@ from worker_svc.model.precision import (
     probe_device,
     resolve_device,
 )
+from worker_svc.prompt_ids import prompt_token_ids
 from worker_svc.request_front import RequestFront
-from worker_svc.text.completion_decoder import CompletionDecoder, TokenEnd
-from worker_svc.text.grammar import lark_grammar
-from worker_svc.text.prompt import prompt_token_ids
-from worker_svc.text.reasoning_parser import thinking_of
-from worker_svc.text.tool_parser import ToolMarkers
 from worker_svc.vllm_engine.args import (
     VLLM_FP8_NEEDS,
     Devices,
@@ -195,7 +195,7 @@ class VllmEngine:
                 "[engine.vllm] kv_events_config: the worker sets it (it reads vLLM's cache events "
                 "for Worker.CacheEvents)"
             )
-        # the worker's grammars (worker_svc.text.grammar) are llguidance's Lark
+        # the worker's grammars (worker_svc.decoding.grammar) are llguidance's Lark
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
         tokenizer = Tokenizer(config.model.path, config.model.chat_template or None)
         reasoning = config.model.configured_reasoning

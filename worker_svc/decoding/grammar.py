@@ -1,7 +1,7 @@
 """Constrained decoding with llguidance: a request's tools and JSON schema become one grammar, and
 its matcher a token mask per step.
 
-The grammar follows the checkpoint's tool-call syntax (worker_svc.text.tool_parser): with
+The grammar follows the checkpoint's tool-call syntax (worker_svc.decoding.tool_parser): with
 tool_choice ``required`` the output must be calls whose arguments match their tool's schema, with a
 named tool exactly one call of it; with ``auto`` it is text (no special tokens) optionally followed
 by such calls; with ``none`` text only. A ``json_schema`` makes the text a JSON value of that
@@ -22,8 +22,8 @@ import llguidance.hf
 import torch
 
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.decoding.tool_parser import ToolMarkers
 from worker_svc.engine_api import Constraints, InvalidArgumentError
-from worker_svc.text.tool_parser import ToolMarkers
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from infermesh.text.chat_templates import (
     ToolFormat,
 )
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.decoding.detokenizer import IncrementalDetokenizer, partial_suffix
 from worker_svc.engine_api import ToolCallDelta
-from worker_svc.text.detokenizer import IncrementalDetokenizer, partial_suffix
 
 _ARGS_OPEN, _ARGS_CLOSE = "```json\n", "\n```"
 

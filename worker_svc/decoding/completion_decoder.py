@@ -3,8 +3,8 @@ it ends.
 
 Every engine feeds its tokens through one `CompletionDecoder`, so text, reasoning, tool calls and
 finish reasons come out the same whichever engine sampled them: a reasoning model's thinking is
-reasoning text (worker_svc.text.reasoning_parser), the text before a turn's calls is text, the
-calls are tool-call pieces (worker_svc.text.tool_parser), and a stop ends the turn as
+reasoning text (worker_svc.decoding.reasoning_parser), the text before a turn's calls is text, the
+calls are tool-call pieces (worker_svc.decoding.tool_parser), and a stop ends the turn as
 ``tool_calls`` once a call has started. The thinking comes first: the tool parser, and the
 request's grammar, see only the tokens after it. A thinking budget is kept by `forced_token`.
 """
@@ -16,10 +16,10 @@ from typing import Literal
 
 from infermesh.names import FinishReason
 from infermesh.text.tokenizer import Tokenizer
+from worker_svc.decoding.detokenizer import IncrementalDetokenizer
+from worker_svc.decoding.reasoning_parser import Thinking
+from worker_svc.decoding.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.engine_api import Constraints, ToolCallDelta
-from worker_svc.text.detokenizer import IncrementalDetokenizer
-from worker_svc.text.reasoning_parser import Thinking
-from worker_svc.text.tool_parser import ToolCallParser, ToolMarkers
 
 # why the engine ends the sequence at this token: it is a stop token, or the last one the
 # length limit allows
