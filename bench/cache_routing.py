@@ -17,7 +17,7 @@ Per policy, fresh processes on an emptied Redis: a real router and
   is a burst of shared-prefix-sized requests with unique prompts (no cache hits).
 
 Requests go to the router's Generate, as an internal caller sends them (the router relays): the
-prompt rendered and tokenized as the gateway does it (gateway/prompt_tokens.py: the simulated
+prompt rendered and tokenized as the gateway does it (gateway/mesh/prompt_tokens.py: the simulated
 tokens, or the tokenizer the torch workers serve, fetched from one of them), sent with its ids
 and the tokenizer's digest; `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every
 other policy gets none, so `balanced` is the byte-window guess of before.
@@ -79,8 +79,8 @@ from bench.router_policies import FLEET, MODEL, fleet_router, words, worker_conf
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.config import RouterSection
-from gateway.mesh_client import MeshClient
-from gateway.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
+from gateway.mesh.client import MeshClient
+from gateway.mesh.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port

@@ -54,7 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key, key_id, key_tag
+from gateway.accounts.keys import create_key, key_id, key_tag
 from infermesh.pb import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving

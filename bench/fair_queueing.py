@@ -8,9 +8,9 @@ worker held against its max_parallel, and the queue wait.
 On fresh processes: a Redis, a real router (``python -m router_svc`` with [fair_queue]
 enabled) and one process hosting ``--workers`` simulated V100 workers of ``--slots`` slots
 each (bench/router_policies.py's); this process is the gateway: per key, ``--clients``
-closed-loop clients ask over one route stream (gateway.route_stream, as the gateway does),
-call the chosen worker and report the request finished. 3 x 11 clients on 4 x 4 slots is about
-2x capacity; every key alone could fill the fleet, so each is always backlogged.
+closed-loop clients ask over one route stream (gateway.mesh.route_stream_client, as the gateway
+does), call the chosen worker and report the request finished. 3 x 11 clients on 4 x 4 slots is
+about 2x capacity; every key alone could fill the fleet, so each is always backlogged.
 
 Printed per key: requests and completion tokens served in the measured window (after a
 warm-up), its share against its weight's share (target: within 10 %), the p50 / p90 of the
@@ -35,8 +35,8 @@ import grpc
 
 from bench.router_policies import registered, serve_workers, spawn, stop, wait_until
 from devtools.redis_server import RedisServer
-from gateway.route_stream import RouteStream
-from gateway.route_stream import workers as route_workers
+from gateway.mesh.route_stream_client import RouteStream
+from gateway.mesh.route_stream_client import workers as route_workers
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving

@@ -59,7 +59,7 @@ import psutil
 from bench.mesh_load import simulated_mesh
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port

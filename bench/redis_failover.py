@@ -12,8 +12,8 @@ far plus ``--headroom`` (so the limit is reached after the failover), and the ma
 serving the key's hash slot is killed (SIGKILL); its replica takes over.
 
 Accounting is per request: each request carries an ``x-request-id`` of its own, and each
-settlement's done-mark in Redis holds its request's id (``gateway.limits``), so after the run
-every request answered 200 is looked up in what the new master holds.
+settlement's done-mark in Redis holds its request's id (``gateway.accounts.limits``), so after
+the run every request answered 200 is looked up in what the new master holds.
 
 Prints: the outage (first to last request answered other than 200/429 after the kill,
 and the time to the first 200 after it); the limit against the requests served (200s), and
@@ -41,8 +41,8 @@ import aiohttp
 
 from bench.mesh_load import MeshLoad, Outcome, simulated_mesh
 from devtools.mesh import Mesh
-from gateway.keys import create_key, key_id, key_tag, update_key
-from gateway.limits import read_usage
+from gateway.accounts.keys import create_key, key_id, key_tag, update_key
+from gateway.accounts.limits import read_usage
 from infermesh.redis_client import RedisClient, redis_client
 from tests.helpers.redis_cluster import RedisClusterServers
 from worker_svc.config import DEFAULT_MODEL_PATH

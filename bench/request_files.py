@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine

@@ -38,7 +38,7 @@ import psutil
 from bench.mesh_load import MeshLoad, Outcome, simulated_mesh
 from devtools.mesh import Mesh
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 

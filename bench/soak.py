@@ -43,7 +43,7 @@ import redis.asyncio as aioredis
 from bench.mesh_load import Kind, MeshLoad, Outcome, simulated_mesh
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key
+from gateway.accounts.keys import create_key
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 
@@ -132,7 +132,7 @@ class _Probe:
         leases = 0
         async for name in self._redis.scan_iter(match="infermesh:rl:*:inflight"):
             leases += await self._redis.zcard(name)
-        # one marker per settled request, expiring on its own (gateway.limits): not growth
+        # one marker per settled request, expiring on its own (gateway.accounts.limits): not growth
         settled = sum(
             [1 async for _ in self._redis.scan_iter(match="infermesh:settled:*", count=1000)]
         )

@@ -44,7 +44,7 @@ import aiohttp
 
 from devtools.mesh import Mesh, MeshSpec, dev_worker_env
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.torch_engine.threads import available_cores

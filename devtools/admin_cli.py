@@ -1,4 +1,4 @@
-"""``python -m infermesh keys ...``: the admin API (``gateway.admin``) from a shell.
+"""``python -m infermesh keys ...``: the admin API (``gateway.accounts.admin``) from a shell.
 
 The gateway is found at ``INFERMESH_ADMIN_URL`` (default http://127.0.0.1:8000) and
 the admin token is read from ``INFERMESH_ADMIN_TOKEN`` only, never from the
@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from gateway.keys import LIMIT_FIELDS
+from gateway.accounts.keys import LIMIT_FIELDS
 from infermesh.redact import redact_url
 
 _DEFAULT_URL = "http://127.0.0.1:8000"

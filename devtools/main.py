@@ -27,7 +27,7 @@ from devtools.chat_model import SERVED_PATH
 from devtools.hwbench import cli as bench_cli
 from devtools.mesh import Mesh, MeshSpec, ServiceExited, dev_worker_env
 from devtools.redis_server import RedisServer, redis_reachable
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.ports import port_in_use
 from infermesh.redact import redact_url
 

@@ -26,7 +26,7 @@ import grpc
 from devtools.certs import role_tls, write_certs
 from devtools.processes import stop_with_parent
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving, http_ok

@@ -16,9 +16,9 @@ from aiohttp import web
 import telemetry
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.http_server import GatewayRunner
-from gateway.middleware import AccessLogger
-from gateway.siblings import start_siblings, stop_siblings
+from gateway.http.middleware import AccessLogger
+from gateway.http.server import GatewayRunner
+from gateway.http.siblings import start_siblings, stop_siblings
 from infermesh.config import load_config
 from infermesh.service_main import service_main
 

@@ -8,39 +8,29 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 import telemetry
-from gateway.admin import create_admin_app
-from gateway.chat import create_chat_completion
-from gateway.completions import create_completion
+from gateway.accounts.admin import create_admin_app
+from gateway.accounts.auth import KEY_STORE, auth_middleware
+from gateway.accounts.keys import REDIS, KeyStore
+from gateway.accounts.limits import LIMITER, Limiter
+from gateway.accounts.recent import CONSOLE_CONFIG, recent_ctx, record_recent
+from gateway.api.generation import LIMITS_CONFIG, MODELS_CONFIG
 from gateway.config import GatewayConfig
 from gateway.console import create_console_app
-from gateway.generation import LIMITS_CONFIG, MODELS_CONFIG
-from gateway.keys import REDIS, KeyStore
-from gateway.limits import LIMITER, Limiter
-from gateway.mesh_client import MESH, MeshClient
-from gateway.messages import count_tokens, create_message
-from gateway.middleware import (
+from gateway.http.middleware import (
     API_PREFIXES,
-    KEY_STORE,
     REDIS_CONFIG,
     add_request_id,
-    auth_middleware,
     error_middleware,
     redact_query_keys,
 )
-from gateway.models import list_models, retrieve_model
-from gateway.openapi import openapi_document, publish_document
-from gateway.ops import health, metrics, metrics_port
-from gateway.prompt_tokens import PROMPT_TOKENS, PromptTokens
-from gateway.reasoning import REASONING_FORMATS, ReasoningFormats
-from gateway.recent import CONSOLE_CONFIG, recent_ctx, record_recent
-from gateway.responses import (
-    create_response,
-    delete_response,
-    list_input_items,
-    retrieve_response,
-)
-from gateway.responses_store import RESPONSES_CONFIG
-from gateway.validation import SERVER_CONFIG
+from gateway.http.openapi import OPERATIONS, publish_document
+from gateway.http.ops import metrics_port
+from gateway.http.validation import SERVER_CONFIG
+from gateway.mesh.client import MESH, MeshClient
+from gateway.mesh.prompt_tokens import PROMPT_TOKENS, PromptTokens
+from gateway.mesh.reasoning_formats import REASONING_FORMATS, ReasoningFormats
+from gateway.openai.responses_store import RESPONSES_CONFIG
+from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from telemetry.metrics import watch_event_loop
@@ -76,23 +66,15 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.on_response_prepare.append(add_request_id)
     app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
-        app.router.add_post(f"{base}/chat/completions", create_chat_completion)
-        app.router.add_post(f"{base}/completions", create_completion)
-        app.router.add_get(f"{base}/models", list_models)
-        app.router.add_get(f"{base}/models/{{model:.+}}", retrieve_model)  # ids may hold slashes
-        app.router.add_post(f"{base}/responses", create_response)
-        app.router.add_get(f"{base}/responses/{{response_id}}", retrieve_response)
-        app.router.add_delete(f"{base}/responses/{{response_id}}", delete_response)
-        app.router.add_get(f"{base}/responses/{{response_id}}/input_items", list_input_items)
-    # Anthropic clients append /v1/messages to their base URL, the alias included.
+        add_routes(app.router, OPENAI, base)
     for base in ("", alias) if alias else ("",):
-        app.router.add_post(f"{base}/v1/messages", create_message)
-        app.router.add_post(f"{base}/v1/messages/count_tokens", count_tokens)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi_document)
+        add_routes(app.router, ANTHROPIC, base)
+    add_routes(app.router, OPS)
+    app[OPERATIONS] = operations()
     admin_sha256 = config.admin.digest()
-    app.add_subapp("/admin", create_admin_app(admin_sha256))
+    admin = create_admin_app(admin_sha256)
+    add_routes(admin.router, ADMIN)
+    app.add_subapp("/admin", admin)
     if admin_sha256:  # the operator's console: on the admin gateway only
         app.add_subapp("/console", create_console_app(admin_sha256))
     return app

@@ -98,7 +98,7 @@ class RedisSection:
 @section
 class RouterSection:
     """Every generation is routed on one long-lived Router.RouteStream per process and served
-    over long-lived Worker.Serve streams to the chosen worker (gateway.mesh_client)."""
+    over long-lived Worker.Serve streams to the chosen worker (gateway.mesh.client)."""
 
     REMOVED = {
         "relay": "every request is routed on the route stream and served by the chosen worker",
@@ -129,7 +129,7 @@ class RouterSection:
     stream_buffer_chunks: int = 4096
     # true: the gateway renders and tokenizes each prompt with its model's tokenizer (fetched
     # from a worker, Worker.TextFiles) and sends the ids and their prefix hashes, so the router
-    # routes by cached prefixes and the worker does not tokenize again (gateway.prompt_tokens)
+    # routes by cached prefixes and the worker does not tokenize again (gateway.mesh.prompt_tokens)
     prompt_tokens: bool = True
     # How often the gateway asks the router which tokenizer each model's workers have.
     tokenizer_refresh_s: float = 10.0

@@ -170,7 +170,7 @@ def redis_client(
     or behind Sentinel; in a cluster the bound is per node and a call past it fails.
     A call that fails on a dead connection is tried once more on a new one: after a Redis
     restart the pool still holds connections to the old process, each of which would
-    otherwise fail one call (a settlement run twice counts once: gateway.limits).
+    otherwise fail one call (a settlement run twice counts once: gateway.accounts.limits).
     ``retries=False``: a failed call is reported at once; a cluster client always
     retries, as it must to follow redirections and failovers."""
     target = parse_redis_url(url)

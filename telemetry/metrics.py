@@ -64,7 +64,7 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 TOKENS = Counter(
     "infermesh_tokens", "Tokens processed, by type (input or output)", ["service", "model", "type"]
 )
-# Of the output tokens, those a reasoning model spent thinking (gateway.generation), per model
+# Of the output tokens, those a reasoning model spent thinking (gateway.api.generation), per model
 REASONING_TOKENS = Counter(
     "infermesh_reasoning_tokens",
     "Output tokens reasoning models spent thinking, by model (the gateway's count)",

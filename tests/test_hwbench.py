@@ -18,7 +18,7 @@ from devtools.hwbench.load import Sample
 from devtools.hwbench.plots import SIZE_PX
 from devtools.hwbench.results import Point, dominates
 from devtools.main import main
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway

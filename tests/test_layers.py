@@ -2,12 +2,13 @@
 most specific folder holding it. Every import of every module counts (inside its own package,
 inside a function, under TYPE_CHECKING): a module imports only its own folder and the floors
 below, never a sibling folder on its floor, and no module imports back into one that imports
-it, directly or through others."""
+it, directly or through others. Inside the gateway its rooms (subpackages) stand on floors of
+their own, held to the same rule among themselves."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,20 @@ FLOORS = (
 # The one module that reaches up: `python -m infermesh` is the developer tools' command.
 REACHES_UP = {"infermesh/__main__.py": "devtools"}
 
+# The gateway's rooms, bottom first: its configuration under everything, the HTTP plumbing, the
+# mesh's client side, then the accounts (whose admin API lists the fleet), the generation the
+# APIs share, the API rooms and the console, and on top the gateway's own modules that put the
+# app together (gateway/app.py, gateway/routes.py, gateway/__main__.py).
+GATEWAY_ROOMS = (
+    Floor("the gateway's configuration", ("gateway/config.py",)),
+    Floor("HTTP plumbing", ("gateway/http",)),
+    Floor("the mesh's client side", ("gateway/mesh",)),
+    Floor("accounts", ("gateway/accounts",)),
+    Floor("what the APIs share", ("gateway/api",)),
+    Floor("the APIs and the console", ("gateway/openai", "gateway/anthropic", "gateway/console")),
+    Floor("the gateway's assembly", ("gateway",)),
+)
+
 
 @dataclass(frozen=True)
 class Place:
@@ -43,16 +58,25 @@ class Place:
 
 
 def _dotted(folder: str) -> str:
-    return folder.replace("/", ".")
+    return folder.removesuffix(".py").replace("/", ".")
 
 
 def place_of(module: str) -> Place | None:
     """The folder and floor of a module, by its dotted name."""
     for path, folder in REACHES_UP.items():
-        if module == _dotted(path.removesuffix(".py")):
+        if module == _dotted(path):
             return _place_of_folder(folder)
+    return _most_specific(module, FLOORS)
+
+
+def room_of(module: str) -> Place | None:
+    """The gateway's room (and the room's floor) of a gateway module; None for any other."""
+    return _most_specific(module, GATEWAY_ROOMS)
+
+
+def _most_specific(module: str, floors: tuple[Floor, ...]) -> Place | None:
     best: Place | None = None
-    for level, floor in enumerate(FLOORS):
+    for level, floor in enumerate(floors):
         for folder in floor.folders:
             prefix = _dotted(folder)
             if (module == prefix or module.startswith(prefix + ".")) and (
@@ -110,14 +134,32 @@ def floor_violations(module: str, imports: list[tuple[int, str]]) -> list[str]:
     own = place_of(module)
     if own is None:
         return [f"{module} lies in no floor's folder; add its folder to FLOORS"]
+    return _violations_from(module, own, imports, place_of, FLOORS)
+
+
+def room_violations(module: str, imports: list[tuple[int, str]]) -> list[str]:
+    """Imports of the gateway module ``module`` that point up a room's floor or at a sibling
+    room on its floor."""
+    own = room_of(module)
+    assert own is not None, module
+    return _violations_from(module, own, imports, room_of, GATEWAY_ROOMS)
+
+
+def _violations_from(
+    module: str,
+    own: Place,
+    imports: list[tuple[int, str]],
+    place: Callable[[str], Place | None],
+    floors: tuple[Floor, ...],
+) -> list[str]:
     found = []
     for line, target in imports:
-        other = place_of(target)
+        other = place(target)
         if other is None or other.unit == own.unit:
             continue
         if other.floor > own.floor:
             found.append(
-                f"{module}:{line} imports {target}, a higher floor ({FLOORS[other.floor].name})"
+                f"{module}:{line} imports {target}, a higher floor ({floors[other.floor].name})"
             )
         elif other.floor == own.floor:
             found.append(f"{module}:{line} imports {target}, a sibling on its floor ({other.unit})")
@@ -207,22 +249,39 @@ def test_the_floor_imports_only_its_own_folder_and_the_floors_below(graph, floor
     assert not problems, f"{floor.name}: imports up a floor or across:\n" + "\n".join(problems)
 
 
+def test_every_gateway_module_lies_in_a_room_and_each_room_holds_modules(graph):
+    gateway = [m for m in graph if m == "gateway" or m.startswith("gateway.")]
+    assert gateway and all(room_of(m) is not None for m in gateway)
+    for floor in GATEWAY_ROOMS:
+        for room in floor.folders:
+            assert any(room_of(m) == _most_specific(_dotted(room), GATEWAY_ROOMS) for m in gateway)
+
+
+def test_the_gateway_rooms_import_only_their_own_and_the_rooms_below(graph):
+    gateway = [m for m in graph if m == "gateway" or m.startswith("gateway.")]
+    problems = [v for module in gateway for v in room_violations(module, graph[module])]
+    assert not problems, "the gateway's rooms: imports up a floor or across:\n" + "\n".join(
+        problems
+    )
+
+
 def test_no_module_imports_back_into_a_module_that_imports_it(graph):
     edges = {m: [t for _, t in imports if t in graph and t != m] for m, imports in graph.items()}
     found = cycles(edges)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
     # the check ran on the real tree, imports inside a package included
     assert "worker_svc.wire" in edges["worker_svc.serve_server"]
-    assert "gateway.ops" in edges["gateway.openapi"]
+    assert "gateway.http.ops" in edges["gateway.routes"]
     assert "devtools.mesh" in edges["devtools.main"]
 
 
 def test_the_floors_are_named_in_docs_architecture():
     architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    for floor in FLOORS:
+    for floor in FLOORS + GATEWAY_ROOMS:
         assert floor.name in architecture
         for folder in floor.folders:
-            assert f"`{folder}/`" in architecture, folder
+            written = folder if folder.endswith(".py") else f"{folder}/"
+            assert f"`{written}`" in architecture, folder
 
 
 # Made-up violations: each check fails on one.
@@ -238,8 +297,8 @@ def test_an_import_up_a_floor_is_named_with_the_floor():
     assert _violations("telemetry.metrics", "from infermesh import config\n") == [
         "telemetry.metrics:1 imports infermesh.config, a higher floor (shared ground floor)"
     ]
-    assert _violations("gateway.keys", "from devtools import plan\n") == [
-        "gateway.keys:1 imports devtools.plan, a higher floor (developer tools)"
+    assert _violations("gateway.accounts.keys", "from devtools import plan\n") == [
+        "gateway.accounts.keys:1 imports devtools.plan, a higher floor (developer tools)"
     ]
     # only infermesh/__main__.py of the ground floor reaches up
     assert _violations("infermesh.__main__", "from devtools import plan\n") == []
@@ -273,6 +332,38 @@ def test_a_sibling_import_is_named_wherever_it_stands():
     ]
 
 
+def _room_violations(module: str, source: str) -> list[str]:
+    known = {
+        "gateway.openai.chat",
+        "gateway.anthropic.messages",
+        "gateway.api.generation",
+        "gateway.http.errors",
+    }
+    return room_violations(module, imported_modules(module, False, source, known))
+
+
+def test_a_gateway_room_importing_up_or_across_is_named():
+    assert _room_violations("gateway.http.sse", "from gateway.openai import chat\n") == [
+        "gateway.http.sse:1 imports gateway.openai.chat, a higher floor (the APIs and the console)"
+    ]
+    assert _room_violations("gateway.accounts.limits", "import gateway.api.generation\n") == [
+        "gateway.accounts.limits:1 imports gateway.api.generation, a higher floor "
+        "(what the APIs share)"
+    ]
+    assert _room_violations("gateway.openai.chat", "from gateway.anthropic import messages\n") == [
+        "gateway.openai.chat:1 imports gateway.anthropic.messages, a sibling on its floor "
+        "(gateway/anthropic)"
+    ]
+    # the configuration stands under every room, the app on top of them all
+    assert (
+        _room_violations("gateway.mesh.client", "from gateway.config import RouterSection\n") == []
+    )
+    assert _room_violations("gateway.config", "from gateway.http import errors\n") == [
+        "gateway.config:1 imports gateway.http.errors, a higher floor (HTTP plumbing)"
+    ]
+    assert _room_violations("gateway.app", "from gateway.openai import chat\n") == []
+
+
 def test_a_module_outside_every_floor_is_named():
     assert _violations("scripts.tool", "import os\n") == [
         "scripts.tool lies in no floor's folder; add its folder to FLOORS"
@@ -296,6 +387,9 @@ def test_a_cycle_is_found_through_any_number_of_modules():
     assert cycles({"a": ["b", "c"], "b": ["c"], "c": []}) == []
     # a function-level import that dodges a cycle at run time is still an edge
     source = "def handler():\n    from gateway.app import health\n"
-    imports = imported_modules("gateway.openapi", False, source, _KNOWN)
-    edges = {"gateway.openapi": [t for _, t in imports], "gateway.app": ["gateway.openapi"]}
-    assert cycles(edges) == [["gateway.app", "gateway.openapi", "gateway.app"]]
+    imports = imported_modules("gateway.http.openapi", False, source, _KNOWN)
+    edges = {
+        "gateway.http.openapi": [t for _, t in imports],
+        "gateway.app": ["gateway.http.openapi"],
+    }
+    assert cycles(edges) == [["gateway.app", "gateway.http.openapi", "gateway.app"]]

@@ -13,7 +13,7 @@ import pytest
 from redis.crc import key_slot
 
 from bench.redis_failover import run as run_failover
-from gateway.keys import key_id
+from gateway.accounts.keys import key_id
 from infermesh.redis_client import redis_client
 from tests.helpers import MODEL
 from tests.helpers.gateway import ADMIN, auth, make_config, sdk, start_gateway

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import REGISTRY
 
 from devtools.certs import role_tls, write_certs
-from gateway.keys import create_key
-from gateway.limits import read_usage
+from gateway.accounts.keys import create_key
+from gateway.accounts.limits import read_usage
 from infermesh import probe
 from infermesh.authz import ALLOWED, ROLES, role_uri
 from infermesh.config import ConfigError

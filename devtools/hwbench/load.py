@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import openai
 
-from gateway.openai_protocol import GPU_HEADER
+from gateway.api.wire import GPU_HEADER
 
 _BYTES_PER_TOKEN = 4  # English words run ~4 bytes a token; the reported usage says how many it was
 _WORD = "abcdefghijklmnopqrstuvwxyz"

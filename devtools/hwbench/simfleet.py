@@ -14,7 +14,7 @@ from pathlib import Path
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 from infermesh.ports import free_port
 from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.hardware.sizing import model_size_of

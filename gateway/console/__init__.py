@@ -14,12 +14,12 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from gateway.accounts.keys import REDIS
+from gateway.accounts.recent import CONSOLE_CONFIG
 from gateway.console import keys_pages, monitor_pages, session, usage_pages
 from gateway.console.render import SESSION, redirect, render
-from gateway.errors import GatewayError
-from gateway.keys import REDIS
-from gateway.openapi import PAGES
-from gateway.recent import CONSOLE_CONFIG
+from gateway.http.errors import GatewayError
+from gateway.http.openapi import PAGES
 from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)

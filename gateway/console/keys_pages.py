@@ -1,5 +1,6 @@
 """The Keys pages: list and search, create (the key shown once), edit, disable, enable, rotate,
-revoke; through the admin API's own operations (gateway.admin), so both apply one set of rules."""
+revoke; through the admin API's own operations (gateway.accounts.admin), so both apply one set
+of rules."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import admin, keys
+from gateway.accounts import admin, keys
+from gateway.accounts.keys import REDIS
 from gateway.console.render import redirect, render
-from gateway.errors import InvalidRequestError
-from gateway.keys import REDIS
-from gateway.validation import parse_body
+from gateway.http.errors import InvalidRequestError
+from gateway.http.validation import parse_body
 
 # The form's fields for a key's settings, with their labels (also in the errors they cause).
 LIMIT_LABELS = {

@@ -1,6 +1,6 @@
 """The Fleet page (the router's workers, as ``GET /admin/fleet`` lists them) and the Recent
-requests page (gateway.recent), their trace ids linked to Jaeger when ``[console] jaeger_url``
-is set."""
+requests page (gateway.accounts.recent), their trace ids linked to Jaeger when
+``[console] jaeger_url`` is set."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.admin import worker_json
+from gateway.accounts.admin import worker_json
+from gateway.accounts.recent import CONSOLE_CONFIG, RECENT
 from gateway.console.render import render
 from gateway.console.router_metrics import RouterFigures, read_router_figures
-from gateway.mesh_client import MESH
-from gateway.recent import CONSOLE_CONFIG, RECENT
-from gateway.validation import parse_body
+from gateway.http.validation import parse_body
+from gateway.mesh.client import MESH
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 class RecentQuery(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    # not "key": key-like query parameters are refused (gateway.middleware)
+    # not "key": key-like query parameters are refused (gateway.http.middleware)
     key_id: Annotated[str, Field(pattern="^([0-9a-f]{64})?$")] = ""
     count: Annotated[int, Field(ge=1, le=1000)] = 50
 

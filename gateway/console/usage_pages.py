@@ -1,6 +1,7 @@
 """The Usage page and its CSV: requests and tokens per API key per UTC day over the chosen
 range, totals per tier, and the internal callers' usage (counted by the router) beside the keys'.
-Read from the counters the gateway and the router keep (infermesh.usage, gateway.limits)."""
+Read from the counters the gateway and the router keep (infermesh.usage,
+gateway.accounts.limits)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from gateway import keys
-from gateway.admin import UsageQuery
+from gateway.accounts import keys
+from gateway.accounts.admin import UsageQuery
+from gateway.accounts.keys import REDIS
+from gateway.accounts.limits import read_usage
 from gateway.console import charts
 from gateway.console.render import render, secure
-from gateway.keys import REDIS
-from gateway.limits import read_usage
-from gateway.validation import parse_body
+from gateway.http.validation import parse_body
 from infermesh.redis_client import RedisClient, decoded
 from infermesh.usage import CALLERS, USAGE_FIELDS
 

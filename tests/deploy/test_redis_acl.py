@@ -15,14 +15,14 @@ from aiohttp.test_utils import make_mocked_request
 from redis.exceptions import NoPermissionError
 
 from devtools.redis_server import RedisServer
-from gateway import keys
+from gateway.accounts import keys
+from gateway.accounts.limits import Limiter, read_usage
+from gateway.accounts.recent import RecentRequest, RecentRequests
+from gateway.accounts.usage import TokenUsage
 from gateway.config import ConsoleSection
 from gateway.console import session
 from gateway.console.usage_pages import read_all
-from gateway.limits import Limiter, read_usage
-from gateway.recent import RecentRequest, RecentRequests
-from gateway.responses_store import ResponseStore, StoredResponse
-from gateway.usage import TokenUsage
+from gateway.openai.responses_store import ResponseStore, StoredResponse
 from infermesh.authz import role_uri
 from infermesh.pb import common_pb2
 from infermesh.redis_client import RedisClient, redis_client

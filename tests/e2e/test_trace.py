@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import key_id
+from gateway.accounts.keys import key_id
 from tests.helpers import MODEL
 
 _SERVICES = {"infermesh-gateway", "infermesh-router", "infermesh-worker"}

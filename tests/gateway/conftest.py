@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from gateway.accounts.keys import create_key
 from gateway.config import GatewayConfig
-from gateway.keys import create_key
 from tests.helpers.gateway import make_config, start_gateway
 from tests.helpers.inprocess import running_router, running_worker
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import collections
 
-from gateway.affinity import affinity_key
-from gateway.keys import key_id
-from gateway.responses_store import ResponseStore
+from gateway.accounts.keys import key_id
+from gateway.mesh.affinity import affinity_key
+from gateway.openai.responses_store import ResponseStore
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from devtools.redis_server import RedisServer
-from gateway.keys import create_key, disable_key, key_id
+from gateway.accounts.keys import create_key, disable_key, key_id
 from tests.helpers.gateway import CHAT, auth, sdk
 
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from gateway.config import RouterSection
-from gateway.errors import GatewayError
-from gateway.mesh_client import MeshClient
+from gateway.http.errors import GatewayError
+from gateway.mesh.client import MeshClient
 from infermesh.bidi import MAX_MESSAGE_BYTES
 from infermesh.pb import common_pb2
 from tests.helpers import MODEL, rawhttp

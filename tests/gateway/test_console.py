@@ -10,9 +10,9 @@ import time
 
 import prometheus_client
 
+from gateway.accounts.keys import get_key
+from gateway.accounts.recent import RecentRequest, RecentRequests
 from gateway.config import AdminSection, ConsoleSection
-from gateway.keys import get_key
-from gateway.recent import RecentRequest, RecentRequests
 from tests.helpers.gateway import ADMIN_TOKEN, start_gateway
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import REGISTRY
 
-from gateway.keys import create_key
+from gateway.accounts.keys import create_key
 from infermesh.pb import common_pb2, router_pb2
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL

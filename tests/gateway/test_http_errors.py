@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http_server import log_redacted
+from gateway.http.server import log_redacted
 from tests.helpers import rawhttp
 from tests.helpers.gateway import ADMIN_TOKEN
 from tests.helpers.rawhttp import RawResponse

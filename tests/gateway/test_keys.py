@@ -6,7 +6,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.keys import (
+from gateway.accounts.keys import (
     ApiKey,
     KeyStore,
     create_key,

@@ -18,10 +18,10 @@ from prometheus_client import REGISTRY
 from redis.asyncio.connection import Connection
 
 from devtools.redis_server import RedisServer
-from gateway.errors import RateLimitError
-from gateway.keys import create_key, key_id, key_tag
-from gateway.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
-from gateway.usage import TokenUsage
+from gateway.accounts.keys import create_key, key_id, key_tag
+from gateway.accounts.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
+from gateway.accounts.usage import TokenUsage
+from gateway.http.errors import RateLimitError
 from infermesh.redis_client import redis_client as redis_client_for
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, make_config, sdk, start_gateway

@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 from openapi_spec_validator import validate
 
-from gateway.openai_protocol import ChatCompletionRequest
+from gateway.openai.chat_protocol import ChatCompletionRequest
 from tests.helpers.gateway import make_config, start_gateway
 
 

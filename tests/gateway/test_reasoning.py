@@ -16,11 +16,11 @@ from anthropic.types import RawMessageStreamEvent
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway import anthropic_protocol as messages_wire
-from gateway.openai_protocol import ChatCompletionRequest, chat_choice
-from gateway.responses_output import OutputBuilder
-from gateway.responses_protocol import ResponsesRequest
-from gateway.usage import TokenUsage
+from gateway.accounts.usage import TokenUsage
+from gateway.anthropic import messages_protocol as messages_wire
+from gateway.openai.chat_protocol import ChatCompletionRequest, chat_choice
+from gateway.openai.responses_output import OutputBuilder
+from gateway.openai.responses_protocol import ResponsesRequest
 from infermesh.pb import common_pb2
 from tests.helpers import MODEL
 from tests.helpers.gateway import CHAT, auth, sdk

@@ -208,7 +208,7 @@ async def test_stored_response_is_retrieved_listed_and_deleted(served, api_key, 
 
 
 async def test_another_keys_response_is_not_found(served, api_key, redis_client):
-    from gateway.keys import create_key
+    from gateway.accounts.keys import create_key
 
     other = await create_key(redis_client, "other")
     async with sdk(served, api_key) as mine, sdk(served, other) as theirs:

@@ -9,8 +9,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.errors import ServiceUnavailableError
-from gateway.responses_store import ResponseStore
+from gateway.http.errors import ServiceUnavailableError
+from gateway.openai.responses_store import ResponseStore
 from infermesh.ports import free_port
 from tests.helpers import MODEL
 from tests.helpers.gateway import auth, sdk

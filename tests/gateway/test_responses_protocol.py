@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.responses_protocol import (
+from gateway.openai.responses_protocol import (
     ResponsesRequest,
     flat_name,
     parse_responses_request,

@@ -3,9 +3,9 @@ gateway work again after it, on a real Redis."""
 
 from __future__ import annotations
 
-from gateway.keys import INDEX, KeyStore, key_id
-from gateway.limits import read_usage
-from gateway.retag import retag
+from devtools.retag import retag
+from gateway.accounts.keys import INDEX, KeyStore, key_id
+from gateway.accounts.limits import read_usage
 
 
 async def test_an_untagged_key_and_its_usage_work_after_the_retag(redis_client):

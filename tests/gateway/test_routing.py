@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from gateway.keys import create_key
+from gateway.accounts.keys import create_key
 from router_svc.config import RoutingSection
 from tests.helpers import MODEL
 from tests.helpers.gateway import CHAT, auth, make_config, sdk, start_gateway

@@ -3,7 +3,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.openai_protocol import parse_chat_request
+from gateway.openai.chat_protocol import parse_chat_request
 from infermesh.pb import common_pb2
 from tests.helpers.gateway import CHAT, auth, sdk, start_gateway, with_server
 

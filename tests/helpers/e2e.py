@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.keys import create_key_at
+from gateway.accounts.keys import create_key_at
 
 
 def new_key(redis_url: str) -> str:

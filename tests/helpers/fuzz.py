@@ -28,7 +28,7 @@ from schemathesis import Case, GenerationMode
 from schemathesis.core.result import Err
 from schemathesis.schemas import APIOperation
 
-from gateway.errors import AnthropicErrorBody, ErrorBody
+from gateway.http.errors import AnthropicErrorBody, ErrorBody
 from infermesh.pb import router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from tests.helpers import rawhttp

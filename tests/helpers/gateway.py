@@ -18,7 +18,7 @@ from gateway.config import (
     RedisSection,
     RouterSection,
 )
-from gateway.http_server import GatewayRunner
+from gateway.http.server import GatewayRunner
 from infermesh.ports import free_port
 from tests.helpers.inprocess import tls_of
 

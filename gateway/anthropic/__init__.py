@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: the handler, its wire format and context editing."""

@@ -1,0 +1,243 @@
+"""Serving OpenAI's Responses API: ``POST /v1/responses`` on the request path chat completions
+takes (``gateway.api.generation``), and the stored responses (``GET`` and ``DELETE
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``).
+
+A request continuing a stored response (``previous_response_id``) is preceded by that response's
+whole conversation, and stays in its session (``gateway.mesh.affinity``): the session the chain's
+first request named, else the first response's own id. Tools the mesh cannot offer are named in the
+``x-infermesh-unsupported-tools`` header and the response's metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.accounts.auth import API_KEY
+from gateway.accounts.keys import REDIS
+from gateway.api.generation import Generation, Plan, admitted_generation
+from gateway.http import json_body, sse
+from gateway.http.errors import GatewayError, InvalidRequestError, ResponseNotFoundError
+from gateway.http.middleware import REDIS_CONFIG, REQUEST_ID
+from gateway.http.validation import estimate_tokens, parse_body, read_json
+from gateway.mesh.affinity import session_name
+from gateway.openai.chat_protocol import now_s
+from gateway.openai.responses_output import (
+    UNSUPPORTED_TOOLS,
+    Event,
+    OutputBuilder,
+    ResponseShell,
+    Status,
+    new_id,
+)
+from gateway.openai.responses_protocol import (
+    ResponsesRequest,
+    items_of,
+    parse_responses_request,
+    router_messages,
+    stored_items,
+)
+from gateway.openai.responses_store import RESPONSES_CONFIG, ResponseStore, StoredResponse
+from infermesh.pb import common_pb2
+
+
+class InputItemsQuery(BaseModel):
+    """The query of ``GET /v1/responses/{id}/input_items``: strings, so not strict."""
+
+    model_config = ConfigDict(extra="ignore")
+    limit: Annotated[int, Field(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None  # an item id: the page starts after it
+
+
+class RetrieveQuery(BaseModel):
+    """The query of ``GET /v1/responses/{id}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    # OpenAI replays a background response's events; this gateway has none to replay
+    stream: Literal[False] = False
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    body = parse_responses_request(await read_json(request), request.headers)
+    kid = request[API_KEY].id
+    previous = await _previous(request, body)
+    context = previous.conversation() if previous else []
+    items = body.items()
+    messages = router_messages(body.instructions, items_of(context) + items)
+    shell = ResponseShell(body, new_id("resp"), now_s())
+    session = _session(request, body, previous, shell.id)
+    plan = Plan(
+        model=body.model,
+        requests=[body.generate_request(request[REQUEST_ID], messages=messages)],
+        prompt_estimates=[estimate_tokens("".join(m.content for m in messages))],
+        prompt_of=[0],
+        max_tokens=body.max_output_tokens,
+        stream=body.stream,
+        session=session or None,
+    )
+    record = StoredResponse(
+        response={}, input=stored_items(items, new_id), context=context, session=session
+    )
+    answer = _Answer(body, shell, _store(request) if body.store else None, kid, record)
+
+    async with admitted_generation(request, plan) as (generation, headers):
+        if body.tool_set.unoffered:
+            headers[UNSUPPORTED_TOOLS] = ",".join(body.tool_set.unoffered)
+        if body.stream:
+            return await sse.stream(request, headers, answer.events(generation), answer.failed)
+        return json_body.json_response(await answer.collect(generation), headers=headers)
+
+
+def _session(
+    request: web.Request, body: ResponsesRequest, previous: StoredResponse | None, own_id: str
+) -> str:
+    """The session the request belongs to: the one it names, its chain's, else (stored, so
+    that its continuations join it) its own id; "" for none."""
+    hint = body.prompt_cache_key or (previous.session if previous else None)
+    return session_name(request.headers, hint) or (own_id if body.store else "")
+
+
+async def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | None:
+    if body.previous_response_id is None:
+        return None
+    previous = await _store(request).load(request[API_KEY].id, body.previous_response_id)
+    if previous is None:
+        raise ResponseNotFoundError(
+            f"Previous response with id '{body.previous_response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return previous
+
+
+class _Answer:
+    """One response being written: its output from the generation, streamed or whole, and
+    stored (when asked) before the client learns it is complete."""
+
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        shell: ResponseShell,
+        store: ResponseStore | None,
+        kid: str,
+        record: StoredResponse,
+    ) -> None:
+        self._shell = shell
+        self._store = store  # None: not stored
+        self._kid = kid
+        self._record = record  # what is stored, but the response
+        summary = body.reasoning is not None and body.reasoning.summary not in (None, "none")
+        self._output = OutputBuilder(body.tool_set, body.logprobs, summary)
+        self._sequence = 0
+        self._incomplete = False  # cut by max_output_tokens
+
+    async def collect(self, generation: Generation) -> dict[str, Any]:
+        async for _ in self._steps(generation):
+            pass
+        return await self._finished(generation)
+
+    async def events(self, generation: Generation) -> AsyncIterator[bytes]:
+        """The stream: created, in progress, the output's events (those of one worker chunk
+        in one write), then completed or incomplete."""
+        started = self._shell.object("in_progress", [])
+        yield self._encode(
+            [
+                {"type": "response.created", "response": started},
+                {"type": "response.in_progress", "response": started},
+            ]
+        )
+        async for events in self._steps(generation):
+            if events:
+                yield self._encode(events)
+        response = await self._finished(generation)
+        yield self._encode([{"type": f"response.{response['status']}", "response": response}])
+
+    def failed(self, error: GatewayError) -> bytes:
+        """The stream's last event when it fails midway."""
+        response = self._shell.object(
+            "failed", self._output.output, error=f"The response failed: {error.message}"
+        )
+        return self._encode([{"type": "response.failed", "response": response}])
+
+    async def _steps(self, generation: Generation) -> AsyncIterator[list[Event]]:
+        async for _, chunk in generation.chunks():
+            yield self._output.add(chunk)
+            if chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+                self._incomplete = True
+        yield self._output.finish(self._incomplete)
+
+    async def _finished(self, generation: Generation) -> dict[str, Any]:
+        status: Status = "incomplete" if self._incomplete else "completed"
+        response = self._shell.object(status, self._output.output, generation.usage())
+        if self._store is not None:
+            await self._store.save(self._kid, dataclasses.replace(self._record, response=response))
+        return response
+
+    def _encode(self, events: list[Event]) -> bytes:
+        out = []
+        for event in events:
+            out.append(sse.named_event({**event, "sequence_number": self._sequence}))
+            self._sequence += 1
+        return b"".join(out)
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    parse_body(RetrieveQuery, dict(request.query))
+    return json_body.json_response((await _stored(request)).response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    if not await _store(request).delete(request[API_KEY].id, response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    query = parse_body(InputItemsQuery, dict(request.query))
+    items = (await _stored(request)).input
+    if query.order == "desc":
+        items = items[::-1]
+    start = 0
+    if query.after is not None:
+        ids = [item["id"] for item in items]
+        if query.after not in ids:
+            raise InvalidRequestError(
+                f"Invalid value for 'after': no input item with id '{query.after}'", param="after"
+            )
+        start = ids.index(query.after) + 1
+    page = items[start : start + query.limit]
+    return json_body.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + query.limit < len(items),
+        }
+    )
+
+
+async def _stored(request: web.Request) -> StoredResponse:
+    response_id = request.match_info["response_id"]
+    stored = await _store(request).load(request[API_KEY].id, response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
+def _not_found(response_id: str) -> ResponseNotFoundError:
+    return ResponseNotFoundError(f"Response with id '{response_id}' not found.")
+
+
+def _store(request: web.Request) -> ResponseStore:
+    return ResponseStore(
+        request.app[REDIS],
+        request.app[RESPONSES_CONFIG].ttl_s,
+        request.config_dict[REDIS_CONFIG].retry_after_s,
+    )
