@@ -72,7 +72,7 @@ async def test_a_call_cut_by_max_tokens(served, api_key, cut):
     if cut == "name":
         max_tokens = _forced_tokens("function<｜tool▁sep｜>get_") + 1
     else:
-        max_tokens = _forced_tokens('function<｜tool▁sep｜>get_weather\n```json\n{"city":"') + 1
+        max_tokens = _forced_tokens('function<｜tool▁sep｜>get_weather\n```json\n{"city": "') + 1
     ask = {
         **_ASK,
         "max_tokens": max_tokens,
@@ -90,7 +90,7 @@ async def test_a_call_cut_by_max_tokens(served, api_key, cut):
         (call,) = completion.choices[0].message.tool_calls or []
         assert call.function.name == "get_weather"
         # the grammar may spell the forced text in other tokens than encoding it gives
-        assert call.function.arguments.startswith('{"city":')
+        assert call.function.arguments.startswith('{"city": ')
         with pytest.raises(json.JSONDecodeError):
             json.loads(call.function.arguments)  # cut
         assert [d.function.name for d in deltas if d.id] == ["get_weather"]

@@ -163,7 +163,7 @@ def test_masks_keep_exactly_what_each_grammar_allows(tokenizer: Tokenizer):
     in_string = compiler.matcher(Constraints(json_schema=json.dumps(WEATHER)))
     forced = compiler.matcher(Constraints(_TOOLS, "named", "get_weather"))
     assert in_string is not None and forced is not None
-    assert in_string.consume_tokens(tokenizer.hf.encode('{"city":"', add_special_tokens=False))
+    assert in_string.consume_tokens(tokenizer.hf.encode('{"city": "', add_special_tokens=False))
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     masked = apply_masks(logits, [in_string, None, forced])
     assert torch.equal(masked[1], logits[1])

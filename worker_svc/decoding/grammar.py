@@ -5,7 +5,9 @@ The grammar follows the checkpoint's tool-call syntax (worker_svc.decoding.tool_
 tool_choice ``required`` the output must be calls whose arguments match their tool's schema, with a
 named tool exactly one call of it; with ``auto`` it is text (no special tokens) optionally followed
 by such calls; with ``none`` text only. A ``json_schema`` makes the text a JSON value of that
-schema. JSON is compact (no free whitespace), so a model cannot spend its tokens on blanks; a tool's
+schema. JSON is spaced as Python's json.dumps spaces it (", " and ": ", no other whitespace): no
+tokens spent on blanks, and the spacing models learn from (DeepSeek's templates write a call's
+arguments as given, mostly json.dumps's), which a compact grammar forces them off; a tool's
 schema is enforced leniently (keywords llguidance cannot enforce are left out). Compiled grammars
 are cached by their text; each sequence gets a copy of the compiled matcher.
 """
@@ -27,7 +29,7 @@ from worker_svc.engine_api import Constraints, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-_COMPACT = {"whitespace_flexible": False}
+_JSON_SPACING = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 # byte value of a bitmask -> what it adds to its 8 tokens' logits: 0 where the bit is set, else -inf
 # (llguidance sets bit t % 32 of int32 word t // 32 for an allowed token t, so byte b of the
 # little-endian words holds tokens 8b..8b+7, lowest bit first)
@@ -71,7 +73,7 @@ class GrammarCompiler:
 
 def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     """The llguidance Lark grammar of `c` (which constrains something)."""
-    json_answer = f"%json {_compact_schema(c.json_schema)}" if c.json_schema is not None else None
+    json_answer = f"%json {_spaced_schema(c.json_schema)}" if c.json_schema is not None else None
     if c.tools and markers is None:
         raise InvalidArgumentError(
             "this model cannot call tools: its tokenizer has no tool-call tokens, or its chat "
@@ -97,7 +99,7 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
         f"({' | '.join(f'fn_{i}' for i in range(len(tools)))}) <[{markers.call_end}]>",
     ]
     for i, tool in enumerate(tools):
-        schema = f"%json {_compact_schema(tool.parameters, lenient=True)}"
+        schema = f"%json {_spaced_schema(tool.parameters, lenient=True)}"
         if markers.format == "v3":
             header = json.dumps(tool.name + "\n```json\n")
             lines.append(f'fn_{i}: {header} {schema} "\\n```"')
@@ -107,13 +109,17 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _compact_schema(schema: str, lenient: bool = False) -> str:
-    """The schema with llguidance's compact JSON option (checked to be an object by
+def _spaced_schema(schema: str, lenient: bool = False) -> str:
+    """The schema with llguidance's options for _JSON_SPACING (checked to be an object by
     check_constraints); ``lenient``: keywords llguidance cannot enforce are left out (a tool's
     arguments: one such keyword in an agent's tools must not refuse its every request), where
     an answer's json_schema is refused for them."""
     value = json.loads(schema)
-    options = {**value.get("x-guidance", {}), **_COMPACT, **({"lenient": True} if lenient else {})}
+    options = {
+        **value.get("x-guidance", {}),
+        **_JSON_SPACING,
+        **({"lenient": True} if lenient else {}),
+    }
     return json.dumps({**value, "x-guidance": options})
 
 
