@@ -15,9 +15,9 @@ of each kind, every one with max_tokens 64 and temperature 0:
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
 training's dialogues are at most 1,280 tokens long).
 Prints the share of the replies that end (finish_reason stop or tool_calls) within the 64 tokens,
-of tool questions answered by a call of the right tool with the question's arguments, of recall
-questions whose answer holds the name, of JSON answers valid against the schema, and of the long
-prompts' replies that end.
+of tool questions answered by a call of the right tool with the question's arguments (and by a
+call of the right tool whatever its arguments), of recall questions whose answer holds the name,
+of JSON answers valid against the schema, and of the long prompts' replies that end.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ async def run(
     todo += eval_cases(LONG, long_cases, _SEED)
     results: dict[str, list[tuple[bool, bool, int]]] = defaultdict(list)
     examples: dict[str, str] = {}
+    tools_named: list[bool] = []  # a tool question's first call names its tool, whatever its args
     gate = asyncio.Semaphore(concurrency)
 
     async def ask(case: EvalCase) -> None:
@@ -94,6 +95,9 @@ async def run(
         tokens = reply.usage.completion_tokens if reply.usage else 0
         results[case.kind].append((ended, right, tokens))
         message = reply.choices[0].message
+        if case.kind == "tool":
+            named = [c.function.name for c in message.tool_calls or [] if c.type == "function"]
+            tools_named.append(named[:1] == [case.tool])
         calls = [
             f"{c.function.name}({c.function.arguments})"
             for c in message.tool_calls or []
@@ -123,6 +127,11 @@ async def run(
     for kind, label in labels.items():
         right = sum(r for _, r, _ in results[kind])
         print(f"{label}: {right}/{len(results[kind])} = {right / len(results[kind]):.0%}")
+    named = sum(tools_named)
+    print(
+        f"right tool named, whatever its arguments: {named}/{len(tools_named)} = "
+        f"{named / max(len(tools_named), 1):.0%}"
+    )
     long = results[LONG]
     if long:
         ended = sum(e for e, _, _ in long)
