@@ -1,19 +1,20 @@
 """Train the default chat model and write it as a DeepSeek-V3 FP8 checkpoint.
 
-    nice -n 10 .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
+    .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-rebuilds the stored checkpoint with the arguments docs/BENCHMARKS.md records for it (fixed seeds;
-on a CUDA device when there is one, else on the CPU: 1,500 steps of 4,096 tokens take 20 minutes on
-two busy cores). The model is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config
-(multi-head latent attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes
-of CHAT_SIZES, with its trained byte-level BPE and DeepSeek's chat and tool templates. It learns
-from devtools.chat_model.corpus's dialogues, each rendered by the chat template the mesh serves the
+rebuilds the stored checkpoint (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585
+steps of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on
+the CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. The model
+is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
+attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes of CHAT_SIZES, with
+its trained byte-level BPE and DeepSeek's chat and tool templates. It learns from
+devtools.chat_model.corpus's dialogues, each rendered by the chat template the mesh serves the
 checkpoint with (infermesh.text.tokenizer, the workers' and gateway's renderer), with the loss on
 the assistant's tokens only (the tool-call markers and the end of the turn included). The linear
 weights the checkpoint stores in FP8 are trained through their FP8 block rounding
 (straight-through), so that the stored model is the trained one; the routing bias is balanced as
-DeepSeek-V3 does, without an auxiliary loss. Checkpoints are written every --save-every steps, so
-a usable model exists early.
+DeepSeek-V3 does, without an auxiliary loss. Checkpoints are written every --save-every steps, so a
+usable model exists early.
 """
 
 from __future__ import annotations
@@ -277,9 +278,9 @@ class RoutingBalance:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=CHECKPOINT)
-    parser.add_argument("--dialogues", type=int, default=12_000)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--dialogues", type=int, default=250_000)
+    parser.add_argument("--steps", type=int, default=6585)
+    parser.add_argument("--batch-tokens", type=int, default=16_384)
     parser.add_argument("--max-len", type=int, default=1280)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--layers", type=int, default=CHAT_SIZES["num_hidden_layers"])
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         "--render-processes", type=int, default=os.cpu_count() or 1, help="for the corpus"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument(
         "--stop-at", type=int, help="end after this many of the schedule's --steps (and save)"
     )
