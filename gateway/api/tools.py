@@ -53,13 +53,23 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class TextFormat(BaseModel):
+    """Free text (chat's response_format and Responses' text.format alike)."""
+
     model_config = STRICT
     type: Literal["text"]
 
+    def answer_schema(self) -> None:
+        return None
+
 
 class JsonObjectFormat(BaseModel):
+    """Any JSON object (chat's response_format and Responses' text.format alike)."""
+
     model_config = STRICT
     type: Literal["json_object"]
+
+    def answer_schema(self) -> dict[str, Any]:
+        return _JSON_OBJECT
 
 
 class JsonSchema(BaseModel):
@@ -71,9 +81,14 @@ class JsonSchema(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
+    """Chat's response_format for a JSON schema (Responses' names it flat, beside its type)."""
+
     model_config = STRICT
     type: Literal["json_schema"]
     json_schema: JsonSchema
+
+    def answer_schema(self) -> dict[str, Any]:
+        return self.json_schema.schema_
 
 
 ResponseFormat = Annotated[
@@ -123,14 +138,15 @@ def structure(
     tools: list[FunctionTool] | None,
     tool_choice: ToolChoice | None,
     parallel: bool,
-    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None,
+    answer_schema: dict[str, Any] | None,
     *,
     tool_params: list[str] | None = None,
     schema_param: str = "response_format.json_schema.schema",
 ) -> dict[str, Any]:
-    """The ``GenerateRequest`` fields for these request fields; 400s naming the bad one.
-    ``tool_params`` and ``schema_param`` name where the request holds each tool's parameters
-    schema and the response format's schema, when not where chat completions holds them."""
+    """The ``GenerateRequest`` fields for these request fields (``answer_schema``: the JSON schema
+    the answer must fit, a response format's ``answer_schema()``; None: free text); 400s naming
+    the bad one. ``tool_params`` and ``schema_param`` name where the request holds each tool's
+    parameters schema and the answer's schema, when not where chat completions holds them."""
     tools = tools or []
     names = [t.function.name for t in tools]
     params = tool_params or [f"tools.{i}.function.parameters" for i in range(len(tools))]
@@ -173,10 +189,8 @@ def structure(
             "required": common_pb2.TOOL_CHOICE_REQUIRED,
         }[tool_choice]
     fields["single_tool_call"] = not parallel
-    if isinstance(response_format, JsonObjectFormat):
-        fields["json_schema"] = json.dumps(_JSON_OBJECT)
-    elif isinstance(response_format, JsonSchemaFormat):
-        fields["json_schema"] = check_schema(response_format.json_schema.schema_, schema_param)
+    if answer_schema is not None:
+        fields["json_schema"] = check_schema(answer_schema, schema_param)
     return fields
 
 

@@ -305,7 +305,10 @@ class ChatCompletionRequest(OpenAIGeneration):
         """Tools, tool choice and response format: checked once for all choices."""
         return common_pb2.GenerateRequest(
             **structure(
-                self.tools, self.tool_choice, self.parallel_tool_calls, self.response_format
+                self.tools,
+                self.tool_choice,
+                self.parallel_tool_calls,
+                self.response_format.answer_schema() if self.response_format else None,
             )
         )
 

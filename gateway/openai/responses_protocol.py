@@ -26,8 +26,8 @@ from gateway.api.tools import (
     FunctionDefinition,
     FunctionTool,
     JsonObjectFormat,
-    JsonSchemaFormat,
     NamedToolChoice,
+    TextFormat,
     ToolChoice,
     ToolName,
     structure,
@@ -292,17 +292,9 @@ class FunctionChoice(BaseModel):
     name: NonEmpty
 
 
-class TextFormatText(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-
-
-class TextFormatJsonObject(BaseModel):
-    model_config = STRICT
-    type: Literal["json_object"]
-
-
 class TextFormatJsonSchema(BaseModel):
+    """Responses' text.format for a JSON schema: chat's JsonSchemaFormat, flat."""
+
     model_config = STRICT
     type: Literal["json_schema"]
     name: ToolName
@@ -310,12 +302,15 @@ class TextFormatJsonSchema(BaseModel):
     description: str | None = None
     strict: bool | None = None  # enforced either way
 
+    def answer_schema(self) -> dict[str, Any]:
+        return self.schema_
+
 
 class TextConfig(BaseModel):
     model_config = STRICT
     format: (
         Annotated[
-            TextFormatText | TextFormatJsonObject | TextFormatJsonSchema,
+            TextFormat | JsonObjectFormat | TextFormatJsonSchema,
             Field(discriminator="type"),
         ]
         | None
@@ -520,21 +515,11 @@ class ResponsesRequest(MeshRequest):
             else self.tool_choice
         )
         text_format = self.text.format if self.text else None
-        response_format: JsonObjectFormat | JsonSchemaFormat | None = None
-        if isinstance(text_format, TextFormatJsonObject):
-            response_format = JsonObjectFormat(type="json_object")
-        elif isinstance(text_format, TextFormatJsonSchema):
-            response_format = JsonSchemaFormat.model_validate(
-                {
-                    "type": "json_schema",
-                    "json_schema": {"name": text_format.name, "schema": text_format.schema_},
-                }
-            )
         return structure(
             tools.functions,
             choice,
             self.parallel_tool_calls,
-            response_format,
+            text_format.answer_schema() if text_format else None,
             tool_params=tools.params,
             schema_param="text.format.schema",
         )
