@@ -21,15 +21,16 @@ from gateway.accounts.usage import TokenUsage
 from gateway.anthropic import messages_protocol as wire
 from gateway.anthropic.context_editing import Counter, apply_edits
 from gateway.api.generation import (
+    Answer,
     Generation,
     Plan,
     admit,
-    admitted_generation,
+    answer,
     refuse_unless_reasoning,
     served_model,
 )
 from gateway.api.tools import ToolCalls
-from gateway.http import json_body, sse
+from gateway.http import sse
 from gateway.http.errors import UpstreamError
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
@@ -59,15 +60,15 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stream=body.stream,
     )
 
-    async with admitted_generation(request, plan) as (generation, headers):
-        if body.stream:
-            return await sse.stream(
-                request,
-                headers,
-                _events(body, generation, edits),
-                lambda e: sse.named_event(e.anthropic_body()),
-            )
-        return await _collect(body, generation, headers, edits)
+    return await answer(
+        request,
+        plan,
+        Answer(
+            events=lambda generation: _events(body, generation, edits),
+            failed=lambda e: sse.named_event(e.anthropic_body()),
+            collect=lambda generation: _collect(body, generation, edits),
+        ),
+    )
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -104,11 +105,8 @@ def _counter(request: web.Request, model: str) -> Counter:
 
 
 async def _collect(
-    body: wire.MessagesRequest,
-    generation: Generation,
-    headers: dict[str, str],
-    edits: dict[str, Any] | None,
-) -> web.Response:
+    body: wire.MessagesRequest, generation: Generation, edits: dict[str, Any] | None
+) -> dict[str, Any]:
     texts, stop, calls, thinking = [], None, ToolCalls(), body.thinking_blocks()
     async for _, chunk in generation.chunks():
         if thinking is not None:
@@ -116,16 +114,13 @@ async def _collect(
         texts.append(chunk.text)
         calls.add(chunk.tool_calls)
         stop = wire.STOP_REASONS.get(chunk.finish_reason, stop)
-    return json_body.json_response(
-        wire.message(
-            wire.message_id(),
-            body.model,
-            wire.content("".join(texts), calls.message_field(), thinking),
-            _stop_reason(stop),
-            generation.usage(),
-            edits,
-        ),
-        headers=headers,
+    return wire.message(
+        wire.message_id(),
+        body.model,
+        wire.content("".join(texts), calls.message_field(), thinking),
+        _stop_reason(stop),
+        generation.usage(),
+        edits,
     )
 
 

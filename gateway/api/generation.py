@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -24,6 +25,7 @@ from gateway.accounts.recent import FIRST_TOKEN_S, USAGE
 from gateway.accounts.usage import TokenUsage
 from gateway.api.wire import GPU_HEADER, PRECISION_HEADER
 from gateway.config import LimitsSection, ModelsSection
+from gateway.http import json_body, sse
 from gateway.http.errors import (
     GatewayError,
     InvalidRequestError,
@@ -314,3 +316,29 @@ async def admitted_generation(
 def _operation(request: web.Request) -> str:
     """The GenAI operation name of the endpoint."""
     return "text_completion" if request.path.endswith("/v1/completions") else "chat"
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """How an endpoint answers its generation in its API's format: streamed, the events and the
+    event a failure midway becomes, then ``end``; whole, the JSON body ``collect`` builds."""
+
+    events: Callable[[Generation], AsyncIterator[bytes]]
+    failed: Callable[[GatewayError], bytes]
+    collect: Callable[[Generation], Awaitable[Any]]
+    end: bytes = b""
+
+
+async def answer(
+    request: web.Request, plan: Plan, answer: Answer, headers: Mapping[str, str] | None = None
+) -> web.StreamResponse:
+    """What every generating endpoint ends with once it has parsed and planned: the plan admitted
+    and generated (``admitted_generation``), answered streamed or whole, with ``headers`` beside
+    admission's and the route's."""
+    async with admitted_generation(request, plan) as (generation, admitted):
+        admitted.update(headers or {})
+        if plan.stream:
+            return await sse.stream(
+                request, admitted, answer.events(generation), answer.failed, answer.end
+            )
+        return json_body.json_response(await answer.collect(generation), headers=admitted)

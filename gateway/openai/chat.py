@@ -12,14 +12,15 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.generation import (
+    Answer,
     Generation,
     Plan,
-    admitted_generation,
+    answer,
     finish_reason,
     refuse_unless_reasoning,
 )
 from gateway.api.tools import ToolCalls, chunk_deltas
-from gateway.http import json_body, sse
+from gateway.http import sse
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
 from gateway.openai.chat_protocol import (
@@ -60,21 +61,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         session=body.prompt_cache_key,
     )
 
-    async with admitted_generation(request, plan) as (generation, headers):
-        if body.stream:
-            return await sse.stream(
-                request,
-                headers,
-                _events(body, generation),
-                lambda e: sse.openai_event(e.body()),
-                sse.OPENAI_DONE,
-            )
-        return await _collect(body, generation, headers)
+    return await answer(
+        request,
+        plan,
+        Answer(
+            events=lambda generation: _events(body, generation),
+            failed=lambda e: sse.openai_event(e.body()),
+            collect=lambda generation: _collect(body, generation),
+            end=sse.OPENAI_DONE,
+        ),
+    )
 
 
-async def _collect(
-    body: ChatCompletionRequest, generation: Generation, headers: dict[str, str]
-) -> web.Response:
+async def _collect(body: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in range(generation.choices)]
     reasoning: list[list[str]] = [[] for _ in range(generation.choices)]
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
@@ -97,10 +96,7 @@ async def _collect(
         )
         for i in range(generation.choices)
     ]
-    completion = chat_completion(
-        completion_id(), now_s(), body.model, choices, usage(generation.usage())
-    )
-    return json_body.json_response(completion, headers=headers)
+    return chat_completion(completion_id(), now_s(), body.model, choices, usage(generation.usage()))
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:

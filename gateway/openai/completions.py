@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api.generation import Generation, Plan, admitted_generation, finish_reason
-from gateway.http import json_body, sse
+from gateway.api.generation import Answer, Generation, Plan, answer, finish_reason
+from gateway.http import sse
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
 from gateway.openai.chat_protocol import completion_id, now_s, usage, usage_chunk
@@ -45,21 +45,21 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     )
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 
-    async with admitted_generation(request, plan) as (generation, headers):
-        if body.stream:
-            return await sse.stream(
-                request,
-                headers,
-                _events(body, generation, echoes),
-                lambda e: sse.openai_event(e.body()),
-                sse.OPENAI_DONE,
-            )
-        return await _collect(body, generation, echoes, headers)
+    return await answer(
+        request,
+        plan,
+        Answer(
+            events=lambda generation: _events(body, generation, echoes),
+            failed=lambda e: sse.openai_event(e.body()),
+            collect=lambda generation: _collect(body, generation, echoes),
+            end=sse.OPENAI_DONE,
+        ),
+    )
 
 
 async def _collect(
-    body: CompletionRequest, generation: Generation, echoes: list[str], headers: dict[str, str]
-) -> web.Response:
+    body: CompletionRequest, generation: Generation, echoes: list[str]
+) -> dict[str, Any]:
     texts = [[echo] for echo in echoes]
     offsets = [len(echo) for echo in echoes]
     logprobs = [completion_logprobs((), 0) for _ in echoes]
@@ -78,11 +78,8 @@ async def _collect(
         )
         for i in range(generation.choices)
     ]
-    return json_body.json_response(
-        text_completion(
-            completion_id("cmpl"), now_s(), body.model, choices, usage(generation.usage())
-        ),
-        headers=headers,
+    return text_completion(
+        completion_id("cmpl"), now_s(), body.model, choices, usage(generation.usage())
     )
 
 

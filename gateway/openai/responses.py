@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.accounts.auth import API_KEY
 from gateway.accounts.keys import REDIS
-from gateway.api.generation import Generation, Plan, admitted_generation
+from gateway.api.generation import Answer, Generation, Plan, answer
 from gateway.http import json_body, sse
 from gateway.http.errors import GatewayError, InvalidRequestError, ResponseNotFoundError
 from gateway.http.middleware import REDIS_CONFIG, REQUEST_ID
@@ -83,14 +83,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     record = StoredResponse(
         response={}, input=stored_items(items, new_id), context=context, session=session
     )
-    answer = _Answer(body, shell, _store(request) if body.store else None, kid, record)
-
-    async with admitted_generation(request, plan) as (generation, headers):
-        if body.tool_set.unoffered:
-            headers[UNSUPPORTED_TOOLS] = ",".join(body.tool_set.unoffered)
-        if body.stream:
-            return await sse.stream(request, headers, answer.events(generation), answer.failed)
-        return json_body.json_response(await answer.collect(generation), headers=headers)
+    reply = _Reply(body, shell, _store(request) if body.store else None, kid, record)
+    unoffered = body.tool_set.unoffered
+    return await answer(
+        request,
+        plan,
+        Answer(events=reply.events, failed=reply.failed, collect=reply.collect),
+        {UNSUPPORTED_TOOLS: ",".join(unoffered)} if unoffered else None,
+    )
 
 
 def _session(
@@ -115,7 +115,7 @@ async def _previous(request: web.Request, body: ResponsesRequest) -> StoredRespo
     return previous
 
 
-class _Answer:
+class _Reply:
     """One response being written: its output from the generation, streamed or whole, and
     stored (when asked) before the client learns it is complete."""
 
