@@ -275,7 +275,8 @@ async def drain_chunks(
 
 @runtime_checkable
 class KVBlockPeer(Protocol):
-    """An engine whose prefix cache sends its blocks to peers and takes theirs (the torch engine):
+    """An engine whose prefix cache sends its blocks to peers and takes theirs (the torch and the
+    simulated engines):
     its GenerationRequest.peer_prefix is inserted into its prefix cache before the prompt is
     prefilled."""
 
