@@ -18,6 +18,7 @@ uncached tokens); the KV blocks' transfer (infermesh.kv_link) overlaps both and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from worker_svc.sim_engine.roofline import Roofline
@@ -52,3 +53,12 @@ def pd_split(
     decode_s = output * step / batch
     prefill = min(workers - 1, max(1, round(workers * prefill_s / (prefill_s + decode_s))))
     return PdSplit(prefill_s, decode_s, batch, prefill, workers - prefill)
+
+
+def decode_without_prefill(roles: Mapping[str, str], precisions: Mapping[str, str]) -> list[str]:
+    """The precisions (of ``precisions``: worker or kind -> precision) whose "decode" workers of
+    ``roles`` have no "prefill" worker of theirs: KV blocks go to no other precision, so their
+    prompts would be computed where they decode."""
+    decoding = {precisions[w] for w, role in roles.items() if role == "decode"}
+    prefilling = {precisions[w] for w, role in roles.items() if role == "prefill"}
+    return sorted(decoding - prefilling)
