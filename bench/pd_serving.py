@@ -22,7 +22,9 @@ weights (4.9-6.8 M tokens), up to 32 sequences each, contexts to 128k tokens.
 Workloads (bench/cache_routing.py's, sized here): agent: sessions that open with a 20-80k-token
 context and resend their growing history every turn (closed loop, think times between turns);
 shared-prefix: tenants' 6k-token system prompts with short questions, Poisson arrivals at a
-fixed rate.
+fixed rate; production (not by default): long prompts (1-64k tokens, median 8k) sharing one
+512-token block, bursty, with 200-400-token answers, at ``--long-load`` x the fleet's capacity
+without hits.
 
 Goodput here is the number of requests meeting both SLOs (their time to first token <= 2 s, and
 the 99th percentile of their own inter-token gaps, for answers under 100 tokens the longest, <=
@@ -103,6 +105,16 @@ DEFAULTS: dict[str, Any] = {
     "max_tokens": [16, 64],
     "requests": 600,
     "rate": 120.0,
+    # production (bench/cache_routing.py's): long prompts sharing one block, bursty, long answers
+    "common_tokens": 512,
+    "long_prompt_tokens": [1000, 64000],
+    "long_median_tokens": 8000,
+    "long_sigma": 1.1,
+    "follow_ups": 0.05,
+    "follow_up_tokens": [50, 1000],
+    "burst_shape": 0.25,
+    "long_load": 0.15,
+    "long_max_tokens": [200, 400],
 }
 
 
@@ -212,6 +224,14 @@ async def run_workload(
         return await workload(client)
 
 
+def capacity_per_s(args: argparse.Namespace) -> float:
+    """Shared-prefix requests a second the aggregated fleet serves without cache hits, by the
+    roofline (production's arrivals are a share of it)."""
+    configs = worker_configs("unused:0", roles({}, False), 0.0, 1.0)
+    engines = [SimEngine.from_config(c) for c in configs]
+    return cache_routing.roofline_capacity_per_s(engines, *cache_routing.mean_request(args))
+
+
 def describe_fleet(worker_roles: Sequence[str]) -> str:
     configs = worker_configs("unused:0", worker_roles, 0.0, 1.0)
     parts = []
@@ -231,12 +251,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--workload",
-        nargs="+",
-        choices=("agent", "shared-prefix"),
-        default=["agent", "shared-prefix"],
-    )
+    workloads = ["agent", "shared-prefix", "production"]
+    parser.add_argument("--workload", nargs="+", choices=workloads, default=workloads[:2])
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
     parser.add_argument(
         "--prefill",
@@ -280,6 +296,9 @@ def main() -> None:
             # arrivals and think times in wall seconds
             wall = argparse.Namespace(**{**vars(args), "rate": args.rate / scale})
             wall.think_s = args.think_s * scale
+            wall.capacity_per_s = capacity_per_s(args) / scale
+            if name == "production":
+                wall.max_tokens = args.long_max_tokens
             workload = cache_routing.WORKLOADS[name](wall, sim_tokens.BYTES_PER_TOKEN)
             for mode in args.modes:
                 disaggregated, link = MODES[mode]

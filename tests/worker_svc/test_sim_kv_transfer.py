@@ -163,3 +163,19 @@ async def test_an_export_waits_for_the_step_under_way_and_scales_the_link_time()
     expected = 3 * kv_transfer_s(len(names) * BLOCK_TOKENS, V3_BYTES_PER_TOKEN, 10.0)
     assert expected <= took < expected + 0.2
     await engine.close()
+
+
+async def test_the_prefill_speed_it_reports_is_what_its_steps_took():
+    """A long prompt's attention makes its tokens dearer than the one-token estimate the
+    capabilities give: the load reports the speed measured over the steps, in wall time."""
+    engine = sim_engine(**V3, attention_flops_per_key=61 * 128 * 2 * 1088, time_scale=2.0)
+    assert engine.load().prefill_tokens_per_second == 0.0
+    prompt = "word " * 24_000  # 30,000 tokens
+    request = GenerationRequest(
+        request_id="r", messages=None, prompt=prompt, sampling=SamplingParams(max_tokens=1)
+    )
+    [c async for c in engine.generate(request)]
+    measured = engine.load().prefill_tokens_per_second
+    assert measured == pytest.approx(30_000 / (2 * engine.roofline.prefill_s(30_000)))
+    assert measured < engine.capabilities.prefill_tokens_per_second / 3
+    await engine.close()

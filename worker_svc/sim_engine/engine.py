@@ -64,7 +64,7 @@ from worker_svc.engine_api import (
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import fewest_gpus, serving_profile
-from worker_svc.meters import DecodeRateMeter
+from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
 from worker_svc.request_front import RequestFront
 from worker_svc.sim_engine.roofline import Roofline
 
@@ -196,6 +196,7 @@ class SimEngine:
         self._prefix_cache_blocks = roofline.kv_capacity_tokens // BLOCK_TOKENS
         self.cache_events = cache_events or CacheEvents()
         self._decode_rate = DecodeRateMeter()
+        self._prefill_speed = PrefillSpeedMeter()
         self._wake = asyncio.Event()
         self._step_ended = asyncio.Event()  # set at the end of each step, then replaced
         self._loop_task: asyncio.Task[None] | None = None
@@ -256,6 +257,7 @@ class SimEngine:
             waiting=len(self._waiting),
             tokens_per_second=self._decode_rate.rate(),
             kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens,
+            prefill_tokens_per_second=self._prefill_speed.speed(),
         )
 
     @property
@@ -431,8 +433,12 @@ class SimEngine:
                 step_end = loop.time()
                 continue
             batch = list(self._running)
-            step_end = max(step_end, loop.time()) + (
-                0.0 if self._zero_latency else self._step_s(batch) * self.time_scale
+            step_s = 0.0 if self._zero_latency else self._step_s(batch) * self.time_scale
+            step_end = max(step_end, loop.time()) + step_s
+            # as the torch engine measures it: a long prompt's attention makes its tokens dearer
+            # than the capabilities' one-token estimate says, and the router is told
+            self._prefill_speed.add(
+                sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled), step_s
             )
             await asyncio.sleep(step_end - loop.time())
             emitted = 0
