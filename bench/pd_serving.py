@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against aggregated serving, at equal fleet: goodput, time to
 first token and inter-token latency on a simulated mixed fleet of 16 DeepSeek-V3 workers.
 
-    nice -n 10 .venv/bin/python bench/pd_serving.py [--workload agent shared-prefix]
+    nice -n 10 .venv/bin/python bench/pd_serving.py [--workload agent shared-prefix production]
         [--modes aggregated pulls disaggregated] [--prefill H100:2,H800:2,A100:1]
         [--link-gbps 400] [--time-scale 4] [--seed 1]
 
