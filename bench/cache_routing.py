@@ -25,8 +25,9 @@ other policy gets none, so `balanced` is the byte-window guess of before.
 - shared-prefix: tenants each with a long system prompt and short unique questions, Poisson
   arrivals at ``--load`` x the fleet's capacity without cache hits (or ``--rate``); the prefixes
   together are more than twice a worker's cache.
-- agent: sessions that each resend their growing history (a shared system prompt, then their own
-  turns: tool output in, the model's answer back), closed loop, with the session's affinity key.
+- agent: sessions that each resend their growing history (a shared system prompt, an opening
+  context of ``--history-tokens`` (none by default), then their own turns: tool output in, the
+  model's answer back), closed loop, with the session's affinity key.
 - production: the shape of a production conversation trace, where prefixes are reused little:
   long prompts (log-normal lengths, long-tailed, clipped to ``--long-prompt-tokens``) that all
   open with one short common block (``--common-tokens``), a few (``--follow-ups``) resending an
@@ -110,6 +111,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "tool_output_tokens": [100, 1000],
         "answer_tokens": 48,
         "think_s": 1.0,
+        "history_tokens": [0, 0],
         "common_tokens": 512,
         "long_prompt_tokens": [1000, 32000],
         "long_median_tokens": 4000,
@@ -134,6 +136,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "tool_output_tokens": [100, 400],
         "answer_tokens": 16,
         "think_s": 0.5,
+        "history_tokens": [0, 0],
         "common_tokens": 64,
         "long_prompt_tokens": [200, 3000],
         "long_median_tokens": 600,
@@ -284,12 +287,19 @@ def agent(args: argparse.Namespace, chars_per_token: float) -> Workload:
         for _ in range(args.sessions)
     ]
     thinks = [[rng.expovariate(1 / args.think_s) for _ in range(args.turns)] for _ in sessions]
+    # what each session works on, sent once and resent with every turn (none by default)
+    opening = [
+        [{"role": "user", "content": text.between(*args.history_tokens)}]
+        if args.history_tokens[1]
+        else []
+        for _ in sessions
+    ]
 
     async def run(client: Client) -> list[Outcome]:
         start = time.monotonic()
 
         async def session(i: int) -> list[Outcome]:
-            history = [{"role": "system", "content": system}]
+            history = [{"role": "system", "content": system}, *opening[i]]
             outcomes: list[Outcome] = []
             for turn, tool_output in enumerate(sessions[i]):
                 await asyncio.sleep(thinks[i][turn])
@@ -643,6 +653,13 @@ def main() -> None:
     agents.add_argument("--tool-output-tokens", type=int, nargs=2, metavar=("LOW", "HIGH"))
     agents.add_argument("--answer-tokens", type=int)
     agents.add_argument("--think-s", type=float)
+    agents.add_argument(
+        "--history-tokens",
+        type=int,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="each session's opening context, resent with every turn (0 0: none)",
+    )
     long = parser.add_argument_group(
         "production: long prompts sharing little, bursty (--requests too; defaults: DEFAULTS)"
     )

@@ -32,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
@@ -176,6 +177,8 @@ class Outcome:
     error: str | None = None
     worker: str = ""  # the worker the router chose
     text: str = ""
+    # each token's wait after the one before; the tokens of a chunk share its wait
+    itl_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -186,11 +189,17 @@ async def read_stream(
     call: AsyncIterator[common_pb2.GenerateResponse], outcome: Outcome, sent: float, start: float
 ) -> None:
     """Fills ``outcome`` from a Generate stream sent at ``sent``, in a run begun at ``start``."""
+    last = sent
     try:
         async for chunk in call:
+            now = time.monotonic()
             if outcome.ttft_s is None:
-                outcome.ttft_s = time.monotonic() - sent
+                outcome.ttft_s = now - sent
                 outcome.worker = chunk.route.worker_id
+            elif chunk.token_ids:
+                outcome.itl_s += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+            if chunk.token_ids:
+                last = now
             outcome.text += chunk.text
             outcome.token_ids += chunk.token_ids
             if chunk.HasField("usage"):
@@ -257,9 +266,16 @@ def registered(router_address: str) -> int:
 
 
 @contextlib.contextmanager
-def fleet_router(policy: str, redis_url: str) -> Iterator[str]:
-    """A fresh router (``policy``) on an emptied Redis, with the 16 simulated workers registered;
-    yields its address."""
+def fleet_router(
+    policy: str,
+    redis_url: str,
+    fleet_command: Sequence[str] = (__file__, "--fleet"),
+    workers: int = len(FLEET),
+    router_env: Mapping[str, str] = MappingProxyType({}),
+) -> Iterator[str]:
+    """A fresh router (``policy``, and ``router_env``'s settings) on an emptied Redis, with the
+    ``workers`` simulated workers ``fleet_command`` + the router's address serves (default: this
+    file's 16) registered; yields its address."""
     redis.Redis.from_url(redis_url).flushall()
     port = free_port()
     env = {
@@ -274,13 +290,14 @@ def fleet_router(policy: str, redis_url: str) -> Iterator[str]:
             "INFERMESH_ROUTER_SERVER_PORT": str(port),
             "INFERMESH_ROUTER_REDIS_URL": redis_url,
             "INFERMESH_ROUTER_ROUTING_POLICY": policy,
+            **router_env,
         },
     )
     fleet = None
     try:
         wait_until(lambda: grpc_serving(f"127.0.0.1:{port}"), "the router")
-        fleet = spawn([__file__, "--fleet", f"127.0.0.1:{port}"], env)
-        wait_until(lambda: registered(f"127.0.0.1:{port}") == len(FLEET), "the fleet")
+        fleet = spawn([*fleet_command, f"127.0.0.1:{port}"], env)
+        wait_until(lambda: registered(f"127.0.0.1:{port}") == workers, "the fleet")
         yield f"127.0.0.1:{port}"
     finally:
         for proc in (fleet, router):

@@ -2,13 +2,16 @@
 before any GPU is rented (worker_svc/hardware/sizing.py's arithmetic on config.json alone).
 
 MODEL is a checkpoint directory, its config.json, or a bundled config by name
-(``DeepSeek-V3``, ``DeepSeek-V2-Lite``...: worker_svc/model/configs/)."""
+(``DeepSeek-V3``, ``DeepSeek-V2-Lite``...: worker_svc/model/configs/). With ``--workers N``, the
+prefill:decode split of N workers of each kind for a workload of ``--prompt-tokens`` and
+``--output-tokens`` (devtools/pd_split.py)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
+from devtools.pd_split import pd_split
 from worker_svc.hardware.gpu_profiles import GpuProfile, gpu_profiles
 from worker_svc.hardware.sizing import (
     DEFAULT_UTILIZATION,
@@ -21,6 +24,7 @@ from worker_svc.hardware.sizing import (
     sequences_that_fit,
     serving_profile,
 )
+from worker_svc.sim_engine.roofline import Roofline
 
 _GB = 1e9
 
@@ -53,6 +57,25 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=DEFAULT_UTILIZATION,
         help="share of GPU memory for weights and KV cache",
+    )
+    split = plan.add_argument_group(
+        "prefill:decode split (with --workers): prefill compute against decode bandwidth"
+    )
+    split.add_argument(
+        "--workers", type=int, default=0, help="workers of each kind to split (>= 2; 0: no split)"
+    )
+    split.add_argument(
+        "--prompt-tokens", type=int, default=8000, help="a request's uncached prompt tokens"
+    )
+    split.add_argument("--output-tokens", type=int, default=500, help="a request's output tokens")
+    split.add_argument(
+        "--max-parallel", type=int, default=32, help="sequences a decode worker runs at once"
+    )
+    split.add_argument(
+        "--attention-flops-per-key",
+        type=float,
+        default=0.0,
+        help="FLOPs of one query attending to one cached token, all layers (0: weights only)",
     )
 
 
@@ -100,6 +123,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "plan: need --context >= 1, --concurrency >= 1, --count >= 0, 0 < --utilization <= 1"
         )
+    if args.workers and (
+        args.workers < 2
+        or min(args.prompt_tokens, args.output_tokens, args.max_parallel) < 1
+        or args.attention_flops_per_key < 0
+    ):
+        raise SystemExit(
+            "plan: a split needs --workers >= 2, --prompt-tokens, --output-tokens and "
+            "--max-parallel >= 1, --attention-flops-per-key >= 0"
+        )
     profiles = gpu_profiles()
     kinds = [k.strip() for k in args.gpu.split(",") if k.strip()] or list(profiles)
     unknown = [k for k in kinds if k not in profiles]
@@ -109,18 +141,13 @@ def run(args: argparse.Namespace) -> int:
         size = model_size_of(args.model)
     except SizingError as e:
         raise SystemExit(f"plan: {e}") from None
-    print(
-        render(
-            size,
-            [
-                plan_kind(
-                    size, profiles[k], args.context, args.concurrency, args.count, args.utilization
-                )
-                for k in kinds
-            ],
-            args,
-        )
-    )
+    plans = [
+        plan_kind(size, profiles[k], args.context, args.concurrency, args.count, args.utilization)
+        for k in kinds
+    ]
+    print(render(size, plans, args))
+    if args.workers:
+        print("\n" + render_split(size, plans, args))
     stated = index_total_size(args.model)
     if stated is not None:
         print(
@@ -151,6 +178,39 @@ def render(size: ModelSize, plans: list[KindPlan], args: argparse.Namespace) -> 
         lines.append(
             f"| {p.kind} | {p.precision} | {_gb(p.weight_bytes)} | {p.kv_bytes_per_token} "
             f"| {p.fewest_gpus} | {fit} |"
+        )
+    return "\n".join(lines)
+
+
+def render_split(size: ModelSize, plans: list[KindPlan], args: argparse.Namespace) -> str:
+    """The prefill:decode split of ``args.workers`` workers of each kind that loads the model."""
+    lines = [
+        f"Prefill:decode split of {args.workers} workers a kind, for {args.prompt_tokens}-token "
+        f"prompts and {args.output_tokens}-token outputs (prefill compute against decode "
+        "bandwidth: devtools/pd_split.py)",
+        "",
+        "| GPU | GPUs a worker | prefill s/request | decode batch | decode s/request "
+        "| prefill share | prefill:decode |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in plans:
+        roofline = Roofline(
+            serving_profile(gpu_profiles()[p.kind], size),
+            p.gpus,
+            size,
+            args.utilization,
+            args.attention_flops_per_key,
+        )
+        if roofline.kv_capacity_tokens < args.prompt_tokens + args.output_tokens:
+            lines.append(f"| {p.kind} | {p.gpus} | the weights leave no room for one request |||||")
+            continue
+        split = pd_split(
+            roofline, args.prompt_tokens, args.output_tokens, args.workers, args.max_parallel
+        )
+        lines.append(
+            f"| {p.kind} | {p.gpus} | {split.prefill_s:.3f} | {split.batch} "
+            f"| {split.decode_s:.3f} | {split.prefill_share:.0%} "
+            f"| {split.prefill_workers}:{split.decode_workers} |"
         )
     return "\n".join(lines)
 

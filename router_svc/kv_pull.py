@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infermesh.kv_link import kv_transfer_s
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.fleet import Fleet, Group, WorkerEntry
@@ -161,4 +162,4 @@ def _exchange_blocks(mine: common_pb2.Capabilities, theirs: common_pb2.Capabilit
 
 def _transfer_s(tokens: int, caps: common_pb2.Capabilities, link_gbps: float) -> float:
     """Seconds to send ``tokens`` of KV cache over a ``link_gbps`` link."""
-    return tokens * caps.kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9)
+    return kv_transfer_s(tokens, caps.kv_transfer_bytes_per_token, link_gbps)

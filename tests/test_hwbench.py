@@ -119,6 +119,16 @@ def test_csv_and_json_agree_and_the_report_has_every_point(study):
         ),
         (["--sim", "--sim-model", "/nonexistent"], "--sim-model: /nonexistent: not found"),
         (
+            ["--sim", "--gpus", "H100,A100", "--sim-roles", "H100=prefill,A100=decode"],
+            "--sim-roles: the bf16 decode kinds have no bf16 prefill kind",
+        ),
+        (["--sim", "--gpus", "H100", "--sim-roles", "H200=decode"], "H200 is not in the fleet"),
+        (
+            ["--sim", "--gpus", "H100,H200", "--sim-roles", "H100=prefill,H200=prefill"],
+            "every kind prefills",
+        ),
+        (["--sim", "--sim-link-gbps", "-1"], "--sim-link-gbps: must be >= 0"),
+        (
             ["--base-url", "http://127.0.0.1:{port}/v1", "--api-key", "sk-x", "--admin-token", "t"],
             "cannot reach",
         ),
@@ -144,6 +154,24 @@ def test_bad_input_is_one_line_and_nothing_is_written(argv, message, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench: ") and message in err and "\n" not in err
     assert not out.exists()
+
+
+def test_a_disaggregated_fleet_is_studied_on_its_decode_kinds(tmp_path):
+    """H100 prefills for H200 (both FP8): the study measures H200 alone, its prompts prefilled on
+    the H100 worker, and says the fleet was disaggregated."""
+    out = tmp_path / "pd"
+    roles = ["--sim-roles", "H100=prefill,H200=decode", "--sim-link-gbps", "100"]
+    assert main(["bench", "--sim", "--gpus", "H100,H200", *roles, *_SMALL, "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert {p["gpu"] for p in data["points"]} == {"H200"}
+    assert all(p["errors"] == 0 for p in data["points"])
+    assert "disaggregated: H100 prefill, H200 decode; link 100 Gb/s" in data["meta"]["fleet"]
+
+
+def test_a_role_that_is_not_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--sim", "--sim-roles", "H100=prefil"])
+    assert exit_.value.code == 2 and "KIND=prefill|decode|both" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("level", ["0", "-4", "1,x"])

@@ -290,6 +290,12 @@ class EngineSection:
     # its compute out), and (V3.2) of the indexer scoring one cached token for one query.
     attention_flops_per_key: float = 0.0
     index_flops_per_key: float = 0.0
+    # sim only: the link its KV blocks cross to a peer (Worker.KVBlocks), gigabits a second (0:
+    # instant), as the router's [routing] link_gbps
+    link_gbps: float = 0.0
+    # sim only: wall seconds per simulated second (4: steps and transfers four times slower, its
+    # reported speeds too, so that a busy machine's jitter weighs less in what it times)
+    time_scale: float = 1.0
     # checkpoint only, the CPU thread policy (worker_svc/torch_engine/threads.py): torch's OpenMP
     # threads (0: the cores available less reserved_cores, at least one), the cores left to the
     # services beside the worker (gateway, router, Redis, a client), and how idle threads wait
@@ -306,6 +312,10 @@ class EngineSection:
             raise ValueError(f"threads: must be >= 0 (0: auto), got {self.threads}")
         if self.reserved_cores < 0:
             raise ValueError(f"reserved_cores: must be >= 0, got {self.reserved_cores}")
+        if self.link_gbps < 0:
+            raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale: must be positive, got {self.time_scale}")
         if self.gpu not in gpu_profiles():
             raise ValueError(
                 f"gpu: unknown profile {self.gpu!r}; known: {', '.join(gpu_profiles())}"

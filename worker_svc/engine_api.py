@@ -275,9 +275,9 @@ async def drain_chunks(
 
 @runtime_checkable
 class KVBlockPeer(Protocol):
-    """An engine whose prefix cache sends its blocks to peers and takes theirs (the torch engine):
-    its GenerationRequest.peer_prefix is inserted into its prefix cache before the prompt is
-    prefilled."""
+    """An engine whose prefix cache sends its blocks to peers and takes theirs (the torch and the
+    simulated engines): its GenerationRequest.peer_prefix is inserted into its prefix cache before
+    the prompt is prefilled."""
 
     def blocks_to_pull(self, prefix_hashes: Sequence[int]) -> range:
         """Which of a prompt's leading blocks ``prefix_hashes`` (held by a peer) to take from

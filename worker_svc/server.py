@@ -134,12 +134,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext[worker_pb2.KVBlocksRequest, worker_pb2.KVBlocksResponse],
     ) -> AsyncIterator[worker_pb2.KVBlocksResponse]:
         engine = self._engine
-        if not isinstance(engine, KVBlockPeer):
+        bytes_per_token = self.info.capabilities.kv_transfer_bytes_per_token
+        # an engine may take part or not by its configuration (the simulated one: its prefix cache)
+        if not isinstance(engine, KVBlockPeer) or not bytes_per_token:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this worker's engine ({type(engine).__name__}) sends no KV blocks",
             )
-        bytes_per_token = self.info.capabilities.kv_transfer_bytes_per_token
         try:
             if request.HasField("prefill"):
                 await self._prefill(request.prefill)

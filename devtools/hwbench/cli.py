@@ -26,8 +26,15 @@ from devtools.hwbench.prices import EXAMPLE_PRICES, PriceError, load_prices
 from devtools.hwbench.results import Point, Run, point, with_frontier
 from devtools.hwbench.simfleet import simulated_fleet
 from devtools.mesh import ServiceExited
+from devtools.pd_split import decode_without_prefill
+from worker_svc.config import EngineSection
 from worker_svc.hardware.gpu_profiles import gpu_profiles
-from worker_svc.hardware.sizing import SizingError, bundled_models, model_size_of
+from worker_svc.hardware.sizing import (
+    SizingError,
+    bundled_models,
+    model_size_of,
+    serving_profile,
+)
 
 _MEMORY_POLL_S = 0.5
 
@@ -101,6 +108,20 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         f"({', '.join(bundled_models())}), a checkpoint "
         f"directory or a config.json; default 8B dense",
     )
+    bench.add_argument(
+        "--sim-roles",
+        type=_roles,
+        default={},
+        help="with --sim: [worker] roles by kind, KIND=prefill|decode|both,... (default all "
+        "both: aggregated); a prefill kind is not studied, it prefills for the decode kinds",
+    )
+    bench.add_argument(
+        "--sim-link-gbps",
+        type=float,
+        default=0.0,
+        help="with --sim: the link between the workers, Gb/s, for the router's pulls and the "
+        "simulated transfers (0: instant transfers, no pulls from busy peers)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +142,12 @@ def run(args: argparse.Namespace) -> int:
                     model_size_of(args.sim_model)
                 except SizingError as e:
                     raise BenchError(f"--sim-model: {e}") from None
-            with simulated_fleet(kinds, args.sim_model) as endpoint:
+            studied = _check_roles(args.sim_roles, kinds, args.sim_model)
+            if args.sim_link_gbps < 0:
+                raise BenchError(f"--sim-link-gbps: must be >= 0, got {args.sim_link_gbps}")
+            with simulated_fleet(
+                kinds, args.sim_model, args.sim_roles, args.sim_link_gbps
+            ) as endpoint:
                 args = argparse.Namespace(
                     **{
                         **vars(args),
@@ -130,9 +156,19 @@ def run(args: argparse.Namespace) -> int:
                         "admin_url": endpoint.admin_url,
                         "admin_token": endpoint.admin_token,
                         "model": args.model or endpoint.model,
+                        "gpus": studied,
                     }
                 )
-                return _study(args, f"simulated: one worker per kind on {platform.node()}")
+                roles = ", ".join(f"{k} {r}" for k, r in args.sim_roles.items())
+                return _study(
+                    args,
+                    f"simulated: one worker per kind on {platform.node()}"
+                    + (
+                        f"; disaggregated: {roles}; link {args.sim_link_gbps:g} Gb/s"
+                        if roles
+                        else ""
+                    ),
+                )
         return _study(args, f"the fleet behind {args.base_url}")
     except (ServiceExited, TimeoutError) as e:
         print(f"bench: the simulated fleet did not start: {e}", file=sys.stderr)
@@ -331,6 +367,34 @@ def _meta(
 def _origin(base_url: str) -> str:
     parsed = urlparse(base_url)
     return f"{parsed.scheme}://{parsed.netloc}"
+
+
+def _check_roles(roles: dict[str, str], kinds: list[str], model: str) -> list[str]:
+    """The kinds to study (those not prefilling), once ``roles`` are known to fit the fleet."""
+    outside = [k for k in roles if k not in kinds]
+    if outside:
+        raise BenchError(f"--sim-roles: {outside[0]} is not in the fleet ({', '.join(kinds)})")
+    size = model_size_of(model) if model else EngineSection(kind="sim").size()
+    precisions = {k: serving_profile(gpu_profiles()[k], size).precision for k in kinds}
+    missing = decode_without_prefill(roles, precisions)
+    if missing:
+        raise BenchError(
+            f"--sim-roles: the {missing[0]} decode kinds have no {missing[0]} prefill kind"
+        )
+    studied = [k for k in kinds if roles.get(k) != "prefill"]
+    if not studied:
+        raise BenchError("--sim-roles: every kind prefills; a decode or both kind is needed")
+    return studied
+
+
+def _roles(text: str) -> dict[str, str]:
+    roles = {}
+    for item in _names(text):
+        kind, _, role = item.partition("=")
+        if role not in ("prefill", "decode", "both"):
+            raise argparse.ArgumentTypeError(f"expected KIND=prefill|decode|both,..., got {item!r}")
+        roles[kind.strip()] = role
+    return roles
 
 
 def _names(text: str) -> list[str]:

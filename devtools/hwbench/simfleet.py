@@ -1,6 +1,7 @@
 """``bench --sim``: a simulated mixed fleet on this machine: a Redis, a router, a gateway and
 one simulated worker (worker_svc/sim_engine/) per GPU kind, sized by
-worker_svc/hardware/sizing.py."""
+worker_svc/hardware/sizing.py; each of the role its kind is given (aggregated: all "both";
+disaggregated: "prefill" and "decode" kinds, KV blocks crossing a link of ``link_gbps``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import asyncio
 import contextlib
 import secrets
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
@@ -32,10 +34,16 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def simulated_fleet(kinds: list[str], model: str = "") -> Iterator[Endpoint]:
+def simulated_fleet(
+    kinds: list[str],
+    model: str = "",
+    roles: Mapping[str, str] = MappingProxyType({}),
+    link_gbps: float = 0.0,
+) -> Iterator[Endpoint]:
     """The running fleet's endpoint; stops everything on exit. ``model``: the simulated model
     ([engine] model: a bundled name, a checkpoint directory or a config.json); empty: the 8B
-    default."""
+    default. ``roles``: a kind's [worker] role (default both); ``link_gbps``: the link between
+    the workers, for the router and the simulated transfers alike."""
     name = model_size_of(model).name if model else SIM_MODEL
     token = secrets.token_urlsafe(24)
     with (
@@ -54,11 +62,14 @@ def simulated_fleet(kinds: list[str], model: str = "") -> Iterator[Endpoint]:
                 "INFERMESH_WORKER_ENGINE_KIND": "sim",
                 "INFERMESH_WORKER_MODEL_NAME": name,
                 "INFERMESH_WORKER_ENGINE_MODEL": model,
+                "INFERMESH_WORKER_ENGINE_LINK_GBPS": str(link_gbps),
             },
+            router_env=({"INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(link_gbps)},),
             worker_env=tuple(
                 {
                     "INFERMESH_WORKER_ENGINE_GPU": kind,
                     "INFERMESH_WORKER_SERVER_WORKER_ID": f"sim-{kind.lower()}",
+                    "INFERMESH_WORKER_WORKER_ROLE": roles.get(kind, "both"),
                 }
                 for kind in kinds
             ),

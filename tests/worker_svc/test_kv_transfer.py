@@ -24,11 +24,13 @@ from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from telemetry import metrics
 from tests.helpers import MODEL as CONFIGURED_MODEL
-from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
+from tests.helpers.inprocess import eventually, running_router, running_worker
 from tests.helpers.worker_client import loopback_worker, serving_as_worker, worker_client
+from worker_svc.config import CacheSection, EngineSection, WorkerConfig
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine_api import GenerationRequest, PeerBlock, PeerPrefix, RawTensor
 from worker_svc.prompt_ids import prompt_token_ids
+from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.wire import to_engine
 
@@ -371,7 +373,14 @@ async def test_a_sparse_attention_models_blocks_carry_the_indexer_keys_too(v32_d
 
 
 async def test_an_engine_without_kv_blocks_says_so():
-    async with loopback_worker(sim_engine()) as worker:
+    # a simulated engine's blocks are its prefix cache's: without one it has none to send
+    uncached = SimEngine.from_config(
+        WorkerConfig(
+            engine=EngineSection(kind="sim"), cache=CacheSection(enable_prefix_caching=False)
+        )
+    )
+    assert uncached.capabilities.kv_transfer_bytes_per_token == 0
+    async with loopback_worker(uncached) as worker:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in worker.stub.KVBlocks(worker_pb2.KVBlocksRequest(prefix_hashes=[1])):
                 pass

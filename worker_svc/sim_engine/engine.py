@@ -14,6 +14,19 @@ Tokens are words from a fixed list, deterministic per seed. A prompt's tokens ar
 infermesh.sim_tokens's (4 bytes of its text each); its prefix cache keeps whole blocks of them by
 their infermesh.prefix_hash names, least recently used first, and publishes what it stores and
 evicts (cache_events). Imports no torch: a simulated worker process stays small.
+
+KV blocks with peers (engine_api.KVBlockPeer, served by Worker.KVBlocks and taken by
+kv_transfer.KVPuller as the torch engine's are): its prefix cache's blocks are sent to a peer, after
+the step under way (a real engine copies them out between two steps), in the time their bytes take
+over ``[engine] link_gbps``::
+
+    tokens x kv_transfer_bytes_per_token x 8 / (link_gbps x 1e9)   (infermesh.kv_link)
+
+kv_transfer_bytes_per_token being the model's KV cache per token in the precision it runs
+(DeepSeek-V3: 61 layers x 576 latent values x 2 bytes). A simulated block carries no tensors; a
+peer's blocks named as the prompt's are put in the prefix cache, a prefix hit like any other
+(prefill on P, decode on D: P's prefill, then the transfer, then D's step). ``[engine]
+time_scale`` stretches every step and transfer, and the speeds it reports, by one factor.
 """
 
 from __future__ import annotations
@@ -21,18 +34,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from infermesh.config import ConfigError
+from infermesh.kv_link import kv_transfer_s
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
 from infermesh.text.text_files import TextFiles
+from telemetry import metrics
 from worker_svc.cache_events import CacheEvents
 from worker_svc.config import WorkerConfig
 from worker_svc.engine_api import (
@@ -42,11 +58,13 @@ from worker_svc.engine_api import (
     GenerationChunk,
     GenerationRequest,
     InvalidArgumentError,
+    PeerBlock,
+    PeerPrefix,
     drain_chunks,
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import fewest_gpus, serving_profile
-from worker_svc.meters import DecodeRateMeter
+from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
 from worker_svc.request_front import RequestFront
 from worker_svc.sim_engine.roofline import Roofline
 
@@ -127,6 +145,8 @@ class SimEngine:
         prefix_caching: bool = True,
         zero_latency: bool = False,
         cache_events: CacheEvents | None = None,
+        link_gbps: float = 0.0,
+        time_scale: float = 1.0,
     ) -> None:
         if roofline.kv_capacity_tokens < 1:
             raise ConfigError(
@@ -136,7 +156,10 @@ class SimEngine:
                 f"({roofline.memory_bytes / 1e9:.0f} GB)"
             )
         self.roofline = roofline
+        self.time_scale = time_scale
+        self._link_gbps = link_gbps
         profile = roofline.profile
+        kv_bytes_per_token = roofline.kv_bytes_per_token + roofline.index_bytes_per_token
         self.capabilities = DeviceCapabilities(
             device=profile.device,
             device_name=profile.device_name,
@@ -144,13 +167,14 @@ class SimEngine:
             precision=profile.precision,
             memory_total_bytes=roofline.memory_bytes,
             weight_bytes=roofline.weight_bytes,
-            decode_tokens_per_second=1 / roofline.decode_step_s(1, 0),
-            prefill_tokens_per_second=1 / roofline.prefill_s(1),
+            decode_tokens_per_second=1 / (roofline.decode_step_s(1, 0) * time_scale),
+            prefill_tokens_per_second=1 / (roofline.prefill_s(1) * time_scale),
             gpu_count=roofline.gpu_count,
-            kv_cache_bytes=roofline.kv_capacity_tokens
-            * (roofline.kv_bytes_per_token + roofline.index_bytes_per_token),
+            kv_cache_bytes=roofline.kv_capacity_tokens * kv_bytes_per_token,
             model_type=roofline.size.model_type,
             index_topk=roofline.index_topk,
+            # its blocks are what it caches: without a prefix cache it has none to send or take
+            kv_transfer_bytes_per_token=kv_bytes_per_token if prefix_caching else 0,
         )
         # byte-counted prompts: no tokenizer files a caller could render with
         self.text_files = TextFiles(SIM_TOKENIZER, {})
@@ -172,7 +196,9 @@ class SimEngine:
         self._prefix_cache_blocks = roofline.kv_capacity_tokens // BLOCK_TOKENS
         self.cache_events = cache_events or CacheEvents()
         self._decode_rate = DecodeRateMeter()
+        self._prefill_speed = PrefillSpeedMeter()
         self._wake = asyncio.Event()
+        self._step_ended = asyncio.Event()  # set at the end of each step, then replaced
         self._loop_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -208,6 +234,8 @@ class SimEngine:
             prefix_caching=cache.enable_prefix_caching,
             zero_latency=e.zero_latency,
             cache_events=CacheEvents(cache.events_history, cache.events_backlog),
+            link_gbps=e.link_gbps,
+            time_scale=e.time_scale,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
@@ -229,6 +257,7 @@ class SimEngine:
             waiting=len(self._waiting),
             tokens_per_second=self._decode_rate.rate(),
             kv_cache_usage=self._kv_used / self.roofline.kv_capacity_tokens,
+            prefill_tokens_per_second=self._prefill_speed.speed(),
         )
 
     @property
@@ -242,6 +271,7 @@ class SimEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._step_ended.set()  # a peer's export waiting for a step ends with the engine
         for seq in [*self._running, *self._waiting]:
             seq.chunks.put_nowait(EngineClosedError("the engine was closed"))
         self._running.clear()
@@ -277,6 +307,8 @@ class SimEngine:
                 f"holds {self.roofline.kv_capacity_tokens}"
             )
         blocks = chain(ids) if self._prefix_caching else []
+        if request.peer_prefix is not None:
+            self._adopt(blocks, request.peer_prefix)
         seed = (
             params.seed
             if params.seed is not None
@@ -346,6 +378,48 @@ class SimEngine:
         ]
         self.cache_events.removed(evicted)
 
+    # ------------------------------------------------------------------ KV blocks with peers
+
+    def blocks_to_pull(self, prefix_hashes: Sequence[int]) -> range:
+        held = self.cache_events.held_prefix(prefix_hashes) if self._prefix_caching else 0
+        return range(held, len(prefix_hashes) if self._prefix_caching else 0)
+
+    async def export_blocks(self, prefix_hashes: Sequence[int]) -> list[PeerBlock]:
+        """The held leading blocks of ``prefix_hashes``, after the step under way (a real engine
+        copies them out between two steps) and the time their bytes take over the link; a
+        simulated block carries no tensors."""
+        if self._running:
+            await self._step_ended.wait()
+        held = list(itertools.takewhile(self._prefix_cache.__contains__, prefix_hashes))
+        for block in held:
+            self._prefix_cache.move_to_end(block)  # sent: used
+        if self._link_gbps and not self._zero_latency:
+            tokens = len(held) * BLOCK_TOKENS
+            bytes_per_token = self.capabilities.kv_transfer_bytes_per_token
+            await asyncio.sleep(
+                kv_transfer_s(tokens, bytes_per_token, self._link_gbps) * self.time_scale
+            )
+        return [PeerBlock(block, ()) for block in held]
+
+    def _adopt(self, names: list[int], prefix: PeerPrefix) -> None:
+        """Puts a peer's blocks of this prompt into the prefix cache, where a prefix hit finds
+        them: each a simulated block (no tensors) named as the prompt's block at its place; from
+        the first that is not, the prompt is computed."""
+        taken: list[int] = []
+        for number, block in enumerate(prefix.blocks, prefix.first):
+            if block.tensors or number >= len(names) or block.prefix_hash != names[number]:
+                refused = len(prefix.blocks) - len(taken)
+                metrics.KV_PULL_REFUSED_BLOCKS.inc(refused)
+                logger.warning(
+                    "refused %d KV blocks from a peer from block %d on (not this prompt's, or "
+                    "not a simulated block): computing them",
+                    refused,
+                    number,
+                )
+                break
+            taken.append(block.prefix_hash)
+        self._remember_prefix(taken)
+
     # ------------------------------------------------------------------ steps
 
     async def _step_loop(self) -> None:
@@ -359,8 +433,12 @@ class SimEngine:
                 step_end = loop.time()
                 continue
             batch = list(self._running)
-            step_end = max(step_end, loop.time()) + (
-                0.0 if self._zero_latency else self._step_s(batch)
+            step_s = 0.0 if self._zero_latency else self._step_s(batch) * self.time_scale
+            step_end = max(step_end, loop.time()) + step_s
+            # as the torch engine measures it: a long prompt's attention makes its tokens dearer
+            # than the capabilities' one-token estimate says, and the router is told
+            self._prefill_speed.add(
+                sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled), step_s
             )
             await asyncio.sleep(step_end - loop.time())
             emitted = 0
@@ -370,6 +448,8 @@ class SimEngine:
                     emitted += 1
             self._decode_rate.add(emitted)
             self.cache_events.flush()
+            self._step_ended.set()
+            self._step_ended = asyncio.Event()
 
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline

@@ -1,0 +1,11 @@
+"""The time KV cache takes between two workers: its bytes over the link between them. One
+formula for the router, which weighs a pull against computing the prefix (router_svc/kv_pull.py),
+and for the simulated engine, which spends that time sending its blocks (sim_engine/engine.py)."""
+
+from __future__ import annotations
+
+
+def kv_transfer_s(tokens: int, bytes_per_token: int, link_gbps: float) -> float:
+    """Seconds to send ``tokens`` of KV cache of ``bytes_per_token`` over a ``link_gbps``
+    (gigabits a second) link."""
+    return tokens * bytes_per_token * 8 / (link_gbps * 1e9)
