@@ -23,18 +23,20 @@ Prefill on P, decode on D (``plan_prefill``): a request whose chosen worker D is
 (``[worker] role``; a "prefill" worker is never a request's worker), and which pulls no cached
 prefix from a busy peer, has a worker of role "prefill" P compute the prompt and send D its blocks
 (``KVPull.compute``: D sends P the request with the pull). P is the one estimated to finish the
-prompt's prefill first (the prefill queued there, then the whole prompt at its prefill speed),
-among those of D's model, precision and KV block size and not ejected; with none, or when D holds
-the prompt's whole blocks already, D computes it. The pull's deadline is twice the estimate (P's
-queue and prefill, then the transfer over ``link_gbps``, counted 0 when 0), at least
-PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. A "decode" worker always hands its
-prefills to P when it can, whatever the load: that is what the role asks for; a "both" worker
-computes its own.
+prompt's prefill first (the prefill queued there, then the part of the prompt its own cache lacks,
+as the prefix index says, at its prefill speed), among those of D's model, precision and KV block
+size and not ejected. D computes the prompt itself when there is no such P, or when D's cache
+already holds at least as much of the prompt as it lacks and more than P's does: a session's next
+turn, whose history D holds, would otherwise be prefilled again in full on P (and sent back) to
+spare D a tail shorter than that history. The pull's deadline is twice the estimate (P's queue and
+prefill, then the transfer over ``link_gbps``, counted 0 when 0), at least PREFILL_MIN_TIMEOUT_S:
+past it D computes the prompt itself. Otherwise a "decode" worker hands its prefills to P whatever
+the load: that is what the role asks for; a "both" worker computes its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,22 +119,27 @@ def plan_prefill(
     decoder: WorkerEntry,
     cached_tokens: int,
     prefix_hashes: Sequence[int],
+    cached_in: Callable[[Group], np.ndarray],
 ) -> PullPlan | None:
     """Prefill on P, decode on D: the pull that has a prefill worker compute the prompt's blocks
     ``decoder`` (a "decode" worker serving ``model``, holding ``cached_tokens`` of them) lacks
-    and send them, or None when no prefill worker can (the module's rule)."""
-    tokens = len(prefix_hashes) * BLOCK_TOKENS - cached_tokens
+    and send them, or None when D computes them (the module's rule). ``cached_in``: each of a
+    group's workers' tokens of the prompt in its cache."""
+    whole = len(prefix_hashes) * BLOCK_TOKENS
+    tokens = whole - cached_tokens
     mine = decoder.info.capabilities
     if tokens <= 0:
         return None
     group = fleet.group(model, mine.precision, prefill=True)
     if not len(group):
         return None
+    theirs_cached = cached_in(group)
+    if cached_tokens >= tokens and cached_tokens > theirs_cached.max():
+        return None  # D holds most of the prompt: its tail costs less than P's whole prompt
     now = fleet.clock()
     queued_s = np.maximum(fleet.prefill_until[group.slots] - now, 0.0)
-    # its time to first token: the prefill queued there, then the whole prompt (a prefill
-    # worker's prefix cache may hold part of it, which only makes it sooner)
-    prefill_s = queued_s + len(prefix_hashes) * BLOCK_TOKENS * group.prefill_s_per_token
+    # its time to first token: the prefill queued there, then what its cache lacks
+    prefill_s = queued_s + (whole - theirs_cached) * group.prefill_s_per_token
     for i, slot in enumerate(group.slots):
         theirs = fleet.entry_at(slot).info.capabilities
         if fleet.ejected_until[slot] > now or not _exchange_blocks(mine, theirs):

@@ -262,6 +262,7 @@ class Chooser:
                 chosen,
                 cached_tokens,
                 request.prefix_hashes,
+                lambda prefill_group: self._cached_tokens(fleet, prefill_group, request),
             )
             if pull is not None:
                 first_prefill_s = 0.0  # P's, not D's (Fleet.queued_prefill)

@@ -142,3 +142,24 @@ def test_a_decode_worker_has_the_prompt_prefilled_on_the_prefill_worker_that_fin
     assert both.workers[0].worker_id == "b" and both.pull is None
     unlike = _roles_fleet(("p1", "prefill"), ("d", "decode"), bytes_per_token=1234)
     assert Chooser(RoutingSection()).choose(unlike, with_hashes(hashes)).pull is None
+
+
+def test_a_decode_worker_holding_most_of_the_prompt_computes_the_rest_itself():
+    """A session's next turn: D holds its history, so a prefill worker would compute it all again
+    to spare D a shorter tail; D computes the tail. When a prefill worker holds as much, it
+    computes only the tail (and D keeps decoding); a fresh prompt goes to P as before."""
+    fleet = _roles_fleet(("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
+    turn = chain(list(range(16 * 60)))  # 960 tokens, the last 160 new
+    history = turn[:50]
+    d_holds = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": history}))
+    decision = d_holds.choose(fleet, with_hashes(turn))
+    assert decision.workers[0].worker_id == "d" and decision.pull is None
+    # p2 holds the history too: it computes the tail, sooner than p1 computing it all
+    both_hold = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": history, "p2": turn}))
+    pull = both_hold.choose(fleet, with_hashes(turn)).pull
+    assert pull is not None and pull.compute and pull.holder.worker_id == "p2"
+    assert pull.prefill_s == pytest.approx(0.0)  # p2 caches the whole prompt
+    # D holds less than it lacks: P computes the prompt
+    short = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": turn[:20]}))
+    fresh = short.choose(fleet, with_hashes(turn)).pull
+    assert fresh is not None and fresh.compute and fresh.prefill_s == pytest.approx(0.096)
