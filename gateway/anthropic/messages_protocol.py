@@ -12,9 +12,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, model_validator
 
 from gateway.accounts.usage import TokenUsage
-from gateway.api.sampling import sampling_params
 from gateway.api.tools import ToolName, check_schema
-from gateway.api.wire import Name, TextPart, UInt32, joined_text
+from gateway.api.wire import Name, TextPart, UInt32, joined_text, sampling_params
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import STRICT, parse_body, refuse_fields
 from infermesh.pb import common_pb2

@@ -24,7 +24,6 @@ from pydantic import (
 )
 
 from gateway.accounts.usage import TokenUsage
-from gateway.api.sampling import sampling_params
 from gateway.api.tools import (
     AssistantToolCall,
     FunctionTool,
@@ -40,6 +39,7 @@ from gateway.api.wire import (
     TextPart,
     UInt32,
     joined_text,
+    sampling_params,
 )
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import STRICT, parse_body, refuse_fields

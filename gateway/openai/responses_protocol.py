@@ -21,7 +21,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter, field_validator
 
-from gateway.api.sampling import sampling_params
 from gateway.api.tools import (
     FunctionDefinition,
     FunctionTool,
@@ -32,7 +31,7 @@ from gateway.api.tools import (
     ToolName,
     structure,
 )
-from gateway.api.wire import UInt32
+from gateway.api.wire import UInt32, sampling_params
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import STRICT, parse_body, refuse_fields
 from gateway.openai.chat_protocol import (
