@@ -48,7 +48,8 @@ async def test_no_session_no_console(gateway, redis_client):
 
 async def test_a_change_needs_the_sessions_csrf_token(gateway, redis_client):
     csrf = await _sign_in(gateway)
-    for forged in ({}, {"csrf": ""}, {"csrf": csrf[:-1] + "A"}):
+    altered = csrf[:-1] + ("B" if csrf.endswith("A") else "A")  # one character off, never the same
+    for forged in ({}, {"csrf": ""}, {"csrf": altered}):
         response = await gateway.post("/console/keys", data={"name": "x", **forged})
         assert response.status == 403 and "CSRF" in await response.text()
     assert await redis_client.scard("infermesh:keys") == 0
