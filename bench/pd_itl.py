@@ -33,6 +33,7 @@ from pathlib import Path
 
 import openai
 
+from bench.fair_queueing import percentile
 from bench.router_policies import words
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
@@ -43,11 +44,6 @@ from infermesh.text.tokenizer import Tokenizer
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"
 STREAM_TOKENS = 128
 LONG_PROMPT_NEW_TOKENS = 4
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 async def stream_loop(
