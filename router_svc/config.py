@@ -128,8 +128,12 @@ class RoutingSection:
     stall_timeout_s: float = 30.0
     # The link between workers, Gb/s: a request's worker pulls a longer cached prefix of its
     # prompt from a full peer when sending it is estimated faster than computing it
-    # (router_svc/kv_pull.py); 0: never
+    # (router_svc/kv_pull.py); 0: never. This is the link between two workers of one zone
+    # ([worker] zone), or of none.
     link_gbps: float = 0.0
+    # The links across zones, Gb/s, by the two zones' names in either order:
+    # {"rack-a/rack-b" = 25}. Two zones not listed have no link: no KV cache moves between them.
+    zone_link_gbps: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         weights = (
@@ -152,6 +156,28 @@ class RoutingSection:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
         if self.link_gbps < 0:
             raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
+        for pair, gbps in self.zone_link_gbps.items():
+            zones = pair.split("/")
+            if len(zones) != 2 or not all(zones) or zones[0] == zones[1]:
+                raise ValueError(
+                    f"zone_link_gbps.{pair}: name two different zones as 'a/b', got {pair!r}"
+                )
+            if f"{zones[1]}/{zones[0]}" in self.zone_link_gbps:
+                raise ValueError(f"zone_link_gbps.{pair}: the link is given twice, both ways")
+            if isinstance(gbps, bool) or not isinstance(gbps, int | float) or gbps < 0:
+                raise ValueError(f"zone_link_gbps.{pair}: must be a number >= 0, got {gbps!r}")
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether any link is set: without one, no cached prefix is pulled from a peer."""
+        return self.link_gbps > 0 or any(self.zone_link_gbps.values())
+
+    def link_between(self, zone: str, other: str) -> float:
+        """The link's Gb/s between a worker of ``zone`` and one of ``other`` (0: none)."""
+        if zone == other:
+            return self.link_gbps
+        links = self.zone_link_gbps
+        return float(links.get(f"{zone}/{other}", links.get(f"{other}/{zone}", 0.0)))
 
 
 @section

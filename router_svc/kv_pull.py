@@ -11,27 +11,30 @@ sending their KV cache over the link is estimated to take less time than computi
         + tokens * kv_transfer_bytes_per_token * 8 / (link_gbps * 1e9)
     <  tokens * prefill_s_per_token
 
-(``[routing] link_gbps``; the holder copies the blocks out between two of its steps, so the pull
-first waits for one, a decode step of one of its sequences; the right-hand side uses the chosen
+(the link between the two workers' zones: ``[routing] link_gbps`` within one, ``zone_link_gbps``
+across two; the holder copies the blocks out between two of its steps, so the pull first waits
+for one, a decode step of one of its sequences; the right-hand side uses the chosen
 worker's prefill speed, measured or estimated: a short prefix is computed sooner than a busy
 holder gets to it). The pull's deadline is that right-hand side: past it, computing would have
 been done. Both workers must send and take KV blocks
 (``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
-``link_gbps = 0`` (the default) never pulls.
+No link (``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
 
 Prefill on P, decode on D (``plan_prefill``): a request whose chosen worker D is of role "decode"
 (``[worker] role``; a "prefill" worker is never a request's worker), and which pulls no cached
 prefix from a busy peer, has a worker of role "prefill" P compute the prompt and send D its blocks
-(``KVPull.compute``: D sends P the request with the pull). P is the one estimated to finish the
-prompt's prefill first (the prefill queued there, then the part of the prompt its own cache lacks,
-as the prefix index says, at its prefill speed), among those of D's model, precision and KV block
-size and not ejected. D computes the prompt itself when there is no such P, or when D's cache
-already holds at least as much of the prompt as it lacks and more than P's does: a session's next
-turn, whose history D holds, would otherwise be prefilled again in full on P (and sent back) to
-spare D a tail shorter than that history. The pull's deadline is twice the estimate (P's queue and
-prefill, then the transfer over ``link_gbps``, counted 0 when 0), at least PREFILL_MIN_TIMEOUT_S:
-past it D computes the prompt itself. Otherwise a "decode" worker hands its prefills to P whatever
-the load: that is what the role asks for; a "both" worker computes its own.
+(``KVPull.compute``: D sends P the request with the pull). P is the one estimated to deliver the
+prompt's blocks first (the prefill queued there, then the part of the prompt its own cache lacks,
+as the prefix index says, at its prefill speed, then the part D lacks sent over the link between
+their zones), among those of D's model, precision and KV block size, not ejected and linked to D:
+within one zone always (a ``link_gbps`` of 0 counts the transfer 0), across two only as
+``zone_link_gbps`` lists them. D computes the prompt itself when there is no such P, or when D's
+cache already holds at least as much of the prompt as it lacks and more than P's does: a
+session's next turn, whose history D holds, would otherwise be prefilled again in full on P (and
+sent back) to spare D a tail shorter than that history. The pull's deadline is twice the
+estimate, at least PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. Otherwise a
+"decode" worker hands its prefills to P whatever the load: that is what the role asks for; a
+"both" worker computes its own.
 """
 
 from __future__ import annotations
@@ -80,8 +83,12 @@ class Attempts(list[WorkerEntry]):
     pull: PullPlan | None = None
 
 
+# The link's Gb/s between two workers' zones (0: none), RoutingSection.link_between
+Links = Callable[[str, str], float]
+
+
 def plan_pull(
-    link_gbps: float,
+    links: Links,
     fleet: Fleet,
     group: Group,
     busy: np.ndarray,
@@ -94,13 +101,15 @@ def plan_pull(
     rule)."""
     holder = int(cached_tokens.argmax())
     tokens = int(cached_tokens[holder] - cached_tokens[chosen])
-    if link_gbps <= 0 or holder == chosen or tokens <= 0:
+    if holder == chosen or tokens <= 0:
         return None
     if busy[holder] * group.inverse_capacity[holder] < 1:
         return None  # a holder with a free slot: the cost chose against it, no need to pull
     holder_entry = fleet.entry_at(group.slots[holder])
     mine = fleet.entry_at(group.slots[chosen]).info.capabilities
-    if not _exchange_blocks(mine, holder_entry.info.capabilities):
+    theirs = holder_entry.info.capabilities
+    link_gbps = links(mine.zone, theirs.zone)
+    if link_gbps <= 0 or not _exchange_blocks(mine, theirs):
         return None
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
@@ -113,7 +122,7 @@ def plan_pull(
 
 
 def plan_prefill(
-    link_gbps: float,
+    links: Links,
     fleet: Fleet,
     model: str,
     decoder: WorkerEntry,
@@ -140,14 +149,20 @@ def plan_prefill(
     queued_s = np.maximum(fleet.prefill_until[group.slots] - now, 0.0)
     # its time to first token: the prefill queued there, then what its cache lacks
     prefill_s = queued_s + (whole - theirs_cached) * group.prefill_s_per_token
+    # then sending D what D lacks
+    delivered_s = prefill_s.copy()
     for i, slot in enumerate(group.slots):
         theirs = fleet.entry_at(slot).info.capabilities
-        if fleet.ejected_until[slot] > now or not _exchange_blocks(mine, theirs):
-            prefill_s[i] = np.inf
-    best = int(prefill_s.argmin())
-    if not np.isfinite(prefill_s[best]):
+        link_gbps = links(mine.zone, theirs.zone)
+        linked = link_gbps > 0 or theirs.zone == mine.zone
+        if fleet.ejected_until[slot] > now or not linked or not _exchange_blocks(mine, theirs):
+            delivered_s[i] = np.inf
+        elif link_gbps > 0:
+            delivered_s[i] += _transfer_s(tokens, mine, link_gbps)
+    best = int(delivered_s.argmin())
+    estimate = float(delivered_s[best])
+    if not np.isfinite(estimate):
         return None
-    estimate = float(prefill_s[best]) + (_transfer_s(tokens, mine, link_gbps) if link_gbps else 0.0)
     return PullPlan(
         fleet.entry_at(group.slots[best]),
         list(prefix_hashes),

@@ -249,14 +249,14 @@ class Chooser:
             if queued_s is not None:
                 reasons["queued_prefill_s"] = float(queued_s[best])
         pull = None
-        if cached is not None and self._config.link_gbps > 0:
+        if cached is not None and self._config.moves_kv:
             pull = plan_pull(
-                self._config.link_gbps, fleet, group, busy, cached, best, request.prefix_hashes
+                self._config.link_between, fleet, group, busy, cached, best, request.prefix_hashes
             )
         chosen = fleet.entry_at(slot)
         if pull is None and request.prefix_hashes and chosen.info.capabilities.role == "decode":
             pull = plan_prefill(
-                self._config.link_gbps,
+                self._config.link_between,
                 fleet,
                 request.model,
                 chosen,

@@ -40,6 +40,10 @@ class WorkerSection:
     # requests' prompts are prefilled on a prefill worker when the router has one; both: the
     # worker prefills its own (docs/OPERATING.md)
     role: Role = "both"
+    # The worker's link zone (a rack, an NVLink or RDMA domain, a datacenter): the router prices
+    # KV transfers to and from it by [routing] link_gbps within a zone and zone_link_gbps across
+    # zones; empty: the unnamed zone
+    zone: str = ""
 
 
 @section

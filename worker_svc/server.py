@@ -371,6 +371,7 @@ def worker_info(
             reasoning_format=caps.reasoning_format,
             kv_transfer_bytes_per_token=caps.kv_transfer_bytes_per_token,
             role=config.worker.role,
+            zone=config.worker.zone,
         ),
     )
 

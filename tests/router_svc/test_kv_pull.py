@@ -163,3 +163,66 @@ def test_a_decode_worker_holding_most_of_the_prompt_computes_the_rest_itself():
     short = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": turn[:20]}))
     fresh = short.choose(fleet, with_hashes(turn)).pull
     assert fresh is not None and fresh.compute and fresh.prefill_s == pytest.approx(0.096)
+
+
+def test_kv_cache_moves_over_the_link_between_the_two_workers_zones():
+    """Within a zone the link is [routing] link_gbps; across two, zone_link_gbps; two zones it
+    does not list have no link. P is the one that delivers the blocks first, its transfer
+    included, and a busy holder's prefix is pulled only over a link fast enough."""
+    fleet = _roles_fleet(("near", "prefill"), ("far", "prefill"), ("d", "decode"), slow="near")
+    for name, zone in (("near", "rack-a"), ("far", "rack-b"), ("d", "rack-a")):
+        worker = fleet.get(name)
+        assert worker is not None
+        worker.info.capabilities.zone = zone
+    hashes = chain(list(range(16 * 500)))  # 8,000 tokens: 8 s on near, 0.8 s on far
+    sent_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 1e9  # 4.5 s over 1 Gb/s
+
+    def p(**routing: object) -> str:
+        pull = Chooser(RoutingSection(**routing)).choose(fleet, with_hashes(hashes)).pull
+        assert pull is not None and pull.compute
+        return pull.holder.worker_id
+
+    # far's 0.8 s + 4.5 s over 1 Gb/s beat near's 8 s; over 0.25 Gb/s (18 s) they do not
+    assert p(link_gbps=100, zone_link_gbps={"rack-b/rack-a": 1}) == "far"
+    assert p(link_gbps=100, zone_link_gbps={"rack-a/rack-b": 0.25}) == "near"
+    # no link across the racks: only near can send D its blocks
+    assert p(link_gbps=100) == "near"
+    far = Chooser(RoutingSection(zone_link_gbps={"rack-a/rack-b": 1}))
+    pull = far.choose(fleet, with_hashes(hashes)).pull
+    assert pull is not None and pull.timeout_s == pytest.approx(2 * (0.8 + sent_s))
+    # a peer pull from a busy holder in another zone: over the zones' link, only a fast one
+    pulls = _fleet()
+    holder = pulls.get("holder")
+    assert holder is not None
+    holder.info.capabilities.zone = "rack-b"
+    other = pulls.get("other")
+    assert other is not None
+    other.info.capabilities.zone = "other-rack"
+    for gbps, pulled in ((100, True), (1, False)):
+        chooser = Chooser(
+            RoutingSection(zone_link_gbps={"rack-b/other-rack": gbps}),
+            cached_on(pulls, {"holder": hashes[:400]}),
+        )
+        pulls.set_load(holder, common_pb2.Load(running=2))
+        assert (chooser.choose(pulls, with_hashes(hashes)).pull is not None) is pulled
+    # the same link within one zone: link_gbps, which is 0 here
+    other.info.capabilities.zone = "rack-b"
+    assert chooser.choose(pulls, with_hashes(hashes)).pull is None
+
+
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [
+        ({"a/a": 1.0}, "zone_link_gbps.a/a: name two different zones"),
+        ({"a": 1.0}, "zone_link_gbps.a: name two different zones"),
+        ({"a/b": -1.0}, "zone_link_gbps.a/b: must be a number >= 0"),
+        ({"a/b": "fast"}, "zone_link_gbps.a/b: must be a number >= 0"),
+        ({"a/b": 1.0, "b/a": 2.0}, "the link is given twice"),
+    ],
+)
+def test_a_zone_link_is_two_different_zones_and_a_speed(links: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        RoutingSection(zone_link_gbps=links)
+    section = RoutingSection(link_gbps=40, zone_link_gbps={"a/b": 10})
+    assert section.link_between("b", "a") == section.link_between("a", "b") == 10
+    assert section.link_between("a", "a") == 40 and section.link_between("a", "c") == 0
