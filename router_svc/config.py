@@ -85,8 +85,9 @@ class RoutingSection:
       before the request's own), plus the request's own prefill there, (prompt tokens - tokens of
       the prompt's prefix its cache holds, as the workers' cache events say) / its prefill tokens
       per second, times the streams that wait for it (busy + 1: the request's own and those it
-      stalls there); for a request with thinking on, whose output may be long, +
-      ``hardware_weight`` x (1 - decode speed / fastest candidate's) as well;
+      stalls there); for a request with thinking on, or to a model that always thinks (R1),
+      whose output may be long, + ``hardware_weight`` x (1 - decode speed / fastest
+      candidate's) as well;
     - otherwise: + ``kv_weight`` x KV cache use + ``hardware_weight`` x (1 - decode speed /
       fastest candidate's) - ``affinity_weight`` if the worker is the home of the prompt's
       leading ``prefix_bytes`` (rendezvous hashing, bounded by ``affinity_load_factor`` x the

@@ -50,6 +50,9 @@ class Group:
     prefill_s_per_token: np.ndarray
     # (i mod n) x 1e-9 for i < 2n: ramp[n - k: 2n - k] rotates tie-breaks by k
     ramp: np.ndarray
+    # its workers' model always thinks (reasoning format "deepseek_r1"): every request's output
+    # may be long, thinking asked for or not
+    always_thinks: bool = False
 
     @classmethod
     def of(cls, fleet: Fleet, slots: np.ndarray) -> Group:
@@ -66,6 +69,7 @@ class Group:
             salt=fleet.salt[slots],
             prefill_s_per_token=1 / np.where(prefill > 0, prefill, slowest),
             ramp=np.arange(2 * len(slots)) % max(len(slots), 1) * 1e-9,
+            always_thinks=bool(len(slots)) and bool(fleet.always_thinks[slots].all()),
         )
 
     def __len__(self) -> int:
@@ -110,6 +114,8 @@ class Fleet:
         self.capacity = np.ones(0)  # max_parallel
         self.speed = np.zeros(0)  # decode tokens/s the worker estimates (0: unknown)
         self.prefill_speed = np.zeros(0)  # prefill tokens/s the worker estimates (0: unknown)
+        # its model always thinks (Capabilities.reasoning_format "deepseek_r1")
+        self.always_thinks = np.zeros(0, dtype=bool)
         self.salt = np.zeros(0, dtype=np.uint64)
         # Requests this router routed to the worker (the first choice of each decision) whose
         # end it has not heard of yet: the gateways' route streams report each one's end, the
@@ -339,6 +345,7 @@ class Fleet:
         self.capacity[entry.slot] = max(caps.max_parallel, 1)
         self.speed[entry.slot] = caps.decode_tokens_per_second
         self.prefill_speed[entry.slot] = caps.prefill_tokens_per_second
+        self.always_thinks[entry.slot] = caps.reasoning_format == "deepseek_r1"
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
@@ -353,6 +360,7 @@ class Fleet:
             "capacity",
             "speed",
             "prefill_speed",
+            "always_thinks",
             "salt",
             "in_flight",
             "known_at_report",

@@ -36,7 +36,9 @@ a hot prefix: its holder is passed over for an idle worker once it is ``prefill_
 prefill's seconds busier. A bonus proportional to the share cached would rank a cached 200 tokens
 like a cached 80,000. A request with thinking on is one whose output may be long (a reasoning
 model's thinking runs to thousands of tokens): its decode, not its prefill, is most of its time,
-so the decode-speed ``slowness`` counts for it in (a) as well.
+so the decode-speed ``slowness`` counts for it in (a) as well; so it does for every request to a
+model that always thinks (R1, whose workers report the reasoning format "deepseek_r1"), whether or
+not the request asked.
 
 Sessions (``affinity_key``: an agent's turns, which resend their whole growing history) go to the
 session's worker while it has a free slot; only a full worker passes the session on. Its history
@@ -210,7 +212,7 @@ class Chooser:
                 queued_s = fleet.prefill_until[group.slots] - fleet.clock()
                 np.maximum(queued_s, 0.0, out=queued_s)
                 cost += config.prefill_weight * (queued_s + prefill_s * streams)
-                if request.long_output:
+                if request.long_output or group.always_thinks:
                     cost += config.hardware_weight * group.slowness
             else:
                 cost += config.kv_weight * fleet.kv_usage[group.slots]

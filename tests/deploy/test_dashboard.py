@@ -154,6 +154,9 @@ def test_the_dashboard_is_a_grafana_json_model_of_the_fleet() -> None:
         "infermesh_tokens_total",
         "infermesh_router_queue_depth",
         "infermesh_router_queue_wait_seconds_bucket",
+        "infermesh_reasoning_tokens_total",  # reasoning tokens per model (#39)
+        "infermesh_worker_kv_pull_bytes_total",  # KV cache moved between workers (#35)
+        "infermesh_worker_kv_pulls_total",
     ):
         assert metric in queried, metric
 

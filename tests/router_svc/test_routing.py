@@ -341,6 +341,12 @@ def test_a_request_with_thinking_on_weighs_the_decode_speed_against_the_cache():
         )
         decision = chooser.choose(fleet, RouteRequest.of(request, 256))
         assert decision.workers[0].worker_id == ("fast" if thinking else "slow")
+    # R1 thinks whether or not a request asks: its workers' format says so
+    for worker in (slow, fast):
+        worker.capabilities.reasoning_format = "deepseek_r1"
+    r1 = fleet_of(slow, fast)
+    chooser = Chooser(RoutingSection(hardware_weight=5), cached_on(r1, {"slow": hashes}))
+    assert first_choice(chooser, r1, with_hashes(hashes)) == "fast"
 
 
 def test_a_busy_holder_keeps_its_prefix_from_a_less_busy_worker_but_not_from_an_idle_one():
