@@ -102,7 +102,7 @@ async def test_a_chat_thinking_budget_closes_the_thinking_before_an_answer_or_a_
     budget = {"thinking_token_budget": 4}
     async with sdk(r1, api_key, timeout=60) as client:
         completion = await client.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=12, extra_body=budget
+            model=MODEL, messages=HI, max_tokens=12, temperature=0, logprobs=True, extra_body=budget
         )
         stream = await client.chat.completions.create(
             model=MODEL,
@@ -121,7 +121,14 @@ async def test_a_chat_thinking_budget_closes_the_thinking_before_an_answer_or_a_
     assert usage is not None and usage.completion_tokens_details is not None
     thinking = usage.completion_tokens_details.reasoning_tokens
     assert usage.completion_tokens == 12
-    assert 4 <= thinking < usage.completion_tokens  # the rest, the answer's
+    assert thinking == 4 + 1  # the budget's, then the closing tag it forced
+    # every token of the completion, in order (logprobs carry the thinking's too, as vLLM's):
+    # the thinking's are the reasoning, the rest the answer, and the two add up to the usage
+    assert completion.choices[0].logprobs and completion.choices[0].logprobs.content
+    tokens = [t.token for t in completion.choices[0].logprobs.content]
+    assert len(tokens) == usage.completion_tokens and tokens[thinking - 1] == "</think>"
+    assert "".join(tokens[: thinking - 1]) == (message.model_extra or {})["reasoning_content"]
+    assert "".join(tokens[thinking:]) == message.content
     kinds = [
         "reasoning" if (d.model_extra or {}).get("reasoning_content") else "call"
         for d in deltas
