@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from devtools.main import _start_redis
+from gateway.config import ConsoleSection
 from infermesh.ports import free_port
 from infermesh.redact import redact_url
 
@@ -37,3 +38,11 @@ def test_make_run_logs_the_redis_url_it_starts_without_its_password(caplog):
     server.stop()
     assert "no Redis reachable at redis://:***@127.0.0.1:" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+def test_a_console_url_config_error_names_the_url_without_its_credentials():
+    with pytest.raises(ValueError) as error:
+        ConsoleSection(router_metrics_url="ftp://ops:s3cret@router:9101/metrics?token=s3cret")
+    assert "router_metrics_url must be an http(s) URL" in str(error.value)
+    assert "ftp://ops:***@router:9101/metrics?token=***" in str(error.value)
+    assert "s3cret" not in str(error.value)

@@ -5,6 +5,7 @@ requests page (gateway.accounts.recent), their trace ids linked to Jaeger when
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated
 
 import aiohttp
@@ -17,9 +18,12 @@ from gateway.console.render import render
 from gateway.console.router_metrics import RouterFigures, read_router_figures
 from gateway.http.validation import parse_body
 from gateway.mesh.client import MESH
+from infermesh.redact import redact_url
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
+# a URL inside an error's message (aiohttp's errors name the URL they were given)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 class RecentQuery(BaseModel):
@@ -44,8 +48,10 @@ async def fleet_page(request: web.Request) -> web.Response:
         try:
             figures = await read_router_figures(url)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            logger.warning("console: the router's metrics at %s: %s", url, e)
-            figures_error = f"The router's metrics at {url} could not be read ({e!r})."
+            logger.warning("console: the router's metrics at %s: %s", redact_url(url), _why(e))
+            figures_error = (
+                f"The router's metrics at {redact_url(url)} could not be read ({_why(e)})."
+            )
     return render(
         request,
         "fleet.html",
@@ -55,6 +61,14 @@ async def fleet_page(request: web.Request) -> web.Response:
         figures_error=figures_error,
         reasoning_tokens=_reasoning_tokens(),
     )
+
+
+def _why(error: Exception) -> str:
+    """``error`` as the page and the log may show it: its type and message with every URL in it
+    redacted, never its repr (an aiohttp error's repr shows the request's Authorization header,
+    the metrics URL's user and password in Basic form)."""
+    text = _URL.sub(lambda m: redact_url(m.group()), str(error))
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _reasoning_tokens() -> dict[str, int]:
