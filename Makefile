@@ -18,7 +18,7 @@ BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
 
 .PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla model-r1 model-v31 run \
-	lint test bench clean
+	lint test console-screenshots bench clean
 
 all: proto model
 
@@ -130,6 +130,10 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 test: lint install proto model vllm browser
 	$(PY) -m pytest $(PYTEST_PARALLEL)
+
+# The console's screenshots in docs/console/, taken again by its browser test.
+console-screenshots: install proto model browser
+	INFERMESH_CONSOLE_SCREENSHOTS=docs/console $(PY) -m pytest -n 0 tests/gateway/test_console_browser.py
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
 # simulated fleet on this machine.

@@ -15,6 +15,7 @@ import re
 
 from infermesh.channels import GRPC_MESSAGE_LIMIT_BYTES
 from infermesh.config import MetricsSection, section
+from infermesh.redact import redact_url
 from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
@@ -203,6 +204,9 @@ class ConsoleSection:
 
     # A sign-in lasts this long (the session cookie's and the Redis session's lifetime).
     session_ttl_s: int = 8 * 3600
+    # The session cookie is Secure (sent over HTTPS only) when the request came over TLS or a
+    # proxy says so (X-Forwarded-Proto: https); true: always, for a proxy that says nothing.
+    secure_cookie: bool = False
     # Wrong admin tokens at sign-in from one address past this many (within the window) make each
     # further sign-in from it wait, doubling per failure up to max_delay_s.
     sign_in_failures_free: int = 3
@@ -226,7 +230,7 @@ class ConsoleSection:
         for name in ("jaeger_url", "router_metrics_url"):
             url = getattr(self, name)
             if url and not re.fullmatch(r"https?://[^\s]+", url):
-                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
+                raise ValueError(f"{name} must be an http(s) URL, got {redact_url(url)!r}")
 
 
 @section

@@ -92,7 +92,19 @@ async def sign_in_page(request: web.Request) -> web.Response:
 async def sign_in(request: web.Request) -> web.StreamResponse:
     redis, config = request.config_dict[REDIS], request.config_dict[CONSOLE_CONFIG]
     address = request.remote or "unknown"
-    await session.wait_out_failures(redis, config, address)
+    try:
+        await session.wait_out_failures(redis, config, address)
+    except session.SignInPending as pending:  # refused unread: one guess at a time
+        response = render(
+            request,
+            "sign_in.html",
+            429,
+            title="Sign in",
+            error="Another sign-in from your address is still waiting out the delay that "
+            f"wrong tokens earned it. Try again in {pending.retry_after_s} s.",
+        )
+        response.headers["Retry-After"] = str(pending.retry_after_s)
+        return response
     token = (await request.post()).get("token", "")
     if not isinstance(token, str) or not session.token_matches(token, request.app[ADMIN_SHA256]):
         await session.count_failure(redis, config, address)

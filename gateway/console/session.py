@@ -1,8 +1,9 @@
 """Sign-in to the console: the admin token, exchanged for a session in Redis.
 
 The browser holds only a random session id, in a cookie that is HttpOnly, SameSite=Strict,
-Secure over TLS, and expires with the session (``[console] session_ttl_s``); the admin token
-never leaves the sign-in request. Redis keeps the session's CSRF token under the id's
+Secure over TLS (the request's own, a proxy's ``X-Forwarded-Proto: https``, or always with
+``[console] secure_cookie``), and expires with the session (``[console] session_ttl_s``); the
+admin token never leaves the sign-in request. Redis keeps the session's CSRF token under the id's
 SHA-256 (``infermesh:console:session:<digest>``), so a copy of Redis holds no usable
 session. Every change is a POST carrying that CSRF token in a form field.
 
@@ -10,7 +11,8 @@ Wrong tokens are counted (``infermesh_console_sign_in_failures_total``) and, per
 address, in Redis (``infermesh:console:failures:<address>``, for the failure window):
 past ``sign_in_failures_free`` each sign-in from that address waits first, doubling per
 failure up to ``sign_in_max_delay_s``, right tokens included, so that guessing is slow
-whatever an answer's timing would tell.
+whatever an answer's timing would tell. While one waits, any other sign-in from that address
+is refused at once (429, its token unread), so guesses from one address go one at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import math
 import secrets
 
 import prometheus_client
@@ -31,6 +34,7 @@ COOKIE = "infermesh_console"
 COOKIE_PATH = "/console"
 _SESSION_PREFIX = "infermesh:console:session:"
 _FAILURES_PREFIX = "infermesh:console:failures:"
+_WAITING_PREFIX = "infermesh:console:waiting:"
 
 SIGN_IN_FAILURES = prometheus_client.Counter(
     "infermesh_console_sign_in_failures",
@@ -68,9 +72,15 @@ async def start(
         max_age=config.session_ttl_s,
         path=COOKIE_PATH,
         httponly=True,
-        secure=request.secure,
+        secure=config.secure_cookie or over_tls(request),
         samesite="Strict",
     )
+
+
+def over_tls(request: web.Request) -> bool:
+    """Whether the browser reached us over TLS: its own connection, or the proxy's that ends it."""
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+    return request.secure or forwarded == "https"
 
 
 async def find(redis: RedisClient, request: web.Request) -> Session | None:
@@ -94,12 +104,31 @@ def csrf_matches(session: Session, presented: str) -> bool:
     return hmac.compare_digest(session.csrf.encode(), presented.encode("utf-8", "surrogateescape"))
 
 
+class SignInPending(Exception):
+    """Another sign-in from this address is still waiting out its delay."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(retry_after_s)
+        self.retry_after_s = retry_after_s
+
+
 async def wait_out_failures(redis: RedisClient, config: ConsoleSection, address: str) -> None:
-    """Waits before a sign-in from ``address`` once it failed past the free attempts."""
+    """Waits before a sign-in from ``address`` once it failed past the free attempts.
+
+    The wait is claimed in Redis (``infermesh:console:waiting:<address>``, for its length), so
+    that while it lasts any other sign-in from ``address``, on any admin gateway, raises
+    SignInPending at once: the caller refuses it unread, and one address's guesses cannot
+    overlap."""
     failures = int(await redis.get(_FAILURES_PREFIX + address) or 0)
     past = failures - config.sign_in_failures_free
-    if past >= 0:
-        await asyncio.sleep(min(2.0**past, config.sign_in_max_delay_s))
+    if past < 0:
+        return
+    delay = min(2.0**past, config.sign_in_max_delay_s)
+    key = _WAITING_PREFIX + address
+    if not await redis.set(key, "1", px=max(1, int(delay * 1000)), nx=True):
+        left_ms = await redis.pttl(key)
+        raise SignInPending(max(1, math.ceil(left_ms / 1000)))
+    await asyncio.sleep(delay)
 
 
 async def count_failure(redis: RedisClient, config: ConsoleSection, address: str) -> None:

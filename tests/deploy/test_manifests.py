@@ -344,7 +344,7 @@ ACCESS: dict[tuple[str, int], frozenset[str]] = {
     ("gateway-admin", 8000): frozenset({"admin-client"}),
     ("gateway-admin", 9100): frozenset({"prometheus"}),
     ("router", 50051): frozenset({"gateway", "gateway-admin", "worker"}),
-    ("router", 9101): frozenset({"prometheus"}),
+    ("router", 9101): frozenset({"prometheus", "gateway-admin"}),  # the console's Fleet page
     ("worker", 50061): frozenset({"gateway", "router"}),
     ("worker", 9102): frozenset({"prometheus"}),
     ("redis", 6379): frozenset({"gateway", "gateway-admin", "router"}),
@@ -430,6 +430,22 @@ def network_problems(docs: list[dict[str, Any]]) -> list[str]:
                 if not may and caller.name in allowed:
                     problems.append(f"{caller.name} cannot reach {name}:{port}")
     return problems
+
+
+def test_the_admin_gateways_console_reads_a_routers_metrics():
+    """The console's Fleet page in Kubernetes: the admin gateway names the router's metrics
+    port, which the router's Service publishes and its pods' policy opens to the admin gateway."""
+    docs = _k8s()
+    admin = _named(docs, "Deployment", "gateway-admin")
+    env = _env(_container(admin))["INFERMESH_GATEWAY_CONSOLE_ROUTER_METRICS_URL"]
+    url = urlsplit(env["value"])
+    assert url.hostname and url.port and url.path == "/metrics"
+    service = _named(docs, "Service", url.hostname)
+    assert url.port in {p.get("targetPort", p["port"]) for p in service["spec"]["ports"]}
+    labels, ports = _pods(docs)[url.hostname]
+    assert url.port in ports and service["spec"]["selector"].items() <= labels.items()
+    caller = Caller("gateway-admin", tuple(admin["spec"]["template"]["metadata"]["labels"].items()))
+    assert reachable(docs, labels, url.port, caller)
 
 
 def _container(workload: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ is refused every other key and command."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -122,9 +123,15 @@ async def test_the_gateway_serves_keys_limits_usage_and_responses(gateway_redis)
 async def test_the_gateway_serves_the_console_and_records_recent_requests(
     gateway_redis, router_redis
 ):
-    config = ConsoleSection(sign_in_failures_free=5)
+    config = ConsoleSection(sign_in_failures_free=1, sign_in_max_delay_s=0.2)
     await session.count_failure(gateway_redis, config, "10.0.0.1")
-    await session.wait_out_failures(gateway_redis, config, "10.0.0.1")
+    await session.wait_out_failures(gateway_redis, config, "10.0.0.1")  # a free failure
+    await session.count_failure(gateway_redis, config, "10.0.0.1")
+    waiting = asyncio.create_task(session.wait_out_failures(gateway_redis, config, "10.0.0.1"))
+    await asyncio.sleep(0.05)  # the wait claimed; another sign-in meanwhile is refused
+    with pytest.raises(session.SignInPending):
+        await session.wait_out_failures(gateway_redis, config, "10.0.0.1")
+    await waiting
     await session.forget_failures(gateway_redis, "10.0.0.1")
     response = web.Response()
     await session.start(gateway_redis, config, make_mocked_request("POST", "/"), response)

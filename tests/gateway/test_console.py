@@ -4,16 +4,19 @@ sessions, CSRF tokens, sign-in failures and their delay, Redis outages, the publ
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
 
 import prometheus_client
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from gateway.accounts.keys import get_key
 from gateway.accounts.recent import RecentRequest, RecentRequests
 from gateway.config import AdminSection, ConsoleSection
-from tests.helpers.gateway import ADMIN_TOKEN, start_gateway
+from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway
 
 
 async def _sign_in(gateway) -> str:
@@ -76,6 +79,20 @@ async def test_sign_out_ends_the_session(gateway):
 async def test_wrong_tokens_are_refused_counted_and_slowed(redis_server, config):
     console = ConsoleSection(sign_in_failures_free=2, sign_in_max_delay_s=1.0)
     gateway = await start_gateway(dataclasses.replace(config, console=console))
+
+    async def attempt(token: str) -> tuple[int, float, str, str]:
+        started = time.monotonic()
+        response = await gateway.post(
+            "/console/sign-in", data={"token": token}, allow_redirects=False
+        )
+        page = await response.text()
+        return (
+            response.status,
+            time.monotonic() - started,
+            response.headers.get("Retry-After", ""),
+            page,
+        )
+
     try:
         before = _failures()
         for _ in range(2):
@@ -83,9 +100,23 @@ async def test_wrong_tokens_are_refused_counted_and_slowed(redis_server, config)
             assert response.status == 401 and "not the admin token" in await response.text()
         assert _failures() == before + 2
         assert "infermesh_console" not in response.cookies
-        started = time.monotonic()
-        response = await gateway.post("/console/sign-in", data={"token": "wrong-again-12345"})
-        assert response.status == 401 and time.monotonic() - started >= 1.0  # the third waited
+
+        # two guesses at once past the free ones: one waits, then is checked; the other is
+        # refused at once, its token unread and uncounted
+        checked, refused = sorted(
+            await asyncio.gather(attempt("wrong-again-12345"), attempt("wrong-too-123456"))
+        )
+        assert checked[0] == 401 and checked[1] >= 1.0 and "not the admin token" in checked[3]
+        assert refused[0] == 429 and refused[1] < 0.5 and refused[2] == "1"
+        assert "still waiting out the delay" in refused[3]
+        assert _failures() == before + 3
+
+        # a right token while a wrong one waits is refused too, then signs in once it is done
+        waiting = asyncio.create_task(attempt("wrong-third-12345"))
+        await asyncio.sleep(0.3)
+        status, took, retry_after, _ = await attempt(ADMIN_TOKEN)
+        assert status == 429 and took < 0.5 and retry_after == "1"
+        assert (await waiting)[0] == 401 and _failures() == before + 4
         started = time.monotonic()  # a right token waits too, then clears the count
         await _sign_in(gateway)
         assert time.monotonic() - started >= 1.0
@@ -94,6 +125,32 @@ async def test_wrong_tokens_are_refused_counted_and_slowed(redis_server, config)
         assert time.monotonic() - started < 1.0
     finally:
         await gateway.close()
+
+
+async def test_the_session_cookie_is_secure_over_tls(gateway, redis_server, config):
+    """TLS ends at a proxy: the cookie is Secure when it says the browser used https, or always
+    with [console] secure_cookie; over plain HTTP it is not (or the browser would drop it)."""
+
+    async def secure(client, headers: dict[str, str]) -> bool:
+        response = await client.post(
+            "/console/sign-in",
+            data={"token": ADMIN_TOKEN},
+            headers=headers,
+            allow_redirects=False,
+        )
+        assert response.status == 303, await response.text()
+        return bool(response.cookies["infermesh_console"]["secure"])
+
+    assert not await secure(gateway, {})
+    assert not await secure(gateway, {"X-Forwarded-Proto": "http"})
+    assert await secure(gateway, {"X-Forwarded-Proto": "https"})
+    assert await secure(gateway, {"X-Forwarded-Proto": "HTTPS, http"})  # the first proxy's
+    always = ConsoleSection(secure_cookie=True)
+    pinned = await start_gateway(dataclasses.replace(config, console=always))
+    try:
+        assert await secure(pinned, {})
+    finally:
+        await pinned.close()
 
 
 async def test_a_redis_outage_is_a_page_saying_so(gateway, redis_server):
@@ -173,3 +230,32 @@ async def test_recent_requests_are_capped_and_link_to_jaeger(redis_server, confi
         assert response.status == 400
     finally:
         await gateway.close()
+
+
+async def test_the_fleet_page_shows_the_router_metrics_url_without_its_credentials(
+    redis_server, router, caplog
+):
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=500)
+
+    app = web.Application()
+    app.router.add_get("/metrics", refuse)
+    metrics_server = TestServer(app, host="127.0.0.1")
+    await metrics_server.start_server()
+    url = f"http://ops:s3cret@127.0.0.1:{metrics_server.port}/metrics?token=s3cret"
+    config = make_config(redis_server.url, router.address)
+    gateway = await start_gateway(
+        dataclasses.replace(config, console=ConsoleSection(router_metrics_url=url))
+    )
+    try:
+        await _sign_in(gateway)
+        page = await (await gateway.get("/console/fleet")).text()
+        shown = f"http://ops:***@127.0.0.1:{metrics_server.port}/metrics?token=***"
+        assert f"metrics at {shown} could not be read" in page
+        assert "500" in page
+        # nor the Authorization header aiohttp made of it (an error's repr shows it)
+        assert "s3cret" not in page and "Authorization" not in page
+        assert shown in caplog.text and "s3cret" not in caplog.text
+    finally:
+        await gateway.close()
+        await metrics_server.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -63,7 +64,50 @@ def screenshots(tmp_path: Path) -> Path:
     return folder
 
 
+# An element's accessible name, as a screen reader would announce it (what the pages use of
+# the rules: aria-labelledby, aria-label, a <label> for it or around it, a button's or link's text).
+_NAME = """(e) => {
+  if (!e || e === document.body) return "";
+  const by = e.getAttribute("aria-labelledby");
+  const text = (i) => document.getElementById(i)?.textContent ?? "";
+  if (by) return by.split(/\\s+/).map(text).join(" ").trim();
+  if (e.getAttribute("aria-label")) return e.getAttribute("aria-label").trim();
+  if (e.labels && e.labels.length) return [...e.labels].map(l => l.textContent).join(" ").trim();
+  if (["BUTTON", "A"].includes(e.tagName)) return e.textContent.trim();
+  return "";
+}"""
+
+
+async def _focused(page: Page) -> str:
+    """The accessible name of what has the keyboard's focus."""
+    return str(await page.evaluate(f"({_NAME})(document.activeElement)"))
+
+
+async def _tab_to(page: Page, name: str) -> None:
+    """Presses Tab until the control named ``name`` has the focus; every stop on the way must
+    have a name too (a keyboard user hears each)."""
+    focused = await _focused(page)
+    for _ in range(40):
+        if focused == name:
+            return
+        await page.keyboard.press("Tab")
+        focused = await _focused(page)
+        assert focused, f"Tab reached an unnamed element on {page.url}, looking for {name!r}"
+    raise AssertionError(f"Tab never reached {name!r} on {page.url}")
+
+
+async def _all_named(page: Page) -> None:
+    """Every form control of the page has an accessible name."""
+    unnamed = await page.evaluate(
+        f"""() => [...document.querySelectorAll(
+              "input:not([type=hidden]), select, textarea, button")]
+            .filter(e => !({_NAME})(e)).map(e => e.outerHTML)"""
+    )
+    assert unnamed == [], f"{page.url}: form controls without an accessible name: {unnamed}"
+
+
 async def _shot(page: Page, folder: Path, name: str) -> None:
+    await _all_named(page)  # each page photographed is checked
     # the plaintext key, where one is shown, is masked: the picture is published
     await page.screenshot(
         path=folder / f"{name}.png", full_page=True, mask=[page.locator("#plaintext")]
@@ -83,14 +127,18 @@ async def test_an_operator_manages_a_key_from_the_console(
         await page.goto(str(admin.make_url("/console")))  # not signed in: the sign-in page
         await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
         await _shot(page, screenshots, "sign-in")
-        await page.get_by_label("Admin token").fill(ADMIN_TOKEN)
+        # signed in and a key created with the keyboard alone: Tab, typing, Enter
+        await _tab_to(page, "Admin token")
+        await page.keyboard.type(ADMIN_TOKEN)
         await page.keyboard.press("Enter")
         await expect(page.get_by_role("heading", name="Keys")).to_be_visible()
-
-        await page.get_by_label("Name", exact=True).fill("team-a")
-        await page.get_by_label("Tier", exact=True).fill("gold")
-        await page.get_by_label("Requests per minute").fill("600")
-        await page.get_by_role("button", name="Create key").click()
+        await _all_named(page)
+        for label, value in (("Name", "team-a"), ("Tier", "gold"), ("Requests per minute", "600")):
+            await _tab_to(page, label)
+            await expect(page.get_by_label(label, exact=True)).to_be_focused()
+            await page.keyboard.type(value)
+        await _tab_to(page, "Create key")
+        await page.keyboard.press("Enter")
         key = await page.locator("#plaintext").inner_text()
         assert key.startswith("sk-")
         await _shot(page, screenshots, "key-created")
@@ -135,7 +183,7 @@ async def test_an_operator_manages_a_key_from_the_console(
         await expect(fleet).to_contain_text("healthy")
         await expect(fleet).to_contain_text(worker.servicer.info.models[0])
         await expect(
-            page.get_by_text("requests routed by their prompt's cached prefixes")
+            page.get_by_text(re.compile(r"routed by (its prompt's|their prompts') cached prefixes"))
         ).to_be_visible()
         # the chat completion above, as the router counted its decision
         decisions = page.get_by_role("row").filter(has_text="balanced").first
