@@ -2,7 +2,7 @@
 choosing a worker, without I/O (target: p99 <= 100 us).
 
     .venv/bin/python bench/router_decision.py [--workers 1000] [--decisions 20000]
-        [--blocks 3000] [--index-memory]
+        [--blocks 3000] [--phases] [--index-memory]
 
 Times exactly the hot path of RouterServicer.Generate before the worker call: RouteRequest.of
 (the prompt prefix hash) and Chooser.choose over the router's local Fleet view. The fleet is a
@@ -19,14 +19,20 @@ on another, where it was passed on once). Four requests in five continue a sessi
 and a new turn, with its affinity key), one in five starts a new one; each decision gets a prompt
 of its own, made just before it, so no lookup finds the index warm from an earlier one. The
 hashes are the gateway's work (computed before the clock starts); the lookup of the longest cached
-prefix per candidate is timed with the choice. ``--index-memory`` measures the index's bytes per
-cached (worker, block) pair with tracemalloc on a smaller fleet.
+prefix per candidate is timed with the choice. ``--phases`` then times the same with phase
+planning (router_svc/kv_pull.py): a quarter of the workers of role "prefill", the rest "decode",
+all sending KV blocks of DeepSeek-V3's size over 100 Gb/s links in four zones (25 Gb/s between
+zones): every decision on a decode worker also picks the prefill worker that would deliver the
+prompt's blocks first, from the same lookup of the index (over both roles' workers).
+``--index-memory`` measures the index's bytes per cached (worker, block) pair with tracemalloc on
+a smaller fleet.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import random
 import statistics
@@ -53,10 +59,21 @@ _MODELS = ["deepseek-v3", "deepseek-r1"]
 _PROMPT_PREFIXES = 64
 
 
-def build_fleet(workers: int, rng: random.Random) -> Fleet:
+# DeepSeek-V3's latent cache in BF16: 61 layers x 576 values x 2 bytes
+_V3_KV_BYTES_PER_TOKEN = 61 * 576 * 2
+_ZONES = 4
+_PHASE_LINKS = RoutingSection(
+    link_gbps=100,
+    zone_link_gbps={f"zone-{a}/zone-{b}": 25 for a in range(_ZONES) for b in range(a + 1, _ZONES)},
+)
+
+
+def build_fleet(workers: int, rng: random.Random, phases: bool = False) -> Fleet:
     fleet = Fleet(ttl_s=3)
     for i in range(workers):
         name, precision, max_parallel, speed, prefill = _KINDS[i % len(_KINDS)]
+        # by the kinds' period, so that every kind has workers of both roles
+        role = ("prefill" if i // len(_KINDS) % 4 == 0 else "decode") if phases else ""
         info = common_pb2.WorkerInfo(
             worker_id=f"worker-{i:04d}",
             address=f"10.0.{i // 250}.{i % 250}:50061",
@@ -68,6 +85,9 @@ def build_fleet(workers: int, rng: random.Random) -> Fleet:
                 max_parallel=max_parallel,
                 decode_tokens_per_second=speed,
                 prefill_tokens_per_second=prefill,
+                role=role,
+                zone=f"zone-{i % _ZONES}" if phases else "",
+                kv_transfer_bytes_per_token=_V3_KV_BYTES_PER_TOKEN if phases else 0,
             ),
         )
         running = rng.randrange(max_parallel + 1)
@@ -161,15 +181,16 @@ class Timings(NamedTuple):
 
 
 def time_policy(
-    policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0
+    policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0, phases: bool = False
 ) -> Timings:
     rng = random.Random(1)
-    fleet = build_fleet(workers, rng)
+    fleet = build_fleet(workers, rng, phases)
     prefix_bytes = RoutingSection().prefix_bytes
     batch: Iterable[common_pb2.GenerateRequest]
     if blocks_per_worker:
         index, sessions = build_index(fleet, rng, blocks_per_worker)
-        chooser = Chooser(RoutingSection(policy=policy), index)
+        routing = _PHASE_LINKS if phases else RoutingSection()
+        chooser = Chooser(dataclasses.replace(routing, policy=policy), index)
         batch = prefix_requests(rng, decisions, sessions)
     else:
         chooser = Chooser(RoutingSection(policy=policy))
@@ -185,6 +206,8 @@ def time_policy(
         timings.cached_tokens.append(decision.cached_tokens)
         fleet.started(decision.workers[0])
         fleet.queued_prefill(decision.workers[0], decision.prefill_s)  # as the router does
+        if decision.pull is not None and decision.pull.compute:
+            fleet.queued_prefill(decision.pull.holder, decision.pull.prefill_s)
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
@@ -232,6 +255,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--decisions", type=int, default=20000)
     parser.add_argument("--blocks", type=int, default=3000, help="cached blocks per worker")
+    parser.add_argument("--phases", action="store_true", help="then with prefill/decode roles")
     parser.add_argument("--index-memory", action="store_true")
     args = parser.parse_args()
     if args.index_memory:
@@ -252,6 +276,11 @@ def main() -> None:
         f"{statistics.mean(timings.cached_tokens):.0f} prompt tokens cached on average):"
     )
     report("balanced", timings)
+    if args.phases:
+        timings = time_policy("balanced", args.workers, args.decisions, args.blocks, phases=True)
+        planned = "prefill on P, decode on D"
+        print(f"the same with phases ({planned}: 1 worker in 4 of role prefill, 4 zones):")
+        report("balanced", timings)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,12 @@ class Fleet:
         self.prefill_speed = np.zeros(0)  # prefill tokens/s the worker estimates (0: unknown)
         # its model always thinks (Capabilities.reasoning_format "deepseek_r1")
         self.always_thinks = np.zeros(0, dtype=bool)
+        # what KV blocks it exchanges with peers (router_svc/kv_pull.py): its precision, its
+        # bytes per token (0: none) and its zone, an index into ``zones``
+        self.precision = np.zeros(0, dtype=np.int64)
+        self.kv_bytes = np.zeros(0, dtype=np.int64)
+        self.zone_of = np.zeros(0, dtype=np.intp)
+        self.zones: list[str] = [""]  # every zone a worker named, in order of first sight
         self.salt = np.zeros(0, dtype=np.uint64)
         # Requests this router routed to the worker (the first choice of each decision) whose
         # end it has not heard of yet: the gateways' route streams report each one's end, the
@@ -346,6 +352,11 @@ class Fleet:
         self.speed[entry.slot] = caps.decode_tokens_per_second
         self.prefill_speed[entry.slot] = caps.prefill_tokens_per_second
         self.always_thinks[entry.slot] = caps.reasoning_format == "deepseek_r1"
+        self.precision[entry.slot] = caps.precision
+        self.kv_bytes[entry.slot] = caps.kv_transfer_bytes_per_token
+        if caps.zone not in self.zones:
+            self.zones.append(caps.zone)
+        self.zone_of[entry.slot] = self.zones.index(caps.zone)
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
@@ -361,6 +372,9 @@ class Fleet:
             "speed",
             "prefill_speed",
             "always_thinks",
+            "precision",
+            "kv_bytes",
+            "zone_of",
             "salt",
             "in_flight",
             "known_at_report",

@@ -60,7 +60,9 @@ class PullPlan:
     """The chosen worker takes the prompt's leading ``prefix_hashes`` from ``holder``."""
 
     holder: WorkerEntry
-    prefix_hashes: list[int]
+    # the request's own (a protobuf repeated field), not copied: a copy of an 80k-token
+    # prompt's 5,000 hashes costs more than the rest of the decision
+    prefix_hashes: Sequence[int]
     timeout_s: float
     # the holder computes the blocks first (prefill on P, decode on D: ``plan_prefill``), its
     # prefill estimated to take ``prefill_s``
@@ -83,12 +85,27 @@ class Attempts(list[WorkerEntry]):
     pull: PullPlan | None = None
 
 
-# The link's Gb/s between two workers' zones (0: none), RoutingSection.link_between
-Links = Callable[[str, str], float]
+class ZoneLinks:
+    """The links' Gb/s between every two zones a fleet's workers named (``Fleet.zones``), from
+    ``[routing]`` (RoutingSection.link_between): a matrix, rebuilt only when a zone appears, so
+    that a decision reads a candidate's link by index."""
+
+    def __init__(self, link_between: Callable[[str, str], float]) -> None:
+        self._between = link_between
+        self._zones: list[str] = []
+        self._gbps = np.zeros((0, 0))
+
+    def of(self, fleet: Fleet) -> np.ndarray:
+        """[zone, zone] -> Gb/s (0: no link), indexed as ``fleet.zone_of``."""
+        zones = fleet.zones
+        if self._zones != zones:
+            self._gbps = np.array([[self._between(a, b) for b in zones] for a in zones])
+            self._zones = list(zones)
+        return self._gbps
 
 
 def plan_pull(
-    links: Links,
+    links: np.ndarray,
     fleet: Fleet,
     group: Group,
     busy: np.ndarray,
@@ -98,31 +115,30 @@ def plan_pull(
 ) -> PullPlan | None:
     """The pull for the worker at index ``chosen`` of ``group`` (``busy``: each candidate's
     streams; ``cached_tokens``: the prompt's tokens in each one's cache), or None (the module's
-    rule)."""
+    rule); ``links``: ZoneLinks.of(fleet)."""
     holder = int(cached_tokens.argmax())
     tokens = int(cached_tokens[holder] - cached_tokens[chosen])
     if holder == chosen or tokens <= 0:
         return None
     if busy[holder] * group.inverse_capacity[holder] < 1:
         return None  # a holder with a free slot: the cost chose against it, no need to pull
-    holder_entry = fleet.entry_at(group.slots[holder])
-    mine = fleet.entry_at(group.slots[chosen]).info.capabilities
-    theirs = holder_entry.info.capabilities
-    link_gbps = links(mine.zone, theirs.zone)
-    if link_gbps <= 0 or not _exchange_blocks(mine, theirs):
+    theirs, mine = group.slots[holder], group.slots[chosen]
+    link_gbps = float(links[fleet.zone_of[mine], fleet.zone_of[theirs]])
+    bytes_per_token = int(fleet.kv_bytes[mine])
+    if link_gbps <= 0 or not _exchange_blocks(fleet, mine, np.array([theirs]))[0]:
         return None
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
-    transfer_s = step_s + _transfer_s(tokens, mine, link_gbps)
+    transfer_s = step_s + kv_transfer_s(tokens, bytes_per_token, link_gbps)
     compute_s = tokens * float(group.prefill_s_per_token[chosen])
     if transfer_s >= compute_s:
         return None
     blocks = int(cached_tokens[holder]) // BLOCK_TOKENS
-    return PullPlan(holder_entry, list(prefix_hashes[:blocks]), compute_s)
+    return PullPlan(fleet.entry_at(theirs), prefix_hashes[:blocks], compute_s)
 
 
 def plan_prefill(
-    links: Links,
+    links: np.ndarray,
     fleet: Fleet,
     model: str,
     decoder: WorkerEntry,
@@ -137,7 +153,7 @@ def plan_prefill(
     whole = len(prefix_hashes) * BLOCK_TOKENS
     tokens = whole - cached_tokens
     mine = decoder.info.capabilities
-    if tokens <= 0:
+    if tokens <= 0 or mine.kv_transfer_bytes_per_token <= 0:
         return None
     group = fleet.group(model, mine.precision, prefill=True)
     if not len(group):
@@ -146,42 +162,42 @@ def plan_prefill(
     if cached_tokens >= tokens and cached_tokens > theirs_cached.max():
         return None  # D holds most of the prompt: its tail costs less than P's whole prompt
     now = fleet.clock()
-    queued_s = np.maximum(fleet.prefill_until[group.slots] - now, 0.0)
+    slots = group.slots
+    queued_s = np.maximum(fleet.prefill_until[slots] - now, 0.0)
     # its time to first token: the prefill queued there, then what its cache lacks
     prefill_s = queued_s + (whole - theirs_cached) * group.prefill_s_per_token
-    # then sending D what D lacks
-    delivered_s = prefill_s.copy()
-    for i, slot in enumerate(group.slots):
-        theirs = fleet.entry_at(slot).info.capabilities
-        link_gbps = links(mine.zone, theirs.zone)
-        linked = link_gbps > 0 or theirs.zone == mine.zone
-        if fleet.ejected_until[slot] > now or not linked or not _exchange_blocks(mine, theirs):
-            delivered_s[i] = np.inf
-        elif link_gbps > 0:
-            delivered_s[i] += _transfer_s(tokens, mine, link_gbps)
+    # then sending D what D lacks, over the link between their zones (within one zone always
+    # linked, a link_gbps of 0 counting the transfer 0; across two only as listed)
+    zone = fleet.zone_of[decoder.slot]
+    gbps = links[zone, fleet.zone_of[slots]]
+    bits = tokens * mine.kv_transfer_bytes_per_token * 8 / 1e9
+    transfer_s = bits / np.where(gbps > 0, gbps, np.inf)
+    usable = (
+        _exchange_blocks(fleet, decoder.slot, slots)
+        & (fleet.ejected_until[slots] <= now)
+        & ((gbps > 0) | (fleet.zone_of[slots] == zone))
+    )
+    delivered_s = np.where(usable, prefill_s + transfer_s, np.inf)
     best = int(delivered_s.argmin())
     estimate = float(delivered_s[best])
     if not np.isfinite(estimate):
         return None
     return PullPlan(
         fleet.entry_at(group.slots[best]),
-        list(prefix_hashes),
+        prefix_hashes,
         max(PREFILL_MIN_TIMEOUT_S, 2 * estimate),
         compute=True,
         prefill_s=float(prefill_s[best] - queued_s[best]),
     )
 
 
-def _exchange_blocks(mine: common_pb2.Capabilities, theirs: common_pb2.Capabilities) -> bool:
-    """Whether two workers can send each other KV blocks: both can, of one size per token, in
-    one precision."""
-    return (
-        mine.kv_transfer_bytes_per_token > 0
-        and theirs.kv_transfer_bytes_per_token == mine.kv_transfer_bytes_per_token
-        and theirs.precision == mine.precision
+def _exchange_blocks(fleet: Fleet, mine: int, theirs: np.ndarray) -> np.ndarray:
+    """Whether the worker at slot ``mine`` and each at ``theirs`` can send each other KV blocks:
+    both can, of one size per token, in one precision."""
+    size = fleet.kv_bytes[mine]
+    both: np.ndarray = (
+        (size > 0)
+        & (fleet.kv_bytes[theirs] == size)
+        & (fleet.precision[theirs] == fleet.precision[mine])
     )
-
-
-def _transfer_s(tokens: int, caps: common_pb2.Capabilities, link_gbps: float) -> float:
-    """Seconds to send ``tokens`` of KV cache over a ``link_gbps`` link."""
-    return kv_transfer_s(tokens, caps.kv_transfer_bytes_per_token, link_gbps)
+    return both

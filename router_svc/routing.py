@@ -74,7 +74,7 @@ from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
-from router_svc.kv_pull import PullPlan, plan_prefill, plan_pull
+from router_svc.kv_pull import PullPlan, ZoneLinks, plan_prefill, plan_pull
 from router_svc.prefix_index import PrefixIndex
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # a splitmix64 multiplier: mixes (salt ^ key)
@@ -176,6 +176,7 @@ class Chooser:
     def __init__(self, config: RoutingSection, index: PrefixIndex | None = None) -> None:
         self._config = config
         self._index = index
+        self._links = ZoneLinks(config.link_between)
         self._turn = itertools.count()
         self._random = random.Random()
 
@@ -202,12 +203,16 @@ class Chooser:
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
         home = -1
-        cached = prefill_s = queued_s = None
+        cached = prefill_s = queued_s = held = None
         if policy == "balanced":
             config = self._config
             cost *= config.load_weight
             if request.prefix_hashes:
-                cached = self._cached_tokens(fleet, group, request)
+                # one lookup for the candidates and the prefill workers a decode worker among
+                # them would have compute the prompt (kv_pull.plan_prefill)
+                prefillers = fleet.group(request.model, request.precision, prefill=True)
+                held = self._held(fleet, group.members | prefillers.members, request)
+                cached = _tokens_in(held, group)
                 prefill_s = group.prefill_s_per_token * (request.prompt_tokens - cached)
                 queued_s = fleet.prefill_until[group.slots] - fleet.clock()
                 np.maximum(queued_s, 0.0, out=queued_s)
@@ -252,19 +257,18 @@ class Chooser:
                 reasons["queued_prefill_s"] = float(queued_s[best])
         pull = None
         if cached is not None and self._config.moves_kv:
-            pull = plan_pull(
-                self._config.link_between, fleet, group, busy, cached, best, request.prefix_hashes
-            )
+            links = self._links.of(fleet)
+            pull = plan_pull(links, fleet, group, busy, cached, best, request.prefix_hashes)
         chosen = fleet.entry_at(slot)
         if pull is None and request.prefix_hashes and chosen.info.capabilities.role == "decode":
             pull = plan_prefill(
-                self._config.link_between,
+                self._links.of(fleet),
                 fleet,
                 request.model,
                 chosen,
                 cached_tokens,
                 request.prefix_hashes,
-                lambda prefill_group: self._cached_tokens(fleet, prefill_group, request),
+                lambda prefill_group: _tokens_in(held, prefill_group),
             )
             if pull is not None:
                 first_prefill_s = 0.0  # P's, not D's (Fleet.queued_prefill)
@@ -282,17 +286,12 @@ class Chooser:
             prefill_s=first_prefill_s,
         )
 
-    def _cached_tokens(self, fleet: Fleet, group: Group, request: RouteRequest) -> np.ndarray:
-        """Each candidate's tokens of the prompt's prefix in its cache (all 0 without an index)."""
-        blocks = None
-        if self._index is not None:
-            blocks = self._index.cached_blocks(
-                request.prefix_hashes, group.members, fleet.slot_count
-            )
-        if blocks is None:
-            return np.zeros(len(group), dtype=np.int64)
-        cached: np.ndarray = blocks[group.slots] * BLOCK_TOKENS  # prompt_tokens counts whole blocks
-        return cached
+    def _held(self, fleet: Fleet, members: int, request: RouteRequest) -> np.ndarray | None:
+        """Each fleet slot's blocks of the prompt's prefix in its cache, for the slots of
+        ``members`` (None: none holds any, or no index)."""
+        if self._index is None:
+            return None
+        return self._index.cached_blocks(request.prefix_hashes, members, fleet.slot_count)
 
     def _affinity_home(self, group: Group, busy: np.ndarray, key: int) -> int:
         """Index (into the group) of the prefix's worker: the highest rendezvous hash of
@@ -337,6 +336,14 @@ def _follow_cache(group: Group, busy: np.ndarray, cached: np.ndarray, home: int)
     if not free[best]:
         best = int(np.where(free, cached, -1).argmax())
     return best if free[best] and cached[best] > at_home else home
+
+
+def _tokens_in(held: np.ndarray | None, group: Group) -> np.ndarray:
+    """Each of ``group``'s workers' tokens of the prompt in its cache (``Chooser._held``)."""
+    if held is None:
+        return np.zeros(len(group), dtype=np.int64)
+    cached: np.ndarray = held[group.slots] * BLOCK_TOKENS  # prompt_tokens counts whole blocks
+    return cached
 
 
 def _usable(fleet: Fleet, request: RouteRequest) -> Group:

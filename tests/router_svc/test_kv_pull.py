@@ -6,6 +6,9 @@ prefilled on the prefill worker that finishes it first."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import grpc
 import pytest
 
@@ -22,11 +25,12 @@ from tests.router_svc.test_routing import cached_on, fleet_of, route, with_hashe
 V3_BYTES_PER_TOKEN = 61 * 576 * 2
 
 
-def _fleet(bytes_per_token: int = V3_BYTES_PER_TOKEN) -> Fleet:
+def _fleet(bytes_per_token: int = V3_BYTES_PER_TOKEN, zones: tuple[str, str] = ("", "")) -> Fleet:
     workers = [info(name, max_parallel=2) for name in ("holder", "other")]
-    for worker in workers:
+    for worker, zone in zip(workers, zones, strict=True):
         worker.capabilities.prefill_tokens_per_second = 10_000.0
         worker.capabilities.kv_transfer_bytes_per_token = V3_BYTES_PER_TOKEN
+        worker.capabilities.zone = zone
     workers[1].capabilities.kv_transfer_bytes_per_token = bytes_per_token
     return fleet_of(*workers)
 
@@ -71,11 +75,17 @@ def test_no_pull_over_a_slow_link_from_a_holder_with_room_or_between_unlike_cach
     assert _decide(_fleet(), 100, hashes[:4], holder_running=2).pull is None
 
 
-def _roles_fleet(*roles: tuple[str, str], slow: str = "", bytes_per_token: int = 0) -> Fleet:
+def _roles_fleet(
+    *roles: tuple[str, str],
+    slow: str = "",
+    bytes_per_token: int = 0,
+    zones: Mapping[str, str] = MappingProxyType({}),
+) -> Fleet:
     """Workers (name, role) prefilling 10,000 tokens/s (``slow``: 1,000) with DeepSeek-V3's KV
-    size (the first: ``bytes_per_token`` when set)."""
+    size (the first: ``bytes_per_token`` when set), in their ``zones`` (else the unnamed one)."""
     workers = [info(name, max_parallel=2) for name, _ in roles]
     for worker, (name, role) in zip(workers, roles, strict=True):
+        worker.capabilities.zone = zones.get(name, "")
         worker.capabilities.prefill_tokens_per_second = 1_000.0 if name == slow else 10_000.0
         worker.capabilities.kv_transfer_bytes_per_token = V3_BYTES_PER_TOKEN
         worker.capabilities.role = role
@@ -169,45 +179,42 @@ def test_kv_cache_moves_over_the_link_between_the_two_workers_zones():
     """Within a zone the link is [routing] link_gbps; across two, zone_link_gbps; two zones it
     does not list have no link. P is the one that delivers the blocks first, its transfer
     included, and a busy holder's prefix is pulled only over a link fast enough."""
-    fleet = _roles_fleet(("near", "prefill"), ("far", "prefill"), ("d", "decode"), slow="near")
-    for name, zone in (("near", "rack-a"), ("far", "rack-b"), ("d", "rack-a")):
-        worker = fleet.get(name)
-        assert worker is not None
-        worker.info.capabilities.zone = zone
+    zones = {"near": "rack-a", "far": "rack-b", "d": "rack-a"}
+    fleet = _roles_fleet(
+        ("near", "prefill"), ("far", "prefill"), ("d", "decode"), slow="near", zones=zones
+    )
     hashes = chain(list(range(16 * 500)))  # 8,000 tokens: 8 s on near, 0.8 s on far
     sent_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 1e9  # 4.5 s over 1 Gb/s
 
-    def p(**routing: object) -> str:
-        pull = Chooser(RoutingSection(**routing)).choose(fleet, with_hashes(hashes)).pull
+    def p(zone_links: dict[str, float]) -> str:
+        routing = RoutingSection(link_gbps=100, zone_link_gbps=zone_links)
+        pull = Chooser(routing).choose(fleet, with_hashes(hashes)).pull
         assert pull is not None and pull.compute
         return pull.holder.worker_id
 
     # far's 0.8 s + 4.5 s over 1 Gb/s beat near's 8 s; over 0.25 Gb/s (18 s) they do not
-    assert p(link_gbps=100, zone_link_gbps={"rack-b/rack-a": 1}) == "far"
-    assert p(link_gbps=100, zone_link_gbps={"rack-a/rack-b": 0.25}) == "near"
+    assert p({"rack-b/rack-a": 1}) == "far"
+    assert p({"rack-a/rack-b": 0.25}) == "near"
     # no link across the racks: only near can send D its blocks
-    assert p(link_gbps=100) == "near"
+    assert p({}) == "near"
     far = Chooser(RoutingSection(zone_link_gbps={"rack-a/rack-b": 1}))
     pull = far.choose(fleet, with_hashes(hashes)).pull
     assert pull is not None and pull.timeout_s == pytest.approx(2 * (0.8 + sent_s))
     # a peer pull from a busy holder in another zone: over the zones' link, only a fast one
-    pulls = _fleet()
-    holder = pulls.get("holder")
-    assert holder is not None
-    holder.info.capabilities.zone = "rack-b"
-    other = pulls.get("other")
-    assert other is not None
-    other.info.capabilities.zone = "other-rack"
-    for gbps, pulled in ((100, True), (1, False)):
+    for zones_of_two, gbps, pulled in (
+        (("rack-b", "other-rack"), 100, True),
+        (("rack-b", "other-rack"), 1, False),
+        (("rack-b", "rack-b"), 100, False),  # within one zone: link_gbps, which is 0 here
+    ):
+        pulls = _fleet(zones=zones_of_two)
         chooser = Chooser(
             RoutingSection(zone_link_gbps={"rack-b/other-rack": gbps}),
             cached_on(pulls, {"holder": hashes[:400]}),
         )
+        holder = pulls.get("holder")
+        assert holder is not None
         pulls.set_load(holder, common_pb2.Load(running=2))
         assert (chooser.choose(pulls, with_hashes(hashes)).pull is not None) is pulled
-    # the same link within one zone: link_gbps, which is 0 here
-    other.info.capabilities.zone = "rack-b"
-    assert chooser.choose(pulls, with_hashes(hashes)).pull is None
 
 
 @pytest.mark.parametrize(
@@ -220,7 +227,7 @@ def test_kv_cache_moves_over_the_link_between_the_two_workers_zones():
         ({"a/b": 1.0, "b/a": 2.0}, "the link is given twice"),
     ],
 )
-def test_a_zone_link_is_two_different_zones_and_a_speed(links: dict, message: str):
+def test_a_zone_link_is_two_different_zones_and_a_speed(links: dict[str, float], message: str):
     with pytest.raises(ValueError, match=message):
         RoutingSection(zone_link_gbps=links)
     section = RoutingSection(link_gbps=40, zone_link_gbps={"a/b": 10})
