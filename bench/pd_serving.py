@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -63,6 +64,7 @@ from gateway.mesh.prompt_tokens import SIM_RENDERER
 from infermesh import sim_tokens
 from infermesh.pb import router_pb2_grpc
 from infermesh.tls import TlsSection
+from router_svc.config import RoutingSection
 from worker_svc.config import (
     AttentionSection,
     EngineSection,
@@ -314,8 +316,15 @@ def main() -> None:
                     str(scale),
                     "--fleet",
                 ]
+                # the router's times run on the wall clock: the link's and the stall timeout's
+                # scaled with the simulated time (a worker's silence of 30 simulated seconds,
+                # not 30 / scale: a long prefill in one decode step is not a stalled worker)
+                link_gbps = args.link_gbps / scale if link else 0
                 router_env = {
-                    "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps / scale if link else 0)
+                    "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(link_gbps),
+                    "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(
+                        RoutingSection().stall_timeout_s * scale
+                    ),
                 }
                 with policies.fleet_router(
                     "balanced", redis_server.url, fleet_command, len(FLEET), router_env
@@ -333,6 +342,11 @@ def main() -> None:
                     + f"errors {r['errors']:.0f} {r['error_codes']}",
                     flush=True,
                 )
+                failures = collections.Counter(
+                    f"{o.error}: {o.error_details}" for o in outcomes if o.error
+                )
+                for failure, count in failures.most_common():
+                    print(f"  {count} x {failure}", flush=True)
     for name in args.workload:
         base = results.get((name, "aggregated"))
         for mode in ("pulls", "disaggregated"):

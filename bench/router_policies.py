@@ -174,7 +174,8 @@ class Outcome:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # of the completion
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the worker's prefix cache
-    error: str | None = None
+    error: str | None = None  # the gRPC status's code
+    error_details: str = ""  # and its message
     worker: str = ""  # the worker the router chose
     text: str = ""
     # each token's wait after the one before; the tokens of a chunk share its wait
@@ -208,6 +209,7 @@ async def read_stream(
         outcome.done_s = time.monotonic() - start
     except grpc.aio.AioRpcError as e:
         outcome.error = e.code().name
+        outcome.error_details = e.details() or ""
 
 
 async def send(stub: router_pb2_grpc.RouterStub, request: Request, start: float) -> Outcome:
