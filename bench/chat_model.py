@@ -2,7 +2,7 @@
 whole mesh, greedy, with the openai SDK.
 
     .venv/bin/python bench/chat_model.py [--model models/tiny-deepseek-v3-chat] [--cases 40]
-        [--base-url http://127.0.0.1:8000 --api-key sk-... --served-name NAME]
+        [--think-cases 10] [--base-url http://127.0.0.1:8000 --api-key sk-... --served-name NAME]
 
 Without --base-url it starts Redis, the router, one worker on --model (the torch engine) and the
 gateway as processes (devtools.mesh), with a key of its own. The held-out requests come from
@@ -13,11 +13,16 @@ of each kind, every one with max_tokens 64 and temperature 0:
 - recall: a name told in the first turn, asked for one to three turns later;
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
-training's dialogues are at most 1,280 tokens long).
+training's dialogues are at most 1,280 tokens long). Then the first --think-cases of each kind again
+with the thinking on (chat_template_kwargs thinking, no thinking budget, max_tokens THINK_TOKENS).
 Prints the share of the replies that end (finish_reason stop or tool_calls) within the 64 tokens,
 of tool questions answered by a call of the right tool with the question's arguments (and by a
 call of the right tool whatever its arguments), of recall questions whose answer holds the name,
-of JSON answers valid against the schema, and of the long prompts' replies that end.
+of JSON answers valid against the schema, and of the long prompts' replies that end; of the
+replies without thinking, those with no think tag (no reasoning_content, no tag in the answer); of
+those with it, those whose thinking closed by itself within MAX_TOKENS tokens and that then
+answered (an answer or a call, no think tag in it) and ended, and of those, the ones right for
+their kind.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from devtools.mesh import one_worker_mesh
 KINDS = ("short", "tool", "recall", "json")
 LONG = "long"
 MAX_TOKENS = 64
+THINK_TOKENS = (
+    2 * MAX_TOKENS
+)  # a reply that thinks: at most MAX_TOKENS of thinking, then its answer
+THINK_TAGS = ("<think>", "</think>")
 _SEED = 2026
 
 
@@ -69,8 +78,40 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
     return ended, ended
 
 
+def thought_and_answered(reply: Any) -> bool:
+    """A reply with the thinking on: it closed its thinking within MAX_TOKENS tokens (a budget
+    would have closed none), then answered or called, with no think tag left in the answer."""
+    choice = reply.choices[0]
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+    details = reply.usage.completion_tokens_details if reply.usage else None
+    thought = (details.reasoning_tokens or 0) if details else 0
+    content = choice.message.content or ""
+    return (
+        bool(reasoning)
+        and 0 < thought <= MAX_TOKENS
+        and bool(content.strip() or choice.message.tool_calls)
+        and not any(tag in content for tag in THINK_TAGS)
+        and choice.finish_reason in ("stop", "tool_calls")
+    )
+
+
+def untagged(reply: Any) -> bool:
+    """A reply with the thinking off: no reasoning, no think tag in the answer."""
+    message = reply.choices[0].message
+    content = message.content or ""
+    return not (message.model_extra or {}).get("reasoning_content") and not any(
+        tag in content for tag in THINK_TAGS
+    )
+
+
 async def run(
-    base_url: str, api_key: str, model: str, cases: int, long_cases: int, concurrency: int
+    base_url: str,
+    api_key: str,
+    model: str,
+    cases: int,
+    long_cases: int,
+    concurrency: int,
+    think_cases: int,
 ) -> None:
     client = openai.AsyncOpenAI(
         base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300
@@ -80,7 +121,36 @@ async def run(
     results: dict[str, list[tuple[bool, bool, int]]] = defaultdict(list)
     examples: dict[str, str] = {}
     tools_named: list[bool] = []  # a tool question's first call names its tool, whatever its args
+    plain: list[bool] = []  # a reply without thinking has no think tag
+    thinking: list[tuple[bool, bool]] = []  # (thought then answered, right for its kind)
+    think_example: list[str] = []
     gate = asyncio.Semaphore(concurrency)
+
+    async def think(case: EvalCase) -> None:
+        async with gate:
+            try:
+                reply = await client.chat.completions.create(
+                    model=model,
+                    messages=case.messages,  # type: ignore[arg-type]
+                    tools=case.tools or openai.omit,  # type: ignore[arg-type]
+                    temperature=0,
+                    max_tokens=THINK_TOKENS,
+                    extra_body={"chat_template_kwargs": {"thinking": True}},
+                )
+            except openai.BadRequestError as exc:  # a model that does not reason
+                thinking.append((False, False))
+                think_example[:] = think_example or [f"{exc.status_code}: {exc.message}"]
+                return
+        answered = thought_and_answered(reply)
+        thinking.append((answered, answered and judge(case, reply)[1]))
+        message = reply.choices[0].message
+        if not think_example:
+            reasoning = (message.model_extra or {}).get("reasoning_content")
+            calls = [c.function.name for c in message.tool_calls or [] if c.type == "function"]
+            think_example.append(
+                f"{case.messages[-1]['content']!r} -> thinking {reasoning!r}, answer "
+                f"{message.content or ''!r} {calls}"
+            )
 
     async def ask(case: EvalCase) -> None:
         async with gate:
@@ -91,6 +161,7 @@ async def run(
                 temperature=0,
                 max_tokens=MAX_TOKENS,
             )
+        plain.append(untagged(reply))
         ended, right = judge(case, reply)
         tokens = reply.usage.completion_tokens if reply.usage else 0
         results[case.kind].append((ended, right, tokens))
@@ -111,6 +182,8 @@ async def run(
     started = time.monotonic()
     await asyncio.gather(*(ask(case) for case in todo))
     wall = time.monotonic() - started
+    think_todo = [case for kind in KINDS for case in eval_cases(kind, cases, _SEED)[:think_cases]]
+    await asyncio.gather(*(think(case) for case in think_todo))
     every = [r for kind in KINDS for r in results[kind]]
     print(f"{len(every)} held-out requests, greedy, max_tokens {MAX_TOKENS}, {wall:.0f} s")
     ended = sum(e for e, _, _ in every)
@@ -139,9 +212,22 @@ async def run(
             f"behind an 8k-token agent prompt, ended within {MAX_TOKENS} tokens: "
             f"{ended}/{len(long)} = {ended / len(long):.0%}"
         )
+    print(
+        f"without thinking, no think tag: {sum(plain)}/{len(plain)} = {sum(plain) / len(plain):.0%}"
+    )
+    if thinking:
+        closed = sum(a for a, _ in thinking)
+        right = sum(r for _, r in thinking)
+        print(
+            f"thinking on (no budget), closed within {MAX_TOKENS} tokens, then answered: "
+            f"{closed}/{len(thinking)} = {closed / len(thinking):.0%}; and right for its kind: "
+            f"{right}/{len(thinking)} = {right / len(thinking):.0%}"
+        )
     for kind in (*KINDS, LONG):
         if kind in examples:
             print(f"  e.g. {kind}: {examples[kind]}")
+    for example in think_example:
+        print(f"  e.g. thinking: {example}")
 
 
 def main() -> None:
@@ -150,6 +236,9 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=40, help="held-out requests of each kind")
     parser.add_argument("--long-cases", type=int, default=3, help="8k-token agent prompts")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--think-cases", type=int, default=10, help="of each kind again, thinking (0: none)"
+    )
     parser.add_argument("--base-url", help="a running gateway (default: start a mesh)")
     parser.add_argument("--api-key", help="its key (with --base-url)")
     parser.add_argument("--served-name", help="the model's name there (default: --model's name)")
@@ -159,12 +248,22 @@ def main() -> None:
         if not ns.api_key:
             parser.error("--base-url needs --api-key")
         asyncio.run(
-            run(ns.base_url.rstrip("/"), ns.api_key, name, ns.cases, ns.long_cases, ns.concurrency)
+            run(
+                ns.base_url.rstrip("/"),
+                ns.api_key,
+                name,
+                ns.cases,
+                ns.long_cases,
+                ns.concurrency,
+                ns.think_cases,
+            )
         )
         return
     with one_worker_mesh(ns.model, "chat-model-bench") as (mesh, key):
         gateway = mesh.spec.base_url.removesuffix("/v1")
-        asyncio.run(run(gateway, key, name, ns.cases, ns.long_cases, ns.concurrency))
+        asyncio.run(
+            run(gateway, key, name, ns.cases, ns.long_cases, ns.concurrency, ns.think_cases)
+        )
 
 
 if __name__ == "__main__":

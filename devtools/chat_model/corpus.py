@@ -2,7 +2,9 @@
 instructions, a system prompt's persona, a fact recalled from an earlier turn, the right one of
 several tools called with arguments from the question (then an answer from its result), JSON that
 fits a schema the system prompt gives, and a few of these behind a coding agent's long system prompt
-and many tools. Every assistant turn is short and ends.
+and many tools. Every assistant turn is short and ends. A share of the dialogues (``thinking``)
+end on an assistant turn that thinks first: one formulaic sentence about the request (``thought``),
+which the model learns to write, and close, after a prompt rendered with the thinking flag on.
 
 Each kind draws its phrasings and values from pools split in two: ``split="train"`` uses the
 first part, ``split="eval"`` only the held-out rest (bench/chat_model.py measures on those), so an
@@ -32,6 +34,7 @@ class Dialogue:
     kind: str
     messages: list[Message]
     tools: list[Tool] = field(default_factory=list)
+    thought: str = ""  # thinking before the last assistant turn ("": a turn that does not think)
 
 
 def _held_out(pool: Sequence[T], split: Split, every: int = 5) -> list[T]:
@@ -1422,12 +1425,43 @@ KINDS: dict[str, tuple[Callable[[random.Random, Split], Dialogue], float]] = {
 }
 
 
-def dialogues(count: int, seed: int, split: Split = "train") -> list[Dialogue]:
-    """``count`` dialogues drawn by KINDS' weights; the same for the same arguments."""
-    rng = random.Random(seed)
+THINKING = 0.35  # the default share of dialogues that think before their last assistant turn
+
+
+def dialogues(
+    count: int, seed: int, split: Split = "train", thinking: float = THINKING
+) -> list[Dialogue]:
+    """``count`` dialogues drawn by KINDS' weights, a ``thinking`` share of them made to think
+    (``think``) by a generator of their own (the same dialogues whatever the share); the same for
+    the same arguments."""
+    rng, think_rng = random.Random(seed), random.Random(f"think-{seed}")
     makers = [make for make, _ in KINDS.values()]
     weights = [weight for _, weight in KINDS.values()]
-    return [rng.choices(makers, weights)[0](rng, split) for _ in range(count)]
+    drawn = [rng.choices(makers, weights)[0](rng, split) for _ in range(count)]
+    return [think(d, think_rng) if think_rng.random() < thinking else d for d in drawn]
+
+
+def think(dialogue: Dialogue, rng: random.Random) -> Dialogue:
+    """The dialogue up to one of its assistant turns (drawn), which thinks first: a formulaic
+    sentence of what the request wants, then what the turn does (the tool it calls)."""
+    turns = [i for i, m in enumerate(dialogue.messages) if m["role"] == "assistant"]
+    messages = dialogue.messages[: rng.choice(turns) + 1]
+    reply, before = messages[-1], messages[-2]
+    if reply.get("tool_calls"):
+        name = reply["tool_calls"][0]["function"]["name"]
+        need = rng.choice(("The user needs a tool.", "A tool can answer this."))
+        thought = f"{need} I should call {name}."
+    elif before["role"] == "tool":
+        thought = rng.choice(
+            ("The tool answered. I will tell the user.", "I have the result. I will answer.")
+        )
+    elif dialogue.kind == "json":
+        thought = rng.choice(("The user wants JSON. I will follow the schema.", "JSON it is."))
+    elif dialogue.kind == "recall":
+        thought = "The user asks about something said earlier. I will repeat it."
+    else:
+        thought = rng.choice(("The user wants a short answer.", "A brief reply will do."))
+    return Dialogue(dialogue.kind, messages, dialogue.tools, thought)
 
 
 def dialogue_of(kind: str, rng: random.Random, split: Split) -> Dialogue:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-rebuilds the stored checkpoint (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585
+trains it from scratch (fixed seeds; its defaults are the stored checkpoint's base recipe: 6,585
 steps of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on
 the CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. The model
 is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
@@ -15,6 +15,19 @@ weights the checkpoint stores in FP8 are trained through their FP8 block roundin
 (straight-through), so that the stored model is the trained one; the routing bias is balanced as
 DeepSeek-V3 does, without an auxiliary loss. Checkpoints are written every --save-every steps, so a
 usable model exists early.
+
+The model thinks briefly when asked: its template (CHAT_THINKING_TEMPLATE) opens the thinking
+with `<think>` when the request's thinking flag is set (DeepSeek-V3.1's flag; the mesh reads the
+format as "deepseek_v3"), its tokenizer adds `<think>` and `</think>` after the tool markers, and a
+--thinking share (default corpus.THINKING) of the dialogues end on a turn that writes one sentence
+of thought, closes it with `</think>` and answers as the turn does without thinking. --init DIR
+fine-tunes a stored checkpoint instead of starting from random weights (the think tags' rows
+added); the stored checkpoint is that recipe without the thinking (trained on an H200), then
+this (12 minutes on two CPU cores, its files copied into checkpoint/)
+
+    .venv/bin/python -m devtools.chat_model.train --init devtools/chat_model/checkpoint \
+        --out /tmp/think_ckpt --dialogues 20000 --steps 600 --batch-tokens 8192 --lr 6e-4 \
+        --thinking 0.5 --render-processes 2 --save-every 100
 """
 
 from __future__ import annotations
@@ -32,16 +45,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from devtools.chat_model import CHECKPOINT
-from devtools.chat_model.corpus import Dialogue, dialogues
-from devtools.tiny_model import mtp_state, tiny_config, train_tokenizer, write_checkpoint
+from devtools.chat_model.corpus import THINKING, Dialogue, dialogues
+from devtools.tiny_model import (
+    CHAT_TEMPLATE,
+    THINK,
+    THINK_END,
+    mtp_state,
+    tiny_config,
+    train_tokenizer,
+    write_checkpoint,
+)
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.hardware.sizing import is_fp8_linear
-from worker_svc.model.kernel import BLOCK_SIZE, FP8
+from worker_svc.model.kernel import BLOCK_SIZE, FP8, weight_dequant
 from worker_svc.model.model_config import model_args
 
 # 256 wide (whole FP8 blocks), two layers (one dense, one MoE of 8 + 1 experts) as the random
@@ -58,6 +80,14 @@ CHAT_SIZES: dict[str, Any] = {
 }
 _SEED = 36
 _BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma) for the routing balance
+# the tiny model's template, and the thinking opened after the generation prompt when the request's
+# `thinking` flag is set (as V3.1's); without it, the same prompts byte for byte
+CHAT_THINKING_TEMPLATE = (
+    CHAT_TEMPLATE
+    + "{% if add_generation_prompt and thinking is defined and thinking %}{{ '"
+    + THINK
+    + "\n' }}{% endif %}"
+)
 
 
 def chat_config(vocab_size: int) -> dict[str, Any]:
@@ -71,9 +101,16 @@ def chat_config(vocab_size: int) -> dict[str, Any]:
 def render(tok: Tokenizer, dialogue: Dialogue) -> tuple[list[int], list[bool]]:
     """The dialogue's ids as the mesh renders its prompts, and which ids are the assistant's: for
     each assistant turn, the conversation up to it rendered with the generation prompt (what a
-    request ends with) is a prefix of the one through it, the rest of which the model writes."""
+    request ends with) is a prefix of the one through it, the rest of which the model writes. A
+    dialogue with a thought: its prompt rendered thinking, then the thought, `</think>` and the
+    last turn's ids as without thinking, the only ones learnt."""
     messages = [_template_message(m) for m in dialogue.messages]
     tools = dialogue.tools or None
+    if dialogue.thought:
+        prompt = tok.encode_chat(messages[:-1], tools, thinking=True)
+        answer = _full(tok, messages, tools)[len(tok.encode_chat(messages[:-1], tools)) :]
+        learnt = tok.encode_rendered(dialogue.thought + THINK_END) + answer
+        return prompt + learnt, [False] * len(prompt) + [True] * len(learnt)
     ids = _full(tok, messages, tools)
     learn = [False] * len(ids)
     for i, message in enumerate(messages):
@@ -195,7 +232,43 @@ def save(model: DeepseekV3ForCausalLM, out: Path, tok: Any, config: dict[str, An
     and transformers skip it)."""
     state = checkpoint_state(model)
     state |= mtp_state(model_args(config), torch.Generator().manual_seed(_SEED))
-    write_checkpoint(out, tok, config, state)
+    write_checkpoint(out, tok, config, state, CHAT_THINKING_TEMPLATE)
+
+
+def load(model: DeepseekV3ForCausalLM, checkpoint: Path) -> None:
+    """The weights of a checkpoint ``save`` wrote into the model (``checkpoint_state``'s
+    inverse): its FP8 weights dequantized, each MoE layer's experts stacked, its MTP layer left
+    out; vocabulary rows the model has past the checkpoint's (new tokens) embed as the mean row
+    and score zero in the head."""
+    with safe_open(checkpoint / "model.safetensors", "pt") as stored:
+        names = set(stored.keys())
+
+        def weight(name: str) -> torch.Tensor:
+            value: torch.Tensor = stored.get_tensor(name)
+            if f"{name}_scale_inv" in names:
+                value = weight_dequant(value, stored.get_tensor(f"{name}_scale_inv"))
+            return value.float()
+
+        state: dict[str, torch.Tensor] = {}
+        for key, param in model.state_dict().items():
+            if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                prefix, _, stacked = key.rpartition(".")
+                parts = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+                value = torch.stack(
+                    [
+                        torch.cat([weight(f"{prefix}.{e}.{part}.weight") for part in parts])
+                        for e in range(len(param))
+                    ]
+                )
+            else:
+                value = weight(key)
+            added = len(param) - len(value)
+            if key == "model.embed_tokens.weight":
+                value = torch.cat([value, value.mean(0).expand(added, -1)])
+            elif key == "lm_head.weight":
+                value = nn.functional.pad(value, (0, 0, 0, added))
+            state[key] = value
+    model.load_state_dict(state)
 
 
 # ----------------------------------------------------------------------------------- batches
@@ -283,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16_384)
     parser.add_argument("--max-len", type=int, default=1280)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--thinking", type=float, default=THINKING, help="share of dialogues that think first"
+    )
+    parser.add_argument("--init", type=Path, help="fine-tune this checkpoint (else random weights)")
     parser.add_argument("--layers", type=int, default=CHAT_SIZES["num_hidden_layers"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -299,13 +376,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(_SEED)
     started = time.monotonic()
 
-    bpe = train_tokenizer()
+    bpe = train_tokenizer(reasoning=True)
     config = chat_config(bpe.get_vocab_size()) | {"num_hidden_layers": ns.layers}
     hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config))  # float32, as built
+    if ns.init:
+        load(model, ns.init)
     with tempfile.TemporaryDirectory() as files:
         save(model, Path(files), bpe, config)  # the tokenizer files the renderer loads
-        rendered_all = render_all(files, dialogues(ns.dialogues, _SEED), ns.render_processes)
+        rendered_all = render_all(
+            files, dialogues(ns.dialogues, _SEED, thinking=ns.thinking), ns.render_processes
+        )
     examples = [(ids, learn) for ids, learn in rendered_all if len(ids) <= ns.max_len]
     tokens = sum(len(rendered) for rendered, _ in examples)
     print(
