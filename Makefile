@@ -13,6 +13,8 @@ V32_DIR := models/tiny-deepseek-v32
 MLA_DIR := models/tiny-deepseek-v3-mla
 CHAT_DIR := models/tiny-deepseek-v3-chat
 CHAT_CHECKPOINT := devtools/chat_model/checkpoint
+THINKING_DIR := models/tiny-deepseek-v3-chat-thinking
+THINKING_CHECKPOINT := devtools/chat_model/thinking
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
@@ -74,7 +76,13 @@ $(CHAT_DIR)/config.json: $(CHAT_CHECKPOINT)/*
 	mkdir -p $(dir $(CHAT_DIR))
 	cp -r $(CHAT_CHECKPOINT) $(CHAT_DIR)
 
-model: $(MODEL_DIR)/config.json $(CHAT_DIR)/config.json
+# Its thinking variant (train.py's docstring), which the reasoning tests serve.
+$(THINKING_DIR)/config.json: $(THINKING_CHECKPOINT)/*
+	rm -rf $(THINKING_DIR)
+	mkdir -p $(dir $(THINKING_DIR))
+	cp -r $(THINKING_CHECKPOINT) $(THINKING_DIR)
+
+model: $(MODEL_DIR)/config.json $(CHAT_DIR)/config.json $(THINKING_DIR)/config.json
 
 # Tiny DeepSeek-V2 and V2-Lite-shaped checkpoints (BF16, softmax gate), for serving or trying V2 locally.
 V2_MODEL_DIRS := models/tiny-deepseek-v2 models/tiny-deepseek-v2-lite
@@ -141,5 +149,5 @@ bench: install proto model
 	$(PY) -m infermesh bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(CHAT_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR) \
+	rm -rf $(VENV) infermesh/pb $(MODEL_DIR) $(CHAT_DIR) $(THINKING_DIR) $(V2_MODEL_DIRS) $(V32_DIR) $(MLA_DIR) \
 		$(REASONING_DIRS)

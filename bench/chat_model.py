@@ -14,7 +14,9 @@ of each kind, every one with max_tokens 64 and temperature 0:
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
 training's dialogues are at most 1,280 tokens long). Then the first --think-cases of each kind again
-with the thinking on (chat_template_kwargs thinking, no thinking budget, max_tokens THINK_TOKENS).
+with the thinking on (chat_template_kwargs thinking, no thinking budget, max_tokens THINK_TOKENS):
+what the thinking variant (--model models/tiny-deepseek-v3-chat-thinking) learnt; the default
+model does not reason, so none of its replies thinks.
 Prints the share of the replies that end (finish_reason stop or tool_calls) within the 64 tokens,
 of tool questions answered by a call of the right tool with the question's arguments (and by a
 call of the right tool whatever its arguments), of recall questions whose answer holds the name,

@@ -19,6 +19,7 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     _low = 20000 + 3000 * int(worker.removeprefix("gw"))
     os.environ.setdefault("INFERMESH_PORT_RANGE", f"{_low}-{_low + 2999}")
 
+from devtools.chat_model import THINKING_SERVED_PATH
 from devtools.redis_server import RedisServer
 from devtools.tiny_model import write_tiny_checkpoint
 from tests.helpers.checkpoints import written_once
@@ -101,3 +102,10 @@ def r1_engine(r1_dir: Path, worker_dtype: str) -> Iterator[Engine]:
 def v31_engine(v31_dir: Path, worker_dtype: str) -> Iterator[Engine]:
     """The torch engine on the tiny V3.1, a module's own."""
     yield from _engine_on(v31_dir, worker_dtype)
+
+
+@pytest.fixture(scope="module")
+def thinking_chat_engine(worker_dtype: str) -> Iterator[Engine]:
+    """The torch engine on the default chat model's thinking variant (`make model` puts it
+    there), a module's own."""
+    yield from _engine_on(Path(THINKING_SERVED_PATH), worker_dtype)

@@ -1425,11 +1425,8 @@ KINDS: dict[str, tuple[Callable[[random.Random, Split], Dialogue], float]] = {
 }
 
 
-THINKING = 0.35  # the default share of dialogues that think before their last assistant turn
-
-
 def dialogues(
-    count: int, seed: int, split: Split = "train", thinking: float = THINKING
+    count: int, seed: int, split: Split = "train", thinking: float = 0.0
 ) -> list[Dialogue]:
     """``count`` dialogues drawn by KINDS' weights, a ``thinking`` share of them made to think
     (``think``) by a generator of their own (the same dialogues whatever the share); the same for

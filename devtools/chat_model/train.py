@@ -2,9 +2,9 @@
 
     .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-trains it from scratch (fixed seeds; its defaults are the stored checkpoint's base recipe: 6,585
-steps of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on
-the CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. The model
+trains it from scratch (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585 steps
+of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on the
+CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. The model
 is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
 attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes of CHAT_SIZES, with
 its trained byte-level BPE and DeepSeek's chat and tool templates. It learns from
@@ -16,18 +16,18 @@ weights the checkpoint stores in FP8 are trained through their FP8 block roundin
 DeepSeek-V3 does, without an auxiliary loss. Checkpoints are written every --save-every steps, so a
 usable model exists early.
 
-The model thinks briefly when asked: its template (CHAT_THINKING_TEMPLATE) opens the thinking
-with `<think>` when the request's thinking flag is set (DeepSeek-V3.1's flag; the mesh reads the
-format as "deepseek_v3"), its tokenizer adds `<think>` and `</think>` after the tool markers, and a
---thinking share (default corpus.THINKING) of the dialogues end on a turn that writes one sentence
-of thought, closes it with `</think>` and answers as the turn does without thinking. --init DIR
-fine-tunes a stored checkpoint instead of starting from random weights (the think tags' rows
-added); the stored checkpoint is that recipe without the thinking (trained on an H200), then
-this (12 minutes on two CPU cores, its files copied into checkpoint/)
+Its thinking variant (devtools/chat_model/thinking/, THINKING_CHECKPOINT) thinks briefly when
+asked: with --thinking SHARE > 0 the template (CHAT_THINKING_TEMPLATE) opens the thinking with
+`<think>` when the request's thinking flag is set (DeepSeek-V3.1's flag; the mesh reads the format
+as "deepseek_v3"), the tokenizer adds `<think>` and `</think>` after the tool markers, and that
+share of the dialogues end on a turn that writes one sentence of thought, closes it with
+`</think>` and answers as the turn does without thinking. --init DIR fine-tunes a stored
+checkpoint instead of starting from random weights (the think tags' rows added). The stored
+variant is the default checkpoint fine-tuned so (12 minutes on two CPU cores):
 
     .venv/bin/python -m devtools.chat_model.train --init devtools/chat_model/checkpoint \
-        --out /tmp/think_ckpt --dialogues 20000 --steps 600 --batch-tokens 8192 --lr 6e-4 \
-        --thinking 0.5 --render-processes 2 --save-every 100
+        --out devtools/chat_model/thinking --dialogues 20000 --steps 600 --batch-tokens 8192 \
+        --lr 6e-4 --thinking 0.5 --render-processes 2 --save-every 100
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch.nn.utils import parametrize
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from devtools.chat_model import CHECKPOINT
-from devtools.chat_model.corpus import THINKING, Dialogue, dialogues
+from devtools.chat_model.corpus import Dialogue, dialogues
 from devtools.tiny_model import (
     CHAT_TEMPLATE,
     THINK,
@@ -227,12 +227,14 @@ def checkpoint_state(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
-def save(model: DeepseekV3ForCausalLM, out: Path, tok: Any, config: dict[str, Any]) -> None:
+def save(
+    model: DeepseekV3ForCausalLM, out: Path, tok: Any, config: dict[str, Any], thinking: bool
+) -> None:
     """The checkpoint in out, with the random MTP layer the tiny checkpoints carry (the engine
-    and transformers skip it)."""
+    and transformers skip it); ``thinking``: with the template that opens the thinking."""
     state = checkpoint_state(model)
     state |= mtp_state(model_args(config), torch.Generator().manual_seed(_SEED))
-    write_checkpoint(out, tok, config, state, CHAT_THINKING_TEMPLATE)
+    write_checkpoint(out, tok, config, state, CHAT_THINKING_TEMPLATE if thinking else CHAT_TEMPLATE)
 
 
 def load(model: DeepseekV3ForCausalLM, checkpoint: Path) -> None:
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=1280)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--thinking", type=float, default=THINKING, help="share of dialogues that think first"
+        "--thinking", type=float, default=0.0, help="share of dialogues that think first"
     )
     parser.add_argument("--init", type=Path, help="fine-tune this checkpoint (else random weights)")
     parser.add_argument("--layers", type=int, default=CHAT_SIZES["num_hidden_layers"])
@@ -376,14 +378,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(_SEED)
     started = time.monotonic()
 
-    bpe = train_tokenizer(reasoning=True)
+    thinking = ns.thinking > 0
+    bpe = train_tokenizer(reasoning=thinking)
     config = chat_config(bpe.get_vocab_size()) | {"num_hidden_layers": ns.layers}
     hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config))  # float32, as built
     if ns.init:
         load(model, ns.init)
     with tempfile.TemporaryDirectory() as files:
-        save(model, Path(files), bpe, config)  # the tokenizer files the renderer loads
+        save(model, Path(files), bpe, config, thinking)  # the files the renderer loads
         rendered_all = render_all(
             files, dialogues(ns.dialogues, _SEED, thinking=ns.thinking), ns.render_processes
         )
@@ -439,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             recent.clear()
         if (step + 1) % ns.save_every == 0 or step + 1 in (ns.steps, ns.stop_at):
-            save(model, ns.out, bpe, config)
+            save(model, ns.out, bpe, config, thinking)
             print(f"saved {ns.out} at step {step + 1}", flush=True)
 
 

@@ -1,7 +1,8 @@
 """Reasoning models end to end (#39): the tiny DeepSeek-R1 (always thinks) and V3.1 (thinks when
 asked) checkpoints behind a real router and gateway, read by the official openai and anthropic
 SDKs on every API, streamed and whole. Their random weights never close the thinking unprompted:
-a call follows the thinking where a budget closes it."""
+a call follows the thinking where a budget closes it. The trained chat model's thinking variant
+closes it by itself: the separation is the model's, with no budget."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from agents import Agent, ModelSettings, RunConfig, Runner
 from agents.models.openai_provider import OpenAIProvider
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from openai.types.shared import Reasoning
 
 from tests.helpers import MODEL, claude_code
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, sdk, start_gateway
@@ -57,6 +59,13 @@ async def _served(
 async def r1(redis_server, r1_engine):
     """A gateway in front of a router and a worker serving the R1 checkpoint (as MODEL)."""
     async for client in _served(redis_server, r1_engine):
+        yield client
+
+
+@pytest.fixture
+async def thinker(redis_server, thinking_chat_engine):
+    """The same, serving the default chat model's thinking variant."""
+    async for client in _served(redis_server, thinking_chat_engine):
         yield client
 
 
@@ -253,3 +262,73 @@ async def test_responses_reasoning_item_and_the_console_count(r1, api_key):
     assert "<td>deepseek_r1</td>" in page  # the worker's reasoning format
     served = f"{round(_reasoning_tokens()):,}"  # this process's count, which the page shows
     assert f'<tr><td>{MODEL}</td><td class="num">{served}</td></tr>' in page
+
+
+async def test_the_trained_model_asked_to_think_closes_its_thinking_itself_and_answers(
+    thinker, api_key
+):
+    """No budget: the model thinks a sentence, writes </think> and answers, the two apart;
+    without the flag there is no thinking."""
+    ask: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 96, "messages": HI}
+    async with sdk(thinker, api_key, timeout=60) as client:
+        thought = await client.chat.completions.create(
+            **ask, extra_body={"chat_template_kwargs": {"thinking": True}}
+        )
+        plain = await client.chat.completions.create(**ask)
+    [choice] = thought.choices
+    assert choice.finish_reason == "stop"
+    assert (choice.message.model_extra or {}).get("reasoning_content")
+    assert choice.message.content and "think>" not in choice.message.content
+    usage = thought.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert 0 < (usage.completion_tokens_details.reasoning_tokens or 0) < usage.completion_tokens
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content
+    assert not (plain.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert "think>" not in plain.choices[0].message.content
+
+
+async def test_the_trained_model_on_messages_gives_a_thinking_block_then_the_answer(
+    thinker, api_key
+):
+    async with _claude(thinker, api_key) as claude:
+        message = await claude.messages.create(
+            model=MODEL,
+            max_tokens=2048,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            messages=[{"role": "user", "content": "Say hello"}],
+            extra_body={"temperature": 0},
+        )
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    thinking, text = message.content
+    assert thinking.type == "thinking" and thinking.thinking and thinking.signature
+    assert text.type == "text" and text.text and "think>" not in text.text
+    assert message.stop_reason == "end_turn"
+
+
+async def test_an_agent_on_the_responses_api_reads_the_trained_models_thinking_over_two_turns(
+    thinker, api_key
+):
+    """The Agents SDK's default model (the Responses API) with reasoning asked for: the thinking
+    comes back as a reasoning item apart from the answer, and the next turn sends it back (as
+    the SDK does), which the mesh accepts and leaves out of the prompt."""
+    agent = Agent(
+        name="thinker",
+        instructions="Be brief.",
+        model=MODEL,
+        model_settings=ModelSettings(
+            reasoning=Reasoning(effort="low"), max_tokens=96, temperature=0
+        ),
+    )
+    async with sdk(thinker, api_key, timeout=60) as client:
+        config = RunConfig(
+            model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True
+        )
+        first = await Runner.run(agent, "Say hello", run_config=config)
+        again = [*first.to_input_list(), {"role": "user", "content": "Count from 1 to 5"}]
+        second = await Runner.run(agent, again, run_config=config)
+    for result in (first, second):
+        kinds = [item.type for item in result.new_items]
+        assert kinds == ["reasoning_item", "message_output_item"], kinds
+        assert result.final_output and "think>" not in result.final_output
+        usage = result.context_wrapper.usage
+        assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
