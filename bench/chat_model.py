@@ -128,17 +128,21 @@ async def run(
     think_example: list[str] = []
     gate = asyncio.Semaphore(concurrency)
 
+    async def reply_to(case: EvalCase, max_tokens: int, **extra: Any) -> Any:
+        """The model's greedy reply to ``case`` (``extra``: the request's extra body)."""
+        return await client.chat.completions.create(
+            model=model,
+            messages=case.messages,  # type: ignore[arg-type]
+            tools=case.tools or openai.omit,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=max_tokens,
+            extra_body=extra or None,
+        )
+
     async def think(case: EvalCase) -> None:
         async with gate:
             try:
-                reply = await client.chat.completions.create(
-                    model=model,
-                    messages=case.messages,  # type: ignore[arg-type]
-                    tools=case.tools or openai.omit,  # type: ignore[arg-type]
-                    temperature=0,
-                    max_tokens=THINK_TOKENS,
-                    extra_body={"chat_template_kwargs": {"thinking": True}},
-                )
+                reply = await reply_to(case, THINK_TOKENS, chat_template_kwargs={"thinking": True})
             except openai.BadRequestError as exc:  # a model that does not reason
                 thinking.append((False, False))
                 think_example[:] = think_example or [f"{exc.status_code}: {exc.message}"]
@@ -156,13 +160,7 @@ async def run(
 
     async def ask(case: EvalCase) -> None:
         async with gate:
-            reply = await client.chat.completions.create(
-                model=model,
-                messages=case.messages,  # type: ignore[arg-type]
-                tools=case.tools or openai.omit,  # type: ignore[arg-type]
-                temperature=0,
-                max_tokens=MAX_TOKENS,
-            )
+            reply = await reply_to(case, MAX_TOKENS)
         plain.append(untagged(reply))
         ended, right = judge(case, reply)
         tokens = reply.usage.completion_tokens if reply.usage else 0
