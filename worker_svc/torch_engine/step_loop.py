@@ -237,24 +237,24 @@ class StepLoop:
             self._logprobs(logits, token, request.params) if request.params.logprobs else None
         )
         seq = request.seq
-        request.emit(
-            GenerationChunk(
-                decoded.text,
-                [token],
-                finish,
-                seq.num_prompt_tokens,
-                len(seq.token_ids) - seq.num_prompt_tokens,
-                seq.num_cached_prompt_tokens,
-                logprobs,
-                seq.queue_s,
-                decoded.tool_calls or None,
-                decoded.reasoning_text,
-                request.decoder.reasoning_tokens,
-            )
+        chunk = GenerationChunk(
+            decoded.text,
+            [token],
+            finish,
+            seq.num_prompt_tokens,
+            len(seq.token_ids) - seq.num_prompt_tokens,
+            seq.num_cached_prompt_tokens,
+            logprobs,
+            seq.queue_s,
+            decoded.tool_calls or None,
+            decoded.reasoning_text,
+            request.decoder.reasoning_tokens,
         )
         if finish is not None:
             self._forget(seq.seq_id)
             self._scheduler.finish_request(seq)
+            self._publish_load()  # a consumer holding its last chunk finds its slot free
+        request.emit(chunk)
 
     def _logprobs(
         self, logits: torch.Tensor, token: int, params: SamplingParams
@@ -270,6 +270,7 @@ class StepLoop:
         request = self._forget(seq_id)
         if request is not None:
             self._scheduler.abort_request(seq_id)
+            self._publish_load()
             request.emit(error)
 
     def _forget(self, seq_id: int) -> RequestState | None:
