@@ -136,8 +136,9 @@ lint: install proto $(BROWSER_INSTALLED)
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
+# --durations: the slowest tests, named at the end of every run (the suite's 8-minute budget).
 test: lint install proto model vllm browser
-	$(PY) -m pytest $(PYTEST_PARALLEL)
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=12
 
 # The console's screenshots in docs/console/, taken again by its browser test.
 console-screenshots: install proto model browser
