@@ -48,6 +48,7 @@ from router_svc.config import Policy, RoutingSection
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.prefix_index import PrefixIndex
 from router_svc.routing import Chooser, RouteRequest
+from worker_svc.hardware.sizing import model_size_of
 
 _KINDS = [  # (device name, precision, max_parallel, decode tokens/s, prefill tokens/s)
     ("Tesla V100-SXM2-32GB", common_pb2.PRECISION_FP16, 4, 41.0, 2500.0),
@@ -59,8 +60,7 @@ _MODELS = ["deepseek-v3", "deepseek-r1"]
 _PROMPT_PREFIXES = 64
 
 
-# DeepSeek-V3's latent cache in BF16: 61 layers x 576 values x 2 bytes
-_V3_KV_BYTES_PER_TOKEN = 61 * 576 * 2
+_V3_KV_BYTES_PER_TOKEN = model_size_of("DeepSeek-V3").kv_bytes_per_token("bf16")
 _ZONES = 4
 _PHASE_LINKS = RoutingSection(
     link_gbps=100,

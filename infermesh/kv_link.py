@@ -4,8 +4,15 @@ and for the simulated engine, which spends that time sending its blocks (sim_eng
 
 from __future__ import annotations
 
+from typing import TypeVar
 
-def kv_transfer_s(tokens: int, bytes_per_token: int, link_gbps: float) -> float:
+import numpy as np
+
+# one link's speed, or an array of candidates' (the router's choice of a prefill worker)
+Gbps = TypeVar("Gbps", float, np.ndarray)
+
+
+def kv_transfer_s(tokens: int, bytes_per_token: int, link_gbps: Gbps) -> Gbps:
     """Seconds to send ``tokens`` of KV cache of ``bytes_per_token`` over a ``link_gbps``
-    (gigabits a second) link."""
+    (gigabits a second) link, or over each of an array of links."""
     return tokens * bytes_per_token * 8 / (link_gbps * 1e9)

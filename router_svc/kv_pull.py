@@ -170,8 +170,10 @@ def plan_prefill(
     # linked, a link_gbps of 0 counting the transfer 0; across two only as listed)
     zone = fleet.zone_of[decoder.slot]
     gbps = links[zone, fleet.zone_of[slots]]
-    bits = tokens * mine.kv_transfer_bytes_per_token * 8 / 1e9
-    transfer_s = bits / np.where(gbps > 0, gbps, np.inf)
+    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below)
+    transfer_s = kv_transfer_s(
+        tokens, mine.kv_transfer_bytes_per_token, np.where(gbps > 0, gbps, np.inf)
+    )
     usable = (
         _exchange_blocks(fleet, decoder.slot, slots)
         & (fleet.ejected_until[slots] <= now)
