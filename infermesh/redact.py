@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlencode
 
 _HIDDEN = "***"
 # query parameters that carry a credential (a Redis URL's password, a token in a link)
 _SECRET_PARAMETERS = ("password", "token", "secret", "key")
+# a URL inside a text (an error's message names the URL it was given)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def redact_url(url: str) -> str:
@@ -31,3 +34,8 @@ def redact_url(url: str) -> str:
             safe="/*",
         )
     return f"{scheme}{separator}{location}{slash}{path}{question}{query}"
+
+
+def redact_urls_in(text: str) -> str:
+    """``text`` with every URL in it redacted (``redact_url``)."""
+    return _URL.sub(lambda match: redact_url(match.group()), text)

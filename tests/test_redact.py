@@ -9,7 +9,7 @@ import pytest
 from devtools.main import _start_redis
 from gateway.config import ConsoleSection
 from infermesh.ports import free_port
-from infermesh.redact import redact_url
+from infermesh.redact import redact_url, redact_urls_in
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,13 @@ def test_a_console_url_config_error_names_the_url_without_its_credentials():
     assert "router_metrics_url must be an http(s) URL" in str(error.value)
     assert "ftp://ops:***@router:9101/metrics?token=***" in str(error.value)
     assert "s3cret" not in str(error.value)
+
+
+def test_every_url_in_a_text_is_redacted_and_the_rest_kept():
+    text = (
+        "GET http://ops:hunter2@router:9101/metrics?token=abc failed; retried rediss://:pw@r:6379"
+    )
+    redacted = redact_urls_in(text)
+    assert redacted == (
+        "GET http://ops:***@router:9101/metrics?token=*** failed; retried rediss://:***@r:6379"
+    )

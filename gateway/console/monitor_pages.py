@@ -5,7 +5,6 @@ requests page (gateway.accounts.recent), their trace ids linked to Jaeger when
 from __future__ import annotations
 
 import logging
-import re
 from typing import Annotated
 
 import aiohttp
@@ -18,12 +17,10 @@ from gateway.console.render import render
 from gateway.console.router_metrics import RouterFigures, read_router_figures
 from gateway.http.validation import parse_body
 from gateway.mesh.client import MESH
-from infermesh.redact import redact_url
+from infermesh.redact import redact_url, redact_urls_in
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
-# a URL inside an error's message (aiohttp's errors name the URL they were given)
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 class RecentQuery(BaseModel):
@@ -67,7 +64,7 @@ def _why(error: Exception) -> str:
     """``error`` as the page and the log may show it: its type and message with every URL in it
     redacted, never its repr (an aiohttp error's repr shows the request's Authorization header,
     the metrics URL's user and password in Basic form)."""
-    text = _URL.sub(lambda m: redact_url(m.group()), str(error))
+    text = redact_urls_in(str(error))
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
