@@ -36,7 +36,7 @@ import grpc
 from bench.router_policies import registered, serve_workers, spawn, stop, wait_until
 from devtools.redis_server import RedisServer
 from gateway.mesh.route_stream_client import RouteStream
-from gateway.mesh.route_stream_client import workers as route_workers
+from infermesh.mesh_call import routes_of
 from infermesh.pb import common_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
@@ -103,7 +103,7 @@ async def client(
         try:
             decision = await stream.ask(request, timeout_s=5.0, wait_s=60.0)
             waited = time.monotonic() - asked
-            chosen = route_workers(decision)[0]
+            chosen = routes_of(decision)[0]
         except grpc.aio.AioRpcError:
             stats.errors += measuring.is_set()
             await asyncio.sleep(0.05)

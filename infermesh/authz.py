@@ -38,7 +38,7 @@ _CODES = {"unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 
 # Which roles may call each method of the mesh's services; a method not listed is refused.
 ALLOWED: Mapping[str, frozenset[str]] = {
-    # a worker's prompts and tokens: only the gateway and the router's relay
+    # a worker's prompts and tokens: only the gateway and the router (its internal callers')
     **{f"{_WORKER}{m}": _PROMPT_CARRIERS for m in ("Serve", "Tokenize")},
     f"{_WORKER}Info": _PROMPT_CARRIERS | {"admin"},
     # the tokenizer's files, for the callers that render prompts as the worker does
@@ -49,8 +49,9 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     f"{_WORKER}KVBlocks": frozenset({"worker"}),
     # the gateway's route stream: route decisions and failure reports
     f"{_ROUTER}RouteStream": frozenset({"gateway"}),
-    # the relayed generation: internal callers (and the gateway)
-    **{f"{_ROUTER}{m}": frozenset({"gateway", "client"}) for m in ("Generate", "Complete")},
+    # a generation without the HTTP API, for internal callers (the gateway routes on its
+    # route stream instead)
+    **{f"{_ROUTER}{m}": frozenset({"client"}) for m in ("Generate", "Complete")},
     f"{_ROUTER}Tokenize": frozenset({"gateway", "client"}),
     # the registry: only workers (each for an address its certificate names)
     **{f"{_ROUTER}{m}": frozenset({"worker"}) for m in ("Register", "Heartbeat")},

@@ -1,5 +1,5 @@
-"""One gRPC channel per worker address, reused across requests: the router's relay and
-the gateway's direct calls both dial workers through a pool."""
+"""One gRPC channel per worker address, reused across requests: the router and the gateway
+both dial workers through a pool."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Streaming a generation from the first of the routed workers that can serve it.
+"""Which of a request's routed workers serves it: the failover rules of every generation
+through the mesh (``infermesh.mesh_call``, the gateway's requests and the router's internal
+callers alike), both reading the workers over ``Worker.Serve`` (``infermesh.serve_client``).
 
-Shared by the gateway and the router's relay (Router.Generate / Complete for internal
-callers), both reading the workers over ``Worker.Serve`` (``infermesh.serve_client``): a
-worker that fails before its first chunk hands the request to the next one; a failure after
+A worker that fails before its first chunk hands the request to the next one; a failure after
 tokens were sent ends the stream with a clean error carrying the worker's own status, never a
 second stream; an error that says the request itself is wrong ends it at once. A worker that
 stays silent longer than the stall timeout after its first chunk (frozen, or its host gone
@@ -13,13 +13,7 @@ frozen worker is noticed by the channel's keepalive pings (``infermesh.channels`
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import TypeAlias, TypeVar
-
 import grpc
-
-from infermesh.pb import common_pb2
 
 # Errors that say the request itself is wrong, or the caller's deadline passed: another
 # worker would not do better. (A caller that cancels ends its own task with CancelledError;
@@ -32,9 +26,6 @@ CALLER_ERRORS = frozenset(
     }
 )
 
-Worker = TypeVar("Worker")
-Chunks: TypeAlias = AsyncGenerator[common_pb2.GenerateResponse, None]
-
 
 class StreamFailedError(Exception):
     """The generation failed on every worker tried; carries the status to answer with."""
@@ -45,42 +36,44 @@ class StreamFailedError(Exception):
         self.details = details
 
 
-async def stream_from_first(
-    workers: Sequence[Worker],
-    open_stream: Callable[[Worker], Chunks],
-    on_failure: Callable[[Worker, grpc.StatusCode, str, bool], None],
-    worker_id: Callable[[Worker], str],
-) -> Chunks:
-    """The chunks of ``open_stream(worker)`` for the first of ``workers`` that serves the
-    request. ``on_failure(worker, code, details, started)`` hears of each worker that
-    failed (not of requests the caller got wrong). A worker's failure after its first chunk
-    ends the stream with the worker's own status, its message naming the worker. Raises
-    StreamFailedError."""
-    failures: list[tuple[str, grpc.StatusCode, str]] = []
-    for worker in workers:
-        started = finished = False
-        try:
-            async with contextlib.aclosing(open_stream(worker)) as chunks:
-                async for chunk in chunks:
-                    started = True
-                    finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                    yield chunk
-            if finished:
-                return
-            code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended its stream unfinished"
-        except grpc.aio.AioRpcError as e:
-            code, details = e.code(), e.details() or e.code().name
-            if code == grpc.StatusCode.CANCELLED:  # the worker's side: it went away
-                code = grpc.StatusCode.UNAVAILABLE
+def worker_failure(error: grpc.aio.AioRpcError | None) -> tuple[grpc.StatusCode, str]:
+    """A worker's failure as a status: ``error``'s, or (None) a stream it ended unfinished;
+    CANCELLED from a worker's side means it went away."""
+    if error is None:
+        return grpc.StatusCode.UNAVAILABLE, "the worker ended its stream unfinished"
+    code, details = error.code(), error.details() or error.code().name
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE
+    return code, details
+
+
+class Failover:
+    """The failures of one request's workers, tried in order."""
+
+    __slots__ = ("_failures",)
+
+    def __init__(self) -> None:
+        self._failures: list[tuple[str, grpc.StatusCode, str]] = []
+
+    @staticmethod
+    def check_callers(code: grpc.StatusCode, details: str) -> None:
+        """Raises StreamFailedError when the failure is the request's own: no worker is to
+        hear of it, and no other is tried."""
         if code in CALLER_ERRORS:
             raise StreamFailedError(code, details)
-        on_failure(worker, code, details, started)
+
+    def failed(self, worker_id: str, code: grpc.StatusCode, details: str, started: bool) -> None:
+        """Records the worker's failure (after ``check_callers``); raises StreamFailedError
+        when it sent chunks already (the worker's own status, its message naming the worker),
+        else returns: the next worker may take the request."""
         if started:
-            raise StreamFailedError(
-                code, f"worker {worker_id(worker)} failed mid-stream: {details}"
-            )
-        failures.append((worker_id(worker), code, details))
-    raise StreamFailedError(*_give_up_status(failures))
+            raise StreamFailedError(code, f"worker {worker_id} failed mid-stream: {details}")
+        self._failures.append((worker_id, code, details))
+
+    def given_up(self) -> StreamFailedError:
+        """The error once no worker served the request: RESOURCE_EXHAUSTED when each was
+        busy, else UNAVAILABLE, naming each worker's failure."""
+        return StreamFailedError(*_give_up_status(self._failures))
 
 
 def stall_details(stall_timeout_s: float) -> str:

@@ -1,6 +1,7 @@
-"""The client of ``Worker.Serve``, the one way a generation reaches a worker (the gateway's
-requests and the router's relay alike): many requests multiplexed over a few long-lived
-bidirectional streams per worker, so that a request costs messages, not calls.
+"""The client of ``Worker.Serve``, the one way a generation reaches a worker (every mesh
+call's, ``infermesh.mesh_call``: the gateway's requests and the router's internal callers'):
+many requests multiplexed over a few long-lived bidirectional streams per worker, so that a
+request costs messages, not calls.
 
 A request is opened on a stream by a stream-local id (its open carries the generation request,
 its deadline and trace context) and cancelled by that id when its reader stops early. One reader
@@ -200,6 +201,35 @@ class _ServeCall(SharedCall[worker_pb2.StreamRequest, worker_pb2.StreamResponse,
         waiter.fail(error)
 
 
+class OpenedRequest:
+    """One request open on a Serve stream: ``next()`` is its next chunk (None after the last;
+    it raises the request's error), ``close`` ends it (on the worker too, unless its last
+    chunk came)."""
+
+    __slots__ = ("_expiry", "_opened", "_stream", "next")
+
+    def __init__(self, stream: _ServeCall, opened: _Request, timeout_s: float | None) -> None:
+        self._stream = stream
+        self._opened = opened
+        self.next = opened.next  # the buffer's own reader: no frame between it and the caller
+        self._expiry = (
+            None
+            if timeout_s is None
+            else asyncio.get_running_loop().call_later(
+                timeout_s,
+                opened.fail,
+                call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+            )
+        )
+
+    def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._opened.stop_timer()
+        if not self._opened.finished:
+            self._stream.cancel(self._opened)
+
+
 class ServeClient:
     """Up to ``per_worker`` streams per worker address, opened on first use and replaced
     when broken, requests spread over them in turn; safe to share across requests."""
@@ -215,6 +245,27 @@ class ServeClient:
             lambda address: _ServeCall(channels.stub(address), buffered_chunks), per_worker
         )
 
+    def open(
+        self,
+        address: str,
+        request: common_pb2.GenerateRequest,
+        *,
+        whole: bool,
+        timeout_s: float | None,
+        stall_s: float | None = None,
+        pull: common_pb2.KVPull | None = None,
+    ) -> OpenedRequest:
+        """Opens the request on a stream to the worker at ``address`` (``whole``: only the
+        last chunk, the whole completion; ``pull``: the prompt's blocks it is to take from a
+        peer first); read it with ``next`` and ``close`` it however it ends. It fails as a
+        call of its own would: ``grpc.aio.AioRpcError`` with the worker's status,
+        DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE when the worker
+        sends nothing for ``stall_s`` after its first chunk (None: no limit);
+        ``ReaderTooSlowError`` past the buffer."""
+        stream = self._streams.get(address)
+        opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull)
+        return OpenedRequest(stream, opened, timeout_s)
+
     async def chunks(
         self,
         address: str,
@@ -225,33 +276,16 @@ class ServeClient:
         stall_s: float | None = None,
         pull: common_pb2.KVPull | None = None,
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The request's chunks from the worker at ``address`` (``whole``: only the last, the
-        whole completion; ``pull``: the prompt's blocks it is to take from a peer first). Fails
-        as a call of its own would: ``grpc.aio.AioRpcError`` with the worker's status,
-        DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE when the worker
-        sends nothing for ``stall_s`` after its first chunk (None: no limit);
-        ``ReaderTooSlowError`` past the buffer. Closing the iterator early cancels the request
-        on the worker."""
-        stream = self._streams.get(address)
-        opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull)
-        expiry = (
-            None
-            if timeout_s is None
-            else asyncio.get_running_loop().call_later(
-                timeout_s,
-                opened.fail,
-                call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
-            )
+        """The chunks of a request ``open`` opens, as an iterator; closing it early cancels
+        the request on the worker."""
+        opened = self.open(
+            address, request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull
         )
         try:
             while (chunk := await opened.next()) is not None:
                 yield chunk
         finally:
-            if expiry is not None:
-                expiry.cancel()
-            opened.stop_timer()
-            if not opened.finished:
-                stream.cancel(opened)
+            opened.close()
 
     def streams(self, address: str) -> int:
         """How many streams to the worker at ``address`` are open."""

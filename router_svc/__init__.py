@@ -1,1 +1,2 @@
-"""The router: worker registry, worker choice and stream relay over gRPC."""
+"""The router: worker registry and worker choice over gRPC; internal callers' generations as
+mesh calls."""

@@ -124,8 +124,8 @@ class Fleet:
         self.zones: list[str] = [""]  # every zone a worker named, in order of first sight
         self.salt = np.zeros(0, dtype=np.uint64)
         # Requests this router routed to the worker (the first choice of each decision) whose
-        # end it has not heard of yet: the gateways' route streams report each one's end, the
-        # relay sees it. Exact between load reports.
+        # end it has not heard of yet: the gateways' route streams report each one's end, its
+        # internal callers' mesh calls theirs. Exact between load reports.
         self.in_flight = np.zeros(0)
         # in_flight when the worker's last load report came: what of its load the report owes
         # to this router's own count

@@ -4,8 +4,9 @@ long-lived stream, so that a gateway's request costs the router a message, not a
 The asks of one message are decided in order and those decided at once are answered in one
 message; with fair queueing, an ask that waits for a free slot is answered by a later
 message, when its turn comes or its wait ends, unless its caller cancels it first. A decision
-is made as a relayed request's is (the same chooser, fair queue and count, the same span
-attributes), on a span of its own in the ask's trace, linked to the stream's span. The caller
+is made as an internal caller's Router.Generate makes its own (the same ``Decider.ask``: the
+same chooser, fair queue and count, the same span attributes, the same answer, ``decision``),
+on a span of its own in the ask's trace, linked to the stream's span. The caller
 reports each routed request's end (``finished``) and the decisions it did not use
 (``unused``: it asked ahead of its own admission check), so the router's count of each
 worker's requests stays exact; what the stream routed and never reported is released when
@@ -57,7 +58,7 @@ class Decider(Protocol):
         ...
 
 
-async def answer(
+async def decisions(
     servicer: Decider,
     requests: AsyncIterator[router_pb2.RouteStreamRequest],
     context: grpc.aio.ServicerContext[Any, Any],
@@ -179,24 +180,31 @@ class _Stream:
         self._wake.set()
 
     def _decision(self, ask_id: int, decided: _Decided) -> router_pb2.RouteDecision:
-        error = decided.exception()
-        if error is None:
-            workers = self._servicer.routes(decided.result())
-            self._routed[workers[0].worker_id] += 1
-            return router_pb2.RouteDecision(id=ask_id, workers=workers)
-        if isinstance(error, QueueRefusedError):
-            return router_pb2.RouteDecision(
-                id=ask_id,
-                code=error.code.value[0],
-                details=str(error),
-                retry_after_ms=error.retry_after_ms,
-            )
-        if isinstance(error, RouteError):
-            return router_pb2.RouteDecision(id=ask_id, code=error.code.value[0], details=str(error))
-        if isinstance(error, RegistryUnavailableError):
-            return router_pb2.RouteDecision(
-                id=ask_id,
-                code=grpc.StatusCode.UNAVAILABLE.value[0],
-                details=f"{error}; retry later",
-            )
-        raise error
+        answered = decision(self._servicer, ask_id, decided)
+        if answered.workers:
+            self._routed[answered.workers[0].worker_id] += 1
+        return answered
+
+
+def decision(servicer: Decider, ask_id: int, decided: _Decided) -> router_pb2.RouteDecision:
+    """The decision ``decided`` (done, not cancelled) answers ask ``ask_id`` with: its workers,
+    or the status of the router's refusal."""
+    error = decided.exception()
+    if error is None:
+        return router_pb2.RouteDecision(id=ask_id, workers=servicer.routes(decided.result()))
+    if isinstance(error, QueueRefusedError):
+        return router_pb2.RouteDecision(
+            id=ask_id,
+            code=error.code.value[0],
+            details=str(error),
+            retry_after_ms=error.retry_after_ms,
+        )
+    if isinstance(error, RouteError):
+        return router_pb2.RouteDecision(id=ask_id, code=error.code.value[0], details=str(error))
+    if isinstance(error, RegistryUnavailableError):
+        return router_pb2.RouteDecision(
+            id=ask_id,
+            code=grpc.StatusCode.UNAVAILABLE.value[0],
+            details=f"{error}; retry later",
+        )
+    raise error

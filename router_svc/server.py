@@ -1,6 +1,6 @@
 """The Router gRPC service: registry RPCs, worker choice (RouteStream) and, for internal
-callers, the relayed Generate / Complete with failover, served over the same ``Worker.Serve``
-client the gateway uses."""
+callers, Generate / Complete: each a mesh call (``infermesh.mesh_call``), the client path the
+gateway runs, routed on this router's own decisions."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.authz import peer_of, refuse, require_address_host
-from infermesh.bidi import RETRY_AFTER_MS
+from infermesh.bidi import RETRY_AFTER_MS, retry_after_ms
 from infermesh.channels import WorkerChannels
-from infermesh.failover import StreamFailedError, stream_from_first
+from infermesh.failover import StreamFailedError
 from infermesh.grpc_server import create_grpc_server
+from infermesh.mesh_call import MeshCall
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.redis_client import redis_client
@@ -29,7 +30,7 @@ from router_svc import route_stream
 from router_svc.cache_events import CacheEventSubscriptions
 from router_svc.caller_usage import CallerUsage
 from router_svc.config import MAX_WEIGHT, PRIORITIES, RouterConfig
-from router_svc.fair_queue import FairQueue, QueueRefusedError
+from router_svc.fair_queue import FairQueue
 from router_svc.fleet import Fleet, WorkerEntry
 from router_svc.kv_pull import Attempts
 from router_svc.prefix_index import PrefixIndex
@@ -156,53 +157,83 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request: common_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        attempts = await self._queued(request, context)
-        owner = self._usage.owner(context)
-        delivered = common_pb2.Usage()
-        # the worker's slot is free before the caller hears of a failure, so the caller's
-        # next request finds it free
-        failure: tuple[grpc.StatusCode, str] | None = None
+        call = await self._mesh_call(request, context, stream=True)
+        failure: tuple[grpc.StatusCode, str, int] | None = None
         try:
-            async with contextlib.aclosing(
-                self._relayed(attempts, request, context, stream=True)
-            ) as chunks:
+            async with contextlib.aclosing(call.chunks) as chunks:
                 async for chunk in chunks:
-                    _add_delivered(delivered, chunk)
+                    if call.route is not None and not chunk.HasField("route"):
+                        _stamp_route(chunk, call.route)
                     yield chunk
-        except StreamFailedError as e:
-            failure = (e.code, e.details)
-        except ReaderTooSlowError as e:
-            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        finally:
-            self._release(attempts[0])
-            # a stream that delivered anything counts, one that failed before it does not
-            if owner and (delivered.prompt_tokens or delivered.completion_tokens):
-                self._usage.count(owner, delivered)
+        except _CALL_ERRORS as e:
+            # the mesh call freed the worker's slot before the caller hears of the failure,
+            # so the caller's next request finds it free
+            failure = _status_of(e)
         if failure is not None:
-            await context.abort(*failure)
+            await _abort(context, failure)
 
     async def Complete(
         self,
         request: common_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext[common_pb2.GenerateRequest, common_pb2.GenerateResponse],
     ) -> common_pb2.GenerateResponse:
-        attempts = await self._queued(request, context)
-        failure: tuple[grpc.StatusCode, str] | None = None
+        call = await self._mesh_call(request, context, stream=False)
+        reply = common_pb2.GenerateResponse()
+        failure: tuple[grpc.StatusCode, str, int] | None = None
         try:
-            async with contextlib.aclosing(
-                self._relayed(attempts, request, context, stream=False)
-            ) as replies:
-                reply = await anext(replies)
-        except StreamFailedError as e:
-            failure = (e.code, e.details)
-        finally:
-            self._release(attempts[0])
+            async with contextlib.aclosing(call.chunks) as chunks:
+                async for chunk in chunks:
+                    reply = chunk  # the whole answer: one chunk
+        except _CALL_ERRORS as e:
+            failure = _status_of(e)
         if failure is not None:
-            await context.abort(*failure)
+            await _abort(context, failure)
+        if call.route is not None:
+            _stamp_route(reply, call.route)
+        return reply
+
+    async def _mesh_call(
+        self,
+        request: common_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        stream: bool,
+    ) -> MeshCall:
+        """An internal caller's request as a mesh call (``infermesh.mesh_call``, the path the
+        gateway's requests take), routed on this router's own decisions. Its tenant is the
+        caller's certificate identity and its tier, weight and priority are what
+        ``[internal_callers]`` gives that identity, never what its request says."""
+        try:
+            _check_standing(request)
+        except RouteError as e:
+            await context.abort(e.code, str(e))
         owner = self._usage.owner(context)
         if owner:
-            self._usage.count(owner, reply.usage)
-        return reply
+            standing = self._config.internal_callers.standing(peer_of(context).identity)
+            request.tenant = owner
+            request.tier, request.weight = standing.tier, standing.weight
+            request.priority = standing.priority
+        await self._check_registry(context)
+        return MeshCall(
+            _OwnDecisions(self, owner, context.time_remaining() or 0.0),
+            self._serve_client,
+            request,
+            stream=stream,
+            timeout_s=context.time_remaining,
+            stall_s=self._config.routing.stall_timeout_s if stream else None,
+        )
+
+    def count_usage(self, owner: str, usage: common_pb2.Usage) -> None:
+        """Counts an internal caller's request under ``owner``, when it delivered anything (a
+        stream that failed midway counts what it sent, one that failed before does not)."""
+        if owner and (usage.prompt_tokens or usage.completion_tokens):
+            self._usage.count(owner, usage)
+
+    def succeeded(self, worker_id: str) -> None:
+        """A request routed to ``worker_id`` finished: its failures in a row end."""
+        worker = self._fleet.get(worker_id)
+        if worker is not None:
+            self._fleet.succeeded(worker)
 
     async def Tokenize(
         self,
@@ -234,7 +265,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
         ],
     ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-        async with contextlib.aclosing(route_stream.answer(self, requests, context)) as responses:
+        decisions = route_stream.decisions(self, requests, context)
+        async with contextlib.aclosing(decisions) as responses:
             async for response in responses:
                 yield response
 
@@ -245,7 +277,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise ValueError(f"code must be a gRPC status name, got {request.code!r}")
         worker = self._fleet.get(request.worker_id)
         if worker is not None:
-            self._failed(worker, code, request.details, started=False)
+            self._failed(worker, code, request.details)
 
     def ask(
         self, request: common_pb2.GenerateRequest, wait_s: float
@@ -350,122 +382,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(e.code, str(e))
             raise  # abort raises; this keeps the type checker informed
 
-    async def _queued(
-        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> list[WorkerEntry]:
-        """The workers for a relayed request, the first counted in flight (``_release`` it),
-        through the fair queue when it is on. An internal caller's tenant is its certificate
-        identity and its tier, weight and priority are what ``[internal_callers]`` gives that
-        identity, never what its request says."""
-        try:
-            _check_standing(request)
-        except RouteError as e:
-            await context.abort(e.code, str(e))
-        peer = peer_of(context)
-        if peer.role == "client":
-            standing = self._config.internal_callers.standing(peer.identity)
-            request.tenant = self._usage.owner(context)
-            request.tier, request.weight = standing.tier, standing.weight
-            request.priority = standing.priority
-        if self._queue is None:
-            attempts = await self._decide(request, context)
-            self._fleet.started(attempts[0])
-            return attempts
-        await self._check_registry(context)
-        try:
-            attempts = await self._queue.submit(
-                request, request.tier, context.time_remaining() or 0.0
-            )
-        except QueueRefusedError as e:
-            await context.abort(
-                e.code, str(e), trailing_metadata=((RETRY_AFTER_MS, str(e.retry_after_ms)),)
-            )
-            raise
-        except RouteError as e:
-            await context.abort(e.code, str(e))
-            raise
-        except RegistryUnavailableError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry later")
-            raise
-        return attempts
-
-    def _relayed(
-        self,
-        attempts: list[WorkerEntry],
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[Any, Any],
-        *,
-        stream: bool,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The first of ``attempts`` that serves the request, relayed; StreamFailedError
-        when none does (a worker's failure after its first chunk: its own status)."""
-        pull = attempts.pull if isinstance(attempts, Attempts) else None
-        return stream_from_first(
-            attempts,
-            lambda worker: self._relay(
-                worker,
-                request,
-                context,
-                stream=stream,
-                pull=pull.proto() if pull is not None and worker is attempts[0] else None,
-            ),
-            self._failed,
-            lambda worker: worker.worker_id,
-        )
-
-    async def _relay(
-        self,
-        worker: WorkerEntry,
-        request: common_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext[Any, Any],
-        *,
-        stream: bool,
-        pull: common_pb2.KVPull | None,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The worker's chunks (or, not ``stream``, its whole answer) over its Serve stream
-        (its prompt's blocks ``pull`` names taken from a peer first), the first stamped with
-        the route, within the caller's remaining deadline and, after the first chunk, the
-        stall timeout; closing this iterator cancels the request."""
-        caps = worker.info.capabilities
-        span = trace.get_current_span()
-        span.set_attribute("infermesh.route.worker_id", worker.worker_id)
-        span.set_attribute("infermesh.route.precision", common_pb2.Precision.Name(caps.precision))
-        span.set_attribute("infermesh.route.device_name", caps.device_name)
-        chunks = self._serve_client.chunks(
-            worker.info.address,
-            request,
-            whole=not stream,
-            timeout_s=context.time_remaining(),
-            stall_s=self._config.routing.stall_timeout_s if stream else None,
-            pull=pull,
-        )
-        async with contextlib.aclosing(chunks):
-            first = True
-            async for chunk in chunks:
-                if first:
-                    chunk.route.CopyFrom(_route(worker, with_address=False))
-                    self._fleet.succeeded(worker)
-                    first = False
-                yield chunk
-
-    def _failed(
-        self, worker: WorkerEntry, code: grpc.StatusCode, details: str, started: bool
-    ) -> None:
+    def _failed(self, worker: WorkerEntry, code: grpc.StatusCode, details: str) -> None:
         """Counts a worker's failure toward its ejection (a busy worker is not broken)."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             routing = self._config.routing
             self._fleet.failed(worker, routing.failures_to_eject, routing.eject_cooldown_s)
-        if not started:
-            trace.get_current_span().add_event(
-                "infermesh.route.failover",
-                {"worker_id": worker.worker_id, "code": code.name, "details": details},
-            )
-            logger.warning(
-                "worker %s failed before the first token (%s: %s)",
-                worker.worker_id,
-                code.name,
-                details,
-            )
+        trace.get_current_span().add_event(
+            "infermesh.route.failover",
+            {"worker_id": worker.worker_id, "code": code.name, "details": details},
+        )
+        logger.warning("worker %s failed (%s: %s)", worker.worker_id, code.name, details)
 
     async def _check_registry(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         try:
@@ -488,14 +414,67 @@ def _check_standing(request: common_pb2.GenerateRequest) -> None:
         )
 
 
-def _add_delivered(delivered: common_pb2.Usage, chunk: common_pb2.GenerateResponse) -> None:
-    """What a relayed stream has delivered so far: the worker's usage once it reports it (its
-    last chunk), until then the tokens streamed (a stream that fails midway is counted with
-    them, as the gateway counts its keys')."""
-    if chunk.HasField("usage"):
-        delivered.CopyFrom(chunk.usage)
-    else:
-        delivered.completion_tokens += len(chunk.token_ids)
+_CALL_ERRORS = (grpc.aio.AioRpcError, StreamFailedError, ReaderTooSlowError)
+
+
+def _status_of(error: Exception) -> tuple[grpc.StatusCode, str, int]:
+    """What a failed mesh call (one of ``_CALL_ERRORS``) answers its caller: the router's
+    refusal (with its retry-after, ms), the workers' outcome, or a reader too slow."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code(), error.details() or "", retry_after_ms(error)
+    if isinstance(error, StreamFailedError):
+        return error.code, error.details, 0
+    return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), 0
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], failure: tuple[grpc.StatusCode, str, int]
+) -> None:
+    code, details, retry_ms = failure
+    trailing = ((RETRY_AFTER_MS, str(retry_ms)),) if retry_ms else ()
+    await context.abort(code, details, trailing_metadata=trailing)
+
+
+def _stamp_route(chunk: common_pb2.GenerateResponse, route: common_pb2.Route) -> None:
+    """Names the worker that answered on a chunk for the caller: not its address or pull."""
+    chunk.route.CopyFrom(route)
+    chunk.route.ClearField("address")
+    chunk.route.ClearField("pull")
+
+
+class _OwnDecisions:
+    """This router's own decisions, as an internal caller's mesh call asks for them
+    (``infermesh.mesh_call.Router``): asked, placed and answered as ``Router.RouteStream``
+    answers a gateway's ask (``route_stream.decision``), and, once the call ends, its slot
+    freed and its usage counted under its caller's identity (``owner``; "": none)."""
+
+    def __init__(self, servicer: RouterServicer, owner: str, wait_s: float) -> None:
+        self._servicer = servicer
+        self._owner = owner
+        self._wait_s = wait_s
+
+    def ask(self, request: common_pb2.GenerateRequest) -> None:
+        return None  # nothing to overlap the decision with: asked when the call starts
+
+    async def decision(
+        self, request: common_pb2.GenerateRequest, asked: asyncio.Future[Any] | None
+    ) -> router_pb2.RouteDecision:
+        decided = self._servicer.ask(request, self._wait_s)
+        with contextlib.suppress(Exception):  # a refusal is answered as the route stream does
+            await decided
+        return route_stream.decision(self._servicer, 0, decided)
+
+    def unused(self, asked: asyncio.Future[router_pb2.RouteDecision]) -> None:
+        """Never called: nothing is asked ahead."""
+
+    def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
+        self._servicer.report_failure(failure)
+
+    def finished(self, counted: str, call: MeshCall) -> None:
+        self._servicer.released(counted)
+        if call.finish_reason and call.route is not None:
+            self._servicer.succeeded(call.route.worker_id)
+        self._servicer.count_usage(self._owner, call.usage())
 
 
 def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:

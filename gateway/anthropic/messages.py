@@ -21,12 +21,12 @@ from gateway.accounts.usage import TokenUsage
 from gateway.anthropic import messages_protocol as wire
 from gateway.anthropic.context_editing import Counter, apply_edits
 from gateway.api.generation import (
-    Answer,
     Generation,
     Plan,
+    ResponseFormat,
     admit,
-    answer,
     refuse_unless_reasoning,
+    respond,
     served_model,
 )
 from gateway.api.tools import ToolCalls
@@ -60,10 +60,10 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stream=body.stream,
     )
 
-    return await answer(
+    return await respond(
         request,
         plan,
-        Answer(
+        ResponseFormat(
             events=lambda generation: _events(body, generation, edits),
             failed=lambda e: sse.named_event(e.anthropic_body()),
             collect=lambda generation: _collect(body, generation, edits),
@@ -108,7 +108,7 @@ async def _collect(
     body: wire.MessagesRequest, generation: Generation, edits: dict[str, Any] | None
 ) -> dict[str, Any]:
     texts, stop, calls, thinking = [], None, ToolCalls(), body.thinking_blocks()
-    async for _, chunk in generation.chunks():
+    async for _, chunk in generation.by_choice():
         if thinking is not None:
             thinking.add(chunk.reasoning_text)
         texts.append(chunk.text)
@@ -136,7 +136,7 @@ async def _events(
     """The stream's events; those of one worker chunk go out as one write. ``message_start``
     waits for the first chunk, which brings the prompt's token count."""
     stop, blocks, started = None, wire.StreamBlocks(body.thinking_blocks()), False
-    async for _, chunk in generation.chunks():
+    async for _, chunk in generation.by_choice():
         events = []
         if not started:
             events = wire.stream_start(wire.message_id(), body.model, generation.usage())

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import trace
 
 from gateway.accounts.auth import API_KEY
 from gateway.accounts.limits import LIMITER, Admission, mesh_failed
@@ -34,7 +35,7 @@ from gateway.http.errors import (
 )
 from gateway.http.middleware import MODEL, REQUEST_ID
 from gateway.mesh.affinity import affinity_key
-from gateway.mesh.client import MESH, MeshClient
+from gateway.mesh.client import CALL_ERRORS, MESH, MeshClient
 from gateway.mesh.prompt_tokens import PROMPT_TOKENS
 from gateway.mesh.reasoning_formats import REASONING_FORMATS
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
@@ -72,33 +73,37 @@ def finish_reason(chunk: Chunk) -> FinishReason | None:
 
 
 class Generation:
-    """The router streams of one plan, read together; tracks the usage they report."""
+    """The mesh calls of one plan, read together: each choice's chunks pass its mesh call
+    (``infermesh.mesh_call``) and then ``by_choice`` here, the API-level stream every endpoint
+    shapes into its wire format."""
 
     def __init__(self, mesh: MeshClient, plan: Plan) -> None:
         self._mesh = mesh
         self._plan = plan
         # made before admission: the router decides while admission runs
         self._calls = [mesh.call(r, stream=plan.stream) for r in plan.requests]
-        self._streams = [call.chunks for call in self._calls]
         self._firsts: list[Chunk] = []
-        self._counted = [0] * len(plan.requests)
-        self._reasoning_counted = [0] * len(plan.requests)  # tokens of chunks of only reasoning
-        self._reported: list[common_pb2.Usage | None] = [None] * len(plan.requests)
-        self._finish_reasons: list[FinishReason | None] = [None] * len(plan.requests)
 
     @property
     def choices(self) -> int:
-        return len(self._streams)
+        return len(self._calls)
 
     async def start(self) -> None:
-        """Reads each stream's first chunk; the first failure is raised as a GatewayError."""
-        if len(self._streams) == 1:
-            firsts: list[Chunk | BaseException | None] = [await anext(self._streams[0], None)]
-        else:
-            firsts = await asyncio.gather(
-                *(anext(s, None) for s in self._streams), return_exceptions=True
-            )
+        """Reads each call's first chunk; the first failure is raised as a GatewayError."""
+        try:
+            if len(self._calls) == 1:
+                firsts: list[Chunk | BaseException | None] = [
+                    await anext(self._calls[0].chunks, None)
+                ]
+            else:
+                firsts = await asyncio.gather(
+                    *(anext(c.chunks, None) for c in self._calls), return_exceptions=True
+                )
+        except CALL_ERRORS as e:
+            raise self._mesh.gateway_error(e) from None
         for first in firsts:
+            if isinstance(first, CALL_ERRORS):
+                raise self._mesh.gateway_error(first) from None
             if isinstance(first, BaseException):
                 raise first
             if first is None:
@@ -117,63 +122,53 @@ class Generation:
             headers[GPU_HEADER] = route.gpu_kind
         return headers
 
-    async def chunks(self) -> AsyncIterator[tuple[int, Chunk]]:
-        """(choice, chunk) pairs, first chunks first, then in arrival order; raises
-        ``UpstreamError`` when a stream ends without a finish reason."""
-        for i, first in enumerate(self._firsts):
-            yield i, self._seen(i, first)
-        if len(self._streams) == 1:
-            async for chunk in self._streams[0]:
-                yield 0, self._seen(0, chunk)
-        else:
-            async for i, chunk in _merged(self._streams):
-                yield i, self._seen(i, chunk)
-        if None in self._finish_reasons:
+    async def by_choice(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """(choice, chunk) pairs, first chunks first, then in arrival order; raises a
+        GatewayError when a call fails, ``UpstreamError`` when one ends without a finish
+        reason."""
+        try:
+            for i, first in enumerate(self._firsts):
+                yield i, first
+            if len(self._calls) == 1:
+                async for chunk in self._calls[0].chunks:
+                    yield 0, chunk
+            else:
+                async for i, chunk in _merged([c.chunks for c in self._calls]):
+                    yield i, chunk
+        except CALL_ERRORS as e:
+            raise self._mesh.gateway_error(e) from None
+        if not all(c.finish_reason for c in self._calls):
             raise UpstreamError("The router's stream ended without a finish reason")
-
-    def _seen(self, i: int, chunk: Chunk) -> Chunk:
-        self._counted[i] += len(chunk.token_ids)
-        if chunk.reasoning_text and not chunk.text:
-            self._reasoning_counted[i] += len(chunk.token_ids)
-        if chunk.HasField("usage"):
-            self._reported[i] = chunk.usage
-        if chunk.finish_reason:
-            self._finish_reasons[i] = finish_reason(chunk)
-        return chunk
 
     @property
     def finish_reasons(self) -> list[str]:
         """How the choices ended so far ("unfinished" for one still running)."""
-        return [reason or "unfinished" for reason in self._finish_reasons]
+        return [FINISH_REASON_NAMES.get(c.finish_reason, "unfinished") for c in self._calls]
 
     def usage(self) -> TokenUsage:
-        """Usage so far: as the worker reported it (its prompt counts come with the first
-        chunk, the rest with the last), else counted from the tokens seen (the prompt then
-        estimated), so an abandoned stream is charged what it used. A prompt counts once
-        however many choices it had, as OpenAI counts it. Reasoning tokens are among the
-        completion tokens; an unfinished choice's are those of its chunks of reasoning alone."""
+        """Usage so far: each call's (``MeshCall.usage``: as the worker reported it, else
+        counted from the tokens seen), a prompt with tokens but no report estimated, so an
+        abandoned stream is charged what it used. A prompt counts once however many choices
+        it had, as OpenAI counts it."""
         prompts = [0] * len(self._plan.prompt_estimates)
         cached = [0] * len(self._plan.prompt_estimates)
         completion = reasoning = 0
-        for i, reported in enumerate(self._reported):
+        for i, call in enumerate(self._calls):
             group = self._plan.prompt_of[i]
-            if reported is not None:
-                prompts[group] = max(prompts[group], reported.prompt_tokens)
-                cached[group] = max(cached[group], reported.cached_prompt_tokens)
-            elif self._counted[i]:
-                prompts[group] = max(prompts[group], self._plan.prompt_estimates[group])
-            if reported is not None and self._finish_reasons[i] is not None:
-                completion += reported.completion_tokens
-                reasoning += reported.reasoning_tokens
-            else:
-                completion += self._counted[i]
-                reasoning += self._reasoning_counted[i]
+            used = call.usage()
+            prompt = used.prompt_tokens
+            if not prompt and used.completion_tokens:
+                prompt = self._plan.prompt_estimates[group]
+            prompts[group] = max(prompts[group], prompt)
+            cached[group] = max(cached[group], used.cached_prompt_tokens)
+            completion += used.completion_tokens
+            reasoning += used.reasoning_tokens
         return TokenUsage(sum(prompts), completion, sum(cached), reasoning)
 
     async def aclose(self) -> None:
         for call in self._calls:
-            await call.chunks.aclose()  # cancels the router call if it still runs
-            self._mesh.unused(call)  # a call that never started: its decision goes back
+            await call.chunks.aclose()  # cancels the request if it still runs
+            call.unused()  # a call that never started: its decision goes back
 
 
 async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
@@ -234,83 +229,141 @@ async def admit(request: web.Request, model: str | None, reserve_tokens: int) ->
     )
 
 
+@dataclasses.dataclass
+class _Turn:
+    """One request's generation as its stages fill it in."""
+
+    request: web.Request
+    plan: Plan
+    model: str
+    started: float
+    generation: Generation | None = None
+    admission: Admission | None = None
+    served: bool = True  # False: the mesh failed it before its first token
+    first_token_s: float = 0.0
+
+
+async def _address(turn: _Turn) -> None:
+    """Each request names the served model, the session (``gateway.mesh.affinity``) and the
+    key's standing in the router's fair queue; a 403 when the key may not use the model."""
+    request, key = turn.request, turn.request[API_KEY]
+    check_model(request, turn.model)
+    session = affinity_key(key.id, request.headers, turn.plan.session)
+    for r in turn.plan.requests:
+        r.model, r.affinity_key = turn.model, session
+        r.tenant, r.weight, r.tier = key.id, key.weight, key.tier
+
+
+async def _tokenize(turn: _Turn) -> None:
+    """The prompts' token ids and prefix hashes (``gateway.mesh.prompt_tokens``), which the
+    route ask takes."""
+    prompt_tokens = turn.request.app.get(PROMPT_TOKENS)
+    if prompt_tokens is not None:
+        await prompt_tokens.fill_choices(turn.plan.requests, turn.plan.prompt_of)
+
+
+async def _ask_route(turn: _Turn) -> None:
+    """One mesh call per choice; each asks the router at once, so that it decides while
+    admission runs."""
+    turn.generation = Generation(turn.request.app[MESH], turn.plan)
+
+
+async def _admit(turn: _Turn) -> None:
+    """The key's limits in Redis (401, 429); refused, the router's decisions go back unused."""
+    request = turn.request
+    turn.admission = await request.app[LIMITER].admit(
+        request[API_KEY].id,
+        turn.plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
+        request[REQUEST_ID],
+    )
+
+
+async def _start(turn: _Turn) -> None:
+    """Each choice's first chunk: a failure before the first token is a plain HTTP error."""
+    assert turn.generation is not None, "_ask_route comes first"
+    try:
+        await turn.generation.start()
+    except Exception as e:
+        turn.served = not mesh_failed(e)
+        raise
+    turn.first_token_s = time.monotonic() - turn.started
+    turn.request[FIRST_TOKEN_S] = turn.first_token_s
+
+
+GENERATION_STAGES = (_address, _tokenize, _ask_route, _admit, _start)
+"""The stages of every generating endpoint's request, in order, before the endpoint answers
+(``respond``: streamed or whole) and the usage is settled (``_settle``)."""
+
+
 @contextlib.asynccontextmanager
 async def admitted_generation(
     request: web.Request, plan: Plan
 ) -> AsyncIterator[tuple[Generation, dict[str, str]]]:
-    """Admits and starts ``plan``; the handler answers from the generation and the response
-    headers it yields (admission's and the route's). Settles the key's usage however the
-    request ends (as not served when the mesh failed it before its first token, see
-    ``gateway.accounts.limits``). The ``{operation} {model}`` span and the latency metrics cover the
-    whole generation. The plan's model may be an alias ([models] aliases): its requests ask for
-    the served model it stands for."""
-    model = served_model(request, plan.model)
+    """Runs ``GENERATION_STAGES`` on ``plan``; the handler answers from the generation and the
+    response headers it yields (admission's and the route's). Settles the key's usage however
+    the request ends once admitted (as not served when the mesh failed it before its first
+    token, see ``gateway.accounts.limits``). The ``{operation} {model}`` span and the latency
+    metrics cover the whole generation. The plan's model may be an alias ([models] aliases):
+    its requests ask for the served model it stands for."""
+    turn = _Turn(request, plan, served_model(request, plan.model), time.monotonic())
     sampling = plan.requests[0].sampling
-    started = time.monotonic()
     with genai.model_call_span(
         _operation(request),
-        model,
+        turn.model,
         max_tokens=plan.max_tokens,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
         top_p=sampling.top_p if sampling.HasField("top_p") else None,
     ) as span:
-        check_model(request, model)
-        session = affinity_key(request[API_KEY].id, request.headers, plan.session)
-        key = request[API_KEY]
-        for r in plan.requests:
-            r.model = model
-            r.affinity_key = session
-            r.tenant, r.weight, r.tier = key.id, key.weight, key.tier  # the router's fair queue
-        prompt_tokens = request.app.get(PROMPT_TOKENS)
-        if prompt_tokens is not None:  # before the route ask, which takes the prefix hashes
-            await prompt_tokens.fill_choices(plan.requests, plan.prompt_of)
-        generation = Generation(request.app[MESH], plan)
         try:
-            admission = await request.app[LIMITER].admit(
-                request[API_KEY].id,
-                plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
-                request[REQUEST_ID],
-            )
-        except BaseException:
-            await generation.aclose()  # refused: the router's decisions go back unused
-            raise
-        served = True
-        try:
-            try:
-                await generation.start()
-            except Exception as e:
-                served = not mesh_failed(e)
-                raise
-            first_token_s = time.monotonic() - started
-            request[FIRST_TOKEN_S] = first_token_s
-            yield generation, {**admission.headers, **generation.route_headers()}
+            for stage in GENERATION_STAGES:
+                await stage(turn)
+            assert turn.generation is not None and turn.admission is not None
+            yield turn.generation, {**turn.admission.headers, **turn.generation.route_headers()}
         finally:
-            usage = generation.usage()
-            request[USAGE] = usage
-            request.app[LIMITER].settle_soon(admission, usage, served=served)
-            with contextlib.suppress(GatewayError):
-                await generation.aclose()
-            genai.record_response(
-                span,
-                response_id=request[REQUEST_ID],
-                model=model,
-                finish_reasons=generation.finish_reasons,
-                input_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-            )
-        metrics.observe_generation(
-            "gateway",
-            model,
-            first_token_s,
-            time.monotonic() - started,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-        )
-        if usage.reasoning_tokens:
-            metrics.REASONING_TOKENS.labels(model).inc(usage.reasoning_tokens)
-        metrics.observe_key_tokens(
-            key.name, key.tier or "default", usage.prompt_tokens, usage.completion_tokens
-        )
+            await _settle(turn, span)
+        _observe(turn)
+
+
+async def _settle(turn: _Turn, span: trace.Span) -> None:
+    """Settles the admitted request's usage, ends its mesh calls (a decision never used goes
+    back) and records the response on the span."""
+    generation, request = turn.generation, turn.request
+    if generation is None:
+        return
+    if turn.admission is None:  # refused: nothing to settle
+        await generation.aclose()
+        return
+    usage = generation.usage()
+    request[USAGE] = usage
+    request.app[LIMITER].settle_soon(turn.admission, usage, served=turn.served)
+    with contextlib.suppress(GatewayError):
+        await generation.aclose()
+    genai.record_response(
+        span,
+        response_id=request[REQUEST_ID],
+        model=turn.model,
+        finish_reasons=generation.finish_reasons,
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+    )
+
+
+def _observe(turn: _Turn) -> None:
+    """The latency and token metrics of a request answered in full."""
+    usage, key = turn.request[USAGE], turn.request[API_KEY]
+    metrics.observe_generation(
+        "gateway",
+        turn.model,
+        turn.first_token_s,
+        time.monotonic() - turn.started,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+    if usage.reasoning_tokens:
+        metrics.REASONING_TOKENS.labels(turn.model).inc(usage.reasoning_tokens)
+    metrics.observe_key_tokens(
+        key.name, key.tier or "default", usage.prompt_tokens, usage.completion_tokens
+    )
 
 
 def _operation(request: web.Request) -> str:
@@ -319,7 +372,7 @@ def _operation(request: web.Request) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Answer:
+class ResponseFormat:
     """How an endpoint answers its generation in its API's format: streamed, the events and the
     event a failure midway becomes, then ``end``; whole, the JSON body ``collect`` builds."""
 
@@ -329,16 +382,19 @@ class Answer:
     end: bytes = b""
 
 
-async def answer(
-    request: web.Request, plan: Plan, answer: Answer, headers: Mapping[str, str] | None = None
+async def respond(
+    request: web.Request,
+    plan: Plan,
+    response: ResponseFormat,
+    headers: Mapping[str, str] | None = None,
 ) -> web.StreamResponse:
-    """What every generating endpoint ends with once it has parsed and planned: the plan admitted
-    and generated (``admitted_generation``), answered streamed or whole, with ``headers`` beside
-    admission's and the route's."""
+    """What every generating endpoint ends with once it has parsed and planned: the plan
+    generated (``admitted_generation``), answered streamed or whole in the endpoint's
+    ``response`` format, with ``headers`` beside admission's and the route's."""
     async with admitted_generation(request, plan) as (generation, admitted):
         admitted.update(headers or {})
         if plan.stream:
             return await sse.stream(
-                request, admitted, answer.events(generation), answer.failed, answer.end
+                request, admitted, response.events(generation), response.failed, response.end
             )
-        return json_body.json_response(await answer.collect(generation), headers=admitted)
+        return json_body.json_response(await response.collect(generation), headers=admitted)

@@ -1,12 +1,13 @@
 """The gateway's gRPC client of the router (infermesh.v1.Router) and, after the router
 chose, of the workers.
 
-Every generation travels one way: the router chooses on the gateway's long-lived route stream
-(``Router.RouteStream``: ``gateway.mesh.route_stream_client``), then the gateway streams from
-the chosen worker over its long-lived ``Worker.Serve`` streams (``infermesh.serve_client``), trying
-the
-fallback worker when the first fails before its first chunk and reporting each failure to the
-router on the route stream. One channel to the router per process, one per worker, opened
+Every generation travels one way, the mesh call every caller of the mesh runs
+(``infermesh.mesh_call``): the router chooses on the gateway's long-lived route stream
+(``Router.RouteStream``: ``gateway.mesh.route_stream_client``; this client is the call's
+``Router``), then the gateway streams from the chosen worker over its long-lived
+``Worker.Serve`` streams (``infermesh.serve_client``), trying the fallback worker when the
+first fails before its first chunk and reporting each failure to the router on the route
+stream. One channel to the router per process, one per worker, opened
 lazily (over mutual TLS with ``[tls]``, see ``infermesh.tls``) and closed in the app's
 cleanup context. Calls never wait for a peer that is not there: a request first waits at
 most ``connect_timeout_s`` for the router, and RPCs run with ``wait_for_ready=False`` and a
@@ -22,9 +23,7 @@ router's refusals (its queues full) carry a retry-after, which becomes the 429 /
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -33,10 +32,10 @@ from aiohttp import web
 from gateway.config import RouterSection
 from gateway.http.errors import ClientTooSlowError, GatewayError, ServiceUnavailableError, from_grpc
 from gateway.mesh.route_stream_client import RouteStream
-from gateway.mesh.route_stream_client import workers as route_workers
 from infermesh.bidi import retry_after_ms
 from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
-from infermesh.failover import StreamFailedError, stream_from_first
+from infermesh.failover import StreamFailedError
+from infermesh.mesh_call import MeshCall
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from infermesh.serve_client import ReaderTooSlowError, ServeClient
 from infermesh.text.text_files import assembled
@@ -44,17 +43,9 @@ from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
 logger = logging.getLogger(__name__)
 
-
-class MeshCall:
-    """One generation through the mesh: its chunks and, once the first came, its route."""
-
-    chunks: AsyncGenerator[common_pb2.GenerateResponse, None]
-    route: common_pb2.Route | None = None
-    # the router's decision when it was asked ahead; taken when the call starts
-    decided: asyncio.Future[router_pb2.RouteDecision] | None = None
-
-    def __aiter__(self) -> AsyncIterator[common_pb2.GenerateResponse]:
-        return self.chunks
+_Decided = asyncio.Future[router_pb2.RouteDecision]
+CALL_ERRORS = (grpc.aio.AioRpcError, StreamFailedError, ReaderTooSlowError)
+"""What a mesh call fails with: ``MeshClient.gateway_error`` maps each to its answer."""
 
 
 class MeshClient:
@@ -87,42 +78,29 @@ class MeshClient:
         await self._channel.close()
 
     def call(self, request: common_pb2.GenerateRequest, *, stream: bool) -> MeshCall:
-        """The generation, its route known once the first chunk came; closing its chunks
-        cancels the call. Not ``stream``: the caller needs only the whole answer (which
-        may then come as one chunk). The router is asked at once (on the route stream, when
-        it is connected), while the caller does other work (admission) before it reads the
-        chunks; a call that never starts hands its decision back with ``unused``."""
-        call = MeshCall()
-        if self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
-            call.decided = self._ask(request)
-        call.chunks = self._chunks(request, stream, call)
-        return call
+        """The generation (``infermesh.mesh_call``); its failures come out as
+        ``gateway_error`` maps them. The router is asked at once (on the route stream, when it
+        is connected), while the caller does other work (admission) before it reads the
+        chunks."""
+        return MeshCall(
+            self,
+            self._streams,
+            request,
+            stream=stream,
+            timeout_s=lambda: self._config.request_timeout_s,
+            stall_s=self._config.stall_timeout_s if stream else None,
+        )
 
-    def unused(self, call: MeshCall) -> None:
-        """Hands back the decision of a call that never started (its request was refused)."""
-        decided, call.decided = call.decided, None
-        if decided is not None:
-            self._route_stream.unused(decided)
-
-    async def _chunks(
-        self,
-        request: common_pb2.GenerateRequest,
-        stream: bool,
-        call: MeshCall,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        await self._wait_connected()
-        chunks = self._served(request, stream, call)
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e.code(), e.details(), retry_after_ms(e)) from None
-        except StreamFailedError as e:
-            raise self._error(e.code, e.details, from_router=False) from None
-        except ReaderTooSlowError as e:
-            raise ClientTooSlowError(str(e)) from None
-        finally:
-            await chunks.aclose()
+    def gateway_error(self, error: Exception) -> Exception:
+        """The GatewayError a mesh call's failure (one of ``CALL_ERRORS``) answers with; any
+        other error unchanged."""
+        if isinstance(error, grpc.aio.AioRpcError):
+            return self._error(error.code(), error.details(), retry_after_ms(error))
+        if isinstance(error, StreamFailedError):
+            return self._error(error.code, error.details, from_router=False)
+        if isinstance(error, ReaderTooSlowError):
+            return ClientTooSlowError(str(error))
+        return error
 
     async def tokenize(self, request: common_pb2.GenerateRequest) -> int:
         """The request's prompt tokens as a worker serving its model counts (and bills) them."""
@@ -165,34 +143,17 @@ class MeshClient:
                 if not tries or e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise self._error(e.code(), e.details()) from None
 
-    async def _served(
-        self,
-        request: common_pb2.GenerateRequest,
-        stream: bool,
-        call: MeshCall,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        decided, call.decided = call.decided, None
-        if decided is None:  # not asked ahead: the channel was not connected then
-            decided = self._ask(request)
-        workers = route_workers(await self._decision(request, decided))
-        deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
-        stall_s = self._config.stall_timeout_s if stream else None
-        try:
-            async for chunk in stream_from_first(
-                workers,
-                lambda route: self._from_worker(route, request, stream, deadline, stall_s, call),
-                self._report_failure,
-                lambda route: route.worker_id,
-            ):
-                yield chunk
-        finally:
-            # one report per routed request, however it ends: its slot is free again
-            self._route_stream.finished(workers[0].worker_id)
+    def ask(self, request: common_pb2.GenerateRequest) -> _Decided | None:
+        """The route stream's ask, sent at once when the router is connected; it may wait in
+        the router's fair queue for as long as the request may take."""
+        if self._channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            return None
+        return self._route_stream.ask(
+            request, self._config.control_timeout_s, wait_s=self._config.request_timeout_s
+        )
 
-    async def _decision(
-        self,
-        request: common_pb2.GenerateRequest,
-        decided: asyncio.Future[router_pb2.RouteDecision],
+    async def decision(
+        self, request: common_pb2.GenerateRequest, asked: _Decided | None
     ) -> router_pb2.RouteDecision:
         """The router's decision; when the route stream broke under the ask (the router died),
         no router answered it and no worker has the request, so it is asked again on the
@@ -202,8 +163,13 @@ class MeshClient:
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         while True:
+            if asked is None:
+                await self._wait_connected()
+                asked = self.ask(request)
+                if asked is None:
+                    continue  # the channel broke again meanwhile
             try:
-                return await decided
+                return await asked
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -211,57 +177,19 @@ class MeshClient:
                     deadline = loop.time() + self._config.connect_timeout_s
                 elif loop.time() >= deadline:
                     raise self._unreachable() from None
-            await self._wait_connected()
-            decided = self._ask(request)
+            asked = None
 
-    def _ask(self, request: common_pb2.GenerateRequest) -> asyncio.Future[router_pb2.RouteDecision]:
-        """The route stream's ask for ``request``, which may wait in the router's fair queue
-        for as long as the request may take."""
-        return self._route_stream.ask(
-            request, self._config.control_timeout_s, wait_s=self._config.request_timeout_s
-        )
+    def unused(self, asked: _Decided) -> None:
+        self._route_stream.unused(asked)
 
-    async def _from_worker(
-        self,
-        route: common_pb2.Route,
-        request: common_pb2.GenerateRequest,
-        stream: bool,
-        deadline: float,
-        stall_s: float | None,
-        call: MeshCall,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        # stalls are timed where the chunks arrive (infermesh.serve_client), not here
-        chunks = self._streams.chunks(
-            route.address,
-            request,
-            whole=not stream,
-            timeout_s=timeout,
-            stall_s=stall_s,
-            pull=route.pull if route.HasField("pull") else None,
-        )
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                call.route = route  # the worker that answered: the fallback, if the first failed
-                yield chunk
-
-    def _report_failure(
-        self, route: common_pb2.Route, code: grpc.StatusCode, details: str, started: bool
-    ) -> None:
+    def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
         """Tells the router (with the route stream's next message), so that it ejects a worker
         that keeps failing."""
-        logger.warning(
-            "worker %s failed %s the first token (%s: %s)",
-            route.worker_id,
-            "after" if started else "before",
-            code.name,
-            details,
-        )
-        self._route_stream.report_failure(
-            router_pb2.ReportFailureRequest(
-                worker_id=route.worker_id, code=code.name, details=details
-            )
-        )
+        self._route_stream.report_failure(failure)
+
+    def finished(self, counted: str, call: MeshCall) -> None:
+        """The router frees the slot at once; the gateway settles the usage itself."""
+        self._route_stream.finished(counted)
 
     async def _wait_connected(self) -> None:
         """Returns once the channel is READY; a 503 when it fails or takes too long."""

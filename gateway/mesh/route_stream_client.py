@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import propagate
 
 import telemetry
-from infermesh.bidi import SharedCall, SharedCalls, call_error, check_size, status_code
+from infermesh.bidi import SharedCall, SharedCalls, call_error, check_size
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 
 _PEER = "router"
@@ -59,14 +59,6 @@ def without_ids(request: common_pb2.GenerateRequest) -> common_pb2.GenerateReque
     return request
 
 
-def workers(decision: router_pb2.RouteDecision) -> list[common_pb2.Route]:
-    """The workers of a decision, best first; raises ``grpc.aio.AioRpcError`` with the
-    router's status when it has none."""
-    if decision.code:
-        raise call_error(status_code(decision.code), decision.details, decision.retry_after_ms)
-    return list(decision.workers)
-
-
 def _expire(decided: _Decided) -> None:
     if not decided.done():
         decided.set_exception(
@@ -86,7 +78,7 @@ class RouteStream:
         self, request: common_pb2.GenerateRequest, timeout_s: float, wait_s: float = 0.0
     ) -> asyncio.Future[router_pb2.RouteDecision]:
         """Sends the ask with the stream's next message; the future holds the router's
-        decision (``workers`` reads it), or fails: the stream's status when
+        decision (``infermesh.mesh_call.routes_of`` reads it), or fails: the stream's status when
         it breaks, DEADLINE_EXCEEDED after ``timeout_s`` more than the ``wait_s`` it may wait
         in the router's fair queue, RESOURCE_EXHAUSTED for a request too large for a message.
         Cancelling the future cancels the ask on the router."""

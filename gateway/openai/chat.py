@@ -12,12 +12,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.generation import (
-    Answer,
     Generation,
     Plan,
-    answer,
+    ResponseFormat,
     finish_reason,
     refuse_unless_reasoning,
+    respond,
 )
 from gateway.api.tools import ToolCalls, chunk_deltas
 from gateway.http import sse
@@ -61,10 +61,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         session=body.prompt_cache_key,
     )
 
-    return await answer(
+    return await respond(
         request,
         plan,
-        Answer(
+        ResponseFormat(
             events=lambda generation: _events(body, generation),
             failed=lambda e: sse.openai_event(e.body()),
             collect=lambda generation: _collect(body, generation),
@@ -79,7 +79,7 @@ async def _collect(body: ChatCompletionRequest, generation: Generation) -> dict[
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(generation.choices)]
     finishes: list[FinishReason | None] = [None] * generation.choices
     calls = [ToolCalls() for _ in range(generation.choices)]
-    async for i, chunk in generation.chunks():
+    async for i, chunk in generation.by_choice():
         texts[i].append(chunk.text)
         reasoning[i].append(chunk.reasoning_text)
         logprobs[i].extend(token_logprobs(chunk.logprobs))
@@ -120,7 +120,7 @@ async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncI
     yield b"".join(
         chunk(i, {"role": "assistant", "content": ""}) for i in range(generation.choices)
     )
-    async for i, item in generation.chunks():
+    async for i, item in generation.by_choice():
         events: list[bytes] = []
         if item.reasoning_text:
             events.append(chunk(i, {"reasoning_content": item.reasoning_text}))

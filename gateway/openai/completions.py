@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api.generation import Answer, Generation, Plan, answer, finish_reason
+from gateway.api.generation import Generation, Plan, ResponseFormat, finish_reason, respond
 from gateway.http import sse
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
@@ -45,10 +45,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     )
     echoes = [prompts[p] if body.echo else "" for p, _ in choices]
 
-    return await answer(
+    return await respond(
         request,
         plan,
-        Answer(
+        ResponseFormat(
             events=lambda generation: _events(body, generation, echoes),
             failed=lambda e: sse.openai_event(e.body()),
             collect=lambda generation: _collect(body, generation, echoes),
@@ -64,7 +64,7 @@ async def _collect(
     offsets = [len(echo) for echo in echoes]
     logprobs = [completion_logprobs((), 0) for _ in echoes]
     finishes: list[FinishReason | None] = [None] * generation.choices
-    async for i, chunk in generation.chunks():
+    async for i, chunk in generation.by_choice():
         merge_logprobs(logprobs[i], completion_logprobs(chunk.logprobs, offsets[i]))
         texts[i].append(chunk.text)
         offsets[i] += len(chunk.text)
@@ -98,7 +98,7 @@ async def _events(
     for i, echo in enumerate(echoes):
         if echo:
             yield chunk(completion_choice(i, echo, None, None))
-    async for i, item in generation.chunks():
+    async for i, item in generation.by_choice():
         logprobs = (
             completion_logprobs(item.logprobs, offsets[i])
             if body.logprobs is not None and item.logprobs

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.accounts.auth import API_KEY
 from gateway.accounts.keys import REDIS
-from gateway.api.generation import Answer, Generation, Plan, answer
+from gateway.api.generation import Generation, Plan, ResponseFormat, respond
 from gateway.http import json_body, sse
 from gateway.http.errors import GatewayError, InvalidRequestError, ResponseNotFoundError
 from gateway.http.middleware import REDIS_CONFIG, REQUEST_ID
@@ -85,10 +85,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     )
     reply = _Reply(body, shell, _store(request) if body.store else None, kid, record)
     unoffered = body.tool_set.unoffered
-    return await answer(
+    return await respond(
         request,
         plan,
-        Answer(events=reply.events, failed=reply.failed, collect=reply.collect),
+        ResponseFormat(events=reply.events, failed=reply.failed, collect=reply.collect),
         {UNSUPPORTED_TOOLS: ",".join(unoffered)} if unoffered else None,
     )
 
@@ -165,7 +165,7 @@ class _Reply:
         return self._encode([{"type": "response.failed", "response": response}])
 
     async def _steps(self, generation: Generation) -> AsyncIterator[list[Event]]:
-        async for _, chunk in generation.chunks():
+        async for _, chunk in generation.by_choice():
             yield self._output.add(chunk)
             if chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH:
                 self._incomplete = True

@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 from bench.grpc_cancelled_reads import call_chunks
 from infermesh.bidi import call_error
-from infermesh.failover import StreamFailedError, stream_from_first
+from infermesh.failover import Failover, StreamFailedError, worker_failure
 from infermesh.pb import common_pb2
 
 _METHOD = "/test.Slow/Generate"
@@ -117,65 +117,48 @@ async def test_a_failed_call_raises_its_status_after_the_chunks_sent(slow) -> No
     assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class _Failover:
-    """stream_from_first over made-up workers, each ``(chunks sent, then its failure)`` (None:
-    it finishes); records the workers opened, the failures heard of and the chunks."""
-
-    def __init__(self, workers: dict[str, tuple[int, grpc.StatusCode | None]]) -> None:
-        self.workers = workers
-        self.opened: list[str] = []
-        self.failures: list[tuple[str, str, bool]] = []
-        self.chunks: list[common_pb2.GenerateResponse] = []
-
-    async def run(self) -> None:
-        async for chunk in stream_from_first(
-            list(self.workers), self._stream, self._failed, lambda name: name
-        ):
-            self.chunks.append(chunk)
-
-    async def _stream(self, name: str) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        self.opened.append(name)
-        sent, then = self.workers[name]
-        for i in range(sent):
-            yield common_pb2.GenerateResponse(token_ids=[i])
-        if then is not None:
-            raise call_error(then, f"{name} broke")
-        yield common_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_STOP)
-
-    def _failed(self, name: str, code: grpc.StatusCode, details: str, started: bool) -> None:
-        self.failures.append((name, code.name, started))
+def _broke(name: str, code: grpc.StatusCode) -> tuple[grpc.StatusCode, str]:
+    return worker_failure(call_error(code, f"{name} broke"))
 
 
-async def test_a_worker_failing_before_its_first_chunk_hands_the_request_on() -> None:
-    failover = _Failover({"a": (0, grpc.StatusCode.UNAVAILABLE), "b": (2, None)})
-    await failover.run()
-    assert failover.opened == ["a", "b"] and failover.failures == [("a", "UNAVAILABLE", False)]
-    assert len(failover.chunks) == 3
-    assert failover.chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+def test_a_worker_failing_before_its_first_chunk_hands_the_request_on() -> None:
+    failover = Failover()
+    code, details = _broke("a", grpc.StatusCode.UNAVAILABLE)
+    Failover.check_callers(code, details)
+    failover.failed("a", code, details, started=False)  # returns: the next worker may serve
+    given_up = failover.given_up()
+    assert given_up.code == grpc.StatusCode.UNAVAILABLE
+    assert given_up.details == "no worker could serve the request (worker a: UNAVAILABLE a broke)"
 
 
-async def test_a_worker_failing_mid_stream_ends_it_with_its_own_status() -> None:
-    failover = _Failover({"a": (2, grpc.StatusCode.INTERNAL), "b": (2, None)})
+def test_a_worker_failing_mid_stream_ends_it_with_its_own_status() -> None:
     with pytest.raises(StreamFailedError) as e:
-        await failover.run()
+        Failover().failed("a", *_broke("a", grpc.StatusCode.INTERNAL), started=True)
     assert e.value.code == grpc.StatusCode.INTERNAL
     assert e.value.details == "worker a failed mid-stream: a broke"
-    assert failover.opened == ["a"] and failover.failures == [("a", "INTERNAL", True)]
-    assert len(failover.chunks) == 2
 
 
-async def test_the_requests_own_fault_is_not_tried_elsewhere() -> None:
-    failover = _Failover({"a": (0, grpc.StatusCode.INVALID_ARGUMENT), "b": (2, None)})
+def test_the_requests_own_fault_is_not_tried_elsewhere() -> None:
     with pytest.raises(StreamFailedError) as e:
-        await failover.run()
+        Failover.check_callers(*_broke("a", grpc.StatusCode.INVALID_ARGUMENT))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert failover.opened == ["a"] and failover.failures == []
+    Failover.check_callers(*_broke("a", grpc.StatusCode.UNAVAILABLE))  # a worker's: goes on
 
 
-async def test_every_worker_busy_is_resource_exhausted_naming_each() -> None:
+def test_a_worker_gone_or_ending_unfinished_is_unavailable() -> None:
+    assert _broke("a", grpc.StatusCode.CANCELLED) == (grpc.StatusCode.UNAVAILABLE, "a broke")
+    assert worker_failure(None) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "the worker ended its stream unfinished",
+    )
+
+
+def test_every_worker_busy_is_resource_exhausted_naming_each() -> None:
     busy = grpc.StatusCode.RESOURCE_EXHAUSTED
-    with pytest.raises(StreamFailedError) as e:
-        await _Failover({"a": (0, busy), "b": (0, busy)}).run()
-    assert e.value.code == busy
-    assert "worker a: RESOURCE_EXHAUSTED a broke" in e.value.details
-    assert "worker b: RESOURCE_EXHAUSTED b broke" in e.value.details
+    failover = Failover()
+    for name in ("a", "b"):
+        failover.failed(name, *_broke(name, busy), started=False)
+    given_up = failover.given_up()
+    assert given_up.code == busy
+    assert "worker a: RESOURCE_EXHAUSTED a broke" in given_up.details
+    assert "worker b: RESOURCE_EXHAUSTED b broke" in given_up.details

@@ -259,18 +259,20 @@ async def test_only_the_router_reads_a_workers_cache_events(worker, certs):
 async def test_an_internal_callers_usage_is_counted_under_its_certificate(
     router, worker, certs, redis_server
 ):
-    """A client certificate's Generate and Complete on the router (relayed over the router's
-    own Serve streams to the worker, mutual TLS on both hops) count as its usage; the same
-    calls by a gateway do not (the gateway counts its keys' own)."""
-    usages = []
-    for role in ("client", "gateway"):
-        async with open_channel(router.address, role_tls(certs, role)) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            chunks = [c async for c in stub.Generate(_request(), timeout=10)]
-            reply = await stub.Complete(_request(), timeout=10)
-        usages += [chunks[-1].usage, reply.usage]
+    """A client certificate's Generate and Complete on the router (its mesh call over the
+    router's own Serve streams to the worker, mutual TLS on both hops) count as its usage; a
+    gateway may not call them (it routes on its route stream and counts its keys' own)."""
+    async with open_channel(router.address, role_tls(certs, "client")) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        chunks = [c async for c in stub.Generate(_request(), timeout=10)]
+        reply = await stub.Complete(_request(), timeout=10)
+    usages = [chunks[-1].usage, reply.usage]
+    async with open_channel(router.address, role_tls(certs, "gateway")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Complete(_request(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     owner = identity_owner(role_uri("client"))
-    expected = sum(u.completion_tokens for u in usages[:2])
+    expected = sum(u.completion_tokens for u in usages)
     assert expected > 0
     deadline = time.monotonic() + 5
     async with aioredis.Redis.from_url(redis_server.url) as client:
@@ -278,7 +280,7 @@ async def test_an_internal_callers_usage_is_counted_under_its_certificate(
             assert time.monotonic() < deadline, counted
             await asyncio.sleep(0.05)
     assert counted["requests"] == 2 and counted["completion_tokens"] == expected
-    assert counted["prompt_tokens"] == sum(u.prompt_tokens for u in usages[:2])
+    assert counted["prompt_tokens"] == sum(u.prompt_tokens for u in usages)
 
 
 async def test_only_the_gateway_and_router_may_fetch_a_workers_text_files(worker, certs):
