@@ -5,7 +5,8 @@ A call is routed on the router's decision as ``Router.RouteStream`` makes it (th
 over its route stream, the router asks itself), served on the chosen worker's long-lived
 ``Worker.Serve`` streams (``infermesh.serve_client``) with failover to the fallback before the
 first chunk (``infermesh.failover``), and reported to the router once it ends, however it
-ends, with what it delivered (``Router.finished``). The chunks pass one generator here: the
+ends, with what it delivered (``Router.finished``: ``RouteFinished``, as a route stream
+reports it). The chunks pass one generator here: the
 worker's buffer is read, counted and handed on in one step.
 """
 
@@ -51,10 +52,9 @@ class Router(Protocol):
         """A routed worker failed: the router counts it toward the worker's ejection."""
         ...
 
-    def finished(self, counted: str, call: MeshCall) -> None:
-        """A request routed to the worker ``counted`` (its decision's first) ended, however:
-        its slot is free; ``call`` says what it delivered (``usage``) and which worker
-        answered."""
+    def finished(self, end: router_pb2.RouteFinished) -> None:
+        """A routed request ended, however: its worker's slot is free; ``end`` says which
+        worker answered, whether it completed, and what it delivered."""
         ...
 
 
@@ -159,7 +159,14 @@ class MeshCall:
                 failover.failed(route.worker_id, code, details, started)
             raise failover.given_up()
         finally:
-            self._router.finished(routes[0].worker_id, self)
+            self._router.finished(
+                router_pb2.RouteFinished(
+                    worker_id=routes[0].worker_id,
+                    served_by=self.route.worker_id if self.route is not None else "",
+                    completed=bool(self.finish_reason),
+                    usage=self.usage(),
+                )
+            )
 
     def _count(self, chunk: common_pb2.GenerateResponse) -> None:
         self._tokens += len(chunk.token_ids)

@@ -7,7 +7,8 @@ message, when its turn comes or its wait ends, unless its caller cancels it firs
 is made as an internal caller's Router.Generate makes its own (the same ``Decider.ask``: the
 same chooser, fair queue and count, the same span attributes, the same answer, ``decision``),
 on a span of its own in the ask's trace, linked to the stream's span. The caller
-reports each routed request's end (``finished``) and the decisions it did not use
+reports each routed request's end (``ends``: which worker answered, whether it completed,
+what it delivered; older callers ``finished``) and the decisions it did not use
 (``unused``: it asked ahead of its own admission check), so the router's count of each
 worker's requests stays exact; what the stream routed and never reported is released when
 the stream ends.
@@ -55,6 +56,10 @@ class Decider(Protocol):
 
     def released(self, worker_id: str) -> None:
         """A request routed to ``worker_id`` ended, or was not sent."""
+        ...
+
+    def finished(self, end: router_pb2.RouteFinished) -> None:
+        """A routed request ended (``released``), as its caller reports it."""
         ...
 
 
@@ -143,6 +148,10 @@ class _Stream:
             if self._routed[worker_id] > 0:  # a stream releases only what it routed
                 self._routed[worker_id] -= 1
                 self._servicer.released(worker_id)
+        for end in message.ends:
+            if self._routed[end.worker_id] > 0:
+                self._routed[end.worker_id] -= 1
+                self._servicer.finished(end)
         for failure in message.failures:
             # a report the router cannot read changes nothing; the caller goes on
             with contextlib.suppress(ValueError):

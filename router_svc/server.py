@@ -229,11 +229,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if owner and (usage.prompt_tokens or usage.completion_tokens):
             self._usage.count(owner, usage)
 
-    def succeeded(self, worker_id: str) -> None:
-        """A request routed to ``worker_id`` finished: its failures in a row end."""
-        worker = self._fleet.get(worker_id)
-        if worker is not None:
-            self._fleet.succeeded(worker)
+    def finished(self, end: router_pb2.RouteFinished, owner: str = "") -> None:
+        """A routed request ended, as every mesh call reports it (a gateway's on its route
+        stream, an internal caller's here): its slot is free, a completed one ends its
+        worker's failures in a row, and an internal caller's usage is counted under its
+        identity (``owner``; a gateway settles its keys' own)."""
+        self.released(end.worker_id)
+        served_by = self._fleet.get(end.served_by) if end.completed else None
+        if served_by is not None:
+            self._fleet.succeeded(served_by)
+        self.count_usage(owner, end.usage)
 
     async def Tokenize(
         self,
@@ -470,11 +475,8 @@ class _OwnDecisions:
     def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
         self._servicer.report_failure(failure)
 
-    def finished(self, counted: str, call: MeshCall) -> None:
-        self._servicer.released(counted)
-        if call.finish_reason and call.route is not None:
-            self._servicer.succeeded(call.route.worker_id)
-        self._servicer.count_usage(self._owner, call.usage())
+    def finished(self, end: router_pb2.RouteFinished) -> None:
+        self._servicer.finished(end, self._owner)
 
 
 def _route(worker: WorkerEntry, *, with_address: bool) -> common_pb2.Route:

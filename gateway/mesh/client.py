@@ -187,9 +187,9 @@ class MeshClient:
         that keeps failing."""
         self._route_stream.report_failure(failure)
 
-    def finished(self, counted: str, call: MeshCall) -> None:
-        """The router frees the slot at once; the gateway settles the usage itself."""
-        self._route_stream.finished(counted)
+    def finished(self, end: router_pb2.RouteFinished) -> None:
+        """The router frees the slot at once (the gateway settles its keys' usage itself)."""
+        self._route_stream.finished(end)
 
     async def _wait_connected(self) -> None:
         """Returns once the channel is READY; a 503 when it fails or takes too long."""

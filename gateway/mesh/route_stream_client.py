@@ -130,11 +130,11 @@ class RouteStream:
 
         decided.add_done_callback(hand_back)
 
-    def finished(self, worker_id: str) -> None:
-        """Tells the router that a request it routed to ``worker_id`` ended (however), so that
-        its slot counts as free at once."""
+    def finished(self, end: router_pb2.RouteFinished) -> None:
+        """Tells the router that a request it routed ended (however, with what it delivered),
+        so that its worker's slot counts as free at once."""
         for call in self._calls.open(_PEER):  # the router forgets a broken stream's counts
-            call.outgoing.message.finished.append(worker_id)
+            call.outgoing.message.ends.append(end)
             call.outgoing.changed()
 
     def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:

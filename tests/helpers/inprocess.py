@@ -15,6 +15,8 @@ import grpc
 
 from devtools.certs import role_tls
 from devtools.redis_server import RedisServer
+from gateway.config import RouterSection as GatewayRouterSection
+from gateway.mesh.client import MeshClient
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection, open_channel
@@ -196,3 +198,22 @@ async def eventually(condition, timeout_s: float = 5.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.05)
+
+
+async def gateway_route(
+    router: RunningRouter, request: common_pb2.GenerateRequest
+) -> common_pb2.Route:
+    """The worker that served ``request`` to its end on the gateway's path: routed on
+    ``router``'s RouteStream by the gateway's mesh client and streamed from the worker over
+    Worker.Serve (``infermesh.mesh_call``). Raises the router's refusal as
+    ``grpc.aio.AioRpcError``, the workers' failure as ``failover.StreamFailedError``."""
+    mesh = MeshClient(GatewayRouterSection(address=router.address), TlsSection(plaintext=True))
+    try:
+        call = mesh.call(request, stream=True)
+        async with contextlib.aclosing(call.chunks) as chunks:
+            async for _ in chunks:
+                pass
+        assert call.finish_reason and call.route is not None
+        return call.route
+    finally:
+        await mesh.close()

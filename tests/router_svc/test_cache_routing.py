@@ -23,6 +23,7 @@ from tests.helpers.inprocess import (
     RunningRouter,
     RunningWorker,
     eventually,
+    gateway_route,
     running_router,
     running_worker,
     sim_engine,
@@ -62,10 +63,9 @@ async def serve_on(worker: RunningWorker, prompt: str) -> None:
 
 
 async def routed_to(router: RunningRouter, prompt: str, with_hashes: bool = True) -> str:
-    """The worker the router relays ``prompt`` to (which then caches it)."""
-    chunks = [c async for c in router.stub.Generate(request(prompt, with_hashes))]
-    assert chunks[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    return chunks[0].route.worker_id
+    """The worker the router routes ``prompt`` to on the gateway's path (which then caches
+    it)."""
+    return (await gateway_route(router, request(prompt, with_hashes))).worker_id
 
 
 def indexed_blocks(router: RunningRouter, worker: RunningWorker, prompt: str) -> int:

@@ -16,6 +16,7 @@ from router_svc.config import RoutingSection
 from tests.helpers import MODEL
 from tests.helpers.inprocess import (
     eventually,
+    gateway_route,
     register_unreachable_worker,
     running_router,
     running_worker,
@@ -38,9 +39,8 @@ def generate_request(
 
 
 async def served_by(router, request: common_pb2.GenerateRequest) -> common_pb2.Route:
-    chunks = [c async for c in router.stub.Generate(request)]
-    assert chunks[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    return chunks[0].route
+    """The worker the router chose, on the gateway's path (its route stream)."""
+    return await gateway_route(router, request)
 
 
 async def test_health_and_reflection_are_served(redis_server):
@@ -74,7 +74,7 @@ async def test_precision_wish_and_hardware_fitness_pick_the_worker(redis_server)
             "h100"
         }
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await router.stub.Generate(generate_request(precision=common_pb2.PRECISION_FP16)).read()
+            await served_by(router, generate_request(precision=common_pb2.PRECISION_FP16))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
