@@ -170,7 +170,7 @@ def _stream_one(
 
     async def one() -> Answer:
         tokens = 0
-        async for chunk in streams.chunks(address, request, whole=whole, timeout_s=60):
+        async for chunk in streams.open(address, request, whole=whole, timeout_s=60).chunks():
             tokens += len(chunk.token_ids)
         return tokens, 0
 

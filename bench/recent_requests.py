@@ -30,8 +30,6 @@ from infermesh.redis_client import RedisClient, redis_client
 
 _KEYS = 50  # API keys the entries spread over
 
-Writer = Callable[[RedisClient, list[RecentRequest], ConsoleSection], Any]
-
 
 def _entry(i: int) -> RecentRequest:
     return RecentRequest(
@@ -51,24 +49,27 @@ def _entry(i: int) -> RecentRequest:
     )
 
 
-async def _approximate(
-    redis: RedisClient, batch: list[RecentRequest], config: ConsoleSection
+async def _changed(
+    redis: RedisClient,
+    batch: list[RecentRequest],
+    config: ConsoleSection,
+    *,
+    exact: bool,
+    per_key: bool,
 ) -> None:
+    """The gateway's write, changed: trimmed approximately (not ``exact``), or only the
+    all-keys stream (not ``per_key``)."""
     async with redis.pipeline(transaction=False) as pipe:
         for entry in batch:
             fields: dict[Any, Any] = entry.fields()
-            pipe.xadd(key_stream(entry.key_id), fields, maxlen=config.recent_per_key)
-            pipe.xadd(ALL_KEYS, fields, maxlen=config.recent_total)
-        await pipe.execute()
-
-
-async def _all_keys_only(
-    redis: RedisClient, batch: list[RecentRequest], config: ConsoleSection
-) -> None:
-    async with redis.pipeline(transaction=False) as pipe:
-        for entry in batch:
-            fields: dict[Any, Any] = entry.fields()
-            pipe.xadd(ALL_KEYS, fields, maxlen=config.recent_total, approximate=False)
+            if per_key:
+                pipe.xadd(
+                    key_stream(entry.key_id),
+                    fields,
+                    maxlen=config.recent_per_key,
+                    approximate=not exact,
+                )
+            pipe.xadd(ALL_KEYS, fields, maxlen=config.recent_total, approximate=not exact)
         await pipe.execute()
 
 
@@ -87,8 +88,8 @@ async def _measure(
     entries = [_entry(i) for i in range(requests)]
     # the recorder's own path for the gateway's way; the others write what it would, changed
     writers: dict[str, Callable[[list[RecentRequest]], Any]] = {
-        "approximate": lambda b: _approximate(redis, b, config),
-        "all-keys only": lambda b: _all_keys_only(redis, b, config),
+        "approximate": lambda b: _changed(redis, b, config, exact=False, per_key=True),
+        "all-keys only": lambda b: _changed(redis, b, config, exact=True, per_key=False),
     }
     redis_before = sum(server.cpu_times()[:2])
     client_before = time.process_time()

@@ -222,6 +222,15 @@ class OpenedRequest:
             )
         )
 
+    async def chunks(self) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
+        """The chunks as an iterator, closed with it (early: the request is cancelled on the
+        worker)."""
+        try:
+            while (chunk := await self.next()) is not None:
+                yield chunk
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
@@ -257,7 +266,8 @@ class ServeClient:
     ) -> OpenedRequest:
         """Opens the request on a stream to the worker at ``address`` (``whole``: only the
         last chunk, the whole completion; ``pull``: the prompt's blocks it is to take from a
-        peer first); read it with ``next`` and ``close`` it however it ends. It fails as a
+        peer first); read it with ``next`` and ``close`` it however it ends, or read its
+        ``chunks``. It fails as a
         call of its own would: ``grpc.aio.AioRpcError`` with the worker's status,
         DEADLINE_EXCEEDED after ``timeout_s`` (None: no deadline), UNAVAILABLE when the worker
         sends nothing for ``stall_s`` after its first chunk (None: no limit);
@@ -265,27 +275,6 @@ class ServeClient:
         stream = self._streams.get(address)
         opened = stream.open(request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull)
         return OpenedRequest(stream, opened, timeout_s)
-
-    async def chunks(
-        self,
-        address: str,
-        request: common_pb2.GenerateRequest,
-        *,
-        whole: bool,
-        timeout_s: float | None,
-        stall_s: float | None = None,
-        pull: common_pb2.KVPull | None = None,
-    ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The chunks of a request ``open`` opens, as an iterator; closing it early cancels
-        the request on the worker."""
-        opened = self.open(
-            address, request, whole=whole, timeout_s=timeout_s, stall_s=stall_s, pull=pull
-        )
-        try:
-            while (chunk := await opened.next()) is not None:
-                yield chunk
-        finally:
-            opened.close()
 
     def streams(self, address: str) -> int:
         """How many streams to the worker at ``address`` are open."""

@@ -36,12 +36,15 @@ class WorkerClient:
         """The worker's stub on the same channel, for its other methods (Info, Tokenize...)."""
         return self._channels.stub(address)
 
-    def generate(
+    async def generate(
         self, address: str, request: common_pb2.GenerateRequest, timeout_s: float = TIMEOUT_S
     ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
-        """The request's chunks as the worker streams them; closing the generator early
-        cancels the request on the worker."""
-        return self._serve.chunks(address, request, whole=False, timeout_s=timeout_s)
+        """The request's chunks as the worker streams them, opened at the first read; closing
+        the generator early cancels the request on the worker."""
+        opened = self._serve.open(address, request, whole=False, timeout_s=timeout_s)
+        async with contextlib.aclosing(opened.chunks()) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def complete(
         self,
@@ -52,8 +55,8 @@ class WorkerClient:
     ) -> common_pb2.GenerateResponse:
         """The whole completion in one message (``pull``: the prompt's blocks the worker is to
         take from a peer first); cancelling the caller cancels the request."""
-        chunks = self._serve.chunks(address, request, whole=True, timeout_s=timeout_s, pull=pull)
-        async with contextlib.aclosing(chunks):
+        opened = self._serve.open(address, request, whole=True, timeout_s=timeout_s, pull=pull)
+        async with contextlib.aclosing(opened.chunks()) as chunks:
             (whole,) = [chunk async for chunk in chunks]
         return whole
 

@@ -403,9 +403,9 @@ async def test_a_reader_slower_than_the_stall_timeout_is_no_stall(sim_worker):
     streams = ServeClient(channels, per_worker=1, buffered_chunks=4096)
     request = _open(1, 60).request
     try:
-        chunks = streams.chunks(
+        chunks = streams.open(
             sim_worker.servicer.info.address, request, whole=False, timeout_s=30, stall_s=0.1
-        )
+        ).chunks()
         tokens = len((await anext(chunks)).token_ids)
         await asyncio.sleep(0.5)  # five stall timeouts, while the worker goes on
         async for chunk in chunks:
