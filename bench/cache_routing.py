@@ -16,11 +16,12 @@ Per policy, fresh processes on an emptied Redis: a real router and
   learnt from it, a worker's prefill and decode speeds are timed alone, and the fleet's capacity
   is a burst of shared-prefix-sized requests with unique prompts (no cache hits).
 
-Requests go to the router's Generate, as an internal caller sends them (the router relays): the
-prompt rendered and tokenized as the gateway does it (gateway/mesh/prompt_tokens.py: the simulated
-tokens, or the tokenizer the torch workers serve, fetched from one of them), sent with its ids
-and the tokenizer's digest; `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every
-other policy gets none, so `balanced` is the byte-window guess of before.
+Requests travel the gateway's path (routed on the router's RouteStream, served over
+Worker.Serve by the gateway's mesh client): the prompt rendered and tokenized as the gateway
+does it (gateway/mesh/prompt_tokens.py: the simulated tokens, or the tokenizer the torch
+workers serve, fetched from one of them), sent with its ids and the tokenizer's digest;
+`cache_aware` is `balanced` with the prompt's `prefix_hashes`, every other policy gets none, so
+`balanced` is the byte-window guess of before.
 
 - shared-prefix: tenants each with a long system prompt and short unique questions, Poisson
   arrivals at ``--load`` x the fleet's capacity without cache hits (or ``--rate``); the prefixes
@@ -72,7 +73,6 @@ from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
-import grpc
 import redis
 
 from bench import router_policies as policies
@@ -83,7 +83,7 @@ from gateway.config import RouterSection
 from gateway.mesh.client import MeshClient
 from gateway.mesh.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
-from infermesh.pb import common_pb2, router_pb2_grpc
+from infermesh.pb import common_pb2
 from infermesh.ports import free_port
 from infermesh.tls import TlsSection
 from tests.helpers.worker_client import worker_client
@@ -147,7 +147,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # per fleet; token ranges are [low, hig
         "long_load": 1.0,
     },
 }
-_TIMEOUT_S = 300.0
+TIMEOUT_S = 300.0
 # A torch worker's longest prompt + answer (the agent's last turns reach ~3k tokens); its cache
 # must hold one whole context
 _TORCH_MAX_MODEL_LEN = 4096
@@ -167,11 +167,11 @@ class Outcome(policies.Outcome):
 
 @dataclasses.dataclass(frozen=True)
 class Client:
-    """Sends a run's requests to its router as the gateway relays them: each prompt rendered and
-    tokenized with the fleet's tokenizer, its ids and the tokenizer's digest, and (cache_aware)
-    its prefix hashes."""
+    """Sends a run's requests through its router as the gateway sends them: each prompt rendered
+    and tokenized with the fleet's tokenizer, its ids and the tokenizer's digest, and
+    (cache_aware) its prefix hashes."""
 
-    stub: router_pb2_grpc.RouterStub
+    mesh: MeshClient
     model: str
     renderer: Renderer
     with_hashes: bool
@@ -202,9 +202,7 @@ class Client:
         # the worker counts the same ids (the usage repeats it); a failed request keeps this
         outcome = Outcome(prompt_tokens=len(ids), order=order, prompt_ids=ids, prompt_hashes=hashes)
         sent = time.monotonic()
-        await policies.read_stream(
-            self.stub.Generate(request, timeout=_TIMEOUT_S), outcome, sent, start
-        )
+        await policies.read_stream(self.mesh.call(request, stream=True), outcome, sent, start)
         return outcome
 
 
@@ -542,8 +540,8 @@ async def calibrate(router_address: str, model: str, args: argparse.Namespace) -
             {"role": "user", "content": text.of(sum(args.question_tokens) // 2)},
         ]
 
-    async with grpc.aio.insecure_channel(router_address) as channel:
-        client = Client(router_pb2_grpc.RouterStub(channel), model, renderer, False)
+    async with policies.gateway_mesh(router_address, TIMEOUT_S) as mesh:
+        client = Client(mesh, model, renderer, False)
         # one at a time (least_load: each on another worker): a worker's own speeds
         alone = [
             await client.send(request(), completion_tokens, order=(0, 0.0), start=time.monotonic())
@@ -593,9 +591,8 @@ FLEETS = {"sim": sim_fleet, "torch": torch_fleet}
 
 
 async def run_policy(address: str, fleet: Fleet, workload: Workload, hashes: bool) -> list[Outcome]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        return await workload(Client(stub, fleet.model, fleet.renderer, hashes))
+    async with policies.gateway_mesh(address, TIMEOUT_S) as mesh:
+        return await workload(Client(mesh, fleet.model, fleet.renderer, hashes))
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from bench.router_policies import registered, serve_workers, spawn, stop, wait_u
 from devtools.redis_server import RedisServer
 from gateway.mesh.route_stream_client import RouteStream
 from infermesh.mesh_call import routes_of
-from infermesh.pb import common_pb2, router_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection
@@ -112,9 +112,16 @@ async def client(
             reply = await workers.complete(chosen.address, request, timeout_s=60)
         except grpc.aio.AioRpcError:
             stats.errors += measuring.is_set()
+            stream.finished(router_pb2.RouteFinished(worker_id=chosen.worker_id))
             continue
-        finally:
-            stream.finished(chosen.worker_id)
+        stream.finished(
+            router_pb2.RouteFinished(
+                worker_id=chosen.worker_id,
+                served_by=chosen.worker_id,
+                completed=True,
+                usage=reply.usage,
+            )
+        )
         if measuring.is_set() and not stopping.is_set():
             stats.requests += 1
             stats.tokens += reply.usage.completion_tokens

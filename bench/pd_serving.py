@@ -54,15 +54,12 @@ from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
-import grpc
-
 from bench import cache_routing
 from bench import router_policies as policies
 from devtools.pd_split import decode_without_prefill
 from devtools.redis_server import RedisServer
 from gateway.mesh.prompt_tokens import SIM_RENDERER
 from infermesh import sim_tokens
-from infermesh.pb import router_pb2_grpc
 from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from worker_svc.config import (
@@ -219,11 +216,8 @@ def summarize(outcomes: list[cache_routing.Outcome], time_scale: float) -> dict[
 async def run_workload(
     address: str, workload: cache_routing.Workload
 ) -> list[cache_routing.Outcome]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        client = cache_routing.Client(
-            router_pb2_grpc.RouterStub(channel), MODEL, SIM_RENDERER, with_hashes=True
-        )
-        return await workload(client)
+    async with policies.gateway_mesh(address, cache_routing.TIMEOUT_S) as mesh:
+        return await workload(cache_routing.Client(mesh, MODEL, SIM_RENDERER, with_hashes=True))
 
 
 def capacity_per_s(args: argparse.Namespace) -> float:

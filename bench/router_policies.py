@@ -7,7 +7,8 @@ Per policy, on fresh processes: a Redis, a real router (``python -m router_svc``
 INFERMESH_ROUTER_ROUTING_POLICY) and one process hosting 16 simulated workers as separate
 gRPC servers (4 x V100, 4 x A100, 4 x H100, 4 x MI100; worker_svc/sim_engine/engine.py), which
 register with the router as real workers do. This process sends the same open-loop workload
-through the router each time: Poisson arrivals at ``--load`` x the fleet's estimated capacity
+through the router each time, as the gateway sends it (routed on the router's RouteStream,
+served over Worker.Serve): Poisson arrivals at ``--load`` x the fleet's estimated capacity
 (from the roofline, without prefix-cache hits), prompts that mostly share one of 100 long
 system prompts (2k-6k tokens), mixed prompt (to 8k tokens) and output (16-64) lengths. Targets:
 balanced p99 TTFT <= 0.5 x round_robin's and throughput >= 1.2 x.
@@ -42,6 +43,10 @@ import redis
 
 from devtools.processes import stop_with_parent
 from devtools.redis_server import RedisServer
+from gateway.config import RouterSection as GatewayRouterSection
+from gateway.mesh.client import MeshClient
+from infermesh.failover import StreamFailedError
+from infermesh.mesh_call import MeshCall
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
@@ -186,53 +191,69 @@ class Outcome:
         return len(self.token_ids)
 
 
-async def read_stream(
-    call: AsyncIterator[common_pb2.GenerateResponse], outcome: Outcome, sent: float, start: float
-) -> None:
-    """Fills ``outcome`` from a Generate stream sent at ``sent``, in a run begun at ``start``."""
+@contextlib.asynccontextmanager
+async def gateway_mesh(router_address: str, timeout_s: float) -> AsyncIterator[MeshClient]:
+    """The gateway's client of the mesh: each request routed on the router's RouteStream and
+    served from the chosen worker over Worker.Serve, as the gateway serves its own
+    (``timeout_s``: how long a request may take, its wait in the router's queue included)."""
+    mesh = MeshClient(
+        GatewayRouterSection(address=router_address, request_timeout_s=timeout_s),
+        TlsSection(plaintext=True),
+    )
+    try:
+        yield mesh
+    finally:
+        await mesh.close()
+
+
+async def read_stream(call: MeshCall, outcome: Outcome, sent: float, start: float) -> None:
+    """Fills ``outcome`` from a mesh call sent at ``sent``, in a run begun at ``start``."""
     last = sent
     try:
-        async for chunk in call:
-            now = time.monotonic()
-            if outcome.ttft_s is None:
-                outcome.ttft_s = now - sent
-                outcome.worker = chunk.route.worker_id
-            elif chunk.token_ids:
-                outcome.itl_s += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
-            if chunk.token_ids:
-                last = now
-            outcome.text += chunk.text
-            outcome.token_ids += chunk.token_ids
-            if chunk.HasField("usage"):
-                outcome.prompt_tokens = chunk.usage.prompt_tokens
-                outcome.cached_tokens = chunk.usage.cached_prompt_tokens
+        async with contextlib.aclosing(call.chunks) as chunks:
+            async for chunk in chunks:
+                now = time.monotonic()
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = now - sent
+                    outcome.worker = call.route.worker_id if call.route is not None else ""
+                elif chunk.token_ids:
+                    outcome.itl_s += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+                if chunk.token_ids:
+                    last = now
+                outcome.text += chunk.text
+                outcome.token_ids += chunk.token_ids
+                if chunk.HasField("usage"):
+                    outcome.prompt_tokens = chunk.usage.prompt_tokens
+                    outcome.cached_tokens = chunk.usage.cached_prompt_tokens
         outcome.done_s = time.monotonic() - start
-    except grpc.aio.AioRpcError as e:
+    except grpc.aio.AioRpcError as e:  # the router's refusal
         outcome.error = e.code().name
         outcome.error_details = e.details() or ""
+    except StreamFailedError as e:  # the workers'
+        outcome.error = e.code.name
+        outcome.error_details = e.details
 
 
-async def send(stub: router_pb2_grpc.RouterStub, request: Request, start: float) -> Outcome:
+async def send(mesh: MeshClient, request: Request, start: float) -> Outcome:
     await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
     sent = time.monotonic()
     outcome = Outcome()
-    call = stub.Generate(
+    call = mesh.call(
         common_pb2.GenerateRequest(
             model=MODEL,
             messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in request.messages],
             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=request.max_tokens),
         ),
-        timeout=_REQUEST_TIMEOUT_S,
+        stream=True,
     )
     await read_stream(call, outcome, sent, start)
     return outcome
 
 
 async def run_workload(router_address: str, requests: list[Request]) -> tuple[list[Outcome], float]:
-    async with grpc.aio.insecure_channel(router_address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
+    async with gateway_mesh(router_address, _REQUEST_TIMEOUT_S) as mesh:
         start = time.monotonic()
-        outcomes = await asyncio.gather(*(send(stub, r, start) for r in requests))
+        outcomes = await asyncio.gather(*(send(mesh, r, start) for r in requests))
     return outcomes, max((o.done_s for o in outcomes if o.done_s is not None), default=float("nan"))
 
 

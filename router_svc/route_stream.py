@@ -144,7 +144,9 @@ class _Stream:
             decided = self._waiting.pop(ask_id, None)
             if decided is not None:
                 decided.cancel()
-        for worker_id in (*message.unused, *message.finished):
+        # a caller that reports ends lists them in finished too, for routers before ends
+        finished = () if message.ends else message.finished
+        for worker_id in (*message.unused, *finished):
             if self._routed[worker_id] > 0:  # a stream releases only what it routed
                 self._routed[worker_id] -= 1
                 self._servicer.released(worker_id)

@@ -135,6 +135,7 @@ class RouteStream:
         so that its worker's slot counts as free at once."""
         for call in self._calls.open(_PEER):  # the router forgets a broken stream's counts
             call.outgoing.message.ends.append(end)
+            call.outgoing.message.finished.append(end.worker_id)  # for a router before `ends`
             call.outgoing.changed()
 
     def report_failure(self, failure: router_pb2.ReportFailureRequest) -> None:
