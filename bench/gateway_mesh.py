@@ -16,11 +16,11 @@ scripts run as for any key, so Redis's CPU is the mesh's and is counted with it.
 For each concurrency, closed-loop clients send for --duration seconds (after a warm-up) by these
 paths (--paths): ``direct`` (gRPC to the worker over the transport the gateway uses, its
 long-lived ``Worker.Serve`` streams: ``infermesh.serve_client``, in this load process),
-``router`` (gRPC calls to the router, which relays, as for internal callers), ``mesh`` (HTTP chat
-completions through the gateway, which asks the router to choose and streams from the worker
-itself), ``tls`` (as ``mesh``, through a second mesh whose gRPC hops are all mutual TLS,
-its processes pinned as the first's; its reference is ``mesh``, so its +p50 is what TLS adds),
-``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
+``router`` (an internal caller's gRPC calls to the router, which serves them as the gateway
+does), ``mesh`` (HTTP chat completions through the gateway, which asks the router to choose and
+streams from the worker itself), ``tls`` (as ``mesh``, through a second mesh whose gRPC hops
+are all mutual TLS, its processes pinned as the first's; its reference is ``mesh``, so its +p50
+is what TLS adds), ``upstream`` (HTTP straight to bench/zero_upstream.py, a zero-latency
 OpenAI-compatible server with its own step loop on core 1) and ``litellm`` (LiteLLM's proxy, one
 worker, no database, on core 0, in front of that upstream; --litellm names its executable,
 installed in a venv of its own). Non-streamed with 16 tokens (``direct`` then asks the stream

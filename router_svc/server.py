@@ -223,7 +223,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stall_s=self._config.routing.stall_timeout_s if stream else None,
         )
 
-    def count_usage(self, owner: str, usage: common_pb2.Usage) -> None:
+    def _count_usage(self, owner: str, usage: common_pb2.Usage) -> None:
         """Counts an internal caller's request under ``owner``, when it delivered anything (a
         stream that failed midway counts what it sent, one that failed before does not)."""
         if owner and (usage.prompt_tokens or usage.completion_tokens):
@@ -238,7 +238,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         served_by = self._fleet.get(end.served_by) if end.completed else None
         if served_by is not None:
             self._fleet.succeeded(served_by)
-        self.count_usage(owner, end.usage)
+        self._count_usage(owner, end.usage)
 
     async def Tokenize(
         self,

@@ -1,11 +1,12 @@
-"""One request's generation, for every endpoint: admission against the key's
-limits, the mesh calls of its choices, and settlement however it ends.
+"""One request's generation, for every endpoint, in the stages ``GENERATION_STAGES`` names in
+order (address, tokenize, ask the route, admit, start), then the endpoint's answer
+(``respond``) and settlement however it ends.
 
-Each choice (``n``, or one per prompt of a batched legacy completion) is one
-router call. Every stream is read up to its first chunk before anything is
-answered, so a failure before the first token (unknown model, no worker, router
-down) is a plain HTTP error. Tokens are counted as they pass, so a stream the
-client abandoned is still settled with what it consumed.
+Each choice (``n``, or one per prompt of a batched legacy completion) is one mesh call
+(``infermesh.mesh_call``). Every stream is read up to its first chunk before anything is
+answered, so a failure before the first token (unknown model, no worker, router down) is a
+plain HTTP error. Tokens are counted as they pass (by the mesh call), so a stream the client
+abandoned is still settled with what it consumed.
 """
 
 from __future__ import annotations
