@@ -200,20 +200,28 @@ async def eventually(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def gateway_route(
-    router: RunningRouter, request: common_pb2.GenerateRequest
-) -> common_pb2.Route:
-    """The worker that served ``request`` to its end on the gateway's path: routed on
-    ``router``'s RouteStream by the gateway's mesh client and streamed from the worker over
-    Worker.Serve (``infermesh.mesh_call``). Raises the router's refusal as
+async def gateway_complete(
+    router: RunningRouter, request: common_pb2.GenerateRequest, *, stream: bool = False
+) -> common_pb2.GenerateResponse:
+    """``request`` served to its end on the gateway's path: routed on ``router``'s RouteStream
+    by the gateway's mesh client and served from the worker over Worker.Serve
+    (``infermesh.mesh_call``); its last chunk (not ``stream``: the whole answer), with the
+    route of the worker that served it. Raises the router's refusal as
     ``grpc.aio.AioRpcError``, the workers' failure as ``failover.StreamFailedError``."""
     mesh = MeshClient(GatewayRouterSection(address=router.address), TlsSection(plaintext=True))
     try:
-        call = mesh.call(request, stream=True)
+        call = mesh.call(request, stream=stream)
         async with contextlib.aclosing(call.chunks) as chunks:
-            async for _ in chunks:
-                pass
+            last = [chunk async for chunk in chunks][-1]
         assert call.finish_reason and call.route is not None
-        return call.route
+        last.route.CopyFrom(call.route)
+        return last
     finally:
         await mesh.close()
+
+
+async def gateway_route(
+    router: RunningRouter, request: common_pb2.GenerateRequest
+) -> common_pb2.Route:
+    """The worker that served ``request``, streamed to its end on the gateway's path."""
+    return (await gateway_complete(router, request, stream=True)).route

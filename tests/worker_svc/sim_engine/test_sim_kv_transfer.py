@@ -17,7 +17,13 @@ from infermesh.sim_tokens import BYTES_PER_TOKEN, prompt_text, sim_token_ids
 from router_svc.config import RoutingSection
 from telemetry import metrics
 from tests.helpers import MODEL
-from tests.helpers.inprocess import eventually, running_router, running_worker, sim_engine
+from tests.helpers.inprocess import (
+    eventually,
+    gateway_complete,
+    running_router,
+    running_worker,
+    sim_engine,
+)
 from tests.helpers.worker_client import worker_client
 from worker_svc.engine.api import GenerationRequest, PeerBlock, PeerPrefix, SamplingParams
 
@@ -100,7 +106,7 @@ async def test_a_busy_holders_prefix_is_pulled_over_a_fast_link_and_computed_ove
     ):
         held = _request("shared", 3000, 1)
         fleet = router.resources.registry.fleet
-        answer = await router.stub.Complete(held)
+        answer = await gateway_complete(router, held)
         holder = fleet.get(answer.route.worker_id)
         assert holder is not None
         other = "other" if holder.worker_id == "holder" else "holder"
@@ -115,7 +121,7 @@ async def test_a_busy_holders_prefix_is_pulled_over_a_fast_link_and_computed_ove
             request = _request("shared", 3000, 4)
             request.prompt += " and a question"
             request.prefix_hashes[:] = chain(sim_token_ids(prompt_text(None, request.prompt)))
-            answer = await router.stub.Complete(request)
+            answer = await gateway_complete(router, request)
             await busy.aclose()
     assert answer.route.worker_id == other
     taken = metrics.KV_PULL_BLOCKS.labels(holder.worker_id, other)._value.get() - before
