@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from infermesh.config import ConfigError
 from worker_svc.hardware.sizing import INDEXER_HEAD_WEIGHTS, is_fp8_linear
+from worker_svc.model.fused_moe import grouped_moe_available
 from worker_svc.model.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model.model import Linear, ModelArgs, Transformer
 from worker_svc.model.model_config import ModelConfigError, model_args
@@ -242,7 +243,7 @@ def build_model(
     model.load_state_dict(state, assign=True, strict=True)
     del state  # pack_weights replaces some of these tensors: let each go as it does
     model.reset_buffers(device)
-    model.pack_weights()
+    model.pack_weights(grouped_moe=grouped_moe_available(torch.device(device), keep_fp8))
     return model.eval()
 
 

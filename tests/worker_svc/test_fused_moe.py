@@ -1,0 +1,166 @@
+"""The routed experts as two grouped launches (worker_svc/model/fused_moe.py, triton_moe.py), run by
+Triton's interpreter on a CPU against the model's per-expert eager loop, and the dispatch's promise
+that it never waits on the host."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.host_sync import HostSyncError, NoHostSync
+from tests.helpers.triton_interpreter import TritonInterpreter
+from worker_svc.model.fused_moe import combine, route
+from worker_svc.model.kernel import pad_to_blocks, weight_quant
+from worker_svc.model.model import Linear, ModelArgs, MoE
+
+# K = 256 (two 128-blocks), I = 192 (a partial last block of the gate/up columns, and the down
+# projection's K padded from 192 to 256 in FP8), 4 experts, 2 a token
+_ARGS = ModelArgs(
+    dim=256,
+    moe_inter_dim=192,
+    n_routed_experts=4,
+    n_activated_experts=2,
+    n_expert_groups=1,
+    n_limited_groups=1,
+)
+# the largest decode batch the engine captures by default ([engine] cuda_graph_batch_sizes)
+_BIGGEST_BUCKET = 64
+
+
+@pytest.fixture(scope="module")
+def interpreter() -> Iterator[TritonInterpreter]:
+    process = TritonInterpreter()
+    try:
+        yield process
+    finally:
+        process.close()
+
+
+def _moe(fp8: bool, dtype: torch.dtype, seed: int = 0) -> MoE:
+    """The model's MoE layer with random experts: FP8 block-quantized as a checkpoint stores them,
+    or in `dtype`."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        moe = MoE(_ARGS)
+    with torch.no_grad():
+        for linear in moe.modules():
+            if not isinstance(linear, Linear):
+                continue
+            shape = (linear.out_features, linear.in_features)
+            weight = torch.randn(shape, generator=generator) / linear.in_features**0.5
+            if fp8:
+                linear.hold_fp8()
+                q, scale = weight_quant(weight)
+                linear.weight.copy_(pad_to_blocks(q))
+                assert linear.weight_scale_inv is not None
+                linear.weight_scale_inv.copy_(scale)
+            else:
+                linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    return moe
+
+
+def _uneven_choice(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert 0 in nearly every token, 1 and 3 in some, expert 2 in none: uneven counts, one expert
+    with zero rows."""
+    generator = torch.Generator().manual_seed(tokens)
+    first = torch.zeros(tokens, dtype=torch.long)
+    first[tokens - tokens // 8 :] = 3
+    second = torch.where(torch.rand(tokens, generator=generator) < 0.7, 1, 3)
+    second[tokens - tokens // 8 :] = 1
+    weights = torch.rand(tokens, 2, generator=generator)
+    return weights, torch.stack([first, second], dim=1)
+
+
+def _grouped(moe: MoE, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """In the interpreter's process: the experts stacked, the grouped path run."""
+    moe.stack_experts()
+    assert moe.grouped is not None
+    return moe.grouped(x, weights, indices)
+
+
+def _grouped_without_host_sync(
+    moe: MoE, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    moe.stack_experts()
+    assert moe.grouped is not None
+    with NoHostSync():
+        return moe.grouped(x, weights, indices)
+
+
+@pytest.mark.parametrize(
+    ("fp8", "dtype", "tokens"),
+    [
+        (True, torch.float32, 7),
+        (True, torch.bfloat16, _BIGGEST_BUCKET),
+        (False, torch.bfloat16, 7),
+    ],
+)
+def test_grouped_experts_match_the_per_expert_reference(
+    interpreter: TritonInterpreter, fp8: bool, dtype: torch.dtype, tokens: int
+) -> None:
+    """The same quantized rows, FP8 products summed in FP32: only summation order differs (a float32
+    model: 1e-5 of the largest output; BF16 outputs round the same sums to the same bits, or one
+    BF16 ulp off where SiLU's exp differs)."""
+    moe = _moe(fp8, dtype)
+    weights, indices = _uneven_choice(tokens)
+    x = torch.randn(tokens, _ARGS.dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights = weights.to(dtype)
+    expected = moe._per_expert(x, weights, indices)
+    got = interpreter.call(_grouped, moe, x, weights, indices)
+    assert got.shape == expected.shape and got.dtype == dtype
+    scale = float(expected.float().abs().max())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2.0**-7, atol=2.0**-8 * scale)
+
+
+def test_the_grouped_path_never_waits_on_the_host(interpreter: TritonInterpreter) -> None:
+    """The whole grouped call (dispatch, both launches, the sum) under the check, in the
+    interpreter's process: no value read back, no output sized by data."""
+    moe = _moe(True, torch.float32)
+    weights, indices = _uneven_choice(16)
+    x = torch.randn(16, _ARGS.dim)
+    got = interpreter.call(_grouped_without_host_sync, moe, x, weights, indices)
+    torch.testing.assert_close(got, moe._per_expert(x, weights, indices), rtol=1e-5, atol=1e-5)
+
+
+def test_the_dispatch_runs_without_data_on_the_meta_device() -> None:
+    """On the meta device any read of data fails (.item(), .tolist(), a copy to the CPU): the
+    dispatch and the sum compute only from shapes."""
+    weights = torch.empty(64, 8, device="meta")
+    indices = torch.empty(64, 8, dtype=torch.long, device="meta")
+    routing = route(weights, indices, 256)
+    assert routing.offsets.shape == (257,) and routing.source.shape == (512,)
+    assert combine(torch.empty(512, 32, device="meta"), routing, 8).shape == (64, 32)
+
+
+def test_route_sorts_the_pairs_by_expert() -> None:
+    weights, indices = _uneven_choice(16)
+    with NoHostSync():
+        routing = route(weights, indices, 4)
+    counts = torch.bincount(indices.flatten(), minlength=4)
+    assert routing.offsets.tolist() == [0, *counts.cumsum(0).tolist()]
+    assert counts[2] == 0  # the expert with no rows
+    flat = indices.flatten()
+    experts = flat.argsort(stable=True)
+    assert torch.equal(routing.source, experts // 2)
+    assert torch.equal(routing.weights, weights.flatten()[experts])
+    assert torch.equal(experts[routing.inverse], torch.arange(32))
+
+
+def test_the_check_catches_a_host_read() -> None:
+    """What the check is for: a made-up `.item()` after the dispatch, and the per-expert loop (its
+    counts read on the host) fail it; `.tolist()` fails on the meta device."""
+    weights, indices = _uneven_choice(16)
+    with NoHostSync(), pytest.raises(HostSyncError, match="_local_scalar_dense"):
+        int(route(weights, indices, 4).offsets[-1].item())
+    moe = _moe(False, torch.float32)
+    with NoHostSync(), pytest.raises(HostSyncError, match="bincount"):
+        moe._per_expert(torch.randn(16, _ARGS.dim), weights, indices)
+    routing = route(weights.to("meta"), indices.to("meta"), 4)
+    with pytest.raises(NotImplementedError, match="meta"):
+        routing.offsets.tolist()
