@@ -307,6 +307,12 @@ class EngineSection:
     threads: int = AUTO_THREADS
     reserved_cores: int = 1
     omp_wait_policy: WaitPolicy = "auto"
+    # checkpoint only, on a CUDA GPU: decode steps of up to this many sequences replay a CUDA graph
+    # of the step captured for the next size up (keys padded to a power of two, at least 256); a
+    # larger batch, a prefill step, or a size whose capture failed (one warning) runs eager. []: off
+    cuda_graph_batch_sizes: list[int] = dataclasses.field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64]
+    )
     # vllm only: vLLM engine arguments past those the other sections set ([engine.vllm] table; the
     # environment's INFERMESH_WORKER_ENGINE_VLLM takes a JSON object)
     vllm: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -318,6 +324,10 @@ class EngineSection:
             raise ValueError(f"reserved_cores: must be >= 0, got {self.reserved_cores}")
         if self.link_gbps < 0:
             raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
+        if any(size < 1 for size in self.cuda_graph_batch_sizes):
+            raise ValueError(
+                f"cuda_graph_batch_sizes: each must be >= 1, got {self.cuda_graph_batch_sizes}"
+            )
         if self.time_scale <= 0:
             raise ValueError(f"time_scale: must be positive, got {self.time_scale}")
         if self.gpu not in gpu_profiles():

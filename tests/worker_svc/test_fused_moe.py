@@ -4,7 +4,8 @@ that it never waits on the host."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from tests.helpers.host_sync import HostSyncError, NoHostSync
 from tests.helpers.triton_interpreter import TritonInterpreter
 from worker_svc.model.fused_moe import combine, route
 from worker_svc.model.kernel import pad_to_blocks, weight_quant
-from worker_svc.model.model import Linear, ModelArgs, MoE
+from worker_svc.model.model import Linear, ModelArgs, MoE, Transformer
+from worker_svc.torch_engine.cuda_graphs import DecodeGraphs, DecodeInputs
 
 # K = 256 (two 128-blocks), I = 192 (a partial last block of the gate/up columns, and the down
 # projection's K padded from 192 to 256 in FP8), 4 experts, 2 a token
@@ -28,15 +30,6 @@ _ARGS = ModelArgs(
 )
 # the largest decode batch the engine captures by default ([engine] cuda_graph_batch_sizes)
 _BIGGEST_BUCKET = 64
-
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[TritonInterpreter]:
-    process = TritonInterpreter()
-    try:
-        yield process
-    finally:
-        process.close()
 
 
 def _moe(fp8: bool, dtype: torch.dtype, seed: int = 0) -> MoE:
@@ -74,7 +67,9 @@ def _uneven_choice(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, torch.stack([first, second], dim=1)
 
 
-def _grouped(moe: MoE, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def _grouped(
+    moe: MoE, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
     """In the interpreter's process: the experts stacked, the grouped path run."""
     moe.stack_experts()
     assert moe.grouped is not None
@@ -115,7 +110,9 @@ def test_grouped_experts_match_the_per_expert_reference(
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
     else:
-        torch.testing.assert_close(got.float(), expected.float(), rtol=2.0**-7, atol=2.0**-8 * scale)
+        torch.testing.assert_close(
+            got.float(), expected.float(), rtol=2.0**-7, atol=2.0**-8 * scale
+        )
 
 
 def test_the_grouped_path_never_waits_on_the_host(interpreter: TritonInterpreter) -> None:
@@ -164,3 +161,42 @@ def test_the_check_catches_a_host_read() -> None:
     routing = route(weights.to("meta"), indices.to("meta"), 4)
     with pytest.raises(NotImplementedError, match="meta"):
         routing.offsets.tolist()
+
+
+def _capture_checking_host_sync(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A capture stand-in that runs the step once under the check, as a CUDA graph's capture would
+    refuse a host synchronisation."""
+    with NoHostSync():
+        step()
+    return step
+
+
+def _decode_step_without_host_sync() -> torch.Tensor:
+    """In the interpreter's process: a BF16 model with a dense and a MoE layer, its experts grouped
+    as on a GPU, runs the engine's capturable decode step at batch 2 under the check."""
+    torch.manual_seed(0)
+    args = dataclasses.replace(_ARGS, vocab_size=64, n_layers=2, n_dense_layers=1, n_heads=2)
+    model = Transformer(args).to(torch.bfloat16)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    model.pack_weights(grouped_moe=True)
+    cache = model.setup_cache(2, 16)
+    graphs = DecodeGraphs(model, cache, [2], scratch_block=1, capture=_capture_checking_host_sync)
+    inputs = DecodeInputs(
+        tokens=torch.tensor([3, 5]),
+        positions=torch.tensor([0, 0]),
+        write_slots=torch.tensor([0, 16]),
+        key_slots=torch.tensor([[0] * 256, [16] * 256]),
+    )
+    logits = graphs.run((2, 256), inputs)
+    assert logits is not None
+    return logits
+
+
+def test_the_decode_step_with_grouped_experts_never_waits_on_the_host(
+    interpreter: TritonInterpreter,
+) -> None:
+    """The whole step a CUDA graph captures (embedding, MLA decode, the gate, the grouped experts,
+    lm_head) under the check: what a capture on a GPU would refuse fails here first."""
+    logits = interpreter.call(_decode_step_without_host_sync)
+    assert logits.shape == (2, 64) and bool(logits.isfinite().all())

@@ -4,8 +4,6 @@ the shape families DeepSeek-V3 serves in FP8."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from triton import knobs
@@ -31,15 +29,6 @@ FAMILIES = {
 TOKENS = (1, 3, 8, 17, 64, 65, 512)
 # prefill-sized M: K's depth checks nothing the decode sizes do not, and costs the interpreter most
 _PREFILL_K = 512
-
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[TritonInterpreter]:
-    process = TritonInterpreter()
-    try:
-        yield process
-    finally:
-        process.close()
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:

@@ -204,7 +204,6 @@ def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
 
 
-
 def act_quant(
     x: torch.Tensor, block_size: int = BLOCK_SIZE, *, impl: KernelImpl = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
