@@ -809,13 +809,14 @@ def summary(suite: Suite) -> dict[str, Any]:
                 figure = f"{cell['rel_error']:.3g}, same argmax {cell['argmax']}"
                 rows.append([f"tiny {name} FP8 ({label}) logits <= 5e-2", figure, _met(ok)])
     decode = r.get("decode_step", {})
+    ratios: dict[int, float] = {}
     for batch in BATCHES:
         fp8, bf16 = (decode.get(f"{v} batch={batch}") for v in ("fp8 triton", "bf16"))
         if fp8 is None or bf16 is None:
             continue
         fp8_s = fp8.get("graph_s") or fp8["eager_s"]
         bf16_s = bf16.get("graph_s") or bf16["eager_s"]
-        ratio = fp8_s / bf16_s
+        ratio = ratios[batch] = fp8_s / bf16_s
         target = f"FP8 step <= {TARGET_FP8_STEP_RATIO}x BF16, batch {batch}"
         rows.append([target, f"{ratio:.2f}", _met(ratio <= TARGET_FP8_STEP_RATIO)])
         if batch == 1:
@@ -838,13 +839,17 @@ def summary(suite: Suite) -> dict[str, Any]:
         rows.append(
             ["grouped MoE without host sync", f"{syncs.count('none')}/{len(syncs)}", _met(clean)]
         )
-    suite.table(
-        "Summary: issue 45's targets",
-        ["target", "figure", "verdict"],
-        rows,
-        "A target whose step failed or did not run here has no row.",
-    )
-    return {"targets": rows}
+    note = "A target whose step failed or did not run here has no row."
+    policy_row = None
+    if ratios:  # what the precision policy reads (worker_svc/model/precision.py)
+        figures = ", ".join(f"{b}: {v:.2f}" for b, v in ratios.items())
+        policy_row = (
+            f'"{decode.get("gpu_kind")}": DecodeMeasurement({{{figures}}}, '
+            f'"{time.strftime("%Y-%m-%d")}, CUDA graphs; docs/benchmarks/fp8-hopper.md")'
+        )
+        note += f" The precision policy's MEASURED_FP8_DECODE row for this GPU: `{policy_row}`."
+    suite.table("Summary: issue 45's targets", ["target", "figure", "verdict"], rows, note)
+    return {"targets": rows, "measured_fp8_decode_row": policy_row}
 
 
 def _met(ok: bool) -> str:

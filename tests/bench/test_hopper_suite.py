@@ -35,7 +35,8 @@ def test_the_summary_judges_each_target_from_the_figures(tmp_path: Path) -> None
         },
         "grouped_moe": {"fp8 batch=1": {"host_sync": "none"}, "bf16 batch=1": {}},
     }
-    rows = {target: (figure, verdict) for target, figure, verdict in summary(suite)["targets"]}
+    result = summary(suite)
+    rows = {target: (figure, verdict) for target, figure, verdict in result["targets"]}
     assert rows["tiny V3 FP8 (triton) logits <= 5e-2"] == ("0.46, same argmax False", "MISSED")
     assert rows["tiny V3 without YaRN FP8 (triton) logits <= 5e-2"][1] == "met"
     assert rows["FP8 step <= 0.8x BF16, batch 1"] == ("0.60", "met")
@@ -45,6 +46,9 @@ def test_the_summary_judges_each_target_from_the_figures(tmp_path: Path) -> None
     assert rows["graph replay = eager tokens"] == ("3/3", "met")
     assert rows["grouped MoE without host sync"] == ("1/1", "met")
     assert not [t for t in rows if "act_quant" in t]
+    assert result["measured_fp8_decode_row"].startswith(
+        '"H100": DecodeMeasurement({1: 0.60, 8: 1.67}, "'
+    )
 
 
 def test_the_host_sync_probe_names_what_synchronised() -> None:
