@@ -76,9 +76,9 @@ from worker_svc.model.model import Linear, ModelArgs, MoE, Transformer
 from worker_svc.model.paged_batch import BatchLayout, KVCache
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities
 from worker_svc.torch_engine.cuda_graphs import (
+    CudaGraphCapture,
     DecodeGraphs,
     DecodeInputs,
-    capture_cuda_graph,
     key_bucket,
 )
 
@@ -705,10 +705,11 @@ def _graph_replay(model: Transformer, setup: DecodeSetup, suite: Suite) -> dict[
     if suite.device.type != "cuda":
         return {"graph": "no CUDA"}
     errors: list[str] = []
+    cuda_graphs = CudaGraphCapture()
 
     def capture(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         try:
-            return capture_cuda_graph(step)
+            return cuda_graphs(step)
         except Exception as e:  # recorded: the engine falls back to eager
             errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
             raise

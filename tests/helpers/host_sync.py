@@ -30,10 +30,14 @@ class HostSyncError(AssertionError):
     """An op that synchronises the host with the device ran inside `NoHostSync`."""
 
 
-class NoHostSync(TorchDispatchMode):
+# torch's TorchDispatchMode is unannotated
+class NoHostSync(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Raises HostSyncError on every op that reads device data on the host, and on copies from a
     device to the CPU. On a CPU the copies cannot be told apart (and `.tolist()` dispatches no op):
     run the code on the meta device too, where every read of data fails."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self,

@@ -47,40 +47,33 @@ def key_bucket(keys: int) -> int:
     return max(_MIN_KEYS, 1 << (keys - 1).bit_length())
 
 
-def capture_cuda_graph(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Runs `step` eagerly on a side stream (compiling and allocating), then captures it; ->
-    replay, which reruns the captured kernels on whatever the static buffers hold and returns
-    the step's output tensor (the same one each time)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(_WARMUP_RUNS):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_POOL.handle()):
-        out = step()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
-
-    return replay
-
-
-class _Pool:
-    """One memory pool for every captured step: they never run at once, so they share it."""
+class CudaGraphCapture:
+    """Captures steps as CUDA graphs that share one memory pool (they never run at once)."""
 
     def __init__(self) -> None:
-        self._handle: tuple[int, int] | None = None
+        self._first: torch.cuda.CUDAGraph | None = None  # whose pool the later graphs share
 
-    def handle(self) -> tuple[int, int]:
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Runs `step` eagerly on a side stream (compiling and allocating), then captures it; ->
+        replay, which reruns the captured kernels on whatever the static buffers hold and returns
+        the step's output tensor (the same one each time)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP_RUNS):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=None if self._first is None else self._first.pool()):
+            out = step()
+        if self._first is None:
+            self._first = graph
 
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
 
-_POOL = _Pool()
+        return replay
 
 
 @dataclass
@@ -110,11 +103,12 @@ class DecodeGraphs:
         cache: KVCache,
         batch_sizes: Sequence[int],
         scratch_block: int,
-        capture: Capture = capture_cuda_graph,
+        capture: Capture | None = None,
     ):
         """scratch_block: a block of `cache` no sequence holds (padding reads and writes it);
-        capture: how a step becomes a replay (a CUDA graph; tests give a stand-in)."""
-        self.model, self.cache, self.capture = model, cache, capture
+        capture: how a step becomes a replay (None: CUDA graphs; tests give a stand-in)."""
+        self.model, self.cache = model, cache
+        self.capture = capture or CudaGraphCapture()
         self.batch_sizes = sorted(set(batch_sizes))
         self.scratch_block = scratch_block
         self._graphs: dict[tuple[int, int], _Graph] = {}
