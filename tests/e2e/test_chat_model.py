@@ -3,7 +3,7 @@ greedy: requests that set no output limit get a short answer that ends, through 
 (with and without tools) and Responses; held-out tool questions call the tool they need, and
 held-out conversations recall a name told earlier, more often than chance. How often, and what it
 cannot do yet (the right tool's arguments), is measured by bench/chat_model.py. Its thinking
-variant is tested in tests/gateway/test_reasoning_models.py."""
+variant is tested in tests/gateway/api/test_reasoning_models.py."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from infermesh.names import Precision
-from worker_svc.engine_api import DeviceCapabilities, DeviceKind
+from worker_svc.engine.api import DeviceCapabilities, DeviceKind
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.model.kernel import FP8, fp8_gemm_available
 
