@@ -64,7 +64,9 @@ class CudaGraphCapture:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=None if self._first is None else self._first.pool()):
+        pool = None if self._first is None else self._first.pool()
+        # thread_local: what the worker's other threads do on the GPU meanwhile does not void it
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = step()
         if self._first is None:
             self._first = graph
