@@ -19,7 +19,7 @@ failure, never a silent skip.
    8, 64: the grouped launches (fused_moe.py, captured in a CUDA graph) against the per-expert
    loop (eager), FP8 and BF16; the grouped result against the loop's, and the grouped call run
    under the host-synchronisation check (torch's sync debug mode and tests/helpers/host_sync.py);
-5. the tiny checkpoints on the GPU in the precision the policy picks (FP8 with each GEMM) against
+5. the tiny checkpoints on the GPU in FP8 where it runs (with each GEMM), else the policy's, against
    the float32 model on the CPU and against the same precision's reference kernels on the CPU:
    last-token logits' relative error, same argmax; the tiny V3 also without its YaRN scaling;
 6. a decode step of a model with DeepSeek-V3's layer shapes (hidden 7168, MLA 512 + 64, 128
@@ -485,7 +485,11 @@ def tiny_checkpoints(suite: Suite) -> dict[str, Any]:
     for name, model_dir in models.items():
         reference = _last_logits(load_checkpoint(model_dir, torch.float32, "cpu")[0], tokens)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]
-        precision = detect_capabilities(suite.device, fp8_weights=fp8_weights).precision
+        # FP8 wherever it runs (the policy's measured table may keep "auto" on BF16 here)
+        dtype = "fp8" if fp8_weights and kernel.fp8_gemm_available(suite.device) else "auto"
+        precision = detect_capabilities(
+            suite.device, dtype=dtype, fp8_weights=fp8_weights
+        ).precision
         same_on_cpu = _last_logits(
             load_checkpoint(model_dir, TORCH_DTYPES[precision], "cpu")[0], tokens
         )
