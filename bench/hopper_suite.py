@@ -398,7 +398,8 @@ def tiny_checkpoints(suite: Suite) -> dict[str, Any]:
         "Tiny checkpoints on the device vs float32 on the CPU (40-token prompt)",
         ["checkpoint", "precision", "FP8 GEMM", "logits rel. error", "same argmax"],
         rows,
-        "FP8 rounding of random weights: ~5e-2 measured before (docs/BENCHMARKS.md); BF16 ~1e-2.",
+        "FP8 rounding of random weights: ~5e-2 measured before "
+        "(docs/benchmarks/engine-precision.md); BF16 ~1e-2.",
     )
     return out
 
