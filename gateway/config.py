@@ -13,6 +13,8 @@ import fnmatch
 import hashlib
 import re
 
+from aiohttp import web
+
 from infermesh.channels import GRPC_MESSAGE_LIMIT_BYTES
 from infermesh.config import MetricsSection, section
 from infermesh.redact import redact_url
@@ -283,6 +285,9 @@ class ResponsesSection:
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
+    """Every section of the gateway's config; the app holds it under ``CONFIG``, and every room
+    reads its sections from there."""
+
     server: HttpServerSection = dataclasses.field(default_factory=HttpServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
@@ -294,3 +299,6 @@ class GatewayConfig:
     # the side port of every metric, the per-key series too (the API's /metrics has them not)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)
+
+
+CONFIG = web.AppKey[GatewayConfig]("config")

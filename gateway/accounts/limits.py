@@ -78,8 +78,6 @@ import math
 import secrets
 from typing import Any
 
-from aiohttp import web
-
 from gateway.accounts.keys import key_tag, redis_key
 from gateway.accounts.usage import TokenUsage
 from gateway.http.errors import AuthenticationError, RateLimitError
@@ -379,9 +377,6 @@ class Limiter:
                     await pipe.execute()
             except REDIS_ERRORS as e:
                 logger.warning("could not renew concurrency leases: %s", type(e).__name__)
-
-
-LIMITER = web.AppKey("limiter", Limiter)
 
 
 async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gateway.api.generation import (
 )
 from gateway.api.tools import ToolCalls, chunk_deltas
 from gateway.http import sse
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
 from gateway.openai.chat_protocol import (
     ChatCompletionRequest,

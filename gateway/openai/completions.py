@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.api.generation import Answer, Generation, Plan, answer, finish_reason
 from gateway.http import sse
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
 from gateway.openai.chat_protocol import completion_id, now_s, usage, usage_chunk
 from gateway.openai.completions_protocol import (

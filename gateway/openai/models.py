@@ -14,13 +14,14 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.accounts.auth import API_KEY
-from gateway.accounts.limits import LIMITER, mesh_failed
+from gateway.accounts.limits import mesh_failed
+from gateway.accounts.state import API_KEY, LIMITER
 from gateway.accounts.usage import TokenUsage
-from gateway.api.generation import MODELS_CONFIG, admit
+from gateway.api.generation import admit
+from gateway.config import CONFIG
 from gateway.http.errors import ModelNotFoundError
 from gateway.http.middleware import is_anthropic_client
-from gateway.mesh.client import MESH
+from gateway.mesh.state import MESH
 from gateway.openai.chat_protocol import model_list, model_object
 
 
@@ -44,7 +45,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     wanted = request.match_info["model"]
     created, headers = await _visible_models(request)
-    served = request.app[MODELS_CONFIG].resolve(wanted)
+    served = request.app[CONFIG].models.resolve(wanted)
     if served in created:
         if is_anthropic_client(request):
             body = _anthropic_model(wanted, served, created[served])
@@ -67,7 +68,7 @@ def _anthropic_model(name: str, served: str, created: int) -> dict[str, Any]:
 
 def _visible_aliases(request: web.Request, created: dict[str, int]) -> dict[str, str]:
     """The configured aliases of the models the key may use: alias -> served model."""
-    aliases = request.app[MODELS_CONFIG].aliases
+    aliases = request.app[CONFIG].models.aliases
     return {alias: target for alias, target in aliases.items() if target in created}
 
 
