@@ -1,7 +1,7 @@
 """The README's and docs/' links and cited paths lead somewhere.
 
-Links (outside code): every relative link names a file of the repository and, with a #fragment, a heading of
-that file (as GitHub makes anchors of headings).
+Links (outside code): every relative link names a file of the repository and, with a
+#fragment, a heading of that file (as GitHub makes anchors of headings).
 
 Cited paths: every inline code span outside fenced blocks made only of path characters
 (letters, digits, ``_ . / -``; so no command, URL or glob), with no placeholder in capitals

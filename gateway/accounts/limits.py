@@ -187,7 +187,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             admission.quota_field,
             usage.prompt_tokens,
             usage.completion_tokens,
-            usage.cached_tokens,
+            usage.cached_prompt_tokens,
             admission.lease,
             USAGE_DAY_TTL_S,
             int(settlement.served),

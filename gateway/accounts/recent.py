@@ -50,7 +50,7 @@ class RecentRequest:
     model: str
     status: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # stored under this name, as the usage counts are (infermesh.usage)
     completion_tokens: int
     first_token_ms: int | None  # None: no token came (refused, failed, or not a generation)
     duration_ms: int
@@ -167,7 +167,7 @@ async def record_recent(request: web.Request, handler: Handler) -> web.StreamRes
                 model=request.get(MODEL, ""),
                 status=response.status,
                 prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
+                cached_tokens=usage.cached_prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 first_token_ms=None if first_token_s is None else round(first_token_s * 1000),
                 duration_ms=round((time.monotonic() - started) * 1000),
