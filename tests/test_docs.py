@@ -21,8 +21,10 @@ that the docs name (``_OTHER_PROJECTS``). A span starting with ``/`` is an HTTP 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Set
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,8 @@ _OTHER_PROJECTS = ("vllm/", "inference/")
 _NOT_THE_TREE = {".git", ".venv", "__pycache__"}
 
 
-def tree_paths(root: Path) -> set[str]:
+@functools.cache  # one walk for every document
+def tree_paths(root: Path) -> frozenset[str]:
     """Every file and folder of the working tree (not git's, the venv or caches), as ``a/b.py``
     and ``a/`` with the folder's slash."""
     out = set()
@@ -51,10 +54,11 @@ def tree_paths(root: Path) -> set[str]:
         prefix = "" if prefix == "./" else prefix
         out.update(f"{prefix}{d}/" for d in subfolders)
         out.update(f"{prefix}{f}" for f in files)
-    return out
+    return frozenset(out)
 
 
-def ignored_places(root: Path) -> set[str]:
+@functools.cache
+def ignored_places(root: Path) -> frozenset[str]:
     """The folders ``.gitignore`` files name (no globs): where generated files go."""
     out = set()
     for ignore in root.rglob(".gitignore"):
@@ -64,10 +68,10 @@ def ignored_places(root: Path) -> set[str]:
             line = line.strip().strip("/")
             if line and not line.startswith("#") and not re.search(r"[*?\[!]", line):
                 out.add(f"{prefix}{line}/")
-    return out
+    return frozenset(out)
 
 
-def stale_citations(text: str, tree: set[str], ignored: set[str]) -> list[str]:
+def stale_citations(text: str, tree: Set[str], ignored: Set[str]) -> list[str]:
     """The cited paths of a Markdown text that lead nowhere (see the module's rule)."""
     tops = {p.rstrip("/") for p in tree if "/" not in p.rstrip("/")}
     places = ignored | set(_OTHER_PROJECTS)
@@ -85,7 +89,7 @@ def stale_citations(text: str, tree: set[str], ignored: set[str]) -> list[str]:
 
 
 def _cited_path_exists(
-    span: str, tree: set[str], tops: set[str], places: set[str], folders: list[str]
+    span: str, tree: Set[str], tops: set[str], places: Set[str], folders: list[str]
 ) -> bool:
     if any((span + "/").startswith(place) for place in places):
         return True
