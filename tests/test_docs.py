@@ -47,9 +47,9 @@ _NOT_THE_TREE = {".git", ".venv", "__pycache__"}
 def tree_paths(root: Path) -> frozenset[str]:
     """Every file and folder of the working tree (not git's, the venv or caches), as ``a/b.py``
     and ``a/`` with the folder's slash."""
-    out = set()
+    out: set[str] = set()
     for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if d not in _NOT_THE_TREE and "cache" not in d]
+        subfolders[:] = [d for d in subfolders if d not in _NOT_THE_TREE and d[-6:] != "_cache"]
         prefix = Path(folder).relative_to(root).as_posix() + "/"
         prefix = "" if prefix == "./" else prefix
         out.update(f"{prefix}{d}/" for d in subfolders)
