@@ -207,5 +207,6 @@ class MetricsSection:
     """``[metrics]`` of every service: the HTTP side port of /metrics (the gateway's has the
     per-key series its public port does not)."""
 
+    # The address the side port listens on.
     host: str = "127.0.0.1"
     port: int = 0  # 0: no side port (several workers on one host would collide)

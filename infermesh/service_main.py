@@ -1,8 +1,9 @@
 """The entry point every service's ``__main__`` shares: arguments, logging,
 config, tracing, the event loop and a clean stop on SIGINT/SIGTERM.
 
-Services run on uvloop: aiohttp and grpc.aio both spend less CPU per request on
-it (bench/gateway_mesh.py: the gateway and router ~25 % less, docs/BENCHMARKS.md)."""
+Services run on uvloop: aiohttp and grpc.aio both spend less CPU per request on it
+(bench/gateway_mesh.py: the gateway and router ~25 % less,
+docs/benchmarks/gateway-throughput.md)."""
 
 from __future__ import annotations
 

@@ -252,7 +252,7 @@ def native_fp8_gemm_available(device: torch.device) -> bool:
 def fp8_gemm_available(device: torch.device) -> bool:
     """True where the precision policy may serve FP8 on this device: sm90, with the Triton GEMM or
     cuBLASLt's. sm89 runs the Triton kernels too, but serves BF16 until a measurement there says
-    FP8 pays (docs/BENCHMARKS.md)."""
+    FP8 pays (docs/benchmarks/engine-precision.md)."""
     return _cuda_capability(device) == (9, 0) and (
         triton_fp8_available(device) or native_fp8_gemm_available(device)
     )

@@ -254,8 +254,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     In float32 on a CPU, for fewer than 64 tokens it runs as weight @ x.T over at least two columns:
     MKL streams a weight fastest as the left operand of a GEMM, while its GEMV (one token) and its
-    x @ W.T at a few tokens read it 1.5-3x slower (docs/BENCHMARKS.md). From 64 tokens on (prefill)
-    x @ W.T is as fast or faster.
+    x @ W.T at a few tokens read it 1.5-3x slower (docs/benchmarks/worker-throughput.md). From 64
+    tokens on (prefill) x @ W.T is as fast or faster.
     """
     rows = x.size(0)
     if (

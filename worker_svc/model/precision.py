@@ -11,7 +11,7 @@
 - A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on
   sm90.
 - CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
-  (docs/BENCHMARKS.md, "Engine precision"): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
+  (docs/benchmarks/engine-precision.md): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
   at 16 and 64 tokens (oneDNN converts); on an AVX512-BF16 EPYC a serving mix of decode batches
   1..64 and prefill chunks ran 1.48x faster in BF16, BF16 winning at every batch size.
 - FP8 follows measurement: where `MEASURED_FP8_DECODE` holds the torch engine's decode step
