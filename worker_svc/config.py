@@ -324,6 +324,10 @@ class EngineSection:
     cuda_graph_batch_sizes: list[int] = dataclasses.field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64]
     )
+    # checkpoint only, on a CUDA GPU Triton compiles for: a MoE layer's routed experts run as two
+    # grouped launches without host synchronisation (false: one by one, the reference loop, which
+    # a CUDA graph cannot capture)
+    grouped_moe: bool = True
     # vllm only: vLLM engine arguments past those the other sections set ([engine.vllm] table; the
     # environment's INFERMESH_WORKER_ENGINE_VLLM takes a JSON object)
     vllm: dict[str, Any] = dataclasses.field(default_factory=dict)

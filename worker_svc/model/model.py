@@ -665,6 +665,7 @@ class MoE(nn.Module):
         # set by stack_experts(): the routed experts as two grouped launches
         self.grouped: GroupedExperts | None = None
 
+    @torch.no_grad()
     def stack_experts(self) -> None:
         """After loading, where fused_moe's grouped kernel runs: each projection of every expert
         as one stacked tensor (the experts' Linears keep views), so a batch's routed experts are

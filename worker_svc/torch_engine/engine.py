@@ -149,11 +149,13 @@ class Engine:
         chat_template: str | None = None,
         reasoning_format: ReasoningFormat | None = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
+        grouped_moe: bool = True,
     ) -> Engine:
         """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
         in a thread). ``chat_template``: a template file served instead of the checkpoint's;
         ``reasoning_format``: how the model reasons (None: as its chat template says);
-        ``cuda_graph_batch_sizes``: decode batch sizes replayed from CUDA graphs on a GPU."""
+        ``cuda_graph_batch_sizes``: decode batch sizes replayed from CUDA graphs on a GPU;
+        ``grouped_moe``: the routed experts as grouped launches where the kernel runs."""
         # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
         # pooled threads than cores it stops spinning between ops, and each op of the step loop then
         # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
@@ -170,6 +172,7 @@ class Engine:
             chat_template=chat_template,
             reasoning_format=reasoning_format,
             cuda_graph_batch_sizes=cuda_graph_batch_sizes,
+            grouped_moe=grouped_moe,
         )
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
             return loader.submit(load).result()
@@ -188,6 +191,7 @@ class Engine:
         chat_template: str | None,
         reasoning_format: ReasoningFormat | None,
         cuda_graph_batch_sizes: Sequence[int],
+        grouped_moe: bool,
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
@@ -197,7 +201,9 @@ class Engine:
             )
         except ValueError as e:  # an override this machine or checkpoint cannot honour
             raise ConfigError(f"[model] dtype: {e}") from None
-        model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
+        model, config = load_checkpoint(
+            model_dir, TORCH_DTYPES[caps.precision], torch_device, grouped_moe=grouped_moe
+        )
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(
             caps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from tests.helpers.host_sync import HostSyncError, NoHostSync
 from tests.helpers.triton_interpreter import TritonInterpreter
+from worker_svc.model.checkpoint import load_checkpoint
 from worker_svc.model.fused_moe import combine, route
 from worker_svc.model.kernel import pad_to_blocks, weight_quant
 from worker_svc.model.model import Linear, ModelArgs, MoE, Transformer
@@ -183,3 +185,27 @@ def test_the_decode_step_with_grouped_experts_never_waits_on_the_host(
     lm_head) under the check: what a capture on a GPU would refuse fails here first."""
     logits = interpreter.call(_decode_step_without_host_sync)
     assert logits.shape == (2, 64) and bool(logits.isfinite().all())
+
+
+def _loaded(model_dir: Path, grouped_moe: bool) -> tuple[list[bool], torch.Tensor]:
+    """(which MoE layers run grouped, the last logits of an 8-token prompt) of the checkpoint as
+    the engine loads it, in the interpreter's process."""
+    model, _ = load_checkpoint(model_dir, torch.float32, "cpu", grouped_moe=grouped_moe)
+    grouped = [
+        layer.mlp.grouped is not None for layer in model.layers if isinstance(layer.mlp, MoE)
+    ]
+    return grouped, model(torch.arange(5, 13).unsqueeze(0), 0, model.setup_cache(1, 8))
+
+
+def test_the_loader_stacks_the_experts_where_the_kernel_runs(
+    interpreter: TritonInterpreter, tiny_dir: Path
+) -> None:
+    """The tiny V3 (hidden 320, experts of 192, float32) loaded where the grouped kernel runs: its
+    MoE layer runs grouped and gives the per-expert model's logits; `[engine] grouped_moe = false`
+    keeps the loop."""
+    grouped, logits = interpreter.call(_loaded, tiny_dir, True)
+    assert grouped == [True]
+    assert interpreter.call(_loaded, tiny_dir, False)[0] == [False]
+    reference, _ = load_checkpoint(tiny_dir, torch.float32, "cpu")
+    expected = reference(torch.arange(5, 13).unsqueeze(0), 0, reference.setup_cache(1, 8))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
