@@ -4,7 +4,6 @@ that it never waits on the host."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from tests.helpers.host_sync import HostSyncError, NoHostSync
 from tests.helpers.triton_interpreter import TritonInterpreter
 from worker_svc.model.checkpoint import load_checkpoint
 from worker_svc.model.fused_moe import combine, route
-from worker_svc.model.kernel import pad_to_blocks, weight_quant
-from worker_svc.model.model import Linear, ModelArgs, MoE, Transformer
+from worker_svc.model.kernel import FP8, pad_to_blocks, weight_quant
+from worker_svc.model.model import Linear, ModelArgs, MoE
 from worker_svc.torch_engine.cuda_graphs import DecodeGraphs, DecodeInputs
 
 # K = 256 (two 128-blocks), I = 192 (a partial last block of the gate/up columns, and the down
@@ -150,21 +149,21 @@ def test_the_check_catches_a_host_read() -> None:
 
 def _capture_checking_host_sync(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """A capture stand-in that runs the step once under the check, as a CUDA graph's capture would
-    refuse a host synchronisation."""
+    refuse a host synchronisation; its "replay" hands back that run's output (only the capture is
+    under test here)."""
     with NoHostSync():
-        step()
-    return step
+        out = step()
+    return lambda: out
 
 
-def _decode_step_without_host_sync() -> torch.Tensor:
-    """In the interpreter's process: a BF16 model with a dense and a MoE layer, its experts grouped
-    as on a GPU, runs the engine's capturable decode step at batch 2 under the check."""
-    torch.manual_seed(0)
-    args = dataclasses.replace(_ARGS, vocab_size=64, n_layers=2, n_dense_layers=1, n_heads=2)
-    model = Transformer(args).to(torch.bfloat16)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.05)
-    model.pack_weights(grouped_moe=True)
+def _decode_step_without_host_sync(model_dir: Path) -> torch.Tensor:
+    """In the interpreter's process: the tiny V3 served in FP8 as on a GPU (its experts grouped,
+    every other projection through the Triton GEMM) runs the engine's capturable decode step at
+    batch 2 under the check."""
+    model, _ = load_checkpoint(model_dir, FP8, "cpu")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.fp8_gemm = "triton"
     cache = model.setup_cache(2, 16)
     graphs = DecodeGraphs(model, cache, [2], scratch_block=1, capture=_capture_checking_host_sync)
     inputs = DecodeInputs(
@@ -179,12 +178,13 @@ def _decode_step_without_host_sync() -> torch.Tensor:
 
 
 def test_the_decode_step_with_grouped_experts_never_waits_on_the_host(
-    interpreter: TritonInterpreter,
+    interpreter: TritonInterpreter, tiny_dir: Path
 ) -> None:
-    """The whole step a CUDA graph captures (embedding, MLA decode, the gate, the grouped experts,
-    lm_head) under the check: what a capture on a GPU would refuse fails here first."""
-    logits = interpreter.call(_decode_step_without_host_sync)
-    assert logits.shape == (2, 64) and bool(logits.isfinite().all())
+    """The whole step a CUDA graph captures (embedding, MLA decode, the FP8 projections, the gate,
+    the grouped experts, lm_head) under the check: what a capture on a GPU would refuse fails here
+    first."""
+    logits = interpreter.call(_decode_step_without_host_sync, tiny_dir)
+    assert logits.shape == (2, 16393) and bool(logits.isfinite().all())
 
 
 def _loaded(model_dir: Path, grouped_moe: bool) -> tuple[list[bool], torch.Tensor]:
