@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.channels import CHANNEL_OPTIONS
@@ -33,6 +34,7 @@ from worker_svc.engine.cache_events import CacheBatch, SubscriberDroppedError
 from worker_svc.engine.factory import load_engine
 from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.service.kv_transfer import BlockNotHeldError, KVPuller, sent_blocks
+from worker_svc.service.leaving import leave_fleet, until_stopped_or_dead
 from worker_svc.service.serve_server import serve_handler
 from worker_svc.service.wire import RequestFailedError, to_engine
 
@@ -58,6 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._puller = KVPuller(engine, info.worker_id, tls)
         self._reports = itertools.count(1)
         self._prefill_told_at = -_PREFILL_TELL_S
+        self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
@@ -438,7 +441,7 @@ async def create_server(
         servicer = WorkerServicer(engine, worker_info(config, engine, address), config.tls)
         _add_worker_servicer(servicer, server)
 
-    server, _, _ = await create_grpc_server(
+    server, _, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         add,
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
@@ -446,6 +449,7 @@ async def create_server(
         "worker",
     )
     assert servicer is not None, "create_grpc_server did not add the servicer"
+    servicer.health = health
     return server, servicer
 
 
@@ -466,7 +470,11 @@ async def serve(config: WorkerConfig) -> None:
     metrics.serve_metrics(config.metrics)
     reporter = asyncio.create_task(report_to_router(config.router.address, servicer, config.tls))
     try:
-        await server.wait_for_termination()
+        died = await until_stopped_or_dead(server, engine)
+        if died is not None:
+            reporter.cancel()
+            assert servicer.health is not None, "create_server sets it"
+            await leave_fleet(died, servicer.health, config.router.address, info, config.tls)
     finally:
         reporter.cancel()
         engine.cache_events.end_subscriptions()
