@@ -204,7 +204,7 @@ class VllmEngine:
         check_fp8(config, devices, fp8)
         precision = _precision(config, devices, fp8)
         args = engine_args(config, devices, precision)
-        if not devices.gpu_count:
+        if not devices.gpu_count:  # a GPU's MLA backend is vLLM's choice among many, at start
             backend = cpu_mla_backend(config, devices, precision)
             check_mla_head(config, backend, _mla_head_sizes(backend))
         if "structured_outputs_config" in config.engine.vllm:
