@@ -24,6 +24,11 @@ from infermesh.tls import TlsSection, check_loaded
 from telemetry.logs import setup_logging
 
 
+class ServiceFailedError(RuntimeError):
+    """The service cannot go on (a part it runs on died): ``service_main`` prints the reason and
+    exits with code 1, for the service's supervisor to restart it."""
+
+
 class _ServiceConfig(Protocol):
     @property
     def tls(self) -> TlsSection: ...
@@ -43,7 +48,8 @@ def service_main(
     The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``. A config error
     (any ConfigError: the service's file and environment, or what they point at and the service
     reads while starting, such as a checkpoint) is printed, naming file and key, with exit
-    code 2; so is a ``[tls]`` without its files and without ``plaintext = true``."""
+    code 2; so is a ``[tls]`` without its files and without ``plaintext = true``. A
+    ServiceFailedError is printed with exit code 1."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument(
         "--config",
@@ -62,6 +68,9 @@ def service_main(
         uvloop.run(_until_signal(serve(config)))
     except ConfigError as e:
         return _config_error(name, e)
+    except ServiceFailedError as e:
+        print(f"{name}: failed: {e}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown_tracing()
     return 0

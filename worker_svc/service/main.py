@@ -14,6 +14,7 @@ from telemetry import metrics
 from worker_svc.config import WorkerConfig
 from worker_svc.engine.api import InferenceEngine
 from worker_svc.engine.factory import load_engine
+from worker_svc.service.leaving import leave_fleet, until_stopped_or_dead
 from worker_svc.service.registration import Registration, worker_info
 from worker_svc.service.server import WorkerServicer, add_worker_servicer
 
@@ -32,7 +33,7 @@ async def create_server(
         servicer = WorkerServicer(engine, worker_info(config, engine, address), config.tls)
         add_worker_servicer(servicer, server)
 
-    server, _, _ = await create_grpc_server(
+    server, _, health = await create_grpc_server(
         f"{config.server.host}:{config.server.port}",
         add,
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
@@ -40,11 +41,13 @@ async def create_server(
         "worker",
     )
     assert servicer is not None, "create_grpc_server did not add the servicer"
+    servicer.health = health
     return server, servicer
 
 
 async def serve(config: WorkerConfig) -> None:
-    """Runs the worker ``config`` describes until its server stops (SIGTERM, SIGINT)."""
+    """Runs the worker ``config`` describes until its server stops (SIGTERM, SIGINT) or its
+    engine dies (then it leaves the fleet and raises ServiceFailedError)."""
     engine = await load_engine(config)
     server, servicer = await create_server(config, engine)
     info = servicer.info
@@ -61,7 +64,11 @@ async def serve(config: WorkerConfig) -> None:
     metrics.serve_metrics(config.metrics)
     reporter = asyncio.create_task(Registration(config.router.address, servicer, config.tls).run())
     try:
-        await server.wait_for_termination()
+        died = await until_stopped_or_dead(server, engine)
+        if died is not None:
+            reporter.cancel()
+            assert servicer.health is not None, "create_server sets it"
+            await leave_fleet(died, servicer.health, config.router.address, info, config.tls)
     finally:
         reporter.cancel()
         engine.cache_events.end_subscriptions()

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
@@ -45,6 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.info = info
         self._puller = KVPuller(engine, info.worker_id, tls)
         self._reports = itertools.count(1)
+        self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
 
     @property
     def engine(self) -> InferenceEngine:
