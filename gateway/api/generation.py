@@ -21,12 +21,11 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from gateway.accounts.auth import API_KEY
-from gateway.accounts.limits import LIMITER, Admission, mesh_failed
-from gateway.accounts.recent import FIRST_TOKEN_S, USAGE
+from gateway.accounts.limits import Admission, mesh_failed
+from gateway.accounts.state import API_KEY, FIRST_TOKEN_S, LIMITER, USAGE
 from gateway.accounts.usage import TokenUsage
 from gateway.api.wire import GPU_HEADER, PRECISION_HEADER
-from gateway.config import LimitsSection, ModelsSection
+from gateway.config import CONFIG
 from gateway.http import json_body, sse
 from gateway.http.errors import (
     GatewayError,
@@ -34,17 +33,13 @@ from gateway.http.errors import (
     PermissionDeniedError,
     UpstreamError,
 )
-from gateway.http.middleware import MODEL, REQUEST_ID
+from gateway.http.state import MODEL, REQUEST_ID
 from gateway.mesh.affinity import affinity_key
-from gateway.mesh.client import CALL_ERRORS, MESH, MeshClient
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS
-from gateway.mesh.reasoning_formats import REASONING_FORMATS
+from gateway.mesh.client import CALL_ERRORS, MeshClient
+from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from infermesh.pb import common_pb2
 from telemetry import genai, metrics
-
-LIMITS_CONFIG = web.AppKey("limits_config", LimitsSection)
-MODELS_CONFIG = web.AppKey("models_config", ModelsSection)  # the model aliases
 
 Chunk = common_pb2.GenerateResponse
 
@@ -203,7 +198,7 @@ async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tupl
 
 def served_model(request: web.Request, model: str) -> str:
     """The served model ``model`` names ([models] aliases), recorded as the request's model."""
-    served = request.app[MODELS_CONFIG].resolve(model)
+    served = request.app[CONFIG].models.resolve(model)
     request[MODEL] = served
     return served
 
@@ -274,7 +269,7 @@ async def _admit(turn: _Turn) -> None:
     request = turn.request
     turn.admission = await request.app[LIMITER].admit(
         request[API_KEY].id,
-        turn.plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
+        turn.plan.reserve(request.app[CONFIG].limits.default_completion_reserve),
         request[REQUEST_ID],
     )
 

@@ -27,7 +27,6 @@ import logging
 from typing import Any
 
 import grpc
-from aiohttp import web
 
 from gateway.config import RouterSection
 from gateway.http.errors import ClientTooSlowError, GatewayError, ServiceUnavailableError, from_grpc
@@ -237,6 +236,3 @@ class MeshClient:
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
         return mapped
-
-
-MESH = web.AppKey("mesh", MeshClient)
