@@ -71,13 +71,16 @@ $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 # The default model `make run` serves: the same tiny DeepSeek-V3 trained to chat, stored in the
 # repository beside the command that rebuilds it (devtools/chat_model/train.py, ~40 minutes).
+# Refused (naming the file) when a stored file is not the one its manifest.json hashes.
 $(CHAT_DIR)/config.json: $(CHAT_CHECKPOINT)/*
+	$(PY) -m devtools.chat_model.manifest verify $(CHAT_CHECKPOINT)
 	rm -rf $(CHAT_DIR)
 	mkdir -p $(dir $(CHAT_DIR))
 	cp -r $(CHAT_CHECKPOINT) $(CHAT_DIR)
 
 # Its thinking variant (train.py's docstring), which the reasoning tests serve.
 $(THINKING_DIR)/config.json: $(THINKING_CHECKPOINT)/*
+	$(PY) -m devtools.chat_model.manifest verify $(THINKING_CHECKPOINT)
 	rm -rf $(THINKING_DIR)
 	mkdir -p $(dir $(THINKING_DIR))
 	cp -r $(THINKING_CHECKPOINT) $(THINKING_DIR)
