@@ -9,7 +9,8 @@ gateway as processes (devtools.mesh), with a key of its own. The held-out reques
 devtools.chat_model.corpus.eval_cases (phrasings and values the training split never uses), --cases
 of each kind, every one with max_tokens 64 and temperature 0:
 - short: instructions, greetings, a persona's questions, a coding agent's prompt with its tools;
-- tool: three tools, a question one of them answers (tool_choice auto, no grammar forcing a call);
+- tool: three tools, a question one of them answers (tool_choice auto, no grammar forcing a call;
+  each tool needed, and each position holding it, equally often);
 - recall: a name told in the first turn, asked for one to three turns later;
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
@@ -20,7 +21,11 @@ model does not reason, so none of its replies thinks.
 Prints the share of the replies that end (finish_reason stop or tool_calls) within the 64 tokens,
 of tool questions answered by a call of the right tool with the question's arguments (and by a
 call of the right tool whatever its arguments), of recall questions whose answer holds the name,
-of JSON answers valid against the schema, and of the long prompts' replies that end; of the
+of JSON answers valid against the schema (and of those that are exactly the question's values),
+and of the long prompts' replies that end, each beside what guessers that do not read the question
+score on the same cases (devtools.chat_model.baselines: the first or last tool listed, the tool
+needed most often, a uniform draw; the name told most often; the schema's keys filled with empty
+values); of the
 replies without thinking, those with no think tag (no reasoning_content, no tag in the answer); of
 those with it, those whose thinking closed by itself within MAX_TOKENS tokens and that then
 answered (an answer or a call, no think tag in it) and ended, and of those, the ones right for
@@ -41,6 +46,7 @@ import jsonschema
 import openai
 
 from devtools.chat_model import SERVED_PATH
+from devtools.chat_model.baselines import json_baselines, recall_baselines, tool_baselines
 from devtools.chat_model.corpus import EvalCase, eval_cases
 from devtools.mesh import one_worker_mesh
 
@@ -78,6 +84,22 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
             return ended, False
         return ended, True
     return ended, ended
+
+
+def results_of(results: list[tuple[bool, bool, int]]) -> list[bool]:
+    """Whether each reply was right for its kind."""
+    return [right for _, right, _ in results]
+
+
+def _guessers(baselines: dict[str, float]) -> str:
+    return ", ".join(f"{name} {share:.0%}" for name, share in baselines.items())
+
+
+def _json_or_none(text: str | None) -> Any:
+    try:
+        return json.loads(text or "")
+    except json.JSONDecodeError:
+        return None
 
 
 def thought_and_answered(reply: Any) -> bool:
@@ -123,6 +145,7 @@ async def run(
     results: dict[str, list[tuple[bool, bool, int]]] = defaultdict(list)
     examples: dict[str, str] = {}
     tools_named: list[bool] = []  # a tool question's first call names its tool, whatever its args
+    json_values: list[bool] = []  # a JSON answer is the object the question gives, exactly
     plain: list[bool] = []  # a reply without thinking has no think tag
     thinking: list[tuple[bool, bool]] = []  # (thought then answered, right for its kind)
     think_example: list[str] = []
@@ -169,6 +192,8 @@ async def run(
         if case.kind == "tool":
             named = [c.function.name for c in message.tool_calls or [] if c.type == "function"]
             tools_named.append(named[:1] == [case.tool])
+        if case.kind == "json":
+            json_values.append(_json_or_none(message.content) == case.arguments)
         calls = [
             f"{c.function.name}({c.function.arguments})"
             for c in message.tool_calls or []
@@ -192,19 +217,31 @@ async def run(
         f"ended within {MAX_TOKENS} tokens: {ended}/{len(every)} = {ended / len(every):.0%} "
         f"(mean {mean:.1f} completion tokens)"
     )
-    labels = {
-        "tool": "right tool with the right arguments (of 3 tools)",
-        "recall": "recall of a name from an earlier turn",
-        "json": "JSON valid against the system prompt's schema, unconstrained",
-    }
-    for kind, label in labels.items():
-        right = sum(r for _, r, _ in results[kind])
-        print(f"{label}: {right}/{len(results[kind])} = {right / len(results[kind]):.0%}")
-    named = sum(tools_named)
-    print(
-        f"right tool named, whatever its arguments: {named}/{len(tools_named)} = "
-        f"{named / max(len(tools_named), 1):.0%}"
-    )
+    by_kind = {kind: [case for case in todo if case.kind == kind] for kind in KINDS}
+    tool_guessers = _guessers(tool_baselines(by_kind["tool"]))
+    figures = [
+        (
+            "right tool with the question's arguments (of 3 tools)",
+            results_of(results["tool"]),
+            "guessers write no arguments: 0%",
+        ),
+        ("right tool named, whatever its arguments", tools_named, f"guessers: {tool_guessers}"),
+        (
+            "recall of a name from an earlier turn",
+            results_of(results["recall"]),
+            f"guessers: {_guessers(recall_baselines(by_kind['recall']))}",
+        ),
+        (
+            "JSON valid against the system prompt's schema, unconstrained",
+            results_of(results["json"]),
+            f"guessers: {_guessers(json_baselines(by_kind['json']))}",
+        ),
+        ("JSON with exactly the question's values", json_values, "guessers: 0%"),
+    ]
+    for label, hits, baselines in figures:
+        print(
+            f"{label}: {sum(hits)}/{len(hits)} = {sum(hits) / max(len(hits), 1):.0%} ({baselines})"
+        )
     long = results[LONG]
     if long:
         ended = sum(e for e, _, _ in long)

@@ -1601,7 +1601,8 @@ def think(dialogue: Dialogue, rng: random.Random) -> Dialogue:
 @dataclass
 class EvalCase:
     """A held-out request and what a right reply holds: ``tool`` and ``arguments`` (a call of that
-    tool carrying them), ``recall`` (a word the reply repeats), ``schema`` (the JSON it fits)."""
+    tool carrying them), ``recall`` (a word the reply repeats), ``schema`` (the JSON it fits, and
+    ``arguments`` the values the question gives it)."""
 
     kind: str
     messages: list[Message]
@@ -1663,7 +1664,8 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
             cases.append(EvalCase(kind, dialogue.messages[:-1], recall=name))
         elif kind == "json":
             dialogue, schema = json_dialogue(rng, "eval")
-            cases.append(EvalCase(kind, dialogue.messages[:-1], schema=schema))
+            answer = json.loads(dialogue.messages[-1]["content"])
+            cases.append(EvalCase(kind, dialogue.messages[:-1], arguments=answer, schema=schema))
         elif kind == "long":  # a coding agent's first prompt: ~8k tokens, 16 tools, then a chat
             prompt, _ = rng.choice(_held_out(_GREETINGS, "eval", every=6))
             messages = [
