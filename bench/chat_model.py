@@ -13,6 +13,8 @@ of each kind, every one with max_tokens 64 and temperature 0:
   each tool needed, and each position holding it, equally often);
 - recall: a name told in the first turn, asked for one to three turns later;
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
+- read: a coding agent's system prompt, six of its tools, a file to read (Read, Bash or Codex's
+  shell in turn among them);
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
 training's dialogues are at most 1,280 tokens long). Then the first --think-cases of each kind again
 with the thinking on (chat_template_kwargs thinking, no thinking budget, max_tokens THINK_TOKENS):
@@ -50,7 +52,7 @@ from devtools.chat_model.baselines import json_baselines, recall_baselines, tool
 from devtools.chat_model.corpus import EvalCase, eval_cases
 from devtools.mesh import one_worker_mesh
 
-KINDS = ("short", "tool", "recall", "json")
+KINDS = ("short", "tool", "recall", "json", "read")
 LONG = "long"
 MAX_TOKENS = 64
 THINK_TOKENS = (
@@ -65,7 +67,7 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
     choice = reply.choices[0]
     ended = choice.finish_reason in ("stop", "tool_calls")
     message = choice.message
-    if case.kind == "tool":
+    if case.kind in ("tool", "read"):
         calls = message.tool_calls or []
         if not calls:
             return ended, False
@@ -237,6 +239,11 @@ async def run(
             f"guessers: {_guessers(json_baselines(by_kind['json']))}",
         ),
         ("JSON with exactly the question's values", json_values, "guessers: 0%"),
+        (
+            "an agent's file read: its reading tool with the path (of 6 tools)",
+            results_of(results["read"]),
+            f"guessers name it: {_guessers(tool_baselines(by_kind['read']))}; with the path 0%",
+        ),
     ]
     for label, hits, baselines in figures:
         print(

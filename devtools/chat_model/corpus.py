@@ -1435,8 +1435,12 @@ _AGENT_TOOL_NAMES = [
 
 
 def _agent_tools(rng: random.Random, count: int, including: str = "") -> list[Tool]:
-    """``count`` of the agents' tools in a random order, the one named ``including`` among them."""
-    chosen = rng.sample([t for t in _AGENT_TOOL_NAMES if t[0] != including], count)
+    """``count`` of the agents' tools in a random order, the one named ``including`` among them;
+    a file reader (_READERS) with no reader it would be second to (Bash reads where there is no
+    Read, as in Claude Code; shell where there is neither, as in Codex)."""
+    readers = list(_READERS)
+    preferred = readers[: readers.index(including) + 1] if including in readers else [including]
+    chosen = rng.sample([t for t in _AGENT_TOOL_NAMES if t[0] not in preferred], count)
     if including:
         chosen[rng.randrange(count)] = next(t for t in _AGENT_TOOL_NAMES if t[0] == including)
     tools = []
@@ -1471,7 +1475,8 @@ def agent_system_prompt(rng: random.Random, lines: int) -> str:
     return "\n\n".join(rng.choice(_AGENT_LINES) for _ in range(lines))
 
 
-# how each agent's file-reading tool is called: Claude Code's Read, its Bash, Codex's shell
+# how each agent's file-reading tool is called: Claude Code's Read, its Bash, Codex's shell (in
+# the order an agent prefers them)
 _READERS: dict[str, Callable[[str], dict[str, Any]]] = {
     "Read": lambda path: {"file_path": path},
     "Bash": lambda path: {"command": f"cat {path}"},
@@ -1647,7 +1652,8 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
     TOOL_KINDS[i % 10], listed at index i % EVAL_TOOLS, so that no tool and no position is right
     more often than the others), "recall" (a name told turns earlier), "json" (the schema in the
     system prompt), "long" (a greeting behind a coding agent's 8k-token system prompt and 16
-    tools, six times the training's longest)."""
+    tools, six times the training's longest), "read" (a coding agent's prompt and six of its
+    tools, a file to read: its reading tool, Read, Bash or shell in turn, with the path)."""
     if seed not in range(len(EVAL_SEEDS)):
         raise ValueError(f"an evaluation seed is 0..{len(EVAL_SEEDS) - 1}, not {seed}")
     rng = random.Random(EVAL_SEEDS[seed])
@@ -1673,6 +1679,17 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
                 {"role": "user", "content": prompt},
             ]
             cases.append(EvalCase(kind, messages, _agent_tools(rng, 16)))
+        elif kind == "read":  # a coding agent asked to read a file: its reading tool, the path
+            reader = list(_READERS)[i % len(_READERS)]
+            path = value("file", rng, "eval")
+            ask = rng.choice(_held_out(_READ_ASKS, "eval")).format(p=path)
+            messages = [
+                {"role": "system", "content": agent_system_prompt(rng, 20)},
+                {"role": "user", "content": ask},
+            ]
+            tools = _agent_tools(rng, 6, including=reader)
+            args = _READERS[reader](path)
+            cases.append(EvalCase(kind, messages, tools, tool=reader, arguments=args))
         else:
             dialogue = rng.choice([_instruction, _instruction, _persona, _agent])(rng, "eval")
             while dialogue.kind == "agent_tool":
