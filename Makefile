@@ -140,7 +140,7 @@ lint: install proto $(BROWSER_INSTALLED)
 	$(MYPY)
 
 # vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped; and the browser
-# the console's test drives (tests/gateway/test_console_browser.py). The tests run on
+# the console's test drives (tests/gateway/console/test_console_browser.py). The tests run on
 # TEST_WORKERS pytest-xdist workers, a module's tests on one worker (--dist loadfile: its module
 # fixtures, some starting processes, run once; pytest 9 ignores the node ids --dist loadgroup
 # rewrites, so its groups would be split); TEST_WORKERS=0 runs them in this process.
@@ -153,7 +153,7 @@ test: lint install proto model vllm browser
 
 # The console's screenshots in docs/console/, taken again by its browser test.
 console-screenshots: install proto model browser
-	INFERMESH_CONSOLE_SCREENSHOTS=docs/console $(PY) -m pytest -n 0 tests/gateway/test_console_browser.py
+	INFERMESH_CONSOLE_SCREENSHOTS=docs/console $(PY) -m pytest -n 0 tests/gateway/console/test_console_browser.py
 
 # The hardware study against OPENAI_BASE_URL (see docs/HARDWARE.md); BENCH_ARGS=--sim for a
 # simulated fleet on this machine.

@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from worker_svc.cache_events import CacheEvents
 from worker_svc.config import DEFAULT_MODEL_PATH
-from worker_svc.engine_api import GenerationRequest, SamplingParams
+from worker_svc.engine.api import GenerationRequest, SamplingParams
+from worker_svc.engine.cache_events import CacheEvents
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import BlockManager, BlockTable
 

@@ -48,7 +48,7 @@ from devtools.tiny_model import write_bench_checkpoint
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.config import ParallelSection
 from worker_svc.decoding.grammar import GrammarCompiler, apply_masks, lark_grammar
-from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool
+from worker_svc.engine.api import Constraints, GenerationRequest, SamplingParams, Tool
 from worker_svc.torch_engine.engine import Engine
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "bench-deepseek-v3"

@@ -29,7 +29,7 @@ import torch
 
 from devtools.tiny_model import CORPUS
 from worker_svc.config import CacheSection, ParallelSection
-from worker_svc.engine_api import GenerationRequest, SamplingParams
+from worker_svc.engine.api import GenerationRequest, SamplingParams
 from worker_svc.torch_engine.engine import Engine
 
 _DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"

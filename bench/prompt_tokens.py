@@ -28,8 +28,8 @@ from infermesh.prefix_hash import chain
 from infermesh.text.prompt import chat_message, request_token_ids, tool_definition
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.config import DEFAULT_MODEL_PATH
-from worker_svc.engine_api import Constraints, GenerationRequest, SamplingParams, Tool
-from worker_svc.prompt_ids import prompt_token_ids
+from worker_svc.engine.api import Constraints, GenerationRequest, SamplingParams, Tool
+from worker_svc.engine.prompt_ids import prompt_token_ids
 
 # made-up words of common syllables: the BPE merges them into a few tokens each, as prose
 _WORDS = [

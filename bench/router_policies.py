@@ -46,7 +46,6 @@ from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.ports import free_port
 from infermesh.probe import grpc_serving
 from infermesh.tls import TlsSection
-from worker_svc import server as worker_server
 from worker_svc.config import (
     EngineSection,
     ModelSection,
@@ -54,6 +53,7 @@ from worker_svc.config import (
     WorkerConfig,
     WorkerServerSection,
 )
+from worker_svc.service import server as worker_server
 from worker_svc.sim_engine.engine import SimEngine
 
 MODEL = "sim-22b"

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from devtools.tiny_model import CORPUS, write_bench_checkpoint
 from tests.helpers.hf_reference import transformers_reference
 from worker_svc.config import ParallelSection
-from worker_svc.engine_api import GenerationRequest, SamplingParams
+from worker_svc.engine.api import GenerationRequest, SamplingParams
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import bytes_per_token, unabsorbed_bytes_per_token
 

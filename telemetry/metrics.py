@@ -203,8 +203,9 @@ CACHE_BATCH_APPLY = Histogram(
 )
 
 
-# KV blocks a worker pulled from a peer instead of computing them (worker_svc/kv_transfer.py):
-# counted by the worker that pulled, labelled by the peer they came from and itself.
+# KV blocks a worker pulled from a peer instead of computing them
+# (worker_svc/service/kv_transfer.py): counted by the worker that pulled, labelled by the peer they
+# came from and itself.
 KV_PULLS = Counter(
     "infermesh_worker_kv_pulls",
     "Pulls of a prompt's KV blocks from a peer, by the peer (from), this worker (to) and outcome "

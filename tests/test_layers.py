@@ -2,8 +2,8 @@
 most specific folder holding it. Every import of every module counts (inside its own package,
 inside a function, under TYPE_CHECKING): a module imports only its own folder and the floors
 below, never a sibling folder on its floor, and no module imports back into one that imports
-it, directly or through others. Inside the gateway its rooms (subpackages) stand on floors of
-their own, held to the same rule among themselves."""
+it, directly or through others. Inside the gateway and the worker their rooms (subpackages)
+stand on floors of their own, held to the same rule among themselves."""
 
 from __future__ import annotations
 
@@ -50,6 +50,27 @@ GATEWAY_ROOMS = (
     Floor("the gateway's assembly", ("gateway",)),
 )
 
+# The worker's rooms, bottom first: the engine contract every other room speaks (with the cache
+# events the engines feed), the hardware it runs on, the model and the decoding beside it, the
+# worker's configuration, the engines, the factory that builds the engine the configuration names,
+# the gRPC service over it, and on top the process entry (worker_svc/__main__.py).
+WORKER_ROOMS = (
+    Floor("the engine contract", ("worker_svc/engine",)),
+    Floor("the hardware", ("worker_svc/hardware",)),
+    Floor("the model and its decoding", ("worker_svc/model", "worker_svc/decoding")),
+    Floor("the worker's configuration", ("worker_svc/config.py",)),
+    Floor(
+        "the engines",
+        ("worker_svc/torch_engine", "worker_svc/sim_engine", "worker_svc/vllm_engine"),
+    ),
+    Floor("the engine factory", ("worker_svc/engine/factory.py",)),
+    Floor("the gRPC service", ("worker_svc/service",)),
+    Floor("the worker's entry", ("worker_svc",)),
+)
+
+# Each service whose rooms are held to their order, by its package.
+SERVICE_ROOMS = {"gateway": GATEWAY_ROOMS, "worker_svc": WORKER_ROOMS}
+
 
 @dataclass(frozen=True)
 class Place:
@@ -69,9 +90,14 @@ def place_of(module: str) -> Place | None:
     return _most_specific(module, FLOORS)
 
 
+def rooms_of(module: str) -> tuple[Floor, ...]:
+    """The rooms of the service that holds ``module``; none for a module of no such service."""
+    return SERVICE_ROOMS.get(module.split(".")[0], ())
+
+
 def room_of(module: str) -> Place | None:
-    """The gateway's room (and the room's floor) of a gateway module; None for any other."""
-    return _most_specific(module, GATEWAY_ROOMS)
+    """The room (and the room's floor) of a module of a service with rooms; None for any other."""
+    return _most_specific(module, rooms_of(module))
 
 
 def _most_specific(module: str, floors: tuple[Floor, ...]) -> Place | None:
@@ -138,11 +164,13 @@ def floor_violations(module: str, imports: list[tuple[int, str]]) -> list[str]:
 
 
 def room_violations(module: str, imports: list[tuple[int, str]]) -> list[str]:
-    """Imports of the gateway module ``module`` that point up a room's floor or at a sibling
-    room on its floor."""
+    """Imports of the service module ``module`` that point up a room's floor or at a sibling
+    room on its floor (imports of other packages are the floors' business)."""
     own = room_of(module)
     assert own is not None, module
-    return _violations_from(module, own, imports, room_of, GATEWAY_ROOMS)
+    service = module.split(".")[0]
+    inside = [(line, target) for line, target in imports if target.split(".")[0] == service]
+    return _violations_from(module, own, inside, room_of, rooms_of(module))
 
 
 def _violations_from(
@@ -249,20 +277,26 @@ def test_the_floor_imports_only_its_own_folder_and_the_floors_below(graph, floor
     assert not problems, f"{floor.name}: imports up a floor or across:\n" + "\n".join(problems)
 
 
-def test_every_gateway_module_lies_in_a_room_and_each_room_holds_modules(graph):
-    gateway = [m for m in graph if m == "gateway" or m.startswith("gateway.")]
-    assert gateway and all(room_of(m) is not None for m in gateway)
-    for floor in GATEWAY_ROOMS:
+def _modules_of(service: str, graph: Mapping[str, object]) -> list[str]:
+    return [m for m in graph if m == service or m.startswith(service + ".")]
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_ROOMS))
+def test_every_service_module_lies_in_a_room_and_each_room_holds_modules(graph, service):
+    modules = _modules_of(service, graph)
+    rooms = SERVICE_ROOMS[service]
+    assert modules and all(room_of(m) is not None for m in modules)
+    for floor in rooms:
         for room in floor.folders:
-            assert any(room_of(m) == _most_specific(_dotted(room), GATEWAY_ROOMS) for m in gateway)
+            assert any(room_of(m) == _most_specific(_dotted(room), rooms) for m in modules), room
 
 
-def test_the_gateway_rooms_import_only_their_own_and_the_rooms_below(graph):
-    gateway = [m for m in graph if m == "gateway" or m.startswith("gateway.")]
-    problems = [v for module in gateway for v in room_violations(module, graph[module])]
-    assert not problems, "the gateway's rooms: imports up a floor or across:\n" + "\n".join(
-        problems
-    )
+@pytest.mark.parametrize("service", sorted(SERVICE_ROOMS))
+def test_the_service_rooms_import_only_their_own_and_the_rooms_below(graph, service):
+    problems = [
+        v for module in _modules_of(service, graph) for v in room_violations(module, graph[module])
+    ]
+    assert not problems, f"{service}'s rooms: imports up a floor or across:\n" + "\n".join(problems)
 
 
 def test_no_module_imports_back_into_a_module_that_imports_it(graph):
@@ -270,14 +304,14 @@ def test_no_module_imports_back_into_a_module_that_imports_it(graph):
     found = cycles(edges)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
     # the check ran on the real tree, imports inside a package included
-    assert "worker_svc.wire" in edges["worker_svc.serve_server"]
+    assert "worker_svc.service.wire" in edges["worker_svc.service.serve_server"]
     assert "gateway.http.ops" in edges["gateway.routes"]
     assert "devtools.mesh" in edges["devtools.main"]
 
 
 def test_the_floors_are_named_in_docs_architecture():
     architecture = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    for floor in FLOORS + GATEWAY_ROOMS:
+    for floor in FLOORS + GATEWAY_ROOMS + WORKER_ROOMS:
         assert floor.name in architecture
         for folder in floor.folders:
             written = folder if folder.endswith(".py") else f"{folder}/"
@@ -308,8 +342,8 @@ def test_an_import_up_a_floor_is_named_with_the_floor():
 
 
 def test_product_code_importing_tests_or_bench_is_refused():
-    assert _violations("worker_svc.server", "import bench.mesh_load\n") == [
-        "worker_svc.server:1 imports bench.mesh_load, a higher floor (benchmarks)"
+    assert _violations("worker_svc.service.server", "import bench.mesh_load\n") == [
+        "worker_svc.service.server:1 imports bench.mesh_load, a higher floor (benchmarks)"
     ]
     assert _violations("devtools.mesh", "from tests.helpers import fuzz\n") == [
         "devtools.mesh:1 imports tests.helpers.fuzz, a higher floor (test helpers)"
@@ -324,8 +358,8 @@ def test_product_code_importing_tests_or_bench_is_refused():
 
 def test_a_sibling_import_is_named_wherever_it_stands():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gateway.app\n"
-    assert _violations("worker_svc.server", source) == [
-        "worker_svc.server:3 imports gateway.app, a sibling on its floor (gateway)"
+    assert _violations("worker_svc.service.server", source) == [
+        "worker_svc.service.server:3 imports gateway.app, a sibling on its floor (gateway)"
     ]
     assert _violations("worker_svc.torch_engine.engine", "def f():\n    import gateway.app\n") == [
         "worker_svc.torch_engine.engine:2 imports gateway.app, a sibling on its floor (gateway)"
@@ -393,3 +427,26 @@ def test_a_cycle_is_found_through_any_number_of_modules():
         "gateway.app": ["gateway.http.openapi"],
     }
     assert cycles(edges) == [["gateway.app", "gateway.http.openapi", "gateway.app"]]
+
+
+def test_a_worker_room_importing_up_or_across_is_named():
+    known = {"worker_svc.service.server", "worker_svc.sim_engine.engine", "worker_svc.engine.api"}
+
+    def violations(module: str, source: str) -> list[str]:
+        return room_violations(module, imported_modules(module, False, source, known))
+
+    assert violations("worker_svc.engine.api", "from worker_svc.service import server\n") == [
+        "worker_svc.engine.api:1 imports worker_svc.service.server, a higher floor "
+        "(the gRPC service)"
+    ]
+    assert violations(
+        "worker_svc.torch_engine.engine", "import worker_svc.sim_engine.engine\n"
+    ) == [
+        "worker_svc.torch_engine.engine:1 imports worker_svc.sim_engine.engine, a sibling on its "
+        "floor (worker_svc/sim_engine)"
+    ]
+    # the factory stands above the engines it builds, though its file is in the contract's folder
+    assert violations("worker_svc.engine.factory", "import worker_svc.sim_engine.engine\n") == []
+    assert violations("worker_svc.engine.api", "import worker_svc.sim_engine.engine\n") == [
+        "worker_svc.engine.api:1 imports worker_svc.sim_engine.engine, a higher floor (the engines)"
+    ]

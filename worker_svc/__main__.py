@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from infermesh.service_main import service_main
-from worker_svc import config, server
+from worker_svc import config
+from worker_svc.service import server
 
 if __name__ == "__main__":
     sys.exit(service_main("worker", config.load, server.serve, sys.argv[1:]))

@@ -260,7 +260,7 @@ _SIZE_DEFAULTS = {
 }
 
 
-# A fourth engine adds its name here and a branch in worker_svc.engines.load_engine.
+# A fourth engine adds its name here and a branch in worker_svc.engine.factory.load_engine.
 EngineKind = Literal["checkpoint", "sim", "vllm"]
 # [engine] omp_wait_policy: how idle OpenMP threads wait (worker_svc/torch_engine/threads.py)
 WaitPolicy = Literal["auto", "passive", "active", "runtime"]

@@ -5,7 +5,8 @@ held-out tool questions call the tool they need, and held-out conversations reca
 earlier, more often than the best guesser that does not read the question
 (devtools.chat_model.baselines: the first or last tool listed, the tool needed most often, a
 uniform draw; the name told most often). How often, and what it cannot do yet, is measured by
-bench/chat_model.py. Its thinking variant is tested in tests/gateway/test_reasoning_models.py."""
+bench/chat_model.py. Its thinking variant is tested in
+tests/gateway/api/test_reasoning_models.py."""
 
 from __future__ import annotations
 

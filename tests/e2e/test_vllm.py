@@ -41,8 +41,8 @@ from infermesh.text.tokenizer import Tokenizer
 from tests.helpers.e2e import new_key
 from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
 from tests.helpers.worker_client import complete_once
-from worker_svc.engine_api import GenerationRequest, SamplingParams
-from worker_svc.prompt_ids import prompt_token_ids
+from worker_svc.engine.api import GenerationRequest, SamplingParams
+from worker_svc.engine.prompt_ids import prompt_token_ids
 
 MODEL_PATH = "models/tiny-deepseek-v3-mla"
 MODEL = "tiny-deepseek-v3-mla"

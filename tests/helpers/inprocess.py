@@ -29,7 +29,6 @@ from router_svc.config import (
 from router_svc.server import RunningRouter as RouterResources
 from router_svc.server import create_server as create_router
 from tests.helpers import MODEL
-from worker_svc import server as worker_server
 from worker_svc.config import (
     EngineSection,
     ParallelSection,
@@ -39,7 +38,8 @@ from worker_svc.config import (
     WorkerSection,
     WorkerServerSection,
 )
-from worker_svc.engine_api import InferenceEngine
+from worker_svc.engine.api import InferenceEngine
+from worker_svc.service import server as worker_server
 from worker_svc.sim_engine.engine import SimEngine
 
 # The bulk of the suite runs the services without TLS; a test of TLS passes a certificate

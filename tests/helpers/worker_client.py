@@ -16,9 +16,9 @@ from infermesh.ports import free_port
 from infermesh.serve_client import ServeClient
 from infermesh.tls import TlsSection
 from tests.helpers.inprocess import PLAINTEXT
-from worker_svc import server as worker_server
 from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
-from worker_svc.engine_api import InferenceEngine
+from worker_svc.engine.api import InferenceEngine
+from worker_svc.service import server as worker_server
 
 # Long enough for a CPU worker's slowest test prompt, short enough that a stuck one fails.
 TIMEOUT_S = 60.0

@@ -18,7 +18,7 @@ from tests.helpers.inprocess import (
     sim_engine,
     wait_for_workers,
 )
-from worker_svc.engine_api import GenerationChunk, GenerationRequest
+from worker_svc.engine.api import GenerationChunk, GenerationRequest
 from worker_svc.sim_engine.engine import SimEngine
 
 

@@ -19,7 +19,7 @@ from infermesh.text.tokenizer import Tokenizer
 from worker_svc.decoding.detokenizer import IncrementalDetokenizer
 from worker_svc.decoding.reasoning_parser import Thinking
 from worker_svc.decoding.tool_parser import ToolCallParser, ToolMarkers
-from worker_svc.engine_api import Constraints, ToolCallDelta
+from worker_svc.engine.api import Constraints, ToolCallDelta
 
 # why the engine ends the sequence at this token: it is a stop token, or the last one the
 # length limit allows

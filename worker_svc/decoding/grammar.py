@@ -31,7 +31,7 @@ import torch
 
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.decoding.tool_parser import ToolMarkers
-from worker_svc.engine_api import Constraints, InvalidArgumentError
+from worker_svc.engine.api import Constraints, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from infermesh.text.chat_templates import THINK, THINK_END, ReasoningFormat
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.decoding.detokenizer import partial_suffix
-from worker_svc.engine_api import GenerationRequest
+from worker_svc.engine.api import GenerationRequest
 
 
 class ReasoningParser:

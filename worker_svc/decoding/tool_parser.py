@@ -29,7 +29,7 @@ from infermesh.text.chat_templates import (
 )
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.decoding.detokenizer import IncrementalDetokenizer, partial_suffix
-from worker_svc.engine_api import ToolCallDelta
+from worker_svc.engine.api import ToolCallDelta
 
 _ARGS_OPEN, _ARGS_CLOSE = "```json\n", "\n```"
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.names import Precision
-from worker_svc.engine_api import DeviceKind
+from worker_svc.engine.api import DeviceKind
 
 _PROFILES_PATH = Path(__file__).with_name("gpu_profiles.toml")
 _BYTES_PER_WEIGHT: dict[Precision, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from infermesh.names import Precision
-from worker_svc.engine_api import DeviceCapabilities, DeviceKind
+from worker_svc.engine.api import DeviceCapabilities, DeviceKind
 from worker_svc.model.kernel import FP8, fp8_gemm_available
 
 logger = logging.getLogger(__name__)

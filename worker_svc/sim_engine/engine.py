@@ -49,9 +49,8 @@ from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
 from infermesh.text.text_files import TextFiles
 from telemetry import metrics
-from worker_svc.cache_events import CacheEvents
 from worker_svc.config import WorkerConfig
-from worker_svc.engine_api import (
+from worker_svc.engine.api import (
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
@@ -62,10 +61,11 @@ from worker_svc.engine_api import (
     PeerPrefix,
     drain_chunks,
 )
+from worker_svc.engine.cache_events import CacheEvents
+from worker_svc.engine.meters import DecodeRateMeter, PrefillSpeedMeter
+from worker_svc.engine.request_front import RequestFront
 from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.hardware.sizing import fewest_gpus, serving_profile
-from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
-from worker_svc.request_front import RequestFront
 from worker_svc.sim_engine.roofline import Roofline
 
 logger = logging.getLogger(__name__)

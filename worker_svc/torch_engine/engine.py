@@ -27,12 +27,11 @@ from infermesh.config import ConfigError
 from infermesh.text.chat_templates import ReasoningFormat
 from infermesh.text.tokenizer import Tokenizer
 from telemetry import metrics
-from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection, ParallelSection
 from worker_svc.decoding.completion_decoder import CompletionDecoder
 from worker_svc.decoding.grammar import GrammarCompiler
 from worker_svc.decoding.reasoning_parser import thinking_of
-from worker_svc.engine_api import (
+from worker_svc.engine.api import (
     DeviceCapabilities,
     EngineLoad,
     GenerationChunk,
@@ -42,11 +41,12 @@ from worker_svc.engine_api import (
     RawTensor,
     drain_chunks,
 )
+from worker_svc.engine.cache_events import CacheEvents
+from worker_svc.engine.prompt_ids import prompt_token_ids
+from worker_svc.engine.request_front import RequestFront, bounded_batching_hints
 from worker_svc.model.checkpoint import load_checkpoint, read_config
 from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
-from worker_svc.prompt_ids import prompt_token_ids
-from worker_svc.request_front import RequestFront, bounded_batching_hints
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from infermesh import prefix_hash
-from worker_svc.cache_events import CacheEvents
 from worker_svc.config import CacheSection
+from worker_svc.engine.cache_events import CacheEvents
 from worker_svc.model.model import ModelArgs
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.engine_api import SamplingParams
+from worker_svc.engine.api import SamplingParams
 
 
 def apply_penalties(

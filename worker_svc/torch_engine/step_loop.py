@@ -27,14 +27,14 @@ import torch
 from infermesh.text.tokenizer import Tokenizer
 from worker_svc.decoding.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.decoding.grammar import apply_masks
-from worker_svc.engine_api import (
+from worker_svc.engine.api import (
     EngineClosedError,
     EngineLoad,
     GenerationChunk,
     SamplingParams,
     TokenLogprob,
 )
-from worker_svc.meters import DecodeRateMeter, PrefillSpeedMeter
+from worker_svc.engine.meters import DecodeRateMeter, PrefillSpeedMeter
 from worker_svc.torch_engine.model_runner import ModelRunner
 from worker_svc.torch_engine.sampling import sample_batch, token_logprobs
 from worker_svc.torch_engine.scheduler import Scheduler, SchedulerOutput, SequenceState

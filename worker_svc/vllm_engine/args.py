@@ -19,7 +19,7 @@ from typing import Any
 from infermesh.config import ConfigError
 from infermesh.names import Precision
 from worker_svc.config import WorkerConfig
-from worker_svc.engine_api import DeviceKind
+from worker_svc.engine.api import DeviceKind
 
 # vLLM's dtype names for the worker's precisions (FP8 is a quantization there, activations in BF16)
 _DTYPES: dict[Precision, str] = {

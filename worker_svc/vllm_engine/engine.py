@@ -48,13 +48,12 @@ from infermesh.config import ConfigError
 from infermesh.names import FinishReason, Precision
 from infermesh.text.chat_templates import THINK, THINK_END
 from infermesh.text.tokenizer import Tokenizer
-from worker_svc.cache_events import CacheEvents
 from worker_svc.config import Batching, WorkerConfig
 from worker_svc.decoding.completion_decoder import CompletionDecoder, TokenEnd
 from worker_svc.decoding.grammar import lark_grammar
 from worker_svc.decoding.reasoning_parser import thinking_of
 from worker_svc.decoding.tool_parser import ToolMarkers
-from worker_svc.engine_api import (
+from worker_svc.engine.api import (
     DeviceCapabilities,
     EngineClosedError,
     EngineLoad,
@@ -65,7 +64,10 @@ from worker_svc.engine_api import (
     TokenLogprob,
     ToolCallDelta,
 )
-from worker_svc.meters import DecodeRateMeter
+from worker_svc.engine.cache_events import CacheEvents
+from worker_svc.engine.meters import DecodeRateMeter
+from worker_svc.engine.prompt_ids import prompt_token_ids
+from worker_svc.engine.request_front import RequestFront
 from worker_svc.model.checkpoint import CheckpointError
 from worker_svc.model.dequant_cache import dequantized_checkpoint
 from worker_svc.model.precision import (
@@ -75,8 +77,6 @@ from worker_svc.model.precision import (
     probe_device,
     resolve_device,
 )
-from worker_svc.prompt_ids import prompt_token_ids
-from worker_svc.request_front import RequestFront
 from worker_svc.vllm_engine.args import (
     VLLM_FP8_NEEDS,
     Devices,

@@ -25,7 +25,7 @@ from vllm.distributed.kv_events import (
 )
 
 from infermesh import prefix_hash
-from worker_svc.cache_events import CacheEvents
+from worker_svc.engine.cache_events import CacheEvents
 
 logger = logging.getLogger(__name__)
 
