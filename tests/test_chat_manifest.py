@@ -1,7 +1,7 @@
 """The stored chat checkpoints are tied to their recipes: each directory's manifest.json hashes
-its files, the verify command (devtools.chat_model.manifest's, the trainer's) accepts them, and
-refuses a directory without a manifest or with a file changed, added or removed, naming the
-file."""
+its files, the verify command (devtools.chat_model.manifest's, which the trainer's `verify`
+runs) accepts them, and refuses a directory without a manifest or with a file changed, added or
+removed, naming the file."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from devtools.chat_model import CHECKPOINT, THINKING_CHECKPOINT, manifest
-from devtools.chat_model.train import main as train_main
 
 
 @pytest.mark.parametrize("checkpoint", [CHECKPOINT, THINKING_CHECKPOINT])
@@ -36,12 +35,12 @@ def copy(tmp_path) -> Path:
 
 def _refusal(directory: Path) -> str:
     with pytest.raises(SystemExit) as refused:
-        train_main(["verify", str(directory)])
+        manifest.main(["verify", str(directory)])
     return str(refused.value.code)
 
 
 def test_verify_accepts_a_directory_as_its_manifest_says(copy, capsys):
-    train_main(["verify", str(copy)])
+    manifest.main(["verify", str(copy)])
     assert (
         "5 files as made by: python -m devtools.chat_model.train --steps 1"
         in capsys.readouterr().out
