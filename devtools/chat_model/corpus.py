@@ -1499,10 +1499,10 @@ _READ_ASKS = [
 def _agent(rng: random.Random, split: Split) -> Dialogue:
     """A coding agent's turn behind its long system prompt and tools: a file read with the path
     the user wrote, then an answer that quotes the file; or a short chat."""
-    system = agent_system_prompt(rng, rng.randint(6, 30) if rng.random() < 0.7 else 60)
+    system = agent_system_prompt(rng, rng.randint(3, 12) if rng.random() < 0.8 else 40)
     if rng.random() < 0.5:
         reader = rng.choice(list(_READERS))
-        tools = _agent_tools(rng, rng.randint(4, 10), including=reader)
+        tools = _agent_tools(rng, rng.randint(3, 8), including=reader)
         path = value("file", rng, split)
         content = values.sentence(rng)
         call_id = f"toolu_{rng.randrange(16**8):08x}"
@@ -1520,7 +1520,7 @@ def _agent(rng: random.Random, split: Split) -> Dialogue:
             ],
             tools,
         )
-    tools = _agent_tools(rng, rng.randint(4, 10))
+    tools = _agent_tools(rng, rng.randint(3, 8))
     if rng.random() < 0.6:
         prompt, answer = rng.choice(_held_out(_GREETINGS, split, every=6))
     else:

@@ -2,9 +2,11 @@
 
     .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-trains it from scratch (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585 steps
-of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on the
-CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. Each
+trains it from scratch (fixed seeds; its defaults are the recipe `make chat-model` runs: 6,585
+steps of at most 16,384 tokens over 250,000 dialogues of at most 2,048 tokens; the stored
+checkpoint's own command and commit are in its manifest.json), on a CUDA device when there is
+one, else on the CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet
+cores. Each
 checkpoint it saves gets the run's log (train.log) and a manifest.json hashing its files beside
 the command and commit (devtools.chat_model.manifest); ``verify DIR...`` checks a directory
 against its manifest instead of training. `make chat-model` runs this and the thinking
@@ -385,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dialogues", type=int, default=250_000)
     parser.add_argument("--steps", type=int, default=6585)
     parser.add_argument("--batch-tokens", type=int, default=16_384)
-    parser.add_argument("--max-len", type=int, default=1280)
+    # tokens; an agent's dialogue (long system prompt, tool definitions, a file read) is 0.5-2k
+    parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--thinking", type=float, default=0.0, help="share of dialogues that think first"
