@@ -142,7 +142,7 @@ def test_a_structured_answer_closes_its_object(client):
         model=MODEL,
         temperature=0,
         max_tokens=256,
-        messages=_TRIP_ASK,  # type: ignore[arg-type]
+        messages=_TRIP_ASK,
         response_format={
             "type": "json_schema",
             "json_schema": {"name": "Trip", "schema": TRIP},
@@ -161,7 +161,7 @@ def test_a_named_tool_call_closes_its_arguments(client):
         model=MODEL,
         temperature=0,
         max_tokens=256,
-        messages=_TRIP_ASK,  # type: ignore[arg-type]
+        messages=_TRIP_ASK,
         tools=[{"type": "function", "function": {"name": "Trip", "parameters": TRIP}}],
         tool_choice={"type": "function", "function": {"name": "Trip"}},
     )
