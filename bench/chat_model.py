@@ -11,7 +11,8 @@ of each kind, every one with max_tokens 64 and temperature 0:
 - short: instructions, greetings, a persona's questions, a coding agent's prompt with its tools;
 - tool: three tools, a question one of them answers (tool_choice auto, no grammar forcing a call;
   each tool needed, and each position holding it, equally often);
-- recall: a name told in the first turn, asked for one to three turns later;
+- recall: a name told in the first turn, asked for one to three turns later; made_up_recall: the
+  same with a name made up per case (as the training's fresh values are), one no model can know;
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
 - read: a coding agent's system prompt, six of its tools, a file to read (Read, Bash or Codex's
   shell in turn among them);
@@ -52,7 +53,7 @@ from devtools.chat_model.baselines import json_baselines, recall_baselines, tool
 from devtools.chat_model.corpus import EvalCase, eval_cases
 from devtools.mesh import one_worker_mesh
 
-KINDS = ("short", "tool", "recall", "json", "read")
+KINDS = ("short", "tool", "recall", "made_up_recall", "json", "read")
 LONG = "long"
 MAX_TOKENS = 64
 THINK_TOKENS = (
@@ -77,7 +78,7 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
             return ended, False
         return ended, calls[0].function.name == case.tool and arguments == case.arguments
     text = message.content or ""
-    if case.kind == "recall":
+    if case.kind in ("recall", "made_up_recall"):
         return ended, case.recall.lower() in text.lower()
     if case.kind == "json":
         try:
@@ -232,6 +233,11 @@ async def run(
             "recall of a name from an earlier turn",
             results_of(results["recall"]),
             f"guessers: {_guessers(recall_baselines(by_kind['recall']))}",
+        ),
+        (
+            "recall of a made-up name (the same, a name no corpus holds)",
+            results_of(results["made_up_recall"]),
+            f"guessers: {_guessers(recall_baselines(by_kind['made_up_recall']))}",
         ),
         (
             "JSON valid against the system prompt's schema, unconstrained",

@@ -935,11 +935,13 @@ def _recall(rng: random.Random, split: Split) -> Dialogue:
     return recall_dialogue(rng, split, rng.choice(_FACTS)[0])[0]
 
 
-def recall_dialogue(rng: random.Random, split: Split, fact: str) -> tuple[Dialogue, str]:
-    """A fact of kind ``fact`` ("name", "city", "number", "pet", "word") told, other turns, then
-    asked for; and the fact."""
+def recall_dialogue(
+    rng: random.Random, split: Split, fact: str, told: str = ""
+) -> tuple[Dialogue, str]:
+    """A fact of kind ``fact`` ("name", "city", "number", "pet", "word") told (``told``, else
+    drawn), other turns, then asked for; and the fact."""
     kind, draw, statements, questions, answers = next(f for f in _FACTS if f[0] == fact)
-    told = draw(rng, split)
+    told = told or draw(rng, split)
     said = rng.choice(_held_out(statements, split)).format(v=told)
     ack = rng.choice(_ACKS).format(n=f", {told}" if kind == "name" else "")
     messages: list[Message] = []
@@ -1650,10 +1652,12 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
     """``count`` held-out requests of a kind, drawn from EVAL_SEEDS[seed]: "short" (instructions,
     greetings, personas, coding agent prompts), "tool" (EVAL_TOOLS tools, one needed: case i needs
     TOOL_KINDS[i % 10], listed at index i % EVAL_TOOLS, so that no tool and no position is right
-    more often than the others), "recall" (a name told turns earlier), "json" (the schema in the
-    system prompt), "long" (a greeting behind a coding agent's 8k-token system prompt and 16
-    tools, six times the training's longest), "read" (a coding agent's prompt and six of its
-    tools, a file to read: its reading tool, Read, Bash or shell in turn, with the path)."""
+    more often than the others), "recall" (a held-out name told turns earlier),
+    "made_up_recall" (the same with a name made up for the case as the training's fresh ones
+    are: one no model can have learnt by heart), "json" (the schema in the system prompt), "long"
+    (a greeting behind a coding agent's 8k-token system prompt and 16 tools, six times the
+    training's longest), "read" (a coding agent's prompt and six of its tools, a file to read:
+    its reading tool, Read, Bash or shell in turn, with the path)."""
     if seed not in range(len(EVAL_SEEDS)):
         raise ValueError(f"an evaluation seed is 0..{len(EVAL_SEEDS) - 1}, not {seed}")
     rng = random.Random(EVAL_SEEDS[seed])
@@ -1665,8 +1669,9 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
             tools = [_tool(k) for k in tool_set(rng, needed, EVAL_TOOLS, i % EVAL_TOOLS)]
             messages = [{"role": "user", "content": question}]
             cases.append(EvalCase(kind, messages, tools, tool=needed.name, arguments=args))
-        elif kind == "recall":
-            dialogue, name = recall_dialogue(rng, "eval", "name")
+        elif kind in ("recall", "made_up_recall"):
+            made_up = values.name(rng) if kind == "made_up_recall" else ""
+            dialogue, name = recall_dialogue(rng, "eval", "name", made_up)
             cases.append(EvalCase(kind, dialogue.messages[:-1], recall=name))
         elif kind == "json":
             dialogue, schema = json_dialogue(rng, "eval")
