@@ -489,9 +489,9 @@ TEXTS = [
 
 # -------------------------------------------------------------------------------- values
 
-# each open kind of value: its pool (split into training and held-out values) and its generator of
-# fresh ones; a training dialogue takes a fresh value _FRESH_SHARE of the time, so that the model
-# must copy it from the prompt rather than recall it from its weights
+# each kind of value: its pool (split into training and held-out values) and its generator of
+# fresh ones (None: a closed kind, its pool only); a training dialogue takes a fresh value
+# _FRESH_SHARE of the time, so that the model must copy it from the prompt rather than recall it
 _POOLS: dict[str, tuple[Sequence[str], Callable[[random.Random], str] | None]] = {
     "name": (NAMES, values.name),
     "city": (CITIES, values.city),
@@ -513,7 +513,7 @@ _NUMERIC_KINDS = ("number", "amount", "minutes")
 
 
 def held_out_values() -> set[str]:
-    """Every evaluation value of the open kinds but numbers (which every count and sum in the
+    """Every evaluation value of each kind (_POOLS) but numbers (which every count and sum in the
     corpus writes), lowercased: none of them is in a training dialogue."""
     return {
         v.lower()
@@ -527,9 +527,9 @@ _HELD_OUT_VALUES = held_out_values()
 
 
 def value(kind: str, rng: random.Random, split: Split) -> str:
-    """A value of an open ``kind`` (a _POOLS key): in evaluation one of its pool's held-out
-    values; in training a fresh one (never a held-out value or word) or one of its pool's
-    training values (a closed kind's always)."""
+    """A value of ``kind`` (a _POOLS key): in evaluation one of its pool's held-out values; in
+    training a fresh one _FRESH_SHARE of the time (never a held-out value, nor a held-out word in
+    it), else one of its pool's training values (a closed kind's always)."""
     pool, fresh = _POOLS[kind]
     if fresh is None or split == "eval" or rng.random() >= _FRESH_SHARE:
         return rng.choice(_held_out(pool, split))
@@ -617,12 +617,9 @@ _REPEAT_FORMS = [
 
 
 def _repeat(rng: random.Random, split: Split) -> tuple[str, str]:
-    kind = rng.choice(["word", "name", "closed"])
-    closed = kind == "closed"
+    kind = rng.choice(["word", "name", ""])
     word = (
-        rng.choice(_each_held_out(split, COLORS, PETS, FOODS))
-        if closed
-        else value(kind, rng, split)
+        value(kind, rng, split) if kind else rng.choice(_each_held_out(split, COLORS, PETS, FOODS))
     )
     forms = _held_out(_REPEAT_FORMS, split)
     return rng.choice(forms).format(w=word), word
