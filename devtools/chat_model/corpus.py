@@ -15,10 +15,11 @@ tool call carries the user's values verbatim, and the answer after a tool's resu
 Each kind draws its phrasings and pool values from lists split in two, each list on its own
 (``_held_out``): ``split="train"`` uses the first part, ``split="eval"`` only the held-out rest
 (bench/chat_model.py measures on those), and a fresh value is never a held-out one, so an
-evaluation prompt's phrasing and values are ones the training never saw (tests/test_chat_corpus.py
-checks the recipe's corpus). A training corpus's seeds may not overlap EVAL_SEEDS. A dialogue is
-OpenAI-shaped: messages (with ``tool_calls`` and ``tool`` results) and tool definitions, rendered
-by the served chat template (devtools.chat_model.train.render).
+evaluation prompt's phrasing and values are ones the training never saw
+(tests/devtools/test_chat_corpus.py checks the recipe's corpus). A training corpus's seeds may
+not overlap EVAL_SEEDS. A dialogue is OpenAI-shaped: messages (with ``tool_calls`` and ``tool``
+results) and tool definitions, rendered by the served chat template
+(devtools.chat_model.train.render).
 """
 
 from __future__ import annotations
