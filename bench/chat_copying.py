@@ -36,16 +36,21 @@ _KINDS = ("made_up_recall", "recall")
 def name_positions(tok: Tokenizer, ids: list[int], learn: list[bool], name: str) -> list[int]:
     """The positions of the learnt (answer) tokens that spell ``name``."""
     start = learn.index(True)
-    answer = tok.hf.decode(ids[start:])
-    begin = answer.rindex(name)
+    begin = _text(tok, ids[start:]).rindex(name)
     end = begin + len(name)
     positions = []
     for k in range(start, len(ids)):
-        before = len(tok.hf.decode(ids[start:k]))
-        after = len(tok.hf.decode(ids[start : k + 1]))
+        before = len(_text(tok, ids[start:k]))
+        after = len(_text(tok, ids[start : k + 1]))
         if after > begin and before < end:
             positions.append(k)
     return positions
+
+
+def _text(tok: Tokenizer, ids: list[int]) -> str:
+    text = tok.hf.decode(ids)
+    assert isinstance(text, str)
+    return text
 
 
 def measure(model: DeepseekV3ForCausalLM, tok: Tokenizer, kind: str, count: int) -> str:
@@ -68,7 +73,7 @@ def measure(model: DeepseekV3ForCausalLM, tok: Tokenizer, kind: str, count: int)
         logprobs = torch.log_softmax(logits, dim=-1)
         loss -= sum(float(logprobs[p - 1, ids[p]]) for p in positions)
         targets += [ids[p] for p in positions]
-        examples.append((case.recall, tok.hf.decode(predicted)))
+        examples.append((case.recall, _text(tok, predicted)))
     guess = Counter(targets).most_common(1)[0][1] / len(targets)
     return (
         f"{kind}: name tokens ranked first {hits}/{tokens} = {hits / tokens:.0%} (guesser "
@@ -89,7 +94,7 @@ def main() -> None:
         config.pop("quantization_config", None)
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**config))
         load(model, directory)
-        model.eval()
+        model.train(False)
         tok = Tokenizer(directory)
         print(directory)
         for kind in _KINDS:
