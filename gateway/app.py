@@ -9,33 +9,25 @@ from aiohttp import web
 
 import telemetry
 from gateway.accounts.admin import create_admin_app
-from gateway.accounts.auth import KEY_STORE, auth_middleware
-from gateway.accounts.keys import REDIS, KeyStore
-from gateway.accounts.limits import LIMITER, Limiter
-from gateway.accounts.recent import CONSOLE_CONFIG, recent_ctx, record_recent
-from gateway.api.generation import LIMITS_CONFIG, MODELS_CONFIG
-from gateway.config import GatewayConfig
+from gateway.accounts.auth import auth_middleware
+from gateway.accounts.keys import KeyStore
+from gateway.accounts.limits import Limiter
+from gateway.accounts.recent import recent_ctx, record_recent
+from gateway.accounts.state import KEY_STORE, LIMITER, REDIS
+from gateway.config import CONFIG, GatewayConfig
 from gateway.console import create_console_app
-from gateway.http.middleware import (
-    API_PREFIXES,
-    REDIS_CONFIG,
-    add_request_id,
-    error_middleware,
-    redact_query_keys,
-)
-from gateway.http.openapi import OPERATIONS, publish_document
+from gateway.http.middleware import add_request_id, error_middleware, redact_query_keys
+from gateway.http.openapi import serve_document
 from gateway.http.ops import metrics_port
-from gateway.http.validation import SERVER_CONFIG
-from gateway.mesh.client import MESH, MeshClient
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS, PromptTokens
-from gateway.mesh.reasoning_formats import REASONING_FORMATS, ReasoningFormats
-from gateway.openai.responses_store import RESPONSES_CONFIG
+from gateway.http.state import API_PREFIXES
+from gateway.mesh.client import MeshClient
+from gateway.mesh.prompt_tokens import PromptTokens
+from gateway.mesh.reasoning_formats import ReasoningFormats
+from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
 from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from telemetry.metrics import watch_event_loop
-
-CONFIG = web.AppKey("config", GatewayConfig)
 
 
 def create_app(config: GatewayConfig) -> web.Application:
@@ -50,12 +42,6 @@ def create_app(config: GatewayConfig) -> web.Application:
         ],
     )
     app[CONFIG] = config
-    app[SERVER_CONFIG] = config.server
-    app[REDIS_CONFIG] = config.redis
-    app[LIMITS_CONFIG] = config.limits
-    app[MODELS_CONFIG] = config.models
-    app[RESPONSES_CONFIG] = config.responses
-    app[CONSOLE_CONFIG] = config.console
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
@@ -64,13 +50,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
-    app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
         add_routes(app.router, OPENAI, base)
     for base in ("", alias) if alias else ("",):
         add_routes(app.router, ANTHROPIC, base)
     add_routes(app.router, OPS)
-    app[OPERATIONS] = operations()
+    serve_document(app, operations())
     admin_sha256 = config.admin.digest()
     admin = create_admin_app(admin_sha256)
     add_routes(admin.router, ADMIN)

@@ -5,12 +5,11 @@
 trains it from scratch (fixed seeds; its defaults are the recipe `make chat-model` runs: 6,585
 steps of at most 16,384 tokens over 250,000 dialogues of at most 2,048 tokens; the stored
 checkpoint's own command and commit are in its manifest.json), on a CUDA device when there is
-one, else on the CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet
-cores. Each
-checkpoint it saves gets the run's log (train.log) and a manifest.json hashing its files beside
-the command and commit (devtools.chat_model.manifest); ``verify DIR...`` checks a directory
-against its manifest instead of training. `make chat-model` runs this and the thinking
-fine-tune below. The model
+one, else on the CPU: 6.5 minutes on an H200 (docs/benchmarks/chat-model-training.md), about six
+hours on two quiet cores. Each checkpoint it saves gets the run's log (train.log) and a
+manifest.json hashing its files beside the command and commit (devtools.chat_model.manifest);
+``verify DIR...`` checks a directory against its manifest instead of training. `make
+chat-model` runs this and the thinking fine-tune below. The model
 is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
 attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes of CHAT_SIZES, with
 its trained byte-level BPE and DeepSeek's chat and tool templates. It learns from

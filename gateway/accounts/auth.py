@@ -6,12 +6,11 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.accounts.keys import ApiKey, KeyStore
+from gateway.accounts.keys import ApiKey
+from gateway.accounts.state import API_KEY, KEY_STORE
 from gateway.http.errors import AuthenticationError, InvalidRequestError
-from gateway.http.middleware import API_PREFIXES, QUERY_KEY_NAMES, single_header
-
-API_KEY = web.RequestKey("api_key", ApiKey)
-KEY_STORE = web.AppKey("key_store", KeyStore)
+from gateway.http.middleware import QUERY_KEY_NAMES, single_header
+from gateway.http.state import API_PREFIXES
 
 
 @web.middleware

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.accounts import admin, keys
-from gateway.accounts.keys import REDIS
+from gateway.accounts.state import REDIS
 from gateway.console.render import redirect, render
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import parse_body
