@@ -9,9 +9,13 @@ gateway as processes (devtools.mesh), with a key of its own. The held-out reques
 devtools.chat_model.corpus.eval_cases (phrasings and values the training split never uses), --cases
 of each kind, every one with max_tokens 64 and temperature 0:
 - short: instructions, greetings, a persona's questions, a coding agent's prompt with its tools;
-- tool: three tools, a question one of them answers (tool_choice auto, no grammar forcing a call);
-- recall: a name told in the first turn, asked for one to three turns later;
+- tool: three tools, a question one of them answers (tool_choice auto, no grammar forcing a call;
+  each tool needed, and each position holding it, equally often);
+- recall: a name told in the first turn, asked for one to three turns later; made_up_recall: the
+  same with a name made up per case (as the training's fresh values are), one no model can know;
 - json: a JSON schema in the system prompt, no response_format (no constrained decoding);
+- read: a coding agent's system prompt, six of its tools, a file to read (Read, Bash or Codex's
+  shell in turn among them);
 and --long-cases greetings behind a coding agent's 8k-token system prompt with 16 tools (the
 training's dialogues are at most 1,280 tokens long). Then the first --think-cases of each kind again
 with the thinking on (chat_template_kwargs thinking, no thinking budget, max_tokens THINK_TOKENS):
@@ -20,7 +24,11 @@ model does not reason, so none of its replies thinks.
 Prints the share of the replies that end (finish_reason stop or tool_calls) within the 64 tokens,
 of tool questions answered by a call of the right tool with the question's arguments (and by a
 call of the right tool whatever its arguments), of recall questions whose answer holds the name,
-of JSON answers valid against the schema, and of the long prompts' replies that end; of the
+of JSON answers valid against the schema (and of those that are exactly the question's values),
+and of the long prompts' replies that end, each beside what guessers that do not read the question
+score on the same cases (devtools.chat_model.baselines: the first or last tool listed, the tool
+needed most often, a uniform draw; the name told most often; the schema's keys filled with empty
+values); of the
 replies without thinking, those with no think tag (no reasoning_content, no tag in the answer); of
 those with it, those whose thinking closed by itself within MAX_TOKENS tokens and that then
 answered (an answer or a call, no think tag in it) and ended, and of those, the ones right for
@@ -41,10 +49,11 @@ import jsonschema
 import openai
 
 from devtools.chat_model import SERVED_PATH
+from devtools.chat_model.baselines import json_baselines, recall_baselines, tool_baselines
 from devtools.chat_model.corpus import EvalCase, eval_cases
 from devtools.mesh import one_worker_mesh
 
-KINDS = ("short", "tool", "recall", "json")
+KINDS = ("short", "tool", "recall", "made_up_recall", "json", "read")
 LONG = "long"
 MAX_TOKENS = 64
 THINK_TOKENS = (
@@ -59,7 +68,7 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
     choice = reply.choices[0]
     ended = choice.finish_reason in ("stop", "tool_calls")
     message = choice.message
-    if case.kind == "tool":
+    if case.kind in ("tool", "read"):
         calls = message.tool_calls or []
         if not calls:
             return ended, False
@@ -69,7 +78,7 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
             return ended, False
         return ended, calls[0].function.name == case.tool and arguments == case.arguments
     text = message.content or ""
-    if case.kind == "recall":
+    if case.kind in ("recall", "made_up_recall"):
         return ended, case.recall.lower() in text.lower()
     if case.kind == "json":
         try:
@@ -78,6 +87,22 @@ def judge(case: EvalCase, reply: Any) -> tuple[bool, bool]:
             return ended, False
         return ended, True
     return ended, ended
+
+
+def results_of(results: list[tuple[bool, bool, int]]) -> list[bool]:
+    """Whether each reply was right for its kind."""
+    return [right for _, right, _ in results]
+
+
+def _guessers(baselines: dict[str, float]) -> str:
+    return ", ".join(f"{name} {share:.0%}" for name, share in baselines.items())
+
+
+def _json_or_none(text: str | None) -> Any:
+    try:
+        return json.loads(text or "")
+    except json.JSONDecodeError:
+        return None
 
 
 def thought_and_answered(reply: Any) -> bool:
@@ -123,6 +148,7 @@ async def run(
     results: dict[str, list[tuple[bool, bool, int]]] = defaultdict(list)
     examples: dict[str, str] = {}
     tools_named: list[bool] = []  # a tool question's first call names its tool, whatever its args
+    json_values: list[bool] = []  # a JSON answer is the object the question gives, exactly
     plain: list[bool] = []  # a reply without thinking has no think tag
     thinking: list[tuple[bool, bool]] = []  # (thought then answered, right for its kind)
     think_example: list[str] = []
@@ -169,6 +195,8 @@ async def run(
         if case.kind == "tool":
             named = [c.function.name for c in message.tool_calls or [] if c.type == "function"]
             tools_named.append(named[:1] == [case.tool])
+        if case.kind == "json":
+            json_values.append(_json_or_none(message.content) == case.arguments)
         calls = [
             f"{c.function.name}({c.function.arguments})"
             for c in message.tool_calls or []
@@ -192,19 +220,41 @@ async def run(
         f"ended within {MAX_TOKENS} tokens: {ended}/{len(every)} = {ended / len(every):.0%} "
         f"(mean {mean:.1f} completion tokens)"
     )
-    labels = {
-        "tool": "right tool with the right arguments (of 3 tools)",
-        "recall": "recall of a name from an earlier turn",
-        "json": "JSON valid against the system prompt's schema, unconstrained",
-    }
-    for kind, label in labels.items():
-        right = sum(r for _, r, _ in results[kind])
-        print(f"{label}: {right}/{len(results[kind])} = {right / len(results[kind]):.0%}")
-    named = sum(tools_named)
-    print(
-        f"right tool named, whatever its arguments: {named}/{len(tools_named)} = "
-        f"{named / max(len(tools_named), 1):.0%}"
-    )
+    by_kind = {kind: [case for case in todo if case.kind == kind] for kind in KINDS}
+    tool_guessers = _guessers(tool_baselines(by_kind["tool"]))
+    figures = [
+        (
+            "right tool with the question's arguments (of 3 tools)",
+            results_of(results["tool"]),
+            "guessers write no arguments: 0%",
+        ),
+        ("right tool named, whatever its arguments", tools_named, f"guessers: {tool_guessers}"),
+        (
+            "recall of a name from an earlier turn",
+            results_of(results["recall"]),
+            f"guessers: {_guessers(recall_baselines(by_kind['recall']))}",
+        ),
+        (
+            "recall of a made-up name (the same, a name no corpus holds)",
+            results_of(results["made_up_recall"]),
+            f"guessers: {_guessers(recall_baselines(by_kind['made_up_recall']))}",
+        ),
+        (
+            "JSON valid against the system prompt's schema, unconstrained",
+            results_of(results["json"]),
+            f"guessers: {_guessers(json_baselines(by_kind['json']))}",
+        ),
+        ("JSON with exactly the question's values", json_values, "guessers: 0%"),
+        (
+            "an agent's file read: its reading tool with the path (of 6 tools)",
+            results_of(results["read"]),
+            f"guessers name it: {_guessers(tool_baselines(by_kind['read']))}; with the path 0%",
+        ),
+    ]
+    for label, hits, baselines in figures:
+        print(
+            f"{label}: {sum(hits)}/{len(hits)} = {sum(hits) / max(len(hits), 1):.0%} ({baselines})"
+        )
     long = results[LONG]
     if long:
         ended = sum(e for e, _, _ in long)

@@ -2,15 +2,24 @@
 instructions, a system prompt's persona, a fact recalled from an earlier turn, the right one of
 several tools called with arguments from the question (then an answer from its result), JSON that
 fits a schema the system prompt gives, and a few of these behind a coding agent's long system prompt
-and many tools. Every assistant turn is short and ends. A share of the dialogues (``thinking``)
+and many tools (a file read with the path the user wrote, an answer quoting the file). Every
+assistant turn is short and ends. A share of the dialogues (``thinking``)
 end on an assistant turn that thinks first: one formulaic sentence about the request (``thought``),
 which the model learns to write, and close, after a prompt rendered with the thinking flag on.
 
-Each kind draws its phrasings and values from pools split in two: ``split="train"`` uses the
-first part, ``split="eval"`` only the held-out rest (bench/chat_model.py measures on those), so an
-evaluation prompt is one the training never saw. A dialogue is OpenAI-shaped: messages (with
-``tool_calls`` and ``tool`` results) and tool definitions, rendered by the served chat template
-(devtools.chat_model.render).
+The values a dialogue must copy (names, cities, numbers, file paths, secret words, a file's or a
+tool's sentence) are made up fresh for each training dialogue (devtools.chat_model.values) most
+of the time, so that the model learns to copy them from the prompt rather than recall them: a
+tool call carries the user's values verbatim, and the answer after a tool's result quotes it.
+
+Each kind draws its phrasings and pool values from lists split in two, each list on its own
+(``_held_out``): ``split="train"`` uses the first part, ``split="eval"`` only the held-out rest
+(bench/chat_model.py measures on those), and a fresh value is never a held-out one, so an
+evaluation prompt's phrasing and values are ones the training never saw
+(tests/devtools/test_chat_corpus.py checks the recipe's corpus). A training corpus's seeds may
+not overlap EVAL_SEEDS. A dialogue is OpenAI-shaped: messages (with ``tool_calls`` and ``tool``
+results) and tool definitions, rendered by the served chat template
+(devtools.chat_model.train.render).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
+
+from devtools.chat_model import values
 
 Split = Literal["train", "eval"]
 T = TypeVar("T")
@@ -43,6 +54,12 @@ def _held_out(pool: Sequence[T], split: Split, every: int = 5) -> list[T]:
     if split == "eval":
         return [x for i, x in enumerate(pool) if i % every == every - 1] or list(pool)
     return [x for i, x in enumerate(pool) if i % every != every - 1]
+
+
+def _each_held_out(split: Split, *pools: Sequence[T]) -> list[T]:
+    """The pools joined, each split on its own first: the boundary of a joined pool would fall
+    elsewhere, and a value held out of its own pool would train in the joined one."""
+    return [x for pool in pools for x in _held_out(pool, split)]
 
 
 NAMES = [
@@ -219,7 +236,6 @@ CITIES = [
     "Detroit",
     "Nashville",
     "Marseille",
-    "Nice",
     "Hamburg",
     "Cologne",
     "Milan",
@@ -359,6 +375,10 @@ EMAILS = [
     for n, d in zip(NAMES, ["example.com", "mail.org", "corp.io"] * 40, strict=False)
 ]
 NUMBERS = [str(n) for n in (7, 12, 42, 3, 99, 58, 21, 64, 15, 88, 5, 31, 77, 10, 27, 46, 8, 93)]
+AMOUNTS = [str(n) for n in (5, 10, 20, 25, 50, 75, 100, 150, 200, 250, 500, 1000)]
+MINUTES = [str(n) for n in (1, 2, 3, 5, 7, 10, 12, 15, 20, 25, 30, 45, 60, 90)]
+CURRENCIES = ["USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "CNY", "INR", "SEK", "NOK", "MXN"]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Japanese", "Portuguese", "Dutch", "Korean"]
 COLORS = [
     "red",
     "blue",
@@ -411,6 +431,114 @@ JOBS = [
     "chef",
     "doctor",
 ]
+PERSONA_NAMES = [
+    "Captain Byte",
+    "Professor Pixel",
+    "Luna",
+    "Sir Reginald",
+    "Ziggy",
+    "Chef Remy",
+    "Doctor Nova",
+    "Agent Echo",
+    "Madame Rosa",
+    "Robo",
+    "Sparky",
+    "Grandpa Joe",
+    "Lady Ada",
+    "Max Power",
+    "Tinker",
+    "Captain Coral",
+    "Wizard Merlin",
+    "Nurse Joy",
+    "Coach Carter",
+    "Bolt",
+    "Aurora",
+    "Señor Taco",
+    "Detective Gray",
+    "Pip",
+    "Orion",
+]
+SECRET_WORDS = [
+    "lantern",
+    "pineapple",
+    "horizon",
+    "marble",
+    "thunder",
+    "velvet",
+    "compass",
+    "meadow",
+    "saffron",
+    "glacier",
+    "harbor",
+    "quartz",
+    "falcon",
+    "ember",
+    "willow",
+]
+TEXTS = [
+    "good morning",
+    "thank you",
+    "where is the station",
+    "I love coffee",
+    "see you tomorrow",
+    "how much is this",
+    "happy birthday",
+    "good night",
+    "the cat is sleeping",
+    "I am hungry",
+]
+
+# -------------------------------------------------------------------------------- values
+
+# each kind of value: its pool (split into training and held-out values) and its generator of
+# fresh ones (None: a closed kind, its pool only); a training dialogue takes a fresh value
+# _FRESH_SHARE of the time, so that the model must copy it from the prompt rather than recall it
+_POOLS: dict[str, tuple[Sequence[str], Callable[[random.Random], str] | None]] = {
+    "name": (NAMES, values.name),
+    "city": (CITIES, values.city),
+    "symbol": (SYMBOLS, values.symbol),
+    "topic": (TOPICS, values.topic),
+    "file": (FILES, values.path),
+    "email": (EMAILS, values.email),
+    "word": (SECRET_WORDS, values.word),
+    "text": (TEXTS, values.phrase),
+    "number": (NUMBERS, values.number),
+    "amount": (AMOUNTS, lambda rng: str(rng.randint(1, 5000))),
+    "minutes": (MINUTES, lambda rng: str(rng.randint(1, 180))),
+    "persona": (PERSONA_NAMES, values.name),
+    "currency": (CURRENCIES, None),  # closed kinds: their pools only
+    "language": (LANGUAGES, None),
+}
+_FRESH_SHARE = 0.75
+_NUMERIC_KINDS = ("number", "amount", "minutes")
+
+
+def held_out_values() -> set[str]:
+    """Every evaluation value of each kind (_POOLS) but numbers (which every count and sum in the
+    corpus writes), lowercased: none of them is in a training dialogue."""
+    return {
+        v.lower()
+        for kind, (pool, _) in _POOLS.items()
+        if kind not in _NUMERIC_KINDS
+        for v in _held_out(pool, "eval")
+    }
+
+
+_HELD_OUT_VALUES = held_out_values()
+
+
+def value(kind: str, rng: random.Random, split: Split) -> str:
+    """A value of ``kind`` (a _POOLS key): in evaluation one of its pool's held-out values; in
+    training a fresh one _FRESH_SHARE of the time (never a held-out value, nor a held-out word in
+    it), else one of its pool's training values (a closed kind's always)."""
+    pool, fresh = _POOLS[kind]
+    if fresh is None or split == "eval" or rng.random() >= _FRESH_SHARE:
+        return rng.choice(_held_out(pool, split))
+    while True:
+        made = fresh(rng)
+        if not {made.lower(), *made.lower().split()} & _HELD_OUT_VALUES:
+            return made
+
 
 # ------------------------------------------------------------------------------- small talk
 
@@ -453,95 +581,103 @@ _GREETINGS = [
 ]
 
 
+_COUNT_FORMS = [
+    "Count from {a} to {b}",
+    "Count from {a} to {b}.",
+    "count from {a} to {b}",
+    "Please count from {a} to {b}",
+    "List the numbers from {a} to {b}",
+    "Count {a} to {b}",
+    "Write the numbers {a} through {b}",
+    "Can you count from {a} to {b}?",
+    "Give me the numbers from {a} to {b}",
+    "Count up from {a} to {b}",
+]
+
+
 def _count(rng: random.Random, split: Split) -> tuple[str, str]:
     start = rng.randint(0, 5)
     end = start + rng.randint(2, 8)
-    forms = _held_out(
-        [
-            "Count from {a} to {b}",
-            "Count from {a} to {b}.",
-            "count from {a} to {b}",
-            "Please count from {a} to {b}",
-            "List the numbers from {a} to {b}",
-            "Count {a} to {b}",
-            "Write the numbers {a} through {b}",
-            "Can you count from {a} to {b}?",
-            "Give me the numbers from {a} to {b}",
-            "Count up from {a} to {b}",
-        ],
-        split,
-    )
+    forms = _held_out(_COUNT_FORMS, split)
     answer = ", ".join(str(i) for i in range(start, end + 1))
     return rng.choice(forms).format(a=start, b=end), answer
 
 
+_REPEAT_FORMS = [
+    "Repeat the word {w}",
+    "Say {w}",
+    "Reply with the word {w}",
+    "Please say {w}",
+    "Repeat after me: {w}",
+    "Echo {w}",
+    "Write the word {w}",
+    "Just say {w}",
+    "Answer with {w}",
+    "Type {w}",
+]
+
+
 def _repeat(rng: random.Random, split: Split) -> tuple[str, str]:
-    word = rng.choice(_held_out(COLORS + PETS + FOODS + NAMES, split))
-    forms = _held_out(
-        [
-            "Repeat the word {w}",
-            "Say {w}",
-            "Reply with the word {w}",
-            "Please say {w}",
-            "Repeat after me: {w}",
-            "Echo {w}",
-            "Write the word {w}",
-            "Just say {w}",
-            "Answer with {w}",
-            "Type {w}",
-        ],
-        split,
+    kind = rng.choice(["word", "name", ""])
+    word = (
+        value(kind, rng, split) if kind else rng.choice(_each_held_out(split, COLORS, PETS, FOODS))
     )
+    forms = _held_out(_REPEAT_FORMS, split)
     return rng.choice(forms).format(w=word), word
+
+
+_ARITHMETIC_FORMS = [
+    "What is {a} plus {b}?",
+    "What is {a} + {b}?",
+    "Add {a} and {b}",
+    "Compute {a} + {b}",
+    "{a} + {b} = ?",
+    "How much is {a} plus {b}?",
+    "Sum {a} and {b}",
+    "Calculate {a}+{b}",
+    "What do you get when you add {a} and {b}?",
+    "Please add {a} to {b}",
+]
 
 
 def _arithmetic(rng: random.Random, split: Split) -> tuple[str, str]:
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    forms = _held_out(
-        [
-            "What is {a} plus {b}?",
-            "What is {a} + {b}?",
-            "Add {a} and {b}",
-            "Compute {a} + {b}",
-            "{a} + {b} = ?",
-            "How much is {a} plus {b}?",
-            "Sum {a} and {b}",
-            "Calculate {a}+{b}",
-            "What do you get when you add {a} and {b}?",
-            "Please add {a} to {b}",
-        ],
-        split,
-    )
+    forms = _held_out(_ARITHMETIC_FORMS, split)
     return rng.choice(forms).format(a=a, b=b), str(a + b)
 
 
+_SPELL_FORMS = [
+    "Spell {w}",
+    "Spell the word {w}",
+    "How do you spell {w}?",
+    "Spell {w} letter by letter",
+    "Spell out {w}",
+]
+
+
 def _spell(rng: random.Random, split: Split) -> tuple[str, str]:
-    word = rng.choice(_held_out(PETS + COLORS + FOODS, split))
-    forms = _held_out(
-        [
-            "Spell {w}",
-            "Spell the word {w}",
-            "How do you spell {w}?",
-            "Spell {w} letter by letter",
-            "Spell out {w}",
-        ],
-        split,
+    fresh = rng.random() < 0.5
+    word = (
+        value("word", rng, split)
+        if fresh
+        else rng.choice(_each_held_out(split, PETS, COLORS, FOODS))
     )
+    forms = _held_out(_SPELL_FORMS, split)
     return rng.choice(forms).format(w=word), "-".join(word.upper())
 
 
+_UPPERCASE_FORMS = [
+    "Write {w} in capital letters",
+    "Uppercase {w}",
+    "Say {w} in upper case",
+    "Convert {w} to uppercase",
+    "Shout {w}",
+]
+
+
 def _uppercase(rng: random.Random, split: Split) -> tuple[str, str]:
-    word = rng.choice(_held_out(NAMES + CITIES, split)).lower()
-    forms = _held_out(
-        [
-            "Write {w} in capital letters",
-            "Uppercase {w}",
-            "Say {w} in upper case",
-            "Convert {w} to uppercase",
-            "Shout {w}",
-        ],
-        split,
-    )
+    word = value(rng.choice(["name", "city"]), rng, split).lower()
+    forms = _held_out(_UPPERCASE_FORMS, split)
     return rng.choice(forms).format(w=word), word.upper()
 
 
@@ -570,33 +706,6 @@ _PLAIN_SYSTEMS = [
 
 # ---------------------------------------------------------------------------------- persona
 
-PERSONA_NAMES = [
-    "Captain Byte",
-    "Professor Pixel",
-    "Luna",
-    "Sir Reginald",
-    "Ziggy",
-    "Chef Remy",
-    "Doctor Nova",
-    "Agent Echo",
-    "Madame Rosa",
-    "Robo",
-    "Sparky",
-    "Grandpa Joe",
-    "Lady Ada",
-    "Max Power",
-    "Tinker",
-    "Captain Coral",
-    "Wizard Merlin",
-    "Nurse Joy",
-    "Coach Carter",
-    "Bolt",
-    "Aurora",
-    "Señor Taco",
-    "Detective Gray",
-    "Pip",
-    "Orion",
-]
 PERSONA_ROLES = [
     ("a pirate", "Ahoy, matey!", "Arr, that be"),
     ("a robot", "Beep boop! Greetings, human.", "Computing: it is"),
@@ -611,65 +720,59 @@ PERSONA_ROLES = [
 ]
 
 
+_PERSONA_SYSTEMS = [
+    "You are {n}, {r}.",
+    "You are {n}, {r}. Stay in character.",
+    "Your name is {n}. You are {r}.",
+    "Act as {n}, {r}.",
+    "You are {r} named {n}.",
+    "Roleplay as {n}, {r}. Keep answers short.",
+    "You are {n}. You speak like {r}.",
+    "From now on you are {n}, {r}.",
+    "Persona: {n}, {r}.",
+    "You play {n}, {r}, in this chat.",
+]
+
+
+_PERSONA_NAME_QUESTIONS = [
+    "What is your name?",
+    "Who are you?",
+    "What's your name?",
+    "Tell me your name",
+    "What should I call you?",
+    "Introduce yourself",
+    "Your name?",
+    "Who am I talking to?",
+    "What are you called?",
+    "Say your name",
+]
+
+
+_PERSONA_GREETINGS = [
+    "Say hello",
+    "Hi",
+    "Hello",
+    "Greet me",
+    "Good morning",
+    "Hey there",
+    "Say hi",
+    "Hello!",
+    "Hi!",
+]
+
+
 def _persona(rng: random.Random, split: Split) -> Dialogue:
-    name = rng.choice(_held_out(PERSONA_NAMES, split))
+    name = value("persona", rng, split)
     role, greeting, prefix = rng.choice(PERSONA_ROLES)
-    system = rng.choice(
-        _held_out(
-            [
-                "You are {n}, {r}.",
-                "You are {n}, {r}. Stay in character.",
-                "Your name is {n}. You are {r}.",
-                "Act as {n}, {r}.",
-                "You are {r} named {n}.",
-                "Roleplay as {n}, {r}. Keep answers short.",
-                "You are {n}. You speak like {r}.",
-                "From now on you are {n}, {r}.",
-                "Persona: {n}, {r}.",
-                "You play {n}, {r}, in this chat.",
-            ],
-            split,
-        )
-    ).format(n=name, r=role)
+    system = rng.choice(_held_out(_PERSONA_SYSTEMS, split)).format(n=name, r=role)
     asks = rng.random()
     if asks < 0.45:
-        question = rng.choice(
-            _held_out(
-                [
-                    "What is your name?",
-                    "Who are you?",
-                    "What's your name?",
-                    "Tell me your name",
-                    "What should I call you?",
-                    "Introduce yourself",
-                    "Your name?",
-                    "Who am I talking to?",
-                    "What are you called?",
-                    "Say your name",
-                ],
-                split,
-            )
-        )
+        question = rng.choice(_held_out(_PERSONA_NAME_QUESTIONS, split))
         answer = rng.choice([f"I am {name}, {role}.", f"My name is {name}.", f"I am {name}!"])
         if question in ("Introduce yourself", "Who are you?"):
             answer = f"{greeting} I am {name}, {role}."
     elif asks < 0.75:
-        question = rng.choice(
-            _held_out(
-                [
-                    "Say hello",
-                    "Hi",
-                    "Hello",
-                    "Greet me",
-                    "Hey there",
-                    "Good morning",
-                    "Say hi",
-                    "Hello!",
-                    "Hi!",
-                ],
-                split,
-            )
-        )
+        question = rng.choice(_held_out(_PERSONA_GREETINGS, split))
         answer = f"{greeting} I am {name}."
     else:
         prompt, plain = rng.choice([_count, _repeat, _arithmetic])(rng, split)
@@ -686,11 +789,12 @@ def _persona(rng: random.Random, split: Split) -> Dialogue:
 
 # ----------------------------------------------------------------------------------- recall
 
-_FACTS: list[tuple[str, Sequence[str], list[str], list[str], list[str]]] = [
-    # (fact kind, values, statements, questions, answers); {v} is the value
+Draw = Callable[[random.Random, Split], str]
+_FACTS: list[tuple[str, Draw, list[str], list[str], list[str]]] = [
+    # (fact kind, its value, statements, questions, answers); {v} is the value
     (
         "name",
-        NAMES,
+        lambda rng, split: value("name", rng, split),
         [
             "My name is {v}.",
             "Hi, I'm {v}.",
@@ -719,7 +823,7 @@ _FACTS: list[tuple[str, Sequence[str], list[str], list[str], list[str]]] = [
     ),
     (
         "city",
-        CITIES,
+        lambda rng, split: value("city", rng, split),
         [
             "I live in {v}.",
             "I am from {v}.",
@@ -748,7 +852,7 @@ _FACTS: list[tuple[str, Sequence[str], list[str], list[str], list[str]]] = [
     ),
     (
         "number",
-        NUMBERS,
+        lambda rng, split: value("number", rng, split),
         [
             "My favorite number is {v}.",
             "My lucky number is {v}.",
@@ -777,7 +881,7 @@ _FACTS: list[tuple[str, Sequence[str], list[str], list[str], list[str]]] = [
     ),
     (
         "pet",
-        PETS,
+        lambda rng, split: rng.choice(_held_out(PETS, split)),
         [
             "I have a {v}.",
             "My pet is a {v}.",
@@ -793,6 +897,25 @@ _FACTS: list[tuple[str, Sequence[str], list[str], list[str], list[str]]] = [
             "Remember my pet?",
         ],
         ["You have a {v}.", "Your pet is a {v}.", "A {v}."],
+    ),
+    (
+        "word",
+        lambda rng, split: value("word", rng, split),
+        [
+            "The secret word is {v}.",
+            "Remember the word {v}.",
+            "My password is {v}.",
+            "The code word is {v}.",
+            "Keep this word in mind: {v}.",
+        ],
+        [
+            "What is the secret word?",
+            "What was the word?",
+            "Which word did I give you?",
+            "What is my password?",
+            "Tell me the code word.",
+        ],
+        ["The word is {v}.", "It is {v}.", "{v}"],
     ),
 ]
 
@@ -810,13 +933,15 @@ def _recall(rng: random.Random, split: Split) -> Dialogue:
     return recall_dialogue(rng, split, rng.choice(_FACTS)[0])[0]
 
 
-def recall_dialogue(rng: random.Random, split: Split, fact: str) -> tuple[Dialogue, str]:
-    """A fact of kind ``fact`` ("name", "city", "number", "pet") told, other turns, then asked
-    for; and the fact."""
-    kind, values, statements, questions, answers = next(f for f in _FACTS if f[0] == fact)
-    value = rng.choice(_held_out(values, split))
-    said = rng.choice(_held_out(statements, split)).format(v=value)
-    ack = rng.choice(_ACKS).format(n=f", {value}" if kind == "name" else "")
+def recall_dialogue(
+    rng: random.Random, split: Split, fact: str, told: str = ""
+) -> tuple[Dialogue, str]:
+    """A fact of kind ``fact`` ("name", "city", "number", "pet", "word") told (``told``, else
+    drawn), other turns, then asked for; and the fact."""
+    kind, draw, statements, questions, answers = next(f for f in _FACTS if f[0] == fact)
+    told = told or draw(rng, split)
+    said = rng.choice(_held_out(statements, split)).format(v=told)
+    ack = rng.choice(_ACKS).format(n=f", {told}" if kind == "name" else "")
     messages: list[Message] = []
     if rng.random() < 0.3:
         messages.append({"role": "system", "content": rng.choice(_PLAIN_SYSTEMS)})
@@ -825,9 +950,9 @@ def recall_dialogue(rng: random.Random, split: Split, fact: str) -> tuple[Dialog
         prompt, answer = rng.choice([_count, _repeat, _arithmetic, _spell])(rng, split)
         messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
     question = rng.choice(_held_out(questions, split))
-    answer = rng.choice(answers).format(v=value)
+    answer = rng.choice(answers).format(v=told)
     messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    return Dialogue("recall", messages), value
+    return Dialogue("recall", messages), told
 
 
 # ------------------------------------------------------------------------------------ tools
@@ -842,7 +967,7 @@ class ToolKind:
     description: str
     params: dict[str, tuple[str, str]]  # argument -> (JSON type, description)
     questions: list[str]
-    values: dict[str, Sequence[str]]
+    values: dict[str, str]  # argument -> the kind of its value (a _POOLS key)
     result: Callable[[random.Random, dict[str, Any]], dict[str, Any]]
     answer: str  # formatted with the arguments and the result
 
@@ -882,7 +1007,7 @@ TOOL_KINDS = [
             "Do I need an umbrella in {city} today?",
             "What's the temperature in {city}?",
         ],
-        {"city": CITIES},
+        {"city": "city"},
         lambda rng, a: {"temperature_c": rng.randint(-5, 35), "condition": rng.choice(_CONDITIONS)},
         "It is {temperature_c}°C and {condition} in {city}.",
     ),
@@ -902,7 +1027,7 @@ TOOL_KINDS = [
             "Do you know the time in {city}?",
             "What hour is it in {city}?",
         ],
-        {"city": CITIES},
+        {"city": "city"},
         lambda rng, a: {"time": f"{rng.randint(0, 23):02d}:{rng.choice(['00', '15', '30', '45'])}"},
         "It is {time} in {city}.",
     ),
@@ -922,7 +1047,7 @@ TOOL_KINDS = [
             "Check the price of {symbol}",
             "What does one share of {symbol} cost?",
         ],
-        {"symbol": SYMBOLS},
+        {"symbol": "symbol"},
         lambda rng, a: {"price": round(rng.uniform(5, 900), 2), "currency": "USD"},
         "{symbol} is at {price} {currency}.",
     ),
@@ -942,9 +1067,9 @@ TOOL_KINDS = [
             "Look up {query}",
             "Search online for {query}",
         ],
-        {"query": TOPICS},
-        lambda rng, a: {"results": [{"title": f"An introduction to {a['query']}"}]},
-        "I found: An introduction to {query}.",
+        {"query": "topic"},
+        lambda rng, a: {"top_result": values.sentence(rng)},
+        "I found: {top_result}",
     ),
     ToolKind(
         "send_email",
@@ -962,7 +1087,7 @@ TOOL_KINDS = [
             "Drop {to} an email: {subject}",
             "Compose an email to {to} titled {subject}",
         ],
-        {"to": EMAILS, "subject": TOPICS},
+        {"to": "email", "subject": "topic"},
         lambda rng, a: {"status": "sent"},
         "The email to {to} was sent.",
     ),
@@ -982,9 +1107,9 @@ TOOL_KINDS = [
             "Summarize {path}.",
             "Look at {path}",
         ],
-        {"path": FILES},
-        lambda rng, a: {"content": f"# {a['path']}\nHello from {a['path']}."},
-        "The file {path} says: Hello from {path}.",
+        {"path": "file"},
+        lambda rng, a: {"content": values.sentence(rng)},
+        "The file {path} says: {content}",
     ),
     ToolKind(
         "convert_currency",
@@ -1006,11 +1131,7 @@ TOOL_KINDS = [
             "I have {amount} {from_currency}, how much {to_currency} is that?",
             "Turn {amount} {from_currency} into {to_currency}",
         ],
-        {
-            "amount": [str(n) for n in (5, 10, 20, 25, 50, 75, 100, 150, 200, 250, 500, 1000)],
-            "from_currency": ["USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "CNY", "INR", "SEK"],
-            "to_currency": ["EUR", "USD", "JPY", "GBP", "INR", "CNY", "CAD", "CHF", "AUD", "NOK"],
-        },
+        {"amount": "amount", "from_currency": "currency", "to_currency": "currency"},
         lambda rng, a: {"converted": round(float(a["amount"]) * rng.uniform(0.5, 2), 2)},
         "{amount} {from_currency} is {converted} {to_currency}.",
     ),
@@ -1030,7 +1151,7 @@ TOOL_KINDS = [
             "Look up the population of {city}",
             "How many residents does {city} have?",
         ],
-        {"city": CITIES},
+        {"city": "city"},
         lambda rng, a: {"population": rng.randint(100, 20000) * 1000},
         "{city} has about {population} people.",
     ),
@@ -1050,7 +1171,7 @@ TOOL_KINDS = [
             "I need a timer, {minutes} minutes",
             "Alarm in {minutes} minutes",
         ],
-        {"minutes": [str(n) for n in (1, 2, 3, 5, 7, 10, 12, 15, 20, 25, 30, 45, 60, 90)]},
+        {"minutes": "minutes"},
         lambda rng, a: {"status": "started"},
         "Your {minutes} minute timer has started.",
     ),
@@ -1070,51 +1191,21 @@ TOOL_KINDS = [
             "Convert '{text}' to {language}",
             "'{text}' in {language}, please",
         ],
-        {
-            "text": [
-                "good morning",
-                "thank you",
-                "where is the station",
-                "I love coffee",
-                "see you tomorrow",
-                "how much is this",
-                "happy birthday",
-                "good night",
-                "the cat is sleeping",
-                "I am hungry",
-            ],
-            "language": [
-                "French",
-                "Spanish",
-                "German",
-                "Italian",
-                "Japanese",
-                "Portuguese",
-                "Dutch",
-                "Korean",
-            ],
-        },
-        lambda rng, a: {"translation": f"[{a['language']}] {a['text']}"},
-        "In {language}: [{language}] {text}.",
+        {"text": "text", "language": "language"},
+        lambda rng, a: {"translation": values.phrase(rng)},
+        "In {language}: {translation}",
     ),
 ]
 
 
 def _tool_arguments(kind: ToolKind, rng: random.Random, split: Split) -> dict[str, Any]:
+    """Arguments of distinct values (not "convert EUR to EUR"), typed as the tool's schema says."""
     args: dict[str, Any] = {}
     for param, (json_type, _) in kind.params.items():
-        value = rng.choice(_held_out(kind.values[param], split))
-        args[param] = (
-            int(value)
-            if json_type == "integer"
-            else (
-                float(value)
-                if json_type == "number" and "." in value
-                else int(value)
-                if json_type == "number"
-                else value
-            )
-        )
+        drawn = value(kind.values[param], rng, split)
+        while drawn in args.values():
+            drawn = value(kind.values[param], rng, split)
+        args[param] = int(drawn) if json_type in ("integer", "number") else drawn
     return args
 
 
@@ -1145,11 +1236,13 @@ def _call_message(name: str, args: dict[str, Any], call_id: str) -> Message:
     }
 
 
-def tool_set(rng: random.Random, needed: ToolKind, count: int) -> list[ToolKind]:
-    """``count`` distinct tools, ``needed`` among them, in a random order."""
-    others = rng.sample([k for k in TOOL_KINDS if k.name != needed.name], count - 1)
-    kinds = [needed, *others]
-    rng.shuffle(kinds)
+def tool_set(
+    rng: random.Random, needed: ToolKind, count: int, position: int | None = None
+) -> list[ToolKind]:
+    """``count`` distinct tools in a random order, ``needed`` among them (at index ``position``
+    when given)."""
+    kinds = rng.sample([k for k in TOOL_KINDS if k.name != needed.name], count - 1)
+    kinds.insert(rng.randint(0, count - 1) if position is None else position, needed)
     return kinds
 
 
@@ -1184,9 +1277,10 @@ def _tool_use(rng: random.Random, split: Split) -> Dialogue:
 
 # ------------------------------------------------------------------------------------- JSON
 
-_JSON_FIELDS: list[tuple[str, str, Sequence[str]]] = [
-    ("name", "string", NAMES),
-    ("city", "string", CITIES),
+_JSON_FIELDS: list[tuple[str, str, Sequence[str] | str]] = [
+    # (field, JSON type, its values: a pool, or the kind of an open value)
+    ("name", "string", "name"),
+    ("city", "string", "city"),
     ("age", "integer", [str(n) for n in range(18, 80, 3)]),
     ("color", "string", COLORS),
     ("pet", "string", PETS),
@@ -1236,25 +1330,26 @@ def json_dialogue(rng: random.Random, split: Split) -> tuple[Dialogue, dict[str,
     schema."""
     chosen = rng.sample(_JSON_FIELDS, rng.randint(1, 4))
     schema = json_schema_of([(n, t) for n, t, _ in chosen])
-    values: dict[str, Any] = {}
+    answer: dict[str, Any] = {}
     described = []
     for name, json_type, pool in chosen:
-        raw = rng.choice(_held_out(pool, split))
-        value: Any = (
+        raw = (
+            value(pool, rng, split) if isinstance(pool, str) else rng.choice(_held_out(pool, split))
+        )
+        answer[name] = (
             int(raw)
             if json_type == "integer"
             else (raw == "true")
-            if json_type == ("boolean")
+            if json_type == "boolean"
             else raw
         )
-        values[name] = value
         described.append(f"{name} {raw}")
     system = rng.choice(_held_out(_JSON_SYSTEMS, split, every=4)).format(s=json.dumps(schema))
     ask = rng.choice(_held_out(_JSON_ASKS, split, every=4)).format(desc=", ".join(described))
     messages = [
         {"role": "system", "content": system},
         {"role": "user", "content": ask},
-        {"role": "assistant", "content": json.dumps(values, ensure_ascii=False)},
+        {"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)},
     ]
     return Dialogue("json", messages), schema
 
@@ -1339,8 +1434,15 @@ _AGENT_TOOL_NAMES = [
 ]
 
 
-def _agent_tools(rng: random.Random, count: int) -> list[Tool]:
-    chosen = rng.sample(_AGENT_TOOL_NAMES, count)
+def _agent_tools(rng: random.Random, count: int, including: str = "") -> list[Tool]:
+    """``count`` of the agents' tools in a random order, the one named ``including`` among them;
+    a file reader (_READERS) with no reader it would be second to (Bash reads where there is no
+    Read, as in Claude Code; shell where there is neither, as in Codex)."""
+    readers = list(_READERS)
+    preferred = readers[: readers.index(including) + 1] if including in readers else [including]
+    chosen = rng.sample([t for t in _AGENT_TOOL_NAMES if t[0] not in preferred], count)
+    if including:
+        chosen[rng.randrange(count)] = next(t for t in _AGENT_TOOL_NAMES if t[0] == including)
     tools = []
     for name, description, params in chosen:
         blurb = " ".join(rng.sample(_AGENT_LINES, rng.randint(0, 4)))
@@ -1373,68 +1475,105 @@ def agent_system_prompt(rng: random.Random, lines: int) -> str:
     return "\n\n".join(rng.choice(_AGENT_LINES) for _ in range(lines))
 
 
+# how each agent's file-reading tool is called: Claude Code's Read, its Bash, Codex's shell (in
+# the order an agent prefers them)
+_READERS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "Read": lambda path: {"file_path": path},
+    "Bash": lambda path: {"command": f"cat {path}"},
+    "shell": lambda path: {"command": ["cat", path]},
+}
+_READ_ASKS = [
+    "What is in {p}?",
+    "Read {p}",
+    "Print {p}",
+    "Show me {p}",
+    "Read {p} and tell me what it says.",
+    "Summarize {p}",
+    "Open {p} and quote it.",
+    "What is written in {p}?",
+    "Cat {p} for me.",
+    "Tell me what {p} contains.",
+]
+
+
 def _agent(rng: random.Random, split: Split) -> Dialogue:
-    system = agent_system_prompt(rng, rng.randint(6, 30))
-    tools = _agent_tools(rng, rng.randint(4, 10))
-    names = {t["function"]["name"] for t in tools}
-    messages: list[Message] = [{"role": "system", "content": system}]
-    reads = "Read" in names and rng.random() < 0.4
-    if reads:
-        path = rng.choice(_held_out(FILES, split))
-        ask = rng.choice(
-            _held_out(
-                [
-                    "What is in {p}?",
-                    "Read {p}",
-                    "What does {p} say?",
-                    "Show me {p}",
-                    "Summarize {p}",
-                ],
-                split,
-            )
-        ).format(p=path)
+    """A coding agent's turn behind its long system prompt and tools: a file read with the path
+    the user wrote, then an answer that quotes the file; or a short chat."""
+    system = agent_system_prompt(rng, rng.randint(3, 12) if rng.random() < 0.8 else 40)
+    if rng.random() < 0.5:
+        reader = rng.choice(list(_READERS))
+        tools = _agent_tools(rng, rng.randint(3, 8), including=reader)
+        path = value("file", rng, split)
+        content = values.sentence(rng)
         call_id = f"toolu_{rng.randrange(16**8):08x}"
-        messages += [
-            {"role": "user", "content": ask},
-            _call_message("Read", {"file_path": path}, call_id),
-            {
-                "role": "tool",
-                "tool_call_id": call_id,
-                "content": f"     1\t# {path}\n     2\tHello from {path}.\n",
-            },
-            {"role": "assistant", "content": f"{path} says: Hello from {path}."},
-        ]
-        return Dialogue("agent_tool", messages, tools)
+        return Dialogue(
+            "agent_tool",
+            [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": rng.choice(_held_out(_READ_ASKS, split)).format(p=path),
+                },
+                _call_message(reader, _READERS[reader](path), call_id),
+                {"role": "tool", "tool_call_id": call_id, "content": f"     1\t{content}\n"},
+                {"role": "assistant", "content": f"{path} says: {content}"},
+            ],
+            tools,
+        )
+    tools = _agent_tools(rng, rng.randint(3, 8))
     if rng.random() < 0.6:
         prompt, answer = rng.choice(_held_out(_GREETINGS, split, every=6))
     else:
         prompt, answer = rng.choice([_count, _arithmetic, _repeat])(rng, split)
-    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": answer},
+    ]
     return Dialogue("agent", messages, tools)
 
 
 # ----------------------------------------------------------------------------------- corpus
 
 KINDS: dict[str, tuple[Callable[[random.Random, Split], Dialogue], float]] = {
-    "instruction": (_instruction, 0.2),
-    "persona": (_persona, 0.13),
-    "recall": (_recall, 0.2),
+    "instruction": (_instruction, 0.17),
+    "persona": (_persona, 0.12),
+    "recall": (_recall, 0.22),
     "tool": (_tool_use, 0.29),
-    "json": (_json_answer, 0.12),
-    "agent": (_agent, 0.06),
+    "json": (_json_answer, 0.1),
+    "agent": (_agent, 0.1),
 }
+TRAINING_SEED = 36  # the stored recipe's first corpus seed (train.py)
+# the seeds of the evaluation's draws (eval_cases); a training corpus's seeds may not overlap them,
+# so that no evaluation dialogue's draws (its phrasing, tool order, other turns) are trained on
+EVAL_SEEDS = range(1_000_000_000, 1_001_000_000)
 
 
 def dialogues(
     count: int, seed: int, split: Split = "train", thinking: float = 0.0
 ) -> list[Dialogue]:
-    """``count`` dialogues drawn by KINDS' weights, a ``thinking`` share of them made to think
-    (``think``) by a generator of their own (the same dialogues whatever the share); the same for
-    the same arguments."""
-    rng, think_rng = random.Random(seed), random.Random(f"think-{seed}")
+    """``count`` dialogues drawn by KINDS' weights, dialogue i from seed ``seed + i``, a
+    ``thinking`` share of them made to think (``think``) by a generator of their own (the same
+    dialogues whatever the share); the same for the same arguments. ValueError if the seeds of
+    a training corpus overlap EVAL_SEEDS."""
+    seeds = range(seed, seed + count)
+    if (
+        split == "train"
+        and seeds
+        and seeds.start < EVAL_SEEDS.stop
+        and EVAL_SEEDS.start < seeds.stop
+    ):
+        raise ValueError(
+            f"training seeds {seeds.start}..{seeds.stop - 1} overlap the evaluation's seeds "
+            f"{EVAL_SEEDS.start}..{EVAL_SEEDS.stop - 1}: choose a seed range outside them"
+        )
+    think_rng = random.Random(f"think-{seed}")
     makers = [make for make, _ in KINDS.values()]
     weights = [weight for _, weight in KINDS.values()]
-    drawn = [rng.choices(makers, weights)[0](rng, split) for _ in range(count)]
+    drawn = []
+    for each in seeds:
+        rng = random.Random(each)
+        drawn.append(rng.choices(makers, weights)[0](rng, split))
     return [think(d, think_rng) if think_rng.random() < thinking else d for d in drawn]
 
 
@@ -1461,18 +1600,14 @@ def think(dialogue: Dialogue, rng: random.Random) -> Dialogue:
     return Dialogue(dialogue.kind, messages, dialogue.tools, thought)
 
 
-def dialogue_of(kind: str, rng: random.Random, split: Split) -> Dialogue:
-    """One dialogue of a KINDS kind."""
-    return KINDS[kind][0](rng, split)
-
-
 # ------------------------------------------------------------------------------- evaluation
 
 
 @dataclass
 class EvalCase:
     """A held-out request and what a right reply holds: ``tool`` and ``arguments`` (a call of that
-    tool carrying them), ``recall`` (a word the reply repeats), ``schema`` (the JSON it fits)."""
+    tool carrying them), ``recall`` (a word the reply repeats), ``schema`` (the JSON it fits, and
+    ``arguments`` the values the question gives it)."""
 
     kind: str
     messages: list[Message]
@@ -1483,26 +1618,63 @@ class EvalCase:
     schema: dict[str, Any] | None = None
 
 
+# every list of phrasings a request is drawn from, and how often it holds one out (_held_out)
+_PHRASINGS: list[tuple[Sequence[str], int]] = [
+    (_COUNT_FORMS, 5),
+    (_REPEAT_FORMS, 5),
+    (_ARITHMETIC_FORMS, 5),
+    (_SPELL_FORMS, 5),
+    (_UPPERCASE_FORMS, 5),
+    ([prompt for prompt, _ in _GREETINGS], 6),
+    (_PERSONA_SYSTEMS, 5),
+    (_PERSONA_NAME_QUESTIONS, 5),
+    (_PERSONA_GREETINGS, 5),
+    *((forms, 5) for fact in _FACTS for forms in fact[2:4]),
+    *((kind.questions, 5) for kind in TOOL_KINDS),
+    (_JSON_SYSTEMS, 4),
+    (_JSON_ASKS, 4),
+    (_READ_ASKS, 5),
+]
+
+
+def held_out_phrasings() -> list[str]:
+    """Every evaluation phrasing of a request (a user's or system prompt; ``{field}`` where a
+    value goes): no training dialogue's request has one."""
+    return [form for forms, every in _PHRASINGS for form in _held_out(forms, "eval", every)]
+
+
+EVAL_TOOLS = 3  # tools offered in each tool case
+
+
 def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
-    """``count`` held-out requests of a kind: "short" (instructions, greetings, personas, coding
-    agent prompts), "tool" (three tools, one needed), "recall" (a name told turns earlier), "json"
-    (the schema in the system prompt), "long" (a greeting behind a coding agent's 8k-token system
-    prompt and 16 tools, six times the training's longest)."""
-    rng = random.Random(seed)
+    """``count`` held-out requests of a kind, drawn from EVAL_SEEDS[seed]: "short" (instructions,
+    greetings, personas, coding agent prompts), "tool" (EVAL_TOOLS tools, one needed: case i needs
+    TOOL_KINDS[i % 10], listed at index i % EVAL_TOOLS, so that no tool and no position is right
+    more often than the others), "recall" (a held-out name told turns earlier),
+    "made_up_recall" (the same with a name made up for the case as the training's fresh ones
+    are: one no model can have learnt by heart), "json" (the schema in the system prompt), "long"
+    (a greeting behind a coding agent's 8k-token system prompt and 16 tools, six times the
+    training's longest), "read" (a coding agent's prompt and six of its tools, a file to read:
+    its reading tool, Read, Bash or shell in turn, with the path)."""
+    if seed not in range(len(EVAL_SEEDS)):
+        raise ValueError(f"an evaluation seed is 0..{len(EVAL_SEEDS) - 1}, not {seed}")
+    rng = random.Random(EVAL_SEEDS[seed])
     cases = []
-    for _ in range(count):
+    for i in range(count):
         if kind == "tool":
-            needed = rng.choice(TOOL_KINDS)
+            needed = TOOL_KINDS[i % len(TOOL_KINDS)]
             question, args = tool_question(needed, rng, "eval")
-            tools = [_tool(k) for k in tool_set(rng, needed, 3)]
+            tools = [_tool(k) for k in tool_set(rng, needed, EVAL_TOOLS, i % EVAL_TOOLS)]
             messages = [{"role": "user", "content": question}]
             cases.append(EvalCase(kind, messages, tools, tool=needed.name, arguments=args))
-        elif kind == "recall":
-            dialogue, name = recall_dialogue(rng, "eval", "name")
+        elif kind in ("recall", "made_up_recall"):
+            made_up = values.name(rng) if kind == "made_up_recall" else ""
+            dialogue, name = recall_dialogue(rng, "eval", "name", made_up)
             cases.append(EvalCase(kind, dialogue.messages[:-1], recall=name))
         elif kind == "json":
             dialogue, schema = json_dialogue(rng, "eval")
-            cases.append(EvalCase(kind, dialogue.messages[:-1], schema=schema))
+            answer = json.loads(dialogue.messages[-1]["content"])
+            cases.append(EvalCase(kind, dialogue.messages[:-1], arguments=answer, schema=schema))
         elif kind == "long":  # a coding agent's first prompt: ~8k tokens, 16 tools, then a chat
             prompt, _ = rng.choice(_held_out(_GREETINGS, "eval", every=6))
             messages = [
@@ -1510,6 +1682,17 @@ def eval_cases(kind: str, count: int, seed: int) -> list[EvalCase]:
                 {"role": "user", "content": prompt},
             ]
             cases.append(EvalCase(kind, messages, _agent_tools(rng, 16)))
+        elif kind == "read":  # a coding agent asked to read a file: its reading tool, the path
+            reader = list(_READERS)[i % len(_READERS)]
+            path = value("file", rng, "eval")
+            ask = rng.choice(_held_out(_READ_ASKS, "eval")).format(p=path)
+            messages = [
+                {"role": "system", "content": agent_system_prompt(rng, 20)},
+                {"role": "user", "content": ask},
+            ]
+            tools = _agent_tools(rng, 6, including=reader)
+            args = _READERS[reader](path)
+            cases.append(EvalCase(kind, messages, tools, tool=reader, arguments=args))
         else:
             dialogue = rng.choice([_instruction, _instruction, _persona, _agent])(rng, "eval")
             while dialogue.kind == "agent_tool":

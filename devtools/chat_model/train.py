@@ -2,10 +2,14 @@
 
     .venv/bin/python -m devtools.chat_model.train [--out devtools/chat_model/checkpoint]
 
-trains it from scratch (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585 steps
-of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on the
-CPU: 6.5 minutes on an H200 (docs/benchmarks/chat-model-training.md), about six hours on two
-quiet cores. The model
+trains it from scratch (fixed seeds; its defaults are the recipe `make chat-model` runs: 6,585
+steps of at most 16,384 tokens over 250,000 dialogues of at most 2,048 tokens; the stored
+checkpoint's own command and commit are in its manifest.json), on a CUDA device when there is
+one, else on the CPU: 6.5 minutes on an H200 (docs/benchmarks/chat-model-training.md), about six
+hours on two quiet cores. Each checkpoint it saves gets the run's log (train.log) and a
+manifest.json hashing its files beside the command and commit (devtools.chat_model.manifest);
+``verify DIR...`` checks a directory against its manifest instead of training. `make
+chat-model` runs this and the thinking fine-tune below. The model
 is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
 attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes of CHAT_SIZES, with
 its trained byte-level BPE and DeepSeek's chat and tool templates. It learns from
@@ -38,6 +42,8 @@ import math
 import multiprocessing
 import os
 import random
+import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,8 +57,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from devtools.chat_model import CHECKPOINT
-from devtools.chat_model.corpus import Dialogue, dialogues
+from devtools.chat_model import CHECKPOINT, manifest
+from devtools.chat_model.corpus import TRAINING_SEED, Dialogue, dialogues
 from devtools.tiny_model import (
     CHAT_TEMPLATE,
     THINK,
@@ -238,6 +244,25 @@ def save(
     write_checkpoint(out, tok, config, state, CHAT_THINKING_TEMPLATE if thinking else CHAT_TEMPLATE)
 
 
+class TrainingLog:
+    """The run's lines, printed as they come and kept beside each checkpoint saved (manifest.LOG),
+    with the manifest tying the checkpoint's files to the command and commit that made them."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.commit = manifest.source_commit()
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def seal(self, out: Path, step: int) -> None:
+        """The log and the manifest written into ``out``, a checkpoint saved at ``step``."""
+        (out / manifest.LOG).write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        manifest.write(out, self.command, self.commit, step=step)
+
+
 def load(model: DeepseekV3ForCausalLM, checkpoint: Path) -> None:
     """The weights of a checkpoint ``save`` wrote into the model (``checkpoint_state``'s
     inverse): its FP8 weights dequantized, each MoE layer's experts stacked, its MTP layer left
@@ -352,12 +377,17 @@ class RoutingBalance:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:  # the same command as devtools.chat_model.manifest's
+        manifest.main(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=CHECKPOINT)
     parser.add_argument("--dialogues", type=int, default=250_000)
     parser.add_argument("--steps", type=int, default=6585)
     parser.add_argument("--batch-tokens", type=int, default=16_384)
-    parser.add_argument("--max-len", type=int, default=1280)
+    # tokens; an agent's dialogue (long system prompt, tool definitions, a file read) is 0.5-2k
+    parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--thinking", type=float, default=0.0, help="share of dialogues that think first"
@@ -374,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         "--stop-at", type=int, help="end after this many of the schedule's --steps (and save)"
     )
     ns = parser.parse_args(argv)
+    log = TrainingLog(shlex.join(["python", "-m", "devtools.chat_model.train", *argv]))
     torch.set_num_threads(ns.threads)
     torch.backends.cuda.matmul.allow_tf32 = True  # float32 training; TF32 products on a GPU
     torch.manual_seed(_SEED)
@@ -389,14 +420,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as files:
         save(model, Path(files), bpe, config, thinking)  # the files the renderer loads
         rendered_all = render_all(
-            files, dialogues(ns.dialogues, _SEED, thinking=ns.thinking), ns.render_processes
+            files, dialogues(ns.dialogues, TRAINING_SEED, thinking=ns.thinking), ns.render_processes
         )
     examples = [(ids, learn) for ids, learn in rendered_all if len(ids) <= ns.max_len]
     tokens = sum(len(rendered) for rendered, _ in examples)
-    print(
+    log.say(
         f"{len(examples)} dialogues, {tokens} tokens, rendered in "
-        f"{time.monotonic() - started:.0f} s",
-        flush=True,
+        f"{time.monotonic() - started:.0f} s"
     )
 
     model.to(ns.device)
@@ -436,15 +466,15 @@ def main(argv: list[str] | None = None) -> None:
         balance.update()
         recent.append(loss.item())
         if (step + 1) % 10 == 0:
-            print(
+            log.say(
                 f"step {step + 1}/{ns.steps} loss {sum(recent) / len(recent):.4f} "
-                f"lr {lr_at(step):.2e} {time.monotonic() - started:.1f} s",
-                flush=True,
+                f"lr {lr_at(step):.2e} {time.monotonic() - started:.1f} s"
             )
             recent.clear()
         if (step + 1) % ns.save_every == 0 or step + 1 in (ns.steps, ns.stop_at):
             save(model, ns.out, bpe, config, thinking)
-            print(f"saved {ns.out} at step {step + 1}", flush=True)
+            log.say(f"saved {ns.out} at step {step + 1}")
+            log.seal(ns.out, step + 1)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,13 @@ by such calls; with ``none`` text only. A ``json_schema`` makes the text a JSON 
 schema. JSON is spaced as Python's json.dumps spaces it (", " and ": ", no other whitespace): no
 tokens spent on blanks, and the spacing models learn from (DeepSeek's templates write a call's
 arguments as given, mostly json.dumps's), which a compact grammar forces them off; a tool's
-schema is enforced leniently (keywords llguidance cannot enforce are left out). Compiled grammars
-are cached by their text; each sequence gets a copy of the compiled matcher.
+schema is enforced leniently (keywords llguidance cannot enforce are left out). Objects are
+closed as OpenAI's strict structured outputs and xgrammar's strict mode close them: an object
+schema that lists ``properties`` and says nothing of ``additionalProperties`` allows no other
+key (JSON Schema's default would let a model invent keys until ``max_tokens``); bounds
+(``minimum``, ``maximum``, ``minLength``, ``maxLength``, ``minItems``, ``maxItems``, ...) are
+llguidance's to enforce. Compiled grammars are cached by their text; each sequence gets a copy of
+the compiled matcher.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import json
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -110,17 +116,45 @@ def lark_grammar(c: Constraints, markers: ToolMarkers | None) -> str:
 
 
 def _spaced_schema(schema: str, lenient: bool = False) -> str:
-    """The schema with llguidance's options for _JSON_SPACING (checked to be an object by
-    check_constraints); ``lenient``: keywords llguidance cannot enforce are left out (a tool's
-    arguments: one such keyword in an agent's tools must not refuse its every request), where
-    an answer's json_schema is refused for them."""
-    value = json.loads(schema)
+    """The schema, its objects closed (``closed``), with llguidance's options for _JSON_SPACING
+    (checked to be an object by check_constraints); ``lenient``: keywords llguidance cannot
+    enforce are left out (a tool's arguments: one such keyword in an agent's tools must not
+    refuse its every request), where an answer's json_schema is refused for them."""
+    value = closed(json.loads(schema))
     options = {
         **value.get("x-guidance", {}),
         **_JSON_SPACING,
         **({"lenient": True} if lenient else {}),
     }
     return json.dumps({**value, "x-guidance": options})
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` in each object schema, at any depth, that
+    lists ``properties`` and says nothing of other keys (nor of ``patternProperties``); schemas
+    that allow other keys, or list none (a free-form object), are kept as they are, and so are
+    values (``enum``, ``const``, ``default``, ...)."""
+    if not isinstance(schema, dict):
+        return schema
+    inner = dict(schema)
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            inner[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            inner[key] = [closed(sub) for sub in value]
+        elif key in _SUBSCHEMAS:
+            inner[key] = closed(value)
+    if isinstance(schema.get("properties"), dict) and not (
+        {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys()
+    ):
+        inner["additionalProperties"] = False
+    return inner
+
+
+# the JSON Schema keywords whose values are schemas: by name, in a list, or one
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems", "items"}
+_SUBSCHEMAS = {"items", "additionalProperties", "not", "if", "then", "else", "contains"}
 
 
 def apply_masks(

@@ -15,7 +15,7 @@ import torch
 
 from devtools.tiny_model import CALL_BEGIN, CALLS_BEGIN, OUTPUTS_BEGIN, OUTPUTS_END
 from infermesh.text.tokenizer import Tokenizer
-from worker_svc.decoding.grammar import GrammarCompiler, apply_masks, lark_grammar
+from worker_svc.decoding.grammar import GrammarCompiler, apply_masks, closed, lark_grammar
 from worker_svc.decoding.tool_parser import ToolCallParser, ToolMarkers
 from worker_svc.engine.api import (
     Constraints,
@@ -330,3 +330,61 @@ async def test_a_named_tool_choice_is_one_call(tiny_engine: Engine, tokenizer: T
     chunks = [c async for c in tiny_engine.generate(request)]
     assert chunks[-1].finish_reason == "tool_calls"
     assert len(merge_chunks(chunks).tool_calls or []) == 1
+
+
+# instructor's extraction model (pydantic's schema): two properties, nothing said of others
+TRIP = {
+    "properties": {
+        "city": {"title": "City", "type": "string"},
+        "days": {"title": "Days", "type": "integer", "minimum": 1, "maximum": 30},
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+    },
+    "required": ["city", "days"],
+    "title": "Trip",
+    "type": "object",
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    """One compiler (and cache of compiled grammars) for the module's cases."""
+    assert tokenizer.eos_token_id is not None
+    return GrammarCompiler(tokenizer, len(tokenizer.hf), [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("as_tool", [False, True], ids=["response_format", "named tool"])
+@pytest.mark.parametrize(
+    ("arguments", "allowed"),
+    [
+        ('{"city": "Lisbon", "days": 5}', True),
+        ('{"city": "Lisbon", "days": 5, "stops": ["a", "b"]}', True),
+        ('{"city": "Lisbon", "days": 5, "x": 1}', False),  # a key the schema does not list
+        ('{"city": "Lisbon", "days": 31}', False),  # maximum
+        ('{"city": "Lisbon", "days": 0}', False),  # minimum
+        ('{"city": "L", "days": 3, "stops": ["abcde"]}', False),  # maxLength
+        ('{"city": "L", "days": 3, "stops": ["a", "b", "c"]}', False),  # maxItems
+    ],
+)
+def test_a_schema_allows_only_its_properties_within_their_bounds(
+    tokenizer: Tokenizer, compiler: GrammarCompiler, as_tool: bool, arguments: str, allowed: bool
+):
+    schema = json.dumps(TRIP)
+    if as_tool:
+        constraints = Constraints((Tool("Trip", "A trip", schema),), "named", "Trip")
+        header = f"{CALLS_BEGIN}{CALL_BEGIN}function<｜tool▁sep｜>Trip\n```json\n"
+    else:
+        constraints, header = Constraints(json_schema=schema), ""
+    matcher = compiler.matcher(constraints)
+    assert matcher is not None
+    ids = tokenizer.hf.encode(header + arguments, add_special_tokens=False)
+    assert (matcher.validate_tokens(ids) == len(ids)) is allowed
+
+
+def test_a_schema_that_allows_other_keys_keeps_them():
+    assert closed({**TRIP, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in closed({"type": "object"})  # free-form: json_object
+    nested = closed({"type": "object", "properties": {"trip": TRIP}, "$defs": {"T": TRIP}})
+    assert nested["properties"]["trip"]["additionalProperties"] is False
+    assert nested["$defs"]["T"]["additionalProperties"] is False
+    enum = {"enum": [{"properties": {"a": 1}}]}  # a value, not a schema
+    assert closed(enum) == enum
