@@ -9,13 +9,19 @@ from aiohttp import web
 
 import telemetry
 from gateway.accounts.admin import create_admin_app
-from gateway.accounts.auth import KEY_STORE, auth_middleware
+from gateway.accounts.auth import BATCHES_CONFIG, KEY_STORE, auth_middleware
 from gateway.accounts.keys import REDIS, KeyStore
 from gateway.accounts.limits import LIMITER, Limiter
 from gateway.accounts.recent import CONSOLE_CONFIG, recent_ctx, record_recent
+from gateway.anthropic.message_batches import write_results
 from gateway.api.generation import LIMITS_CONFIG, MODELS_CONFIG
+from gateway.batches.files import FILES, Files
+from gateway.batches.records import BATCH_RECORDS, BatchRecords
+from gateway.batches.runner import BATCH_RUNNER, BatchRunner
+from gateway.batches.store import LocalDirectoryStore
 from gateway.config import GatewayConfig
 from gateway.console import create_console_app
+from gateway.http.loopback import LOOPBACK, Loopback
 from gateway.http.middleware import (
     API_PREFIXES,
     REDIS_CONFIG,
@@ -29,6 +35,8 @@ from gateway.http.validation import SERVER_CONFIG
 from gateway.mesh.client import MESH, MeshClient
 from gateway.mesh.prompt_tokens import PROMPT_TOKENS, PromptTokens
 from gateway.mesh.reasoning_formats import REASONING_FORMATS, ReasoningFormats
+from gateway.openai.batches import write_outputs
+from gateway.openai.files import FILES_CONFIG
 from gateway.openai.responses_store import RESPONSES_CONFIG
 from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
 from infermesh.redis_client import redis_client
@@ -56,11 +64,15 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[MODELS_CONFIG] = config.models
     app[RESPONSES_CONFIG] = config.responses
     app[CONSOLE_CONFIG] = config.console
+    app[FILES_CONFIG] = config.files
+    app[BATCHES_CONFIG] = config.batches
+    app[LOOPBACK] = Loopback()
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(recent_ctx)
     app.cleanup_ctx.append(_mesh_ctx)
+    app.cleanup_ctx.append(_batches_ctx)
     app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
@@ -126,3 +138,21 @@ async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
     if prompt_tokens is not None:
         await prompt_tokens.close()
     await client.close()
+
+
+async def _batches_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The files, the batches and this process's batch runner (``gateway.batches``)."""
+    store = LocalDirectoryStore(app[CONFIG].files.directory)
+    files = Files(app[REDIS], store)
+    records = BatchRecords(app[REDIS], store)
+    runner = BatchRunner(
+        records,
+        files,
+        app[LOOPBACK],
+        app[CONFIG].batches,
+        {"openai": write_outputs, "anthropic": write_results},
+    )
+    app[FILES], app[BATCH_RECORDS], app[BATCH_RUNNER] = files, records, runner
+    running = asyncio.create_task(runner.run())
+    yield
+    await cancel_and_wait(running)

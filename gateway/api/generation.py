@@ -260,7 +260,7 @@ async def admitted_generation(
         for r in plan.requests:
             r.model = model
             r.affinity_key = session
-            r.tenant, r.weight, r.tier = key.id, key.weight, key.tier  # the router's fair queue
+            r.tenant, r.weight, r.tier = key.tenant, key.weight, key.tier  # the router's fair queue
         prompt_tokens = request.app.get(PROMPT_TOKENS)
         if prompt_tokens is not None:  # before the route ask, which takes the prefix hashes
             await prompt_tokens.fill_choices(plan.requests, plan.prompt_of)

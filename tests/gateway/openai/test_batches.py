@@ -1,0 +1,215 @@
+"""OpenAI's Files and Batch APIs through the real gateway, a real router, a simulated worker and
+Redis, with the official openai SDK: a batch's lines run through the gateway's own API, at the
+``batch`` tier, and end in its output and error files."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from gateway.accounts.keys import create_key
+from gateway.config import BatchesSection, FilesSection
+from tests.helpers import MODEL
+from tests.helpers.gateway import make_config, sdk, start_gateway
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
+
+_FILE_LIMIT_BYTES = 64 * 1024
+
+
+def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> dict[str, object]:
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": custom_id}], "max_tokens": 4}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {**ask, **body}}
+
+
+def _jsonl(lines: list[object]) -> bytes:
+    return b"".join(
+        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
+    )
+
+
+@pytest.fixture
+async def fleet(redis_server, tmp_path) -> AsyncIterator[object]:
+    """A gateway in front of a router and one simulated worker (no latency), with small file
+    limits and a quick runner."""
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(zero_latency=True, max_parallel=16), router),
+    ):
+        config = dataclasses.replace(
+            make_config(redis_server.url, router.address),
+            files=FilesSection(directory=str(tmp_path / "files"), max_file_bytes=_FILE_LIMIT_BYTES),
+            batches=BatchesSection(poll_s=0.05, lease_s=2.0, concurrency=4),
+        )
+        gateway = await start_gateway(config)
+        yield gateway
+        await gateway.close()
+
+
+async def _upload(client: openai.AsyncOpenAI, lines: list[object]) -> str:
+    return (await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")).id
+
+
+async def _ended(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 20.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert asyncio.get_running_loop().time() < deadline, f"batch still {batch.status}"
+        await asyncio.sleep(0.05)
+
+
+async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict]:
+    content = await client.files.content(file_id)
+    return [json.loads(line) for line in content.content.splitlines()]
+
+
+async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_error_line(
+    fleet, api_key
+):
+    lines = [_line(f"ok-{i}") for i in range(5)] + [_line("bad", temperature=-3)]
+    async with sdk(fleet, api_key) as client:
+        input_id = await _upload(client, lines)
+        created = await client.batches.create(
+            input_file_id=input_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"job": "nightly"},
+        )
+        assert created.status == "in_progress" and created.request_counts.total == 6
+        batch = await _ended(client, created.id)
+        assert batch.status == "completed", batch
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 1)
+        assert batch.metadata == {"job": "nightly"}
+        outputs = await _jsonl_of(client, batch.output_file_id)
+        errors = await _jsonl_of(client, batch.error_file_id)
+        listed = [b.id async for b in client.batches.list()]
+    assert sorted(o["custom_id"] for o in outputs) == [f"ok-{i}" for i in range(5)]
+    for output in outputs:
+        response = output["response"]
+        assert response["status_code"] == 200 and output["error"] is None
+        assert response["body"]["object"] == "chat.completion"
+        assert response["body"]["usage"]["completion_tokens"] >= 1
+        assert response["request_id"].startswith(created.id)
+    (error,) = errors
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "temperature"
+    usage = batch.usage
+    assert usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs)
+    assert batch.model_extra["billed_tokens"] == round(usage.total_tokens * 0.5)
+    assert listed == [created.id]
+
+
+async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_large_fail_validation(
+    fleet, api_key
+):
+    lines = [
+        _line("a"),
+        b"{not json",
+        _line("b", url="/v1/completions"),
+        _line("a"),
+        _line("big", messages=[{"role": "user", "content": "x" * (4 * 1024 * 1024)}]),
+    ]
+    async with sdk(fleet, api_key) as client:
+        upload = await client.files.create(file=("in.jsonl", _jsonl(lines[:4])), purpose="batch")
+        batch = await client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        await asyncio.sleep(0.2)
+        again = await client.batches.retrieve(batch.id)
+        with pytest.raises(openai.APIStatusError) as too_large:
+            await _upload(client, lines)  # the 4 MiB line passes the file limit too
+    assert batch.status == again.status == "failed" and batch.request_counts.total == 0
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "invalid_json_line"),
+        (3, "mismatched_endpoint"),
+        (4, "duplicate_custom_id"),
+    ]
+    assert too_large.value.status_code == 413
+    assert too_large.value.body["code"] == "file_too_large"
+
+
+async def test_a_line_over_the_body_limit_fails_validation(redis_server, tmp_path, api_key):
+    config = dataclasses.replace(
+        make_config(redis_server.url, max_body_bytes=2048),
+        files=FilesSection(directory=str(tmp_path)),
+    )
+    gateway = await start_gateway(config)
+    try:
+        async with sdk(gateway, api_key) as client:
+            big = _line("big", messages=[{"role": "user", "content": "x" * 4096}])
+            upload = await _upload(client, [_line("small"), big])
+            batch = await client.batches.create(
+                input_file_id=upload, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+    finally:
+        await gateway.close()
+    assert batch.status == "failed"
+    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "request_too_large")]
+
+
+async def test_another_key_sees_no_file_nor_batch_of_this_key(fleet, redis_client, api_key):
+    other_key = await create_key(redis_client, "other")
+    async with sdk(fleet, api_key) as mine, sdk(fleet, other_key) as theirs:
+        file_id = await _upload(mine, [_line("a")])
+        batch = await mine.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        for attempt in (
+            theirs.files.retrieve(file_id),
+            theirs.files.content(file_id),
+            theirs.files.delete(file_id),
+            theirs.batches.retrieve(batch.id),
+            theirs.batches.cancel(batch.id),
+            theirs.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                await attempt
+        assert [f.id async for f in theirs.files.list()] == []
+        assert [b.id async for b in theirs.batches.list()] == []
+        assert (await mine.files.retrieve(file_id)).bytes == len(_jsonl([_line("a")]))
+        assert (await mine.files.delete(file_id)).deleted
+        with pytest.raises(openai.NotFoundError):
+            await mine.files.retrieve(file_id)
+
+
+async def test_cancel_stops_a_running_batch(redis_server, tmp_path, api_key):
+    """One line at a time on a slow worker: cancelled after its first lines, the batch ends
+    cancelled with the lines that ran, and never runs the rest."""
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(max_parallel=4), router),
+    ):
+        config = dataclasses.replace(
+            make_config(redis_server.url, router.address),
+            files=FilesSection(directory=str(tmp_path)),
+            batches=BatchesSection(poll_s=0.05, concurrency=1),
+        )
+        gateway = await start_gateway(config)
+        try:
+            async with sdk(gateway, api_key) as client:
+                lines = [_line(f"l{i}", max_tokens=64) for i in range(40)]
+                batch = await client.batches.create(
+                    input_file_id=await _upload(client, lines),
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+                while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
+                    await asyncio.sleep(0.02)
+                cancelling = await client.batches.cancel(batch.id)
+                ended = await _ended(client, batch.id)
+                outputs = await _jsonl_of(client, ended.output_file_id)
+        finally:
+            await gateway.close()
+    assert cancelling.status == "cancelling"
+    assert ended.status == "cancelled" and ended.cancelled_at is not None
+    ran = ended.request_counts.completed
+    assert 1 <= ran < 5, f"{ran} lines ran after the cancel"
+    assert len(outputs) == ran and ended.request_counts.failed == 0
