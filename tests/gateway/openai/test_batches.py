@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -17,8 +16,6 @@ from gateway.config import BatchesSection, FilesSection
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
-
-_FILE_LIMIT_BYTES = 64 * 1024
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> dict[str, object]:
@@ -30,24 +27,6 @@ def _jsonl(lines: list[object]) -> bytes:
     return b"".join(
         (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
     )
-
-
-@pytest.fixture
-async def fleet(redis_server, tmp_path) -> AsyncIterator[object]:
-    """A gateway in front of a router and one simulated worker (no latency), with small file
-    limits and a quick runner."""
-    async with (
-        running_router(redis_url=redis_server.url) as router,
-        running_worker(sim_engine(zero_latency=True, max_parallel=16), router),
-    ):
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=str(tmp_path / "files"), max_file_bytes=_FILE_LIMIT_BYTES),
-            batches=BatchesSection(poll_s=0.05, lease_s=2.0, concurrency=4),
-        )
-        gateway = await start_gateway(config)
-        yield gateway
-        await gateway.close()
 
 
 async def _upload(client: openai.AsyncOpenAI, lines: list[object]) -> str:
@@ -70,10 +49,10 @@ async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict]:
 
 
 async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_error_line(
-    fleet, api_key
+    batch_fleet, api_key
 ):
     lines = [_line(f"ok-{i}") for i in range(5)] + [_line("bad", temperature=-3)]
-    async with sdk(fleet, api_key) as client:
+    async with sdk(batch_fleet, api_key) as client:
         input_id = await _upload(client, lines)
         created = await client.batches.create(
             input_file_id=input_id,
@@ -100,13 +79,15 @@ async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_
     assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "temperature"
     usage = batch.usage
-    assert usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs)
+    assert usage.input_tokens == sum(
+        o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs
+    )
     assert batch.model_extra["billed_tokens"] == round(usage.total_tokens * 0.5)
     assert listed == [created.id]
 
 
 async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_large_fail_validation(
-    fleet, api_key
+    batch_fleet, api_key
 ):
     lines = [
         _line("a"),
@@ -115,7 +96,7 @@ async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_lar
         _line("a"),
         _line("big", messages=[{"role": "user", "content": "x" * (4 * 1024 * 1024)}]),
     ]
-    async with sdk(fleet, api_key) as client:
+    async with sdk(batch_fleet, api_key) as client:
         upload = await client.files.create(file=("in.jsonl", _jsonl(lines[:4])), purpose="batch")
         batch = await client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -153,9 +134,9 @@ async def test_a_line_over_the_body_limit_fails_validation(redis_server, tmp_pat
     assert [(e.line, e.code) for e in batch.errors.data] == [(2, "request_too_large")]
 
 
-async def test_another_key_sees_no_file_nor_batch_of_this_key(fleet, redis_client, api_key):
+async def test_another_key_sees_no_file_nor_batch_of_this_key(batch_fleet, redis_client, api_key):
     other_key = await create_key(redis_client, "other")
-    async with sdk(fleet, api_key) as mine, sdk(fleet, other_key) as theirs:
+    async with sdk(batch_fleet, api_key) as mine, sdk(batch_fleet, other_key) as theirs:
         file_id = await _upload(mine, [_line("a")])
         batch = await mine.batches.create(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"

@@ -1,0 +1,131 @@
+"""The batch runner across gateway processes: a gateway killed mid-batch (SIGKILL, its claims left
+behind) loses and repeats no line; another gateway, sharing Redis and the file store, takes its
+lines over once their claims run out."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from gateway.accounts.keys import key_id
+from gateway.batches.records import batch_key
+from gateway.config import BatchesSection, FilesSection
+from infermesh.ports import free_port
+from tests.helpers import MODEL
+from tests.helpers.gateway import make_config, start_gateway
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
+
+_REPO = Path(__file__).resolve().parents[3]
+_LINES = 24
+_LEASE_S = 1.0
+
+
+def _gateway_process(env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway"],
+        cwd=_REPO,
+        text=True,
+        env={
+            **os.environ,
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def _listening(proc: subprocess.Popen[str]) -> None:
+    while True:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line, "the gateway process ended before listening"
+        if "listening" in line:
+            return
+
+
+async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
+    redis_server, redis_client, tmp_path, api_key
+):
+    files_dir = str(tmp_path / "files")
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(max_parallel=8), router),
+    ):
+        port = free_port()
+        proc = _gateway_process(
+            {
+                "INFERMESH_GATEWAY_SERVER_PORT": str(port),
+                "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
+                "INFERMESH_GATEWAY_ROUTER_ADDRESS": router.address,
+                "INFERMESH_GATEWAY_FILES_DIRECTORY": files_dir,
+                "INFERMESH_GATEWAY_BATCHES_CONCURRENCY": "4",
+                "INFERMESH_GATEWAY_BATCHES_LEASE_S": str(_LEASE_S),
+                "INFERMESH_GATEWAY_BATCHES_POLL_S": "0.05",
+            }
+        )
+        try:
+            await _listening(proc)
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0
+            )
+            lines = [
+                {
+                    "custom_id": f"l{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"line {i}"}],
+                        "max_tokens": 24,
+                    },
+                }
+                for i in range(_LINES)
+            ]
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
+            batch = await client.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            while (await client.batches.retrieve(batch.id)).request_counts.completed < 4:
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGKILL)  # with lines in flight, their claims held
+            await asyncio.to_thread(proc.wait)
+            record = batch_key(key_id(api_key), batch.id)
+            held = await redis_client.hlen(f"{record}:claims")
+            settled_at_kill = int(await redis_client.hget(record, "completed"))
+            await client.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        assert held >= 1 and settled_at_kill < _LINES, "killed with no line in flight"
+        config = dataclasses.replace(
+            make_config(redis_server.url, router.address),
+            files=FilesSection(directory=files_dir),
+            batches=BatchesSection(poll_s=0.05, lease_s=_LEASE_S, concurrency=8),
+        )
+        survivor = await start_gateway(config)
+        try:
+            async with openai.AsyncOpenAI(
+                base_url=str(survivor.make_url("/v1")), api_key=api_key, max_retries=0
+            ) as client:
+                ended = await client.batches.retrieve(batch.id)
+                while ended.status != "completed":
+                    await asyncio.sleep(0.05)
+                    ended = await client.batches.retrieve(batch.id)
+                output = (await client.files.content(ended.output_file_id)).content
+        finally:
+            await survivor.close()
+    custom_ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
+    assert sorted(custom_ids) == sorted(f"l{i}" for i in range(_LINES)), "a line lost or repeated"
+    assert ended.request_counts.completed == _LINES and ended.request_counts.failed == 0
