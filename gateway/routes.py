@@ -31,6 +31,7 @@ from gateway.openai.responses import (
     retrieve_response,
 )
 from gateway.openai.responses_protocol import ResponsesRequest
+from gateway.openai.responses_socket import responses_socket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,18 @@ OPENAI = (
             "OpenAI",
             ResponsesRequest,
             streams=True,
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
+        "/responses",
+        responses_socket,
+        Operation(
+            "createResponseSocket",
+            "The Responses API over WebSocket: response.create messages in, each response's "
+            "stream events out on the same socket",
+            "OpenAI",
             security=_API_KEY,
         ),
     ),

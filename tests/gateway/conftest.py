@@ -80,11 +80,11 @@ _FILE_LIMIT_BYTES = 64 * 1024
 
 
 @pytest.fixture
-async def batch_fleet(
+async def sim_served(
     redis_server, tmp_path
 ) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     """A gateway in front of a router and one simulated worker (no latency), with small file
-    limits and a quick runner."""
+    limits and a quick batch runner."""
     async with (
         running_router(redis_url=redis_server.url) as router,
         running_worker(sim_engine(zero_latency=True, max_parallel=16), router),

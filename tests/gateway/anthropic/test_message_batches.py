@@ -23,9 +23,9 @@ def _request(custom_id: str, **params: object) -> dict[str, object]:
     return {"custom_id": custom_id, "params": {**ask, **params}}
 
 
-async def test_a_message_batch_ends_with_every_result(batch_fleet, redis_client, api_key):
+async def test_a_message_batch_ends_with_every_result(sim_served, redis_client, api_key):
     requests = [_request(f"r{i}") for i in range(4)] + [_request("bad", temperature=7)]
-    async with _client(batch_fleet, api_key) as client:
+    async with _client(sim_served, api_key) as client:
         created = await client.messages.batches.create(requests=requests)
         assert created.processing_status == "in_progress"
         assert created.request_counts.processing == 5 and created.results_url is None
@@ -35,7 +35,7 @@ async def test_a_message_batch_ends_with_every_result(batch_fleet, redis_client,
             batch = await client.messages.batches.retrieve(created.id)
         results = [r async for r in await client.messages.batches.results(created.id)]
         listed = [b.id async for b in client.messages.batches.list()]
-        async with _client(batch_fleet, await create_key(redis_client, "other")) as other:
+        async with _client(sim_served, await create_key(redis_client, "other")) as other:
             with pytest.raises(anthropic.NotFoundError):
                 await other.messages.batches.retrieve(created.id)
     counts = batch.request_counts
@@ -52,8 +52,8 @@ async def test_a_message_batch_ends_with_every_result(batch_fleet, redis_client,
     assert listed == [created.id]
 
 
-async def test_a_bad_request_refuses_the_whole_batch_and_stores_nothing(batch_fleet, api_key):
-    async with _client(batch_fleet, api_key) as client:
+async def test_a_bad_request_refuses_the_whole_batch_and_stores_nothing(sim_served, api_key):
+    async with _client(sim_served, api_key) as client:
         for requests, says in (
             ([_request("a"), _request("a")], "Duplicate custom_id 'a'"),
             ([_request("a", stream=True)], "cannot stream"),

@@ -49,10 +49,10 @@ async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict]:
 
 
 async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_error_line(
-    batch_fleet, api_key
+    sim_served, api_key
 ):
     lines = [_line(f"ok-{i}") for i in range(5)] + [_line("bad", temperature=-3)]
-    async with sdk(batch_fleet, api_key) as client:
+    async with sdk(sim_served, api_key) as client:
         input_id = await _upload(client, lines)
         created = await client.batches.create(
             input_file_id=input_id,
@@ -87,7 +87,7 @@ async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_
 
 
 async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_large_fail_validation(
-    batch_fleet, api_key
+    sim_served, api_key
 ):
     lines = [
         _line("a"),
@@ -96,7 +96,7 @@ async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_lar
         _line("a"),
         _line("big", messages=[{"role": "user", "content": "x" * (4 * 1024 * 1024)}]),
     ]
-    async with sdk(batch_fleet, api_key) as client:
+    async with sdk(sim_served, api_key) as client:
         upload = await client.files.create(file=("in.jsonl", _jsonl(lines[:4])), purpose="batch")
         batch = await client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -134,9 +134,9 @@ async def test_a_line_over_the_body_limit_fails_validation(redis_server, tmp_pat
     assert [(e.line, e.code) for e in batch.errors.data] == [(2, "request_too_large")]
 
 
-async def test_another_key_sees_no_file_nor_batch_of_this_key(batch_fleet, redis_client, api_key):
+async def test_another_key_sees_no_file_nor_batch_of_this_key(sim_served, redis_client, api_key):
     other_key = await create_key(redis_client, "other")
-    async with sdk(batch_fleet, api_key) as mine, sdk(batch_fleet, other_key) as theirs:
+    async with sdk(sim_served, api_key) as mine, sdk(sim_served, other_key) as theirs:
         file_id = await _upload(mine, [_line("a")])
         batch = await mine.batches.create(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
