@@ -289,6 +289,8 @@ class BatchesSection:
     lines of every batch, through its own API, at the router's ``batch`` tier."""
 
     # Lines one gateway process runs at once; interactive requests keep the rest of the fleet.
+    # 0: this gateway runs no lines (its batches run on replicas that do), so that live traffic
+    # has its CPU to itself.
     concurrency: int = 8
     # The batch lines' fair-queue weight against the keys' interactive traffic (a key's own
     # weight, or its tier's, is usually 1 or more).
@@ -304,8 +306,8 @@ class BatchesSection:
     poll_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.weight < 1:
-            raise ValueError("concurrency and weight must be >= 1")
+        if self.concurrency < 0 or self.weight < 1:
+            raise ValueError("concurrency must be >= 0 and weight >= 1")
         if not 0 <= self.discount <= 1:
             raise ValueError(f"discount must be 0..1, got {self.discount}")
         if self.completion_window_s < 60:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +88,37 @@ def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def gateway_process(env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
+    """``python -m gateway [args]`` as the mesh runs it, configured by ``env`` (plaintext gRPC,
+    no tracing); its output on the process's stdout (``listening`` waits for its line)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=_REPO,
+        text=True,
+        env={
+            **os.environ,
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def listening(proc: subprocess.Popen[str]) -> None:
+    """Waits for a gateway process's "listening" line; its later output is read and dropped
+    (a thread), so that a full pipe never stalls the process."""
+    stdout = proc.stdout
+    assert stdout is not None
+    while True:
+        line = await asyncio.to_thread(stdout.readline)
+        assert line, "the gateway process ended before listening"
+        if "listening" in line:
+            break
+    threading.Thread(target=lambda: all(stdout), daemon=True).start()

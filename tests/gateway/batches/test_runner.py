@@ -7,11 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import openai
 
@@ -20,36 +16,11 @@ from gateway.batches.records import batch_key
 from gateway.config import BatchesSection, FilesSection
 from infermesh.ports import free_port
 from tests.helpers import MODEL
-from tests.helpers.gateway import make_config, start_gateway
+from tests.helpers.gateway import gateway_process, listening, make_config, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
-_REPO = Path(__file__).resolve().parents[3]
 _LINES = 24
 _LEASE_S = 1.0
-
-
-def _gateway_process(env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway"],
-        cwd=_REPO,
-        text=True,
-        env={
-            **os.environ,
-            "OTEL_SDK_DISABLED": "true",
-            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
-            **env,
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
-async def _listening(proc: subprocess.Popen[str]) -> None:
-    while True:
-        line = await asyncio.to_thread(proc.stdout.readline)
-        assert line, "the gateway process ended before listening"
-        if "listening" in line:
-            return
 
 
 async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
@@ -61,7 +32,7 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
         running_worker(sim_engine(max_parallel=8), router),
     ):
         port = free_port()
-        proc = _gateway_process(
+        proc = gateway_process(
             {
                 "INFERMESH_GATEWAY_SERVER_PORT": str(port),
                 "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
@@ -73,7 +44,7 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
             }
         )
         try:
-            await _listening(proc)
+            await listening(proc)
             client = openai.AsyncOpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0
             )
