@@ -195,17 +195,17 @@ class BatchRecords:
         return _decode({**fields, "id": batch_id, "owner": kid})
 
     async def page(
-        self, kid: str, api: str, after: str | None, limit: int
+        self, kid: str, api: str | None, after: str | None, limit: int
     ) -> tuple[list[BatchRecord], bool]:
-        """The key's batches of ``api``, newest first, from after ``after``; and whether there
-        are more."""
+        """The key's batches of ``api`` (None: of both), newest first, from after ``after``; and
+        whether there are more."""
         ids = [decoded(i) for i in await self._redis.zrange(_index_key(kid), 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         out: list[BatchRecord] = []
         for batch_id in ids:
             record = await self.get(kid, batch_id)
-            if record is not None and record.api == api:
+            if record is not None and api in (None, record.api):
                 if len(out) == limit:
                     return out, True
                 out.append(record)
