@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import json
 import signal
+import statistics
+import time
 
 import openai
 
@@ -15,12 +17,15 @@ from gateway.accounts.keys import key_id
 from gateway.batches.records import batch_key
 from gateway.config import BatchesSection, FilesSection
 from infermesh.ports import free_port
+from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
-from tests.helpers.gateway import gateway_process, listening, make_config, start_gateway
+from tests.helpers.gateway import gateway_process, listening, make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 _LINES = 24
 _LEASE_S = 1.0
+_URL = "/v1/chat/completions"
+_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
 
 
 async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
@@ -100,3 +105,53 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
     custom_ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
     assert sorted(custom_ids) == sorted(f"l{i}" for i in range(_LINES)), "a line lost or repeated"
     assert ended.request_counts.completed == _LINES and ended.request_counts.failed == 0
+
+
+async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, tmp_path, api_key):
+    """A batch keeps more lines in the router's fair queue than the worker has slots; a live
+    request of the same key waits for one slot to free, not behind the batch's waiting lines
+    (first in, first out it would wait for all of them: the baseline it must beat)."""
+    slots, waiting_lines = 2, 10
+    async with (
+        running_router(
+            redis_url=redis_server.url, fair_queue=FairQueueSection(enabled=True)
+        ) as router,
+        running_worker(sim_engine(max_parallel=slots), router, max_parallel=slots),
+    ):
+        config = dataclasses.replace(
+            make_config(redis_server.url, router.address),
+            files=FilesSection(directory=str(tmp_path)),
+            batches=BatchesSection(poll_s=0.05, concurrency=slots + waiting_lines),
+        )
+        gateway = await start_gateway(config)
+        try:
+            async with sdk(gateway, api_key, timeout=60) as client:
+                alone_started = time.monotonic()
+                await client.chat.completions.create(**_ASK)
+                line_s = time.monotonic() - alone_started  # one request's whole time alone
+                data = "".join(
+                    json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
+                    + "\n"
+                    for i in range(40)
+                ).encode()
+                upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=upload.id, endpoint=_URL, completion_window="24h"
+                )
+                while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
+                    await asyncio.sleep(0.02)
+                waits = []
+                for _ in range(3):
+                    started = time.monotonic()
+                    stream = await client.chat.completions.create(**_ASK, stream=True)
+                    async for _chunk in stream:
+                        waits.append(time.monotonic() - started)
+                        break
+                    await stream.close()
+                still_waiting = (await client.batches.retrieve(batch.id)).request_counts
+                await client.batches.cancel(batch.id)
+        finally:
+            await gateway.close()
+    assert still_waiting.completed < 40 - waiting_lines, "the batch was no longer backlogged"
+    fifo_wait_s = waiting_lines / slots * line_s
+    assert statistics.median(waits) < 1.5 * line_s < fifo_wait_s / 3, (waits, line_s)
