@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import redis.asyncio as aioredis
+from openai.types import Batch
 
 from devtools.redis_server import RedisServer
 from gateway.accounts.keys import create_key
@@ -214,14 +215,18 @@ async def measure(redis_url: str, files_dir: str, spec: Spec) -> Figures:
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         await asyncio.sleep(1.0)  # the runner fills its slots
-        done_before = (await sdk.batches.retrieve(batch.id)).request_counts.completed
+        done_before = _completed(await sdk.batches.retrieve(batch.id))
         started = time.monotonic()
         beside = await _interactive(f"{base}/chat/completions", key, spec, engines)
         elapsed = time.monotonic() - started
-        done_after = (await sdk.batches.retrieve(batch.id)).request_counts.completed
+        done_after = _completed(await sdk.batches.retrieve(batch.id))
         with contextlib.suppress(openai.APIError):  # the figures are in; a busy Redis may 503
             await sdk.batches.cancel(batch.id)
     return Figures(alone, beside, (done_after - done_before) / elapsed, done_after)
+
+
+def _completed(batch: Batch) -> int:
+    return batch.request_counts.completed if batch.request_counts else 0
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

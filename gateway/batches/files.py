@@ -18,6 +18,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterable
+from typing import cast
 
 from aiohttp import web
 
@@ -78,7 +79,7 @@ class Files:
         record = FileRecord(file_id, size, int(time.time()), filename, purpose, kid)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(_meta_key(kid, file_id), mapping=_fields(record))
+                pipe.hset(_meta_key(kid, file_id), mapping=_fields(record))  # type: ignore[arg-type]
                 pipe.zadd(_index_key(kid), {file_id: time.time_ns() // 1_000_000})
                 await pipe.execute()
         except BaseException:
@@ -121,8 +122,11 @@ class Files:
             )
             if rank is None:
                 return []
-            start = rank + 1
-        ids = await self._redis.zrange(index, start, start + limit, desc=newest_first)
+            start = cast(int, rank) + 1
+        ids = cast(
+            list[bytes | str],
+            await self._redis.zrange(index, start, start + limit, desc=newest_first),
+        )
         return [decoded(i) for i in ids]
 
     async def content(self, record: FileRecord) -> bytes:

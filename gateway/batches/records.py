@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import time
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
@@ -167,6 +167,7 @@ class BatchRecords:
         self._claim = client.register_script((_LUA / "claim.lua").read_text())
         self._renew = client.register_script((_LUA / "renew.lua").read_text())
         self._settle = client.register_script((_LUA / "settle.lua").read_text())
+        self._cancel = client.register_script((_LUA / "cancel.lua").read_text())
 
     async def create(self, record: BatchRecord, lines: list[BatchLine]) -> None:
         """Stores the lines, then the record (and, unless it failed validation, marks it for
@@ -176,9 +177,8 @@ class BatchRecords:
         await self._store.put(name, one_chunk(blob), len(blob))
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(
-                    batch_key(record.owner, record.id), mapping=_encode(dataclasses.asdict(record))
-                )
+                fields = _encode(dataclasses.asdict(record))
+                pipe.hset(batch_key(record.owner, record.id), mapping=fields)  # type: ignore[arg-type]
                 pipe.zadd(_index_key(record.owner), {record.id: time.time_ns() // 1_000_000})
                 await pipe.execute()
             if record.status not in ENDED:
@@ -199,7 +199,10 @@ class BatchRecords:
     ) -> tuple[list[BatchRecord], bool]:
         """The key's batches of ``api`` (None: of both), newest first, from after ``after``; and
         whether there are more."""
-        ids = [decoded(i) for i in await self._redis.zrange(_index_key(kid), 0, -1, desc=True)]
+        listed = cast(
+            list[bytes | str], await self._redis.zrange(_index_key(kid), 0, -1, desc=True)
+        )
+        ids = [decoded(i) for i in listed]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         out: list[BatchRecord] = []
@@ -214,29 +217,20 @@ class BatchRecords:
     async def set(self, record: BatchRecord, **changes: Any) -> BatchRecord:
         """The record with ``changes`` written, and only them (the counts the runners add to
         are left as they are in Redis)."""
-        await self._redis.hset(batch_key(record.owner, record.id), mapping=_encode(changes))
+        fields = _encode(changes)
+        await self._redis.hset(batch_key(record.owner, record.id), mapping=fields)  # type: ignore[arg-type]
         return dataclasses.replace(record, **changes)
 
     async def cancel(self, record: BatchRecord) -> BatchRecord:
         """Stops new lines of a running batch (the runners finish what they hold, then one
-        finalizes it); an ended batch is answered as it is."""
-        key = batch_key(record.owner, record.id)
+        finalizes it); any other batch is answered as it is."""
         now = int(time.time())
-        # only a running batch changes: the check and the change in one transaction
-        async with self._redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(key)
-            status = await pipe.hget(key, "status")
-            if status is None or decoded(status) in (*ENDED, "cancelling", "finalizing"):
-                await pipe.reset()
-                return await self.get(record.owner, record.id) or record
-            pipe.multi()
-            pipe.hset(key, mapping={"status": "cancelling", "cancelling_at": str(now)})
-            await pipe.execute()
-        return dataclasses.replace(record, status="cancelling", cancelling_at=now)
+        await self._cancel(keys=[batch_key(record.owner, record.id)], args=[now])
+        return await self.get(record.owner, record.id) or record
 
     async def active(self) -> list[tuple[str, str]]:
         """(key id, batch id) of every batch not ended."""
-        refs = [decoded(r) for r in await self._redis.smembers(ACTIVE)]  # type: ignore[misc]
+        refs = [decoded(r) for r in await self._redis.smembers(ACTIVE)]
         return [(ref.partition("/")[0], ref.partition("/")[2]) for ref in refs]
 
     async def ended(self, record: BatchRecord) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from typing import Any
 
 import openai
 import pytest
@@ -43,7 +44,7 @@ async def _ended(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 2
         await asyncio.sleep(0.05)
 
 
-async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict]:
+async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict[str, Any]]:
     content = await client.files.content(file_id)
     return [json.loads(line) for line in content.content.splitlines()]
 
