@@ -8,7 +8,9 @@ as live traffic, and its answer, success or error, is the line's result, kept on
 (``BatchRecords.settle``). Claims are renewed while their lines run; a runner that dies leaves
 claims that run out, and another runner takes the lines again, so no line is lost, and one
 that two runners ran is kept once. A line whose request could not be made (this process
-stopping) is given back at once.
+stopping) is given back at once; one answered 429 or 5xx (the router restarting, no worker, the
+key's limits) is given back after ``[batches] poll_s``, to be run again, never kept as its
+result (until the batch expires).
 
 When a batch has every line settled, or is cancelled or expired with no line running, one runner
 (the first to take its ``:final`` lock) finalizes it: the batch's API writes its outputs from the
@@ -48,6 +50,12 @@ Finalizer = Callable[
 ]
 
 _LINE_FAILURES = (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError)
+
+
+def _mesh_failed(status: int) -> bool:
+    """An answer that says nothing of the line itself: the mesh or the key's limits refused it
+    for now (429, 5xx)."""
+    return status == 429 or status >= 500
 
 
 def line_usage(body: Any) -> tuple[int, int]:
@@ -162,6 +170,13 @@ class BatchRunner:
             logger.warning(
                 "batch %s line %d not run (given back): %s", record.id, i, type(e).__name__
             )
+            await self._give_back(record, i)
+            return
+        if _mesh_failed(result.status_code):
+            # the mesh's failure, not the line's (the router restarting, no worker free, the
+            # key's rate limit): run again later, never settled as the line's answer
+            logger.info("batch %s line %d answered %d: run again", record.id, i, result.status_code)
+            await asyncio.sleep(self._config.poll_s)
             await self._give_back(record, i)
             return
         try:

@@ -155,3 +155,44 @@ async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, t
     assert still_waiting.completed < 40 - waiting_lines, "the batch was no longer backlogged"
     fifo_wait_s = waiting_lines / slots * line_s
     assert statistics.median(waits) < 1.5 * line_s < fifo_wait_s / 3, (waits, line_s)
+
+
+async def test_a_batch_waits_out_a_router_that_is_down_and_loses_no_line(
+    redis_server, tmp_path, api_key
+):
+    """Lines answered 503 while the router is down are run again once it is back, never kept
+    as their result."""
+    router_port = free_port()
+    config = dataclasses.replace(
+        make_config(redis_server.url, f"127.0.0.1:{router_port}"),
+        files=FilesSection(directory=str(tmp_path)),
+        batches=BatchesSection(poll_s=0.05, concurrency=4),
+    )
+    gateway = await start_gateway(config)
+    try:
+        async with sdk(gateway, api_key) as client:
+            data = "".join(
+                json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
+                + "\n"
+                for i in range(6)
+            ).encode()
+            upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
+            batch = await client.batches.create(
+                input_file_id=upload.id, endpoint=_URL, completion_window="24h"
+            )
+            await asyncio.sleep(0.5)  # lines tried, and refused, meanwhile
+            while_down = await client.batches.retrieve(batch.id)
+            async with (
+                running_router(redis_url=redis_server.url, port=router_port) as router,
+                running_worker(sim_engine(zero_latency=True), router),
+            ):
+                ended = await client.batches.retrieve(batch.id)
+                while ended.status != "completed":
+                    await asyncio.sleep(0.05)
+                    ended = await client.batches.retrieve(batch.id)
+    finally:
+        await gateway.close()
+    assert while_down.status == "in_progress"
+    assert (while_down.request_counts.completed, while_down.request_counts.failed) == (0, 0)
+    assert (ended.request_counts.completed, ended.request_counts.failed) == (6, 0)
+    assert ended.error_file_id is None
