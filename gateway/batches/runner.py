@@ -129,6 +129,9 @@ class BatchRunner:
         """One look through the running batches: finalizes those due, claims lines of the
         others while slots are free. Whether any line was claimed."""
         refs = await self._records.active()
+        running = {f"{kid}/{batch_id}" for kid, batch_id in refs}
+        for ref in set(self._lines) - running:  # ended meanwhile (here or on another replica)
+            del self._lines[ref]
         random.shuffle(refs)  # replicas start on different batches
         found = False
         for kid, batch_id in refs:

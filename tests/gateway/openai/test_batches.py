@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from typing import Any
 
 import openai
 import pytest
 
-from gateway.accounts.keys import create_key
+from gateway.accounts.keys import create_key, key_id
+from gateway.batches.records import BATCH_RECORDS, BatchLine, new_record
 from gateway.config import BatchesSection, FilesSection
+from gateway.http.loopback import BATCH_KEY_HEADER, LOOPBACK_HEADER
+from infermesh.usage import usage_key
 from tests.helpers import MODEL
 from tests.helpers.gateway import make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
@@ -50,7 +54,7 @@ async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict[str, 
 
 
 async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_error_line(
-    sim_served, api_key
+    sim_served, redis_client, api_key
 ):
     lines = [_line(f"ok-{i}") for i in range(5)] + [_line("bad", temperature=-3)]
     async with sdk(sim_served, api_key) as client:
@@ -85,6 +89,42 @@ async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_
     )
     assert batch.model_extra["billed_tokens"] == round(usage.total_tokens * 0.5)
     assert listed == [created.id]
+    usage = await redis_client.hgetall(usage_key(key_id(api_key)))
+    assert int(usage[b"batch_requests"]) == 6
+    assert int(usage[b"batch_billed_tokens"]) == batch.model_extra["billed_tokens"]
+
+
+async def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(
+    sim_served, api_key
+):
+    kid = key_id(api_key)
+    lines = [BatchLine(f"l{i}", "/v1/chat/completions", _line(f"l{i}")["body"]) for i in range(2)]
+    record = new_record(
+        "openai", "batch_late", kid, "/v1/chat/completions", "file-x", 2, BatchesSection()
+    )
+    await sim_served.app[BATCH_RECORDS].create(
+        dataclasses.replace(record, expires_at=int(time.time()) - 1), lines
+    )
+    async with sdk(sim_served, api_key) as client:
+        batch = await _ended(client, "batch_late")
+        errors = await _jsonl_of(client, batch.error_file_id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert batch.output_file_id is None
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("l0", "batch_expired"),
+        ("l1", "batch_expired"),
+    ]
+
+
+async def test_a_batch_lines_credentials_work_only_on_the_process_own_socket(sim_served, api_key):
+    """The runner's header over TCP, even with a key's id, is no key: 401."""
+    response = await sim_served.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={LOOPBACK_HEADER: "guessed", BATCH_KEY_HEADER: key_id(api_key)},
+    )
+    assert response.status == 401
+    assert (await response.json())["error"]["code"] == "invalid_api_key"
 
 
 async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_large_fail_validation(
