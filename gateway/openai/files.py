@@ -22,6 +22,7 @@ FILES_CONFIG = web.AppKey("files_config", FilesSection)
 # What uploads may be for: batch input, and OpenAI's catch-all.
 _PURPOSES = ("batch", "user_data")
 _FILENAME_MAX_CHARS = 255
+_PURPOSE_MAX_BYTES = 64
 
 
 class FileListQuery(BaseModel):
@@ -66,7 +67,8 @@ async def upload_file(request: web.Request) -> web.Response:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
+                raw = await part.read_chunk(_PURPOSE_MAX_BYTES)  # the rest of the part is skipped
+                purpose = raw.decode("utf-8", "replace").strip()
             elif part.name == "file" and record is None:
                 filename = (part.filename or "upload.jsonl")[:_FILENAME_MAX_CHARS]
                 first = purpose if purpose in _PURPOSES else "batch"  # the SDK sends it first

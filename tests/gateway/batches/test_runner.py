@@ -196,3 +196,43 @@ async def test_a_batch_waits_out_a_router_that_is_down_and_loses_no_line(
     assert (while_down.request_counts.completed, while_down.request_counts.failed) == (0, 0)
     assert (ended.request_counts.completed, ended.request_counts.failed) == (6, 0)
     assert ended.error_file_id is None
+
+
+async def test_two_gateways_share_a_batch_and_run_each_line_once(
+    redis_server, redis_client, tmp_path, api_key
+):
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(max_parallel=8), router),
+    ):
+        config = dataclasses.replace(
+            make_config(redis_server.url, router.address),
+            files=FilesSection(directory=str(tmp_path)),
+            batches=BatchesSection(poll_s=0.05, concurrency=2),
+        )
+        replicas = [await start_gateway(config) for _ in range(2)]
+        try:
+            async with sdk(replicas[0], api_key) as client:
+                data = "".join(
+                    json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
+                    + "\n"
+                    for i in range(16)
+                ).encode()
+                upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=upload.id, endpoint=_URL, completion_window="24h"
+                )
+                claims = f"{batch_key(key_id(api_key), batch.id)}:claims"
+                owners: set[bytes] = set()
+                ended = batch
+                while ended.status != "completed":
+                    owners |= {c.partition(b":")[2] for c in await redis_client.hvals(claims)}
+                    await asyncio.sleep(0.02)
+                    ended = await client.batches.retrieve(batch.id)
+                output = (await client.files.content(ended.output_file_id)).content
+        finally:
+            for replica in replicas:
+                await replica.close()
+    assert len(owners) == 2, f"lines claimed by {owners}"
+    custom_ids = sorted(json.loads(line)["custom_id"] for line in output.splitlines())
+    assert custom_ids == sorted(f"l{i}" for i in range(16))
