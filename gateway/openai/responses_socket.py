@@ -161,6 +161,8 @@ class _Connection:
 
     async def _send(self, events: list[Event], lane: str | None) -> None:
         async with self._send_lock:
+            if self._socket.closed:  # the client left: close() cancels what still runs
+                return
             for event in events:
                 message = {**event, "stream_id": lane} if lane is not None else event
                 await self._socket.send_str(dumps(message).decode())
