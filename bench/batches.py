@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import random
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from gateway.accounts.keys import create_key
 from infermesh.ports import free_port
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
+from tests.helpers.batches import chat_line, submit
 from tests.helpers.gateway import gateway_process, listening
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 from worker_svc.sim_engine.engine import SimEngine
@@ -150,25 +150,6 @@ async def _interactive(url: str, key: str, spec: Spec, engines: list[SimEngine])
     return Phase(ttfts, statistics.fmean(busy) if busy else 0.0, errors)
 
 
-def _batch_file(spec: Spec) -> bytes:
-    return b"".join(
-        json.dumps(
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": f"batch line {i}"}],
-                    "max_tokens": spec.max_tokens,
-                },
-            }
-        ).encode()
-        + b"\n"
-        for i in range(spec.lines)
-    )
-
-
 async def measure(redis_url: str, files_dir: str, spec: Spec) -> Figures:
     """Both phases on a fresh fleet sharing ``redis_url``; the batch is cancelled at the end.
     The gateway is a process of its own (``python -m gateway``), as deployed, so that its work
@@ -210,10 +191,8 @@ async def measure(redis_url: str, files_dir: str, spec: Spec) -> Figures:
         alone = await _interactive(f"{base}/chat/completions", key, spec, engines)
         sdk = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
         stack.push_async_callback(sdk.close)
-        upload = await sdk.files.create(file=("batch.jsonl", _batch_file(spec)), purpose="batch")
-        batch = await sdk.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        lines = [chat_line(f"line {i}", max_tokens=spec.max_tokens) for i in range(spec.lines)]
+        batch = await submit(sdk, lines)
         await asyncio.sleep(1.0)  # the runner fills its slots
         done_before = _completed(await sdk.batches.retrieve(batch.id))
         started = time.monotonic()

@@ -4,7 +4,6 @@ address is a closed port unless a test starts a router of its own (the
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,8 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from gateway.accounts.keys import create_key
-from gateway.config import BatchesSection, FilesSection, GatewayConfig
-from tests.helpers.gateway import make_config, start_gateway
+from gateway.config import GatewayConfig
+from tests.helpers.gateway import batch_config, make_config, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 
@@ -89,10 +88,13 @@ async def sim_served(
         running_router(redis_url=redis_server.url) as router,
         running_worker(sim_engine(zero_latency=True, max_parallel=16), router),
     ):
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=str(tmp_path / "files"), max_file_bytes=_FILE_LIMIT_BYTES),
-            batches=BatchesSection(poll_s=0.05, lease_s=2.0, concurrency=4),
+        config = batch_config(
+            redis_server.url,
+            router.address,
+            str(tmp_path / "files"),
+            max_file_bytes=_FILE_LIMIT_BYTES,
+            lease_s=2.0,
+            concurrency=4,
         )
         gateway = await start_gateway(config)
         yield gateway

@@ -19,6 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import CONFIG, create_app
 from gateway.config import (
     AdminSection,
+    BatchesSection,
+    FilesSection,
     GatewayConfig,
     HttpServerSection,
     RedisSection,
@@ -43,6 +45,22 @@ def make_config(
         router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
         admin=AdminSection(token=ADMIN_TOKEN),
         tls=tls_of(certs, "gateway"),
+    )
+
+
+def batch_config(
+    redis_url: str,
+    router_address: str,
+    files_dir: str,
+    max_file_bytes: int = FilesSection.max_file_bytes,
+    **batches: Any,
+) -> GatewayConfig:
+    """``make_config``'s, with its files in ``files_dir`` and a batch runner that looks for work
+    every 50 ms (``batches``: more [batches] keys)."""
+    return dataclasses.replace(
+        make_config(redis_url, router_address),
+        files=FilesSection(directory=files_dir, max_file_bytes=max_file_bytes),
+        batches=BatchesSection(**{"poll_s": 0.05, **batches}),
     )
 
 

@@ -5,7 +5,6 @@ lines over once their claims run out."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import signal
 import statistics
@@ -15,17 +14,23 @@ import openai
 
 from gateway.accounts.keys import key_id
 from gateway.batches.records import batch_key
-from gateway.config import BatchesSection, FilesSection
 from infermesh.ports import free_port
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
-from tests.helpers.gateway import gateway_process, listening, make_config, sdk, start_gateway
+from tests.helpers.batches import chat_line, submit
+from tests.helpers.gateway import (
+    batch_config,
+    gateway_process,
+    listening,
+    sdk,
+    start_gateway,
+)
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 _LINES = 24
 _LEASE_S = 1.0
-_URL = "/v1/chat/completions"
-_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+_LONGER = {"max_tokens": 32}
+_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **_LONGER}
 
 
 async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
@@ -53,24 +58,7 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
             client = openai.AsyncOpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0
             )
-            lines = [
-                {
-                    "custom_id": f"l{i}",
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": {
-                        "model": MODEL,
-                        "messages": [{"role": "user", "content": f"line {i}"}],
-                        "max_tokens": 24,
-                    },
-                }
-                for i in range(_LINES)
-            ]
-            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-            upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
-            batch = await client.batches.create(
-                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
+            batch = await submit(client, [chat_line(f"l{i}", max_tokens=24) for i in range(_LINES)])
             while (await client.batches.retrieve(batch.id)).request_counts.completed < 4:
                 await asyncio.sleep(0.02)
             proc.send_signal(signal.SIGKILL)  # with lines in flight, their claims held
@@ -85,10 +73,12 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
                 proc.wait()
             proc.stdout.close()
         assert held >= 1 and settled_at_kill < _LINES, "killed with no line in flight"
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=files_dir),
-            batches=BatchesSection(poll_s=0.05, lease_s=_LEASE_S, concurrency=8),
+        config = batch_config(
+            redis_server.url,
+            router.address,
+            files_dir,
+            lease_s=_LEASE_S,
+            concurrency=8,
         )
         survivor = await start_gateway(config)
         try:
@@ -118,10 +108,8 @@ async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, t
         ) as router,
         running_worker(sim_engine(max_parallel=slots), router, max_parallel=slots),
     ):
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=str(tmp_path)),
-            batches=BatchesSection(poll_s=0.05, concurrency=slots + waiting_lines),
+        config = batch_config(
+            redis_server.url, router.address, str(tmp_path), concurrency=slots + waiting_lines
         )
         gateway = await start_gateway(config)
         try:
@@ -129,15 +117,7 @@ async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, t
                 alone_started = time.monotonic()
                 await client.chat.completions.create(**_ASK)
                 line_s = time.monotonic() - alone_started  # one request's whole time alone
-                data = "".join(
-                    json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
-                    + "\n"
-                    for i in range(40)
-                ).encode()
-                upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
-                batch = await client.batches.create(
-                    input_file_id=upload.id, endpoint=_URL, completion_window="24h"
-                )
+                batch = await submit(client, [chat_line(f"l{i}", **_LONGER) for i in range(40)])
                 while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
                     await asyncio.sleep(0.02)
                 waits = []
@@ -163,23 +143,13 @@ async def test_a_batch_waits_out_a_router_that_is_down_and_loses_no_line(
     """Lines answered 503 while the router is down are run again once it is back, never kept
     as their result."""
     router_port = free_port()
-    config = dataclasses.replace(
-        make_config(redis_server.url, f"127.0.0.1:{router_port}"),
-        files=FilesSection(directory=str(tmp_path)),
-        batches=BatchesSection(poll_s=0.05, concurrency=4),
+    config = batch_config(
+        redis_server.url, f"127.0.0.1:{router_port}", str(tmp_path), concurrency=4
     )
     gateway = await start_gateway(config)
     try:
         async with sdk(gateway, api_key) as client:
-            data = "".join(
-                json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
-                + "\n"
-                for i in range(6)
-            ).encode()
-            upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
-            batch = await client.batches.create(
-                input_file_id=upload.id, endpoint=_URL, completion_window="24h"
-            )
+            batch = await submit(client, [chat_line(f"l{i}") for i in range(6)])
             await asyncio.sleep(0.5)  # lines tried, and refused, meanwhile
             while_down = await client.batches.retrieve(batch.id)
             async with (
@@ -205,23 +175,11 @@ async def test_two_gateways_share_a_batch_and_run_each_line_once(
         running_router(redis_url=redis_server.url) as router,
         running_worker(sim_engine(max_parallel=8), router),
     ):
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=str(tmp_path)),
-            batches=BatchesSection(poll_s=0.05, concurrency=2),
-        )
+        config = batch_config(redis_server.url, router.address, str(tmp_path), concurrency=2)
         replicas = [await start_gateway(config) for _ in range(2)]
         try:
             async with sdk(replicas[0], api_key) as client:
-                data = "".join(
-                    json.dumps({"custom_id": f"l{i}", "method": "POST", "url": _URL, "body": _ASK})
-                    + "\n"
-                    for i in range(16)
-                ).encode()
-                upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
-                batch = await client.batches.create(
-                    input_file_id=upload.id, endpoint=_URL, completion_window="24h"
-                )
+                batch = await submit(client, [chat_line(f"l{i}", **_LONGER) for i in range(16)])
                 claims = f"{batch_key(key_id(api_key), batch.id)}:claims"
                 owners: set[bytes] = set()
                 ended = batch

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
-from typing import Any
 
 import openai
 import pytest
@@ -19,46 +17,17 @@ from gateway.config import BatchesSection, FilesSection
 from gateway.http.loopback import BATCH_KEY_HEADER, LOOPBACK_HEADER
 from infermesh.usage import usage_key
 from tests.helpers import MODEL
-from tests.helpers.gateway import make_config, sdk, start_gateway
+from tests.helpers.batches import batch_ended, chat_line, jsonl, jsonl_of, upload_lines
+from tests.helpers.gateway import batch_config, make_config, sdk, start_gateway
 from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 
-def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> dict[str, object]:
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": custom_id}], "max_tokens": 4}
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {**ask, **body}}
-
-
-def _jsonl(lines: list[object]) -> bytes:
-    return b"".join(
-        (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
-    )
-
-
-async def _upload(client: openai.AsyncOpenAI, lines: list[object]) -> str:
-    return (await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")).id
-
-
-async def _ended(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 20.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        batch = await client.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        assert asyncio.get_running_loop().time() < deadline, f"batch still {batch.status}"
-        await asyncio.sleep(0.05)
-
-
-async def _jsonl_of(client: openai.AsyncOpenAI, file_id: str) -> list[dict[str, Any]]:
-    content = await client.files.content(file_id)
-    return [json.loads(line) for line in content.content.splitlines()]
-
-
-async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_error_line(
+async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_errorchat_line(
     sim_served, redis_client, api_key
 ):
-    lines = [_line(f"ok-{i}") for i in range(5)] + [_line("bad", temperature=-3)]
+    lines = [chat_line(f"ok-{i}") for i in range(5)] + [chat_line("bad", temperature=-3)]
     async with sdk(sim_served, api_key) as client:
-        input_id = await _upload(client, lines)
+        input_id = await upload_lines(client, lines)
         created = await client.batches.create(
             input_file_id=input_id,
             endpoint="/v1/chat/completions",
@@ -66,12 +35,12 @@ async def test_a_batch_of_chat_lines_with_one_bad_line_ends_with_outputs_and_an_
             metadata={"job": "nightly"},
         )
         assert created.status == "in_progress" and created.request_counts.total == 6
-        batch = await _ended(client, created.id)
+        batch = await batch_ended(client, created.id)
         assert batch.status == "completed", batch
         assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 1)
         assert batch.metadata == {"job": "nightly"}
-        outputs = await _jsonl_of(client, batch.output_file_id)
-        errors = await _jsonl_of(client, batch.error_file_id)
+        outputs = await jsonl_of(client, batch.output_file_id)
+        errors = await jsonl_of(client, batch.error_file_id)
         listed = [b.id async for b in client.batches.list()]
     assert sorted(o["custom_id"] for o in outputs) == [f"ok-{i}" for i in range(5)]
     for output in outputs:
@@ -98,7 +67,9 @@ async def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error
     sim_served, api_key
 ):
     kid = key_id(api_key)
-    lines = [BatchLine(f"l{i}", "/v1/chat/completions", _line(f"l{i}")["body"]) for i in range(2)]
+    lines = [
+        BatchLine(f"l{i}", "/v1/chat/completions", chat_line(f"l{i}")["body"]) for i in range(2)
+    ]
     record = new_record(
         "openai", "batch_late", kid, "/v1/chat/completions", "file-x", 2, BatchesSection()
     )
@@ -106,8 +77,8 @@ async def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error
         dataclasses.replace(record, expires_at=int(time.time()) - 1), lines
     )
     async with sdk(sim_served, api_key) as client:
-        batch = await _ended(client, "batch_late")
-        errors = await _jsonl_of(client, batch.error_file_id)
+        batch = await batch_ended(client, "batch_late")
+        errors = await jsonl_of(client, batch.error_file_id)
     assert batch.status == "expired" and batch.expired_at is not None
     assert batch.output_file_id is None
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
@@ -131,21 +102,21 @@ async def test_lines_that_are_not_json_another_endpoint_a_repeated_id_or_too_lar
     sim_served, api_key
 ):
     lines = [
-        _line("a"),
+        chat_line("a"),
         b"{not json",
-        _line("b", url="/v1/completions"),
-        _line("a"),
-        _line("big", messages=[{"role": "user", "content": "x" * (4 * 1024 * 1024)}]),
+        chat_line("b", url="/v1/completions"),
+        chat_line("a"),
+        chat_line("big", messages=[{"role": "user", "content": "x" * (4 * 1024 * 1024)}]),
     ]
     async with sdk(sim_served, api_key) as client:
-        upload = await client.files.create(file=("in.jsonl", _jsonl(lines[:4])), purpose="batch")
+        upload = await client.files.create(file=("in.jsonl", jsonl(lines[:4])), purpose="batch")
         batch = await client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         await asyncio.sleep(0.2)
         again = await client.batches.retrieve(batch.id)
         with pytest.raises(openai.APIStatusError) as too_large:
-            await _upload(client, lines)  # the 4 MiB line passes the file limit too
+            await upload_lines(client, lines)  # the 4 MiB line passes the file limit too
     assert batch.status == again.status == "failed" and batch.request_counts.total == 0
     assert [(e.line, e.code) for e in batch.errors.data] == [
         (2, "invalid_json_line"),
@@ -164,8 +135,8 @@ async def test_a_line_over_the_body_limit_fails_validation(redis_server, tmp_pat
     gateway = await start_gateway(config)
     try:
         async with sdk(gateway, api_key) as client:
-            big = _line("big", messages=[{"role": "user", "content": "x" * 4096}])
-            upload = await _upload(client, [_line("small"), big])
+            big = chat_line("big", messages=[{"role": "user", "content": "x" * 4096}])
+            upload = await upload_lines(client, [chat_line("small"), big])
             batch = await client.batches.create(
                 input_file_id=upload, endpoint="/v1/chat/completions", completion_window="24h"
             )
@@ -178,7 +149,7 @@ async def test_a_line_over_the_body_limit_fails_validation(redis_server, tmp_pat
 async def test_another_key_sees_no_file_nor_batch_of_this_key(sim_served, redis_client, api_key):
     other_key = await create_key(redis_client, "other")
     async with sdk(sim_served, api_key) as mine, sdk(sim_served, other_key) as theirs:
-        file_id = await _upload(mine, [_line("a")])
+        file_id = await upload_lines(mine, [chat_line("a")])
         batch = await mine.batches.create(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -196,7 +167,7 @@ async def test_another_key_sees_no_file_nor_batch_of_this_key(sim_served, redis_
                 await attempt
         assert [f.id async for f in theirs.files.list()] == []
         assert [b.id async for b in theirs.batches.list()] == []
-        assert (await mine.files.retrieve(file_id)).bytes == len(_jsonl([_line("a")]))
+        assert (await mine.files.retrieve(file_id)).bytes == len(jsonl([chat_line("a")]))
         assert (await mine.files.delete(file_id)).deleted
         with pytest.raises(openai.NotFoundError):
             await mine.files.retrieve(file_id)
@@ -209,25 +180,21 @@ async def test_cancel_stops_a_running_batch(redis_server, tmp_path, api_key):
         running_router(redis_url=redis_server.url) as router,
         running_worker(sim_engine(max_parallel=4), router),
     ):
-        config = dataclasses.replace(
-            make_config(redis_server.url, router.address),
-            files=FilesSection(directory=str(tmp_path)),
-            batches=BatchesSection(poll_s=0.05, concurrency=1),
-        )
+        config = batch_config(redis_server.url, router.address, str(tmp_path), concurrency=1)
         gateway = await start_gateway(config)
         try:
             async with sdk(gateway, api_key) as client:
-                lines = [_line(f"l{i}", max_tokens=64) for i in range(40)]
+                lines = [chat_line(f"l{i}", max_tokens=64) for i in range(40)]
                 batch = await client.batches.create(
-                    input_file_id=await _upload(client, lines),
+                    input_file_id=await upload_lines(client, lines),
                     endpoint="/v1/chat/completions",
                     completion_window="24h",
                 )
                 while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
                     await asyncio.sleep(0.02)
                 cancelling = await client.batches.cancel(batch.id)
-                ended = await _ended(client, batch.id)
-                outputs = await _jsonl_of(client, ended.output_file_id)
+                ended = await batch_ended(client, batch.id)
+                outputs = await jsonl_of(client, ended.output_file_id)
         finally:
             await gateway.close()
     assert cancelling.status == "cancelling"
