@@ -114,6 +114,8 @@ class BatchRunner:
                     found = await self._round(session)
                 except REDIS_ERRORS as e:
                     logger.warning("batch runner: Redis unavailable: %s", type(e).__name__)
+                except Exception:  # the runner goes on: a batch it could not handle stays for later
+                    logger.exception("batch runner: a round failed")
                 if not found:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._config.poll_s)
