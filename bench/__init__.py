@@ -1,2 +1,3 @@
 """The benchmark scripts (the top floor): each runs as ``.venv/bin/python bench/NAME.py`` and prints
-its figures for docs/BENCHMARKS.md; shared parts (bench.mesh_load) import as ``bench.*``."""
+its figures for docs/BENCHMARKS.md and docs/benchmarks/; shared parts (bench.mesh_load) import
+as ``bench.*``."""

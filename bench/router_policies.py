@@ -53,7 +53,8 @@ from worker_svc.config import (
     WorkerConfig,
     WorkerServerSection,
 )
-from worker_svc.service import server as worker_server
+from worker_svc.service.main import create_server as create_worker_server
+from worker_svc.service.registration import Registration
 from worker_svc.sim_engine.engine import SimEngine
 
 MODEL = "sim-22b"
@@ -93,12 +94,10 @@ async def serve_workers(configs: list[WorkerConfig]) -> dict[str, SimEngine]:
     reporters, servers, engines = [], [], {}
     for config in configs:
         engine = engines[config.server.worker_id] = SimEngine.from_config(config)
-        server, servicer = await worker_server.create_server(config, engine)
+        server, servicer = await create_worker_server(config, engine)
         servers.append(server)
         reporters.append(
-            asyncio.create_task(
-                worker_server.report_to_router(config.router.address, servicer, config.tls)
-            )
+            asyncio.create_task(Registration(config.router.address, servicer, config.tls).run())
         )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

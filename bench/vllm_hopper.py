@@ -6,7 +6,7 @@ Checks what is installed first: without vLLM it says so and exits 0 (bench/hoppe
 it). Writes the tiny DeepSeek-V3 checkpoint with DeepSeek's attention head sizes and FP8
 block-quantized weights (as the real checkpoint ships) under --out-dir when missing, then serves it
 with one worker at a time, `[engine] kind = "vllm"` and `"checkpoint"` (dtype auto: the policy's
-choice), and writes --out-dir/vllm.json and prints:
+choice; the checkpoint engine's fp8 on a Hopper GPU), and writes --out-dir/vllm.json and prints:
 - the precision each worker reports (Info): fp8 on a Hopper GPU for both, else what the policy
   chose (vLLM serves a dequantized copy where its FP8 kernels do not run);
 - greedy agreement: how many leading greedy tokens the two engines share per prompt (FP8 GEMMs of
@@ -89,8 +89,12 @@ def measure(out_dir: Path, prompts: int, max_tokens: int) -> dict[str, Any]:
         write_tiny_checkpoint(model_dir, mla=True)
     texts = _prompts(prompts)
     served: dict[str, _Served] = {}
+    # on Hopper the torch engine serves FP8 even where the policy's measured table keeps its
+    # "auto" on BF16 (worker_svc/model/precision.py): FP8 against FP8 is the comparison
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    dtypes = {"vllm": "auto", "checkpoint": "fp8" if hopper else "auto"}
     for kind in ("vllm", "checkpoint"):
-        side = Side(kind, kind, {"INFERMESH_WORKER_MODEL_DTYPE": "auto"})
+        side = Side(kind, kind, {"INFERMESH_WORKER_MODEL_DTYPE": dtypes[kind]})
         proc, port = _start_worker(side, str(model_dir), prompts, out_dir / f"{kind}.log")
         try:
             served[kind] = asyncio.run(_run(port, _MODEL, texts, max_tokens))

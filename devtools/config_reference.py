@@ -12,8 +12,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import io
 import sys
 import textwrap
+import tokenize
 import typing
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,22 @@ stops the service with an error naming the file (or variable) and the key.
 """
 
 
+class UndescribedKeyError(ValueError):
+    """A configuration key without a description: every key the reference lists says what it is."""
+
+
 def field_comments(cls: type) -> dict[str, str]:
-    """The ``#`` comment lines written just above each field of a dataclass, joined."""
-    lines = inspect.getsource(cls).splitlines()
-    body = ast.parse(textwrap.dedent("\n".join(lines))).body[0]
+    """Each field's description: the ``#`` comment lines just above it, then any comment on its
+    own lines (``ttl_s: float = 3.0  # ...``), joined."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    body = ast.parse(source).body[0]
     assert isinstance(body, ast.ClassDef), f"{cls!r} is not a class"
+    trailing: dict[int, str] = {
+        token.start[0]: token.string.lstrip("#").strip()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT and token.line.strip() != token.string.strip()
+    }
     comments: dict[str, str] = {}
     for node in body.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -54,7 +67,9 @@ def field_comments(cls: type) -> dict[str, str]:
             while row >= 0 and lines[row].strip().startswith("#"):
                 above.insert(0, lines[row].strip().lstrip("#").strip())
                 row -= 1
-            comments[node.target.id] = " ".join(above)
+            end = node.end_lineno or node.lineno
+            own = [trailing[n] for n in range(node.lineno, end + 1) if n in trailing]
+            comments[node.target.id] = " ".join(above + own)
     return comments
 
 
@@ -81,7 +96,8 @@ def _default(field: dataclasses.Field[Any]) -> str:
     return f"`{value!r}`"
 
 
-def _section(name: str, cls: type, env_prefix: str) -> str:
+def section_table(name: str, cls: type, env_prefix: str) -> str:
+    """One section's heading, description and table of keys."""
     out = [f"### `[{name}]`\n"]
     doc = inspect.getdoc(cls)
     if doc and not doc.startswith(cls.__name__ + "("):
@@ -93,6 +109,11 @@ def _section(name: str, cls: type, env_prefix: str) -> str:
     for field in dataclasses.fields(cls):
         env = f"{env_prefix}_{name}_{field.name}".upper()
         what = comments.get(field.name, "").replace("|", "\\|")
+        if not what:
+            raise UndescribedKeyError(
+                f"[{name}] {field.name} ({cls.__module__}.{cls.__qualname__}) has no description: "
+                "write what it means in a comment just above the field"
+            )
         out.append(
             f"| `{field.name}` | {_type_name(hints[field.name])} | {_default(field)} | "
             f"`{env}` | {what} |"
@@ -101,12 +122,12 @@ def _section(name: str, cls: type, env_prefix: str) -> str:
 
 
 def reference() -> str:
-    """The whole of docs/CONFIGURATION.md."""
+    """The whole of docs/CONFIGURATION.md; UndescribedKeyError names a key without a comment."""
     parts = [_HEADER]
     for service, config_cls, env_prefix, command in SERVICES:
         parts.append(f"\n## {service}\n\nRun as `{command}`.\n")
         for name, section_cls in typing.get_type_hints(config_cls).items():
-            parts.append("\n" + _section(name, section_cls, env_prefix))
+            parts.append("\n" + section_table(name, section_cls, env_prefix))
     return "".join(parts)
 
 

@@ -43,7 +43,7 @@ _RESERVED_CORES_VAR = "INFERMESH_WORKER_ENGINE_RESERVED_CORES"
 def dev_worker_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The dev mesh's worker settings (`make run`, bench/thread_policy.py): torch computes on the
     cores left after two for the gateway, the router and Redis, and a load generator on the same
-    machine (docs/BENCHMARKS.md, "Thread policy under contention"); a value in ``environ`` wins."""
+    machine (docs/benchmarks/thread-policy.md); a value in ``environ`` wins."""
     return {_RESERVED_CORES_VAR: environ.get(_RESERVED_CORES_VAR, "2")}
 
 

@@ -9,41 +9,33 @@ from aiohttp import web
 
 import telemetry
 from gateway.accounts.admin import create_admin_app
-from gateway.accounts.auth import BATCHES_CONFIG, KEY_STORE, auth_middleware
-from gateway.accounts.keys import REDIS, KeyStore
-from gateway.accounts.limits import LIMITER, Limiter
-from gateway.accounts.recent import CONSOLE_CONFIG, recent_ctx, record_recent
+from gateway.accounts.auth import auth_middleware
+from gateway.accounts.keys import KeyStore
+from gateway.accounts.limits import Limiter
+from gateway.accounts.recent import recent_ctx, record_recent
+from gateway.accounts.state import KEY_STORE, LIMITER, REDIS
 from gateway.anthropic.message_batches import write_results
-from gateway.api.generation import LIMITS_CONFIG, MODELS_CONFIG
-from gateway.batches.files import FILES, Files
-from gateway.batches.records import BATCH_RECORDS, BatchRecords
-from gateway.batches.runner import BATCH_RUNNER, BatchRunner
+from gateway.batches.files import Files
+from gateway.batches.records import BatchRecords
+from gateway.batches.runner import BatchRunner
+from gateway.batches.state import BATCH_RECORDS, BATCH_RUNNER, FILES
 from gateway.batches.store import LocalDirectoryStore
-from gateway.config import GatewayConfig
+from gateway.config import CONFIG, GatewayConfig
 from gateway.console import create_console_app
-from gateway.http.loopback import LOOPBACK, Loopback
-from gateway.http.middleware import (
-    API_PREFIXES,
-    REDIS_CONFIG,
-    add_request_id,
-    error_middleware,
-    redact_query_keys,
-)
-from gateway.http.openapi import OPERATIONS, publish_document
+from gateway.http.loopback import Loopback
+from gateway.http.middleware import add_request_id, error_middleware, redact_query_keys
+from gateway.http.openapi import serve_document
 from gateway.http.ops import metrics_port
-from gateway.http.validation import SERVER_CONFIG
-from gateway.mesh.client import MESH, MeshClient
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS, PromptTokens
-from gateway.mesh.reasoning_formats import REASONING_FORMATS, ReasoningFormats
+from gateway.http.state import API_PREFIXES, LOOPBACK
+from gateway.mesh.client import MeshClient
+from gateway.mesh.prompt_tokens import PromptTokens
+from gateway.mesh.reasoning_formats import ReasoningFormats
+from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
 from gateway.openai.batches import write_outputs
-from gateway.openai.files import FILES_CONFIG
-from gateway.openai.responses_store import RESPONSES_CONFIG
 from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from telemetry.metrics import watch_event_loop
-
-CONFIG = web.AppKey("config", GatewayConfig)
 
 
 def create_app(config: GatewayConfig) -> web.Application:
@@ -58,14 +50,6 @@ def create_app(config: GatewayConfig) -> web.Application:
         ],
     )
     app[CONFIG] = config
-    app[SERVER_CONFIG] = config.server
-    app[REDIS_CONFIG] = config.redis
-    app[LIMITS_CONFIG] = config.limits
-    app[MODELS_CONFIG] = config.models
-    app[RESPONSES_CONFIG] = config.responses
-    app[CONSOLE_CONFIG] = config.console
-    app[FILES_CONFIG] = config.files
-    app[BATCHES_CONFIG] = config.batches
     app[LOOPBACK] = Loopback()
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
@@ -76,13 +60,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
-    app.on_startup.append(publish_document)
     for base in ("/v1", alias) if alias else ("/v1",):
         add_routes(app.router, OPENAI, base)
     for base in ("", alias) if alias else ("",):
         add_routes(app.router, ANTHROPIC, base)
     add_routes(app.router, OPS)
-    app[OPERATIONS] = operations()
+    serve_document(app, operations())
     admin_sha256 = config.admin.digest()
     admin = create_admin_app(admin_sha256)
     add_routes(admin.router, ADMIN)

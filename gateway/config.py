@@ -13,6 +13,8 @@ import fnmatch
 import hashlib
 import re
 
+from aiohttp import web
+
 from infermesh.channels import GRPC_MESSAGE_LIMIT_BYTES
 from infermesh.config import MetricsSection, section
 from infermesh.redact import redact_url
@@ -26,8 +28,12 @@ MAX_BODY_BYTES = GRPC_MESSAGE_LIMIT_BYTES // 8
 
 @section
 class HttpServerSection:
+    # The address the HTTP API listens on ("0.0.0.0": every interface).
     host: str = "127.0.0.1"
+    # The HTTP API's port; 0: any free port (one process only).
     port: int = 8000
+    # The largest request body accepted; a larger one is a 413. At most an eighth of the mesh's
+    # gRPC message limit, so that a request's route ask fits one message.
     max_body_bytes: int = 4 * 1024 * 1024
     # A second base path serving the same API as /v1, e.g. "/api"; empty: none.
     alias_base: str = ""
@@ -35,6 +41,7 @@ class HttpServerSection:
     # senders cannot hold connections: from a request's first byte to its last header,
     # and for its body once the handler reads it.
     header_timeout_s: float = 15.0
+    # The longest wait for a request's whole body once the handler reads it (408 past it).
     body_timeout_s: float = 60.0
     # An idle keep-alive connection is closed after this long (no answer: nothing was asked).
     keepalive_timeout_s: float = 75.0
@@ -75,6 +82,7 @@ class RedisSection:
     # rediss+sentinel://: see infermesh.redis_client.
     RENAMED = {"key_cache_ttl_ms": "key_cache_ttl_s (seconds)"}
 
+    # Where API keys, limits, usage, sessions, recent requests and stored responses live.
     url: str = "redis://127.0.0.1:6379/0"
     # Positive authentications are cached this long; a revoked key keeps
     # working in this process for at most this time.
@@ -82,6 +90,7 @@ class RedisSection:
     # Bounds every Redis call so an unreachable Redis answers 503 quickly; also how long a
     # request waits for a free connection when all max_connections are busy.
     timeout_s: float = 1.0
+    # The Retry-After (seconds) of the 503 a request gets while Redis is unreachable.
     retry_after_s: int = 1
     # Connections to Redis per gateway process; a request past them waits (timeout_s).
     max_connections: int = 100
@@ -122,6 +131,8 @@ class RouterSection:
     # reported to the router. (Before the first chunk silence is queueing or prefill; a
     # frozen worker is noticed by the channel's keepalive pings, see infermesh.channels.)
     stall_timeout_s: float = 30.0
+    # The Retry-After (seconds) of a 503 when the router or every worker is unreachable, or the
+    # router refused a request without an estimate of its own (its fair queue's).
     retry_after_s: int = 1
     # Streams per worker; more than one where one stream's flow-control window limits.
     streams_per_worker: int = 1
@@ -179,7 +190,9 @@ class AdminSection:
     """The admin API (/admin/keys) credential: the token itself, or better its SHA-256 hex.
     With neither set the admin API refuses every call."""
 
+    # The admin token itself (at least 16 characters).
     token: str = ""
+    # The admin token's SHA-256, 64 lowercase hex digits: the token never written to the file.
     token_sha256: str = ""
 
     def __post_init__(self) -> None:
@@ -210,15 +223,18 @@ class ConsoleSection:
     # Wrong admin tokens at sign-in from one address past this many (within the window) make each
     # further sign-in from it wait, doubling per failure up to max_delay_s.
     sign_in_failures_free: int = 3
+    # How long an address's failed sign-ins count against it.
     sign_in_failure_window_s: int = 900
+    # The longest wait a failed sign-in from one address imposes on the next.
     sign_in_max_delay_s: float = 30.0
     # Trace ids link to this Jaeger UI ("http://jaeger:16686"); empty: shown without a link.
     jaeger_url: str = ""
     # The router's /metrics ("http://router:9101/metrics"): the Fleet page shows its cache hits
     # and fair queue from it; empty: not shown.
     router_metrics_url: str = ""
-    # The recent requests kept: per API key, and of all keys together (capped Redis streams).
+    # The recent requests kept per API key (a capped Redis stream each).
     recent_per_key: int = 100
+    # The recent requests kept of all keys together (one capped Redis stream).
     recent_total: int = 1000
 
     def __post_init__(self) -> None:
@@ -240,6 +256,8 @@ class ModelsSection:
     default model name (Claude Code's ``claude-...``, Codex's ``gpt-...``) then works without
     configuring the client."""
 
+    # Alias (an exact name or a glob pattern) -> the served model it stands for:
+    # {"claude-*" = "deepseek-v3"}. Listed by /v1/models apart from the models (docs/API.md).
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -318,6 +336,9 @@ class BatchesSection:
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
+    """Every section of the gateway's config; the app holds it under ``CONFIG``, and every room
+    reads its sections from there."""
+
     server: HttpServerSection = dataclasses.field(default_factory=HttpServerSection)
     redis: RedisSection = dataclasses.field(default_factory=RedisSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
@@ -331,3 +352,6 @@ class GatewayConfig:
     # the side port of every metric, the per-key series too (the API's /metrics has them not)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)
+
+
+CONFIG = web.AppKey[GatewayConfig]("config")

@@ -112,18 +112,30 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     if typing.get_origin(typ) is typing.Literal:
         return _check_choice(value, typ, where)
     if typing.get_origin(typ) is list:
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        item = _list_item(typ)
+        if isinstance(value, list) and all(_is_a(v, item) for v in value):
             return value
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        raise ConfigError(f"{where}: expected a list of {item.__name__}s, got {value!r}")
     if typing.get_origin(typ) is dict:
         if isinstance(value, dict):
             return value
         raise ConfigError(f"{where}: expected a table, got {value!r}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+    if _is_a(value, typ):
         return value
     raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _list_item(hint: Any) -> type:
+    """The item type of a ``list[str]`` or ``list[int]`` hint."""
+    item: type = typing.get_args(hint)[0]
+    return item
+
+
+def _is_a(value: Any, typ: type) -> bool:
+    """isinstance, except that a bool is no int."""
+    return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
 
 
 def _from_env(raw: str, hint: Any, where: str) -> Any:
@@ -131,7 +143,15 @@ def _from_env(raw: str, hint: Any, where: str) -> Any:
     if optional and raw == "":
         return None
     if typing.get_origin(typ) is list:
-        return [item.strip() for item in raw.split(",") if item.strip()]
+        items = [item.strip() for item in raw.split(",") if item.strip()]
+        if _list_item(typ) is int:
+            try:
+                return [int(item) for item in items]
+            except ValueError:
+                raise ConfigError(
+                    f"{where}: expected integers, comma-separated, got {raw!r}"
+                ) from None
+        return items
     if typing.get_origin(typ) is dict:
         try:
             value = json.loads(raw)
@@ -187,5 +207,6 @@ class MetricsSection:
     """``[metrics]`` of every service: the HTTP side port of /metrics (the gateway's has the
     per-key series its public port does not)."""
 
+    # The address the side port listens on.
     host: str = "127.0.0.1"
     port: int = 0  # 0: no side port (several workers on one host would collide)

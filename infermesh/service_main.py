@@ -1,8 +1,9 @@
 """The entry point every service's ``__main__`` shares: arguments, logging,
 config, tracing, the event loop and a clean stop on SIGINT/SIGTERM.
 
-Services run on uvloop: aiohttp and grpc.aio both spend less CPU per request on
-it (bench/gateway_mesh.py: the gateway and router ~25 % less, docs/BENCHMARKS.md)."""
+Services run on uvloop: aiohttp and grpc.aio both spend less CPU per request on it
+(bench/gateway_mesh.py: the gateway and router ~25 % less,
+docs/benchmarks/gateway-throughput.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ import telemetry
 from infermesh.config import ConfigError
 from infermesh.tls import TlsSection, check_loaded
 from telemetry.logs import setup_logging
+
+
+class ServiceFailedError(RuntimeError):
+    """The service cannot go on (a part it runs on died): ``service_main`` prints the reason and
+    exits with code 1, for the service's supervisor to restart it."""
 
 
 class _ServiceConfig(Protocol):
@@ -42,7 +48,8 @@ def service_main(
     The config file comes from ``--config`` or ``INFERMESH_<NAME>_CONFIG``. A config error
     (any ConfigError: the service's file and environment, or what they point at and the service
     reads while starting, such as a checkpoint) is printed, naming file and key, with exit
-    code 2; so is a ``[tls]`` without its files and without ``plaintext = true``."""
+    code 2; so is a ``[tls]`` without its files and without ``plaintext = true``. A
+    ServiceFailedError is printed with exit code 1."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument(
         "--config",
@@ -61,6 +68,9 @@ def service_main(
         uvloop.run(_until_signal(serve(config)))
     except ConfigError as e:
         return _config_error(name, e)
+    except ServiceFailedError as e:
+        print(f"{name}: failed: {e}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown_tracing()
     return 0

@@ -41,9 +41,13 @@ class TlsSection:
     (PEM) and the CA that signed every service's certificate. ``plaintext = true`` turns TLS
     off, and with it every caller check: every caller is trusted."""
 
+    # This service's certificate (PEM), naming its role and hosts; re-read when it changes.
     cert_file: str = ""
+    # The certificate's private key (PEM).
     key_file: str = ""
+    # The CA (PEM) that signed every service's certificate; a peer's must chain to it.
     ca_file: str = ""
+    # true: gRPC without TLS and without caller checks (development and in-process tests only).
     plaintext: bool = False
 
 

@@ -21,7 +21,9 @@ PRIORITIES = range(-10, 11)
 
 @section
 class RouterServerSection:
+    # The address the router's gRPC server listens on.
     host: str = "127.0.0.1"
+    # The router's gRPC port.
     port: int = 50051
 
 
@@ -32,8 +34,10 @@ class RedisSection:
     (``redis+cluster://host:port,...``) or Sentinel (``redis+sentinel://host:port,.../service``),
     over TLS as ``rediss+cluster://`` and ``rediss+sentinel://``, see ``infermesh.redis_client``."""
 
-    url: str = "redis://127.0.0.1:6379/0"
     RENAMED = {"timeout_ms": "timeout_s (seconds)"}
+
+    # The registry's Redis (the forms are the section's description above).
+    url: str = "redis://127.0.0.1:6379/0"
 
     timeout_s: float = 0.5  # per Redis call; past it the registry counts as unreachable
     # Namespace of the registry's keys: the routers of one mesh share it; separate meshes on
@@ -57,6 +61,7 @@ class RegistrySection:
         "ttl_ms": "ttl_s (seconds)",
         "refresh_ms": "refresh_s (seconds)",
     }
+    # How often each worker heartbeats its load (told to it when it registers).
     heartbeat_interval_s: float = 1.0
     ttl_s: float = 3.0  # a worker silent this long is dropped
     # How often this router re-reads the registry from Redis into its local view, which is
@@ -102,17 +107,24 @@ class RoutingSection:
         "stall_timeout_ms": "stall_timeout_s (seconds)",
     }
 
+    # balanced: the weighted cost above; least_load: the lowest share of busy slots;
+    # round_robin: the eligible workers in turn; random: any eligible one (a baseline).
     policy: Policy = "balanced"
     # Before the first token, a failed worker call is retried once elsewhere.
     retry_before_first_token: bool = True
+    # The weight of a worker's busy slots over its max_parallel.
     load_weight: float = 1.0
+    # The weight of a worker's KV cache use (0..1), for a request without prefix_hashes.
     kv_weight: float = 0.5
+    # The weight of a worker's slowness: 1 - its decode speed over the fastest candidate's.
     hardware_weight: float = 0.5
+    # The bonus of the worker that is home to the prompt's leading prefix_bytes.
     affinity_weight: float = 0.5
     # per second of prefill a worker would still have to do for the prompt, per stream waiting
     # for it (and per second of prefill queued ahead of it): one second of one stream weighs as
     # much as a full worker's load
     prefill_weight: float = 1.0
+    # Subscribe to every worker's Worker.CacheEvents, to route by cached prefixes.
     cache_events: bool = True
     # cached blocks the index remembers per worker: 2**16 of 16 tokens hold a million tokens
     index_max_blocks: int = 65536
@@ -186,6 +198,8 @@ class FairQueueSection:
     """Fair queueing when every eligible worker is full (router_svc/fair_queue.py): asks wait
     in per-tenant queues instead of going to a worker past its max_parallel."""
 
+    # true: asks wait in the fair queue while every eligible worker is full; false: the policy
+    # places every ask at once, on a full worker too.
     enabled: bool = False
     max_per_tenant: int = 256  # waiting asks of one tenant; past it RESOURCE_EXHAUSTED (429)
     max_total: int = 4096  # waiting asks in all; past it UNAVAILABLE (503)
@@ -233,9 +247,13 @@ class InternalCallersSection:
     defaults). What such a caller's request says of them is ignored: holding the client
     certificate grants no more than this table does."""
 
+    # The tier of an internal caller not in identities (its tier_weights weight applies).
     tier: str = "internal"
+    # The fair-queue weight of an internal caller not in identities (1..1000).
     weight: int = 1
+    # The priority of an internal caller not in identities (-10..10; higher goes first).
     priority: int = 0
+    # Identity -> its own {tier, weight, priority}, each key left out taking the defaults above.
     identities: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

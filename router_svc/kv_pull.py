@@ -145,22 +145,25 @@ def plan_prefill(
     cached_tokens: int,
     prefix_hashes: Sequence[int],
     cached_in: Callable[[Group], np.ndarray],
-) -> PullPlan | None:
+) -> PullPlan | str:
     """Prefill on P, decode on D: the pull that has a prefill worker compute the prompt's blocks
     ``decoder`` (a "decode" worker serving ``model``, holding ``cached_tokens`` of them) lacks
-    and send them, or None when D computes them (the module's rule). ``cached_in``: each of a
+    and send them, or why D computes them (the module's rule). ``cached_in``: each of a
     group's workers' tokens of the prompt in its cache."""
     whole = len(prefix_hashes) * BLOCK_TOKENS
     tokens = whole - cached_tokens
     mine = decoder.info.capabilities
-    if tokens <= 0 or mine.kv_transfer_bytes_per_token <= 0:
-        return None
+    if tokens <= 0:
+        return "it holds the whole prompt"
+    if mine.kv_transfer_bytes_per_token <= 0:
+        return f"its engine ({mine.engine or 'unnamed'}) takes no KV blocks"
     group = fleet.group(model, mine.precision, prefill=True)
     if not len(group):
-        return None
+        return "no prefill worker serves its model in its precision"
     theirs_cached = cached_in(group)
     if cached_tokens >= tokens and cached_tokens > theirs_cached.max():
-        return None  # D holds most of the prompt: its tail costs less than P's whole prompt
+        # its tail costs less than P's whole prompt
+        return "it holds more of the prompt than it lacks, and more than a prefill worker"
     now = fleet.clock()
     slots = group.slots
     queued_s = np.maximum(fleet.prefill_until[slots] - now, 0.0)
@@ -183,7 +186,10 @@ def plan_prefill(
     best = int(delivered_s.argmin())
     estimate = float(delivered_s[best])
     if not np.isfinite(estimate):
-        return None
+        return (
+            "no prefill worker of its KV block layout (a KV engine, the same bytes per token, "
+            "the same precision), in service and linked to it"
+        )
     return PullPlan(
         fleet.entry_at(group.slots[best]),
         prefix_hashes,

@@ -54,11 +54,17 @@ return {1, redis.call('HGET', KEYS[1], 'registered_at')}
 # Renews a worker's hash only while it exists (0: unknown, it must register) and only for its
 # owner (-1: another identity's): a heartbeat never resurrects an expired worker nor reports
 # another's load. It also lists the worker in the index again, so a worker that heartbeats is
-# always listed, whatever removed it from the index.
+# always listed, whatever removed it from the index. A leaving worker's (ARGV[5] = 1) hash and
+# listing are deleted instead (0: it is no longer known).
 _HEARTBEAT_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= ARGV[4] then return -1 end
+if ARGV[5] == '1' then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[3])
+  return 0
+end
 redis.call('HSET', KEYS[1], 'load', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
@@ -187,16 +193,21 @@ class Registry:
             raise WorkerOwnedError(info.worker_id, _text(value))
         self.fleet.upsert(info, load, float(value), self._ttl_s)
 
-    async def heartbeat(self, worker_id: str, load: common_pb2.Load, owner: str = "") -> bool:
+    async def heartbeat(
+        self, worker_id: str, load: common_pb2.Load, owner: str = "", leaving: bool = False
+    ) -> bool:
         """Refreshes a worker for its owner; False when it is unknown and must register again,
-        WorkerOwnedError when another identity registered it."""
+        WorkerOwnedError when another identity registered it. A ``leaving`` worker is dropped
+        from the registry at once (False): every router's next refresh drops it too."""
         check_load(load)
         known = await self._call(
             self._heartbeat(
                 keys=[self._worker_key + worker_id, self._index_key],
-                args=[load.SerializeToString(), self._ttl_ms, worker_id, owner],
+                args=[load.SerializeToString(), self._ttl_ms, worker_id, owner, int(leaving)],
             )
         )
+        if leaving and known != -1:
+            logger.info("worker %s left the fleet", worker_id)
         if known == -1:
             raise WorkerOwnedError(worker_id, "another identity")
         if known:
@@ -221,7 +232,9 @@ class Registry:
             self._apply(worker_id, info, load, float(registered_at), ttl_ms / 1000)
         for entry in self.fleet.entries():
             if entry.worker_id not in listed and entry.updated_at <= taken_at:
-                logger.warning("worker %s gone: no heartbeat within the TTL", entry.worker_id)
+                logger.warning(
+                    "worker %s gone: it left, or sent no heartbeat within the TTL", entry.worker_id
+                )
                 self.fleet.remove(entry.worker_id)
                 self._info_bytes.pop(entry.worker_id, None)
 

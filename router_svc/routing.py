@@ -261,7 +261,7 @@ class Chooser:
             pull = plan_pull(links, fleet, group, busy, cached, best, request.prefix_hashes)
         chosen = fleet.entry_at(slot)
         if pull is None and request.prefix_hashes and chosen.info.capabilities.role == "decode":
-            pull = plan_prefill(
+            planned = plan_prefill(
                 self._links.of(fleet),
                 fleet,
                 request.model,
@@ -270,7 +270,10 @@ class Chooser:
                 request.prefix_hashes,
                 lambda prefill_group: _tokens_in(held, prefill_group),
             )
-            if pull is not None:
+            if isinstance(planned, str):
+                reasons["prefill_here"] = planned  # why D computes the prompt itself
+            else:
+                pull = planned
                 first_prefill_s = 0.0  # P's, not D's (Fleet.queued_prefill)
         if pull is not None:
             reasons["pull_from"] = pull.holder.worker_id

@@ -101,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await require_address_host(context, "router", "Heartbeat", registered.info.address)
         try:
             known = await self._registry.heartbeat(
-                request.worker_id, request.load, peer_of(context).uri
+                request.worker_id, request.load, peer_of(context).uri, request.leaving
             )
         except WorkerOwnedError as e:
             await refuse(context, "router", "Heartbeat", "owner", str(e))

@@ -6,7 +6,15 @@ import dataclasses
 import typing
 from pathlib import Path
 
-from devtools.config_reference import SERVICES, field_comments, reference
+import pytest
+
+from devtools.config_reference import (
+    SERVICES,
+    UndescribedKeyError,
+    field_comments,
+    reference,
+    section_table,
+)
 
 _DOC = Path(__file__).resolve().parent.parent / "docs" / "CONFIGURATION.md"
 
@@ -39,3 +47,26 @@ def test_a_fields_comment_is_the_lines_just_above_it() -> None:
             return None
 
     assert field_comments(Made) == {"plain": "", "commented": "why this one matters"}
+
+
+def test_a_fields_comment_on_its_own_lines_follows_the_lines_above() -> None:
+    @dataclasses.dataclass
+    class Made:
+        inline: int = 1  # said beside it
+        # above
+        both: tuple[int, ...] = (
+            1,  # and inside
+        )
+
+    assert field_comments(Made) == {"inline": "said beside it", "both": "above and inside"}
+
+
+def test_a_key_without_a_description_fails_the_reference_naming_it() -> None:
+    @dataclasses.dataclass
+    class Section:
+        # described
+        fine: int = 1
+        bare: str = ""
+
+    with pytest.raises(UndescribedKeyError, match=r"\[made\] bare .*has no description"):
+        section_table("made", Section, "INFERMESH_TEST")

@@ -21,7 +21,9 @@ DEFAULT_MODEL_PATH = "models/tiny-deepseek-v3"
 
 @section
 class WorkerServerSection:
+    # The address the worker's gRPC server listens on.
     host: str = "127.0.0.1"
+    # The worker's gRPC port; 0: any free port (advertised as bound).
     port: int = 50061
     # The host:port the router dials; empty: host:bound port.
     advertise_address: str = ""
@@ -139,6 +141,7 @@ class ParallelSection:
     idle_prefill_chunk_size: int = 2048
     # Model parallelism across GPUs and nodes: only [engine] kind = "vllm" serves more than one GPU.
     tensor_parallel_size: int = 1
+    # Pipeline stages the model's layers are split over (vllm only).
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = (
         1  # > 1: the routed experts spread over the tensor (x data) parallel ranks
@@ -219,6 +222,7 @@ class CacheSection:
     # Worker.CacheEvents: the recent events kept for a router that reconnects (more missed: a
     # snapshot), and the events a subscriber may fall behind before it is dropped to resync
     events_history: int = 65536
+    # The events a subscriber may fall behind before it is dropped to resync.
     events_backlog: int = 65536
 
     def __post_init__(self) -> None:
@@ -277,6 +281,7 @@ class EngineSection:
     # 0: the fewest that hold the weights (in the GPU's precision) and a KV budget of
     # [parallel] max_parallel sequences of kv_budget_tokens (worker_svc/hardware/sizing.py)
     gpu_count: int = 0
+    # sim only: the KV cache tokens each of max_parallel sequences is sized for (with gpu_count 0).
     kv_budget_tokens: int = 4096
     # The model: a bundled config of worker_svc/model/configs/ ("DeepSeek-V3", "DeepSeek-V2-Lite",
     # ...), a checkpoint directory or a config.json; or, unset, the sizes below (defaults where
@@ -286,13 +291,17 @@ class EngineSection:
     model: str = ""
     total_params_b: float | None = None  # billions of weights held in memory
     active_params_b: float | None = None  # billions read per token (MoE: the active experts)
+    # bytes of KV cache per token, all layers
     kv_bytes_per_token: int | None = None
+    # V3.2: the tokens each query attends to (0: dense attention)
     index_topk: int | None = None
+    # V3.2: bytes of cached indexer keys per token, all layers
     index_bytes_per_token: int | None = None
     zero_latency: bool = False  # tokens at once: for measuring the mesh's own overhead
     # sim only, attention: FLOPs of one query attending to one cached token (all layers; 0 leaves
     # its compute out), and (V3.2) of the indexer scoring one cached token for one query.
     attention_flops_per_key: float = 0.0
+    # sim only, V3.2: FLOPs of the indexer scoring one cached token for one query.
     index_flops_per_key: float = 0.0
     # sim only: the link its KV blocks cross to a peer (Worker.KVBlocks), gigabits a second (0:
     # instant), as the router's [routing] link_gbps
@@ -305,8 +314,20 @@ class EngineSection:
     # services beside the worker (gateway, router, Redis, a client), and how idle threads wait
     # (auto: passive; runtime: libgomp's default)
     threads: int = AUTO_THREADS
+    # checkpoint only: cores left to the services beside the worker when threads is 0.
     reserved_cores: int = 1
+    # checkpoint only: how idle OpenMP threads wait (auto: passive; runtime: libgomp's default).
     omp_wait_policy: WaitPolicy = "auto"
+    # checkpoint only, on a CUDA GPU: decode steps of up to this many sequences replay a CUDA graph
+    # of the step captured for the next size up (keys padded to a power of two, at least 256); a
+    # larger batch, a prefill step, or a size whose capture failed (one warning) runs eager. []: off
+    cuda_graph_batch_sizes: list[int] = dataclasses.field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64]
+    )
+    # checkpoint only, on a CUDA GPU Triton compiles for: a MoE layer's routed experts run as two
+    # grouped launches without host synchronisation (false: one by one, the reference loop, which
+    # a CUDA graph cannot capture)
+    grouped_moe: bool = True
     # vllm only: vLLM engine arguments past those the other sections set ([engine.vllm] table; the
     # environment's INFERMESH_WORKER_ENGINE_VLLM takes a JSON object)
     vllm: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -318,6 +339,10 @@ class EngineSection:
             raise ValueError(f"reserved_cores: must be >= 0, got {self.reserved_cores}")
         if self.link_gbps < 0:
             raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
+        if any(size < 1 for size in self.cuda_graph_batch_sizes):
+            raise ValueError(
+                f"cuda_graph_batch_sizes: each must be >= 1, got {self.cuda_graph_batch_sizes}"
+            )
         if self.time_scale <= 0:
             raise ValueError(f"time_scale: must be positive, got {self.time_scale}")
         if self.gpu not in gpu_profiles():

@@ -4,7 +4,8 @@
 
 trains it from scratch (fixed seeds; its defaults are the stored checkpoint's recipe: 6,585 steps
 of at most 16,384 tokens over 250,000 dialogues), on a CUDA device when there is one, else on the
-CPU: 6.5 minutes on an H200 (docs/BENCHMARKS.md), about six hours on two quiet cores. The model
+CPU: 6.5 minutes on an H200 (docs/benchmarks/chat-model-training.md), about six hours on two
+quiet cores. The model
 is transformers' DeepseekV3ForCausalLM on devtools.tiny_model's config (multi-head latent
 attention, a noaux_tc-routed MoE, DeepSeek-V3's YaRN long context) at the sizes of CHAT_SIZES, with
 its trained byte-level BPE and DeepSeek's chat and tool templates. It learns from

@@ -34,8 +34,8 @@ from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.accounts import keys
-from gateway.accounts.auth import KEY_STORE
 from gateway.accounts.limits import read_usage
+from gateway.accounts.state import ADMIN_SHA256, KEY_STORE, REDIS
 from gateway.http.errors import (
     AuthenticationError,
     GatewayError,
@@ -44,14 +44,12 @@ from gateway.http.errors import (
 )
 from gateway.http.middleware import single_header
 from gateway.http.validation import STRICT, parse_body, read_json
-from gateway.mesh.client import MESH
+from gateway.mesh.state import MESH
 from infermesh.authz import role_uri
 from infermesh.names import precision_name
 from infermesh.pb import router_pb2
 from infermesh.redis_client import RedisClient
 from infermesh.usage import identity_owner
-
-ADMIN_TOKEN_SHA256 = web.AppKey("admin_token_sha256", str)
 
 _MAX_USAGE_DAYS = 400
 
@@ -104,17 +102,17 @@ class AdminDisabledError(GatewayError):
 def create_admin_app(token_sha256: str | None) -> web.Application:
     """The sub-application behind the admin credential; its routes are in ``gateway.routes``."""
     app = web.Application(middlewares=[_require_admin])
-    app[ADMIN_TOKEN_SHA256] = token_sha256 or ""
+    app[ADMIN_SHA256] = token_sha256 or ""
     return app
 
 
 @web.middleware
 async def _require_admin(request: web.Request, handler: Handler) -> web.StreamResponse:
-    expected = request.app[ADMIN_TOKEN_SHA256]
+    expected = request.app[ADMIN_SHA256]
     if not expected:
         raise AdminDisabledError(
             "The admin API is disabled: configure [admin] token_sha256 "
-            "(INFERMESH_GATEWAY_ADMIN_TOKEN_SHA256)"
+            "(INFERMESH_GATEWAY_ADMIN_SHA256)"
         )
     scheme, _, presented = (single_header(request, "Authorization") or "").partition(" ")
     digest = keys.key_id(presented.strip())
@@ -126,7 +124,7 @@ async def _require_admin(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def _redis(request: web.Request) -> RedisClient:
-    return request.config_dict[keys.REDIS]
+    return request.config_dict[REDIS]
 
 
 async def create(request: web.Request) -> web.Response:

@@ -8,15 +8,14 @@ import dataclasses
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.accounts.keys import ApiKey, KeyStore
-from gateway.config import BatchesSection
+from gateway.accounts.keys import ApiKey
+from gateway.accounts.state import API_KEY, KEY_STORE
+from gateway.config import CONFIG
 from gateway.http.errors import AuthenticationError, InvalidRequestError
-from gateway.http.loopback import BATCH_KEY_HEADER, LOOPBACK, LOOPBACK_HEADER
-from gateway.http.middleware import API_PREFIXES, QUERY_KEY_NAMES, single_header
+from gateway.http.loopback import BATCH_KEY_HEADER, LOOPBACK_HEADER
+from gateway.http.middleware import QUERY_KEY_NAMES, single_header
+from gateway.http.state import API_PREFIXES, LOOPBACK
 
-API_KEY = web.RequestKey("api_key", ApiKey)
-KEY_STORE = web.AppKey("key_store", KeyStore)
-BATCHES_CONFIG = web.AppKey("batches_config", BatchesSection)  # the batch tier's weight
 BATCH_TIER = "batch"
 
 
@@ -71,5 +70,5 @@ async def _batch_key(request: web.Request) -> ApiKey:
     key = await request.config_dict[KEY_STORE].by_id(request.headers.get(BATCH_KEY_HEADER, ""))
     if key is None:
         raise AuthenticationError("The batch's API key is disabled, revoked or expired.")
-    weight = request.config_dict[BATCHES_CONFIG].weight
+    weight = request.config_dict[CONFIG].batches.weight
     return dataclasses.replace(key, tier=BATCH_TIER, weight=weight, batch=True)

@@ -32,11 +32,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as redis
-from aiohttp import web
 
 from infermesh.redis_client import RedisClient, decoded
-
-REDIS = web.AppKey[RedisClient]("redis")
 
 KEY_PREFIX = "infermesh:key:"
 INDEX = "infermesh:keys"

@@ -78,8 +78,6 @@ import math
 import secrets
 from typing import Any
 
-from aiohttp import web
-
 from gateway.accounts.keys import key_tag, redis_key
 from gateway.accounts.usage import TokenUsage
 from gateway.http.errors import AuthenticationError, RateLimitError
@@ -189,7 +187,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             admission.quota_field,
             usage.prompt_tokens,
             usage.completion_tokens,
-            usage.cached_tokens,
+            usage.cached_prompt_tokens,
             admission.lease,
             USAGE_DAY_TTL_S,
             int(settlement.served),
@@ -379,9 +377,6 @@ class Limiter:
                     await pipe.execute()
             except REDIS_ERRORS as e:
                 logger.warning("could not renew concurrency leases: %s", type(e).__name__)
-
-
-LIMITER = web.AppKey("limiter", Limiter)
 
 
 async def read_usage(client: RedisClient, kid: str, days: int) -> dict[str, Any]:

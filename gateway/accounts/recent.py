@@ -21,11 +21,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.accounts.auth import API_KEY
-from gateway.accounts.keys import REDIS, key_tag
+from gateway.accounts.keys import key_tag
+from gateway.accounts.state import API_KEY, FIRST_TOKEN_S, REDIS, USAGE
 from gateway.accounts.usage import TokenUsage
-from gateway.config import ConsoleSection
-from gateway.http.middleware import MODEL, REQUEST_ID, TRACE_ID
+from gateway.config import CONFIG, ConsoleSection
+from gateway.http.state import MODEL, REQUEST_ID, TRACE_ID
 from infermesh.redis_client import REDIS_ERRORS, RedisClient, decoded
 
 logger = logging.getLogger(__name__)
@@ -33,9 +33,6 @@ logger = logging.getLogger(__name__)
 ALL_KEYS = "infermesh:recent"
 _MAX_WAITING = 10_000  # entries waiting for their write, about 300 bytes each
 # Set by the generation (gateway.api.generation) for the request's entry.
-USAGE = web.RequestKey("usage", TokenUsage)
-FIRST_TOKEN_S = web.RequestKey("first_token_s", float)
-CONSOLE_CONFIG = web.AppKey("console_config", ConsoleSection)
 
 
 def key_stream(kid: str) -> str:
@@ -53,7 +50,7 @@ class RecentRequest:
     model: str
     status: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # stored under this name, as the usage counts are (infermesh.usage)
     completion_tokens: int
     first_token_ms: int | None  # None: no token came (refused, failed, or not a generation)
     duration_ms: int
@@ -135,13 +132,19 @@ class RecentRequests:
             await self._writer
 
 
-RECENT = web.AppKey("recent", RecentRequests)
+# This module's own slot of the app; the console reads it through recent_requests.
+_RECENT = web.AppKey[RecentRequests]("recent")
+
+
+def recent_requests(request: web.Request) -> RecentRequests:
+    """The app's recorder of recent requests, for reading them back."""
+    return request.config_dict[_RECENT]
 
 
 async def recent_ctx(app: web.Application) -> AsyncIterator[None]:
     """``cleanup_ctx``, after the Redis client's: the recorder, drained at shutdown."""
-    recent = RecentRequests(app[REDIS], app[CONSOLE_CONFIG])
-    app[RECENT] = recent
+    recent = RecentRequests(app[REDIS], app[CONFIG].console)
+    app[_RECENT] = recent
     yield
     await recent.drain()
 
@@ -155,7 +158,7 @@ async def record_recent(request: web.Request, handler: Handler) -> web.StreamRes
     if key is not None:
         usage = request.get(USAGE, TokenUsage())
         first_token_s = request.get(FIRST_TOKEN_S)
-        request.config_dict[RECENT].record(
+        recent_requests(request).record(
             RecentRequest(
                 at=time.time(),
                 key_id=key.id,
@@ -164,7 +167,7 @@ async def record_recent(request: web.Request, handler: Handler) -> web.StreamRes
                 model=request.get(MODEL, ""),
                 status=response.status,
                 prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
+                cached_tokens=usage.cached_prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 first_token_ms=None if first_token_s is None else round(first_token_s * 1000),
                 duration_ms=round((time.monotonic() - started) * 1000),

@@ -9,5 +9,5 @@ import dataclasses
 class TokenUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # the reasoning tokens among them: billed as completion tokens
-    cached_tokens: int = 0
+    cached_prompt_tokens: int = 0  # the prompt tokens found in the prefix cache
     reasoning_tokens: int = 0

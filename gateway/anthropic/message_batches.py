@@ -19,21 +19,21 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from gateway.accounts.auth import API_KEY, BATCHES_CONFIG
-from gateway.batches.files import FILES, Files, blob_name
+from gateway.accounts.state import API_KEY
+from gateway.batches.files import Files, blob_name
 from gateway.batches.records import (
-    BATCH_RECORDS,
     ENDED,
     BatchLine,
     BatchRecord,
     LineResult,
     new_record,
 )
-from gateway.batches.runner import BATCH_RUNNER
+from gateway.batches.state import BATCH_RECORDS, BATCH_RUNNER, FILES
 from gateway.batches.store import one_chunk
+from gateway.config import CONFIG
 from gateway.http.errors import InvalidRequestError, ObjectNotFoundError
 from gateway.http.json_body import dumps, json_response
-from gateway.http.validation import SERVER_CONFIG, STRICT, parse_body, read_json
+from gateway.http.validation import STRICT, parse_body, read_json
 
 API = "anthropic"
 _ENDPOINT = "/v1/messages"
@@ -101,7 +101,7 @@ def batch_object(record: BatchRecord, request: web.Request) -> dict[str, Any]:
 
 async def create_message_batch(request: web.Request) -> web.Response:
     body = parse_body(MessageBatchCreate, await read_json(request))
-    limit = request.config_dict[SERVER_CONFIG].max_body_bytes
+    limit = request.config_dict[CONFIG].server.max_body_bytes
     seen: set[str] = set()
     for i, item in enumerate(body.requests):
         if item.custom_id in seen:
@@ -128,7 +128,7 @@ async def create_message_batch(request: web.Request) -> web.Response:
         _ENDPOINT,
         "",
         len(lines),
-        request.app[BATCHES_CONFIG],
+        request.app[CONFIG].batches,
     )
     await request.app[BATCH_RECORDS].create(record, lines)
     request.app[BATCH_RUNNER].wake()

@@ -16,7 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.accounts.limits import LIMITER, mesh_failed
+from gateway.accounts.limits import mesh_failed
+from gateway.accounts.state import LIMITER
 from gateway.accounts.usage import TokenUsage
 from gateway.anthropic import messages_protocol as wire
 from gateway.anthropic.context_editing import Counter, apply_edits
@@ -32,9 +33,9 @@ from gateway.api.generation import (
 from gateway.api.tools import ToolCalls
 from gateway.http import sse
 from gateway.http.errors import UpstreamError
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
-from gateway.mesh.client import MESH
+from gateway.mesh.state import MESH
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:

@@ -382,13 +382,13 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def usage(tokens: TokenUsage) -> dict[str, int]:
+def anthropic_usage(tokens: TokenUsage) -> dict[str, int]:
     """Anthropic's counts: ``input_tokens`` are the prompt's tokens read from no cache, so the
     prompt is ``input_tokens + cache_read_input_tokens`` (+ creation, always 0 here)."""
     return {
-        "input_tokens": tokens.prompt_tokens - tokens.cached_tokens,
+        "input_tokens": tokens.prompt_tokens - tokens.cached_prompt_tokens,
         "output_tokens": tokens.completion_tokens,
-        "cache_read_input_tokens": tokens.cached_tokens,
+        "cache_read_input_tokens": tokens.cached_prompt_tokens,
         "cache_creation_input_tokens": 0,
     }
 
@@ -410,7 +410,7 @@ def message(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": None,
-        "usage": usage(tokens),
+        "usage": anthropic_usage(tokens),
     }
     if context_management is not None:
         body["context_management"] = context_management
@@ -563,7 +563,7 @@ def stream_end(
     delta: dict[str, Any] = {
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": None},
-        "usage": usage(tokens),
+        "usage": anthropic_usage(tokens),
     }
     if context_management is not None:
         delta["context_management"] = context_management

@@ -19,12 +19,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.accounts.auth import API_KEY
-from gateway.accounts.limits import LIMITER, Admission, mesh_failed
-from gateway.accounts.recent import FIRST_TOKEN_S, USAGE
+from gateway.accounts.limits import Admission, mesh_failed
+from gateway.accounts.state import API_KEY, FIRST_TOKEN_S, LIMITER, USAGE
 from gateway.accounts.usage import TokenUsage
 from gateway.api.wire import GPU_HEADER, PRECISION_HEADER
-from gateway.config import LimitsSection, ModelsSection
+from gateway.config import CONFIG
 from gateway.http import json_body, sse
 from gateway.http.errors import (
     GatewayError,
@@ -32,17 +31,13 @@ from gateway.http.errors import (
     PermissionDeniedError,
     UpstreamError,
 )
-from gateway.http.middleware import MODEL, REQUEST_ID
+from gateway.http.state import MODEL, REQUEST_ID
 from gateway.mesh.affinity import affinity_key
-from gateway.mesh.client import MESH, MeshClient
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS
-from gateway.mesh.reasoning_formats import REASONING_FORMATS
+from gateway.mesh.client import MeshClient
+from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
 from infermesh.names import FINISH_REASON_NAMES, PRECISION_NAMES, FinishReason
 from infermesh.pb import common_pb2
 from telemetry import genai, metrics
-
-LIMITS_CONFIG = web.AppKey("limits_config", LimitsSection)
-MODELS_CONFIG = web.AppKey("models_config", ModelsSection)  # the model aliases
 
 Chunk = common_pb2.GenerateResponse
 
@@ -207,7 +202,7 @@ async def _merged(streams: Sequence[AsyncIterator[Chunk]]) -> AsyncIterator[tupl
 
 def served_model(request: web.Request, model: str) -> str:
     """The served model ``model`` names ([models] aliases), recorded as the request's model."""
-    served = request.app[MODELS_CONFIG].resolve(model)
+    served = request.app[CONFIG].models.resolve(model)
     request[MODEL] = served
     return served
 
@@ -268,7 +263,7 @@ async def admitted_generation(
         try:
             admission = await request.app[LIMITER].admit(
                 request[API_KEY].id,
-                plan.reserve(request.app[LIMITS_CONFIG].default_completion_reserve),
+                plan.reserve(request.app[CONFIG].limits.default_completion_reserve),
                 request[REQUEST_ID],
             )
         except BaseException:

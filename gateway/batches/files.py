@@ -20,8 +20,6 @@ import time
 from collections.abc import AsyncIterable
 from typing import cast
 
-from aiohttp import web
-
 from gateway.accounts.keys import key_tag
 from gateway.batches.store import BlobStore, one_chunk
 from infermesh.redis_client import RedisClient, decoded
@@ -149,6 +147,3 @@ def _fields(record: FileRecord) -> dict[str, str]:
         "filename": record.filename,
         "purpose": record.purpose,
     }
-
-
-FILES = web.AppKey("files", Files)

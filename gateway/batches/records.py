@@ -27,7 +27,6 @@ import time
 from typing import Any, cast
 
 import orjson
-from aiohttp import web
 
 from gateway.accounts.keys import key_tag
 from gateway.batches.files import blob_name
@@ -326,6 +325,3 @@ def new_record(
         failed_at=now if errors else None,
         in_progress_at=None if errors else now,
     )
-
-
-BATCH_RECORDS = web.AppKey("batch_records", BatchRecords)

@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from gateway.batches.files import Files
 from gateway.batches.records import BatchLine, BatchRecord, BatchRecords, LineResult, batch_key
@@ -260,6 +259,3 @@ class BatchRunner:
         ):
             return "expired"
         return None
-
-
-BATCH_RUNNER = web.AppKey("batch_runner", BatchRunner)

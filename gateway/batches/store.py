@@ -17,8 +17,6 @@ from collections.abc import AsyncIterable
 from pathlib import Path
 from typing import Protocol
 
-from aiohttp import web
-
 _NAME = re.compile(r"[0-9a-f]{64}/[A-Za-z0-9_.-]{1,128}")
 
 
@@ -84,6 +82,3 @@ class LocalDirectoryStore:
 async def one_chunk(data: bytes) -> AsyncIterable[bytes]:
     """``data`` as the chunks ``BlobStore.put`` takes."""
     yield data
-
-
-BLOB_STORE = web.AppKey("blob_store", BlobStore)

@@ -14,24 +14,24 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.accounts.keys import REDIS
-from gateway.accounts.recent import CONSOLE_CONFIG
+from gateway.accounts.state import ADMIN_SHA256, REDIS
+from gateway.config import CONFIG
 from gateway.console import keys_pages, monitor_pages, session, usage_pages
-from gateway.console.render import SESSION, redirect, render
+from gateway.console.render import redirect, render
+from gateway.console.state import SESSION
 from gateway.http.errors import GatewayError
-from gateway.http.openapi import PAGES
+from gateway.http.openapi import mark_pages
 from infermesh.redis_client import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
-ADMIN_SHA256 = web.AppKey("console_admin_sha256", str)
 SIGN_IN = "/console/sign-in"
 
 
 def create_console_app(admin_sha256: str) -> web.Application:
     app = web.Application(middlewares=[_guard])
     app[ADMIN_SHA256] = admin_sha256
-    app[PAGES] = True
+    mark_pages(app)
     app.router.add_get("/", _home)
     app.router.add_get("/sign-in", sign_in_page)
     app.router.add_post("/sign-in", sign_in)
@@ -90,7 +90,7 @@ async def sign_in_page(request: web.Request) -> web.Response:
 
 
 async def sign_in(request: web.Request) -> web.StreamResponse:
-    redis, config = request.config_dict[REDIS], request.config_dict[CONSOLE_CONFIG]
+    redis, config = request.config_dict[REDIS], request.config_dict[CONFIG].console
     address = request.remote or "unknown"
     try:
         await session.wait_out_failures(redis, config, address)

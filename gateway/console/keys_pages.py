@@ -11,10 +11,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway.accounts import admin, keys
-from gateway.accounts.keys import REDIS
-from gateway.batches.records import BATCH_RECORDS, BatchRecord
+from gateway.accounts.state import REDIS
+from gateway.batches.records import BatchRecord
+from gateway.batches.state import BATCH_RECORDS
 from gateway.console import session
-from gateway.console.render import SESSION, redirect, render
+from gateway.console.render import redirect, render
+from gateway.console.state import SESSION
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import parse_body
 

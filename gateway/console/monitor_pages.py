@@ -12,11 +12,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.accounts.admin import worker_json
-from gateway.accounts.recent import CONSOLE_CONFIG, RECENT
+from gateway.accounts.recent import recent_requests
+from gateway.config import CONFIG
 from gateway.console.render import render
 from gateway.console.router_metrics import RouterFigures, read_router_figures
 from gateway.http.validation import parse_body
-from gateway.mesh.client import MESH
+from gateway.mesh.state import MESH
 from infermesh.redact import redact_url, redact_urls_in
 from telemetry import metrics
 
@@ -38,7 +39,7 @@ def add_routes(router: web.UrlDispatcher) -> None:
 async def fleet_page(request: web.Request) -> web.Response:
     workers = await request.config_dict[MESH].list_workers()
     rows = [worker_json(w) for w in sorted(workers, key=lambda w: w.worker.worker_id)]
-    url = request.config_dict[CONSOLE_CONFIG].router_metrics_url
+    url = request.config_dict[CONFIG].console.router_metrics_url
     figures: RouterFigures | None = None
     figures_error = ""
     if url:
@@ -80,7 +81,7 @@ def _reasoning_tokens() -> dict[str, int]:
 
 async def recent_page(request: web.Request) -> web.Response:
     query = parse_body(RecentQuery, dict(request.query))
-    entries = await request.config_dict[RECENT].read(query.key_id or None, query.count)
+    entries = await recent_requests(request).read(query.key_id or None, query.count)
     return render(
         request,
         "recent.html",
@@ -88,5 +89,5 @@ async def recent_page(request: web.Request) -> web.Response:
         entries=entries,
         key_id=query.key_id,
         count=query.count,
-        jaeger_url=request.config_dict[CONSOLE_CONFIG].jaeger_url.rstrip("/"),
+        jaeger_url=request.config_dict[CONFIG].console.jaeger_url.rstrip("/"),
     )

@@ -10,9 +10,8 @@ from typing import Any, TypeVar
 import jinja2
 from aiohttp import web
 
-from gateway.console.session import Session
+from gateway.console.state import SESSION
 
-SESSION = web.RequestKey("console_session", Session)
 R = TypeVar("R", bound=web.StreamResponse)
 
 _ENV = jinja2.Environment(

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from gateway.accounts import keys
 from gateway.accounts.admin import UsageQuery
-from gateway.accounts.keys import REDIS
 from gateway.accounts.limits import read_usage
+from gateway.accounts.state import REDIS
 from gateway.console import charts
 from gateway.console.render import render, secure
 from gateway.http.validation import parse_body

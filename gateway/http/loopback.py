@@ -50,6 +50,3 @@ class Loopback:
         if self.path:
             shutil.rmtree(Path(self.path).parent, ignore_errors=True)
             self.path = ""
-
-
-LOOPBACK = web.AppKey("loopback", Loopback)

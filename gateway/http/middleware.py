@@ -18,7 +18,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
 from opentelemetry import trace
 
-from gateway.config import RedisSection
+from gateway.config import CONFIG
 from gateway.http.errors import (
     Dialect,
     GatewayError,
@@ -27,17 +27,11 @@ from gateway.http.errors import (
     from_http_exception,
     store_unavailable,
 )
+from gateway.http.state import API_PREFIXES, MODEL, REQUEST_ID, TRACE_ID
 from infermesh.redis_client import REDIS_ERRORS
 from telemetry.metrics import REQUESTS
 
 logger = logging.getLogger(__name__)
-
-REQUEST_ID = web.RequestKey("request_id", str)
-TRACE_ID = web.RequestKey("trace_id", str)
-MODEL = web.RequestKey("model", str)  # the model asked for, once the body is read
-REDIS_CONFIG = web.AppKey("redis_config", RedisSection)
-# Path prefixes of the API bases ("/v1/" and the configured alias) that need a key.
-API_PREFIXES = web.AppKey("api_prefixes", tuple[str, ...])
 
 # Query parameters clients use for keys; refused so keys stay out of URLs and logs.
 QUERY_KEY_NAMES = {"api_key", "api-key", "apikey", "key", "access_token", "token"}
@@ -74,7 +68,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         error = e
     except REDIS_ERRORS as e:
         logger.warning("key and limit store unavailable: %s", type(e).__name__)
-        error = store_unavailable(request.config_dict[REDIS_CONFIG].retry_after_s)
+        error = store_unavailable(request.config_dict[CONFIG].redis.retry_after_s)
     except web.HTTPException as e:
         if e.status < 400:  # redirects are answers, not errors
             raise

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_DOCUMENT = web.AppKey("openapi_document", dict)
+_DOCUMENT = web.AppKey[dict[str, Any]]("openapi_document")
 _REF = "#/components/schemas/{model}"
 _PATH_PARAM = re.compile(r"{(\w+)}")
 _JSON = "application/json"
@@ -47,19 +47,18 @@ class Operation:
     errors: type[BaseModel] = ErrorBody
 
 
-# What each handler does (gateway.routes): the document describes the routes they serve.
-OPERATIONS = web.AppKey("openapi_operations", dict[Handler, Operation])
-
-# Set on a sub-application of pages for people (the console): no part of the API.
-PAGES = web.AppKey("pages", bool)
+# This module's own slots of the app (no other module reads them): what each handler does
+# (gateway.routes), and the mark of a sub-application of pages for people (the console).
+_OPERATIONS = web.AppKey[dict[Handler, Operation]]("openapi_operations")
+_PAGES = web.AppKey[bool]("pages")
 
 
 def served_routes(app: web.Application) -> Iterator[tuple[str, str, Handler]]:
     """(method, path template, handler) of every route, sub-applications included but for
-    pages (``PAGES``); HEAD, which aiohttp adds to every GET, is left out."""
+    pages (``mark_pages``); HEAD, which aiohttp adds to every GET, is left out."""
     for resource in app.router.resources():
         if isinstance(resource, web.PrefixedSubAppResource):
-            if not resource.get_info()["app"].get(PAGES, False):
+            if not resource.get_info()["app"].get(_PAGES, False):
                 yield from served_routes(resource.get_info()["app"])
             continue
         for route in resource:
@@ -165,9 +164,20 @@ def _unique(operation_id: str, taken: set[str]) -> str:
     return candidate
 
 
-async def publish_document(app: web.Application) -> None:
-    """``on_startup``: built once, when every route is in place."""
-    app[_DOCUMENT] = build_document(app, app[OPERATIONS])
+def serve_document(app: web.Application, operations: dict[Handler, Operation]) -> None:
+    """Builds ``app``'s document from ``operations`` at start-up, once every route is in place,
+    for ``openapi_document`` to serve."""
+    app[_OPERATIONS] = operations
+    app.on_startup.append(_publish_document)
+
+
+def mark_pages(app: web.Application) -> None:
+    """Leaves the sub-application ``app`` (pages for people) out of the document."""
+    app[_PAGES] = True
+
+
+async def _publish_document(app: web.Application) -> None:
+    app[_DOCUMENT] = build_document(app, app[_OPERATIONS])
 
 
 async def openapi_document(request: web.Request) -> web.Response:

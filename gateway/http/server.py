@@ -44,7 +44,7 @@ from gateway.http.errors import (
     UriTooLongError,
     error_response,
 )
-from gateway.http.loopback import LOOPBACK
+from gateway.http.state import LOOPBACK
 
 logger = logging.getLogger(__name__)
 

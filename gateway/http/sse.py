@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.http.errors import GatewayError
 from gateway.http.json_body import dumps
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,10 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gateway.config import HttpServerSection
+from gateway.config import CONFIG
 from gateway.http.errors import InvalidRequestError, RequestTimeoutError, RequestTooLargeError
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-SERVER_CONFIG = web.AppKey("server_config", HttpServerSection)  # body size and read time limits
 
 # A \uD800-\uDFFF escape: JSON decodes an unpaired one into a str no encoder accepts.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -50,7 +49,7 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def _read(request: web.Request) -> bytes:
-    server = request.config_dict[SERVER_CONFIG]
+    server = request.config_dict[CONFIG].server
     limit = server.max_body_bytes
     too_large = RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes")
     if request.content_length is not None and request.content_length > limit:

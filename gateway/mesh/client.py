@@ -28,7 +28,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
-from aiohttp import web
 
 from gateway.config import RouterSection
 from gateway.http.errors import ClientTooSlowError, GatewayError, ServiceUnavailableError, from_grpc
@@ -309,6 +308,3 @@ class MeshClient:
         if mapped.status >= 500:
             logger.warning("generation failed: %s %s", code.name, details)
         return mapped
-
-
-MESH = web.AppKey("mesh", MeshClient)

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from gateway.mesh.client import MeshClient
 from gateway.mesh.fleet_view import per_model
 from infermesh.pb import common_pb2, router_pb2
@@ -186,7 +184,3 @@ def _load(files: TextFiles) -> Tokenizer:
 
 def _prompt_chars(request: common_pb2.GenerateRequest) -> int:
     return len(request.prompt) + sum(len(m.content) for m in request.messages)
-
-
-# None: [router] prompt_tokens = false
-PROMPT_TOKENS = web.AppKey[PromptTokens | None]("prompt_tokens")

@@ -11,8 +11,6 @@ import asyncio
 import logging
 import time
 
-from aiohttp import web
-
 from gateway.http.errors import GatewayError
 from gateway.mesh.client import MeshClient
 from gateway.mesh.fleet_view import per_model
@@ -49,6 +47,3 @@ def fleet_formats(workers: list[router_pb2.WorkerStatus]) -> dict[str, str]:
     """Per served model the format most of its workers that reason report; "" where none does."""
     every_model = {model: "" for status in workers for model in status.worker.models}
     return every_model | per_model(workers, lambda info: info.capabilities.reasoning_format or None)
-
-
-REASONING_FORMATS = web.AppKey("reasoning_formats", ReasoningFormats)

@@ -19,14 +19,15 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.accounts.auth import API_KEY, BATCHES_CONFIG
-from gateway.batches.files import FILES, Files
-from gateway.batches.records import BATCH_RECORDS, BatchLine, BatchRecord, LineResult, new_record
-from gateway.batches.runner import BATCH_RUNNER
+from gateway.accounts.state import API_KEY
+from gateway.batches.files import Files
+from gateway.batches.records import BatchLine, BatchRecord, LineResult, new_record
+from gateway.batches.state import BATCH_RECORDS, BATCH_RUNNER, FILES
+from gateway.config import CONFIG
 from gateway.http import json_body
 from gateway.http.errors import InvalidRequestError, ObjectNotFoundError
-from gateway.http.validation import SERVER_CONFIG, STRICT, parse_body, read_json
-from gateway.openai.files import FILES_CONFIG, file_not_found
+from gateway.http.validation import STRICT, parse_body, read_json
+from gateway.openai.files import file_not_found
 
 API = "openai"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -189,8 +190,8 @@ async def create_batch(request: web.Request) -> web.Response:
     lines, errors = check_lines(
         await files.content(source),
         body.endpoint,
-        request.config_dict[SERVER_CONFIG].max_body_bytes,
-        request.app[FILES_CONFIG].max_lines,
+        request.config_dict[CONFIG].server.max_body_bytes,
+        request.app[CONFIG].files.max_lines,
     )
     record = new_record(
         API,
@@ -199,7 +200,7 @@ async def create_batch(request: web.Request) -> web.Response:
         body.endpoint,
         source.id,
         len(lines),
-        request.app[BATCHES_CONFIG],
+        request.app[CONFIG].batches,
         body.metadata,
         errors,
     )

@@ -21,7 +21,7 @@ from gateway.api.generation import (
 )
 from gateway.api.tools import ToolCalls, chunk_deltas
 from gateway.http import sse
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
 from gateway.openai.chat_protocol import (
     ChatCompletionRequest,
@@ -30,9 +30,9 @@ from gateway.openai.chat_protocol import (
     chat_completion,
     completion_id,
     now_s,
+    openai_usage,
     parse_chat_request,
     token_logprobs,
-    usage,
     usage_chunk,
 )
 from infermesh.names import FinishReason
@@ -96,7 +96,9 @@ async def _collect(body: ChatCompletionRequest, generation: Generation) -> dict[
         )
         for i in range(generation.choices)
     ]
-    return chat_completion(completion_id(), now_s(), body.model, choices, usage(generation.usage()))
+    return chat_completion(
+        completion_id(), now_s(), body.model, choices, openai_usage(generation.usage())
+    )
 
 
 async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[bytes]:
@@ -135,4 +137,6 @@ async def _events(body: ChatCompletionRequest, generation: Generation) -> AsyncI
         if events:
             yield b"".join(events)
     if with_usage:
-        yield sse.openai_event(usage_chunk(cid, created, body.model, usage(generation.usage())))
+        yield sse.openai_event(
+            usage_chunk(cid, created, body.model, openai_usage(generation.usage()))
+        )

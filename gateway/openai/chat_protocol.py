@@ -363,12 +363,13 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(tokens: TokenUsage) -> dict[str, Any]:
+def openai_usage(tokens: TokenUsage) -> dict[str, Any]:
+    """OpenAI's usage object of chat and legacy completions (the prompt counts cached tokens)."""
     return {
         "prompt_tokens": tokens.prompt_tokens,
         "completion_tokens": tokens.completion_tokens,
         "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": tokens.cached_prompt_tokens},
         "completion_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
     }
 

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from gateway.api.generation import Answer, Generation, Plan, answer, finish_reason
 from gateway.http import sse
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, read_json
-from gateway.openai.chat_protocol import completion_id, now_s, usage, usage_chunk
+from gateway.openai.chat_protocol import completion_id, now_s, openai_usage, usage_chunk
 from gateway.openai.completions_protocol import (
     CompletionRequest,
     completion_choice,
@@ -79,7 +79,7 @@ async def _collect(
         for i in range(generation.choices)
     ]
     return text_completion(
-        completion_id("cmpl"), now_s(), body.model, choices, usage(generation.usage())
+        completion_id("cmpl"), now_s(), body.model, choices, openai_usage(generation.usage())
     )
 
 
@@ -110,5 +110,7 @@ async def _events(
             yield chunk(completion_choice(i, item.text, finish, logprobs))
     if with_usage:
         yield sse.openai_event(
-            usage_chunk(cid, created, body.model, usage(generation.usage()), kind="text_completion")
+            usage_chunk(
+                cid, created, body.model, openai_usage(generation.usage()), kind="text_completion"
+            )
         )

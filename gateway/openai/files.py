@@ -10,15 +10,15 @@ from typing import Annotated, Any, Literal
 from aiohttp import BodyPartReader, web
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.accounts.auth import API_KEY
-from gateway.batches.files import FILES, FileRecord
+from gateway.accounts.state import API_KEY
+from gateway.batches.files import FileRecord
+from gateway.batches.state import FILES
 from gateway.batches.store import BlobTooLargeError
-from gateway.config import FilesSection
+from gateway.config import CONFIG
 from gateway.http import json_body
 from gateway.http.errors import InvalidRequestError, ObjectNotFoundError, RequestTooLargeError
 from gateway.http.validation import parse_body
 
-FILES_CONFIG = web.AppKey("files_config", FilesSection)
 # What uploads may be for: batch input, and OpenAI's catch-all.
 _PURPOSES = ("batch", "user_data")
 _FILENAME_MAX_CHARS = 255
@@ -57,7 +57,7 @@ async def upload_file(request: web.Request) -> web.Response:
             "Uploads are multipart/form-data, with the parts 'file' and 'purpose'",
             param="file",
         )
-    config = request.app[FILES_CONFIG]
+    config = request.app[CONFIG].files
     kid = request[API_KEY].id
     files = request.app[FILES]
     purpose: str | None = None

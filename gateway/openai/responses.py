@@ -17,13 +17,13 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.accounts.auth import API_KEY
-from gateway.accounts.keys import REDIS
+from gateway.accounts.state import API_KEY, REDIS
 from gateway.accounts.usage import TokenUsage
 from gateway.api.generation import Answer, Generation, Plan, answer
+from gateway.config import CONFIG
 from gateway.http import json_body, sse
 from gateway.http.errors import GatewayError, InvalidRequestError, ResponseNotFoundError
-from gateway.http.middleware import REDIS_CONFIG, REQUEST_ID
+from gateway.http.state import REQUEST_ID
 from gateway.http.validation import estimate_tokens, parse_body, read_json
 from gateway.mesh.affinity import session_name
 from gateway.openai.chat_protocol import now_s
@@ -42,7 +42,7 @@ from gateway.openai.responses_protocol import (
     router_messages,
     stored_items,
 )
-from gateway.openai.responses_store import RESPONSES_CONFIG, ResponseStore, StoredResponse
+from gateway.openai.responses_store import ResponseStore, StoredResponse
 from infermesh.pb import common_pb2
 
 
@@ -289,6 +289,6 @@ def _not_found(response_id: str) -> ResponseNotFoundError:
 def _store(request: web.Request) -> ResponseStore:
     return ResponseStore(
         request.app[REDIS],
-        request.app[RESPONSES_CONFIG].ttl_s,
-        request.config_dict[REDIS_CONFIG].retry_after_s,
+        request.app[CONFIG].responses.ttl_s,
+        request.config_dict[CONFIG].redis.retry_after_s,
     )

@@ -29,11 +29,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(tokens: TokenUsage) -> dict[str, Any]:
+def responses_usage(tokens: TokenUsage) -> dict[str, Any]:
+    """The Responses API's usage object (the input counts the cached tokens)."""
     return {
         "input_tokens": tokens.prompt_tokens,
         # the prefix cache is automatic: nothing is written to it on request
-        "input_tokens_details": {"cached_tokens": tokens.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": tokens.cached_prompt_tokens,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": tokens.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
         "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
@@ -73,7 +77,7 @@ class ResponseShell:
             if status == "incomplete"
             else None,
             "output": output,
-            "usage": None if tokens is None else usage(tokens),
+            "usage": None if tokens is None else responses_usage(tokens),
         }
 
 

@@ -29,6 +29,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from gateway.api.generation import admitted_generation
+from gateway.config import CONFIG
 from gateway.http.errors import (
     GatewayError,
     InvalidRequestError,
@@ -36,8 +37,7 @@ from gateway.http.errors import (
     store_unavailable,
 )
 from gateway.http.json_body import dumps
-from gateway.http.middleware import REDIS_CONFIG, REQUEST_ID
-from gateway.http.validation import SERVER_CONFIG
+from gateway.http.state import REQUEST_ID
 from gateway.openai.responses import Turn, load_previous, new_turn
 from gateway.openai.responses_output import Event
 from gateway.openai.responses_protocol import parse_responses_request
@@ -51,7 +51,7 @@ _ENVELOPE = ("type", "stream_id", "generate")  # a message's fields that are not
 
 
 async def responses_socket(request: web.Request) -> web.StreamResponse:
-    socket = web.WebSocketResponse(max_msg_size=request.config_dict[SERVER_CONFIG].max_body_bytes)
+    socket = web.WebSocketResponse(max_msg_size=request.config_dict[CONFIG].server.max_body_bytes)
     if not socket.can_prepare(request).ok:
         raise MethodNotAllowedError(
             "GET /v1/responses is the Responses API's WebSocket: open it with a WebSocket "
@@ -144,7 +144,7 @@ class _Connection:
             return error
         if isinstance(error, REDIS_ERRORS):
             logger.warning("key and limit store unavailable: %s", type(error).__name__)
-            return store_unavailable(self._request.config_dict[REDIS_CONFIG].retry_after_s)
+            return store_unavailable(self._request.config_dict[CONFIG].redis.retry_after_s)
         logger.exception("unhandled error in a Responses WebSocket's response.create")
         return GatewayError("The gateway failed to handle the response.create")
 

@@ -17,18 +17,14 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import orjson
-from aiohttp import web
 
 from gateway.accounts.keys import key_tag
-from gateway.config import ResponsesSection
 from gateway.http.errors import ServiceUnavailableError
 from gateway.http.json_body import dumps
 from infermesh.redis_client import REDIS_ERRORS, RedisClient
 
 PREFIX = "infermesh:response:"
 T = TypeVar("T")
-
-RESPONSES_CONFIG = web.AppKey("responses_config", ResponsesSection)
 
 
 @dataclasses.dataclass(frozen=True)

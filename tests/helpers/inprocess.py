@@ -39,7 +39,9 @@ from worker_svc.config import (
     WorkerServerSection,
 )
 from worker_svc.engine.api import InferenceEngine
-from worker_svc.service import server as worker_server
+from worker_svc.service.main import create_server as create_worker_server
+from worker_svc.service.registration import Registration
+from worker_svc.service.server import WorkerServicer
 from worker_svc.sim_engine.engine import SimEngine
 
 # The bulk of the suite runs the services without TLS; a test of TLS passes a certificate
@@ -63,9 +65,12 @@ class RunningRouter:
 
 
 class RunningWorker:
-    def __init__(self, server: grpc.aio.Server, servicer: worker_server.WorkerServicer) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, servicer: WorkerServicer, registration: Registration
+    ) -> None:
         self.server = server
         self.servicer = servicer
+        self.registration = registration
 
 
 @contextlib.asynccontextmanager
@@ -126,13 +131,12 @@ async def running_worker(
         parallel=ParallelSection(max_parallel=max_parallel),
         tls=tls_of(certs, "worker"),
     )
-    server, servicer = await worker_server.create_server(config, engine)
-    reporter = asyncio.create_task(
-        worker_server.report_to_router(router.address, servicer, config.tls)
-    )
+    server, servicer = await create_worker_server(config, engine)
+    registration = Registration(router.address, servicer, config.tls)
+    reporter = asyncio.create_task(registration.run())
     try:
         await wait_for_workers(router, lambda ids: servicer.info.worker_id in ids)
-        yield RunningWorker(server, servicer)
+        yield RunningWorker(server, servicer, registration)
     finally:
         reporter.cancel()
         await server.stop(grace=None)

@@ -18,7 +18,7 @@ from infermesh.tls import TlsSection
 from tests.helpers.inprocess import PLAINTEXT
 from worker_svc.config import ModelSection, WorkerConfig, WorkerServerSection
 from worker_svc.engine.api import InferenceEngine
-from worker_svc.service import server as worker_server
+from worker_svc.service.main import create_server as create_worker_server
 
 # Long enough for a CPU worker's slowest test prompt, short enough that a stuck one fails.
 TIMEOUT_S = 60.0
@@ -111,7 +111,7 @@ class LoopbackWorker:
 async def loopback_worker(engine: InferenceEngine) -> AsyncIterator[LoopbackWorker]:
     """``engine`` served by a plaintext worker on a free loopback port, and a client of it."""
     config = WorkerConfig(server=WorkerServerSection(port=0), tls=PLAINTEXT)
-    server, servicer = await worker_server.create_server(config, engine)
+    server, servicer = await create_worker_server(config, engine)
     try:
         async with worker_client() as client:
             yield LoopbackWorker(client, servicer.info)
@@ -137,7 +137,7 @@ async def serving_as_worker(
         model=ModelSection(path=str(model_dir)),
         tls=tls,
     )
-    server, servicer = await worker_server.create_server(config, engine)
+    server, servicer = await create_worker_server(config, engine)
     try:
         yield servicer.info.address
     finally:

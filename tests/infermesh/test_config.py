@@ -16,6 +16,7 @@ class _Server:
     ratio: float = 0.5
     debug: bool = False
     tags: list[str] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
     path: str | None = None
     mode: Literal["fast", "safe"] = "fast"
     timeout_s: float = 1.0
@@ -31,7 +32,7 @@ class _Config:
 
 def test_defaults_then_file_then_environment(tmp_path):
     path = tmp_path / "svc.toml"
-    path.write_text('[server]\nport = 9000\nratio = 1\ntags = ["a"]\n')
+    path.write_text('[server]\nport = 9000\nratio = 1\ntags = ["a"]\nsizes = [4, 1]\n')
     config = load_config(
         _Config,
         path,
@@ -43,8 +44,10 @@ def test_defaults_then_file_then_environment(tmp_path):
         },
     )
     assert config.server == _Server(
-        host="0.0.0.0", port=9000, ratio=1.0, debug=True, tags=["x", "y"]
+        host="0.0.0.0", port=9000, ratio=1.0, debug=True, tags=["x", "y"], sizes=[4, 1]
     )
+    from_env = load_config(_Config, None, "svc", environ={"SVC_SERVER_SIZES": "1, 8,64"})
+    assert from_env.server.sizes == [1, 8, 64]
 
 
 @pytest.mark.parametrize(
@@ -53,6 +56,8 @@ def test_defaults_then_file_then_environment(tmp_path):
         ('[server]\nport = "x"\n', "[server] port: expected int, got str 'x'"),
         ("[server]\nprot = 1\n", "[server] prot: unknown key"),
         ("[srv]\n", "unknown section [srv]"),
+        ('[server]\nsizes = [1, "8"]\n', "[server] sizes: expected a list of ints, got [1, '8']"),
+        ("[server]\nsizes = [true]\n", "[server] sizes: expected a list of ints"),
         ('[server]\nmode = "slow"\n', "[server] mode: expected one of fast, safe, got 'slow'"),
         (
             "[server]\ntimeout_ms = 500\n",
@@ -73,6 +78,8 @@ def test_file_errors_name_file_and_key(tmp_path, text, message):
 def test_environment_errors_name_variable():
     with pytest.raises(ConfigError, match="SVC_SERVER_PORT: expected int, got 'abc'"):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_PORT": "abc"})
+    with pytest.raises(ConfigError, match="SVC_SERVER_SIZES: expected integers, comma-separated"):
+        load_config(_Config, None, "svc", environ={"SVC_SERVER_SIZES": "1,two"})
     with pytest.raises(ConfigError, match="SVC_SERVER_DEBUG: expected a boolean"):
         load_config(_Config, None, "svc", environ={"SVC_SERVER_DEBUG": "maybe"})
     with pytest.raises(
@@ -95,7 +102,7 @@ def test_missing_file(tmp_path):
 def test_env_names_cover_every_key():
     assert env_names(_Config, "svc") == {
         f"SVC_SERVER_{k}"
-        for k in ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "PATH", "MODE", "TIMEOUT_S")
+        for k in ("HOST", "PORT", "RATIO", "DEBUG", "TAGS", "SIZES", "PATH", "MODE", "TIMEOUT_S")
     }
 
 

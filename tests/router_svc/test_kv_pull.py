@@ -151,7 +151,34 @@ def test_a_decode_worker_has_the_prompt_prefilled_on_the_prefill_worker_that_fin
     both = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes))
     assert both.workers[0].worker_id == "b" and both.pull is None
     unlike = _roles_fleet(("p1", "prefill"), ("d", "decode"), bytes_per_token=1234)
-    assert Chooser(RoutingSection()).choose(unlike, with_hashes(hashes)).pull is None
+    refused = Chooser(RoutingSection()).choose(unlike, with_hashes(hashes))
+    assert refused.pull is None
+    assert str(refused.reasons["prefill_here"]).startswith("no prefill worker of its KV block")
+
+
+@pytest.mark.parametrize("vllm", ["prefill", "decode"])
+def test_a_mixed_fleet_of_torch_and_vllm_workers_decodes_where_it_prefills_saying_why(vllm: str):
+    """A vLLM worker sends and takes no KV blocks (Capabilities.kv_transfer_bytes_per_token 0):
+    paired with a torch worker as P or as D, D computes the prompt itself, and the decision
+    says why (infermesh.route.prefill_here on the route span)."""
+    torch_only = _roles_fleet(("p", "prefill"), ("d", "decode"))
+    workers = [common_pb2.WorkerInfo() for _ in "pd"]
+    for worker, name in zip(workers, "pd", strict=True):
+        entry = torch_only.get(name)
+        assert entry is not None
+        worker.CopyFrom(entry.info)
+        if (name == "p") == (vllm == "prefill"):
+            worker.capabilities.engine = "vllm"
+            worker.capabilities.kv_transfer_bytes_per_token = 0
+    fleet = fleet_of(*workers)
+    decision = Chooser(RoutingSection()).choose(fleet, with_hashes(chain(list(range(16 * 50)))))
+    assert decision.workers[0].worker_id == "d" and decision.pull is None
+    assert decision.reasons["prefill_here"] == (
+        "its engine (vllm) takes no KV blocks"
+        if vllm == "decode"
+        else "no prefill worker of its KV block layout (a KV engine, the same bytes per token, "
+        "the same precision), in service and linked to it"
+    )
 
 
 def test_a_decode_worker_holding_most_of_the_prompt_computes_the_rest_itself():

@@ -76,6 +76,29 @@ async def test_worker_is_gone_soon_after_its_heartbeats_stop(redis_server):
         await b.close()
 
 
+async def test_a_leaving_worker_is_dropped_at_once_by_every_router(redis_server):
+    a, b = registry(redis_server.url), registry(redis_server.url)  # a TTL of 3 s
+    try:
+        await a.register(info("w1"), common_pb2.Load(), owner="spiffe://infermesh/worker/w1")
+        await a.register(info("w2"), common_pb2.Load())
+        await b.refresh()
+        with pytest.raises(WorkerOwnedError):  # only its owner may take it out
+            await b.heartbeat(
+                "w1", common_pb2.Load(), owner="spiffe://infermesh/worker/x", leaving=True
+            )
+        assert ids(a) == ids(b) == ["w1", "w2"]
+        assert not await b.heartbeat(
+            "w1", common_pb2.Load(), owner="spiffe://infermesh/worker/w1", leaving=True
+        )
+        assert ids(b) == ["w2"]  # the router it told: at once
+        await a.refresh()
+        assert ids(a) == ["w2"]  # every other: at its next refresh, long before the TTL
+        assert not await a.heartbeat("w1", common_pb2.Load(), owner="spiffe://infermesh/worker/w1")
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_registering_twice_keeps_one_entry_and_the_first_time(redis_server):
     a = registry(redis_server.url)
     try:

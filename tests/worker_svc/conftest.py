@@ -1,7 +1,8 @@
-"""Tiny DeepSeek-V3 and DeepSeek-V2 checkpoints, written once per run."""
+"""Tiny DeepSeek-V3 and DeepSeek-V2 checkpoints, written once per run; Triton's interpreter."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,17 @@ from devtools.tiny_model import (
     write_variant_checkpoint,
 )
 from tests.helpers.checkpoints import written_once
+from tests.helpers.triton_interpreter import TritonInterpreter
+
+
+@pytest.fixture(scope="session")
+def interpreter() -> Iterator[TritonInterpreter]:
+    """Triton's interpreter in a process of its own, shared by the Triton kernels' tests."""
+    process = TritonInterpreter()
+    try:
+        yield process
+    finally:
+        process.close()
 
 
 @pytest.fixture(scope="session")

@@ -289,6 +289,16 @@ class KVBlockPeer(Protocol):
         ...
 
 
+@runtime_checkable
+class MortalEngine(Protocol):
+    """An engine that can die on its own while the worker runs (vLLM, whose engine core is a
+    child process): the worker then leaves the fleet and exits, for its supervisor to restart."""
+
+    async def died(self) -> str:
+        """Returns once the engine can serve no more, with the reason; never while it can."""
+        ...
+
+
 class InferenceEngine(Protocol):
     """What the worker's gRPC server calls; one engine per worker process."""
 

@@ -43,4 +43,6 @@ async def load_engine(config: WorkerConfig) -> InferenceEngine:
         cache=config.cache,
         chat_template=config.model.chat_template or None,
         reasoning_format=config.model.configured_reasoning,
+        cuda_graph_batch_sizes=config.engine.cuda_graph_batch_sizes,
+        grouped_moe=config.engine.grouped_moe,
     )

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from infermesh.config import ConfigError
 from worker_svc.hardware.sizing import INDEXER_HEAD_WEIGHTS, is_fp8_linear
+from worker_svc.model.fused_moe import grouped_moe_available
 from worker_svc.model.kernel import FP8, block_scale_shape, pad_to_blocks, weight_dequant
 from worker_svc.model.model import Linear, ModelArgs, Transformer
 from worker_svc.model.model_config import ModelConfigError, model_args
@@ -173,14 +174,19 @@ TensorSource = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor | 
 
 
 def load_checkpoint(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    grouped_moe: bool = True,
 ) -> tuple[Transformer, dict[str, Any]]:
     """Build the model on the meta device and fill it from the checkpoint -> (model in eval mode,
     config).
 
     dtype: the serving dtype. torch.float8_e4m3fn keeps the checkpoint's FP8 linear weights with
     their block scales (run by kernel.fp8_linear) and serves everything else in bfloat16; any
-    other dtype dequantizes FP8 weights at load.
+    other dtype dequantizes FP8 weights at load. grouped_moe: the routed experts run as grouped
+    launches where the kernel runs (build_model).
     """
     model_dir = Path(model_dir)
     config, args = read_config(model_dir)
@@ -192,7 +198,12 @@ def load_checkpoint(
     reader = ShardReader(model_dir, weight_map(model_dir))
     try:
         model = build_model(
-            args, functools.partial(_read_tensor, reader), dtype, device, progress=True
+            args,
+            functools.partial(_read_tensor, reader),
+            dtype,
+            device,
+            progress=True,
+            grouped_moe=grouped_moe,
         )
     finally:
         reader.close()
@@ -213,10 +224,12 @@ def build_model(
     device: str | torch.device,
     *,
     progress: bool = False,
+    grouped_moe: bool = True,
 ) -> Transformer:
     """The model of `args` with every tensor from `source`, on `device`, in eval mode: FP8 linear
     weights kept with their scales where dtype is FP8, else dequantized there (see
-    load_checkpoint)."""
+    load_checkpoint); with grouped_moe, each MoE layer's experts stacked for fused_moe's grouped
+    kernel where it runs on `device`."""
     keep_fp8 = dtype == FP8
     compute_dtype = torch.bfloat16 if keep_fp8 else dtype
     with torch.device("meta"):
@@ -242,7 +255,8 @@ def build_model(
     model.load_state_dict(state, assign=True, strict=True)
     del state  # pack_weights replaces some of these tensors: let each go as it does
     model.reset_buffers(device)
-    model.pack_weights()
+    grouped = grouped_moe and grouped_moe_available(torch.device(device), keep_fp8)
+    model.pack_weights(grouped_moe=grouped)
     return model.eval()
 
 

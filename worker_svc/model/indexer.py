@@ -11,7 +11,7 @@ of transformers' DeepseekV32Indexer. DeepSeek's code computes the same scores fr
 after a Hadamard rotation (which leaves the dot products unchanged and spreads outliers before the
 quantization); where the model serves FP8 weights (sm90) it rotates q and k (`hadamard_rotate`,
 keys rotated once, before they are cached) and scores with `select_tokens_fp8`, which selects
-nearly, not exactly, the same tokens (docs/BENCHMARKS.md).
+nearly, not exactly, the same tokens (docs/benchmarks/sparse-attention.md).
 
 Long prefill chunks are processed in slices of queries so that no intermediate tensor holds more
 than `_MAX_ELEMENTS` numbers.

@@ -100,7 +100,8 @@ def triton_fp8_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def _triton_available(device: torch.device) -> bool:
+def triton_available(device: torch.device) -> bool:
+    """True where Triton compiles at all (BF16/FP16 kernels): a CUDA GPU of sm80+."""
     cc = _cuda_capability(device)
     return cc is not None and cc >= _MIN_CC_FOR_TRITON
 
@@ -149,7 +150,7 @@ def weight_dequant(
     weight: [M, N] float8_e4m3fn; scale_inv: [ceil(M / block), ceil(N / block)] float32.
     """
     _check_weight(weight, scale_inv, block_size, "weight_dequant")
-    available = block_size == BLOCK_SIZE and _triton_available(weight.device)
+    available = block_size == BLOCK_SIZE and triton_available(weight.device)
     if _use_triton(impl, weight.device, available, "weight_dequant"):
         _check(block_size == BLOCK_SIZE, f"weight_dequant: Triton runs {BLOCK_SIZE}-blocks only")
         return triton_kernels.weight_dequant(weight, scale_inv, dtype)
@@ -171,7 +172,7 @@ def weight_quant(
     )
     padded[:m, :n] = weight.float()
     blocks = padded.view(sm, block_size, sn, block_size)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # [sm, sn]
+    scale = e4m3_scale(blocks.abs().amax(dim=(1, 3)))  # [sm, sn]
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:m, :n].to(FP8)
     return q.contiguous(), scale.contiguous()
 
@@ -188,6 +189,19 @@ def pad_to_blocks(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.T
 
 
 # ------------------------------------------------------------------------------------ activations
+
+
+def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 as one correctly rounded float32 division on every device (at least 1e-12), as
+    the Triton kernels compute it (`tl.math.div_rn`).
+
+    Not `amax / FP8_MAX`: torch's CUDA kernel divides by a Python number as a multiplication by its
+    reciprocal, fl(amax * fl(1 / 448)), which differs from the division in the last bit for about
+    half of all amaxes (the CPU divides): the reference on a GPU then quantized whole groups with
+    another scale than the compiled act_quant. A divisor tensor on amax's device takes the
+    division path everywhere.
+    """
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
 
 
 def act_quant(
@@ -215,7 +229,7 @@ def act_quant(
     grouped = x.float().unflatten(-1, (-1, block_size))  # [..., K / 128, 128]
     # [..., K / 128], group-major in memory
     amax = grouped.movedim(-2, 0).abs().amax(dim=-1).movedim(0, -1)
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = e4m3_scale(amax)
     return (grouped / scale.unsqueeze(-1)).flatten(-2).to(FP8), scale
 
 
@@ -238,7 +252,7 @@ def native_fp8_gemm_available(device: torch.device) -> bool:
 def fp8_gemm_available(device: torch.device) -> bool:
     """True where the precision policy may serve FP8 on this device: sm90, with the Triton GEMM or
     cuBLASLt's. sm89 runs the Triton kernels too, but serves BF16 until a measurement there says
-    FP8 pays (docs/BENCHMARKS.md)."""
+    FP8 pays (docs/benchmarks/engine-precision.md)."""
     return _cuda_capability(device) == (9, 0) and (
         triton_fp8_available(device) or native_fp8_gemm_available(device)
     )

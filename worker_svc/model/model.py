@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.model.fused_moe import GroupedExperts
 from worker_svc.model.indexer import (
     hadamard_rotate,
     select_tokens,
@@ -253,8 +254,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     In float32 on a CPU, for fewer than 64 tokens it runs as weight @ x.T over at least two columns:
     MKL streams a weight fastest as the left operand of a GEMM, while its GEMV (one token) and its
-    x @ W.T at a few tokens read it 1.5-3x slower (docs/BENCHMARKS.md). From 64 tokens on (prefill)
-    x @ W.T is as fast or faster.
+    x @ W.T at a few tokens read it 1.5-3x slower (docs/benchmarks/worker-throughput.md). From 64
+    tokens on (prefill) x @ W.T is as fast or faster.
     """
     rows = x.size(0)
     if (
@@ -269,6 +270,20 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         part = weight[start : start + _OUT_CHUNK]
         out[:, start : start + part.size(0)] = torch.mm(part, columns)[:, :rows].t()
     return out
+
+
+def stack_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [len(linears), out_features, in_features] weight (and FP8 block scales) for Linears of
+    one shape, e.g. every expert's gate_proj; each Linear keeps a view into it, as in
+    pack_linears."""
+    weight = torch.stack([linear.weight for linear in linears])
+    scales = [linear.weight_scale_inv for linear in linears]
+    scale = None if scales[0] is None else torch.stack(cast(list[torch.Tensor], scales))
+    for i, linear in enumerate(linears):
+        linear.weight = nn.Parameter(weight[i], requires_grad=False)
+        if scale is not None:
+            linear.weight_scale_inv = scale[i]
+    return weight, scale
 
 
 def _linear(in_features: int, out_features: int) -> Linear:
@@ -647,12 +662,37 @@ class MoE(nn.Module):
             Expert(args.dim, args.moe_inter_dim) for _ in range(args.n_routed_experts)
         )
         self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim)
+        # set by stack_experts(): the routed experts as two grouped launches
+        self.grouped: GroupedExperts | None = None
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """After loading, where fused_moe's grouped kernel runs: each projection of every expert
+        as one stacked tensor (the experts' Linears keep views), so a batch's routed experts are
+        two launches and a dispatch without host synchronisation (a CUDA graph captures it)."""
+        experts = cast(list[MLP], list(self.experts))
+        gate, gate_scale = stack_linears([e.gate_proj for e in experts])
+        up, up_scale = stack_linears([e.up_proj for e in experts])
+        down, down_scale = stack_linears([e.down_proj for e in experts])
+        self.grouped = GroupedExperts(gate, up, down, gate_scale, up_scale, down_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(-1, shape[-1])  # [T, dim]
         weights, indices = self.gate(x)  # [T, k]
-        # group the (token, slot) pairs by expert: one batched call per expert that got tokens
+        routed = (
+            self._per_expert(x, weights, indices)
+            if self.grouped is None
+            else self.grouped(x, weights, indices)
+        )
+        return (routed + self.shared_experts(x)).view(shape)
+
+    def _per_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference: one batched call per expert that got tokens (their counts read on the
+        host), the outputs weighted and summed per token."""
+        # group the (token, slot) pairs by expert
         order = indices.flatten().argsort(stable=True)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         token_idx = order // indices.size(1)
@@ -660,10 +700,9 @@ class MoE(nn.Module):
         routed = torch.cat(
             [expert(r) for expert, r in zip(self.experts, rows, strict=True) if r.size(0)]
         )
-        y = torch.zeros_like(x).index_add_(
+        return torch.zeros_like(x).index_add_(
             0, token_idx, routed * weights.flatten()[order].unsqueeze(-1)
         )
-        return (y + self.shared_experts(x)).view(shape)
 
 
 class Block(nn.Module):
@@ -711,20 +750,21 @@ class Transformer(nn.Module):
 
     # the packed tensors must not hold the replaced weights through an autograd graph
     @torch.no_grad()
-    def pack_weights(self) -> None:
+    def pack_weights(self, *, grouped_moe: bool = False) -> None:
         """After loading: projections that read the same input become one GEMM (q_a|kv_a, each MLP's
-        gate|up).
+        gate|up); with grouped_moe, each MoE layer's routed experts are stacked for the grouped
+        kernel instead (MoE.stack_experts).
 
         Modules keep views into the packed weights, so state_dict() is unchanged; FP8 weights stay
         apart.
         """
         for layer in cast(Iterator[Block], iter(self.layers)):
             layer.self_attn.pack()
-            mlps = (
-                [layer.mlp]
-                if isinstance(layer.mlp, MLP)
-                else [layer.mlp.shared_experts, *cast(Iterator[MLP], iter(layer.mlp.experts))]
-            )
+            mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else [layer.mlp.shared_experts]
+            if isinstance(layer.mlp, MoE) and grouped_moe:
+                layer.mlp.stack_experts()
+            elif isinstance(layer.mlp, MoE):
+                mlps += cast(Iterator[MLP], iter(layer.mlp.experts))
             for mlp in mlps:
                 mlp.pack()
 

@@ -11,9 +11,12 @@
 - A checkpoint without FP8 weights (DeepSeek-V2's BF16 ones): the dtype above without FP8, BF16 on
   sm90.
 - CPU: BF16 with AVX512-BF16 or AMX-BF16, else FP32. Measured with bench/cpu_dtype.py
-  (docs/BENCHMARKS.md, "Engine precision"): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
+  (docs/benchmarks/engine-precision.md): on an AVX2 EPYC BF16 GEMMs were 1.5-7x slower than FP32
   at 16 and 64 tokens (oneDNN converts); on an AVX512-BF16 EPYC a serving mix of decode batches
   1..64 and prefill chunks ran 1.48x faster in BF16, BF16 winning at every batch size.
+- FP8 follows measurement: where `MEASURED_FP8_DECODE` holds the torch engine's decode step
+  measured on a GPU kind (bench/hopper_suite.py) and FP8's step was slower than BF16's at any batch
+  size measured, that kind serves BF16 (FP8 buys memory there, not speed), and says why.
 `[model] dtype` and `[quantization] use_native_fp8` override the choice. `choose_precision` is pure
 so the policy is testable without a GPU; `detect_capabilities` feeds it with what this machine has.
 """
@@ -30,6 +33,7 @@ import torch
 
 from infermesh.names import Precision
 from worker_svc.engine.api import DeviceCapabilities, DeviceKind
+from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.model.kernel import FP8, fp8_gemm_available
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,37 @@ TORCH_FP8_NEEDS = "needs an sm90 GPU with an FP8 GEMM (Triton's or torch's block
 
 
 @dataclass(frozen=True)
+class DecodeMeasurement:
+    """The torch engine's FP8 decode step against its BF16 one on a GPU kind:
+    fp8_over_bf16[batch] = FP8 step time / BF16 step time; `measured` says when, how and where
+    the figures are recorded."""
+
+    fp8_over_bf16: dict[int, float]
+    measured: str
+
+    @property
+    def fp8_pays(self) -> bool:
+        """FP8's step is no slower than BF16's at any batch size measured."""
+        return max(self.fp8_over_bf16.values()) <= 1.0
+
+    def __str__(self) -> str:
+        ratios = ", ".join(f"{r:.2f}x at batch {b}" for b, r in sorted(self.fp8_over_bf16.items()))
+        return f"FP8's decode step measured {ratios} BF16's ({self.measured})"
+
+
+# Per GPU kind (gpu_profiles.toml's names): the last measurement of the engine's decode step with
+# V3's widths, eager (bench/hopper_suite.py). A GPU run of the suite replaces its kind's row with
+# the captured steps' figures (its summary prints the row); a kind without a row serves FP8.
+MEASURED_FP8_DECODE: dict[str, DecodeMeasurement] = {
+    "H200": DecodeMeasurement(
+        {1: 3.20, 8: 8.71, 64: 6.72},
+        "2026-12-04, eager, before the grouped MoE kernel and CUDA graphs; "
+        "docs/benchmarks/fp8-hopper.md",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class PrecisionChoice:
     precision: Precision
     reason: str  # why, for the worker's start-up log
@@ -79,6 +114,7 @@ def choose_precision(
     dtype: str = "auto",
     use_native_fp8: bool | None = None,
     fp8_weights: bool = True,
+    fp8_decode: DecodeMeasurement | None = None,
 ) -> PrecisionChoice:
     """The policy: what this hardware should run, given the operator's overrides.
 
@@ -86,8 +122,9 @@ def choose_precision(
     takes, for the messages); dtype: "auto" or a forced precision (fp8/bf16/fp16/fp32 or torch
     spellings); use_native_fp8: None = FP8 where the device runs it, False = never, True =
     required; fp8_weights: the checkpoint stores FP8 weights with block scales (its
-    quantization_config says fp8). Raises ValueError for an override the hardware or the
-    checkpoint cannot honour.
+    quantization_config says fp8); fp8_decode: the engine's decode step measured on this GPU kind
+    (None: unmeasured), which keeps "auto" off FP8 where FP8 was slower. Raises ValueError for an
+    override the hardware or the checkpoint cannot honour.
     """
     where = f"{device} {compute_capability}".strip()
     if not fp8_gemm:
@@ -110,7 +147,15 @@ def choose_precision(
             raise ValueError(f"use_native_fp8=true contradicts dtype={dtype!r}")
         dequantized = "; FP8 weights dequantized" if fp8_weights and forced != "fp8" else ""
         return PrecisionChoice(forced, f"[model] dtype = {dtype!r}{dequantized}")
-    if not no_fp8 and use_native_fp8 is not False:
+    if not no_fp8 and use_native_fp8 is True:
+        return PrecisionChoice("fp8", "[quantization] use_native_fp8 = true")
+    if not no_fp8 and use_native_fp8 is None and fp8_decode is not None and not fp8_decode.fp8_pays:
+        return PrecisionChoice(
+            "bf16",
+            f"{fp8_decode}: serving BF16, FP8 weights dequantized "
+            '([model] dtype = "fp8" serves FP8)',
+        )
+    if not no_fp8 and use_native_fp8 is None:
         return PrecisionChoice("fp8", "FP8 checkpoint, and FP8 GEMMs run here")
     if not fp8_weights:
         why = "the checkpoint has no FP8 weights"
@@ -170,6 +215,7 @@ def detect_capabilities(
     (fp8_weights); weight_bytes is filled in after the load."""
     fp8_gemm = fp8_gemm_available(device)  # False off CUDA sm90
     probed = probe_device(device)
+    measured = MEASURED_FP8_DECODE.get(gpu_kind(probed.device, probed.device_name))
     choice = choose_precision(
         probed.device,
         probed.compute_capability,
@@ -178,6 +224,7 @@ def detect_capabilities(
         dtype=dtype,
         use_native_fp8=use_native_fp8,
         fp8_weights=fp8_weights,
+        fp8_decode=measured,
     )
     logger.info(
         "device %s (%s, cc %s, FP8 GEMM %s): running %s (%s)",

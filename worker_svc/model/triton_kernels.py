@@ -86,7 +86,18 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _to_output(x, out_ptr):
+def quantize_groups(x):
+    """x: [rows, GROUP] float32, one 1x128 group a row -> (the E4M3 values, still float32, and
+    float32 scales [rows]): scale = max(amax / 448, 1e-12), each a correctly rounded division as
+    kernel.e4m3_scale computes it; the one quantization of act_quant and the grouped MoE GEMM's
+    prologue."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), _MIN_SCALE)
+    return _round_to_e4m3(tl.math.div_rn(x, scale[:, None])), scale
+
+
+@triton.jit
+def to_output(x, out_ptr):
     """float32 x as out_ptr's element type, rounded to nearest as torch's casts do."""
     if out_ptr.dtype.element_ty == tl.bfloat16:
         x = _round_to_bf16(x)
@@ -122,9 +133,7 @@ def _act_quant_kernel(
     present = row < tokens * groups
     offsets = row[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_ptr + offsets, mask=present[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), _MIN_SCALE)
-    y = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    y, scale = quantize_groups(x)
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=present[:, None])
     token, group = row // groups, row % groups
     tl.store(scale_ptr + group * tokens + token, scale, mask=present)
@@ -176,7 +185,7 @@ def _fp8_gemm_kernel(
         b_s = tl.load(b_scale_ptr + (cols // GROUP) * k_blocks + kb, mask=col_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     c_ptrs = c_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
-    tl.store(c_ptrs, _to_output(acc, c_ptr), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(c_ptrs, to_output(acc, c_ptr), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -190,7 +199,7 @@ def _weight_dequant_kernel(q_ptr, scale_ptr, out_ptr, M, N, BLOCK: tl.constexpr)
     offsets = rows[:, None] * N + cols[None, :]
     q = tl.load(q_ptr + offsets, mask=present, other=0)
     scale = tl.load(scale_ptr + pid_m * tl.cdiv(N, BLOCK) + pid_n)
-    tl.store(out_ptr + offsets, _to_output(_e4m3_bits_to_float(q) * scale, out_ptr), mask=present)
+    tl.store(out_ptr + offsets, to_output(_e4m3_bits_to_float(q) * scale, out_ptr), mask=present)
 
 
 def _prune_configs(

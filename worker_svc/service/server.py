@@ -1,8 +1,9 @@
-"""The Worker gRPC service and its registration with the router."""
+"""The Worker gRPC service: the servicer of every Worker RPC over the engine, and the timing of
+its generations (spans and metrics). Its registration with the routers is
+``worker_svc.service.registration``; the process that runs both, ``worker_svc.service.main``."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -13,15 +14,12 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from infermesh.channels import CHANNEL_OPTIONS
-from infermesh.grpc_server import create_grpc_server
-from infermesh.names import PRECISIONS
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from infermesh.tls import TlsSection, open_channel
+from infermesh.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from infermesh.tls import TlsSection
 from telemetry import metrics
-from worker_svc.config import WorkerConfig
 from worker_svc.engine.api import (
     EngineOverloadedError,
     GenerationChunk,
@@ -30,20 +28,11 @@ from worker_svc.engine.api import (
     KVBlockPeer,
 )
 from worker_svc.engine.cache_events import CacheBatch, SubscriberDroppedError
-from worker_svc.engine.factory import load_engine
-from worker_svc.hardware.gpu_profiles import gpu_kind
 from worker_svc.service.kv_transfer import BlockNotHeldError, KVPuller, sent_blocks
 from worker_svc.service.serve_server import serve_handler
 from worker_svc.service.wire import RequestFailedError, to_engine
 
 logger = logging.getLogger(__name__)
-
-# How long one registration waits for the router to be reachable before trying again.
-_REGISTER_WAIT_S = 5.0
-# A measured prefill speed is told to the router (by registering again, which regroups its fleet)
-# when it moved by more than this share from the one told, at most every _PREFILL_TELL_S
-_PREFILL_SLACK = 0.25
-_PREFILL_TELL_S = 30.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -57,7 +46,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.info = info
         self._puller = KVPuller(engine, info.worker_id, tls)
         self._reports = itertools.count(1)
-        self._prefill_told_at = -_PREFILL_TELL_S
+        self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
+
+    @property
+    def engine(self) -> InferenceEngine:
+        """The engine it serves."""
+        return self._engine
 
     def load(self) -> common_pb2.Load:
         engine_load = self._engine.load()
@@ -71,24 +65,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             + round(engine_load.kv_cache_usage * caps.kv_cache_bytes),
             report=next(self._reports),
         )
-
-    def take_prefill_speed(self) -> bool:
-        """Puts the engine's measured prefill speed into ``info`` when it has moved by more than
-        _PREFILL_SLACK from the one in it (an engine's own estimate, or none), at most every
-        _PREFILL_TELL_S; True when it did, and the router is to be told."""
-        measured = self._engine.load().prefill_tokens_per_second
-        told = self.info.capabilities.prefill_tokens_per_second
-        now = time.monotonic()
-        if (
-            not measured
-            or abs(measured - told) <= _PREFILL_SLACK * told
-            or now - self._prefill_told_at < _PREFILL_TELL_S
-        ):
-            return False
-        self.info.capabilities.prefill_tokens_per_second = measured
-        self._prefill_told_at = now
-        logger.info("prefill measured at %.0f tokens/s (told %.0f)", measured, told)
-        return True
 
     async def Info(
         self,
@@ -294,7 +270,7 @@ class _Timing:
         )
 
 
-def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+def add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
     """The generated add_WorkerServicer_to_server, except that Tokenize and Serve parse their
     own requests: one that does not parse (a string that is not UTF-8) fails with
     INVALID_ARGUMENT, where grpc's deserializer would answer UNKNOWN."""
@@ -341,135 +317,3 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
-
-
-def worker_info(
-    config: WorkerConfig, engine: InferenceEngine, address: str
-) -> common_pb2.WorkerInfo:
-    caps = engine.capabilities
-    parallel = config.parallel.resolved(caps.device, caps.device_name)
-    return common_pb2.WorkerInfo(
-        worker_id=config.server.worker_id or f"worker-{address}",
-        address=address,
-        models=[config.model.served_name],
-        capabilities=common_pb2.Capabilities(
-            device=caps.device,
-            device_name=caps.device_name,
-            compute_capability=caps.compute_capability,
-            precision=PRECISIONS[caps.precision],
-            memory_total_bytes=caps.memory_total_bytes,
-            weight_bytes=caps.weight_bytes,
-            max_parallel=parallel.max_parallel,
-            decode_tokens_per_second=caps.decode_tokens_per_second,
-            prefill_tokens_per_second=caps.prefill_tokens_per_second,
-            model_type=caps.model_type,
-            index_topk=caps.index_topk,
-            gpu_kind=gpu_kind(caps.device, caps.device_name),
-            gpu_count=caps.gpu_count,
-            tokenizer=engine.text_files.digest,
-            engine=config.engine.kind,
-            reasoning_format=caps.reasoning_format,
-            kv_transfer_bytes_per_token=caps.kv_transfer_bytes_per_token,
-            role=config.worker.role,
-            zone=config.worker.zone,
-        ),
-    )
-
-
-async def report_to_router(router_address: str, servicer: WorkerServicer, tls: TlsSection) -> None:
-    """Registers, then heartbeats load until cancelled. Survives a router restart
-    (registers again) and an unreachable router: a registration waits for the channel
-    to connect (``wait_for_ready``), and the channel retries at least every second
-    (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
-    router is."""
-    info = servicer.info
-    async with open_channel(router_address, tls, CHANNEL_OPTIONS) as channel:
-        router = router_pb2_grpc.RouterStub(channel)
-        registered, interval_s, reported_down = False, 0.0, False
-        while True:
-            if registered and servicer.take_prefill_speed():
-                registered = False  # a registration tells the router the new speed
-            try:
-                if not registered:
-                    reply = await router.Register(
-                        router_pb2.RegisterRequest(worker=info, load=servicer.load()),
-                        timeout=_REGISTER_WAIT_S,
-                        wait_for_ready=True,
-                    )
-                    interval_s = reply.heartbeat_interval_ms / 1000
-                    registered = True
-                    logger.info("registered with router %s as %s", router_address, info.worker_id)
-                else:
-                    reply = await router.Heartbeat(
-                        router_pb2.HeartbeatRequest(worker_id=info.worker_id, load=servicer.load()),
-                        timeout=_REGISTER_WAIT_S,
-                    )
-                    registered = reply.registered
-                reported_down = False
-            except grpc.aio.AioRpcError as e:
-                registered = False
-                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    # another identity holds the id, or the certificate does not name the
-                    # address: an operator must act (or the holder's entry expire)
-                    logger.error(
-                        "router %s refused %s: %s", router_address, info.worker_id, e.details()
-                    )
-                elif not reported_down:
-                    logger.warning(
-                        "router %s unreachable (%s); retrying", router_address, e.code().name
-                    )
-                    reported_down = True
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # the router answered (e.g. UNAVAILABLE while its Redis is down): no spin
-                    await asyncio.sleep(min(interval_s or 1.0, 1.0))
-            if registered:
-                await asyncio.sleep(interval_s)
-
-
-async def create_server(
-    config: WorkerConfig, engine: InferenceEngine
-) -> tuple[grpc.aio.Server, WorkerServicer]:
-    """Starts the Worker service for ``engine`` (port 0: a free port)."""
-    servicer: WorkerServicer | None = None
-
-    def add(server: grpc.aio.Server, port: int) -> None:
-        nonlocal servicer
-        address = config.server.advertise_address or f"{config.server.host}:{port}"
-        servicer = WorkerServicer(engine, worker_info(config, engine, address), config.tls)
-        _add_worker_servicer(servicer, server)
-
-    server, _, _ = await create_grpc_server(
-        f"{config.server.host}:{config.server.port}",
-        add,
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
-        config.tls,
-        "worker",
-    )
-    assert servicer is not None, "create_grpc_server did not add the servicer"
-    return server, servicer
-
-
-async def serve(config: WorkerConfig) -> None:
-    engine = await load_engine(config)
-    server, servicer = await create_server(config, engine)
-    info = servicer.info
-    logger.info(
-        "worker %s listening on %s serving %s on %s in %s",
-        info.worker_id,
-        info.address,
-        config.model.served_name,
-        engine.capabilities.device,
-        engine.capabilities.precision,
-    )
-    metrics.watch_worker_load(servicer.load)
-    metrics.watch_event_loop(asyncio.get_running_loop())
-    metrics.serve_metrics(config.metrics)
-    reporter = asyncio.create_task(report_to_router(config.router.address, servicer, config.tls))
-    try:
-        await server.wait_for_termination()
-    finally:
-        reporter.cancel()
-        engine.cache_events.end_subscriptions()
-        await server.stop(grace=2)
-        await servicer.close()
-        await engine.close()

@@ -110,7 +110,7 @@ _WORDS = (
 @dataclass(eq=False)
 class _Sequence:
     prompt_tokens: int
-    cached_tokens: int
+    cached_prompt_tokens: int
     budget: int  # most completion tokens
     prefix_blocks: list[int]
     params_stop: tuple[str, ...]
@@ -316,7 +316,7 @@ class SimEngine:
         )
         return _Sequence(
             prompt_tokens=prompt_tokens,
-            cached_tokens=self._cached_tokens(blocks, prompt_tokens),
+            cached_prompt_tokens=self._cached_prompt_tokens(blocks, prompt_tokens),
             budget=budget,
             prefix_blocks=blocks,
             params_stop=params.stop,
@@ -358,7 +358,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _cached_tokens(self, blocks: list[int], prompt_tokens: int) -> int:
+    def _cached_prompt_tokens(self, blocks: list[int], prompt_tokens: int) -> int:
         hits = 0
         for block in blocks:
             if block not in self._prefix_cache:
@@ -438,7 +438,8 @@ class SimEngine:
             # as the torch engine measures it: a long prompt's attention makes its tokens dearer
             # than the capabilities' one-token estimate says, and the router is told
             self._prefill_speed.add(
-                sum(s.prompt_tokens - s.cached_tokens for s in batch if not s.prefilled), step_s
+                sum(s.prompt_tokens - s.cached_prompt_tokens for s in batch if not s.prefilled),
+                step_s,
             )
             await asyncio.sleep(step_end - loop.time())
             emitted = 0
@@ -454,7 +455,7 @@ class SimEngine:
     def _step_s(self, batch: list[_Sequence]) -> float:
         roofline = self.roofline
         prefill = sum(
-            roofline.prefill_s(s.prompt_tokens - s.cached_tokens, s.cached_tokens)
+            roofline.prefill_s(s.prompt_tokens - s.cached_prompt_tokens, s.cached_prompt_tokens)
             for s in batch
             if not s.prefilled
         )
@@ -491,7 +492,7 @@ class SimEngine:
                 finish_reason=finish,
                 prompt_tokens=seq.prompt_tokens,
                 completion_tokens=seq.generated,
-                cached_prompt_tokens=seq.cached_tokens,
+                cached_prompt_tokens=seq.cached_prompt_tokens,
                 queue_s=seq.queue_s,
             )
         )

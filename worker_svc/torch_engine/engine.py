@@ -47,6 +47,7 @@ from worker_svc.engine.request_front import RequestFront, bounded_batching_hints
 from worker_svc.model.checkpoint import load_checkpoint, read_config
 from worker_svc.model.model import Transformer
 from worker_svc.model.precision import TORCH_DTYPES, detect_capabilities, resolve_device
+from worker_svc.torch_engine.cuda_graphs import DecodeGraphs
 from worker_svc.torch_engine.kv_cache import (
     BlockManager,
     bytes_per_token,
@@ -77,7 +78,10 @@ class Engine:
         eos_token_ids: frozenset[int],
         parallel: ParallelSection,
         cache: CacheSection,
+        cuda_graph_batch_sizes: Sequence[int] = (),
     ):
+        """cuda_graph_batch_sizes: decode batch sizes replayed from CUDA graphs on a CUDA device
+        (`[engine] cuda_graph_batch_sizes`; empty: every step eager)."""
         self.model, self.tokenizer, self.capabilities = model, tokenizer, capabilities
         self.text_files = tokenizer.text_files
         self.max_model_len = max_model_len
@@ -87,7 +91,9 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, model.args.vocab_size, sorted(eos_token_ids))
         self.cache_events = CacheEvents(cache.events_history, cache.events_backlog)
         blocks = _block_manager(model, device, max_model_len, cache, self.cache_events)
-        kv_cache = model.setup_cache(blocks.num_blocks, blocks.block_size)
+        graphs_on = device.type == "cuda" and bool(cuda_graph_batch_sizes)
+        # with CUDA graphs one more block: the scratch block their padding reads and writes
+        kv_cache = model.setup_cache(blocks.num_blocks + graphs_on, blocks.block_size)
         dtype = model.lm_head.weight.dtype
         self.capabilities = dataclasses.replace(
             capabilities,
@@ -121,7 +127,12 @@ class Engine:
             self.parallel.prefill_chunk_size,
             idle_prefill_chunk_size=self.parallel.idle_prefill_chunk_size,
         )
-        runner = ModelRunner(model, kv_cache, device)
+        graphs = (
+            DecodeGraphs(model, kv_cache, cuda_graph_batch_sizes, scratch_block=blocks.num_blocks)
+            if graphs_on
+            else None
+        )
+        runner = ModelRunner(model, kv_cache, device, graphs)
         self._loop = StepLoop(scheduler, runner, tokenizer)
 
     @classmethod
@@ -137,10 +148,14 @@ class Engine:
         cache: CacheSection | None = None,
         chat_template: str | None = None,
         reasoning_format: ReasoningFormat | None = None,
+        cuda_graph_batch_sizes: Sequence[int] = (),
+        grouped_moe: bool = True,
     ) -> Engine:
         """Load weights and tokenizer and allocate the cache (blocking: call it before serving, or
         in a thread). ``chat_template``: a template file served instead of the checkpoint's;
-        ``reasoning_format``: how the model reasons (None: as its chat template says)."""
+        ``reasoning_format``: how the model reasons (None: as its chat template says);
+        ``cuda_graph_batch_sizes``: decode batch sizes replayed from CUDA graphs on a GPU;
+        ``grouped_moe``: the routed experts as grouped launches where the kernel runs."""
         # OpenMP keeps a pool of worker threads for each thread that ran a parallel op; with more
         # pooled threads than cores it stops spinning between ops, and each op of the step loop then
         # waits for a futex wake-up (a CPU decode step ~30% slower). Loading and allocating in a
@@ -156,6 +171,8 @@ class Engine:
             cache=cache,
             chat_template=chat_template,
             reasoning_format=reasoning_format,
+            cuda_graph_batch_sizes=cuda_graph_batch_sizes,
+            grouped_moe=grouped_moe,
         )
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-load") as loader:
             return loader.submit(load).result()
@@ -173,6 +190,8 @@ class Engine:
         cache: CacheSection | None,
         chat_template: str | None,
         reasoning_format: ReasoningFormat | None,
+        cuda_graph_batch_sizes: Sequence[int],
+        grouped_moe: bool,
     ) -> Engine:
         torch_device = resolve_device(device)
         fp8_weights = "quantization_config" in read_config(model_dir)[0]  # DeepSeek-V2 ships BF16
@@ -182,7 +201,9 @@ class Engine:
             )
         except ValueError as e:  # an override this machine or checkpoint cannot honour
             raise ConfigError(f"[model] dtype: {e}") from None
-        model, config = load_checkpoint(model_dir, TORCH_DTYPES[caps.precision], torch_device)
+        model, config = load_checkpoint(
+            model_dir, TORCH_DTYPES[caps.precision], torch_device, grouped_moe=grouped_moe
+        )
         weight_bytes = sum(t.nbytes for t in model.state_dict().values())
         caps = dataclasses.replace(
             caps,
@@ -216,6 +237,7 @@ class Engine:
             eos,
             parallel or ParallelSection(),
             cache or CacheSection(),
+            cuda_graph_batch_sizes,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:

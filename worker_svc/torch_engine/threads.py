@@ -6,7 +6,7 @@ torch/lib). Each op of a forward pass is a parallel region that ends only when e
 threads has run, so on a machine whose cores the gateway, the router, Redis and a client share, one
 descheduled thread stalls every op: on a 2-core machine under a co-located aiperf run, torch's
 default (2 threads, libgomp's waiting) served 6 output tokens/s where one thread served 156 (issue
-#30; docs/BENCHMARKS.md, "Thread policy under contention"). The policy therefore computes on the
+#30; docs/benchmarks/thread-policy.md). The policy therefore computes on the
 cores available to the process (``os.sched_getaffinity``) less ``[engine] reserved_cores`` for the
 services beside it, at least one.
 

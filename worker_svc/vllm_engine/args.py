@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ _CPU_ROPE_KERNEL_OFF = "-rotary_embedding"
 # those take only BF16 weights ("expect weight to be bfloat16"): other dtypes get its reference
 # CPU MLA backend, which any dtype runs.
 _CPU_MLA_BACKEND = "CPU_MLA"
+_AMX_MLA_BACKEND = "AMX_MLA"
+# vLLM's CPU KV blocks (0.32): its reference MLA decode kernel compiles for 16-token blocks only
+# (the platform forces them); other backends default to 128
+_VLLM_CPU_MLA_BLOCK_TOKENS = 16
+_VLLM_CPU_BLOCK_TOKENS = 128
 # Where this vLLM (0.32) runs a checkpoint's block-scaled FP8 weights, read from its kernel
 # choices: on CUDA its Fp8Config wants compute capability 7.5 (Marlin's weight-only FP8 up to 8.9,
 # FP8 GEMMs from Ada on; V100 has neither); on ROCm its block-scaled kernels (AITER, Triton's FP8
@@ -115,12 +121,43 @@ def engine_args(config: WorkerConfig, devices: Devices, precision: Precision) ->
     if devices.gpu_count:
         args["gpu_memory_utilization"] = config.cache.gpu_memory_utilization
     else:  # on a CPU: vLLM's cache budget (gpu_memory_utilization would reserve a share of RAM)
-        args["kv_cache_memory_bytes"] = _cpu_cache_bytes(config, checkpoint, precision)
         args["compilation_config"] = {"custom_ops": [_CPU_ROPE_KERNEL_OFF]}
-        if devices.cpu_amx and _DTYPES[precision] != "bfloat16" and "kv_lora_rank" in checkpoint:
+        mla_backend = cpu_mla_backend(config, devices, precision)
+        if devices.cpu_amx and mla_backend == _CPU_MLA_BACKEND and "kv_lora_rank" in checkpoint:
             args["attention_backend"] = _CPU_MLA_BACKEND
+        block = _cpu_block_tokens(config, checkpoint, mla_backend)
+        args["kv_cache_memory_bytes"] = _cpu_cache_bytes(config, checkpoint, precision, block)
     args.update(config.engine.vllm)
     return args
+
+
+def cpu_mla_backend(config: WorkerConfig, devices: Devices, precision: Precision) -> str:
+    """The MLA attention backend vLLM's CPU platform (0.32) runs for `config` on `devices`: its
+    AMX kernels wherever the CPU has AMX tiles, unless its reference backend is asked for (by
+    `[engine.vllm] attention_backend`, or for a dtype the AMX kernels refuse)."""
+    asked = config.engine.vllm.get("attention_backend")
+    if asked is None and devices.cpu_amx and _DTYPES[precision] != "bfloat16":
+        asked = _CPU_MLA_BACKEND
+    return (
+        _CPU_MLA_BACKEND if not devices.cpu_amx or asked == _CPU_MLA_BACKEND else _AMX_MLA_BACKEND
+    )
+
+
+def check_mla_head(config: WorkerConfig, backend: str, head_sizes: Collection[int]) -> None:
+    """Raises ConfigError when the checkpoint's MLA latent (kv_lora_rank + qk_rope_head_dim, the
+    width vLLM caches and attends over) is not one of the `head_sizes` vLLM's attention
+    `backend` runs: vLLM would start, then lose its engine on the first request."""
+    checkpoint = _read_checkpoint_config(config.model.path)
+    if "kv_lora_rank" not in checkpoint or not head_sizes:
+        return  # not MLA; or a backend of any width
+    lora, rope = int(checkpoint["kv_lora_rank"]), int(checkpoint.get("qk_rope_head_dim") or 0)
+    if lora + rope not in head_sizes:
+        raise ConfigError(
+            f"[model] path: {config.model.path}'s MLA latent is kv_lora_rank {lora} + "
+            f"qk_rope_head_dim {rope} = {lora + rope} wide, which vLLM's {backend} attention "
+            f"does not run (head sizes {', '.join(map(str, sorted(head_sizes)))}): serve it with "
+            '[engine] kind = "checkpoint", or on hardware whose vLLM attention runs it'
+        )
 
 
 def check_known(args: dict[str, Any], known: set[str]) -> None:
@@ -199,20 +236,33 @@ def _check_layout(config: WorkerConfig, devices: Devices, checkpoint: dict[str, 
         )
 
 
-def _cpu_cache_bytes(config: WorkerConfig, checkpoint: dict[str, Any], precision: Precision) -> int:
+def _cpu_block_tokens(config: WorkerConfig, checkpoint: dict[str, Any], mla_backend: str) -> int:
+    """The tokens of a KV block vLLM's CPU platform (0.32) gives the model: 16 on its reference
+    MLA backend (whatever was asked: its decode kernel has no other), else the block_size asked,
+    or its default."""
+    if "kv_lora_rank" in checkpoint and mla_backend == _CPU_MLA_BACKEND:
+        return _VLLM_CPU_MLA_BLOCK_TOKENS
+    return int(config.engine.vllm.get("block_size") or _VLLM_CPU_BLOCK_TOKENS)
+
+
+def _cpu_cache_bytes(
+    config: WorkerConfig, checkpoint: dict[str, Any], precision: Precision, block_tokens: int
+) -> int:
     """vLLM's cache budget on a CPU, which must hold one whole context of MLA latents (known up
-    front there)."""
+    front there) as vLLM counts it: in whole blocks, beside the one block its pool keeps back."""
     context = config.attention.max_model_len or int(checkpoint.get("max_position_embeddings", 0))
     latent = int(checkpoint.get("kv_lora_rank") or 0) + int(checkpoint.get("qk_rope_head_dim") or 0)
     per_token = (
         latent * int(checkpoint.get("num_hidden_layers", 0)) * (4 if precision == "fp32" else 2)
     )
-    budget = config.cache.cpu_budget_bytes(context * per_token)
-    if context * per_token > budget:
+    blocks = -(-context // block_tokens) + 1  # the context's, and the pool's null block
+    needed = blocks * block_tokens * per_token
+    budget = config.cache.cpu_budget_bytes(needed)
+    if needed > budget:
         raise ConfigError(
             f"[cache] cpu_cache_bytes ({budget}) holds no whole context of "
-            f"max_model_len {context} ({context * per_token} bytes of MLA latents): raise "
-            "cpu_cache_bytes or lower "
+            f"max_model_len {context} ({needed} bytes of MLA latents in vLLM's "
+            f"{block_tokens}-token blocks): raise cpu_cache_bytes or lower "
             "[attention] max_model_len"
         )
     return budget

@@ -37,10 +37,13 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import Logprob
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
 
@@ -65,7 +68,7 @@ from worker_svc.engine.api import (
     ToolCallDelta,
 )
 from worker_svc.engine.cache_events import CacheEvents
-from worker_svc.engine.meters import DecodeRateMeter
+from worker_svc.engine.meters import DecodeRateMeter, PrefillSpeedMeter
 from worker_svc.engine.prompt_ids import prompt_token_ids
 from worker_svc.engine.request_front import RequestFront
 from worker_svc.model.checkpoint import CheckpointError
@@ -82,6 +85,8 @@ from worker_svc.vllm_engine.args import (
     Devices,
     check_fp8,
     check_known,
+    check_mla_head,
+    cpu_mla_backend,
     engine_args,
     fp8_checkpoint,
     known_engine_args,
@@ -92,16 +97,21 @@ from worker_svc.vllm_engine.output_tail import OutputTail, start_failure
 logger = logging.getLogger(__name__)
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+# How often the worker looks whether vLLM's engine core still runs, where no request of its own
+# found out first: vLLM marks it dead from a monitor thread, without a callback
+_DEATH_POLL_S = 0.2
+_ENGINE_DEAD = "vLLM's engine core died"
 
 
 class _LoadMeter:
-    """vLLM's scheduler stats as the worker's load; fed by `_StatLogger` on AsyncLLM's output
-    task."""
+    """vLLM's scheduler stats as the worker's load, and its requests' prefills as the worker's
+    measured prefill speed; fed by `_StatLogger` on AsyncLLM's output task."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._load = EngineLoad(0, 0, 0.0)
         self._rate = DecodeRateMeter()
+        self._prefill = PrefillSpeedMeter()
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats | None) -> None:
         with self._lock:
@@ -112,12 +122,24 @@ class _LoadMeter:
                     0.0,
                     scheduler.kv_cache_usage,
                 )
-            if iteration is not None and iteration.num_generation_tokens:
+            if iteration is None:
+                return
+            if iteration.num_generation_tokens:
                 self._rate.add(iteration.num_generation_tokens)
+            for finished in iteration.finished_requests:
+                # scheduled to first token: the prompt's uncached tokens and the decodes
+                # batched with them, as the torch engine measures its prefill steps
+                self._prefill.add(
+                    finished.num_prompt_tokens - finished.num_cached_tokens, finished.prefill_time
+                )
 
     def load(self) -> EngineLoad:
         with self._lock:
-            return dataclasses.replace(self._load, tokens_per_second=self._rate.rate())
+            return dataclasses.replace(
+                self._load,
+                tokens_per_second=self._rate.rate(),
+                prefill_tokens_per_second=self._prefill.speed(),
+            )
 
 
 def _stat_logger(meter: _LoadMeter) -> Any:
@@ -169,6 +191,7 @@ class VllmEngine:
             max_waiting=parallel.max_waiting,
         )
         self._meter = meter
+        self._dead = asyncio.Event()  # a request found vLLM's engine core dead
 
     @classmethod
     async def start(cls, config: WorkerConfig) -> VllmEngine:
@@ -181,6 +204,9 @@ class VllmEngine:
         check_fp8(config, devices, fp8)
         precision = _precision(config, devices, fp8)
         args = engine_args(config, devices, precision)
+        if not devices.gpu_count:  # a GPU's MLA backend is vLLM's choice among many, at start
+            backend = cpu_mla_backend(config, devices, precision)
+            check_mla_head(config, backend, _mla_head_sizes(backend))
         if "structured_outputs_config" in config.engine.vllm:
             raise ConfigError(
                 "[engine.vllm] structured_outputs_config: the worker sets it (the guidance "
@@ -333,6 +359,9 @@ class VllmEngine:
             raise InvalidArgumentError(
                 f"the tools or json_schema cannot be enforced: {e}"
             ) from None
+        except EngineDeadError:
+            self._dead.set()
+            raise EngineClosedError(_ENGINE_DEAD) from None
         finally:
             if not finished:
                 await self._llm.abort(request.request_id)
@@ -343,6 +372,14 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         return self._meter.load()
+
+    async def died(self) -> str:
+        """Returns once vLLM's engine core is dead: at once when a request found out, else within
+        _DEATH_POLL_S of vLLM noticing its process gone."""
+        while not self._llm.errored:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dead.wait(), _DEATH_POLL_S)
+        return f"{_ENGINE_DEAD}: it can serve no more requests"
 
     async def close(self) -> None:
         self._front.close()
@@ -511,6 +548,14 @@ def _devices() -> Devices:
     capability = current_platform.get_device_capability()
     cc = f"{capability.major}.{capability.minor}" if capability is not None else ""
     return Devices(current_platform.device_count(), cc, rocm=current_platform.is_rocm())
+
+
+def _mla_head_sizes(backend: str) -> list[int]:
+    """The MLA latent widths vLLM runs on attention `backend`: the backend's own that its shared
+    MLA metadata also accepts (it checks every request's)."""
+    shared = MLACommonBackend.get_supported_head_sizes()
+    own = AttentionBackendEnum[backend].get_class().get_supported_head_sizes()
+    return [size for size in own or shared if size in shared]
 
 
 def _check_engine_args(args: dict[str, Any], passed: dict[str, Any]) -> None:

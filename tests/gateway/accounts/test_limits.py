@@ -19,7 +19,8 @@ from redis.asyncio.connection import Connection
 
 from devtools.redis_server import RedisServer
 from gateway.accounts.keys import create_key, key_id, key_tag
-from gateway.accounts.limits import _SETTLE, LIMITER, Admission, Limiter, duration, read_usage
+from gateway.accounts.limits import _SETTLE, Admission, Limiter, duration, read_usage
+from gateway.accounts.state import LIMITER
 from gateway.accounts.usage import TokenUsage
 from gateway.http.errors import RateLimitError
 from infermesh.redis_client import redis_client as redis_client_for

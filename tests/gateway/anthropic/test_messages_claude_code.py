@@ -194,14 +194,20 @@ async def test_edit_types_not_implemented_are_refused_by_name(claude_served, api
     assert "compact_20260112" in error["message"]
 
 
-async def test_models_list_the_aliases_in_each_apis_shape(claude_served, api_key):
+async def test_models_list_served_models_and_the_aliases_apart_in_each_apis_shape(
+    claude_served, api_key
+):
     async with _client(claude_served, api_key) as client:
-        listed = [m.id async for m in client.models.list()]
+        page = await client.models.list()
         retrieved = await client.models.retrieve(_CLAUDE)
-    assert listed == [MODEL, "claude-*", "gpt-*"]
+    assert [m.id for m in page.data] == [MODEL]
+    assert page.model_extra == {"aliases": ALIASES}
     assert retrieved.id == _CLAUDE and retrieved.type == "model" and MODEL in retrieved.display_name
     async with sdk(claude_served, api_key) as openai_client:
-        assert [m.id async for m in openai_client.models.list()] == listed
+        openai_page = await openai_client.models.list()
+        assert [m.id for m in openai_page.data] == [MODEL]
+        raw = await claude_served.get("/v1/models", headers=auth(api_key))
+        assert (await raw.json())["aliases"] == ALIASES
         chat = await openai_client.chat.completions.create(
             model="gpt-5", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )

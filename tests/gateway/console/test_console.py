@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestServer
 
 from gateway.accounts.keys import get_key, key_id
 from gateway.accounts.recent import RecentRequest, RecentRequests
-from gateway.batches.records import BATCH_RECORDS, new_record
+from gateway.batches.records import new_record
+from gateway.batches.state import BATCH_RECORDS
 from gateway.config import AdminSection, BatchesSection, ConsoleSection
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway
 

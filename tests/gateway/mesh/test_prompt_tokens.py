@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS
 from gateway.mesh.route_stream_client import without_ids
+from gateway.mesh.state import PROMPT_TOKENS
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS, chain
 from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.config import GatewayConfig
-from gateway.mesh.client import MESH
+from gateway.mesh.state import MESH
 from infermesh.channels import WorkerChannels
 from infermesh.pb import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.serve_client import ServeClient

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from gateway.accounts.keys import create_key, key_id
-from gateway.batches.records import BATCH_RECORDS, BatchLine, new_record
+from gateway.batches.records import BatchLine, new_record
+from gateway.batches.state import BATCH_RECORDS
 from gateway.config import BatchesSection, FilesSection
 from gateway.http.loopback import BATCH_KEY_HEADER, LOOPBACK_HEADER
 from infermesh.usage import usage_key

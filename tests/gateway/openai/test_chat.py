@@ -14,7 +14,7 @@ import pytest
 from devtools.tiny_model import V3_CONTEXT
 from gateway.config import GatewayConfig
 from gateway.http.errors import from_grpc
-from gateway.mesh.prompt_tokens import PROMPT_TOKENS
+from gateway.mesh.state import PROMPT_TOKENS
 from infermesh.config import ConfigError, MetricsSection, load_config
 from infermesh.ports import free_port
 from tests.helpers import MODEL

@@ -31,7 +31,7 @@ from worker_svc.engine.api import (
     merge_chunks,
 )
 from worker_svc.engine.prompt_ids import prompt_token_ids
-from worker_svc.service.server import worker_info
+from worker_svc.service.registration import worker_info
 from worker_svc.service.wire import to_engine, to_proto
 from worker_svc.torch_engine.engine import Engine
 

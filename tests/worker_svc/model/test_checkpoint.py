@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from devtools.tiny_model import write_tiny_checkpoint, write_v2_checkpoint
 from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
+from worker_svc.model.kernel import FP8
 from worker_svc.model.model_config import model_args
 
 _FILES = [
@@ -197,6 +198,22 @@ def test_wrong_scale_dtype_is_named(ckpt_copy: Path):
     _rewrite(ckpt_copy, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=rf"tensor {name} has torch\.bfloat16"):
         load_checkpoint(ckpt_copy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_scales_off_the_weights_block_layout_are_refused_by_name(ckpt_copy: Path, dtype):
+    """kv_a_proj [176, 320] has 2 x 3 blocks of 128 x 128: a scale per 128 x 64 block (2 x 5), as
+    a checkpoint quantized with other blocks would store it, is refused whether the weights are
+    dequantized at load or kept in FP8."""
+    name = _FP8_WEIGHT + "_scale_inv"
+
+    def per_64_columns(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name].repeat_interleave(2, dim=1)[:, :5].contiguous()
+
+    _rewrite(ckpt_copy, per_64_columns)
+    match = rf"model\.safetensors: tensor {name} has torch\.float32 \(2, 5\), expected "
+    with pytest.raises(CheckpointError, match=match + r"torch\.float32 \(2, 3\)"):
+        load_checkpoint(ckpt_copy, dtype)
 
 
 # ------------------------------------------------------------------------------------ DeepSeek-V2

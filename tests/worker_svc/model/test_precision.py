@@ -7,9 +7,12 @@ import logging
 import pytest
 import torch
 
+from worker_svc.hardware.gpu_profiles import gpu_profiles
 from worker_svc.model.kernel import FP8
 from worker_svc.model.precision import (
+    MEASURED_FP8_DECODE,
     TORCH_DTYPES,
+    DecodeMeasurement,
     choose_precision,
     cpu_has_native_bf16,
     detect_capabilities,
@@ -109,3 +112,24 @@ def test_detect_cpu(caplog: pytest.LogCaptureFixture):
     assert detect_capabilities(torch.device("cpu"), dtype="bfloat16").precision == "bf16"
     with pytest.raises(ValueError, match="use_native_fp8=true needs an sm90 GPU"):
         detect_capabilities(torch.device("cpu"), use_native_fp8=True)
+
+
+def test_fp8_follows_the_measured_decode_step():
+    """Where FP8's step was measured slower than BF16's at any batch size, "auto" serves BF16 and
+    says why; measured faster everywhere, FP8; forcing FP8 still serves it."""
+    slower = DecodeMeasurement({1: 0.7, 8: 1.2}, "a run")
+    faster = DecodeMeasurement({1: 0.7, 8: 0.9, 64: 1.0}, "a run")
+    choice = choose_precision("cuda", "9.0", fp8_gemm=True, fp8_decode=slower)
+    assert choice.precision == "bf16"
+    assert choice.reason.startswith(
+        "FP8's decode step measured 0.70x at batch 1, 1.20x at batch 8 BF16's (a run): serving BF16"
+    )
+    assert choose_precision("cuda", "9.0", fp8_gemm=True, fp8_decode=faster).precision == "fp8"
+    for override in ({"dtype": "fp8"}, {"use_native_fp8": True}):
+        forced = choose_precision("cuda", "9.0", fp8_gemm=True, fp8_decode=slower, **override)
+        assert forced.precision == "fp8"
+
+
+def test_the_measured_table_names_gpu_kinds_of_the_profiles():
+    assert set(MEASURED_FP8_DECODE) <= set(gpu_profiles())
+    assert not MEASURED_FP8_DECODE["H200"].fp8_pays  # 2026-12-04: 3.2-8.7x BF16's step

@@ -23,7 +23,7 @@ from worker_svc.model.checkpoint import CheckpointError, load_checkpoint
 from worker_svc.model.indexer import hadamard_rotate, select_tokens, select_tokens_fp8
 from worker_svc.model.kernel import FP8
 from worker_svc.model.model import Transformer
-from worker_svc.service.server import worker_info
+from worker_svc.service.registration import worker_info
 from worker_svc.torch_engine.engine import Engine
 from worker_svc.torch_engine.kv_cache import (
     bytes_per_token,

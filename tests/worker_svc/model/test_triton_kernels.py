@@ -4,8 +4,6 @@ the shape families DeepSeek-V3 serves in FP8."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from triton import knobs
@@ -31,15 +29,6 @@ FAMILIES = {
 TOKENS = (1, 3, 8, 17, 64, 65, 512)
 # prefill-sized M: K's depth checks nothing the decode sizes do not, and costs the interpreter most
 _PREFILL_K = 512
-
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[TritonInterpreter]:
-    process = TritonInterpreter()
-    try:
-        yield process
-    finally:
-        process.close()
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -155,6 +144,41 @@ def test_act_quant_rounds_to_nearest_even_and_carries(interpreter: TritonInterpr
     assert torch.equal(got_scale, torch.ones(2, 1))
     assert torch.equal(_bytes(got_fp8), _bytes(x.to(FP8)))  # torch's cast: nearest, ties to even
     assert got_fp8[0, 1].item() == 128.0  # the carry into the exponent
+
+
+def _amaxes_the_reciprocal_misrounds(count: int) -> torch.Tensor:
+    """amaxes whose fl(amax * fl(1 / 448)), CUDA torch's way of dividing by a Python number,
+    differs from the correctly rounded amax / 448."""
+    amax = torch.linspace(1.0, 2.0, 4096)
+    reciprocal = amax * (torch.ones(()) / 448)
+    exact = (amax.double() / 448).float()  # double then float: a correctly rounded division
+    return amax[reciprocal != exact][:count]
+
+
+def test_the_scale_is_the_division_on_every_device() -> None:
+    """kernel.e4m3_scale divides by a tensor, the division CUDA and the CPU both round correctly;
+    these amaxes are those where the reciprocal multiply the old `amax / 448` became on a GPU gave
+    another scale (the act_quant mismatch an H200 found)."""
+    amax = _amaxes_the_reciprocal_misrounds(64)
+    assert amax.numel() == 64
+    assert torch.equal(kernel.e4m3_scale(amax), (amax.double() / 448).float())
+    assert torch.equal(kernel.e4m3_scale(torch.zeros(2)), torch.full((2,), 1e-12))
+
+
+def test_act_quant_is_bit_identical_on_ties_and_extremes(interpreter: TritonInterpreter) -> None:
+    """Groups led by the amaxes the reciprocal misrounds, by BF16's largest and smallest normal
+    values, by subnormals; values at E4M3 ties once scaled (k + 0.5 steps), signed zeros."""
+    rows = []
+    for amax in [*_amaxes_the_reciprocal_misrounds(8).tolist(), 3.3895e38, 1.1755e-38, 9.2e-41]:
+        ties = torch.tensor([1.125, 1.375, 2.25, 0.5 * 2.0**-9, 1.5 * 2.0**-9, 2.0**-10]) / 448
+        group = torch.cat([torch.tensor([amax, -amax, -0.0]), amax * ties, amax * -ties])
+        rows.append(torch.cat([group, amax * torch.linspace(-1, 1, 128 - group.numel())]))
+    x = torch.stack(rows).to(torch.bfloat16).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        got_fp8, got_scale = interpreter.call(act_quant, x.to(dtype), impl="triton")
+        want_fp8, want_scale = act_quant(x.to(dtype), impl="reference")
+        assert torch.equal(_bytes(got_fp8), _bytes(want_fp8)), dtype
+        assert torch.equal(got_scale, want_scale), dtype
 
 
 def test_act_quant_keeps_the_callers_shape_and_group(interpreter: TritonInterpreter) -> None:

@@ -29,7 +29,8 @@ from worker_svc.config import (
     WorkerServerSection,
 )
 from worker_svc.engine.meters import PrefillSpeedMeter
-from worker_svc.service import server as worker_server
+from worker_svc.service.main import create_server as create_worker_server
+from worker_svc.service.registration import Registration
 from worker_svc.torch_engine.engine import Engine
 
 
@@ -223,7 +224,7 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
     channel's reconnect backoff must not have grown with the outage."""
     address = f"127.0.0.1:{free_port()}"
     engine = sim_engine()
-    server, servicer = await worker_server.create_server(
+    server, servicer = await create_worker_server(
         WorkerConfig(
             server=WorkerServerSection(port=0, worker_id="comeback"),
             router=RouterSection(address=address),
@@ -231,7 +232,7 @@ async def test_a_worker_registers_again_within_a_second_of_the_routers_return(re
         ),
         engine,
     )
-    reporter = asyncio.create_task(worker_server.report_to_router(address, servicer, PLAINTEXT))
+    reporter = asyncio.create_task(Registration(address, servicer, PLAINTEXT).run())
     loop = asyncio.get_running_loop()
     try:
         for outage_s in (0.0, 4.0):
@@ -273,7 +274,7 @@ async def test_a_torch_worker_tells_the_router_the_prefill_speed_it_measures(
             await eventually(lambda: told() > 0)
             assert told() == pytest.approx(engine.load().prefill_tokens_per_second, rel=1e-6)
             # told at most every 30 s, however it moves
-            assert not worker.servicer.take_prefill_speed()
+            assert not worker.registration.take_prefill_speed()
     finally:
         await engine.close()
 

@@ -347,7 +347,7 @@ async def test_close_ends_running_streams():
 
 def test_a_sim_worker_never_imports_torch():
     code = (
-        "import sys, worker_svc.service.server, worker_svc.__main__; "
+        "import sys, worker_svc.service.main, worker_svc.__main__; "
         "from worker_svc.config import load; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -7,12 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from infermesh.config import ConfigError
 from worker_svc import config as worker_config
-from worker_svc.vllm_engine.args import Devices, check_known, engine_args
+from worker_svc.vllm_engine.args import (
+    Devices,
+    check_known,
+    check_mla_head,
+    cpu_mla_backend,
+    engine_args,
+)
 
 H200 = Devices(8, "9.0")
+_MLA_MODEL = "models/tiny-deepseek-v3-mla"
 
 
 def _checkpoint(tmp_path: Path, **overrides: object) -> Path:
@@ -36,6 +44,13 @@ def _config(tmp_path: Path, toml: str, **checkpoint: object) -> worker_config.Wo
     path.write_text(
         f'[model]\npath = "{model}"\nname = "deepseek-v3"\n[engine]\nkind = "vllm"\n{toml}'
     )
+    return worker_config.load(str(path))
+
+
+def _mla_worker(tmp_path: Path, toml: str) -> worker_config.WorkerConfig:
+    """A vLLM worker of the tiny MLA checkpoint, which vLLM's CPU attention runs."""
+    path = tmp_path / "worker.toml"
+    path.write_text(f'[model]\npath = "{_MLA_MODEL}"\n[engine]\nkind = "vllm"\n{toml}')
     return worker_config.load(str(path))
 
 
@@ -190,6 +205,59 @@ def test_a_cpu_cache_without_room_for_one_context(tmp_path: Path) -> None:
         num_hidden_layers=2,
     )
     assert engine_args(fits, Devices(0), "bf16")["kv_cache_memory_bytes"] == 1048576
+
+
+# vLLM's cache check imports torch's inductor, which imports a deprecated torch.jit API
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_cpu_cache_holds_one_context_as_vllm_counts_it(tmp_path: Path) -> None:
+    """vLLM's own check, on the config vLLM makes of our arguments: the cache holds the context
+    in whole blocks beside the block its pool keeps back, and not a byte more is needed."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.core.kv_cache_utils import check_enough_kv_cache_memory
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    config = _mla_worker(tmp_path, "[attention]\nmax_model_len = 20001\n")  # not whole blocks
+    args = engine_args(config, Devices(0), "fp32")
+    budget = args["kv_cache_memory_bytes"]
+    assert budget > worker_config.MIN_CPU_CACHE_BYTES  # not the floor's
+    vllm_config = AsyncEngineArgs(**{**args, "dtype": "float32"}).create_engine_config()
+    vllm_config.cache_config.kv_cache_layout = "LBNHC"  # as vLLM's CPU engine core resolves it
+    cache = vllm_config.cache_config
+    assert cache.block_size == 16  # vLLM's CPU MLA's, as the worker counted
+    layers = {
+        f"layer{i}": MLAAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=1,
+            head_size=vllm_config.model_config.get_head_size(),
+            dtype=torch.float32,
+        )
+        for i in range(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+    }
+    check_enough_kv_cache_memory(vllm_config, layers, budget)
+    with pytest.raises(ValueError, match="KV cache is needed, which is larger than the available"):
+        check_enough_kv_cache_memory(vllm_config, layers, budget - 1)
+
+
+def test_an_mla_latent_vllm_s_attention_does_not_run_is_refused(tmp_path: Path) -> None:
+    narrow = _config(tmp_path, "", kv_lora_rank=160, qk_rope_head_dim=16)
+    with pytest.raises(ConfigError) as refused:
+        check_mla_head(narrow, "CPU_MLA", [576])
+    assert str(refused.value) == (
+        f"[model] path: {tmp_path}'s MLA latent is kv_lora_rank 160 + qk_rope_head_dim 16 = 176 "
+        "wide, which vLLM's CPU_MLA attention does not run (head sizes 576): serve it with "
+        '[engine] kind = "checkpoint", or on hardware whose vLLM attention runs it'
+    )
+    check_mla_head(_config(tmp_path, ""), "CPU_MLA", [576])  # DeepSeek-V3's 512 + 64
+
+
+def test_vllm_s_cpu_mla_backend(tmp_path: Path) -> None:
+    config = _config(tmp_path, "")
+    assert cpu_mla_backend(config, Devices(0), "bf16") == "CPU_MLA"
+    amx = Devices(0, cpu_amx=True)
+    assert cpu_mla_backend(config, amx, "bf16") == "AMX_MLA"
+    assert cpu_mla_backend(config, amx, "fp32") == "CPU_MLA"  # AMX's kernels take BF16 only
+    asked = _config(tmp_path, '[engine.vllm]\nattention_backend = "CPU_MLA"\n')
+    assert cpu_mla_backend(asked, amx, "bf16") == "CPU_MLA"
 
 
 def test_on_a_cpu_vllm_rotates_with_its_pytorch_rope(tmp_path: Path) -> None:
