@@ -56,7 +56,8 @@ async def serve(config: GatewayConfig) -> None:
         except OSError as e:
             logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e)
             raise
-        host, port = runner.addresses[0][:2]
+        # the TCP site's (the process's own Unix socket is a site too: gateway.http.loopback)
+        host, port = next(a for a in runner.addresses if isinstance(a, tuple))[:2]
         logger.info(
             "gateway listening on http://%s:%d/v1 (router %s)", host, port, config.router.address
         )

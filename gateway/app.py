@@ -14,16 +14,24 @@ from gateway.accounts.keys import KeyStore
 from gateway.accounts.limits import Limiter
 from gateway.accounts.recent import recent_ctx, record_recent
 from gateway.accounts.state import KEY_STORE, LIMITER, REDIS
+from gateway.anthropic.message_batches import write_results
+from gateway.batches.files import Files
+from gateway.batches.records import BatchRecords
+from gateway.batches.runner import BatchRunner
+from gateway.batches.state import BATCH_RECORDS, BATCH_RUNNER, FILES
+from gateway.batches.store import LocalDirectoryStore
 from gateway.config import CONFIG, GatewayConfig
 from gateway.console import create_console_app
+from gateway.http.loopback import Loopback
 from gateway.http.middleware import add_request_id, error_middleware, redact_query_keys
 from gateway.http.openapi import serve_document
 from gateway.http.ops import metrics_port
-from gateway.http.state import API_PREFIXES
+from gateway.http.state import API_PREFIXES, LOOPBACK
 from gateway.mesh.client import MeshClient
 from gateway.mesh.prompt_tokens import PromptTokens
 from gateway.mesh.reasoning_formats import ReasoningFormats
 from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
+from gateway.openai.batches import write_outputs
 from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
@@ -42,11 +50,13 @@ def create_app(config: GatewayConfig) -> web.Application:
         ],
     )
     app[CONFIG] = config
+    app[LOOPBACK] = Loopback()
     alias = config.server.alias_base
     app[API_PREFIXES] = ("/v1/", f"{alias}/") if alias else ("/v1/",)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(recent_ctx)
     app.cleanup_ctx.append(_mesh_ctx)
+    app.cleanup_ctx.append(_batches_ctx)
     app.cleanup_ctx.append(metrics_port(config.metrics, reuse_port=config.server.processes > 1))
     app.on_startup.append(_watch_event_loop)
     app.on_response_prepare.append(add_request_id)
@@ -111,3 +121,21 @@ async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
     if prompt_tokens is not None:
         await prompt_tokens.close()
     await client.close()
+
+
+async def _batches_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The files, the batches and this process's batch runner (``gateway.batches``)."""
+    store = LocalDirectoryStore(app[CONFIG].files.directory)
+    files = Files(app[REDIS], store)
+    records = BatchRecords(app[REDIS], store)
+    runner = BatchRunner(
+        records,
+        files,
+        app[LOOPBACK],
+        app[CONFIG].batches,
+        {"openai": write_outputs, "anthropic": write_results},
+    )
+    app[FILES], app[BATCH_RECORDS], app[BATCH_RUNNER] = files, records, runner
+    running = asyncio.create_task(runner.run())
+    yield
+    await cancel_and_wait(running)

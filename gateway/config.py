@@ -1,5 +1,5 @@
 """The gateway's one config object: ``[server]``, ``[redis]``, ``[router]``, ``[limits]``,
-``[admin]``, ``[console]``, ``[models]`` and ``[responses]``.
+``[admin]``, ``[console]``, ``[models]``, ``[responses]``, ``[files]`` and ``[batches]``.
 
 Built once by ``python -m gateway`` with
 ``load_config(GatewayConfig, path, "infermesh_gateway")``; every key can be
@@ -283,6 +283,57 @@ class ResponsesSection:
             raise ValueError(f"ttl_s must be >= 1, got {self.ttl_s}")
 
 
+@section
+class FilesSection:
+    """Uploaded files (``/v1/files``): their bytes in a store, their metadata in Redis."""
+
+    # The local store's directory (created when missing); gateways that share batch work must
+    # share it. Empty: infermesh-files under the system's temporary directory.
+    directory: str = ""
+    # An upload past this many bytes is refused (413); OpenAI's limit is 200 MB.
+    max_file_bytes: int = 200 * 1024 * 1024
+    # A batch input file past this many lines is refused; OpenAI's limit is 50000.
+    max_lines: int = 50_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_file_bytes", "max_lines"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@section
+class BatchesSection:
+    """The batch runner (``/v1/batches``, ``/v1/messages/batches``): every gateway process runs
+    lines of every batch, through its own API, at the router's ``batch`` tier."""
+
+    # Lines one gateway process runs at once; interactive requests keep the rest of the fleet.
+    # 0: this gateway runs no lines (its batches run on replicas that do), so that live traffic
+    # has its CPU to itself.
+    concurrency: int = 8
+    # The batch lines' fair-queue weight against the keys' interactive traffic (a key's own
+    # weight, or its tier's, is usually 1 or more).
+    weight: int = 1
+    # The fraction of a batch's tokens not billed: 0.5 bills half, as OpenAI's Batch API.
+    discount: float = 0.5
+    # A batch not done this long after its creation expires ("24h", OpenAI's window).
+    completion_window_s: int = 86400
+    # A line a gateway claimed is run again by another once its claim is this old unrenewed
+    # (the gateway died); live gateways renew theirs every third of it.
+    lease_s: float = 30.0
+    # How often an idle runner looks for work.
+    poll_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 0 or self.weight < 1:
+            raise ValueError("concurrency must be >= 0 and weight >= 1")
+        if not 0 <= self.discount <= 1:
+            raise ValueError(f"discount must be 0..1, got {self.discount}")
+        if self.completion_window_s < 60:
+            raise ValueError(f"completion_window_s must be >= 60, got {self.completion_window_s}")
+        if self.lease_s <= 0 or self.poll_s <= 0:
+            raise ValueError("lease_s and poll_s must be > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
     """Every section of the gateway's config; the app holds it under ``CONFIG``, and every room
@@ -296,6 +347,8 @@ class GatewayConfig:
     console: ConsoleSection = dataclasses.field(default_factory=ConsoleSection)
     models: ModelsSection = dataclasses.field(default_factory=ModelsSection)
     responses: ResponsesSection = dataclasses.field(default_factory=ResponsesSection)
+    files: FilesSection = dataclasses.field(default_factory=FilesSection)
+    batches: BatchesSection = dataclasses.field(default_factory=BatchesSection)
     # the side port of every metric, the per-key series too (the API's /metrics has them not)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     tls: TlsSection = dataclasses.field(default_factory=TlsSection)

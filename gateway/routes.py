@@ -10,11 +10,13 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from gateway.accounts import admin
+from gateway.anthropic import message_batches
 from gateway.anthropic.messages import count_tokens, create_message
 from gateway.anthropic.messages_protocol import MessagesBody, MessagesRequest
 from gateway.http.errors import AnthropicErrorBody
 from gateway.http.openapi import Handler, Operation, openapi_document
 from gateway.http.ops import health, metrics
+from gateway.openai import batches, files
 from gateway.openai.chat import create_chat_completion
 from gateway.openai.chat_protocol import ChatCompletionRequest
 from gateway.openai.completions import create_completion
@@ -29,6 +31,7 @@ from gateway.openai.responses import (
     retrieve_response,
 )
 from gateway.openai.responses_protocol import ResponsesRequest
+from gateway.openai.responses_socket import responses_socket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,18 @@ OPENAI = (
     ),
     Route(
         "GET",
+        "/responses",
+        responses_socket,
+        Operation(
+            "createResponseSocket",
+            "The Responses API over WebSocket: response.create messages in, each response's "
+            "stream events out on the same socket",
+            "OpenAI",
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
         "/responses/{response_id}",
         retrieve_response,
         Operation(
@@ -119,6 +134,94 @@ OPENAI = (
             "The input items of a stored response",
             "OpenAI",
             query=InputItemsQuery,
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "POST",
+        "/files",
+        files.upload_file,
+        Operation(
+            "createFile",
+            "Uploads a file (multipart: 'file' and 'purpose', 'batch' for a batch's input)",
+            "OpenAI",
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
+        "/files",
+        files.list_files,
+        Operation(
+            "listFiles",
+            "Lists the key's files",
+            "OpenAI",
+            query=files.FileListQuery,
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
+        "/files/{file_id}",
+        files.retrieve_file,
+        Operation("retrieveFile", "Describes a file", "OpenAI", security=_API_KEY),
+    ),
+    Route(
+        "DELETE",
+        "/files/{file_id}",
+        files.delete_file,
+        Operation("deleteFile", "Deletes a file", "OpenAI", security=_API_KEY),
+    ),
+    Route(
+        "GET",
+        "/files/{file_id}/content",
+        files.file_content,
+        Operation(
+            "downloadFile",
+            "A file's bytes",
+            "OpenAI",
+            success="application/octet-stream",
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "POST",
+        "/batches",
+        batches.create_batch,
+        Operation(
+            "createBatch",
+            "Creates a batch of requests from an uploaded JSONL file (OpenAI's Batch API)",
+            "OpenAI",
+            batches.BatchCreate,
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
+        "/batches",
+        batches.list_batches,
+        Operation(
+            "listBatches",
+            "Lists the key's batches, newest first",
+            "OpenAI",
+            query=batches.BatchListQuery,
+            security=_API_KEY,
+        ),
+    ),
+    Route(
+        "GET",
+        "/batches/{batch_id}",
+        batches.retrieve_batch,
+        Operation("retrieveBatch", "Describes a batch", "OpenAI", security=_API_KEY),
+    ),
+    Route(
+        "POST",
+        "/batches/{batch_id}/cancel",
+        batches.cancel_batch,
+        Operation(
+            "cancelBatch",
+            "Cancels a batch: no new lines start; those running finish",
+            "OpenAI",
             security=_API_KEY,
         ),
     ),
@@ -149,6 +252,69 @@ ANTHROPIC = (
             "Counts a message's input tokens, as the message is billed (Anthropic's Messages API)",
             "Anthropic",
             MessagesBody,
+            security=_ANTHROPIC_KEYS,
+            errors=AnthropicErrorBody,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/messages/batches",
+        message_batches.create_message_batch,
+        Operation(
+            "createMessageBatch",
+            "Creates a batch of Messages requests (Anthropic's Message Batches API)",
+            "Anthropic",
+            message_batches.MessageBatchCreate,
+            security=_ANTHROPIC_KEYS,
+            errors=AnthropicErrorBody,
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/messages/batches",
+        message_batches.list_message_batches,
+        Operation(
+            "listMessageBatches",
+            "Lists the key's message batches, newest first",
+            "Anthropic",
+            query=message_batches.MessageBatchListQuery,
+            security=_ANTHROPIC_KEYS,
+            errors=AnthropicErrorBody,
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/messages/batches/{batch_id}",
+        message_batches.retrieve_message_batch,
+        Operation(
+            "retrieveMessageBatch",
+            "Describes a message batch",
+            "Anthropic",
+            security=_ANTHROPIC_KEYS,
+            errors=AnthropicErrorBody,
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/messages/batches/{batch_id}/cancel",
+        message_batches.cancel_message_batch,
+        Operation(
+            "cancelMessageBatch",
+            "Cancels a message batch: no new requests start; those running finish",
+            "Anthropic",
+            security=_ANTHROPIC_KEYS,
+            errors=AnthropicErrorBody,
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/messages/batches/{batch_id}/results",
+        message_batches.message_batch_results,
+        Operation(
+            "messageBatchResults",
+            "An ended message batch's results, one JSON line per request",
+            "Anthropic",
+            success="application/binary",
             security=_ANTHROPIC_KEYS,
             errors=AnthropicErrorBody,
         ),

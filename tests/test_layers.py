@@ -45,7 +45,7 @@ GATEWAY_ROOMS = (
     Floor("HTTP plumbing", ("gateway/http",)),
     Floor("the mesh's client side", ("gateway/mesh",)),
     Floor("accounts", ("gateway/accounts",)),
-    Floor("what the APIs share", ("gateway/api",)),
+    Floor("what the APIs share", ("gateway/api", "gateway/batches")),
     Floor("the APIs and the console", ("gateway/openai", "gateway/anthropic", "gateway/console")),
     Floor("the gateway's assembly", ("gateway",)),
 )

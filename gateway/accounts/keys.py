@@ -278,9 +278,16 @@ class ApiKey:
     models: tuple[str, ...] = ()  # empty: every model
     weight: int = 0  # its share of the router's fair queueing (0: its tier's)
     tier: str = ""  # the queue metrics' label ("": default)
+    batch: bool = False  # acting for one of its batches' lines (gateway.batches.runner)
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def tenant(self) -> str:
+        """Its name in the router's fair queue: its batches queue apart from its live requests,
+        so that each has its own share."""
+        return f"{self.id}/batch" if self.batch else self.id
 
 
 class KeyStore:
@@ -302,7 +309,10 @@ class KeyStore:
 
     async def authenticate(self, presented: str) -> ApiKey | None:
         """The key when ``presented`` is a known, enabled, unexpired key, else None."""
-        kid = key_id(presented)
+        return await self.by_id(key_id(presented))
+
+    async def by_id(self, kid: str) -> ApiKey | None:
+        """The key of id ``kid`` when it is known, enabled and unexpired, else None."""
         now = self._clock()
         cached = self._cache.get(kid)
         if cached is not None and cached[1] > now:

@@ -247,7 +247,7 @@ async def _address(turn: _Turn) -> None:
     session = affinity_key(key.id, request.headers, turn.plan.session)
     for r in turn.plan.requests:
         r.model, r.affinity_key = turn.model, session
-        r.tenant, r.weight, r.tier = key.id, key.weight, key.tier
+        r.tenant, r.weight, r.tier = key.tenant, key.weight, key.tier
 
 
 async def _tokenize(turn: _Turn) -> None:

@@ -1,6 +1,7 @@
 """The Keys pages: list and search, create (the key shown once), edit, disable, enable, rotate,
 revoke; through the admin API's own operations (gateway.accounts.admin), so both apply one set
-of rules."""
+of rules. Every form's POST answers with a redirect to the page that shows its result; a new
+key's plaintext comes to that page through the session (``gateway.console.session``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from aiohttp import web
 
 from gateway.accounts import admin, keys
 from gateway.accounts.state import REDIS
+from gateway.batches.records import BatchRecord
+from gateway.batches.state import BATCH_RECORDS
+from gateway.console import session
 from gateway.console.render import redirect, render
+from gateway.console.state import SESSION
 from gateway.http.errors import InvalidRequestError
 from gateway.http.validation import parse_body
 
@@ -25,6 +30,9 @@ LIMIT_LABELS = {
     "quota_period_s": "Period (seconds)",
     "weight": "Fair-queue weight (1-1000)",
 }
+
+
+_BATCHES_SHOWN = 20
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
@@ -70,21 +78,19 @@ async def list_page(request: web.Request) -> web.Response:
 
 
 async def key_page(request: web.Request) -> web.Response:
-    record = await admin.find_key(request.config_dict[REDIS], request.match_info["id"])
-    return _key_page(request, record)
-
-
-def _key_page(request: web.Request, record: keys.KeyRecord, plaintext: str = "") -> web.Response:
+    redis = request.config_dict[REDIS]
+    record = await admin.find_key(redis, request.match_info["id"])
+    plaintext = await session.take_secret(redis, request, request[SESSION], record.id)
     now = datetime.datetime.now(datetime.UTC).timestamp()
     return render(
         request,
         "key.html",
-        201 if plaintext else 200,
         title=f"Key {record.name}",
         key=record,
         key_status=status(record, now),
         plaintext=plaintext,
         limit_labels=LIMIT_LABELS,
+        batches=await batch_rows(request, record.id),
     )
 
 
@@ -92,7 +98,16 @@ async def create(request: web.Request) -> web.Response:
     form = await request.post()
     body = parse_body(admin.KeyCreate, _settings(form, clear_empty=False))
     plaintext, record = await admin.create_key(request.config_dict[REDIS], body)
-    return _key_page(request, record, plaintext)
+    return await _show_new_key(request, record, plaintext)
+
+
+async def _show_new_key(
+    request: web.Request, record: keys.KeyRecord, plaintext: str
+) -> web.Response:
+    """A redirect to the new key's page, which shows ``plaintext`` once."""
+    redis = request.config_dict[REDIS]
+    await session.keep_secret(redis, request, request[SESSION], record.id, plaintext)
+    return redirect(f"/console/keys/{record.id}")
 
 
 async def update(request: web.Request) -> web.StreamResponse:
@@ -122,7 +137,13 @@ async def revoke(request: web.Request) -> web.StreamResponse:
 
 async def rotate(request: web.Request) -> web.Response:
     plaintext, record = await admin.rotate_key(request, request.match_info["id"])
-    return _key_page(request, record, plaintext)
+    return await _show_new_key(request, record, plaintext)
+
+
+async def batch_rows(request: web.Request, kid: str) -> list[BatchRecord]:
+    """The key's most recent batches, of both APIs."""
+    batches, _ = await request.config_dict[BATCH_RECORDS].page(kid, None, None, _BATCHES_SHOWN)
+    return batches
 
 
 def _settings(form: Any, clear_empty: bool) -> dict[str, Any]:

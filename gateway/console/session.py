@@ -7,6 +7,11 @@ admin token never leaves the sign-in request. Redis keeps the session's CSRF tok
 SHA-256 (``infermesh:console:session:<digest>``), so a copy of Redis holds no usable
 session. Every change is a POST carrying that CSRF token in a form field.
 
+A new key's plaintext, made by a POST (create, rotate), is shown by the page that POST redirects
+to (Post/Redirect/Get: a browser's refresh reloads the page, never makes a second key), once: it
+waits in Redis (``infermesh:console:secret:<digest>``, ``_SECRET_TTL_S``) encrypted with a key
+derived from the session id, which Redis never holds, and the page that shows it deletes it.
+
 Wrong tokens are counted (``infermesh_console_sign_in_failures_total``) and, per client
 address, in Redis (``infermesh:console:failures:<address>``, for the failure window):
 past ``sign_in_failures_free`` each sign-in from that address waits first, doubling per
@@ -18,6 +23,7 @@ is refused at once (429, its token unread), so guesses from one address go one a
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hashlib
 import hmac
@@ -26,6 +32,7 @@ import secrets
 
 import prometheus_client
 from aiohttp import web
+from cryptography.fernet import Fernet, InvalidToken
 
 from gateway.config import ConsoleSection
 from infermesh.redis_client import RedisClient
@@ -35,6 +42,8 @@ COOKIE_PATH = "/console"
 _SESSION_PREFIX = "infermesh:console:session:"
 _FAILURES_PREFIX = "infermesh:console:failures:"
 _WAITING_PREFIX = "infermesh:console:waiting:"
+_SECRET_PREFIX = "infermesh:console:secret:"
+_SECRET_TTL_S = 300  # a redirect is followed at once; a secret left unread goes soon
 
 SIGN_IN_FAILURES = prometheus_client.Counter(
     "infermesh_console_sign_in_failures",
@@ -142,3 +151,31 @@ async def count_failure(redis: RedisClient, config: ConsoleSection, address: str
 
 async def forget_failures(redis: RedisClient, address: str) -> None:
     await redis.delete(_FAILURES_PREFIX + address)
+
+
+def _secret_cipher(request: web.Request) -> Fernet:
+    session_id = request.cookies.get(COOKIE, "")
+    key = hashlib.sha256(b"console secret:" + session_id.encode("utf-8", "surrogateescape"))
+    return Fernet(base64.urlsafe_b64encode(key.digest()))
+
+
+async def keep_secret(
+    redis: RedisClient, request: web.Request, session: Session, owner: str, secret: str
+) -> None:
+    """Keeps ``secret`` (of the key ``owner``) for the session's next page, encrypted."""
+    token = _secret_cipher(request).encrypt(f"{owner}:{secret}".encode())
+    await redis.set(_SECRET_PREFIX + session.digest, token, ex=_SECRET_TTL_S)
+
+
+async def take_secret(
+    redis: RedisClient, request: web.Request, session: Session, owner: str
+) -> str:
+    """The secret kept for ``owner``'s page, once; "" when there is none."""
+    token = await redis.getdel(_SECRET_PREFIX + session.digest)
+    if token is None:
+        return ""
+    try:
+        kept_for, _, secret = _secret_cipher(request).decrypt(token).decode().partition(":")
+    except InvalidToken:
+        return ""
+    return secret if kept_for == owner else ""

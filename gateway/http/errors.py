@@ -161,11 +161,15 @@ class NotFoundError(GatewayError):
     status, type, code = 404, "invalid_request_error", "unknown_url"
 
 
-class ResponseNotFoundError(GatewayError):
-    """A stored response this key has no such id of (``gateway.openai.responses``), in OpenAI's
-    words."""
+class ObjectNotFoundError(GatewayError):
+    """An object (a stored response, a file, a batch) this key has no such id of, in OpenAI's
+    words: another key's is not found either, never forbidden."""
 
     status, type, code = 404, "invalid_request_error", None
+
+
+class ResponseNotFoundError(ObjectNotFoundError):
+    """A stored response this key has no such id of (``gateway.openai.responses``)."""
 
 
 class ModelNotFoundError(GatewayError):

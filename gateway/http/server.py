@@ -44,6 +44,7 @@ from gateway.http.errors import (
     UriTooLongError,
     error_response,
 )
+from gateway.http.state import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -215,11 +216,26 @@ class _GatewayServer(web.Server):
 
 
 class GatewayRunner(web.AppRunner):
-    """``web.AppRunner`` serving through ``GatewayRequestHandler`` with ``[server]``'s timeouts."""
+    """``web.AppRunner`` serving through ``GatewayRequestHandler`` with ``[server]``'s timeouts,
+    and on this process's own socket (``gateway.http.loopback``) when the app has one."""
 
     def __init__(self, app: web.Application, server: HttpServerSection, **kwargs: Any) -> None:
         super().__init__(app, keepalive_timeout=server.keepalive_timeout_s, **kwargs)
         self._header_timeout_s = server.header_timeout_s
+
+    async def setup(self) -> None:
+        await super().setup()
+        loopback = self.app.get(LOOPBACK)
+        if loopback is not None:
+            await loopback.serve(self)
+
+    async def cleanup(self) -> None:
+        try:
+            await super().cleanup()
+        finally:
+            loopback = self.app.get(LOOPBACK)
+            if loopback is not None:
+                loopback.close()
 
     async def _make_server(self) -> web.Server:
         # aiohttp has no hook for the protocol class: the server it built, rebuilt with ours.

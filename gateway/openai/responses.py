@@ -11,13 +11,14 @@ first request named, else the first response's own id. Tools the mesh cannot off
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.accounts.state import API_KEY, REDIS
+from gateway.accounts.usage import TokenUsage
 from gateway.api.generation import Generation, Plan, ResponseFormat, respond
 from gateway.config import CONFIG
 from gateway.http import json_body, sse
@@ -64,8 +65,28 @@ class RetrieveQuery(BaseModel):
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = parse_responses_request(await read_json(request), request.headers)
-    kid = request[API_KEY].id
-    previous = await _previous(request, body)
+    turn = new_turn(request, body, await load_previous(request, body))
+    reply = turn.reply
+    return await respond(
+        request,
+        turn.plan,
+        ResponseFormat(events=reply.events, failed=reply.failed, collect=reply.collect),
+        turn.headers,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One response to make: what it asks of the router, how it is written, and the headers of
+    its answer."""
+
+    plan: Plan
+    reply: Reply
+    headers: dict[str, str] | None
+
+
+def new_turn(request: web.Request, body: ResponsesRequest, previous: StoredResponse | None) -> Turn:
+    """The response ``body`` asks for, after ``previous`` (the response it continues)."""
     context = previous.conversation() if previous else []
     items = body.items()
     messages = router_messages(body.instructions, items_of(context) + items)
@@ -83,14 +104,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     record = StoredResponse(
         response={}, input=stored_items(items, new_id), context=context, session=session
     )
-    reply = _Reply(body, shell, _store(request) if body.store else None, kid, record)
+    store = _store(request) if body.store else None
     unoffered = body.tool_set.unoffered
-    return await respond(
-        request,
-        plan,
-        ResponseFormat(events=reply.events, failed=reply.failed, collect=reply.collect),
-        {UNSUPPORTED_TOOLS: ",".join(unoffered)} if unoffered else None,
-    )
+    headers = {UNSUPPORTED_TOOLS: ",".join(unoffered)} if unoffered else None
+    return Turn(plan, Reply(body, shell, store, request[API_KEY].id, record), headers)
 
 
 def _session(
@@ -102,10 +119,18 @@ def _session(
     return session_name(request.headers, hint) or (own_id if body.store else "")
 
 
-async def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | None:
+async def load_previous(
+    request: web.Request,
+    body: ResponsesRequest,
+    local: Mapping[str, StoredResponse] | None = None,
+) -> StoredResponse | None:
+    """The response ``body`` continues: from ``local`` (a connection's own), else the store;
+    a 404 ``previous_response_not_found`` when neither has it."""
     if body.previous_response_id is None:
         return None
-    previous = await _store(request).load(request[API_KEY].id, body.previous_response_id)
+    previous = (local or {}).get(body.previous_response_id)
+    if previous is None:
+        previous = await _store(request).load(request[API_KEY].id, body.previous_response_id)
     if previous is None:
         raise ResponseNotFoundError(
             f"Previous response with id '{body.previous_response_id}' not found.",
@@ -115,9 +140,10 @@ async def _previous(request: web.Request, body: ResponsesRequest) -> StoredRespo
     return previous
 
 
-class _Reply:
-    """One response being written: its output from the generation, streamed or whole, and
-    stored (when asked) before the client learns it is complete."""
+class Reply:
+    """One response being written: its output from the generation, as events or whole, and
+    stored (when asked) before the client learns it is complete; ``record`` is what was
+    stored (or would have been), once complete."""
 
     def __init__(
         self,
@@ -130,22 +156,31 @@ class _Reply:
         self._shell = shell
         self._store = store  # None: not stored
         self._kid = kid
-        self._record = record  # what is stored, but the response
+        self.record = record  # what is stored; its response once complete
         summary = body.reasoning is not None and body.reasoning.summary not in (None, "none")
         self._output = OutputBuilder(body.tool_set, body.logprobs, summary)
         self._sequence = 0
         self._incomplete = False  # cut by max_output_tokens
 
+    @property
+    def id(self) -> str:
+        return self._shell.id
+
     async def collect(self, generation: Generation) -> dict[str, Any]:
         async for _ in self._steps(generation):
             pass
-        return await self._finished(generation)
+        return await self._finished(generation.usage())
 
     async def events(self, generation: Generation) -> AsyncIterator[bytes]:
-        """The stream: created, in progress, the output's events (those of one worker chunk
-        in one write), then completed or incomplete."""
+        """The SSE stream of ``event_lists``: the events of one worker chunk in one write."""
+        async for events in self.event_lists(generation):
+            yield b"".join(sse.named_event(event) for event in events)
+
+    async def event_lists(self, generation: Generation) -> AsyncIterator[list[Event]]:
+        """The stream's events, numbered: created, in progress, the output's events (those of
+        one worker chunk together), then completed or incomplete."""
         started = self._shell.object("in_progress", [])
-        yield self._encode(
+        yield self._numbered(
             [
                 {"type": "response.created", "response": started},
                 {"type": "response.in_progress", "response": started},
@@ -153,16 +188,31 @@ class _Reply:
         )
         async for events in self._steps(generation):
             if events:
-                yield self._encode(events)
-        response = await self._finished(generation)
-        yield self._encode([{"type": f"response.{response['status']}", "response": response}])
+                yield self._numbered(events)
+        response = await self._finished(generation.usage())
+        yield self._numbered([{"type": f"response.{response['status']}", "response": response}])
+
+    async def warmed(self) -> list[Event]:
+        """The events of a response made without generating (``generate: false``): created,
+        then completed with no output; its input is kept to be continued from."""
+        started = self._shell.object("in_progress", [])
+        response = await self._finished(TokenUsage())
+        return self._numbered(
+            [
+                {"type": "response.created", "response": started},
+                {"type": "response.completed", "response": response},
+            ]
+        )
 
     def failed(self, error: GatewayError) -> bytes:
-        """The stream's last event when it fails midway."""
+        """The SSE stream's last event when it fails midway."""
+        return sse.named_event(self.failed_event(error))
+
+    def failed_event(self, error: GatewayError) -> Event:
         response = self._shell.object(
             "failed", self._output.output, error=f"The response failed: {error.message}"
         )
-        return self._encode([{"type": "response.failed", "response": response}])
+        return self._numbered([{"type": "response.failed", "response": response}])[0]
 
     async def _steps(self, generation: Generation) -> AsyncIterator[list[Event]]:
         async for _, chunk in generation.by_choice():
@@ -171,19 +221,20 @@ class _Reply:
                 self._incomplete = True
         yield self._output.finish(self._incomplete)
 
-    async def _finished(self, generation: Generation) -> dict[str, Any]:
+    async def _finished(self, tokens: TokenUsage) -> dict[str, Any]:
         status: Status = "incomplete" if self._incomplete else "completed"
-        response = self._shell.object(status, self._output.output, generation.usage())
+        response = self._shell.object(status, self._output.output, tokens)
+        self.record = dataclasses.replace(self.record, response=response)
         if self._store is not None:
-            await self._store.save(self._kid, dataclasses.replace(self._record, response=response))
+            await self._store.save(self._kid, self.record)
         return response
 
-    def _encode(self, events: list[Event]) -> bytes:
+    def _numbered(self, events: list[Event]) -> list[Event]:
         out = []
         for event in events:
-            out.append(sse.named_event({**event, "sequence_number": self._sequence}))
+            out.append({**event, "sequence_number": self._sequence})
             self._sequence += 1
-        return b"".join(out)
+        return out
 
 
 async def retrieve_response(request: web.Request) -> web.Response:

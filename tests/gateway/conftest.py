@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient
 
 from gateway.accounts.keys import create_key
 from gateway.config import GatewayConfig
-from tests.helpers.gateway import make_config, start_gateway
-from tests.helpers.inprocess import running_router, running_worker
+from tests.helpers.gateway import batch_config, make_config, start_gateway
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
 
 
 @pytest.fixture
@@ -73,3 +73,29 @@ async def gateways(
     yield clients
     for client in clients:
         await client.close()
+
+
+_FILE_LIMIT_BYTES = 64 * 1024
+
+
+@pytest.fixture
+async def sim_served(
+    redis_server, tmp_path
+) -> AsyncIterator[TestClient[web.Request, web.Application]]:
+    """A gateway in front of a router and one simulated worker (no latency), with small file
+    limits and a quick batch runner."""
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(zero_latency=True, max_parallel=16), router),
+    ):
+        config = batch_config(
+            redis_server.url,
+            router.address,
+            str(tmp_path / "files"),
+            max_file_bytes=_FILE_LIMIT_BYTES,
+            lease_s=2.0,
+            concurrency=4,
+        )
+        gateway = await start_gateway(config)
+        yield gateway
+        await gateway.close()

@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import psutil
 
 from infermesh.ports import free_port
-
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway", *args],
-        cwd=_REPO,
-        text=True,
-        env={
-            **os.environ,
-            "OTEL_SDK_DISABLED": "true",
-            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
-            **env,
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+from tests.helpers.gateway import gateway_process
 
 
 def test_serves_on_the_configured_port_and_stops_on_sigterm(redis_server):
     port = free_port()
-    proc = _run(
+    proc = gateway_process(
         {
             "INFERMESH_GATEWAY_SERVER_PORT": str(port),
             "INFERMESH_GATEWAY_REDIS_URL": redis_server.url,
@@ -58,17 +37,17 @@ def test_serves_on_the_configured_port_and_stops_on_sigterm(redis_server):
 
 
 def test_config_errors_exit_2_naming_the_key(tmp_path):
-    proc = _run({"INFERMESH_GATEWAY_SERVER_PORT": "eighty"})
+    proc = gateway_process({"INFERMESH_GATEWAY_SERVER_PORT": "eighty"})
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "INFERMESH_GATEWAY_SERVER_PORT" in out
 
     config = tmp_path / "gateway.toml"
     config.write_text("[router]\nadress = 'x'\n")
-    proc = _run({"INFERMESH_GATEWAY_CONFIG": str(config)})
+    proc = gateway_process({"INFERMESH_GATEWAY_CONFIG": str(config)})
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "adress: unknown key" in out
 
-    proc = _run({}, "--config", str(tmp_path / "missing.toml"))
+    proc = gateway_process({}, "--config", str(tmp_path / "missing.toml"))
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "config file not found" in out
 
@@ -76,7 +55,7 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
 def test_without_tls_files_or_plaintext_it_exits_2_naming_the_file_and_key(tmp_path):
     config = tmp_path / "gateway.toml"
     config.write_text("[tls]\nkey_file = 'gateway.key'\n")
-    proc = _run(
+    proc = gateway_process(
         {"INFERMESH_GATEWAY_CONFIG": str(config), "INFERMESH_GATEWAY_TLS_PLAINTEXT": "false"}
     )
     out, _ = proc.communicate(timeout=30)
@@ -87,7 +66,7 @@ def test_without_tls_files_or_plaintext_it_exits_2_naming_the_file_and_key(tmp_p
 
 def test_processes_share_the_port_and_stop_together(redis_server):
     port = free_port()
-    proc = _run(
+    proc = gateway_process(
         {
             "INFERMESH_GATEWAY_SERVER_PORT": str(port),
             "INFERMESH_GATEWAY_SERVER_PROCESSES": "2",

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,8 @@ from gateway.app import create_app
 from gateway.config import (
     CONFIG,
     AdminSection,
+    BatchesSection,
+    FilesSection,
     GatewayConfig,
     HttpServerSection,
     RedisSection,
@@ -38,6 +46,22 @@ def make_config(
         router=RouterSection(address=router_address or f"127.0.0.1:{free_port()}"),
         admin=AdminSection(token=ADMIN_TOKEN),
         tls=tls_of(certs, "gateway"),
+    )
+
+
+def batch_config(
+    redis_url: str,
+    router_address: str,
+    files_dir: str,
+    max_file_bytes: int = FilesSection.max_file_bytes,
+    **batches: Any,
+) -> GatewayConfig:
+    """``make_config``'s, with its files in ``files_dir`` and a batch runner that looks for work
+    every 50 ms (``batches``: more [batches] keys)."""
+    return dataclasses.replace(
+        make_config(redis_url, router_address),
+        files=FilesSection(directory=files_dir, max_file_bytes=max_file_bytes),
+        batches=BatchesSection(**{"poll_s": 0.05, **batches}),
     )
 
 
@@ -83,3 +107,37 @@ def with_server(config: GatewayConfig, **server: Any) -> GatewayConfig:
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def gateway_process(env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
+    """``python -m gateway [args]`` as the mesh runs it, configured by ``env`` (plaintext gRPC,
+    no tracing); its output on the process's stdout (``listening`` waits for its line)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=_REPO,
+        text=True,
+        env={
+            **os.environ,
+            "OTEL_SDK_DISABLED": "true",
+            "INFERMESH_GATEWAY_TLS_PLAINTEXT": "true",
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def listening(proc: subprocess.Popen[str]) -> None:
+    """Waits for a gateway process's "listening" line; its later output is read and dropped
+    (a thread), so that a full pipe never stalls the process."""
+    stdout = proc.stdout
+    assert stdout is not None
+    while True:
+        line = await asyncio.to_thread(stdout.readline)
+        assert line, "the gateway process ended before listening"
+        if "listening" in line:
+            break
+    threading.Thread(target=lambda: all(stdout), daemon=True).start()

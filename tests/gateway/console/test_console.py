@@ -14,9 +14,11 @@ import prometheus_client
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.accounts.keys import get_key
+from gateway.accounts.keys import get_key, key_id
 from gateway.accounts.recent import RecentRequest, RecentRequests
-from gateway.config import AdminSection, ConsoleSection
+from gateway.batches.records import new_record
+from gateway.batches.state import BATCH_RECORDS
+from gateway.config import AdminSection, BatchesSection, ConsoleSection
 from tests.helpers.gateway import ADMIN_TOKEN, make_config, start_gateway
 
 
@@ -58,8 +60,37 @@ async def test_a_change_needs_the_sessions_csrf_token(gateway, redis_client):
         assert response.status == 403 and "CSRF" in await response.text()
     assert await redis_client.scard("infermesh:keys") == 0
     response = await gateway.post("/console/keys", data={"name": "made", "csrf": csrf})
-    assert response.status == 201 and "shown this once" in await response.text()
+    assert response.status == 200 and "shown this once" in await response.text()
     assert await redis_client.scard("infermesh:keys") == 1
+
+
+async def test_a_new_key_is_shown_once_on_the_page_its_form_redirects_to(gateway, redis_client):
+    """Post/Redirect/Get: refreshing the page a creation ended on shows the key, without its
+    secret, and creates no second key."""
+    csrf = await _sign_in(gateway)
+    posted = await gateway.post(
+        "/console/keys", data={"name": "once", "csrf": csrf}, allow_redirects=False
+    )
+    assert posted.status == 303 and posted.headers["Location"].startswith("/console/keys/")
+    first = await (await gateway.get(posted.headers["Location"])).text()
+    refreshed = await (await gateway.get(posted.headers["Location"])).text()
+    secret = re.search(r'<code id="plaintext">(sk-[^<]+)</code>', first)
+    assert secret and "shown this once" not in refreshed and secret.group(1) not in refreshed
+    assert await redis_client.scard("infermesh:keys") == 1
+    assert _key_id(first) == key_id(secret.group(1))
+    keys_in_redis = [k async for k in redis_client.scan_iter("infermesh:console:secret:*")]
+    assert keys_in_redis == [], "the secret is gone once shown"
+
+
+async def test_a_keys_page_shows_its_batches(gateway, redis_client):
+    csrf = await _sign_in(gateway)
+    page = await (await gateway.post("/console/keys", data={"name": "b", "csrf": csrf})).text()
+    kid = _key_id(page)
+    assert "No batches." in page
+    record = new_record("anthropic", "msgbatch_shown", kid, "/v1/messages", "", 0, BatchesSection())
+    await gateway.app[BATCH_RECORDS].create(record, [])
+    page = await (await gateway.get(f"/console/keys/{kid}")).text()
+    assert "<code>msgbatch_shown</code></td><td>anthropic</td>" in page
 
 
 async def test_a_bad_form_is_a_readable_error(gateway):
@@ -201,7 +232,7 @@ async def test_a_key_is_edited_disabled_enabled_and_rotated(gateway, redis_clien
         assert f'class="status-{status}">{status}</span>' in await response.text()
     rotated = await gateway.post(f"/console/keys/{kid}/rotate", data={"csrf": csrf})
     page = await rotated.text()
-    assert rotated.status == 201 and "shown this once" in page and "Rotated from" in page
+    assert rotated.status == 200 and "shown this once" in page and "Rotated from" in page
     old = await get_key(redis_client, kid)
     assert old is not None and old.revoked and old.rotated_to == _key_id(page)
     response = await gateway.post(f"/console/keys/{kid}/rotate", data={"csrf": csrf})
