@@ -20,6 +20,17 @@ _DEEP = "[" * 10_000 + "]" * 10_000
 _MESSAGE = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
 
+async def _generate(
+    client: MeshClient, request: common_pb2.GenerateRequest, *, stream: bool
+) -> list[common_pb2.GenerateResponse]:
+    """The chunks of one mesh call, its failure as the GatewayError the gateway answers with."""
+    call = client.call(request, stream=stream)
+    try:
+        return [chunk async for chunk in call.chunks]
+    except Exception as e:
+        raise client.gateway_error(e) from None
+
+
 def _nested(prefix: str) -> bytes:
     return f'{{{prefix}"x": {_DEEP}}}'.encode()
 
@@ -117,13 +128,13 @@ async def test_grpc_size_limits_are_not_a_rate_limit(router):
     client = MeshClient(RouterSection(address=router.address), PLAINTEXT)
     try:
         with pytest.raises(GatewayError) as caught:
-            async for _ in client.call(
+            await _generate(
+                client,
                 common_pb2.GenerateRequest(
                     request_id="r", model=MODEL, prompt="x" * (MAX_MESSAGE_BYTES + 1)
                 ),
                 stream=False,
-            ):
-                pass
+            )
     finally:
         await client.close()
     assert caught.value.status == 413 and caught.value.retry_after_s is None
@@ -168,18 +179,16 @@ async def test_a_request_past_the_message_size_limit_fails_alone_on_the_streams(
     client = MeshClient(RouterSection(address=router.address), PLAINTEXT)
 
     async def ask(prompt: str) -> list[common_pb2.GenerateResponse]:
-        return [
-            chunk
-            async for chunk in client.call(
-                common_pb2.GenerateRequest(
-                    request_id="r",
-                    model=MODEL,
-                    prompt=prompt,
-                    sampling=common_pb2.SamplingParams(max_tokens=2),
-                ),
-                stream=True,
-            )
-        ]
+        return await _generate(
+            client,
+            common_pb2.GenerateRequest(
+                request_id="r",
+                model=MODEL,
+                prompt=prompt,
+                sampling=common_pb2.SamplingParams(max_tokens=2),
+            ),
+            stream=True,
+        )
 
     try:
         huge, small = await asyncio.gather(
