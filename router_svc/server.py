@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -64,6 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._channels = channels
         self._serve_client = serve_client
         self._chooser = Chooser(config.routing, index)
+        self.route_streams = route_stream.OpenStreams()
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
         )
@@ -234,7 +235,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
         ],
     ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-        async with contextlib.aclosing(route_stream.answer(self, requests, context)) as responses:
+        # a router that cannot read its registry backs no decision: the caller's channel
+        # moves to one that can (its health check says NOT_SERVING meanwhile)
+        await self._check_registry(context)
+        answered = route_stream.answer(self, requests, context, self.route_streams)
+        async with contextlib.aclosing(answered) as responses:
             async for response in responses:
                 yield response
 
@@ -580,7 +585,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     )
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
-    refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer.slots_changed))
+    refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer))
     return (
         server,
         port,
@@ -591,13 +596,16 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
 async def _follow_registry(
     refreshes: AsyncIterator[bool],
     health: health_aio.HealthServicer,
-    slots_changed: Callable[[], None],
+    servicer: RouterServicer,
 ) -> None:
     """Runs the registry's refresh loop; the health service follows Redis's reachability.
-    A refresh brings other routers' load reports and new workers: queued asks may go."""
+    A refresh brings other routers' load reports and new workers: queued asks may go. When
+    Redis becomes unreachable, the router says NOT_SERVING and ends its route streams: it
+    cannot back a decision (its fleet view may be stale, its workers' heartbeats cannot be
+    written), and the gateways' channels ask a router that can."""
     serving: bool | None = None
     async for available in refreshes:
-        slots_changed()
+        servicer.slots_changed()
         if available != serving:
             serving = available
             status = (
@@ -607,6 +615,8 @@ async def _follow_registry(
             )
             for name in ("", _SERVICE_NAME):
                 await health.set(name, status)
+            if not available:
+                servicer.route_streams.end_all("the router cannot reach its registry; ask another")
 
 
 async def serve(config: RouterConfig) -> None:

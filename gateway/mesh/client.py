@@ -35,7 +35,7 @@ from gateway.http.errors import ClientTooSlowError, GatewayError, ServiceUnavail
 from gateway.mesh.route_stream_client import RouteStream
 from gateway.mesh.route_stream_client import workers as route_workers
 from infermesh.bidi import retry_after_ms
-from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
+from infermesh.channels import WorkerChannels, router_channel_options
 from infermesh.failover import StreamFailedError, stream_from_first
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from infermesh.serve_client import ReaderTooSlowError, ServeClient
@@ -65,7 +65,7 @@ class MeshClient:
         self._config = config
         if tls.plaintext:
             warn_plaintext("gateway")
-        self._channel = open_channel(config.address, tls, CHANNEL_OPTIONS)
+        self._channel = open_channel(config.address, tls, router_channel_options(config.address))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels(tls)
         self._streams = ServeClient(

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from infermesh.channels import CHANNEL_OPTIONS
+from infermesh.channels import router_channel_options
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -383,7 +383,7 @@ async def report_to_router(router_address: str, servicer: WorkerServicer, tls: T
     (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
     router is."""
     info = servicer.info
-    async with open_channel(router_address, tls, CHANNEL_OPTIONS) as channel:
+    async with open_channel(router_address, tls, router_channel_options(router_address)) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
         while True:
