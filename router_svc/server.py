@@ -5,6 +5,7 @@ client the gateway uses."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
+from prometheus_client import REGISTRY
 
 from infermesh.authz import peer_of, refuse, require_address_host
 from infermesh.bidi import RETRY_AFTER_MS
@@ -40,6 +42,7 @@ from router_svc.registry import (
     WorkerOwnedError,
 )
 from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
+from router_svc.scaling import ScalingSignals
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -297,6 +300,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._fleet.ended(worker)
         self.slots_changed()
 
+    def queued_by_model(self) -> collections.Counter[str]:
+        """Requests waiting in the fair queue, by model (none without fair queueing)."""
+        return collections.Counter() if self._queue is None else self._queue.waiting_by_model()
+
+    def queue_wait_s(self, ahead: int) -> float:
+        """Seconds a request with ``ahead`` requests before it waits in the fair queue, at the
+        recent rate slots free."""
+        return 0.0 if self._queue is None else self._queue.retry_after_ms(ahead) / 1000
+
     def slots_changed(self) -> None:
         """A worker's slot may have freed: queued asks may go now."""
         if self._queue is not None:
@@ -543,8 +555,10 @@ class RunningRouter:
         subscriptions: CacheEventSubscriptions,
         index: PrefixIndex,
         serve_client: ServeClient,
+        scaling: ScalingSignals,
     ) -> None:
         self.registry = registry
+        self.scaling = scaling  # the autoscaling series, registered by serve()
         self._serve_client = serve_client
         self.index = index
         self._channels = channels
@@ -589,7 +603,16 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     return (
         server,
         port,
-        RunningRouter(registry, channels, usage, refresher, subscriptions, index, serve_client),
+        RunningRouter(
+            registry,
+            channels,
+            usage,
+            refresher,
+            subscriptions,
+            index,
+            serve_client,
+            ScalingSignals(registry.fleet, servicer.queued_by_model, servicer.queue_wait_s),
+        ),
     )
 
 
@@ -632,6 +655,7 @@ async def serve(config: RouterConfig) -> None:
         )
     )
     metrics.watch_event_loop(asyncio.get_running_loop())
+    REGISTRY.register(router.scaling)
     metrics.serve_metrics(config.metrics)
     logger.info(
         "router listening on %s:%d (policy %s)", config.server.host, port, config.routing.policy
