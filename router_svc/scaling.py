@@ -138,3 +138,9 @@ _FAMILIES = {
     "prefill_utilisation": "Share of the pool's workers with prefill queued or running now",
     "prefill_backlog_seconds": "Seconds of prefill queued on the pool's workers, summed",
 }
+
+# The series' names, as an autoscaler's queries name them (deploy/k8s/optional/).
+SERIES = (
+    *(f"infermesh_router_pool_{name}" for name in _FAMILIES),
+    "infermesh_router_batch_backlog",
+)
