@@ -19,7 +19,9 @@ official ``openai`` SDK through both gateways, every token counted. Scenarios:
   being served through the second, no worker leaves the second's fleet;
 - ``gateway-redis-partition``: the second gateway cut from Redis for ``--fault-s``: its
   requests fail closed (503, ``Retry-After``) within ``[redis] timeout_s``, it answers
-  ``/health`` meanwhile, the usage of the streams it served lands after the heal.
+  ``/health`` meanwhile, the usage of the streams it served lands after the heal;
+- ``narrow-link``: a port narrowed to 100 Mb/s with htb: the rate a bulk transfer from it gets,
+  against the same transfer unnarrowed and after the heal.
 
 Every scenario: requests, failed, hung (no end by the client's deadline), the seconds to detect
 and to recover, usage recorded in Redis against the tokens the clients received (a cut stream's
@@ -61,6 +63,7 @@ REDIS_TIMEOUT_S = 1.0  # the gateways' [redis] timeout_s here
 EJECT_COOLDOWN_S = 2.0
 CLIENT_DEADLINE_S = 20.0  # a request not ended by then is hung
 _POLL_S = 0.05
+_BULK_BYTES = 4 * 1024 * 1024  # the narrow link's transfer: 0.34 s at 100 Mb/s
 _ENV = {
     "INFERMESH_GATEWAY_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
     "INFERMESH_ROUTER_ROUTING_EJECT_COOLDOWN_S": str(EJECT_COOLDOWN_S),
@@ -414,11 +417,53 @@ async def gateway_redis_partition(
     }
 
 
+async def narrow_link(
+    fm: FaultMesh, *, fault_s: float, concurrency: int, max_tokens: int, mbit_per_s: float = 100.0
+) -> dict[str, Any]:
+    """A bulk transfer from a port narrowed to ``mbit_per_s`` with htb, against the same
+    transfer unnarrowed: the rate the narrowed link carries (the link a KV pull would cross)."""
+    del fault_s, concurrency, max_tokens  # one transfer each way: no load, no fault length
+    payload = b"\0" * _BULK_BYTES
+
+    async def send(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(payload)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(send, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def transfer_mbit_per_s() -> float:
+        started = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        received = len(await reader.read(-1))
+        writer.close()
+        assert received == _BULK_BYTES, received
+        return _BULK_BYTES * 8 / 1e6 / (time.monotonic() - started)
+
+    with NetFaults({"bulk": Service(port)}, cgroup_name=f"infermesh-netfault-bulk-{port}") as f:
+        wide = await transfer_mbit_per_s()
+        f.narrow("bulk", mbit_per_s, direction="out")
+        narrow = await transfer_mbit_per_s()
+        f.heal("bulk")
+        healed = await transfer_mbit_per_s()
+    server.close()
+    await server.wait_closed()
+    return {
+        "narrowed to Mb/s": mbit_per_s,
+        "bytes sent": _BULK_BYTES,
+        "unnarrowed Mb/s": round(wide),
+        "narrowed Mb/s": round(narrow, 1),
+        "healed Mb/s": round(healed),
+    }
+
+
 SCENARIOS = {
     "worker-black-hole": worker_black_hole,
     "packet-loss": packet_loss,
     "router-redis-partition": router_redis_partition,
     "gateway-redis-partition": gateway_redis_partition,
+    "narrow-link": narrow_link,
 }
 
 

@@ -1,7 +1,7 @@
 """Faults the network makes, briefly (bench/network_faults.py's scenarios, 2 s each): a mesh of
 real processes (Redis, two routers, three simulated workers, two gateways) in a private network
 namespace, the openai SDK's streaming clients, and packets dropped or a share of them lost
-between live processes. Needs root and iptables (``make test`` installs it): a host that cannot
+between live processes; and a port's bandwidth narrowed. Needs root and iptables (``make test`` installs it): a host that cannot
 make these faults fails here with the reason, never skips."""
 
 from __future__ import annotations
@@ -95,6 +95,13 @@ def test_a_gateway_cut_from_redis_fails_closed_in_time_and_settles_after_the_hea
     # the streams it was serving finished, and their usage landed once Redis was back
     assert scenario["of them completed"] == scenario["streams in flight at the cut"] > 0
     _every_request_accounted(scenario)
+
+
+def test_a_port_narrowed_to_100_mbps_carries_about_that_until_healed(figures):
+    scenario = figures["narrow-link"]
+    assert 60 <= scenario["narrowed Mb/s"] <= 110, scenario  # htb's rate, TCP's overhead
+    assert scenario["unnarrowed Mb/s"] > 3 * scenario["narrowed Mb/s"], scenario
+    assert scenario["healed Mb/s"] > 3 * scenario["narrowed Mb/s"], scenario
 
 
 def test_a_fault_names_only_known_services_and_sensible_arguments():
