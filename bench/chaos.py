@@ -333,7 +333,7 @@ async def accounts(
     )
 
 
-def _statuses(results: Sequence[Result]) -> dict[str, int]:
+def statuses(results: Sequence[Result]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in results:
         name = str(r.status) + (f" {r.code}" if r.code else "")
@@ -392,7 +392,7 @@ async def worker_fault(
     ]
     figures = {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "failed (not 200)": sum(1 for r in results if r.status != 200),
         "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
         "in flight on the worker": len(hit),
@@ -458,10 +458,10 @@ async def outage(
     failing = [r.ended - r.sent for r in during if r.status != 200]
     return {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "in flight at the fault": len(in_flight),
         "in flight, completed": sum(1 for r in in_flight if r.finished and r.done),
-        "during the outage": _statuses(during),
+        "during the outage": statuses(during),
         "401 at any time": sum(1 for r in results if r.status == 401),
         "503 without Retry-After": sum(
             1 for r in results if r.status == 503 and r.retry_after is None
@@ -518,7 +518,7 @@ async def router_failover(
         )
     figures = {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "failed (not 200)": sum(1 for r in results if r.status != 200),
         "sent after the kill": sum(1 for r in results if r.sent >= killed_at),
         "in flight at the kill": len(in_flight),

@@ -53,6 +53,7 @@ from bench.chaos import (
     accounts,
     percentile,
     reset_usage,
+    statuses,
 )
 from infermesh.pb import router_pb2, router_pb2_grpc
 from tests.helpers.netfault import NetFaults, Service, enter_private_network
@@ -217,21 +218,13 @@ def _common(fm: FaultMesh, results: Sequence[Result], counted: Any) -> dict[str,
         "requests": len(results),
         "failed": sum(1 for r in results if r.status != 200),
         "hung": sum(1 for r in results if r.status == -2),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "cut mid-stream": sum(1 for r in results if r.error_event),
         "tokens delivered": delivered,
         "usage difference (tokens)": recorded - delivered,
         "usage per key exact": counted.recorded == counted.delivered,
         "secrets in logs": fm.secrets_in_logs(),
     }
-
-
-def _statuses(results: Sequence[Result]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in results:
-        name = str(r.status) + (f" {r.code}" if r.code else "")
-        counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
 
 
 async def worker_black_hole(

@@ -215,46 +215,14 @@ class NetFaults:
         _run(
             ["tc", "qdisc", "add", "dev", "lo", "root", "handle", _HTB_ROOT, "htb", "default", "1"]
         )
-        _run(
-            [
-                "tc",
-                "class",
-                "add",
-                "dev",
-                "lo",
-                "parent",
-                _HTB_ROOT,
-                "classid",
-                _HTB_DEFAULT_CLASS,
-                "htb",
-                "rate",
-                _UNLIMITED_RATE,
-            ]
-        )
+        _htb_class(_HTB_DEFAULT_CLASS, _UNLIMITED_RATE)
         for i, (name, (mbit, direction)) in enumerate(sorted(self._narrowed.items()), start=10):
             classid = f"1:{i}"
-            rate = f"{mbit}mbit"
-            _run(
-                [
-                    "tc",
-                    "class",
-                    "add",
-                    "dev",
-                    "lo",
-                    "parent",
-                    _HTB_ROOT,
-                    "classid",
-                    classid,
-                    "htb",
-                    "rate",
-                    rate,
-                    "ceil",
-                    rate,
-                ]
-            )
+            _htb_class(classid, f"{mbit}mbit")
             port = str(self.service(name).port)
             for side in _sides(direction):
                 field = "dport" if side == "in" else "sport"
+                match = ["match", "ip", field, port, "0xffff", "flowid", classid]
                 _run(
                     [
                         "tc",
@@ -269,13 +237,7 @@ class NetFaults:
                         "prio",
                         "1",
                         "u32",
-                        "match",
-                        "ip",
-                        field,
-                        port,
-                        "0xffff",
-                        "flowid",
-                        classid,
+                        *match,
                     ]
                 )
 
@@ -303,6 +265,28 @@ def _connections(pid: int) -> Iterator[tuple[int, int]]:
         fields = line.split()
         local, remote = fields[2], fields[3]
         yield int(local.rsplit(":", 1)[1]), int(remote.rsplit(":", 1)[1])
+
+
+def _htb_class(classid: str, rate: str) -> None:
+    """An htb class under the root of ``lo``, held to ``rate`` (no borrowing past it)."""
+    _run(
+        [
+            "tc",
+            "class",
+            "add",
+            "dev",
+            "lo",
+            "parent",
+            _HTB_ROOT,
+            "classid",
+            classid,
+            "htb",
+            "rate",
+            rate,
+            "ceil",
+            rate,
+        ]
+    )
 
 
 def _run(command: Sequence[str]) -> str:
