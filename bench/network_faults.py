@@ -37,9 +37,9 @@ import contextlib
 import json
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import grpc
@@ -451,7 +451,15 @@ async def narrow_link(
     }
 
 
-SCENARIOS = {
+class Scenario(Protocol):
+    """A scenario: its figures, on a mesh it leaves as it found it."""
+
+    def __call__(
+        self, fm: FaultMesh, *, fault_s: float, concurrency: int, max_tokens: int
+    ) -> Awaitable[dict[str, Any]]: ...
+
+
+SCENARIOS: dict[str, Scenario] = {
     "worker-black-hole": worker_black_hole,
     "packet-loss": packet_loss,
     "router-redis-partition": router_redis_partition,
