@@ -106,6 +106,7 @@ class NetFaults:
         self._services = dict(services)
         self._rules: dict[str, list[list[str]]] = {}  # service -> iptables rule specs
         self._narrowed: dict[str, tuple[float, str]] = {}  # service -> (Mb/s, direction)
+        self._cgroup_before: dict[str, str] = {}  # service -> its process's cgroup before
         root = cgroup2_root()
         assert root is not None  # check_host
         self._cgroup_root = root
@@ -195,6 +196,7 @@ class NetFaults:
         relative = f"{self._cgroup_base}/{name}"
         path = self._cgroup_root / relative
         path.mkdir(parents=True, exist_ok=True)
+        self._cgroup_before.setdefault(name, _cgroup_of(pid))
         (path / "cgroup.procs").write_text(str(pid))  # with all its threads
         return relative
 
@@ -202,8 +204,9 @@ class NetFaults:
         path = self._cgroup_root / self._cgroup_base / name
         if not path.exists():
             return
+        before = self._cgroup_root / self._cgroup_before.pop(name, "").lstrip("/")
         for task in (path / "cgroup.procs").read_text().split():
-            (self._cgroup_root / "cgroup.procs").write_text(task)
+            (before / "cgroup.procs").write_text(task)
 
     def _apply_bandwidth(self) -> None:
         """One htb tree on ``lo`` for every narrowed port, rebuilt from scratch."""
@@ -287,6 +290,14 @@ def _htb_class(classid: str, rate: str) -> None:
             rate,
         ]
     )
+
+
+def _cgroup_of(pid: int) -> str:
+    """Process ``pid``'s cgroup2 path (its ``0::`` line), relative to the mount."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return "/"
 
 
 def _run(command: Sequence[str]) -> str:
