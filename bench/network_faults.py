@@ -398,10 +398,10 @@ async def gateway_redis_partition(
         "streams in flight at the cut": len(in_flight),
         "of them completed": sum(1 for r in in_flight if r.finished),
         "/health p99 s during the cut": round(percentile(health_s, 0.99), 3),
-        "served by the other gateway during the cut": sum(
+        "sent to the other gateway during the cut, served": sum(
             1
             for r in results
-            if r.gateway != cut_url and struck <= r.sent and r.ended <= healed and r.status == 200
+            if r.gateway != cut_url and struck <= r.sent <= healed and r.status == 200
         ),
         "time to detect s": round(
             min((r.ended - struck for r in refused), default=float("nan")), 2

@@ -1,8 +1,8 @@
 """Faults the network makes, briefly (bench/network_faults.py's scenarios, 2 s each): a mesh of
 real processes (Redis, two routers, three simulated workers, two gateways) in a private network
 namespace, the openai SDK's streaming clients, and packets dropped or a share of them lost
-between live processes; and a port's bandwidth narrowed. Needs root and iptables (``make test`` installs it): a host that cannot
-make these faults fails here with the reason, never skips."""
+between live processes; and a port's bandwidth narrowed. Needs root and iptables (``make test``
+installs it): a host that cannot make these faults fails here with the reason, never skips."""
 
 from __future__ import annotations
 
@@ -90,8 +90,9 @@ def test_a_gateway_cut_from_redis_fails_closed_in_time_and_settles_after_the_hea
     assert scenario["of them 503 with Retry-After"] == scenario["refused during the cut"]
     assert set(scenario["statuses"]) <= {"200", "503 auth_unavailable", "503 service_unavailable"}
     assert scenario["refusal latency p50/p99/max s"][2] <= REDIS_TIMEOUT_S + SLACK_S, scenario
-    assert scenario["/health p99 s during the cut"] < 0.5, scenario  # its loop never waits
-    assert scenario["served by the other gateway during the cut"] > 0, scenario
+    # its loop never waits on Redis: /health answers sooner than a Redis call times out
+    assert scenario["/health p99 s during the cut"] < REDIS_TIMEOUT_S, scenario
+    assert scenario["sent to the other gateway during the cut, served"] > 0, scenario
     # the streams it was serving finished, and their usage landed once Redis was back
     assert scenario["of them completed"] == scenario["streams in flight at the cut"] > 0
     _every_request_accounted(scenario)
