@@ -9,7 +9,9 @@ attributes), on a span of its own in the ask's trace, linked to the stream's spa
 reports each routed request's end (``finished``) and the decisions it did not use
 (``unused``: it asked ahead of its own admission check), so the router's count of each
 worker's requests stays exact; what the stream routed and never reported is released when
-the stream ends.
+the stream ends. A router that cannot reach its registry backs no decision: it ends its streams
+with UNAVAILABLE (``OpenStreams.end_all``, and any stream on which it is asked one), so that its
+callers ask another router.
 """
 
 from __future__ import annotations
@@ -75,9 +77,6 @@ class OpenStreams:
         """Ends every open stream with UNAVAILABLE and ``reason``; their waiting asks with it."""
         for stream in self._streams:
             stream.end(reason)
-
-    def __len__(self) -> int:
-        return len(self._streams)
 
 
 async def answer(
@@ -210,6 +209,11 @@ class _Stream:
     def _decided(self, ask_id: int, decided: _Decided) -> None:
         if decided.cancelled():
             return  # its caller left: no decision
+        error = decided.exception()
+        if isinstance(error, RegistryUnavailableError):
+            # no decision it cannot back: the stream ends, and its caller asks another router
+            self.end(f"{error}; the router cannot reach its registry, ask another")
+            return
         self._ready.append(self._decision(ask_id, decided))
         self._wake.set()
 
@@ -228,10 +232,4 @@ class _Stream:
             )
         if isinstance(error, RouteError):
             return router_pb2.RouteDecision(id=ask_id, code=error.code.value[0], details=str(error))
-        if isinstance(error, RegistryUnavailableError):
-            return router_pb2.RouteDecision(
-                id=ask_id,
-                code=grpc.StatusCode.UNAVAILABLE.value[0],
-                details=f"{error}; retry later",
-            )
         raise error

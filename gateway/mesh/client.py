@@ -44,6 +44,8 @@ from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
 logger = logging.getLogger(__name__)
 
+_REASK_PAUSE_S = 0.02  # between a route ask's break and asking again
+
 
 class MeshCall:
     """One generation through the mesh: its chunks and, once the first came, its route."""
@@ -194,11 +196,14 @@ class MeshClient:
         request: common_pb2.GenerateRequest,
         decided: asyncio.Future[router_pb2.RouteDecision],
     ) -> router_pb2.RouteDecision:
-        """The router's decision; when the route stream broke under the ask (the router died),
-        no router answered it and no worker has the request, so it is asked again on the
-        channel's next connection, to another router of ``[router] address`` or the same one
-        restarted, for up to ``connect_timeout_s`` from the first break (the ask may have waited
-        in the router's fair queue for much longer)."""
+        """The router's decision; when the route stream broke under the ask (the router died,
+        or it cannot reach its registry and ended the stream), no router answered it and no
+        worker has the request, so it is asked again on the channel's next connection, to
+        another router of ``[router] address`` or the same one restarted, for up to
+        ``connect_timeout_s`` from the first break (the ask may have waited in the router's fair
+        queue for much longer). Past that, the last break's status: a router that answers
+        (its registry unreachable) is a 503 ``service_unavailable``, none answering
+        ``router_unavailable``."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         while True:
@@ -210,7 +215,10 @@ class MeshClient:
                 if deadline is None:
                     deadline = loop.time() + self._config.connect_timeout_s
                 elif loop.time() >= deadline:
-                    raise self._unreachable() from None
+                    raise self._error(e.code(), e.details()) from None
+            # a router that cannot back decisions refuses a new stream at once, until the
+            # channel's health check moves on from it: no spin meanwhile
+            await asyncio.sleep(_REASK_PAUSE_S)
             await self._wait_connected()
             decided = self._ask(request)
 
