@@ -253,7 +253,11 @@ async def worker_black_hole(
         fm.faults.heal("worker0")
         healed = time.monotonic()
         recover_s = await _until(back, 30)
-        await asyncio.sleep(1.0)
+
+        async def served_by_it() -> bool:  # a stream's worker is known once it ended
+            return any(r.worker == victim and r.sent > healed for r in results)
+
+        await _until(served_by_it, 10)
     served_after = [r.sent - healed for r in results if r.worker == victim and r.sent > healed]
     cut = [r for r in results if r.worker == victim and r.sent < struck < r.ended]
     counted = await accounts(fm.chaos, results)
