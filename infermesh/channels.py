@@ -58,11 +58,15 @@ _HEALTHY_ROUND_ROBIN = json.dumps(
 )
 
 
+def several_routers(address: str) -> bool:
+    """Whether the routers' gRPC target ``address`` may name several (a list, a DNS name)."""
+    scheme, _, rest = address.partition(":")
+    return scheme == "dns" or (scheme in ("ipv4", "ipv6") and "," in rest)
+
+
 def router_channel_options(address: str) -> list[tuple[str, Any]]:
     """The options of a channel to ``address``, the routers' gRPC target."""
-    scheme, _, rest = address.partition(":")
-    several = scheme == "dns" or (scheme in ("ipv4", "ipv6") and "," in rest)
-    if not several:
+    if not several_routers(address):
         return list(CHANNEL_OPTIONS)
     return [*CHANNEL_OPTIONS, ("grpc.service_config", _HEALTHY_ROUND_ROBIN)]
 

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from infermesh.channels import router_channel_options
+from infermesh.channels import router_channel_options, several_routers
 from infermesh.grpc_server import create_grpc_server
 from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
+_OTHER_ROUTER_PAUSE_S = 0.05  # after a router of several answered UNAVAILABLE
 # A measured prefill speed is told to the router (by registering again, which regroups its fleet)
 # when it moved by more than this share from the one told, at most every _PREFILL_TELL_S
 _PREFILL_SLACK = 0.25
@@ -383,6 +384,10 @@ async def report_to_router(router_address: str, servicer: WorkerServicer, tls: T
     (``CHANNEL_OPTIONS``), so the worker is back in routing about a second after the
     router is."""
     info = servicer.info
+    # Another router of a list is asked at once after one answered UNAVAILABLE (it cannot
+    # reach the registry): a heartbeat that waited the whole pause would leave little of the
+    # TTL (a second's interval, the failed call's Redis timeout, then the pause).
+    pause_s = _OTHER_ROUTER_PAUSE_S if several_routers(router_address) else None
     async with open_channel(router_address, tls, router_channel_options(router_address)) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         registered, interval_s, reported_down = False, 0.0, False
@@ -421,7 +426,7 @@ async def report_to_router(router_address: str, servicer: WorkerServicer, tls: T
                     reported_down = True
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     # the router answered (e.g. UNAVAILABLE while its Redis is down): no spin
-                    await asyncio.sleep(min(interval_s or 1.0, 1.0))
+                    await asyncio.sleep(pause_s or min(interval_s or 1.0, 1.0))
             if registered:
                 await asyncio.sleep(interval_s)
 
