@@ -35,11 +35,16 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+# this process forks the services after it probed them over gRPC: gRPC's fork handlers could
+# hang the fork (its shutdown thread running); set before grpc is first imported
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aiohttp
 import grpc
