@@ -41,11 +41,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
 import aiohttp
 import grpc

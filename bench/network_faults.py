@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 # this process forks the services after it probed them over gRPC: gRPC's fork handlers could
-# hang the fork (its shutdown thread running); set before grpc is first imported
+# hang the fork (its shutdown thread running); set before grpc is first imported (bench.chaos
+# sets it too, for its own runs)
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aiohttp
