@@ -18,9 +18,10 @@ THINKING_CHECKPOINT := devtools/chat_model/thinking
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
+IPTABLES := /usr/sbin/iptables
 
 .PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla model-r1 model-v31 run \
-	lint test console-screenshots bench clean chat-model
+	lint test netfaults console-screenshots bench clean chat-model
 
 all: proto model
 
@@ -56,6 +57,14 @@ $(BROWSER_INSTALLED): requirements-browser.txt $(INSTALLED)
 	touch $@
 
 browser: $(BROWSER_INSTALLED) $(CHROMIUM)
+
+# The network-fault tests (tests/e2e/test_network_faults.py): Debian's iptables drops packets in
+# the tests' own network namespace (tc and ss come with iproute2); apt-get needs root, as the
+# tests do.
+$(IPTABLES):
+	apt-get update -qq && apt-get install -y -qq iptables iproute2
+
+netfaults: $(IPTABLES)
 
 # Python, .pyi stubs and gRPC stubs from protos/; never edited by hand.
 $(GENERATED): $(PROTOS) $(INSTALLED)
@@ -139,8 +148,9 @@ lint: install proto $(BROWSER_INSTALLED)
 	$(RUFF) format --check .
 	$(MYPY)
 
-# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped; and the browser
-# the console's test drives (tests/gateway/console/test_console_browser.py). The tests run on
+# vLLM too: its engine's tests (tests/e2e/test_vllm.py) run, never skipped; the browser
+# the console's test drives (tests/gateway/console/test_console_browser.py); and iptables, with
+# which the network-fault tests drop packets. The tests run on
 # TEST_WORKERS pytest-xdist workers, a module's tests on one worker (--dist loadfile: its module
 # fixtures, some starting processes, run once; pytest 9 ignores the node ids --dist loadgroup
 # rewrites, so its groups would be split); TEST_WORKERS=0 runs them in this process.
@@ -148,7 +158,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 # --durations: the slowest tests, named at the end of every run (the suite's 8-minute budget).
-test: lint install proto model vllm browser
+test: lint install proto model vllm browser netfaults
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=12
 
 # The console's screenshots in docs/console/, taken again by its browser test.

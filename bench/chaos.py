@@ -41,11 +41,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
 import aiohttp
 import grpc
@@ -93,6 +96,7 @@ class Result:
 
     key: str
     sent: float
+    gateway: str = ""  # the base URL it was sent to
     ended: float = 0.0
     status: int = 0  # -1: the connection failed
     code: str = ""  # the error's code, for a status other than 200
@@ -332,7 +336,7 @@ async def accounts(
     )
 
 
-def _statuses(results: Sequence[Result]) -> dict[str, int]:
+def statuses(results: Sequence[Result]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in results:
         name = str(r.status) + (f" {r.code}" if r.code else "")
@@ -340,14 +344,14 @@ def _statuses(results: Sequence[Result]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _reset_usage(chaos: ChaosMesh) -> None:
+async def reset_usage(chaos: ChaosMesh) -> None:
     """Usage and counters from zero, so each scenario's accounts stand alone."""
     async with aioredis.Redis.from_url(chaos.redis.url) as client:
         for k in chaos.all_keys:
@@ -366,7 +370,7 @@ async def worker_fault(
     max_tokens: int,
 ) -> dict[str, object]:
     """Worker 0 SIGKILLed (``freeze_s`` None) or SIGSTOPped for ``freeze_s`` mid-run."""
-    await _reset_usage(chaos)
+    await reset_usage(chaos)
     victim = chaos.worker_id(0)
     async with load(chaos.base_url, chaos.all_keys, concurrency, max_tokens) as results:
         await asyncio.sleep(before_s)
@@ -391,7 +395,7 @@ async def worker_fault(
     ]
     figures = {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "failed (not 200)": sum(1 for r in results if r.status != 200),
         "streams not ended cleanly": sum(1 for r in results if r.status == 200 and not r.clean),
         "in flight on the worker": len(hit),
@@ -430,7 +434,7 @@ async def outage(
 ) -> dict[str, object]:
     """Redis (``what`` "redis") stopped, or the router ("router") SIGKILLed, for ``down_s``
     under load, then started again; the figures of the outage and of the recovery."""
-    await _reset_usage(chaos)
+    await reset_usage(chaos)
     async with load(chaos.base_url, chaos.all_keys, concurrency, max_tokens) as results:
         await asyncio.sleep(before_s)
         down_at = time.monotonic()
@@ -457,16 +461,16 @@ async def outage(
     failing = [r.ended - r.sent for r in during if r.status != 200]
     return {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "in flight at the fault": len(in_flight),
         "in flight, completed": sum(1 for r in in_flight if r.finished and r.done),
-        "during the outage": _statuses(during),
+        "during the outage": statuses(during),
         "401 at any time": sum(1 for r in results if r.status == 401),
         "503 without Retry-After": sum(
             1 for r in results if r.status == 503 and r.retry_after is None
         ),
         "failure latency p50/p99/max s": [
-            round(_percentile(failing, q), 3) for q in (0.5, 0.99, 1.0)
+            round(percentile(failing, q), 3) for q in (0.5, 0.99, 1.0)
         ],
         "first served request sent, s after return": round(first_ok - back_at, 2),
         "last failure ended, s after return": round(last_failure - back_at, 2),
@@ -494,7 +498,7 @@ async def router_failover(
 ) -> dict[str, object]:
     """The first of two routers SIGKILLed under load through both gateways, then started again;
     what the clients saw, and the survivor's view of the workers and their caches."""
-    await _reset_usage(chaos)
+    await reset_usage(chaos)
     first, second = chaos.base_urls
     async with (
         load(first, chaos.all_keys, concurrency // 2, max_tokens) as results,
@@ -517,7 +521,7 @@ async def router_failover(
         )
     figures = {
         "requests": len(results),
-        "statuses": _statuses(results),
+        "statuses": statuses(results),
         "failed (not 200)": sum(1 for r in results if r.status != 200),
         "sent after the kill": sum(1 for r in results if r.sent >= killed_at),
         "in flight at the kill": len(in_flight),
@@ -612,7 +616,7 @@ async def revocations(
                 delays[i].append(ended - started)
     return {
         f"gateway{i + 1} to 401 p50/p99/max s": [
-            round(_percentile(d, q), 3) for q in (0.5, 0.99, 1.0)
+            round(percentile(d, q), 3) for q in (0.5, 0.99, 1.0)
         ]
         for i, d in enumerate(delays)
     }

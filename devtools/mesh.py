@@ -98,8 +98,9 @@ class MeshSpec:
         return ["router", *(f"router{i}" for i in range(2, len(self.extra_router_ports) + 2))]
 
     def router_target(self, first: int = 0) -> str:
-        """What the workers and gateways dial: the router, or every router (a gRPC list, of
-        which a channel uses the first that answers), router ``first`` leading."""
+        """What the workers and gateways dial: the router, or every router (a gRPC list, whose
+        calls go round robin to the routers that say SERVING: infermesh.channels), router
+        ``first`` listed first."""
         if not self.extra_router_ports:
             return self.router_address
         ports = self.router_ports[first:] + self.router_ports[:first]

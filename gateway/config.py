@@ -117,8 +117,9 @@ class RouterSection:
 
     # The router's gRPC target. Several routers of one mesh (active-active on one registry):
     # "ipv4:10.0.0.5:50051,10.0.0.6:50051", or a DNS name that resolves to each
-    # ("dns:///routers:50051"); the channel uses the first that answers and moves on when it
-    # fails, and a request whose route ask the failed router never answered is asked again.
+    # ("dns:///routers:50051"); calls go round robin to the routers whose health check says
+    # SERVING (one cut from its registry in Redis says NOT_SERVING and ends its route streams),
+    # and a request whose route ask a failed router never answered is asked again.
     address: str = "127.0.0.1:50051"
     # Deadline of a whole generation, first token to last.
     request_timeout_s: float = 600.0

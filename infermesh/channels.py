@@ -4,6 +4,8 @@ both dial workers through a pool."""
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import grpc
 
@@ -43,6 +45,30 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
     *_MESSAGE_SIZE_OPTIONS,
 ]
+
+
+# A target naming several routers (a list, or a DNS name that may resolve to several): calls
+# go round robin to those whose health service answers SERVING. A router that cannot reach
+# its registry in Redis answers NOT_SERVING (and ends its route streams), so that workers'
+# heartbeats and gateways' route asks go to a router that can back them; pick_first would
+# stay on a router that answers, whatever it answers. One router: pick_first, its answers
+# (UNAVAILABLE while Redis is down) reaching the caller as they are.
+_HEALTHY_ROUND_ROBIN = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
+)
+
+
+def several_routers(address: str) -> bool:
+    """Whether the routers' gRPC target ``address`` may name several (a list, a DNS name)."""
+    scheme, _, rest = address.partition(":")
+    return scheme == "dns" or (scheme in ("ipv4", "ipv6") and "," in rest)
+
+
+def router_channel_options(address: str) -> list[tuple[str, Any]]:
+    """The options of a channel to ``address``, the routers' gRPC target."""
+    if not several_routers(address):
+        return list(CHANNEL_OPTIONS)
+    return [*CHANNEL_OPTIONS, ("grpc.service_config", _HEALTHY_ROUND_ROBIN)]
 
 
 class WorkerChannels:

@@ -171,11 +171,13 @@ def redis_client(
     A call that fails on a dead connection is tried once more on a new one: after a Redis
     restart the pool still holds connections to the old process, each of which would
     otherwise fail one call (a settlement run twice counts once: gateway.accounts.limits).
+    A call that timed out is not: a Redis that does not answer (cut off the network, no reset)
+    would make every call wait twice ``timeout_s``.
     ``retries=False``: a failed call is reported at once; a cluster client always
     retries, as it must to follow redirections and failovers."""
     target = parse_redis_url(url)
     retry_policy = (
-        {"retry": Retry(NoBackoff(), 1), "retry_on_error": [ConnectionError]}
+        {"retry": Retry(NoBackoff(), 1, supported_errors=(ConnectionError,))}
         if retries
         else {"retry": None}
     )

@@ -200,8 +200,8 @@ def open_channel(
     """A client channel to ``address`` with this service's certificate (plaintext: without
     TLS), traced; the one way every service dials another. ``address`` is a gRPC target: also
     several servers of one role, ``ipv4:host:port,host:port`` (or ``ipv6:``) or a DNS name
-    of several addresses, of which the channel uses the first that answers and moves to the
-    next when it fails (gRPC's pick_first)."""
+    of several addresses (``options`` choose how the channel spreads calls over them:
+    ``infermesh.channels.router_channel_options``)."""
     interceptors = telemetry.grpc_client_interceptors()
     options = [*options, *_list_authority(address)]
     if tls.plaintext:

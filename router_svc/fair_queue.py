@@ -110,6 +110,15 @@ class FairQueue(Generic[T]):
         found = self._tenants.get(tenant)
         return found.size if found is not None else 0
 
+    def waiting_by_model(self) -> collections.Counter[str]:
+        """The asks waiting now, by model (read at a metrics scrape: one pass over the queue)."""
+        return collections.Counter(
+            item.request.model
+            for tenant in self._tenants.values()
+            for _, _, item in tenant.heap
+            if not item.decided.done()
+        )
+
     def submit(self, request: Request, tier: str, wait_s: float) -> asyncio.Future[T]:
         """The request's decision: at once when nothing waits and a worker has a free slot,
         else once its turn comes; fails with QueueRefusedError (bounds, deadline) or what

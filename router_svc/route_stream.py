@@ -11,7 +11,9 @@ reports each routed request's end (``ends``: which worker answered, whether it c
 what it delivered; older callers ``finished``) and the decisions it did not use
 (``unused``: it asked ahead of its own admission check), so the router's count of each
 worker's requests stays exact; what the stream routed and never reported is released when
-the stream ends.
+the stream ends. A router that cannot reach its registry backs no decision: it ends its streams
+with UNAVAILABLE (``OpenStreams.end_all``, and any stream on which it is asked one), so that its
+callers ask another router.
 """
 
 from __future__ import annotations
@@ -63,12 +65,35 @@ class Decider(Protocol):
         ...
 
 
+class OpenStreams:
+    """The route streams a router answers now, so that it can end them all: when its registry
+    becomes unreachable, it can back no decision, and a caller whose stream ends asks another
+    router (``infermesh.channels.router_channel_options``)."""
+
+    def __init__(self) -> None:
+        self._streams: set[_Stream] = set()
+
+    def add(self, stream: _Stream) -> None:
+        self._streams.add(stream)
+
+    def discard(self, stream: _Stream) -> None:
+        self._streams.discard(stream)
+
+    def end_all(self, reason: str) -> None:
+        """Ends every open stream with UNAVAILABLE and ``reason``; their waiting asks with it."""
+        for stream in self._streams:
+            stream.end(reason)
+
+
 async def decisions(
     servicer: Decider,
     requests: AsyncIterator[router_pb2.RouteStreamRequest],
     context: grpc.aio.ServicerContext[Any, Any],
+    streams: OpenStreams,
 ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
+    """Answers one RouteStream call, among ``streams`` while it is open."""
     stream = _Stream(servicer)
+    streams.add(stream)
     reader = asyncio.create_task(stream.read(requests))
     # a caller that cancels ends its requests like one done writing: only the call's end
     # tells the two apart, and its queued asks must not wait on
@@ -76,12 +101,15 @@ async def decisions(
     try:
         while True:
             decisions = await stream.next_decisions(reader)
+            if stream.ended is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, stream.ended)
             if decisions is None:
                 if reader.done():
                     reader.result()  # the caller's stream failed: so does this one
                 return
             yield router_pb2.RouteStreamResponse(decisions=decisions)
     finally:
+        streams.discard(stream)
         reader.cancel()
         stream.close()  # before any await: a cancelled call's task may not get past one
         await cancel_and_wait(reader)
@@ -98,6 +126,7 @@ class _Stream:
         self._wake = asyncio.Event()
         self._routed: collections.Counter[str] = collections.Counter()
         self._abandoned = False
+        self.ended: str | None = None  # why the router ends the stream (UNAVAILABLE)
         stream_span = trace.get_current_span().get_span_context()
         self._links = [trace.Link(stream_span)] if stream_span.is_valid else []
 
@@ -113,8 +142,8 @@ class _Stream:
     ) -> list[router_pb2.RouteDecision] | None:
         """The decisions ready since the last call; None once the caller is done and every
         ask is answered."""
-        while not self._ready:
-            if self._abandoned:
+        while not self._ready or self.ended is not None:
+            if self._abandoned or self.ended is not None:
                 return None
             if reader.done() and (not self._waiting or reader.exception() is not None):
                 return None
@@ -126,6 +155,11 @@ class _Stream:
     def abandon(self, _: grpc.aio.ServicerContext[Any, Any]) -> None:
         """The call ended: no decision will be read."""
         self._abandoned = True
+        self._wake.set()
+
+    def end(self, reason: str) -> None:
+        """The router ends the call with UNAVAILABLE: its decisions not sent are not sent."""
+        self.ended = reason
         self._wake.set()
 
     def close(self) -> None:
@@ -187,6 +221,10 @@ class _Stream:
     def _decided(self, ask_id: int, decided: _Decided) -> None:
         if decided.cancelled():
             return  # its caller left: no decision
+        if isinstance(decided.exception(), RegistryUnavailableError):
+            # no decision it cannot back: the stream ends, and its caller asks another router
+            self.end(f"{decided.exception()}; the router cannot reach its registry, ask another")
+            return
         self._ready.append(self._decision(ask_id, decided))
         self._wake.set()
 

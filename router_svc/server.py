@@ -5,15 +5,17 @@ gateway runs, routed on this router's own decisions."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
+from prometheus_client import REGISTRY
 
 from infermesh.authz import peer_of, refuse, require_address_host
 from infermesh.bidi import RETRY_AFTER_MS, retry_after_ms
@@ -41,6 +43,7 @@ from router_svc.registry import (
     WorkerOwnedError,
 )
 from router_svc.routing import Chooser, Decision, FleetFullError, RouteError, RouteRequest
+from router_svc.scaling import ScalingSignals
 from telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._channels = channels
         self._serve_client = serve_client
         self._chooser = Chooser(config.routing, index)
+        self.route_streams = route_stream.OpenStreams()
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
         )
@@ -270,7 +274,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.RouteStreamRequest, router_pb2.RouteStreamResponse
         ],
     ) -> AsyncGenerator[router_pb2.RouteStreamResponse, None]:
-        decisions = route_stream.decisions(self, requests, context)
+        # a router that cannot read its registry backs no decision: the caller's channel
+        # moves to one that can (its health check says NOT_SERVING meanwhile)
+        await self._check_registry(context)
+        decisions = route_stream.decisions(self, requests, context, self.route_streams)
         async with contextlib.aclosing(decisions) as responses:
             async for response in responses:
                 yield response
@@ -328,6 +335,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """A request placed on ``worker`` ended, or was not sent: its slot is free again."""
         self._fleet.ended(worker)
         self.slots_changed()
+
+    def queued_by_model(self) -> collections.Counter[str]:
+        """Requests waiting in the fair queue, by model (none without fair queueing)."""
+        return collections.Counter() if self._queue is None else self._queue.waiting_by_model()
+
+    def queue_wait_s(self, ahead: int) -> float:
+        """Seconds a request with ``ahead`` requests before it waits in the fair queue, at the
+        recent rate slots free."""
+        return 0.0 if self._queue is None else self._queue.retry_after_ms(ahead) / 1000
 
     def slots_changed(self) -> None:
         """A worker's slot may have freed: queued asks may go now."""
@@ -519,8 +535,10 @@ class RunningRouter:
         subscriptions: CacheEventSubscriptions,
         index: PrefixIndex,
         serve_client: ServeClient,
+        scaling: ScalingSignals,
     ) -> None:
         self.registry = registry
+        self.scaling = scaling  # the autoscaling series, registered by serve()
         self._serve_client = serve_client
         self.index = index
         self._channels = channels
@@ -561,24 +579,36 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
     )
     refreshes = registry.run()
     await anext(refreshes)  # the first read, so that the router starts with the fleet Redis has
-    refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer.slots_changed))
+    refresher = asyncio.create_task(_follow_registry(refreshes, health, servicer))
     return (
         server,
         port,
-        RunningRouter(registry, channels, usage, refresher, subscriptions, index, serve_client),
+        RunningRouter(
+            registry,
+            channels,
+            usage,
+            refresher,
+            subscriptions,
+            index,
+            serve_client,
+            ScalingSignals(registry.fleet, servicer.queued_by_model, servicer.queue_wait_s),
+        ),
     )
 
 
 async def _follow_registry(
     refreshes: AsyncIterator[bool],
     health: health_aio.HealthServicer,
-    slots_changed: Callable[[], None],
+    servicer: RouterServicer,
 ) -> None:
     """Runs the registry's refresh loop; the health service follows Redis's reachability.
-    A refresh brings other routers' load reports and new workers: queued asks may go."""
+    A refresh brings other routers' load reports and new workers: queued asks may go. When
+    Redis becomes unreachable, the router says NOT_SERVING and ends its route streams: it
+    cannot back a decision (its fleet view may be stale, its workers' heartbeats cannot be
+    written), and the gateways' channels ask a router that can."""
     serving: bool | None = None
     async for available in refreshes:
-        slots_changed()
+        servicer.slots_changed()
         if available != serving:
             serving = available
             status = (
@@ -588,6 +618,8 @@ async def _follow_registry(
             )
             for name in ("", _SERVICE_NAME):
                 await health.set(name, status)
+            if not available:
+                servicer.route_streams.end_all("the router cannot reach its registry; ask another")
 
 
 async def serve(config: RouterConfig) -> None:
@@ -603,6 +635,7 @@ async def serve(config: RouterConfig) -> None:
         )
     )
     metrics.watch_event_loop(asyncio.get_running_loop())
+    REGISTRY.register(router.scaling)
     metrics.serve_metrics(config.metrics)
     logger.info(
         "router listening on %s:%d (policy %s)", config.server.host, port, config.routing.policy

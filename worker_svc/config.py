@@ -51,7 +51,8 @@ class WorkerSection:
 @section
 class RouterSection:
     # The router's gRPC target; several routers as the gateway's [router] address lists them:
-    # the worker registers with the first that answers, and with the next when that one fails.
+    # registrations and heartbeats go round robin to the routers whose health check says
+    # SERVING, so none goes to a router that cannot write it to the registry.
     address: str = "127.0.0.1:50051"
 
 

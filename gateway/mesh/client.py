@@ -32,7 +32,7 @@ from gateway.config import RouterSection
 from gateway.http.errors import ClientTooSlowError, GatewayError, ServiceUnavailableError, from_grpc
 from gateway.mesh.route_stream_client import RouteStream
 from infermesh.bidi import retry_after_ms
-from infermesh.channels import CHANNEL_OPTIONS, WorkerChannels
+from infermesh.channels import WorkerChannels, router_channel_options
 from infermesh.failover import StreamFailedError
 from infermesh.mesh_call import MeshCall
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _Decided = asyncio.Future[router_pb2.RouteDecision]
 CALL_ERRORS = (grpc.aio.AioRpcError, StreamFailedError, ReaderTooSlowError)
 """What a mesh call fails with: ``MeshClient.gateway_error`` maps each to its answer."""
+_REASK_PAUSE_S = 0.02  # between a route ask's break and asking again
 
 
 class MeshClient:
@@ -55,7 +56,7 @@ class MeshClient:
         self._config = config
         if tls.plaintext:
             warn_plaintext("gateway")
-        self._channel = open_channel(config.address, tls, CHANNEL_OPTIONS)
+        self._channel = open_channel(config.address, tls, router_channel_options(config.address))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._workers = WorkerChannels(tls)
         self._streams = ServeClient(
@@ -154,11 +155,14 @@ class MeshClient:
     async def decision(
         self, request: common_pb2.GenerateRequest, asked: _Decided | None
     ) -> router_pb2.RouteDecision:
-        """The router's decision; when the route stream broke under the ask (the router died),
-        no router answered it and no worker has the request, so it is asked again on the
-        channel's next connection, to another router of ``[router] address`` or the same one
-        restarted, for up to ``connect_timeout_s`` from the first break (the ask may have waited
-        in the router's fair queue for much longer)."""
+        """The router's decision; when the route stream broke under the ask (the router died,
+        or it cannot reach its registry and ended the stream), no router answered it and no
+        worker has the request, so it is asked again on the channel's next connection, to
+        another router of ``[router] address`` or the same one restarted, for up to
+        ``connect_timeout_s`` from the first break (the ask may have waited in the router's fair
+        queue for much longer). Past that, the last break's status: a router that answers
+        (its registry unreachable) is a 503 ``service_unavailable``, none answering
+        ``router_unavailable``."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         while True:
@@ -175,7 +179,10 @@ class MeshClient:
                 if deadline is None:
                     deadline = loop.time() + self._config.connect_timeout_s
                 elif loop.time() >= deadline:
-                    raise self._unreachable() from None
+                    raise self._error(e.code(), e.details()) from None
+            # a router that cannot back decisions refuses a new stream at once, until the
+            # channel's health check moves on from it: no spin meanwhile
+            await asyncio.sleep(_REASK_PAUSE_S)
             asked = None
 
     def unused(self, asked: _Decided) -> None:

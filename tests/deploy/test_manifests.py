@@ -4,29 +4,41 @@ is what the code reads."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
+import json
 import re
 import shutil
 import subprocess
 import tomllib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import jsonschema
 import pytest
+import referencing
 import yaml
 from opentelemetry.sdk import environment_variables as otel_env
 
 from gateway.config import GatewayConfig
 from infermesh.config import env_names, load_config
 from router_svc.config import RouterConfig
+from router_svc.scaling import SERIES
 from worker_svc.config import WorkerConfig
 from worker_svc.config import load as load_worker_config
 from worker_svc.vllm_engine.args import Devices, engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+# JSON schemas of the kinds no Kubernetes library here validates (KEDA's CRD, autoscaling/v2)
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+AUTOSCALER_SCHEMAS = {
+    "ScaledObject": "keda-scaledobject-v1alpha1.json",
+    "HorizontalPodAutoscaler": "hpa-autoscaling-v2.json",
+}
 # module → (config class, env prefix); the probe is the health-check helper.
 SERVICES = {
     "gateway": (GatewayConfig, "infermesh_gateway"),
@@ -1188,3 +1200,104 @@ def test_a_password_rotated_is_written_into_the_urls_again(tmp_path):
     assert password != before["router"] and password in (tmp_path / "router-redis-url").read_text()
     assert (tmp_path / "gateway-redis-url").read_text() == before["gateway-redis-url"]
     assert all(p.stat().st_mode & 0o077 == 0 for p in tmp_path.rglob("*"))
+
+
+def _optional(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s/optional" / name).read_text()) if d]
+
+
+def _autoscalers() -> list[dict[str, Any]]:
+    docs = _k8s() + _optional("keda-workers.yaml") + _optional("hpa-workers.yaml")
+    return [d for d in docs if d["kind"] in AUTOSCALER_SCHEMAS]
+
+
+def _schema_validator(kind: str) -> jsonschema.Draft202012Validator:
+    schemas = {
+        name: json.loads((SCHEMAS / name).read_text()) for name in AUTOSCALER_SCHEMAS.values()
+    }
+    registry = referencing.Registry().with_resources(
+        (name, referencing.Resource.from_contents(schema)) for name, schema in schemas.items()
+    )
+    return jsonschema.Draft202012Validator(schemas[AUTOSCALER_SCHEMAS[kind]], registry=registry)
+
+
+def _schema_problems(doc: dict[str, Any]) -> list[str]:
+    errors = _schema_validator(doc["kind"]).iter_errors(doc)
+    return [f"{doc['metadata']['name']}: {'/'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+def test_the_autoscalers_validate_against_their_schemas():
+    autoscalers = _autoscalers()
+    kinds = Counter(d["kind"] for d in autoscalers)
+    assert kinds["ScaledObject"] >= 3 and kinds["HorizontalPodAutoscaler"] >= 4, kinds
+    assert [p for d in autoscalers for p in _schema_problems(d)] == []
+
+
+def _queries(doc: dict[str, Any]) -> list[str]:
+    """The series an autoscaler reads: its Prometheus queries, or its external metrics."""
+    if doc["kind"] == "ScaledObject":
+        return [t["metadata"]["query"] for t in doc["spec"]["triggers"]]
+    return [
+        m["external"]["metric"]["name"] for m in doc["spec"].get("metrics", []) if "external" in m
+    ]
+
+
+def _served(worker_toml: str) -> set[str]:
+    model = tomllib.loads(worker_toml).get("model", {})
+    return {model["name"]} if "name" in model else set()
+
+
+def test_each_worker_pool_scales_on_series_the_routers_export():
+    workloads = {(d["kind"], d["metadata"]["name"]) for d in _workloads(_k8s())}
+    configs = _named(_k8s(), "ConfigMap", "infermesh-config")["data"]
+    served = {
+        m for name, text in configs.items() if name.startswith("worker") for m in _served(text)
+    }
+    pools = [d for d in _autoscalers() if d["spec"]["scaleTargetRef"]["name"].startswith("worker")]
+    assert {d["kind"] for d in pools} == {"ScaledObject", "HorizontalPodAutoscaler"}
+    for doc in pools:
+        target = doc["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) in workloads, target
+        queries = _queries(doc)
+        assert queries, doc["metadata"]["name"]
+        for query in queries:
+            names = set(re.findall(r"infermesh_[a-z_]+", query))
+            assert names and names <= set(SERIES), query
+        for model in re.findall(r'model="([^"]+)"', " ".join(queries)):
+            assert model in served, model
+    rules = _named(_optional("hpa-workers.yaml"), "ConfigMap", "infermesh-prometheus-adapter")
+    adapter = yaml.safe_load(rules["data"]["config.yaml"])
+    exposed = {r["seriesQuery"].split("{")[0] for r in adapter["externalRules"]}
+    hpa_metrics = {q for d in pools if d["kind"] == "HorizontalPodAutoscaler" for q in _queries(d)}
+    assert hpa_metrics <= exposed, hpa_metrics - exposed
+
+
+@pytest.mark.parametrize(
+    "kind, spoil, says",
+    [
+        (
+            "ScaledObject",
+            lambda d: d["spec"]["triggers"][0]["metadata"].pop("threshold"),
+            "threshold",
+        ),
+        ("ScaledObject", lambda d: d["spec"].update(maxReplicas=3), "maxReplicas"),
+        (
+            "ScaledObject",
+            lambda d: d["spec"]["triggers"][0].update(metricType="Average"),
+            "Average",
+        ),
+        ("ScaledObject", lambda d: d["spec"]["triggers"][0]["metadata"].update(threshold=4), "4"),
+        ("HorizontalPodAutoscaler", lambda d: d["spec"].pop("maxReplicas"), "maxReplicas"),
+        (
+            "HorizontalPodAutoscaler",
+            lambda d: d["spec"]["metrics"][0].update(type="Extern"),
+            "Extern",
+        ),
+    ],
+)
+def test_the_autoscaler_schemas_catch_a_bad_document(kind, spoil, says):
+    doc = copy.deepcopy(next(d for d in _autoscalers() if d["kind"] == kind))
+    assert _schema_problems(doc) == []
+    spoil(doc)
+    problems = _schema_problems(doc)
+    assert problems and any(says in p for p in problems), problems

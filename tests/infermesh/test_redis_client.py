@@ -1,13 +1,17 @@
 """Redis URLs: one server, Redis Cluster and Sentinel; a bad one is refused by name, never
-with its password."""
+with its password. A Redis that stops answering fails a call within the timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
+import redis.exceptions
 
 from gateway.config import GatewayConfig
 from infermesh.config import ConfigError, load_config
-from infermesh.redis_client import RedisUrlError, parse_redis_url
+from infermesh.redis_client import RedisUrlError, parse_redis_url, redis_client
 from router_svc.config import RouterConfig
 
 
@@ -95,3 +99,27 @@ def test_the_registry_prefix_is_a_hash_tag_so_it_takes_no_braces():
             "infermesh_router",
             {"INFERMESH_ROUTER_REDIS_KEY_PREFIX": "mesh{a}:"},
         )
+
+
+async def test_a_redis_that_stops_answering_fails_a_call_within_one_timeout_not_two():
+    """A peer that takes connections and never answers: a Redis cut off the network without a
+    reset, as the kernel still completes a handshake for a frozen one. A timeout is not retried
+    (a reset connection is: see redis_client)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = redis_client(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(redis.exceptions.TimeoutError):
+        await client.get("k")
+    elapsed = time.monotonic() - started
+    await client.aclose()
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+    assert 0.3 <= elapsed < 0.5, elapsed  # one wait: two would be 0.6 s

@@ -1,11 +1,18 @@
 """Router.RouteStream: route decisions and failure reports for many requests over one stream,
-against a real router with real (simulated-engine) workers on loopback."""
+against a real router with real (simulated-engine) workers on loopback. A router that loses its
+registry ends its streams, and callers of a list of routers move to one that has its own."""
 
 from __future__ import annotations
 
-import grpc
+import asyncio
+import time
 
-from infermesh.pb import common_pb2, router_pb2
+import grpc
+import pytest
+
+from devtools.redis_server import RedisServer
+from infermesh.channels import router_channel_options
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.config import RoutingSection
 from tests.helpers import MODEL
 from tests.helpers.inprocess import (
@@ -110,3 +117,60 @@ async def test_a_completed_request_reported_on_the_stream_ends_its_workers_failu
         await call.read()
         assert fleet.failures[worker.slot] == 2 and not fleet.ejected(worker)
         call.cancel()
+
+
+async def _until_unavailable(router) -> None:
+    deadline = time.monotonic() + 5
+    while router.resources.registry.available:
+        assert time.monotonic() < deadline, "the router never noticed Redis was gone"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_router_that_loses_its_registry_ends_its_streams_and_refuses_new_ones(tmp_path):
+    with RedisServer(workdir=tmp_path) as redis_server:
+        async with running_router(redis_url=redis_server.url) as router:
+            call = router.stub.RouteStream()
+            await call.write(router_pb2.RouteStreamRequest(asks=[_ask(1)]))
+            assert (await call.read()).decisions[0].code  # no worker: answered all the same
+            redis_server.stop()
+            await _until_unavailable(router)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "cannot reach its registry" in (ended.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await router.stub.RouteStream().read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "registry" in (refused.value.details() or "")
+
+
+async def test_calls_to_a_list_of_routers_go_to_those_that_reach_their_registry(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    with (
+        RedisServer(workdir=tmp_path / "a") as lost_redis,
+        RedisServer(workdir=tmp_path / "b") as redis_server,
+    ):
+        async with (
+            running_router(redis_url=lost_redis.url) as lost,
+            running_router(redis_url=redis_server.url) as kept,
+            running_worker(sim_engine(), kept, "w"),
+        ):
+            target = f"ipv4:{lost.address},{kept.address}"
+            channel = grpc.aio.insecure_channel(target, options=router_channel_options(target))
+            async with channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                lost_redis.stop()
+                await _until_unavailable(lost)
+                deadline = time.monotonic() + 5
+                answered = []
+                while len(answered) < 6:  # once the health watch saw it: never the lost one
+                    assert time.monotonic() < deadline, answered
+                    try:
+                        reply = await stub.ListModels(router_pb2.ListModelsRequest(), timeout=1)
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE
+                        answered.clear()
+                        continue
+                    answered.append([m.id for m in reply.models])
+                assert answered == [[MODEL]] * 6

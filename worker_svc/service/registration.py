@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from infermesh.channels import CHANNEL_OPTIONS
+from infermesh.channels import router_channel_options, several_routers
 from infermesh.names import PRECISIONS
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
 from infermesh.tls import TlsSection, open_channel
@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # How long one registration waits for the router to be reachable before trying again.
 _REGISTER_WAIT_S = 5.0
+_OTHER_ROUTER_PAUSE_S = 0.05  # after a router of several answered UNAVAILABLE
 # A measured prefill speed is told to the router (by registering again, which regroups its fleet)
 # when it moved by more than this share from the one told, at most every _PREFILL_TELL_S
 _PREFILL_SLACK = 0.25
@@ -96,7 +97,12 @@ class Registration:
 
     async def run(self) -> None:
         info = self._servicer.info
-        async with open_channel(self._router_address, self._tls, CHANNEL_OPTIONS) as channel:
+        # Another router of a list is asked at once after one answered UNAVAILABLE (it cannot
+        # reach the registry): a heartbeat that waited the whole pause would leave little of the
+        # TTL (a second's interval, the failed call's Redis timeout, then the pause).
+        pause_s = _OTHER_ROUTER_PAUSE_S if several_routers(self._router_address) else None
+        options = router_channel_options(self._router_address)
+        async with open_channel(self._router_address, self._tls, options) as channel:
             router = router_pb2_grpc.RouterStub(channel)
             registered, interval_s, reported_down = False, 0.0, False
             while True:
@@ -143,6 +149,6 @@ class Registration:
                         reported_down = True
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         # the router answered (e.g. UNAVAILABLE while its Redis is down): no spin
-                        await asyncio.sleep(min(interval_s or 1.0, 1.0))
+                        await asyncio.sleep(pause_s or min(interval_s or 1.0, 1.0))
                 if registered:
                     await asyncio.sleep(interval_s)
