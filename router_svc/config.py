@@ -119,6 +119,9 @@ class RoutingSection:
     index_max_blocks: int = 65536
     # dict probes a prefix lookup may spend (past them, shallower prefixes are counted short)
     index_max_probes: int = 32
+    # The prefix index's lookup: "compiled" (router_svc/_prefix_probe.c, built by `make native`;
+    # a router that cannot load it refuses to start) or "python" (the reference, slower).
+    index: Literal["compiled", "python"] = "compiled"
     prefix_bytes: int = 256  # leading prompt bytes whose hash is the prefix affinity key
     # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
     affinity_load_factor: float = 1.25

@@ -561,13 +561,18 @@ class RunningRouter:
 async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, RunningRouter]:
     """Starts the router on the configured address (port 0: a free port). Starts even when
     Redis is down: it answers UNAVAILABLE (health NOT_SERVING) until Redis is back."""
+    # first: a compiled lookup that does not load is a config error, before anything is opened
+    index = PrefixIndex(
+        config.routing.index_max_blocks,
+        config.routing.index_max_probes,
+        compiled=config.routing.index == "compiled",
+    )
     registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_s))
     channels = WorkerChannels(config.tls)
     # its own connections, without retries: a count retried after a lost reply would count twice
     usage = CallerUsage(
         redis_client(config.redis.url, timeout_s=config.redis.timeout_s, retries=False)
     )
-    index = PrefixIndex(config.routing.index_max_blocks, config.routing.index_max_probes)
     subscriptions = CacheEventSubscriptions(index, channels)
     if config.routing.cache_events:
         registry.fleet.watchers.append(subscriptions)
