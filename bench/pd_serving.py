@@ -84,14 +84,15 @@ from worker_svc.config import (
     WorkerServerSection,
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
+from worker_svc.hardware.sizing import model_size_of
 from worker_svc.sim_engine.engine import SimEngine
 
 MODEL = "DeepSeek-V3"
 KINDS = (("H200", 8), ("H100", 16), ("H800", 16), ("A100", 24))  # (GPU profile, GPUs per worker)
 FLEET = [kind for kind in KINDS for _ in range(4)]
-# MLA: 61 layers x 128 heads, each query against a cached token's 512-value latent (scores) and
-# its 512 + 64 values (the absorbed value and the rope'd key), 2 FLOPs a multiply-add
-ATTENTION_FLOPS_PER_KEY = 61 * 128 * 2 * (576 + 512)
+# MLA: 61 layers x 128 heads, each query against a cached token's 512 + 64 values (scores) and
+# its 512-value latent (the absorbed value), 2 FLOPs a multiply-add
+ATTENTION_FLOPS_PER_KEY = model_size_of(MODEL).attention_flops_per_key
 MAX_PARALLEL = 32
 MAX_MODEL_LEN = 131072
 TTFT_SLO_S = 2.0
