@@ -189,6 +189,13 @@ class Timings(NamedTuple):
     cached_tokens: list[int]  # of the chosen worker, as the index predicted
     plans: list[str]  # each decision's phase plan and its deciding term
 
+    def after_warm_up(self) -> Timings:
+        """Without the first tenth (the warm-up: first calls, caches filling)."""
+        warm = len(self.wall_us) // 10
+        return Timings(
+            self.wall_us[warm:], self.cpu_us[warm:], self.cached_tokens[warm:], self.plans[warm:]
+        )
+
 
 def time_policy(
     policy: Policy,
@@ -227,8 +234,7 @@ def time_policy(
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
-    warm = decisions // 10
-    return Timings(*(column[warm:] for column in timings))
+    return timings.after_warm_up()
 
 
 def time_lookups(workers: int, lookups: int, blocks_per_worker: int, compiled: bool) -> Timings:
@@ -244,8 +250,7 @@ def time_lookups(workers: int, lookups: int, blocks_per_worker: int, compiled: b
         index.cached_blocks(hashes, members, fleet.slot_count)
         timings.cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
         timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
-    warm = lookups // 10
-    return Timings(*(column[warm:] for column in timings))
+    return timings.after_warm_up()
 
 
 def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, float]:

@@ -93,12 +93,7 @@ def _roles_fleet(
         worker.capabilities.kv_transfer_bytes_per_token = V3_BYTES_PER_TOKEN
         worker.capabilities.role = role
     workers[0].capabilities.kv_transfer_bytes_per_token = bytes_per_token or V3_BYTES_PER_TOKEN
-    fleet = fleet_of(*workers)
-    for name, running in decoding.items():
-        entry = fleet.get(name)
-        assert entry is not None
-        fleet.set_load(entry, common_pb2.Load(running=running))
-    return fleet
+    return fleet_of(*workers, running=decoding)
 
 
 def test_a_prefill_worker_is_never_a_requests_worker():

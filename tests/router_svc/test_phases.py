@@ -13,9 +13,8 @@ from router_svc.config import RouterConfig, RoutingSection
 from router_svc.fleet import Fleet
 from router_svc.routing import Chooser, Decision
 from tests.helpers.fleet import info
+from tests.router_svc.test_kv_pull import V3_BYTES_PER_TOKEN
 from tests.router_svc.test_routing import fleet_of, with_hashes
-
-V3_BYTES_PER_TOKEN = 61 * 576 * 2  # DeepSeek-V3's latent cache in BF16
 
 
 def _fleet(*workers: tuple[str, str, float], decoding: dict[str, int]) -> Fleet:
@@ -26,12 +25,7 @@ def _fleet(*workers: tuple[str, str, float], decoding: dict[str, int]) -> Fleet:
         caps = worker.capabilities
         caps.role, caps.prefill_tokens_per_second = role, prefill_speed
         caps.prefill_chunk_tokens, caps.kv_transfer_bytes_per_token = 256, V3_BYTES_PER_TOKEN
-    fleet = fleet_of(*infos)
-    for name, running in decoding.items():
-        entry = fleet.get(name)
-        assert entry is not None
-        fleet.set_load(entry, common_pb2.Load(running=running))
-    return fleet
+    return fleet_of(*infos, running=decoding)
 
 
 def _decide(fleet: Fleet, tokens: int, **routing: float) -> Decision:
