@@ -316,6 +316,10 @@ def run_mode(
         "INFERMESH_ROUTER_ROUTING_PHASE_SPLIT": phase_split,
         "INFERMESH_ROUTER_ROUTING_INTER_TOKEN_OBJECTIVE_S": str(ITL_SLO_S * scale),
         "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(RoutingSection().stall_timeout_s * scale),
+        # a shared machine's stalls are no worker's failure: a slower Redis and a longer TTL
+        # keep the fleet registered through them
+        "INFERMESH_ROUTER_REDIS_TIMEOUT_S": "2",
+        "INFERMESH_ROUTER_REGISTRY_TTL_S": "15",
     }
     with policies.fleet_router(
         "balanced", redis_url, fleet_command, len(FLEET), router_env

@@ -9,10 +9,14 @@ import pytest
 from infermesh.config import ConfigError, load_config
 from infermesh.pb import common_pb2
 from infermesh.prefix_hash import chain
+from infermesh.sim_tokens import prompt_text, sim_token_ids
 from router_svc.config import RouterConfig, RoutingSection
 from router_svc.fleet import Fleet
 from router_svc.routing import Chooser, Decision
+from telemetry import metrics
+from tests.helpers import MODEL
 from tests.helpers.fleet import info
+from tests.helpers.inprocess import running_router, running_worker, sim_engine
 from tests.router_svc.test_kv_pull import V3_BYTES_PER_TOKEN
 from tests.router_svc.test_routing import fleet_of, with_hashes
 
@@ -138,3 +142,25 @@ def test_a_bad_phase_split_is_a_config_error_naming_the_key(tmp_path):
     expected = r"router.toml: \[routing\] phase_split: expected one of .*'sometimes'"
     with pytest.raises(ConfigError, match=expected):
         load_config(RouterConfig, path, "infermesh_router", environ={})
+
+
+async def test_each_routed_request_is_counted_by_its_plan_and_deciding_term():
+    """The router's counter, through a real router and a simulated worker: a request without
+    block hashes is served aggregated as ``unhashed``, one with them on an idle worker as
+    ``idle``."""
+    plans = metrics.ROUTER_PHASE_PLANS
+    async with (
+        running_router() as router,
+        running_worker(sim_engine(model="DeepSeek-V3", gpu="H200"), router, "w"),
+    ):
+        for term, hashed in (("unhashed", False), ("idle", True)):
+            before = plans.labels("aggregated", term)._value.get()
+            prompt = f"{term} " * 100  # not cached by the request before
+            request = common_pb2.GenerateRequest(
+                model=MODEL,
+                prompt=prompt,
+                sampling=common_pb2.SamplingParams(max_tokens=1),
+                prefix_hashes=chain(sim_token_ids(prompt_text(None, prompt))) if hashed else [],
+            )
+            await router.stub.Complete(request)
+            assert plans.labels("aggregated", term)._value.get() - before == 1
