@@ -119,7 +119,8 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
         return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu, long_output=long)
 
 
-_UNPLANNED = PhasePlan("aggregated", "unhashed")
+_UNPLANNED = PhasePlan("aggregated", "unhashed")  # no prefix hashes: nothing to plan by
+_BY_POLICY = PhasePlan("aggregated", "policy")  # least_load, round_robin, random: no cost
 
 
 class FleetFullError(RouteError):
@@ -139,7 +140,7 @@ class Decision:
     # or has its prompt prefilled on a prefill worker (router_svc/phases.py)
     pull: PullPlan | None = None
     # how the request's phases are served, and the term that decided it (phases.PhasePlan):
-    # a request without prefix hashes, or under another policy, is served aggregated
+    # a request without prefix hashes, or under a policy without a cost, is served aggregated
     phases: PhasePlan = _UNPLANNED
     # the first worker's prefill of the prompt, estimated: what the request adds to its queue
     # (Fleet.queued_prefill) once routed there
@@ -206,7 +207,12 @@ class Chooser:
             picked = (
                 [group.slots[first], group.slots[(first + 1) % n]] if n > 1 else [group.slots[0]]
             )
-            return Decision([fleet.entry_at(s) for s in picked], {"policy": policy}, basis="turn")
+            return Decision(
+                [fleet.entry_at(s) for s in picked],
+                {"policy": policy},
+                basis="turn",
+                phases=_BY_POLICY,
+            )
         busy = fleet.busy_now[group.slots]
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
@@ -263,7 +269,7 @@ class Chooser:
             }
             if queued_s is not None:
                 reasons["queued_prefill_s"] = float(queued_s[best])
-        phases = _UNPLANNED
+        phases = _UNPLANNED if policy == "balanced" else _BY_POLICY
         if cached is not None and queued_s is not None:
             phases = plan_phases(
                 self._links.of(fleet),
