@@ -57,12 +57,14 @@ import math
 import os
 import statistics
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cache_routing
 from bench import router_policies as policies
@@ -71,6 +73,7 @@ from devtools.redis_server import RedisServer
 from gateway.mesh.prompt_tokens import SIM_RENDERER
 from infermesh import sim_tokens
 from infermesh.pb import router_pb2_grpc
+from infermesh.ports import free_port
 from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from worker_svc.config import (
@@ -290,10 +293,27 @@ def workload_of(name: str, args: argparse.Namespace) -> cache_routing.Workload:
     return cache_routing.WORKLOADS[name](wall, sim_tokens.BYTES_PER_TOKEN)
 
 
+def phase_plans(metrics_port: int) -> collections.Counter[str]:
+    """The router's decisions by phase plan and deciding term ("split/stall": prefilled on P),
+    read from its metrics port."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return collections.Counter(
+        {
+            f"{sample.labels['plan']}/{sample.labels['term']}": int(sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "infermesh_router_phase_plans"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+    )
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, redis_url: str, workload: cache_routing.Workload
-) -> list[cache_routing.Outcome]:
-    """One mode's run of ``workload`` on a fresh router and fleet."""
+) -> tuple[list[cache_routing.Outcome], collections.Counter[str]]:
+    """One mode's run of ``workload`` on a fresh router and fleet, and the router's phase plans."""
     _, link, phase_split = MODES[mode]
     scale = args.time_scale
     fleet_command = [
@@ -320,11 +340,13 @@ def run_mode(
         # keep the fleet registered through them
         "INFERMESH_ROUTER_REDIS_TIMEOUT_S": "2",
         "INFERMESH_ROUTER_REGISTRY_TTL_S": "15",
+        "INFERMESH_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
     }
     with policies.fleet_router(
         "balanced", redis_url, fleet_command, len(FLEET), router_env
     ) as address:
-        return asyncio.run(run_workload(address, workload))
+        outcomes = asyncio.run(run_workload(address, workload))
+        return outcomes, phase_plans(metrics_port)
 
 
 def report(name: str, mode: str, r: dict[str, Any]) -> None:
@@ -405,13 +427,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         for name in args.workload:
             workload = workload_of(name, args)
-            runs = {mode: run_mode(mode, args, redis_server.url, workload) for mode in args.modes}
+            runs, plans = {}, {}
+            for mode in args.modes:
+                runs[mode], plans[mode] = run_mode(mode, args, redis_server.url, workload)
             # one window for every mode: to the slowest mode's last answer
             window_s = max(summarize(o, scale)["makespan"] for o in runs.values())
             results = {mode: summarize(o, scale, window_s) for mode, o in runs.items()}
             print(f"{name}: window {window_s:.1f} s", flush=True)
             for mode, r in results.items():
                 report(name, mode, r)
+                print(
+                    "  plans: " + ", ".join(f"{plan} {n}" for plan, n in plans[mode].most_common()),
+                    flush=True,
+                )
                 failures = collections.Counter(
                     f"{o.error}: {o.error_details}" for o in runs[mode] if o.error
                 )
