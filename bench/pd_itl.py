@@ -19,8 +19,7 @@ through the gateway with the openai SDK, greedy:
 for 4 tokens. Prints, per mode, the streams' inter-token latency (the gaps between content chunks
 after the first) p50/p99, their tokens/s, the long prompts' TTFT p50/max and how many requests the
 router prefilled on P (its infermesh_router_phase_plans counter, the warm-up included); then each
-split mode's ITL p99
-against aggregated's (#43's target for ours: <= 1.0).
+split mode's ITL p99 against aggregated's (#43's target for ours: <= 1.0).
 """
 
 from __future__ import annotations
