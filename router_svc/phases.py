@@ -25,7 +25,7 @@ D (routing.py), one of three plans, tried in this order, the first that applies:
 
          split:      delivered_s + step_s
                      (P's queued prefill, then what P's cache lacks at P's speed, then what D lacks
-                      over the link between their zones: kv_pull.plan_prefill, then D's step)
+                      over the link between their zones: _prefill_worker, then D's step)
          aggregated: queued_s + uncached * prefill_s_per_token + ceil(uncached / chunk) * step_s
                      (D's queued prefill, its own prefill, and the decode steps its chunks share)
 
@@ -47,8 +47,10 @@ Each plan names its deciding term (``PhasePlan.term``), which the decision's spa
 ``cached`` (nothing left to compute), ``idle`` (no stream decodes on D), ``gap`` (the stall is
 within the objective), ``no_prefill_worker`` (no P can take it: none of D's KV size and
 precision, linked and idle or of role "prefill"), ``first_token`` (the split's first token would
-come later); under a baseline's rule: ``always``, ``short`` (conditional: too little to
-compute), ``busy_prefill`` (conditional: P has prefill queued), ``never``.
+come later); under a baseline's rule: ``always`` and ``conditional`` (split by that rule),
+``short`` (conditional: too little to compute), ``busy_prefill`` (conditional: P has prefill
+queued), ``never``. A request without block hashes is ``unhashed``, and one under a policy without
+a cost (not ``balanced``) ``policy`` (routing.py): both served aggregated.
 """
 
 from __future__ import annotations
