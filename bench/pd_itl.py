@@ -3,10 +3,11 @@ the decoding streams when two real torch workers serve together (aggregated: eac
 phases) against apart (one "prefill", one "decode": the long prompts' KV blocks computed on P and
 sent to D), at equal fleet: apart under the rule before #43 (always-split: every prompt to P) and
 under the router's per-request decision (ours: to P only when D's streams would stall past the
-inter-token objective and P's first token comes no later; router_svc/phases.py).
+inter-token objective and P's first token comes no later; router_svc/phases.py), and the decision
+over two "both" workers, either prefilling for the other while idle (ours-both).
 
     nice -n 10 .venv/bin/python bench/pd_itl.py [--seconds 60] [--streams 4] \
-        [--prompt-tokens 8192] [--every-s 6] [--link-gbps 10]
+        [--prompt-tokens 8192] [--every-s 6] [--link-gbps 10] [--modes aggregated ours-both]
 
 Each mode starts its own mesh as processes (devtools.mesh: Redis, the router, two workers on
 `models/tiny-deepseek-v3-mla`, the gateway; mutual TLS), each worker pinned to a core of its own
@@ -49,10 +50,12 @@ from infermesh.text.tokenizer import Tokenizer
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"
 STREAM_TOKENS = 128
 LONG_PROMPT_NEW_TOKENS = 4
-MODES = {  # name: (a prefill and a decode worker, [routing] phase_split)
-    "aggregated": (False, "never"),
-    "always-split": (True, "always"),
-    "ours": (True, "cost"),
+MODES = {  # name: (a prefill and a decode worker, [routing] phase_split, link)
+    "aggregated": (False, "never", False),
+    "always-split": (True, "always", True),
+    "ours": (True, "cost", True),
+    # both workers "both", linked: either may prefill for the other while it is idle
+    "ours-both": (False, "cost", True),
 }
 
 
@@ -150,7 +153,7 @@ async def measure(
 def run_mode(
     mode: str, texts: list[str], cores: list[int], args: argparse.Namespace
 ) -> dict[str, float]:
-    apart, phase_split = MODES[mode]
+    apart, phase_split, link = MODES[mode]
     roles: tuple[Mapping[str, str], ...] = (
         ({"INFERMESH_WORKER_WORKER_ROLE": "prefill"}, {"INFERMESH_WORKER_WORKER_ROLE": "decode"})
         if apart
@@ -159,7 +162,7 @@ def run_mode(
     metrics_port = free_port()
     router_env = (
         {
-            "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps if apart else 0),
+            "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps if link else 0),
             "INFERMESH_ROUTER_ROUTING_PHASE_SPLIT": phase_split,
             "INFERMESH_ROUTER_METRICS_PORT": str(metrics_port),
         },
@@ -203,6 +206,7 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=6.0)
     parser.add_argument("--link-gbps", type=float, default=10.0)
     parser.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="the workers' cores")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = parser.parse_args()
     tokenizer = Tokenizer(str(MODEL_DIR))
     rng = random.Random("pd-itl")
@@ -213,7 +217,9 @@ def main() -> None:
     texts = [
         f"{i} " + words(rng, round(args.prompt_tokens * chars_per_token)) for i in range(count)
     ]
-    results = {mode: run_mode(mode, texts, args.cores, args) for mode in MODES}
+    if "aggregated" not in args.modes:
+        parser.error("--modes: aggregated is the reference every mode is compared with")
+    results = {mode: run_mode(mode, texts, args.cores, args) for mode in args.modes}
     print(
         f"{args.streams} streams of {STREAM_TOKENS} tokens, a {args.prompt_tokens}-token prompt "
         f"every {args.every_s} s, {args.seconds} s a mode"
@@ -230,9 +236,9 @@ def main() -> None:
             f"{r['ttft_max_s']:.2f} | {r['split']:.0f} |"
         )
     base = max(results["aggregated"]["itl_p99_ms"], 1e-9)
-    for mode in ("always-split", "ours"):
+    for mode in results.keys() - {"aggregated"}:
         ratio = results[mode]["itl_p99_ms"] / base
-        target = " (target <= 1.0)" if mode == "ours" else ""
+        target = " (target <= 1.0)" if mode.startswith("ours") else ""
         print(f"ITL p99 {mode} / aggregated: {ratio:.2f}{target}")
 
 
