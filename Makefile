@@ -19,11 +19,13 @@ VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
 IPTABLES := /usr/sbin/iptables
+# the router's compiled prefix lookup (router_svc/_prefix_probe.c), built with the C compiler
+NATIVE = router_svc/_prefix_probe$(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 
-.PHONY: all venv install vllm browser proto model model-v2 model-v32 model-mla model-r1 model-v31 run \
-	lint test netfaults console-screenshots bench clean chat-model
+.PHONY: all venv install vllm browser proto native model model-v2 model-v32 model-mla model-r1 model-v31 \
+	run lint test netfaults console-screenshots bench clean chat-model
 
-all: proto model
+all: proto native model
 
 $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +75,14 @@ $(GENERATED): $(PROTOS) $(INSTALLED)
 	touch infermesh/pb/__init__.py $@
 
 proto: $(GENERATED)
+
+# The router's prefix index lookup in C over CPython's API (router_svc/prefix_index.py loads it;
+# a router configured with [routing] index = "compiled" refuses to start without it).
+$(NATIVE): router_svc/_prefix_probe.c $(INSTALLED)
+	$(CC) -O2 -shared -fPIC -Wall -Wextra -Werror \
+		-I$(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") -o $@ $<
+
+native: $(NATIVE)
 
 # The tiny DeepSeek-V3 checkpoint with random weights, which the tests serve.
 $(MODEL_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
@@ -139,11 +149,11 @@ $(MLA_DIR)/config.json: $(GENERATED) devtools/tiny_model.py
 
 model-mla: $(MLA_DIR)/config.json
 
-run: install proto model
+run: install proto native model
 	$(PY) -m infermesh run
 
 # ruff and mypy, configured in pyproject.toml; mypy reads the generated .pyi stubs.
-lint: install proto $(BROWSER_INSTALLED)
+lint: install proto native $(BROWSER_INSTALLED)
 	$(RUFF) check .
 	$(RUFF) format --check .
 	$(MYPY)
@@ -158,7 +168,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 # --durations: the slowest tests, named at the end of every run (the suite's 8-minute budget).
-test: lint install proto model vllm browser netfaults
+test: lint install proto native model vllm browser netfaults
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=12
 
 # The console's screenshots in docs/console/, taken again by its browser test.

@@ -1,21 +1,26 @@
-"""Streams decoding while long prompts keep arriving (issue #35): the inter-token latency of the
-decoding streams when two real torch workers serve together (aggregated: each does both phases)
-against apart (one "prefill", one "decode": the long prompts' KV blocks computed on P and sent to
-D), at equal fleet.
+"""Streams decoding while long prompts keep arriving (issues #35, #43): the inter-token latency of
+the decoding streams when two real torch workers serve together (aggregated: each does both
+phases) against apart (one "prefill", one "decode": the long prompts' KV blocks computed on P and
+sent to D), at equal fleet: apart under the rule before #43 (always-split: every prompt to P) and
+under the router's per-request decision (ours: to P only when D's streams would stall past the
+inter-token objective and P's first token comes no later; router_svc/phases.py), and the decision
+over two "both" workers, either prefilling for the other while idle (ours-both).
 
     nice -n 10 .venv/bin/python bench/pd_itl.py [--seconds 60] [--streams 4] \
-        [--prompt-tokens 8192] [--every-s 6] [--link-gbps 10]
+        [--prompt-tokens 8192] [--every-s 6] [--link-gbps 10] [--modes aggregated ours-both]
 
 Each mode starts its own mesh as processes (devtools.mesh: Redis, the router, two workers on
 `models/tiny-deepseek-v3-mla`, the gateway; mutual TLS), each worker pinned to a core of its own
-(all its threads, one torch thread), so the two modes get the same compute: a prefill on P takes
-no cycles from D. In disaggregated mode the router has `[routing] link_gbps` set and the workers
-`[worker] role` "prefill" and "decode". Load, through the gateway with the openai SDK, greedy:
+(all its threads, one torch thread), so the modes get the same compute: a prefill on P takes
+no cycles from D. Apart, the router has `[routing] link_gbps` set and the workers `[worker] role`
+"prefill" and "decode"; each mode sets `[routing] phase_split` (aggregated: "never"). Load,
+through the gateway with the openai SDK, greedy:
 ``--streams`` chats that each stream 128 tokens and start again when done, and every
 ``--every-s`` a fresh prompt of ``--prompt-tokens`` tokens (made-up words, no cache hits) asking
 for 4 tokens. Prints, per mode, the streams' inter-token latency (the gaps between content chunks
-after the first) p50/p99, their tokens/s, and the long prompts' TTFT p50/max; then ITL p99
-disaggregated / aggregated (the issue's target: <= 0.5).
+after the first) p50/p99, their tokens/s, the long prompts' TTFT p50/max and how many requests the
+router prefilled on P (its infermesh_router_phase_plans counter, the warm-up included); then each
+split mode's ITL p99 against aggregated's (#43's target for ours: <= 1.0).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 import openai
 
 from bench.fair_queueing import percentile
+from bench.pd_serving import phase_plans
 from bench.router_policies import words
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
@@ -44,6 +50,13 @@ from infermesh.text.tokenizer import Tokenizer
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-deepseek-v3-mla"
 STREAM_TOKENS = 128
 LONG_PROMPT_NEW_TOKENS = 4
+MODES = {  # name: (a prefill and a decode worker, [routing] phase_split, link)
+    "aggregated": (False, "never", False),
+    "always-split": (True, "always", True),
+    "ours": (True, "cost", True),
+    # both workers "both", linked: either may prefill for the other while it is idle
+    "ours-both": (False, "cost", True),
+}
 
 
 async def stream_loop(
@@ -140,15 +153,19 @@ async def measure(
 def run_mode(
     mode: str, texts: list[str], cores: list[int], args: argparse.Namespace
 ) -> dict[str, float]:
+    apart, phase_split, link = MODES[mode]
     roles: tuple[Mapping[str, str], ...] = (
         ({"INFERMESH_WORKER_WORKER_ROLE": "prefill"}, {"INFERMESH_WORKER_WORKER_ROLE": "decode"})
-        if mode == "disaggregated"
+        if apart
         else ()
     )
+    metrics_port = free_port()
     router_env = (
-        ({"INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps)},)
-        if mode == "disaggregated"
-        else ()
+        {
+            "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps if link else 0),
+            "INFERMESH_ROUTER_ROUTING_PHASE_SPLIT": phase_split,
+            "INFERMESH_ROUTER_METRICS_PORT": str(metrics_port),
+        },
     )
     workdir = Path(tempfile.mkdtemp(prefix=f"pd-itl-{mode}-"))
     try:
@@ -173,7 +190,10 @@ def run_mode(
                 for i, core in enumerate(cores):
                     pin(mesh.pid(f"worker{i}"), core)
                 key = asyncio.run(create_key_at(redis.url, "pd-itl"))
-                return asyncio.run(measure(spec.base_url, key, MODEL_DIR.name, texts, args))
+                result = asyncio.run(measure(spec.base_url, key, MODEL_DIR.name, texts, args))
+                plans = phase_plans(metrics_port)
+                result["split"] = sum(n for plan, n in plans.items() if plan.startswith("split/"))
+                return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -186,6 +206,7 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=6.0)
     parser.add_argument("--link-gbps", type=float, default=10.0)
     parser.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="the workers' cores")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = parser.parse_args()
     tokenizer = Tokenizer(str(MODEL_DIR))
     rng = random.Random("pd-itl")
@@ -196,26 +217,29 @@ def main() -> None:
     texts = [
         f"{i} " + words(rng, round(args.prompt_tokens * chars_per_token)) for i in range(count)
     ]
-    results = {
-        mode: run_mode(mode, texts, args.cores, args) for mode in ("aggregated", "disaggregated")
-    }
+    if "aggregated" not in args.modes:
+        parser.error("--modes: aggregated is the reference every mode is compared with")
+    results = {mode: run_mode(mode, texts, args.cores, args) for mode in args.modes}
     print(
         f"{args.streams} streams of {STREAM_TOKENS} tokens, a {args.prompt_tokens}-token prompt "
         f"every {args.every_s} s, {args.seconds} s a mode"
     )
     print(
         "| mode | ITL p50 ms | ITL p99 ms | stream tokens/s | long prompts | TTFT p50 s | "
-        "TTFT max s |"
+        "TTFT max s | prefilled on P |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results.items():
         print(
             f"| {mode} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
             f"{r['stream_tokens_per_s']:.1f} | {r['long_prompts']:.0f} | {r['ttft_p50_s']:.2f} | "
-            f"{r['ttft_max_s']:.2f} |"
+            f"{r['ttft_max_s']:.2f} | {r['split']:.0f} |"
         )
-    ratio = results["disaggregated"]["itl_p99_ms"] / max(results["aggregated"]["itl_p99_ms"], 1e-9)
-    print(f"ITL p99 disaggregated / aggregated: {ratio:.2f} (target <= 0.5)")
+    base = max(results["aggregated"]["itl_p99_ms"], 1e-9)
+    for mode in results.keys() - {"aggregated"}:
+        ratio = results[mode]["itl_p99_ms"] / base
+        target = " (target <= 1.0)" if mode.startswith("ours") else ""
+        print(f"ITL p99 {mode} / aggregated: {ratio:.2f}{target}")
 
 
 if __name__ == "__main__":

@@ -1,37 +1,45 @@
 """Prefill/decode disaggregation against aggregated serving, at equal fleet: goodput, time to
 first token and inter-token latency on a simulated mixed fleet of 16 DeepSeek-V3 workers.
 
-    nice -n 10 .venv/bin/python bench/pd_serving.py [--workload agent shared-prefix production]
-        [--modes aggregated pulls disaggregated] [--prefill H100:2,H800:2,A100:1]
-        [--link-gbps 400] [--time-scale 4] [--seed 1]
+    nice -n 10 .venv/bin/python bench/pd_serving.py
+        [--workload agent shared-prefix production prefill-heavy]
+        [--modes aggregated always-split conditional ours ours-partitioned]
+        [--prefill H100:2,H800:2,A100:1] [--link-gbps 400] [--time-scale 4] [--seed 1]
 
-Per mode and workload, fresh processes on an emptied Redis: a real router (cache-aware: the
-balanced policy, each request with its prompt's block hashes) and one process hosting the 16
-simulated workers (worker_svc/sim_engine/) as real gRPC servers: 4 of each of H200 x 8 GPUs,
-H100 x 16, H800 x 16 and A100 x 24, serving DeepSeek-V3 (FP8 on the Hopper GPUs, BF16 on the
-A100s; MLA attention's FLOPs counted) with a prefix cache of what their memory holds after the
-weights (4.9-6.8 M tokens), up to 32 sequences each, contexts to 128k tokens.
+Every mode runs in this one invocation on the same arrivals (or the same sessions and think
+times). Per mode and workload, fresh processes on an emptied Redis: a real router (cache-aware:
+the balanced policy, each request with its prompt's block hashes) and one process hosting the 16
+simulated workers (worker_svc/sim_engine/, prefilling in the torch engine's chunks) as real gRPC
+servers: 4 of each of H200 x 8 GPUs, H100 x 16, H800 x 16 and A100 x 24, serving DeepSeek-V3 (FP8
+on the Hopper GPUs, BF16 on the A100s; MLA attention's FLOPs counted) with a prefix cache of what
+their memory holds after the weights (4.9-6.8 M tokens), up to 32 sequences each, contexts to
+128k tokens. The modes (``[routing] phase_split``, router_svc/phases.py):
 
-- aggregated: every worker "both", no pulls: today's cache-aware routing;
-- pulls: the same, with ``[routing] link_gbps``: a request's worker pulls a busy holder's
-  cached prefix when the link beats computing it (router_svc/kv_pull.py's plan_pull);
-- disaggregated: ``--prefill`` workers of each kind of role "prefill", the rest "decode", with
-  the link: a decode worker has its prompts prefilled on a prefill worker of its precision and
-  takes the blocks (plan_prefill), pulls as above.
+- aggregated: every worker "both", no link, no split (``never``);
+- always-split: ``--prefill`` workers of each kind of role "prefill", the rest "decode", with the
+  link: every prompt a prefill worker can take is prefilled there (``always``: the rule before
+  the per-request decision), a busy holder's cached prefix pulled when the link beats computing;
+- conditional: the same fleet under Dynamo's rule (``conditional``: prefilled on D when the part
+  it lacks is under 2,048 tokens or 0.7 of the prompt, or when P has prefill queued);
+- ours: every worker "both", with the link: the router's per-request decision (``cost``), idle
+  workers prefilling for busy ones;
+- ours-partitioned (not by default): the partitioned fleet under the router's decision.
 
 Workloads (bench/cache_routing.py's, sized here): agent: sessions that open with a 20-80k-token
 context and resend their growing history every turn (closed loop, think times between turns);
 shared-prefix: tenants' 6k-token system prompts with short questions, Poisson arrivals at a
 fixed rate; production (not by default): long prompts (1-64k tokens, median 8k) sharing one
 512-token block, bursty, with 200-400-token answers, at ``--long-load`` x the fleet's capacity
-without hits.
+without hits; prefill-heavy (not by default): fresh prompts of 8-64k tokens (median 24k) with
+200-800-token answers (input:output at least 10:1), bursty, at ``--heavy-load`` x the capacity.
 
 Goodput here is the number of requests meeting both SLOs (their time to first token <= 2 s, and
 the 99th percentile of their own inter-token gaps, for answers under 100 tokens the longest, <=
-100 ms), per second of the workload's makespan, at the same offered workload for every mode (the
-same arrivals, or the same sessions and think times): not the highest arrival rate meeting the
-SLOs, which would need a search of rates per mode. The share of requests meeting them is shown
-too, with TTFT p50/p90 and the fleet's inter-token p99 (over every token).
+100 ms) per second of one fixed window, the same for every mode of a workload (from the start to
+the last answer of the slowest mode), at the same offered workload for every mode:
+every request counts, a failed or cut one in the denominator as a miss. Not the highest arrival
+rate meeting the SLOs, which would need a search of rates per mode. The share of requests meeting
+them is shown too, with TTFT p50/p90 and the fleet's inter-token p99 (over every token).
 
 Simulated time runs ``--time-scale`` times slower than the wall clock (the workers' steps and
 transfers, the speeds they report, the router's link, the workload's arrivals and think times),
@@ -49,10 +57,13 @@ import math
 import os
 import statistics
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # this process forks the services
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cache_routing
 from bench import router_policies as policies
@@ -60,6 +71,7 @@ from devtools.pd_split import decode_without_prefill
 from devtools.redis_server import RedisServer
 from gateway.mesh.prompt_tokens import SIM_RENDERER
 from infermesh import sim_tokens
+from infermesh.ports import free_port
 from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from worker_svc.config import (
@@ -73,23 +85,27 @@ from worker_svc.config import (
     WorkerServerSection,
 )
 from worker_svc.hardware.gpu_profiles import gpu_profiles
+from worker_svc.hardware.sizing import model_size_of
 from worker_svc.sim_engine.engine import SimEngine
 
 MODEL = "DeepSeek-V3"
 KINDS = (("H200", 8), ("H100", 16), ("H800", 16), ("A100", 24))  # (GPU profile, GPUs per worker)
 FLEET = [kind for kind in KINDS for _ in range(4)]
-# MLA: 61 layers x 128 heads, each query against a cached token's 512-value latent (scores) and
-# its 512 + 64 values (the absorbed value and the rope'd key), 2 FLOPs a multiply-add
-ATTENTION_FLOPS_PER_KEY = 61 * 128 * 2 * (576 + 512)
+# MLA: 61 layers x 128 heads, each query against a cached token's 512 + 64 values (scores) and
+# its 512-value latent (the absorbed value), 2 FLOPs a multiply-add
+ATTENTION_FLOPS_PER_KEY = model_size_of(MODEL).attention_flops_per_key
 MAX_PARALLEL = 32
 MAX_MODEL_LEN = 131072
 TTFT_SLO_S = 2.0
 ITL_SLO_S = 0.1
-MODES = {  # name: (prefill workers, link)
-    "aggregated": (False, False),
-    "pulls": (False, True),
-    "disaggregated": (True, True),
+MODES = {  # name: (prefill workers, link, [routing] phase_split)
+    "aggregated": (False, False, "never"),
+    "always-split": (True, True, "always"),
+    "conditional": (True, True, "conditional"),
+    "ours": (False, True, "cost"),
+    "ours-partitioned": (True, True, "cost"),
 }
+DEFAULT_MODES = ["aggregated", "always-split", "conditional", "ours"]
 DEFAULTS: dict[str, Any] = {
     "sessions": 32,
     "turns": 4,
@@ -114,6 +130,11 @@ DEFAULTS: dict[str, Any] = {
     "burst_shape": 0.25,
     "long_load": 0.15,
     "long_max_tokens": [200, 400],
+    # prefill-heavy: fresh long prompts, short answers, bursty
+    "heavy_prompt_tokens": [8000, 64000],
+    "heavy_median_tokens": 24000,
+    "heavy_load": 0.5,
+    "heavy_max_tokens": [200, 800],
 }
 
 
@@ -183,11 +204,14 @@ def request_itl_p99(itl_s: list[float]) -> float:
     return gaps[math.ceil(0.99 * len(gaps)) - 1]
 
 
-def summarize(outcomes: list[cache_routing.Outcome], time_scale: float) -> dict[str, Any]:
-    """The run's figures in simulated seconds."""
+def summarize(
+    outcomes: list[cache_routing.Outcome], time_scale: float, window_s: float | None = None
+) -> dict[str, Any]:
+    """The run's figures in simulated seconds; goodput per second of ``window_s`` (None: the
+    run's own makespan, to its last answer)."""
     done = [o for o in outcomes if o.done_s is not None and o.ttft_s is not None]
-    ttfts = sorted(o.ttft_s / time_scale for o in done if o.ttft_s is not None)
-    gaps = sorted(g / time_scale for o in done for g in o.itl_s)
+    ttfts = sorted(o.ttft_s / time_scale for o in done if o.ttft_s is not None) or [0.0, 0.0]
+    gaps = sorted(g / time_scale for o in done for g in o.itl_s) or [0.0, 0.0]
     good = [
         o
         for o in done
@@ -195,7 +219,7 @@ def summarize(outcomes: list[cache_routing.Outcome], time_scale: float) -> dict[
         and o.ttft_s / time_scale <= TTFT_SLO_S
         and request_itl_p99(o.itl_s) / time_scale <= ITL_SLO_S
     ]
-    makespan = max(o.done_s for o in done if o.done_s is not None) / time_scale
+    makespan = max((o.done_s for o in outcomes if o.done_s is not None), default=0.0) / time_scale
     # an agent's turns after its first: their history is cached somewhere
     later = [o.ttft_s / time_scale for o in done if o.order[0] > 0 and o.ttft_s is not None]
     return {
@@ -204,8 +228,9 @@ def summarize(outcomes: list[cache_routing.Outcome], time_scale: float) -> dict[
         "ttft_p50": statistics.median(ttfts),
         "ttft_p90": statistics.quantiles(ttfts, n=10)[8],
         "itl_p99": statistics.quantiles(gaps, n=100)[98],
+        "good": len(good),
         "good_share": len(good) / len(outcomes),
-        "goodput": len(good) / makespan,
+        "goodput": len(good) / (window_s or makespan or 1.0),
         "makespan": makespan,
         "hit": sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1),
         "later_ttft_p50": statistics.median(later) if later else None,
@@ -243,23 +268,131 @@ def describe_fleet(worker_roles: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
+def workload_of(name: str, args: argparse.Namespace) -> cache_routing.Workload:
+    """The workload ``name`` with its arrivals and think times in wall seconds."""
+    scale = args.time_scale
+    wall = argparse.Namespace(**{**vars(args), "rate": args.rate / scale})
+    wall.think_s = args.think_s * scale
+    wall.capacity_per_s = capacity_per_s(args) / scale
+    if name == "production":
+        wall.max_tokens = args.long_max_tokens
+    if name == "prefill-heavy":  # production's shape: fresh long prompts, short answers
+        wall.max_tokens = args.heavy_max_tokens
+        wall.long_prompt_tokens = args.heavy_prompt_tokens
+        wall.long_median_tokens = args.heavy_median_tokens
+        wall.long_sigma = 0.6
+        wall.long_load = args.heavy_load
+        wall.follow_ups = 0.0
+        wall.common_tokens = 0
+        name = "production"
+    return cache_routing.WORKLOADS[name](wall, sim_tokens.BYTES_PER_TOKEN)
+
+
+def phase_plans(metrics_port: int) -> collections.Counter[str]:
+    """The router's decisions by phase plan and deciding term ("split/stall": prefilled on P),
+    read from its metrics port."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return collections.Counter(
+        {
+            f"{sample.labels['plan']}/{sample.labels['term']}": int(sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "infermesh_router_phase_plans"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+    )
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, redis_url: str, workload: cache_routing.Workload
+) -> tuple[list[cache_routing.Outcome], collections.Counter[str]]:
+    """One mode's run of ``workload`` on a fresh router and fleet, and the router's phase plans."""
+    _, link, phase_split = MODES[mode]
+    scale = args.time_scale
+    fleet_command = [
+        __file__,
+        "--mode",
+        mode,
+        "--prefill",
+        ",".join(f"{k}:{n}" for k, n in args.prefill.items()),
+        "--link-gbps",
+        str(args.link_gbps),
+        "--time-scale",
+        str(scale),
+        "--fleet",
+    ]
+    # the router's times run on the wall clock: the link's, the inter-token objective's and the
+    # stall timeout's scaled with the simulated time (a worker's silence of 30 simulated seconds,
+    # not 30 / scale: a long prefill in one decode step is not a stalled worker)
+    router_env = {
+        "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(args.link_gbps / scale if link else 0),
+        "INFERMESH_ROUTER_ROUTING_PHASE_SPLIT": phase_split,
+        "INFERMESH_ROUTER_ROUTING_INTER_TOKEN_OBJECTIVE_S": str(ITL_SLO_S * scale),
+        "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(RoutingSection().stall_timeout_s * scale),
+        # a shared machine's stalls are no worker's failure: a slower Redis and a longer TTL
+        # keep the fleet registered through them
+        "INFERMESH_ROUTER_REDIS_TIMEOUT_S": "2",
+        "INFERMESH_ROUTER_REGISTRY_TTL_S": "15",
+        "INFERMESH_ROUTER_METRICS_PORT": str(metrics_port := free_port()),
+    }
+    with policies.fleet_router(
+        "balanced", redis_url, fleet_command, len(FLEET), router_env
+    ) as address:
+        outcomes = asyncio.run(run_workload(address, workload))
+        return outcomes, phase_plans(metrics_port)
+
+
+def report(name: str, mode: str, r: dict[str, Any]) -> None:
+    later = r["later_ttft_p50"]
+    print(
+        f"{name:<13} {mode:<16} goodput {r['goodput']:6.2f} req/s "
+        f"({r['good']} of {r['requests']} meet both SLOs, {r['good_share']:4.0%})  "
+        f"TTFT p50 {r['ttft_p50']:6.2f} s  p90 {r['ttft_p90']:6.2f} s  "
+        f"ITL p99 {r['itl_p99'] * 1000:7.1f} ms  makespan {r['makespan']:6.1f} s  "
+        f"hits {r['hit']:4.0%}  "
+        + (f"later turns' TTFT p50 {later:5.2f} s  " if later is not None else "")
+        + f"errors {r['errors']:.0f} {r['error_codes']}",
+        flush=True,
+    )
+
+
+def verdicts(name: str, results: dict[str, dict[str, Any]]) -> None:
+    """Each mode's goodput against aggregated's, and ours against the baselines, with targets."""
+    base = results.get("aggregated")
+    for mode, r in results.items():
+        if base is None or mode == "aggregated":
+            continue
+        ratio = r["good"] / max(base["good"], 1)
+        line = f"{name} {mode} vs aggregated: goodput x{ratio:.2f}"
+        if mode.startswith("ours"):
+            target = 1.5 if name == "prefill-heavy" else 0.95
+            line += f" (target >= {target}: {'met' if ratio >= target else 'MISSED'})"
+            for baseline in ("conditional", "always-split"):
+                if baseline in results:
+                    against = r["good"] / max(results[baseline]["good"], 1)
+                    line += f"; vs {baseline} x{against:.2f}"
+        print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    workloads = ["agent", "shared-prefix", "production"]
+    workloads = ["agent", "shared-prefix", "production", "prefill-heavy"]
     parser.add_argument("--workload", nargs="+", choices=workloads, default=workloads[:2])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
     parser.add_argument(
         "--prefill",
         type=prefill_split,
         default=prefill_split("H100:2,H800:2,A100:1"),
-        help="disaggregated: prefill workers per GPU kind, KIND:N,... (H100:2,H800:2,A100:1)",
+        help="partitioned modes: prefill workers per GPU kind, KIND:N,... (H100:2,H800:2,A100:1)",
     )
     parser.add_argument("--link-gbps", type=float, default=400.0, help="between the workers")
     parser.add_argument("--time-scale", type=float, default=4.0, help="wall s per simulated s")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--fleet", metavar="ROUTER_ADDRESS", help=argparse.SUPPRESS)
     for key, value in DEFAULTS.items():
         flag = "--" + key.replace("_", "-")
@@ -270,10 +403,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.fleet:  # the child serving the workers of --mode
         logging.basicConfig(level=os.environ.get("INFERMESH_LOG_LEVEL", "WARNING"))
-        disaggregated, link = MODES[args.mode]
+        partitioned, link, _ = MODES[args.mode]
         configs = worker_configs(
             args.fleet,
-            roles(args.prefill, disaggregated),
+            roles(args.prefill, partitioned),
             args.link_gbps if link else 0.0,
             args.time_scale,
         )
@@ -282,75 +415,32 @@ def main() -> None:
     scale = args.time_scale
     print(
         f"fleet: {describe_fleet(roles({}, False))}; {MAX_PARALLEL} sequences a worker; "
-        f"disaggregated: prefill on {args.prefill}; link {args.link_gbps:g} Gb/s; "
-        f"time scale {scale:g}",
+        f"partitioned: prefill on {args.prefill}; link {args.link_gbps:g} Gb/s; "
+        f"time scale {scale:g}; modes {', '.join(args.modes)}",
         flush=True,
     )
-    results: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as workdir, RedisServer(workdir=workdir) as redis_server:
         for name in args.workload:
-            # arrivals and think times in wall seconds
-            wall = argparse.Namespace(**{**vars(args), "rate": args.rate / scale})
-            wall.think_s = args.think_s * scale
-            wall.capacity_per_s = capacity_per_s(args) / scale
-            if name == "production":
-                wall.max_tokens = args.long_max_tokens
-            workload = cache_routing.WORKLOADS[name](wall, sim_tokens.BYTES_PER_TOKEN)
+            workload = workload_of(name, args)
+            runs, plans = {}, {}
             for mode in args.modes:
-                disaggregated, link = MODES[mode]
-                fleet_command = [
-                    __file__,
-                    "--mode",
-                    mode,
-                    "--prefill",
-                    ",".join(f"{k}:{n}" for k, n in args.prefill.items()),
-                    "--link-gbps",
-                    str(args.link_gbps),
-                    "--time-scale",
-                    str(scale),
-                    "--fleet",
-                ]
-                # the router's times run on the wall clock: the link's and the stall timeout's
-                # scaled with the simulated time (a worker's silence of 30 simulated seconds,
-                # not 30 / scale: a long prefill in one decode step is not a stalled worker)
-                link_gbps = args.link_gbps / scale if link else 0
-                router_env = {
-                    "INFERMESH_ROUTER_ROUTING_LINK_GBPS": str(link_gbps),
-                    "INFERMESH_ROUTER_ROUTING_STALL_TIMEOUT_S": str(
-                        RoutingSection().stall_timeout_s * scale
-                    ),
-                }
-                with policies.fleet_router(
-                    "balanced", redis_server.url, fleet_command, len(FLEET), router_env
-                ) as address:
-                    outcomes = asyncio.run(run_workload(address, workload))
-                r = results[name, mode] = summarize(outcomes, scale)
-                later = r["later_ttft_p50"]
+                runs[mode], plans[mode] = run_mode(mode, args, redis_server.url, workload)
+            # one window for every mode: to the slowest mode's last answer
+            window_s = max(summarize(o, scale)["makespan"] for o in runs.values())
+            results = {mode: summarize(o, scale, window_s) for mode, o in runs.items()}
+            print(f"{name}: window {window_s:.1f} s", flush=True)
+            for mode, r in results.items():
+                report(name, mode, r)
                 print(
-                    f"{name:<13} {mode:<13} goodput {r['goodput']:6.2f} req/s "
-                    f"({r['good_share']:4.0%} of {r['requests']:.0f} meet both SLOs)  "
-                    f"TTFT p50 {r['ttft_p50']:6.2f} s  p90 {r['ttft_p90']:6.2f} s  "
-                    f"ITL p99 {r['itl_p99'] * 1000:7.1f} ms  makespan {r['makespan']:6.1f} s  "
-                    f"hits {r['hit']:4.0%}  "
-                    + (f"later turns' TTFT p50 {later:5.2f} s  " if later is not None else "")
-                    + f"errors {r['errors']:.0f} {r['error_codes']}",
+                    "  plans: " + ", ".join(f"{plan} {n}" for plan, n in plans[mode].most_common()),
                     flush=True,
                 )
                 failures = collections.Counter(
-                    f"{o.error}: {o.error_details}" for o in outcomes if o.error
+                    f"{o.error}: {o.error_details}" for o in runs[mode] if o.error
                 )
                 for failure, count in failures.most_common():
                     print(f"  {count} x {failure}", flush=True)
-    for name in args.workload:
-        base = results.get((name, "aggregated"))
-        for mode in ("pulls", "disaggregated"):
-            if base and (name, mode) in results:
-                ratio = results[name, mode]["goodput"] / max(base["goodput"], 1e-9)
-                verdict = "met" if ratio >= 1.5 or mode == "pulls" else "MISSED"
-                print(
-                    f"{name} {mode} vs aggregated: goodput x{ratio:.2f}"
-                    + (f" (target >= 1.5: {verdict})" if mode == "disaggregated" else "")
-                )
+            verdicts(name, results)
 
 
 if __name__ == "__main__":

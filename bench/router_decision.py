@@ -2,7 +2,7 @@
 choosing a worker, without I/O (target: p99 <= 100 us).
 
     .venv/bin/python bench/router_decision.py [--workers 1000] [--decisions 20000]
-        [--blocks 3000] [--phases] [--index-memory]
+        [--blocks 3000] [--phases] [--index-memory] [--index python]
 
 Times exactly the hot path of RouterServicer.Generate before the worker call: RouteRequest.of
 (the prompt prefix hash) and Chooser.choose over the router's local Fleet view. The fleet is a
@@ -19,11 +19,15 @@ on another, where it was passed on once). Four requests in five continue a sessi
 and a new turn, with its affinity key), one in five starts a new one; each decision gets a prompt
 of its own, made just before it, so no lookup finds the index warm from an earlier one. The
 hashes are the gateway's work (computed before the clock starts); the lookup of the longest cached
-prefix per candidate is timed with the choice. ``--phases`` then times the same with phase
-planning (router_svc/kv_pull.py): a quarter of the workers of role "prefill", the rest "decode",
-all sending KV blocks of DeepSeek-V3's size over 100 Gb/s links in four zones (25 Gb/s between
-zones): every decision on a decode worker also picks the prefill worker that would deliver the
-prompt's blocks first, from the same lookup of the index (over both roles' workers).
+prefix per candidate is timed with the choice, and then alone (``PrefixIndex.cached_blocks`` over
+the candidates of the first model, on fresh prompts again), with the compiled lookup the router
+runs and with the pure-Python reference (``--index python`` times the decisions with the reference
+too). ``--phases`` then times the same with phase planning (router_svc/phases.py): a quarter of
+the workers of role "prefill", the rest "decode", all sending KV blocks of DeepSeek-V3's size
+(prefilling 256 tokens a step beside decodes) over 100 Gb/s links in four zones (25 Gb/s between
+zones): every decision weighs prefilling on the chosen worker against the prefill worker that
+would deliver the prompt's blocks first, from the same lookup of the index (over both roles'
+workers); it prints how many decisions planned a prefill worker, and by which term.
 ``--index-memory`` measures the index's bytes per cached (worker, block) pair with tracemalloc on
 a smaller fleet.
 """
@@ -88,6 +92,7 @@ def build_fleet(workers: int, rng: random.Random, phases: bool = False) -> Fleet
                 role=role,
                 zone=f"zone-{i % _ZONES}" if phases else "",
                 kv_transfer_bytes_per_token=_V3_KV_BYTES_PER_TOKEN if phases else 0,
+                prefill_chunk_tokens=256 if phases else 0,
             ),
         )
         running = rng.randrange(max_parallel + 1)
@@ -125,13 +130,17 @@ def tokens(rng: random.Random, count: int) -> array[int]:
 
 
 def build_index(
-    fleet: Fleet, rng: random.Random, blocks_per_worker: int, sessions_per_worker: int = 4
+    fleet: Fleet,
+    rng: random.Random,
+    blocks_per_worker: int,
+    sessions_per_worker: int = 4,
+    compiled: bool = True,
 ) -> tuple[PrefixIndex, list[tuple[str, array[int]]]]:
     """An index as the workers' cache events fill it, and the sessions cached in it (affinity
     key, prompt token ids): each on its session's worker, one in ten on another (passed on when
     its worker was full)."""
     config = RoutingSection()
-    index = PrefixIndex(config.index_max_blocks, config.index_max_probes)
+    index = PrefixIndex(config.index_max_blocks, config.index_max_probes, compiled=compiled)
     homes = Chooser(config)  # no index: the sessions' own workers
     systems = [tokens(rng, rng.randrange(2000, 8000)) for _ in range(_PROMPT_PREFIXES)]
     entries = fleet.entries()
@@ -178,17 +187,30 @@ class Timings(NamedTuple):
     wall_us: list[float]
     cpu_us: list[float]  # this thread's CPU time: without the waits of a shared machine
     cached_tokens: list[int]  # of the chosen worker, as the index predicted
+    plans: list[str]  # each decision's phase plan and its deciding term
+
+    def after_warm_up(self) -> Timings:
+        """Without the first tenth (the warm-up: first calls, caches filling)."""
+        warm = len(self.wall_us) // 10
+        return Timings(
+            self.wall_us[warm:], self.cpu_us[warm:], self.cached_tokens[warm:], self.plans[warm:]
+        )
 
 
 def time_policy(
-    policy: Policy, workers: int, decisions: int, blocks_per_worker: int = 0, phases: bool = False
+    policy: Policy,
+    workers: int,
+    decisions: int,
+    blocks_per_worker: int = 0,
+    phases: bool = False,
+    compiled: bool = True,
 ) -> Timings:
     rng = random.Random(1)
     fleet = build_fleet(workers, rng, phases)
     prefix_bytes = RoutingSection().prefix_bytes
     batch: Iterable[common_pb2.GenerateRequest]
     if blocks_per_worker:
-        index, sessions = build_index(fleet, rng, blocks_per_worker)
+        index, sessions = build_index(fleet, rng, blocks_per_worker, compiled=compiled)
         routing = _PHASE_LINKS if phases else RoutingSection()
         chooser = Chooser(dataclasses.replace(routing, policy=policy), index)
         batch = prefix_requests(rng, decisions, sessions)
@@ -197,13 +219,14 @@ def time_policy(
         batch = requests(rng, decisions)
     open_streams: collections.deque[WorkerEntry] = collections.deque()
     concurrent = workers * 3  # streams in flight across the fleet
-    timings = Timings([], [], [])
+    timings = Timings([], [], [], [])
     for request in batch:
         start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         decision = chooser.choose(fleet, RouteRequest.of(request, prefix_bytes))
         timings.cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
         timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
         timings.cached_tokens.append(decision.cached_tokens)
+        timings.plans.append(f"{decision.phases.plan}/{decision.phases.term}")
         fleet.started(decision.workers[0])
         fleet.queued_prefill(decision.workers[0], decision.prefill_s)  # as the router does
         if decision.pull is not None and decision.pull.compute:
@@ -211,8 +234,23 @@ def time_policy(
         open_streams.append(decision.workers[0])
         if len(open_streams) > concurrent:
             fleet.ended(open_streams.popleft())
-    warm = decisions // 10
-    return Timings(timings.wall_us[warm:], timings.cpu_us[warm:], timings.cached_tokens[warm:])
+    return timings.after_warm_up()
+
+
+def time_lookups(workers: int, lookups: int, blocks_per_worker: int, compiled: bool) -> Timings:
+    """``PrefixIndex.cached_blocks`` alone, over the first model's workers, a fresh prompt each."""
+    rng = random.Random(1)
+    fleet = build_fleet(workers, rng)
+    index, sessions = build_index(fleet, rng, blocks_per_worker, compiled=compiled)
+    members = fleet.group(_MODELS[0], common_pb2.PRECISION_UNSPECIFIED).members
+    timings = Timings([], [], [], [])
+    for request in prefix_requests(rng, lookups, sessions):
+        hashes = request.prefix_hashes
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        index.cached_blocks(hashes, members, fleet.slot_count)
+        timings.cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
+        timings.wall_us.append((time.perf_counter_ns() - start) / 1000)
+    return timings.after_warm_up()
 
 
 def index_bytes_per_block(workers: int, blocks_per_worker: int) -> tuple[float, float]:
@@ -257,6 +295,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3000, help="cached blocks per worker")
     parser.add_argument("--phases", action="store_true", help="then with prefill/decode roles")
     parser.add_argument("--index-memory", action="store_true")
+    parser.add_argument(
+        "--index",
+        choices=("compiled", "python"),
+        default="compiled",
+        help="the prefix lookup the decisions use ([routing] index)",
+    )
     args = parser.parse_args()
     if args.index_memory:
         one, further = index_bytes_per_block(100, 2000)
@@ -269,18 +313,32 @@ def main() -> None:
     for policy in ("round_robin", "least_load", "balanced"):
         report(policy, time_policy(policy, args.workers, args.decisions))
     started = time.perf_counter()
-    timings = time_policy("balanced", args.workers, args.decisions, args.blocks)
+    compiled = args.index == "compiled"
+    timings = time_policy("balanced", args.workers, args.decisions, args.blocks, compiled=compiled)
     print(
-        f"with prefix_hashes over an index of {args.blocks} blocks per worker "
-        f"(built and run in {time.perf_counter() - started:.0f} s; the chosen workers had "
+        f"with prefix_hashes over an index of {args.blocks} blocks per worker, {args.index} "
+        f"lookup (built and run in {time.perf_counter() - started:.0f} s; the chosen workers had "
         f"{statistics.mean(timings.cached_tokens):.0f} prompt tokens cached on average):"
     )
     report("balanced", timings)
+    print("the lookup alone (PrefixIndex.cached_blocks), compiled and the Python reference:")
+    for lookup in ("compiled", "python"):
+        report(
+            lookup, time_lookups(args.workers, args.decisions, args.blocks, lookup == "compiled")
+        )
     if args.phases:
-        timings = time_policy("balanced", args.workers, args.decisions, args.blocks, phases=True)
+        timings = time_policy(
+            "balanced", args.workers, args.decisions, args.blocks, phases=True, compiled=compiled
+        )
         planned = "prefill on P, decode on D"
         print(f"the same with phases ({planned}: 1 worker in 4 of role prefill, 4 zones):")
         report("balanced", timings)
+        plans = collections.Counter(timings.plans)
+        split = sum(count for plan, count in plans.items() if plan.startswith("split/"))
+        print(
+            f"planned a prefill worker: {split} of {len(timings.plans)} decisions; by plan/term: "
+            + ", ".join(f"{plan} {count}" for plan, count in plans.most_common())
+        )
 
 
 if __name__ == "__main__":

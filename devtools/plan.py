@@ -74,8 +74,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     split.add_argument(
         "--attention-flops-per-key",
         type=float,
-        default=0.0,
-        help="FLOPs of one query attending to one cached token, all layers (0: weights only)",
+        default=None,
+        help="FLOPs of one query attending to one cached token, all layers (default: the "
+        "model config's MLA attention; 0: weights only)",
     )
 
 
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workers and (
         args.workers < 2
         or min(args.prompt_tokens, args.output_tokens, args.max_parallel) < 1
-        or args.attention_flops_per_key < 0
+        or (args.attention_flops_per_key or 0) < 0
     ):
         raise SystemExit(
             "plan: a split needs --workers >= 2, --prompt-tokens, --output-tokens and "
@@ -199,7 +200,9 @@ def render_split(size: ModelSize, plans: list[KindPlan], args: argparse.Namespac
             p.gpus,
             size,
             args.utilization,
-            args.attention_flops_per_key,
+            size.attention_flops_per_key
+            if args.attention_flops_per_key is None
+            else args.attention_flops_per_key,
         )
         if roofline.kv_capacity_tokens < args.prompt_tokens + args.output_tokens:
             lines.append(f"| {p.kind} | {p.gpus} | the weights leave no room for one request |||||")

@@ -117,6 +117,8 @@ async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
         else None
     )
     app[PROMPT_TOKENS] = prompt_tokens
+    if prompt_tokens is not None:
+        prompt_tokens.start()  # learnt before the first requests, which wait for it
     yield
     if prompt_tokens is not None:
         await prompt_tokens.close()

@@ -12,6 +12,7 @@ from infermesh.redis_client import check_redis_url
 from infermesh.tls import TlsSection
 
 Policy = Literal["balanced", "least_load", "round_robin", "random"]
+PhaseSplit = Literal["cost", "always", "conditional", "never"]
 
 # The bounds of a request's fair-queue weight (0: its tier's) and priority, as the gateway's
 # admin API and request validation take them; past them a request is INVALID_ARGUMENT.
@@ -130,6 +131,9 @@ class RoutingSection:
     index_max_blocks: int = 65536
     # dict probes a prefix lookup may spend (past them, shallower prefixes are counted short)
     index_max_probes: int = 32
+    # The prefix index's lookup: "compiled" (router_svc/_prefix_probe.c, built by `make native`;
+    # a router that cannot load it refuses to start) or "python" (the reference, slower).
+    index: Literal["compiled", "python"] = "compiled"
     prefix_bytes: int = 256  # leading prompt bytes whose hash is the prefix affinity key
     # Bounded-load consistent hashing: a prefix's home takes at most this factor of its fair share.
     affinity_load_factor: float = 1.25
@@ -147,6 +151,15 @@ class RoutingSection:
     # The links across zones, Gb/s, by the two zones' names in either order:
     # {"rack-a/rack-b" = 25}. Two zones not listed have no link: no KV cache moves between them.
     zone_link_gbps: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The inter-token objective (a p99), seconds: a request's phases are split (prefilled on
+    # another worker) only when serving it aggregated would stall the streams decoding on its
+    # worker past it, and the split's first token comes no later (router_svc/phases.py).
+    inter_token_objective_s: float = 0.1
+    # When a request's phases are split (router_svc/phases.py): "cost" (the rule above),
+    # "always" (whenever a prefill worker can take it), "conditional" (Dynamo's rule: when the
+    # part the worker lacks is at least 2,048 tokens and 0.7 of the prompt and the prefill
+    # worker has nothing queued), "never" (aggregated); the last three are baselines to compare.
+    phase_split: PhaseSplit = "cost"
 
     def __post_init__(self) -> None:
         weights = (
@@ -167,6 +180,10 @@ class RoutingSection:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s: must be positive, got {self.stall_timeout_s}")
+        if self.inter_token_objective_s <= 0:
+            raise ValueError(
+                f"inter_token_objective_s: must be positive, got {self.inter_token_objective_s}"
+            )
         if self.link_gbps < 0:
             raise ValueError(f"link_gbps: must be >= 0, got {self.link_gbps}")
         for pair, gbps in self.zone_link_gbps.items():

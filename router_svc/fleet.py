@@ -122,6 +122,11 @@ class Fleet:
         self.kv_bytes = np.zeros(0, dtype=np.int64)
         self.zone_of = np.zeros(0, dtype=np.intp)
         self.zones: list[str] = [""]  # every zone a worker named, in order of first sight
+        # how it serves a request's phases (router_svc/phases.py): the prompt tokens it prefills
+        # a step beside decoding streams (0: a whole prompt in one step), and whether it may
+        # prefill for another worker while idle (role "both")
+        self.prefill_chunk = np.zeros(0, dtype=np.int64)
+        self.lends_prefill = np.zeros(0, dtype=bool)
         self.salt = np.zeros(0, dtype=np.uint64)
         # Requests this router routed to the worker (the first choice of each decision) whose
         # end it has not heard of yet: the gateways' route streams report each one's end, its
@@ -357,6 +362,8 @@ class Fleet:
         if caps.zone not in self.zones:
             self.zones.append(caps.zone)
         self.zone_of[entry.slot] = self.zones.index(caps.zone)
+        self.prefill_chunk[entry.slot] = caps.prefill_chunk_tokens
+        self.lends_prefill[entry.slot] = caps.role in ("", "both")
         self.salt[entry.slot] = entry.salt
 
     def _update_busy_now(self, slot: int) -> None:
@@ -375,6 +382,8 @@ class Fleet:
             "precision",
             "kv_bytes",
             "zone_of",
+            "prefill_chunk",
+            "lends_prefill",
             "salt",
             "in_flight",
             "known_at_report",

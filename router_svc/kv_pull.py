@@ -20,21 +20,8 @@ been done. Both workers must send and take KV blocks
 (``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
 No link (``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
 
-Prefill on P, decode on D (``plan_prefill``): a request whose chosen worker D is of role "decode"
-(``[worker] role``; a "prefill" worker is never a request's worker), and which pulls no cached
-prefix from a busy peer, has a worker of role "prefill" P compute the prompt and send D its blocks
-(``KVPull.compute``: D sends P the request with the pull). P is the one estimated to deliver the
-prompt's blocks first (the prefill queued there, then the part of the prompt its own cache lacks,
-as the prefix index says, at its prefill speed, then the part D lacks sent over the link between
-their zones), among those of D's model, precision and KV block size, not ejected and linked to D:
-within one zone always (a ``link_gbps`` of 0 counts the transfer 0), across two only as
-``zone_link_gbps`` lists them. D computes the prompt itself when there is no such P, or when D's
-cache already holds at least as much of the prompt as it lacks and more than P's does: a
-session's next turn, whose history D holds, would otherwise be prefilled again in full on P (and
-sent back) to spare D a tail shorter than that history. The pull's deadline is twice the
-estimate, at least PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. Otherwise a
-"decode" worker hands its prefills to P whatever the load: that is what the role asks for; a
-"both" worker computes its own.
+Prefill on P, decode on D is a pull too (``KVPull.compute``: the holder computes the blocks
+first); whether a request's phases are split, and on which P, is router_svc/phases.py's rule.
 """
 
 from __future__ import annotations
@@ -64,7 +51,7 @@ class PullPlan:
     # prompt's 5,000 hashes costs more than the rest of the decision
     prefix_hashes: Sequence[int]
     timeout_s: float
-    # the holder computes the blocks first (prefill on P, decode on D: ``plan_prefill``), its
+    # the holder computes the blocks first (prefill on P, decode on D: router_svc/phases.py), its
     # prefill estimated to take ``prefill_s``
     compute: bool = False
     prefill_s: float = 0.0
@@ -125,7 +112,7 @@ def plan_pull(
     theirs, mine = group.slots[holder], group.slots[chosen]
     link_gbps = float(links[fleet.zone_of[mine], fleet.zone_of[theirs]])
     bytes_per_token = int(fleet.kv_bytes[mine])
-    if link_gbps <= 0 or not _exchange_blocks(fleet, mine, np.array([theirs]))[0]:
+    if link_gbps <= 0 or not exchange_blocks(fleet, mine, np.array([theirs]))[0]:
         return None
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
@@ -137,69 +124,7 @@ def plan_pull(
     return PullPlan(fleet.entry_at(theirs), prefix_hashes[:blocks], compute_s)
 
 
-def plan_prefill(
-    links: np.ndarray,
-    fleet: Fleet,
-    model: str,
-    decoder: WorkerEntry,
-    cached_tokens: int,
-    prefix_hashes: Sequence[int],
-    cached_in: Callable[[Group], np.ndarray],
-) -> PullPlan | str:
-    """Prefill on P, decode on D: the pull that has a prefill worker compute the prompt's blocks
-    ``decoder`` (a "decode" worker serving ``model``, holding ``cached_tokens`` of them) lacks
-    and send them, or why D computes them (the module's rule). ``cached_in``: each of a
-    group's workers' tokens of the prompt in its cache."""
-    whole = len(prefix_hashes) * BLOCK_TOKENS
-    tokens = whole - cached_tokens
-    mine = decoder.info.capabilities
-    if tokens <= 0:
-        return "it holds the whole prompt"
-    if mine.kv_transfer_bytes_per_token <= 0:
-        return f"its engine ({mine.engine or 'unnamed'}) takes no KV blocks"
-    group = fleet.group(model, mine.precision, prefill=True)
-    if not len(group):
-        return "no prefill worker serves its model in its precision"
-    theirs_cached = cached_in(group)
-    if cached_tokens >= tokens and cached_tokens > theirs_cached.max():
-        # its tail costs less than P's whole prompt
-        return "it holds more of the prompt than it lacks, and more than a prefill worker"
-    now = fleet.clock()
-    slots = group.slots
-    queued_s = np.maximum(fleet.prefill_until[slots] - now, 0.0)
-    # its time to first token: the prefill queued there, then what its cache lacks
-    prefill_s = queued_s + (whole - theirs_cached) * group.prefill_s_per_token
-    # then sending D what D lacks, over the link between their zones (within one zone always
-    # linked, a link_gbps of 0 counting the transfer 0; across two only as listed)
-    zone = fleet.zone_of[decoder.slot]
-    gbps = links[zone, fleet.zone_of[slots]]
-    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below)
-    transfer_s = kv_transfer_s(
-        tokens, mine.kv_transfer_bytes_per_token, np.where(gbps > 0, gbps, np.inf)
-    )
-    usable = (
-        _exchange_blocks(fleet, decoder.slot, slots)
-        & (fleet.ejected_until[slots] <= now)
-        & ((gbps > 0) | (fleet.zone_of[slots] == zone))
-    )
-    delivered_s = np.where(usable, prefill_s + transfer_s, np.inf)
-    best = int(delivered_s.argmin())
-    estimate = float(delivered_s[best])
-    if not np.isfinite(estimate):
-        return (
-            "no prefill worker of its KV block layout (a KV engine, the same bytes per token, "
-            "the same precision), in service and linked to it"
-        )
-    return PullPlan(
-        fleet.entry_at(group.slots[best]),
-        prefix_hashes,
-        max(PREFILL_MIN_TIMEOUT_S, 2 * estimate),
-        compute=True,
-        prefill_s=float(prefill_s[best] - queued_s[best]),
-    )
-
-
-def _exchange_blocks(fleet: Fleet, mine: int, theirs: np.ndarray) -> np.ndarray:
+def exchange_blocks(fleet: Fleet, mine: int, theirs: np.ndarray) -> np.ndarray:
     """Whether the worker at slot ``mine`` and each at ``theirs`` can send each other KV blocks:
     both can, of one size per token, in one precision."""
     size = fleet.kv_bytes[mine]

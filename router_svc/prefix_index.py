@@ -29,20 +29,50 @@ may pass over the hole: the prediction then counts blocks past it the engine can
 worker recomputes the hole when it serves the request and reports it stored again, which mends
 the index.
 
+The lookup is compiled (``compiled=True``, what the router runs: router_svc/_prefix_probe.c, built
+by ``make native``), the same bisection probe for probe over the same dict; the pure-Python loop
+below is its reference (tests/router_svc/test_prefix_index_compiled.py: equal answers over random
+event sequences). A router configured for the compiled lookup refuses to start without the module
+(a ConfigError naming it), never falling back silently.
+
 Called from the router's event loop only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+
+from infermesh.config import ConfigError
+
+COMPILED_MODULE = "router_svc._prefix_probe"
+
+# fill_prefixes(holders, hashes, members, out, max_probes, resolution) -> any held
+_Fill = Callable[[dict[int, int], Sequence[int], int, np.ndarray, int, int], bool]
+
+
+def _compiled_fill() -> _Fill:
+    """The compiled lookup; ConfigError naming its module when it does not load."""
+    try:
+        from router_svc import _prefix_probe
+    except ImportError as error:
+        raise ConfigError(
+            f'[routing] index = "compiled": the compiled module {COMPILED_MODULE} did not load '
+            f'({error}); build it with `make native`, or set index = "python"'
+        ) from error
+    return _prefix_probe.fill_prefixes
 
 
 class PrefixIndex:
     """Block hash -> the fleet slots whose workers' caches hold it."""
 
-    def __init__(self, max_blocks: int, max_probes: int = 32, resolution: int = 64) -> None:
+    def __init__(
+        self, max_blocks: int, max_probes: int = 32, resolution: int = 64, *, compiled: bool = False
+    ) -> None:
+        """``compiled``: look up with the compiled module (ConfigError when it does not load),
+        else with the pure-Python reference."""
+        self._fill = _compiled_fill() if compiled else None
         self.max_blocks = max_blocks  # per worker
         self.max_probes = max_probes  # per lookup
         self.resolution = resolution  # a depth is found to 1/resolution of the prompt
@@ -105,6 +135,12 @@ class PrefixIndex:
         ``max_probes`` are spent, the workers still to be told apart count only what the probes
         showed them to hold. Every count is a lower bound, and a worker holding more than another
         counts no less."""
+        if self._fill is not None:
+            counts = np.zeros(slots, dtype=np.int64)
+            held = self._fill(
+                self._holders, hashes, members, counts, self.max_probes, self.resolution
+            )
+            return counts if held else None
         get = self._holders.get
         first = get(hashes[0], 0) & members if hashes else 0
         if not first:

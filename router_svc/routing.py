@@ -74,7 +74,8 @@ from infermesh.pb import common_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from router_svc.config import RoutingSection
 from router_svc.fleet import Fleet, Group, WorkerEntry
-from router_svc.kv_pull import PullPlan, ZoneLinks, plan_prefill, plan_pull
+from router_svc.kv_pull import PullPlan, ZoneLinks
+from router_svc.phases import PhaseInputs, PhasePlan, plan_phases
 from router_svc.prefix_index import PrefixIndex
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # a splitmix64 multiplier: mixes (salt ^ key)
@@ -118,6 +119,10 @@ class RouteRequest(NamedTuple):  # a tuple: built on every request, cheaply
         return cls(model, precision, _hash64(head), len(head) / prefix_bytes, gpu, long_output=long)
 
 
+_UNPLANNED = PhasePlan("aggregated", "unhashed")  # no prefix hashes: nothing to plan by
+_BY_POLICY = PhasePlan("aggregated", "policy")  # least_load, round_robin, random: no cost
+
+
 class FleetFullError(RouteError):
     """Every worker that could serve the request is at max_parallel."""
 
@@ -131,8 +136,12 @@ class Decision:
     # "session" (the session's worker), "cache" (it holds part of the prompt), "affinity" (the
     # prompt's head hashes to it) or "load" (the cost alone)
     basis: str = "load"
-    # the first worker takes a longer cached prefix from a busy peer (router_svc/kv_pull.py)
+    # the first worker takes a longer cached prefix from a busy peer (router_svc/kv_pull.py),
+    # or has its prompt prefilled on a prefill worker (router_svc/phases.py)
     pull: PullPlan | None = None
+    # how the request's phases are served, and the term that decided it (phases.PhasePlan):
+    # a request without prefix hashes, or under a policy without a cost, is served aggregated
+    phases: PhasePlan = _UNPLANNED
     # the first worker's prefill of the prompt, estimated: what the request adds to its queue
     # (Fleet.queued_prefill) once routed there
     prefill_s: float = 0.0
@@ -198,7 +207,12 @@ class Chooser:
             picked = (
                 [group.slots[first], group.slots[(first + 1) % n]] if n > 1 else [group.slots[0]]
             )
-            return Decision([fleet.entry_at(s) for s in picked], {"policy": policy}, basis="turn")
+            return Decision(
+                [fleet.entry_at(s) for s in picked],
+                {"policy": policy},
+                basis="turn",
+                phases=_BY_POLICY,
+            )
         busy = fleet.busy_now[group.slots]
         streams = busy + 1  # on the worker once this request is in
         cost = streams * group.inverse_capacity  # the share of its slots busy then
@@ -255,26 +269,20 @@ class Chooser:
             }
             if queued_s is not None:
                 reasons["queued_prefill_s"] = float(queued_s[best])
-        pull = None
-        if cached is not None and self._config.moves_kv:
-            links = self._links.of(fleet)
-            pull = plan_pull(links, fleet, group, busy, cached, best, request.prefix_hashes)
-        chosen = fleet.entry_at(slot)
-        if pull is None and request.prefix_hashes and chosen.info.capabilities.role == "decode":
-            planned = plan_prefill(
+        phases = _UNPLANNED if policy == "balanced" else _BY_POLICY
+        if cached is not None and queued_s is not None:
+            phases = plan_phases(
                 self._links.of(fleet),
                 fleet,
-                request.model,
-                chosen,
-                cached_tokens,
+                PhaseInputs(request.model, group, busy, cached, best, float(queued_s[best]), held),
                 request.prefix_hashes,
-                lambda prefill_group: _tokens_in(held, prefill_group),
+                self._config,
             )
-            if isinstance(planned, str):
-                reasons["prefill_here"] = planned  # why D computes the prompt itself
-            else:
-                pull = planned
+            reasons["phase_plan"] = phases.plan
+            reasons["phase_term"] = phases.term
+            if phases.plan == "split":
                 first_prefill_s = 0.0  # P's, not D's (Fleet.queued_prefill)
+        pull = phases.pull
         if pull is not None:
             reasons["pull_from"] = pull.holder.worker_id
             reasons["pull_blocks"] = len(pull.prefix_hashes)
@@ -286,6 +294,7 @@ class Chooser:
             cached_tokens,
             _basis(request, best == home, cached_tokens),
             pull=pull,
+            phases=phases,
             prefill_s=first_prefill_s,
         )
 

@@ -379,6 +379,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         _record_decision(trace.get_current_span(), decision)
         if routed:
             metrics.ROUTER_DECISIONS.labels(self._config.routing.policy, decision.basis).inc()
+            metrics.ROUTER_PHASE_PLANS.labels(decision.phases.plan, decision.phases.term).inc()
             if request.prefix_hashes:
                 _count_saved(decision)
             self._fleet.queued_prefill(decision.workers[0], decision.prefill_s)
@@ -517,7 +518,8 @@ def _record_decision(span: trace.Span, decision: Decision) -> None:
     the fallback), .policy, .candidates, .load and, for balanced, .kv_usage, .hardware,
     .prefix_home, .session and .cached_tokens (of the prompt, in the first worker's cache as
     the router's index predicts) and, for a request with prefix hashes, .queued_prefill_s (the
-    prefill this router estimates the first worker still has queued ahead of it)."""
+    prefill this router estimates the first worker still has queued ahead of it), .phase_plan
+    and .phase_term (how its phases are served, and the term that decided it: phases.py)."""
     span.set_attribute("infermesh.route.order", [w.worker_id for w in decision.workers])
     for name, value in decision.reasons.items():
         span.set_attribute(f"infermesh.route.{name}", value)
@@ -558,13 +560,18 @@ class RunningRouter:
 async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, RunningRouter]:
     """Starts the router on the configured address (port 0: a free port). Starts even when
     Redis is down: it answers UNAVAILABLE (health NOT_SERVING) until Redis is back."""
+    # first: a compiled lookup that does not load is a config error, before anything is opened
+    index = PrefixIndex(
+        config.routing.index_max_blocks,
+        config.routing.index_max_probes,
+        compiled=config.routing.index == "compiled",
+    )
     registry = Registry(config.redis, config.registry, Fleet(ttl_s=config.registry.ttl_s))
     channels = WorkerChannels(config.tls)
     # its own connections, without retries: a count retried after a lost reply would count twice
     usage = CallerUsage(
         redis_client(config.redis.url, timeout_s=config.redis.timeout_s, retries=False)
     )
-    index = PrefixIndex(config.routing.index_max_blocks, config.routing.index_max_probes)
     subscriptions = CacheEventSubscriptions(index, channels)
     if config.routing.cache_events:
         registry.fleet.watchers.append(subscriptions)

@@ -161,6 +161,14 @@ ROUTER_DECISIONS = Counter(
     ["policy", "basis"],
 )
 
+ROUTER_PHASE_PLANS = Counter(
+    "infermesh_router_phase_plans",
+    "Requests the router placed, by how their phases are served (aggregated; split: prefilled on "
+    "a prefill worker; pull: a busy peer's cached prefix pulled) and the term that decided it "
+    "(router_svc/phases.py)",
+    ["plan", "term"],
+)
+
 
 # The router's index of the workers' prefix caches (router_svc/prefix_index.py).
 PREFIX_TOKENS_SAVED = Counter(

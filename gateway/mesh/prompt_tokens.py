@@ -5,15 +5,20 @@ rendered and tokenized as that worker would (infermesh.text.prompt), and its Gen
 carries the ids, the digest and the ids' prefix hashes before the route ask. A simulated fleet
 ("bytes:4") gets its simulated tokens (infermesh.sim_tokens), nothing fetched.
 
-This path only ever adds fields: until a model's tokenizer is loaded (the first requests, a
-failed fetch, workers reporting no digest or one the gateway cannot load), or when a prompt
-does not render, the request goes without them, as before (the router then hashes its text and
-the worker renders it).
+The gateway starts learning its fleet's tokenizers as it starts (``start``), and looks again
+every ``[router] tokenizer_refresh_s``, or at once (at most once a second) for a model it has not
+seen: a model that appears is learnt by its first request. A request that arrives while a load is
+under way waits for it, at most LOAD_WAIT_S, rather than going without its ids and block hashes
+(which the router's prefill/decode split and cache-aware routing read). This path only ever adds
+fields: when the load fails or takes longer (a failed fetch, workers reporting no digest or one
+the gateway cannot load), or when a prompt does not render, the request goes without them, as
+before (the router then hashes its text and the worker renders it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,6 +45,16 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this (characters) are tokenized in a thread: HF tokenizers release the
 # GIL, so other requests go on meanwhile; shorter ones cost less than the thread's hand-over.
 THREAD_CHARS = 16_384
+# The longest a request waits for its model's tokenizer while it is being loaded (the tiny model's
+# loads in about 1.5 s here), before it goes without its ids
+LOAD_WAIT_S = 10.0
+# A request for a model the gateway has not seen looks at the fleet again at most this often
+_UNSEEN_MODEL_LOOK_S = 1.0
+# Tokenizers loaded in this process by their files' digest (which names them exactly), oldest
+# first: a gateway app created again in one process (its tests, a restart in place) loads none
+# twice
+_LOADED: dict[str, Tokenizer] = {}
+_LOADED_MAX = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +85,40 @@ class PromptTokens:
         self._looked_at = -float("inf")  # monotonic time of the last ListWorkers
         self._learning: asyncio.Task[None] | None = None
 
+    def start(self) -> None:
+        """Starts learning the fleet's tokenizers (as the gateway starts)."""
+        self._learn_soon()
+
     def renderer(self, model: str) -> Renderer | None:
         """The model's tokenizer when loaded; else None, and it is being learnt."""
-        if time.monotonic() - self._looked_at >= self._refresh_s:
+        since = time.monotonic() - self._looked_at
+        if since >= self._refresh_s or (
+            model not in self._digests and since >= _UNSEEN_MODEL_LOOK_S
+        ):
             self._learn_soon()
+        return self._loaded_for(model)
+
+    async def loaded_renderer(self, model: str) -> Renderer | None:
+        """``renderer``, waiting up to LOAD_WAIT_S for a load of the fleet's tokenizers under
+        way."""
+        renderer = self.renderer(model)
+        learning = self._learning
+        if renderer is None and learning is not None and not learning.done():
+            # shielded: a request given up does not stop the load for the others
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(learning), LOAD_WAIT_S)
+            renderer = self._loaded_for(model)
+        return renderer
+
+    def _loaded_for(self, model: str) -> Renderer | None:
         digest = self._digests.get(model)
         return None if digest is None else self._loaded.get(digest)
 
     async def fill(self, request: common_pb2.GenerateRequest) -> None:
-        """Adds the prompt's ids, their tokenizer and prefix hashes, when the model's tokenizer
-        is loaded and the prompt renders; otherwise leaves the request as it is."""
-        renderer = self.renderer(request.model)
+        """Adds the prompt's ids, their tokenizer and prefix hashes, once the model's tokenizer
+        is loaded (waiting for a load under way, LOAD_WAIT_S at most) and when the prompt
+        renders; otherwise leaves the request as it is."""
+        renderer = await self.loaded_renderer(request.model)
         if renderer is None or not (request.messages or request.prompt):
             return
         try:
@@ -143,10 +181,14 @@ class PromptTokens:
             del self._loaded[digest]
 
     async def _fetch(self, digest: str, address: str) -> Renderer:
-        files = TextFiles.of(await self._mesh.text_files(address))
-        if files.digest != digest:
-            raise ValueError(f"its files' digest is {files.digest}")
-        tokenizer = await asyncio.to_thread(_load, files)
+        tokenizer = _LOADED.get(digest)
+        if tokenizer is None:
+            files = TextFiles.of(await self._mesh.text_files(address))
+            if files.digest != digest:
+                raise ValueError(f"its files' digest is {files.digest}")
+            tokenizer = _LOADED[digest] = await asyncio.to_thread(_load, files)
+            while len(_LOADED) > _LOADED_MAX:
+                del _LOADED[next(iter(_LOADED))]
         return Renderer(digest, functools.partial(request_token_ids, tokenizer))
 
 

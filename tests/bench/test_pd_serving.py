@@ -48,3 +48,21 @@ def test_goodput_counts_the_requests_meeting_both_slos_in_simulated_seconds():
     assert r["good_share"] == 0.25 and r["goodput"] == pytest.approx(1 / 10.0)
     assert r["errors"] == 1 and r["error_codes"] == "UNAVAILABLE"
     assert r["ttft_p50"] == pytest.approx(1.0)
+
+
+def test_every_mode_is_counted_over_one_window_failures_included():
+    """A mode whose slow requests end late is not flattered by a shorter makespan: goodput is
+    per second of the window every mode shares, and a failed request counts as a miss."""
+    scale = 1.0
+    quick = [Outcome(ttft_s=0.5, done_s=4.0, itl_s=[0.01] * 5) for _ in range(2)]
+    quick += [Outcome(error="UNAVAILABLE")] * 2
+    slow = [Outcome(ttft_s=0.5, done_s=20.0, itl_s=[0.01] * 5) for _ in range(2)]
+    window = max(summarize(o, scale)["makespan"] for o in (quick, slow))
+    assert window == 20.0
+    quick_r, slow_r = summarize(quick, scale, window), summarize(slow, scale, window)
+    assert quick_r["goodput"] == pytest.approx(2 / 20) and quick_r["good_share"] == 0.5
+    assert slow_r["goodput"] == pytest.approx(2 / 20) and slow_r["good_share"] == 1.0
+    # its own makespan alone would have given the quick mode 2 / 4
+    assert summarize(quick, scale)["goodput"] == pytest.approx(2 / 4)
+    # a mode whose every request failed is counted, not a crash
+    assert summarize([Outcome(error="UNAVAILABLE")] * 2, scale, window)["goodput"] == 0

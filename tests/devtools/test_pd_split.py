@@ -12,8 +12,10 @@ from worker_svc.hardware.sizing import model_size_of
 from worker_svc.sim_engine.roofline import Roofline
 
 
-def _h200_x8() -> Roofline:
-    return Roofline(gpu_profiles()["H200"], 8, model_size_of("DeepSeek-V3"))
+def _h200_x8(attention: bool = False) -> Roofline:
+    size = model_size_of("DeepSeek-V3")
+    flops_per_key = size.attention_flops_per_key if attention else 0.0
+    return Roofline(gpu_profiles()["H200"], 8, size, attention_flops_per_key=flops_per_key)
 
 
 def test_the_split_is_the_ratio_of_prefill_compute_to_decode_bandwidth():
@@ -54,9 +56,15 @@ def test_plan_prints_a_split_per_kind_and_refuses_a_bad_one(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| H200 | 8 |")]
-    split = pd_split(_h200_x8(), 8000, 500, 16, 32)
+    # attention's FLOPs counted from the model's config by default (61 layers x 128 heads x 2 x
+    # (512 + 64 + 512)), as --attention-flops-per-key 16990208 would
+    assert model_size_of("DeepSeek-V3").attention_flops_per_key == 61 * 128 * 2 * (576 + 512)
+    split = pd_split(_h200_x8(attention=True), 8000, 500, 16, 32)
     assert len(rows) == 1
     assert rows[0].endswith(f"| {split.prefill_workers}:{split.decode_workers} |")
+    prefill_s = f"| {split.prefill_s:.3f} |"
+    assert prefill_s in rows[0]
+    assert f"| {pd_split(_h200_x8(), 8000, 500, 16, 32).prefill_s:.3f} |" not in rows[0]
     # 8 x A100 do not hold DeepSeek-V3's BF16 weights
     assert "| A100 | 8 | the weights leave no room for one request |" in out
     for bad in (["--workers", "1"], ["--workers", "4", "--output-tokens", "0"]):

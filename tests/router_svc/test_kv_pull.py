@@ -1,12 +1,12 @@
 """The router's choice to have a request's worker pull a cached prefix from a busy peer
 (router_svc/kv_pull.py): a pull when the holder is full and the link makes sending the prefix
 cheaper than computing it; none when the link is slow, the holder has room, or the two workers'
-KV blocks differ. Worker roles: a prefill worker never decodes; a decode worker has its prompt
-prefilled on the prefill worker that finishes it first."""
+KV blocks differ. Worker roles: a prefill worker never decodes; a split prompt is prefilled on
+the prefill worker that finishes it first (when to split: tests/router_svc/test_phases.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import grpc
@@ -77,20 +77,23 @@ def test_no_pull_over_a_slow_link_from_a_holder_with_room_or_between_unlike_cach
 
 def _roles_fleet(
     *roles: tuple[str, str],
-    slow: str = "",
+    slow: Sequence[str] = (),
     bytes_per_token: int = 0,
     zones: Mapping[str, str] = MappingProxyType({}),
+    decoding: Mapping[str, int] = MappingProxyType({}),
 ) -> Fleet:
-    """Workers (name, role) prefilling 10,000 tokens/s (``slow``: 1,000) with DeepSeek-V3's KV
-    size (the first: ``bytes_per_token`` when set), in their ``zones`` (else the unnamed one)."""
+    """Workers (name, role) prefilling 10,000 tokens/s (``slow`` ones: 1,000) in chunks of 256
+    tokens beside decodes, with DeepSeek-V3's KV size (the first: ``bytes_per_token`` when set),
+    in their ``zones`` (else the unnamed one), with ``decoding`` streams running."""
     workers = [info(name, max_parallel=2) for name, _ in roles]
     for worker, (name, role) in zip(workers, roles, strict=True):
         worker.capabilities.zone = zones.get(name, "")
-        worker.capabilities.prefill_tokens_per_second = 1_000.0 if name == slow else 10_000.0
+        worker.capabilities.prefill_tokens_per_second = 1_000.0 if name in slow else 10_000.0
+        worker.capabilities.prefill_chunk_tokens = 256
         worker.capabilities.kv_transfer_bytes_per_token = V3_BYTES_PER_TOKEN
         worker.capabilities.role = role
     workers[0].capabilities.kv_transfer_bytes_per_token = bytes_per_token or V3_BYTES_PER_TOKEN
-    return fleet_of(*workers)
+    return fleet_of(*workers, running=decoding)
 
 
 def test_a_prefill_worker_is_never_a_requests_worker():
@@ -113,15 +116,21 @@ def test_a_prefill_worker_is_never_a_requests_worker():
     assert "prefill worker" in str(error.value)
 
 
-def test_a_decode_worker_has_the_prompt_prefilled_on_the_prefill_worker_that_finishes_first():
+def test_a_split_prompt_is_prefilled_on_the_prefill_worker_that_finishes_first():
+    """D (slow to prefill, one stream decoding: each of its 256-token chunks would stall it
+    0.266 s) has the prompt prefilled on the P that delivers its blocks first."""
     fleet = _roles_fleet(
-        ("p1", "prefill"), ("p2", "prefill"), ("d", "decode"), ("b", "both"), slow="p2"
+        ("p1", "prefill"),
+        ("p2", "prefill"),
+        ("d", "decode"),
+        ("b", "both"),
+        slow=("p2", "d"),
+        decoding={"b": 2, "d": 1},  # b full: D is chosen among the free
     )
-    b = fleet.get("b")
-    assert b is not None
-    fleet.set_load(b, common_pb2.Load(running=2))  # full: D is chosen
-    hashes = chain(list(range(16 * 50)))  # 800 tokens: 0.08 s on p1, 0.8 s on p2
-    decision = Chooser(RoutingSection(link_gbps=100)).choose(fleet, with_hashes(hashes))
+    hashes = chain(list(range(16 * 50)))  # 800 tokens: 0.08 s on p1, 0.8 s on p2 and on D
+    decision = Chooser(RoutingSection(link_gbps=100)).choose(
+        fleet, with_hashes(hashes), free_only=True
+    )
     assert decision.workers[0].worker_id == "d"
     pull = decision.pull
     assert pull is not None and pull.compute and pull.holder.worker_id == "p1"
@@ -131,75 +140,75 @@ def test_a_decode_worker_has_the_prompt_prefilled_on_the_prefill_worker_that_fin
     proto = pull.proto()
     assert proto.compute and proto.worker_id == "p1"
     assert proto.timeout_ms == round(PREFILL_MIN_TIMEOUT_S * 1000)  # 2 x 0.087 s is less
-    # a prefill already queued on p1 past p2's whole prefill: p2 is sooner
+    # a prefill already queued on p1 past p2's whole prefill: p2 is sooner (0.8 s, sooner than
+    # D's own 0.8 s of prefill and the 4 decode steps its chunks share, 0.84 s)
     p1 = fleet.get("p1")
     assert p1 is not None
     fleet.queued_prefill(p1, 2.0)
-    later = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes))
+    later = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes), free_only=True)
     assert later.pull is not None and later.pull.holder.worker_id == "p2"
     # a long prompt: twice the estimate (p1's queue and prefill, then the transfer)
     long = chain(list(range(16 * 500)))  # 8,000 tokens: 2 + 0.8 s on p1, 8 s on p2
-    long_pull = Chooser(RoutingSection(link_gbps=100)).choose(fleet, with_hashes(long)).pull
+    routing = RoutingSection(link_gbps=100)
+    long_pull = Chooser(routing).choose(fleet, with_hashes(long), free_only=True).pull
     assert long_pull is not None and long_pull.holder.worker_id == "p1"
     transfer_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 100e9
     assert long_pull.timeout_s == pytest.approx(2 * (2.8 + transfer_s))
-    # a "both" worker computes its own prompt; no prefill worker of its KV size: D computes
+    # an idle "both" worker computes its own prompt: no stream of its own to stall
+    b = fleet.get("b")
+    assert b is not None
     fleet.set_load(b, common_pb2.Load())
     d = fleet.get("d")
     assert d is not None
     fleet.set_load(d, common_pb2.Load(running=2))
     both = Chooser(RoutingSection()).choose(fleet, with_hashes(hashes))
     assert both.workers[0].worker_id == "b" and both.pull is None
-    unlike = _roles_fleet(("p1", "prefill"), ("d", "decode"), bytes_per_token=1234)
-    refused = Chooser(RoutingSection()).choose(unlike, with_hashes(hashes))
-    assert refused.pull is None
-    assert str(refused.reasons["prefill_here"]).startswith("no prefill worker of its KV block")
+    assert both.phases.term == "idle"
+    # no prefill worker of its KV size: D computes
+    unlike = _roles_fleet(
+        ("d", "decode"), ("p1", "prefill"), bytes_per_token=1234, slow=("d",), decoding={"d": 1}
+    )
+    unlike_decision = Chooser(RoutingSection()).choose(unlike, with_hashes(hashes))
+    assert unlike_decision.pull is None and unlike_decision.phases.term == "no_prefill_worker"
 
 
 @pytest.mark.parametrize("vllm", ["prefill", "decode"])
 def test_a_mixed_fleet_of_torch_and_vllm_workers_decodes_where_it_prefills_saying_why(vllm: str):
     """A vLLM worker sends and takes no KV blocks (Capabilities.kv_transfer_bytes_per_token 0):
-    paired with a torch worker as P or as D, D computes the prompt itself, and the decision
-    says why (infermesh.route.prefill_here on the route span)."""
-    torch_only = _roles_fleet(("p", "prefill"), ("d", "decode"))
-    workers = [common_pb2.WorkerInfo() for _ in "pd"]
-    for worker, name in zip(workers, "pd", strict=True):
+    paired with a torch worker as P or as D, D computes the prompt itself whatever its streams
+    would stall, and the decision says why (its phase term, on the route span and counter)."""
+    torch_only = _roles_fleet(("d", "decode"), ("p", "prefill"), slow=("d",), decoding={"d": 1})
+    workers = [common_pb2.WorkerInfo() for _ in "dp"]
+    for worker, name in zip(workers, "dp", strict=True):
         entry = torch_only.get(name)
         assert entry is not None
         worker.CopyFrom(entry.info)
         if (name == "p") == (vllm == "prefill"):
             worker.capabilities.engine = "vllm"
             worker.capabilities.kv_transfer_bytes_per_token = 0
-    fleet = fleet_of(*workers)
+    fleet = fleet_of(*workers, running={"d": 1})
     decision = Chooser(RoutingSection()).choose(fleet, with_hashes(chain(list(range(16 * 50)))))
     assert decision.workers[0].worker_id == "d" and decision.pull is None
-    assert decision.reasons["prefill_here"] == (
-        "its engine (vllm) takes no KV blocks"
-        if vllm == "decode"
-        else "no prefill worker of its KV block layout (a KV engine, the same bytes per token, "
-        "the same precision), in service and linked to it"
-    )
+    assert decision.phases.plan == "aggregated"
+    assert decision.phases.term == ("no_kv_engine" if vllm == "decode" else "no_prefill_worker")
+    # the same fleet all torch splits: the refusal is the vLLM worker's
+    split = Chooser(RoutingSection()).choose(torch_only, with_hashes(chain(list(range(16 * 50)))))
+    assert split.phases.plan == "split"
 
 
 def test_a_decode_worker_holding_most_of_the_prompt_computes_the_rest_itself():
-    """A session's next turn: D holds its history, so a prefill worker would compute it all again
-    to spare D a shorter tail; D computes the tail. When a prefill worker holds as much, it
-    computes only the tail (and D keeps decoding); a fresh prompt goes to P as before."""
-    fleet = _roles_fleet(("p1", "prefill"), ("p2", "prefill"), ("d", "decode"))
-    turn = chain(list(range(16 * 60)))  # 960 tokens, the last 160 new
-    history = turn[:50]
-    d_holds = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": history}))
-    decision = d_holds.choose(fleet, with_hashes(turn))
+    """A session's next turn: D holds its history, so its tail's chunk stalls D's stream within
+    the objective and D computes it; a fresh prompt on the same D goes to P."""
+    fleet = _roles_fleet(("p1", "prefill"), ("d", "decode"), slow=("d",), decoding={"d": 1})
+    turn = chain(list(range(16 * 60)))  # 960 tokens, the last 80 new
+    chooser = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": turn[:55]}))
+    decision = chooser.choose(fleet, with_hashes(turn))
     assert decision.workers[0].worker_id == "d" and decision.pull is None
-    # p2 holds the history too: it computes the tail, sooner than p1 computing it all
-    both_hold = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": history, "p2": turn}))
-    pull = both_hold.choose(fleet, with_hashes(turn)).pull
-    assert pull is not None and pull.compute and pull.holder.worker_id == "p2"
-    assert pull.prefill_s == pytest.approx(0.0)  # p2 caches the whole prompt
-    # D holds less than it lacks: P computes the prompt
-    short = Chooser(RoutingSection(link_gbps=100), cached_on(fleet, {"d": turn[:20]}))
-    fresh = short.choose(fleet, with_hashes(turn)).pull
-    assert fresh is not None and fresh.compute and fresh.prefill_s == pytest.approx(0.096)
+    assert decision.phases.term == "gap"  # 80 tokens at 1,000/s and a step: 0.09 s
+    fresh = chain(list(range(1, 16 * 60 + 1)))
+    split = chooser.choose(fleet, with_hashes(fresh))
+    assert split.pull is not None and split.pull.compute and split.phases.plan == "split"
+    assert split.pull.prefill_s == pytest.approx(0.096)
 
 
 def test_kv_cache_moves_over_the_link_between_the_two_workers_zones():
@@ -208,9 +217,15 @@ def test_kv_cache_moves_over_the_link_between_the_two_workers_zones():
     included, and a busy holder's prefix is pulled only over a link fast enough."""
     zones = {"near": "rack-a", "far": "rack-b", "d": "rack-a"}
     fleet = _roles_fleet(
-        ("near", "prefill"), ("far", "prefill"), ("d", "decode"), slow="near", zones=zones
+        ("near", "prefill"),
+        ("far", "prefill"),
+        ("d", "decode"),
+        slow=("near", "d"),
+        zones=zones,
+        decoding={"d": 1},
     )
-    hashes = chain(list(range(16 * 500)))  # 8,000 tokens: 8 s on near, 0.8 s on far
+    # 8,000 tokens: 8 s on near (8.32 s on D, its 32 chunks sharing decode steps), 0.8 s on far
+    hashes = chain(list(range(16 * 500)))
     sent_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 1e9  # 4.5 s over 1 Gb/s
 
     def p(zone_links: dict[str, float]) -> str:

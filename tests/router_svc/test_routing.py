@@ -7,6 +7,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import grpc
 import pytest
@@ -31,10 +33,16 @@ class Clock:
         return self.now
 
 
-def fleet_of(*infos: common_pb2.WorkerInfo, clock: Clock | None = None) -> Fleet:
+def fleet_of(
+    *infos: common_pb2.WorkerInfo,
+    clock: Clock | None = None,
+    running: Mapping[str, int] = MappingProxyType({}),
+) -> Fleet:
+    """A fleet of ``infos``, each with its ``running`` sequences (by worker id; else none)."""
     fleet = Fleet(ttl_s=3, clock=clock or Clock())
     for i in infos:
-        fleet.upsert(i, common_pb2.Load(), registered_at=0, expires_in_s=3)
+        load = common_pb2.Load(running=running.get(i.worker_id, 0))
+        fleet.upsert(i, load, registered_at=0, expires_in_s=3)
     return fleet
 
 

@@ -43,6 +43,8 @@ class DeviceCapabilities:
     reasoning_format: ReasoningFormat = ""  # how the served model reasons ("": it does not)
     # bytes per token of the KV blocks it sends and takes from peers (KVBlockPeer); 0: none
     kv_transfer_bytes_per_token: int = 0
+    # prompt tokens it prefills in one step beside decoding sequences; 0: a whole prompt at once
+    prefill_chunk_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ class ModelSize:
     index_values_per_token: int = 0  # V3.2: layers x index_head_dim (the indexer's cached key)
     index_topk: int = 0  # V3.2: the tokens each query attends to; 0: dense attention
     fp8_weights: bool = True  # stored in FP8 (DeepSeek-V3); False: BF16 (DeepSeek-V2)
+    # MLA, absorbed: one query against one cached token, all layers and heads: its score over the
+    # latent and rope'd key (kv_lora_rank + qk_rope_head_dim) and its value (kv_lora_rank), 2
+    # FLOPs a multiply-add; 0: unknown (a model known only by its sizes)
+    attention_flops_per_key: int = 0
 
     def weight_bytes(self, precision: Precision) -> int:
         """Weight memory when served in ``precision`` (fp8: as stored; else dequantized)."""
@@ -193,6 +197,12 @@ def model_size(config: dict[str, Any], name: str = "") -> ModelSize:
         served = list(checkpoint_tensors(config, layers))
         stored = served + list(checkpoint_tensors(config, layers + mtp, first_layer=layers))
         kv_values = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        attention_flops = (
+            layers
+            * config["num_attention_heads"]
+            * 2
+            * (2 * config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        )
         index_values, index_topk = (
             (layers * config["index_head_dim"], config["index_topk"])
             if _is_sparse(config)
@@ -222,6 +232,7 @@ def model_size(config: dict[str, Any], name: str = "") -> ModelSize:
         index_values_per_token=index_values,
         index_topk=index_topk,
         fp8_weights="quantization_config" in config,
+        attention_flops_per_key=attention_flops,
     )
 
 

@@ -58,6 +58,7 @@ def worker_info(
             engine=config.engine.kind,
             reasoning_format=caps.reasoning_format,
             kv_transfer_bytes_per_token=caps.kv_transfer_bytes_per_token,
+            prefill_chunk_tokens=caps.prefill_chunk_tokens,
             role=config.worker.role,
             zone=config.worker.zone,
         ),

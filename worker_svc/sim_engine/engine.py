@@ -6,9 +6,13 @@ roofline (roofline.py) of a profile in gpu_profiles.toml for a configured model 
 config.json, bundled or a checkpoint's), on the fewest GPUs that hold its weights in the
 precision it runs and a KV budget (sizing.py; [engine] gpu_count overrides).
 
-Continuous batching as in a real engine: up to max_parallel sequences run, each step prefills
-the newly admitted ones and decodes one token for the others; a sequence needs its whole KV
-budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests generate()
+Continuous batching as in a real engine: up to max_parallel sequences run, each step decodes one
+token for the prefilled ones and prefills the others in chunks as the torch engine's scheduler
+does (``[parallel] prefill_chunk_size`` prompt tokens a step in all while a sequence decodes,
+``idle_prefill_chunk_size`` while none does, oldest first; a prompt's first token comes with its
+last chunk, and each chunk's attention reads the prompt's tokens before it); a sequence needs its
+whole KV budget (prompt + max_tokens) free to start; past max_parallel + max_waiting requests
+generate()
 raises EngineOverloadedError (the request front every engine shares, request_front.RequestFront).
 Tokens are words from a fixed list, deterministic per seed. A prompt's tokens are
 infermesh.sim_tokens's (4 bytes of its text each); its prefix cache keeps whole blocks of them by
@@ -118,6 +122,7 @@ class _Sequence:
     rng: random.Random
     chunks: asyncio.Queue[GenerationChunk | BaseException] = field(default_factory=asyncio.Queue)
     generated: int = 0
+    computed: int = 0  # prompt tokens past the cached ones prefilled so far
     prefilled: bool = False
     text: str = ""
     arrived_at: float = field(default_factory=time.monotonic)
@@ -147,7 +152,11 @@ class SimEngine:
         cache_events: CacheEvents | None = None,
         link_gbps: float = 0.0,
         time_scale: float = 1.0,
+        prefill_chunk_tokens: int = 0,
+        idle_prefill_chunk_tokens: int = 0,
     ) -> None:
+        """``prefill_chunk_tokens``: prompt tokens prefilled a step while a sequence decodes,
+        ``idle_prefill_chunk_tokens`` while none does (0: whole prompts in one step)."""
         if roofline.kv_capacity_tokens < 1:
             raise ConfigError(
                 f"[engine] gpu_count: the model's {roofline.weight_bytes / 1e9:.0f} GB of weights "
@@ -158,6 +167,8 @@ class SimEngine:
         self.roofline = roofline
         self.time_scale = time_scale
         self._link_gbps = link_gbps
+        self._chunk_tokens = prefill_chunk_tokens
+        self._idle_chunk_tokens = idle_prefill_chunk_tokens
         profile = roofline.profile
         kv_bytes_per_token = roofline.kv_bytes_per_token + roofline.index_bytes_per_token
         self.capabilities = DeviceCapabilities(
@@ -175,6 +186,7 @@ class SimEngine:
             index_topk=roofline.index_topk,
             # its blocks are what it caches: without a prefix cache it has none to send or take
             kv_transfer_bytes_per_token=kv_bytes_per_token if prefix_caching else 0,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
         # byte-counted prompts: no tokenizer files a caller could render with
         self.text_files = TextFiles(SIM_TOKENIZER, {})
@@ -236,6 +248,8 @@ class SimEngine:
             cache_events=CacheEvents(cache.events_history, cache.events_backlog),
             link_gbps=e.link_gbps,
             time_scale=e.time_scale,
+            prefill_chunk_tokens=parallel.prefill_chunk_size,
+            idle_prefill_chunk_tokens=parallel.idle_prefill_chunk_size,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
@@ -433,18 +447,22 @@ class SimEngine:
                 step_end = loop.time()
                 continue
             batch = list(self._running)
-            step_s = 0.0 if self._zero_latency else self._step_s(batch) * self.time_scale
+            chunks = self._prefill_chunks(batch)
+            step_s = 0.0 if self._zero_latency else self._step_s(batch, chunks) * self.time_scale
             step_end = max(step_end, loop.time()) + step_s
             # as the torch engine measures it: a long prompt's attention makes its tokens dearer
             # than the capabilities' one-token estimate says, and the router is told
-            self._prefill_speed.add(
-                sum(s.prompt_tokens - s.cached_prompt_tokens for s in batch if not s.prefilled),
-                step_s,
-            )
+            self._prefill_speed.add(sum(chunks.values()), step_s)
             await asyncio.sleep(step_end - loop.time())
+            for seq, tokens in chunks.items():
+                seq.computed += tokens
             emitted = 0
             for seq in batch:
-                if seq in self._running:  # not aborted during the step
+                # not aborted during the step, and decoding or at the end of its prefill
+                if (
+                    seq in self._running
+                    and seq.computed >= seq.prompt_tokens - seq.cached_prompt_tokens
+                ):
                     self._advance(seq)
                     emitted += 1
             self._decode_rate.add(emitted)
@@ -452,12 +470,28 @@ class SimEngine:
             self._step_ended.set()
             self._step_ended = asyncio.Event()
 
-    def _step_s(self, batch: list[_Sequence]) -> float:
+    def _prefill_chunks(self, batch: list[_Sequence]) -> dict[_Sequence, int]:
+        """The prompt tokens each sequence still prefilling computes this step: the step's chunk
+        budget shared oldest first (no budget: every prompt whole)."""
+        decoding = any(s.prefilled for s in batch)
+        budget = self._chunk_tokens if decoding else self._idle_chunk_tokens
+        chunks: dict[_Sequence, int] = {}
+        spent = 0
+        for seq in batch:
+            left = seq.prompt_tokens - seq.cached_prompt_tokens - seq.computed
+            if seq.prefilled or left <= 0:
+                continue
+            if budget and spent == budget:
+                break
+            chunks[seq] = min(left, budget - spent) if budget else left
+            spent += chunks[seq]
+        return chunks
+
+    def _step_s(self, batch: list[_Sequence], chunks: dict[_Sequence, int]) -> float:
         roofline = self.roofline
         prefill = sum(
-            roofline.prefill_s(s.prompt_tokens - s.cached_prompt_tokens, s.cached_prompt_tokens)
-            for s in batch
-            if not s.prefilled
+            roofline.prefill_s(tokens, s.cached_prompt_tokens + s.computed)
+            for s, tokens in chunks.items()
         )
         contexts = [s.context_tokens for s in batch if s.prefilled]
         decode = roofline.decode_step_s(

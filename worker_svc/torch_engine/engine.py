@@ -99,6 +99,7 @@ class Engine:
             capabilities,
             kv_cache_bytes=kv_cache.nbytes,
             kv_transfer_bytes_per_token=bytes_per_token(model.args, dtype),
+            prefill_chunk_tokens=self.parallel.prefill_chunk_size,
         )
         self._blocks = blocks
         # what a token's cache is made of: the latent and rope'd key, then (V3.2) indexer keys

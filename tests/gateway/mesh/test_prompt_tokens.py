@@ -1,8 +1,8 @@
 """The gateway's one tokenization per request, through the real gateway, router and worker on
 the tiny model with the official openai SDK: the ids the gateway sends are the worker's own
 rendering of the same request (chat with tools, raw prompt, a multi-turn history with tool
-calls), and the gateway serves before its tokenizer is loaded and in front of workers whose
-tokenizer it cannot load."""
+calls), from the first request on (which waits for the tokenizer being loaded), and in front of
+workers whose tokenizer it cannot load."""
 
 from __future__ import annotations
 
@@ -88,17 +88,12 @@ def _own_rendering(engine: Engine, request: GenerationRequest) -> list[int]:
 async def test_the_gateways_ids_are_the_workers_own_rendering(
     gateway, api_key, recording, tiny_engine
 ):
-    prompt_tokens = gateway.app[PROMPT_TOKENS]
     async with sdk(gateway, api_key, timeout=60) as client:
-        # before the tokenizer is loaded: served as before, the worker rendering the prompt
+        # right after the gateway started: it waits for the tokenizer being loaded
         first = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert first.choices[0].message is not None
-        assert (
-            recording.requests[-1].tokenizer == "" and not recording.requests[-1].prompt_token_ids
-        )
-        await eventually(lambda: prompt_tokens.renderer(MODEL) is not None, timeout_s=60)
         await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "weather in Paris?"}],
@@ -110,9 +105,9 @@ async def test_the_gateways_ids_are_the_workers_own_rendering(
             model=MODEL, messages=_HISTORY, tools=TOOLS, max_tokens=2
         )
     digest = tiny_engine.tokenizer.text_files.digest
-    sent = recording.requests[1:]
-    assert len(sent) == 3
-    assert sent[0].constraints.tools and sent[1].prompt is not None and len(sent[2].messages) == 6
+    sent = recording.requests
+    assert len(sent) == 4
+    assert sent[1].constraints.tools and sent[2].prompt is not None and len(sent[3].messages) == 6
     for request in sent:
         assert request.tokenizer == digest
         assert list(request.prompt_token_ids) == _own_rendering(tiny_engine, request)

@@ -37,6 +37,8 @@ from worker_svc.torch_engine.engine import Engine
 # DeepSeek-V3's MLA sizes (kv_lora_rank 512, qk_rope_head_dim 64) in two layers
 MLA_MODEL = "models/tiny-deepseek-v3-mla"
 MODEL = Path(MLA_MODEL).name
+# an idle D: only the "always" rule splits its prompt (router_svc/phases.py)
+_ALWAYS_SPLIT = RoutingSection(phase_split="always")
 
 
 @dataclasses.dataclass
@@ -297,7 +299,7 @@ async def test_prefill_on_p_decode_on_d_gives_the_aggregated_tokens(
     sends it the blocks; the tokens are those one worker doing both phases gives. The prefill
     worker decodes nothing."""
     async with (
-        running_router() as router,
+        running_router(routing=_ALWAYS_SPLIT) as router,
         running_worker(engines[0], router, "p", role="prefill"),
         running_worker(engines[1], router, "d", role="decode"),
     ):
@@ -323,7 +325,7 @@ async def test_a_dead_prefill_worker_falls_back_to_the_decode_worker_computing_i
     engines: tuple[Engine, Engine],
 ):
     async with (
-        running_router() as router,
+        running_router(routing=_ALWAYS_SPLIT) as router,
         running_worker(engines[1], router, "d", role="decode") as d,
     ):
         dead = common_pb2.WorkerInfo()

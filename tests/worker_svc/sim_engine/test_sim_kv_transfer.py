@@ -75,7 +75,8 @@ async def test_prefill_on_p_decode_on_d_spends_the_transfer_before_ds_first_toke
     transfer_s = kv_transfer_s(len(hashes) * BLOCK_TOKENS, V3_BYTES_PER_TOKEN, link_gbps)
     assert 0.5 < transfer_s < 0.6
     async with (
-        running_router(routing=RoutingSection(link_gbps=link_gbps)) as router,
+        # an idle D: only the "always" rule splits its prompt (router_svc/phases.py)
+        running_router(routing=RoutingSection(link_gbps=link_gbps, phase_split="always")) as router,
         running_worker(p, router, "p", role="prefill"),
         running_worker(d, router, "d", role="decode"),
     ):
