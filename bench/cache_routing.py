@@ -18,7 +18,7 @@ Per policy, fresh processes on an emptied Redis: a real router and
 
 Requests travel the gateway's path (routed on the router's RouteStream, served over
 Worker.Serve by the gateway's mesh client): the prompt rendered and tokenized as the gateway
-does it (gateway/mesh/prompt_tokens.py: the simulated tokens, or the tokenizer the torch
+does it (infermesh/prompt_tokens.py: the simulated tokens, or the tokenizer the torch
 workers serve, fetched from one of them), sent with its ids and the tokenizer's digest;
 `cache_aware` is `balanced` with the prompt's `prefix_hashes`, every other policy gets none, so
 `balanced` is the byte-window guess of before.
@@ -81,10 +81,10 @@ from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from gateway.config import RouterSection
 from gateway.mesh.client import MeshClient
-from gateway.mesh.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh import prefix_hash, sim_tokens
 from infermesh.pb import common_pb2
 from infermesh.ports import free_port
+from infermesh.prompt_tokens import SIM_RENDERER, PromptTokens, Renderer
 from infermesh.tls import TlsSection
 from tests.helpers.worker_client import worker_client
 from worker_svc.config import DEFAULT_MODEL_PATH, ModelSection

@@ -69,9 +69,9 @@ from bench import cache_routing
 from bench import router_policies as policies
 from devtools.pd_split import decode_without_prefill
 from devtools.redis_server import RedisServer
-from gateway.mesh.prompt_tokens import SIM_RENDERER
 from infermesh import sim_tokens
 from infermesh.ports import free_port
+from infermesh.prompt_tokens import SIM_RENDERER
 from infermesh.tls import TlsSection
 from router_svc.config import RoutingSection
 from worker_svc.config import (

@@ -28,11 +28,11 @@ from gateway.http.openapi import serve_document
 from gateway.http.ops import metrics_port
 from gateway.http.state import API_PREFIXES, LOOPBACK
 from gateway.mesh.client import MeshClient
-from gateway.mesh.prompt_tokens import PromptTokens
 from gateway.mesh.reasoning_formats import ReasoningFormats
 from gateway.mesh.state import MESH, PROMPT_TOKENS, REASONING_FORMATS
 from gateway.openai.batches import write_outputs
 from gateway.routes import ADMIN, ANTHROPIC, OPENAI, OPS, add_routes, operations
+from infermesh.prompt_tokens import PromptTokens
 from infermesh.redis_client import redis_client
 from infermesh.tasks import cancel_and_wait
 from telemetry.metrics import watch_event_loop
@@ -118,7 +118,7 @@ async def _mesh_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[PROMPT_TOKENS] = prompt_tokens
     if prompt_tokens is not None:
-        prompt_tokens.start()  # learnt before the first requests, which wait for it
+        prompt_tokens.learn()  # learnt before the first requests, which wait for it
     yield
     if prompt_tokens is not None:
         await prompt_tokens.close()

@@ -25,6 +25,7 @@ from infermesh.grpc_server import create_grpc_server
 from infermesh.mesh_call import MeshCall
 from infermesh.names import precision_name
 from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.prompt_tokens import PromptTokens, worker_text_files
 from infermesh.redis_client import redis_client
 from infermesh.serve_client import ReaderTooSlowError, ServeClient
 from infermesh.tasks import cancel_and_wait
@@ -49,6 +50,14 @@ from telemetry import metrics
 logger = logging.getLogger(__name__)
 
 _SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+# The longest an ask without block hashes waits for its prompt's tokens (a tokenizer load under
+# way, a long prompt tokenized in a thread) before it is decided on its text, as "unhashed"
+_TOKENIZE_WAIT_S = 0.5
+# How often the router looks at its workers' tokenizer digests again (a model not seen yet: at
+# once, on its first ask)
+_TOKENIZER_REFRESH_S = 30.0
+# The longest a worker's tokenizer files may take to come
+_TEXT_FILES_TIMEOUT_S = 30.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -68,6 +77,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._channels = channels
         self._serve_client = serve_client
         self._chooser = Chooser(config.routing, index)
+        # the prompts of asks that come without block hashes, tokenized here
+        fleet_files = _FleetFiles(self)
+        self.tokens = PromptTokens(fleet_files, _TOKENIZER_REFRESH_S, _TOKENIZE_WAIT_S)
+        fleet_files.tokens = self.tokens
+        self._fleet.watchers.append(fleet_files)
         self.route_streams = route_stream.OpenStreams()
         self._queue: FairQueue[list[WorkerEntry]] | None = (
             FairQueue(config.fair_queue, self._place) if config.fair_queue.enabled else None
@@ -144,17 +158,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ],
     ) -> router_pb2.ListWorkersResponse:
         await self._check_registry(context)
-        return router_pb2.ListWorkersResponse(
-            workers=[
-                router_pb2.WorkerStatus(
-                    worker=e.info,
-                    load=e.load,
-                    last_heartbeat_age_s=self._fleet.age_s(e),
-                    ejected=self._fleet.ejected(e),
-                )
-                for e in self._fleet.entries()
-            ]
-        )
+        return router_pb2.ListWorkersResponse(workers=self.worker_statuses())
+
+    def worker_statuses(self) -> list[router_pb2.WorkerStatus]:
+        """The fleet's workers as ListWorkers answers them."""
+        return [
+            router_pb2.WorkerStatus(
+                worker=e.info,
+                load=e.load,
+                last_heartbeat_age_s=self._fleet.age_s(e),
+                ejected=self._fleet.ejected(e),
+            )
+            for e in self._fleet.entries()
+        ]
+
+    async def text_files(self, address: str) -> dict[str, bytes]:
+        """The tokenizer's files of the worker at ``address`` (Worker.TextFiles)."""
+        return await worker_text_files(self._channels.stub(address), _TEXT_FILES_TIMEOUT_S)
 
     async def Generate(
         self,
@@ -296,7 +316,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> asyncio.Future[list[WorkerEntry]]:
         """The workers for a caller that reports the request's end (``released``): at once,
         or with fair queueing once a worker has a free slot; fails as ``decide`` raises, or
-        with QueueRefusedError. Cancelling it takes the ask out of the queue."""
+        with QueueRefusedError. Cancelling it takes the ask out of the queue. A request that
+        comes without block hashes is tokenized and hashed here first (its ids and digest go on
+        to its worker with it), waiting _TOKENIZE_WAIT_S at most."""
         decided: asyncio.Future[list[WorkerEntry]]
         try:
             _check_standing(request)
@@ -304,6 +326,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decided = asyncio.get_running_loop().create_future()
             decided.set_exception(e)
             return decided
+        if request.prefix_hashes or self.tokens.fill_now(request):
+            return self._hashed_ask(request, wait_s)
+        return asyncio.ensure_future(self._tokenized_ask(request, wait_s))
+
+    async def _tokenized_ask(
+        self, request: common_pb2.GenerateRequest, wait_s: float
+    ) -> list[WorkerEntry]:
+        # bounded: an ask never waits long on a slow load or a huge prompt
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.tokens.fill(request), _TOKENIZE_WAIT_S)
+        return await self._hashed_ask(request, wait_s)
+
+    def _hashed_ask(
+        self, request: common_pb2.GenerateRequest, wait_s: float
+    ) -> asyncio.Future[list[WorkerEntry]]:
+        """``ask`` once the request has its block hashes, or could not have them (counted)."""
+        if not request.prefix_hashes and (request.messages or request.prompt):
+            metrics.ROUTER_UNHASHED_ASKS.inc()
+        decided: asyncio.Future[list[WorkerEntry]]
         if self._queue is None:
             decided = asyncio.get_running_loop().create_future()
             try:
@@ -464,6 +505,29 @@ def _stamp_route(chunk: common_pb2.GenerateResponse, route: common_pb2.Route) ->
     chunk.route.ClearField("pull")
 
 
+class _FleetFiles:
+    """The router's fleet as its ``PromptTokens`` learns the workers' tokenizers from it: looked
+    at again as each worker joins (a fleet watcher), so that a new model's first ask finds its
+    tokenizer known."""
+
+    def __init__(self, servicer: RouterServicer) -> None:
+        self._servicer = servicer
+        self.tokens: PromptTokens | None = None
+
+    def joined(self, entry: WorkerEntry) -> None:
+        if self.tokens is not None:
+            self.tokens.learn()
+
+    def left(self, entry: WorkerEntry) -> None:
+        """Nothing to forget at once: the next look drops tokenizers no worker reports."""
+
+    async def list_workers(self) -> list[router_pb2.WorkerStatus]:
+        return self._servicer.worker_statuses()
+
+    async def text_files(self, address: str) -> dict[str, bytes]:
+        return await self._servicer.text_files(address)
+
+
 class _OwnDecisions:
     """This router's own decisions, as an internal caller's mesh call asks for them
     (``infermesh.mesh_call.Router``): asked, placed and answered as ``Router.RouteStream``
@@ -538,8 +602,10 @@ class RunningRouter:
         index: PrefixIndex,
         serve_client: ServeClient,
         scaling: ScalingSignals,
+        tokens: PromptTokens,
     ) -> None:
         self.registry = registry
+        self._tokens = tokens
         self.scaling = scaling  # the autoscaling series, registered by serve()
         self._serve_client = serve_client
         self.index = index
@@ -550,6 +616,7 @@ class RunningRouter:
 
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
+        await self._tokens.close()
         await self._subscriptions.close()
         await self._serve_client.close()
         await self._channels.close()
@@ -599,6 +666,7 @@ async def create_server(config: RouterConfig) -> tuple[grpc.aio.Server, int, Run
             index,
             serve_client,
             ScalingSignals(registry.fleet, servicer.queued_by_model, servicer.queue_wait_s),
+            servicer.tokens,
         ),
     )
 

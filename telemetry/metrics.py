@@ -169,6 +169,13 @@ ROUTER_PHASE_PLANS = Counter(
     ["plan", "term"],
 )
 
+ROUTER_UNHASHED_ASKS = Counter(
+    "infermesh_router_unhashed_asks",
+    "Route asks with a prompt decided without its block hashes: neither the caller nor the "
+    "router could tokenize it in time (no loadable tokenizer, a load or a long prompt slower "
+    "than the router's bound, a prompt that does not render); decided on its text, unhashed",
+)
+
 
 # The router's index of the workers' prefix caches (router_svc/prefix_index.py).
 PREFIX_TOKENS_SAVED = Counter(

@@ -35,9 +35,9 @@ from infermesh.bidi import retry_after_ms
 from infermesh.channels import WorkerChannels, router_channel_options
 from infermesh.failover import StreamFailedError
 from infermesh.mesh_call import MeshCall
-from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.prompt_tokens import worker_text_files
 from infermesh.serve_client import ReaderTooSlowError, ServeClient
-from infermesh.text.text_files import assembled
 from infermesh.tls import TlsSection, open_channel, warn_plaintext
 
 logger = logging.getLogger(__name__)
@@ -120,12 +120,7 @@ class MeshClient:
     async def text_files(self, address: str) -> dict[str, bytes]:
         """The tokenizer's files of the worker at ``address`` (Worker.TextFiles), over this
         gateway's channel to it; grpc.aio.AioRpcError or ValueError when they do not come."""
-        call = self._workers.stub(address).TextFiles(
-            worker_pb2.TextFilesRequest(),
-            timeout=self._config.request_timeout_s,
-            wait_for_ready=False,
-        )
-        return assembled([(chunk.name, chunk.data) async for chunk in call])
+        return await worker_text_files(self._workers.stub(address), self._config.request_timeout_s)
 
     async def _control(self, rpc: Any, request: Any) -> Any:
         """A unary call that is not a generation: bounded by control_timeout_s, errors mapped.

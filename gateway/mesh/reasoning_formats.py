@@ -13,7 +13,7 @@ import time
 
 from gateway.http.errors import GatewayError
 from gateway.mesh.client import MeshClient
-from gateway.mesh.fleet_view import per_model
+from infermesh.fleet_view import per_model
 from infermesh.pb import router_pb2
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.mesh.client import MeshClient
-from gateway.mesh.prompt_tokens import PromptTokens
 from gateway.mesh.reasoning_formats import ReasoningFormats
+from infermesh.prompt_tokens import PromptTokens
 
 MESH = web.AppKey[MeshClient]("mesh")
 # None: [router] prompt_tokens = false

@@ -145,14 +145,17 @@ async def running_worker(
         await servicer.close()
 
 
-async def register_unreachable_worker(router: RunningRouter, worker_id: str = "dead") -> None:
-    """Registers a worker serving MODEL at a port nobody listens on: every call to it fails."""
+async def register_unreachable_worker(
+    router: RunningRouter, worker_id: str = "dead", model: str = MODEL
+) -> None:
+    """Registers a worker serving ``model`` (reporting no tokenizer) at a port nobody listens
+    on: every call to it fails."""
     await router.stub.Register(
         router_pb2.RegisterRequest(
             worker=common_pb2.WorkerInfo(
                 worker_id=worker_id,
                 address=f"127.0.0.1:{free_port()}",
-                models=[MODEL],
+                models=[model],
                 capabilities=common_pb2.Capabilities(max_parallel=1),
             )
         )

@@ -122,8 +122,11 @@ async def test_a_prefix_cached_on_b_goes_to_b_though_its_leading_bytes_hash_to_a
         # uncached tokens' prefill there
         assert await routed_to(router, prompt + text("z", 300)) == "b"
         assert fleet.prefill_until[b_entry.slot] > 0
-        # without hashes: the bytes' home, whatever is cached where
-        assert await routed_to(router, prompt, with_hashes=False) == "a"
+        # asked without hashes (a gateway that could not tokenize it, an internal caller's
+        # text): the router hashes it, and its cached prefix wins over its bytes' home
+        assert await routed_to(router, prompt, with_hashes=False) == "b"
+        reply = await router.stub.Complete(request(prompt, with_hashes=False))
+        assert reply.route.worker_id == "b" and reply.usage.cached_prompt_tokens > 0
 
 
 async def test_an_eviction_moves_the_next_request(redis_server):

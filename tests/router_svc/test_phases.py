@@ -4,6 +4,7 @@ past the inter-token objective and the split's first token comes no later."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from infermesh.config import ConfigError, load_config
@@ -16,9 +17,17 @@ from router_svc.routing import Chooser, Decision
 from telemetry import metrics
 from tests.helpers import MODEL
 from tests.helpers.fleet import info
-from tests.helpers.inprocess import running_router, running_worker, sim_engine
+from tests.helpers.inprocess import (
+    register_unreachable_worker,
+    running_router,
+    running_worker,
+    sim_engine,
+)
 from tests.router_svc.test_kv_pull import V3_BYTES_PER_TOKEN
 from tests.router_svc.test_routing import fleet_of, with_hashes
+
+# served by a worker that reports no tokenizer: nothing to hash its prompts with
+_NO_TOKENIZER_MODEL = "no-tokenizer-model"
 
 
 def _fleet(*workers: tuple[str, str, float], decoding: dict[str, int]) -> Fleet:
@@ -145,17 +154,18 @@ def test_a_bad_phase_split_is_a_config_error_naming_the_key(tmp_path):
 
 
 async def test_each_routed_request_is_counted_by_its_plan_and_deciding_term():
-    """The router's counter, through a real router and a simulated worker: a request without
-    block hashes is served aggregated as ``unhashed``, one with them on an idle worker as
-    ``idle``."""
-    plans = metrics.ROUTER_PHASE_PLANS
+    """The router's counter, through a real router and a simulated worker: a request with block
+    hashes, or with text alone (the router hashes it), on an idle worker is served aggregated as
+    ``idle``; one the router cannot tokenize (its model's workers report no tokenizer) as
+    ``unhashed``, and counted as such."""
+    plans, unhashed = metrics.ROUTER_PHASE_PLANS, metrics.ROUTER_UNHASHED_ASKS
     async with (
         running_router() as router,
         running_worker(sim_engine(model="DeepSeek-V3", gpu="H200"), router, "w"),
     ):
-        for term, hashed in (("unhashed", False), ("idle", True)):
-            before = plans.labels("aggregated", term)._value.get()
-            prompt = f"{term} " * 100  # not cached by the request before
+        for hashed in (True, False):
+            before = plans.labels("aggregated", "idle")._value.get()
+            prompt = f"{hashed} " * 100  # not cached by the request before
             request = common_pb2.GenerateRequest(
                 model=MODEL,
                 prompt=prompt,
@@ -163,4 +173,15 @@ async def test_each_routed_request_is_counted_by_its_plan_and_deciding_term():
                 prefix_hashes=chain(sim_token_ids(prompt_text(None, prompt))) if hashed else [],
             )
             await router.stub.Complete(request)
-            assert plans.labels("aggregated", term)._value.get() - before == 1
+            assert plans.labels("aggregated", "idle")._value.get() - before == 1
+        await register_unreachable_worker(router, model=_NO_TOKENIZER_MODEL)
+        before, before_unhashed = (
+            plans.labels("aggregated", "unhashed")._value.get(),
+            unhashed._value.get(),
+        )
+        with pytest.raises(grpc.aio.AioRpcError):
+            await router.stub.Complete(
+                common_pb2.GenerateRequest(model=_NO_TOKENIZER_MODEL, prompt="hello " * 100)
+            )
+        assert plans.labels("aggregated", "unhashed")._value.get() - before == 1
+        assert unhashed._value.get() - before_unhashed == 1

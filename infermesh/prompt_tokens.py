@@ -1,18 +1,22 @@
-"""The gateway's one tokenization of a request: per served model, the tokenizer its workers
-render with (Capabilities.tokenizer, learnt from the router's ListWorkers), fetched once per
-digest from one of them (Worker.TextFiles) and loaded here; then each request's prompt is
+"""One tokenization of a request, as the worker would make it: per served model, the tokenizer its
+workers render with (Capabilities.tokenizer, learnt from the fleet's WorkerStatus), fetched once
+per digest from one of them (Worker.TextFiles) and loaded here; then each request's prompt is
 rendered and tokenized as that worker would (infermesh.text.prompt), and its GenerateRequest
-carries the ids, the digest and the ids' prefix hashes before the route ask. A simulated fleet
-("bytes:4") gets its simulated tokens (infermesh.sim_tokens), nothing fetched.
+carries the ids, the digest and the ids' prefix hashes. A simulated fleet ("bytes:4") gets its
+simulated tokens (infermesh.sim_tokens), nothing fetched.
 
-The gateway starts learning its fleet's tokenizers as it starts (``start``), and looks again
-every ``[router] tokenizer_refresh_s``, or at once (at most once a second) for a model it has not
-seen: a model that appears is learnt by its first request. A request that arrives while a load is
-under way waits for it, at most LOAD_WAIT_S, rather than going without its ids and block hashes
-(which the router's prefill/decode split and cache-aware routing read). This path only ever adds
-fields: when the load fails or takes longer (a failed fetch, workers reporting no digest or one
-the gateway cannot load), or when a prompt does not render, the request goes without them, as
-before (the router then hashes its text and the worker renders it).
+Both sides of the mesh use it: the gateway fills each request before its route ask (learning the
+fleet from the router's ListWorkers), and the router fills an ask that came without block hashes
+(an internal caller's text, a prompt the gateway could not render) from its own fleet view, so
+that the prefill/decode split and cache-aware routing read every request's blocks.
+
+The tokenizers are learnt as their user starts (``learn``), and looked at again every
+``refresh_s``, or at once (at most once a second) for a model not seen yet: a model that appears
+is learnt by its first request. A request that arrives while a load is under way waits for it,
+at most ``load_wait_s``, rather than going without its ids and block hashes. This path only ever
+adds fields: when the load fails or takes longer (a failed fetch, workers reporting no digest or
+one that cannot be loaded here), or when a prompt does not render, the request goes without them
+(the router then decides it on its text, and the worker renders it).
 """
 
 from __future__ import annotations
@@ -26,16 +30,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from gateway.mesh.client import MeshClient
-from gateway.mesh.fleet_view import per_model
-from infermesh.pb import common_pb2, router_pb2
+from infermesh.fleet_view import per_model
+from infermesh.pb import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from infermesh.prefix_hash import chain
 from infermesh.sim_tokens import SIM_TOKENIZER, prompt_text, sim_token_ids
 from infermesh.tasks import cancel_and_wait
 from infermesh.text.prompt import chat_message, request_token_ids
-from infermesh.text.text_files import SERVED_TEMPLATE, TextFiles
+from infermesh.text.text_files import SERVED_TEMPLATE, TextFiles, assembled
 
 if TYPE_CHECKING:
     from infermesh.text.tokenizer import Tokenizer
@@ -45,13 +48,13 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this (characters) are tokenized in a thread: HF tokenizers release the
 # GIL, so other requests go on meanwhile; shorter ones cost less than the thread's hand-over.
 THREAD_CHARS = 16_384
-# The longest a request waits for its model's tokenizer while it is being loaded (the tiny model's
-# loads in about 1.5 s here), before it goes without its ids
+# The longest a gateway's request waits for its model's tokenizer while it is being loaded (the
+# tiny model's loads in about 1.5 s), before it goes without its ids
 LOAD_WAIT_S = 10.0
-# A request for a model the gateway has not seen looks at the fleet again at most this often
+# A request for a model not seen yet looks at the fleet again at most this often
 _UNSEEN_MODEL_LOOK_S = 1.0
 # Tokenizers loaded in this process by their files' digest (which names them exactly), oldest
-# first: a gateway app created again in one process (its tests, a restart in place) loads none
+# first: a service created again in one process (its tests, a restart in place) loads none
 # twice
 _LOADED: dict[str, Tokenizer] = {}
 _LOADED_MAX = 8
@@ -59,7 +62,7 @@ _LOADED_MAX = 8
 
 @dataclasses.dataclass(frozen=True)
 class Renderer:
-    """A tokenizer as the gateway uses it: its digest and a request's prompt ids."""
+    """A tokenizer as used here: its digest and a request's prompt ids."""
 
     digest: str
     token_ids: Callable[[common_pb2.GenerateRequest], list[int]]
@@ -74,19 +77,37 @@ SIM_RENDERER = Renderer(
 )
 
 
+class FleetFiles(Protocol):
+    """Where the tokenizers are learnt from: the fleet's workers and their tokenizers' files."""
+
+    async def list_workers(self) -> list[router_pb2.WorkerStatus]:
+        """The fleet's workers, with the tokenizer digest each reports."""
+        ...
+
+    async def text_files(self, address: str) -> dict[str, bytes]:
+        """The tokenizer's files of the worker at ``address`` (Worker.TextFiles)."""
+        ...
+
+
 class PromptTokens:
     """Fills GenerateRequests' prompt_token_ids, tokenizer and prefix_hashes; safe to share."""
 
-    def __init__(self, mesh: MeshClient, refresh_s: float) -> None:
+    def __init__(
+        self, mesh: FleetFiles, refresh_s: float, load_wait_s: float = LOAD_WAIT_S
+    ) -> None:
+        """``refresh_s``: how often the fleet's digests are looked at again; ``load_wait_s``:
+        the longest a request waits for a load under way."""
         self._mesh = mesh
         self._refresh_s = refresh_s
+        self._load_wait_s = load_wait_s
         self._digests: dict[str, str] = {}  # served model -> its fleet's tokenizer digest
         self._loaded: dict[str, Renderer] = {SIM_TOKENIZER: SIM_RENDERER}  # by digest
         self._looked_at = -float("inf")  # monotonic time of the last ListWorkers
         self._learning: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Starts learning the fleet's tokenizers (as the gateway starts)."""
+    def learn(self) -> None:
+        """Looks at the fleet's tokenizers now (as its user starts, when a worker joins), unless
+        a look is under way."""
         self._learn_soon()
 
     def renderer(self, model: str) -> Renderer | None:
@@ -99,14 +120,14 @@ class PromptTokens:
         return self._loaded_for(model)
 
     async def loaded_renderer(self, model: str) -> Renderer | None:
-        """``renderer``, waiting up to LOAD_WAIT_S for a load of the fleet's tokenizers under
-        way."""
+        """``renderer``, waiting up to ``load_wait_s`` for a load of the fleet's tokenizers
+        under way."""
         renderer = self.renderer(model)
         learning = self._learning
         if renderer is None and learning is not None and not learning.done():
             # shielded: a request given up does not stop the load for the others
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(learning), LOAD_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(learning), self._load_wait_s)
             renderer = self._loaded_for(model)
         return renderer
 
@@ -116,22 +137,26 @@ class PromptTokens:
 
     async def fill(self, request: common_pb2.GenerateRequest) -> None:
         """Adds the prompt's ids, their tokenizer and prefix hashes, once the model's tokenizer
-        is loaded (waiting for a load under way, LOAD_WAIT_S at most) and when the prompt
-        renders; otherwise leaves the request as it is."""
+        is loaded (waiting for a load under way, ``load_wait_s`` at most) and when the prompt
+        renders; otherwise leaves the request as it is. A long prompt is tokenized in a thread."""
         renderer = await self.loaded_renderer(request.model)
         if renderer is None or not (request.messages or request.prompt):
             return
-        try:
-            if _prompt_chars(request) > THREAD_CHARS:
-                ids = await asyncio.to_thread(renderer.token_ids, request)
-            else:
-                ids = renderer.token_ids(request)
-        except Exception as e:  # the worker renders it and says what is wrong
-            logger.debug("request %s not tokenized here: %s", request.request_id, e)
-            return
-        request.prompt_token_ids[:] = ids
-        request.tokenizer = renderer.digest
-        request.prefix_hashes[:] = chain(ids)
+        if _prompt_chars(request) > THREAD_CHARS:
+            ids = await asyncio.to_thread(_token_ids, renderer, request)
+        else:
+            ids = _token_ids(renderer, request)
+        _set_tokens(request, renderer.digest, ids)
+
+    def fill_now(self, request: common_pb2.GenerateRequest) -> bool:
+        """``fill`` at once, without waiting, when the model's tokenizer is loaded and the prompt
+        is short enough to tokenize on the event loop; False: nothing done, ``fill`` it."""
+        renderer = self.renderer(request.model)
+        if renderer is None or _prompt_chars(request) > THREAD_CHARS:
+            return False
+        if request.messages or request.prompt:
+            _set_tokens(request, renderer.digest, _token_ids(renderer, request))
+        return True
 
     async def fill_choices(
         self, requests: list[common_pb2.GenerateRequest], prompt_of: list[int]
@@ -192,10 +217,19 @@ class PromptTokens:
         return Renderer(digest, functools.partial(request_token_ids, tokenizer))
 
 
+async def worker_text_files(
+    stub: worker_pb2_grpc.WorkerStub, timeout_s: float | None
+) -> dict[str, bytes]:
+    """A worker's tokenizer files (Worker.TextFiles), whole; grpc.aio.AioRpcError or ValueError
+    when they do not come."""
+    call = stub.TextFiles(worker_pb2.TextFilesRequest(), timeout=timeout_s, wait_for_ready=False)
+    return assembled([(chunk.name, chunk.data) async for chunk in call])
+
+
 def _fleet_digests(
     workers: list[router_pb2.WorkerStatus],
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Per served model the digest most of its workers report (of those the gateway can load:
+    """Per served model the digest most of its workers report (of those loadable here:
     "sha256:..." and the simulated tokens), and per digest a worker's address to fetch it
     from."""
     addresses: dict[str, str] = {}
@@ -212,7 +246,7 @@ def _loadable(info: common_pb2.WorkerInfo) -> str | None:
 
 def _load(files: TextFiles) -> Tokenizer:
     """The tokenizer the files make, checked to be the one they name."""
-    # transformers brings torch: imported once a tokenizer is loaded, not as the gateway starts
+    # transformers brings torch: imported once a tokenizer is loaded, not as a service starts
     from infermesh.text.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="infermesh-tokenizer-") as directory:
@@ -222,6 +256,22 @@ def _load(files: TextFiles) -> Tokenizer:
     if tokenizer.text_files.digest != files.digest:
         raise ValueError(f"loaded as {tokenizer.text_files.digest}")
     return tokenizer
+
+
+def _token_ids(renderer: Renderer, request: common_pb2.GenerateRequest) -> list[int] | None:
+    """The prompt's ids; None when it does not render (the worker renders it and says why)."""
+    try:
+        return renderer.token_ids(request)
+    except Exception as e:
+        logger.debug("request %s not tokenized here: %s", request.request_id, e)
+        return None
+
+
+def _set_tokens(request: common_pb2.GenerateRequest, digest: str, ids: list[int] | None) -> None:
+    if ids is not None:
+        request.prompt_token_ids[:] = ids
+        request.tokenizer = digest
+        request.prefix_hashes[:] = chain(ids)
 
 
 def _prompt_chars(request: common_pb2.GenerateRequest) -> int:

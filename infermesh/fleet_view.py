@@ -1,5 +1,5 @@
-"""What the gateway learns of the fleet from the router's ListWorkers: per served model, the value
-most of its workers report."""
+"""What a service learns of the fleet from its WorkerStatus list (the router's ListWorkers): per
+served model, the value most of its workers report."""
 
 from __future__ import annotations
 
