@@ -5,30 +5,22 @@ the log directory), exporting traces to a test OTLP receiver."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from devtools.chat_model import SERVED_PATH
 from devtools.mesh import Mesh, MeshSpec
 from devtools.redis_server import RedisServer
 from infermesh.ports import free_port
 from tests.helpers.e2e import new_key
-from tests.helpers.otlp import OtlpReceiver
+from tests.helpers.otlp import OtlpReceiver, serving_receiver
 from worker_svc.config import DEFAULT_MODEL_PATH
 
 
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[tuple[OtlpReceiver, int]]:
-    receiver = OtlpReceiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield receiver, port
-    server.stop(grace=None)
+    with serving_receiver() as served:
+        yield served
 
 
 @pytest.fixture(scope="session")
