@@ -51,7 +51,8 @@ class _OneWorker:
 
 
 async def _loaded(model: str, digest: str, files: dict[str, bytes]) -> PromptTokens:
-    tokens = PromptTokens(_OneWorker(model, digest, files), refresh_s=3600.0)
+    # as the router has it: every prompt tokenized in a thread
+    tokens = PromptTokens(_OneWorker(model, digest, files), refresh_s=3600.0, thread_chars=0)
     tokens.learn()
     assert await tokens.loaded_renderer(model) is not None, "the tokenizer did not load"
     return tokens

@@ -142,7 +142,7 @@ class RouterSection:
     stream_buffer_chunks: int = 4096
     # true: the gateway renders and tokenizes each prompt with its model's tokenizer (fetched
     # from a worker, Worker.TextFiles) and sends the ids and their prefix hashes, so the router
-    # routes by cached prefixes and the worker does not tokenize again (gateway.mesh.prompt_tokens)
+    # routes by cached prefixes and the worker does not tokenize again (infermesh.prompt_tokens)
     prompt_tokens: bool = True
     # How often the gateway asks the router which tokenizer each model's workers have.
     tokenizer_refresh_s: float = 10.0

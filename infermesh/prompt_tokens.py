@@ -22,6 +22,7 @@ one that cannot be loaded here), or when a prompt does not render, the request g
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -45,9 +46,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters) are tokenized in a thread: HF tokenizers release the
-# GIL, so other requests go on meanwhile; shorter ones cost less than the thread's hand-over.
+# Prompts longer than this (characters) are tokenized in a thread by default: HF tokenizers
+# release the GIL, so other requests go on meanwhile; shorter ones cost less than the thread's
+# hand-over.
 THREAD_CHARS = 16_384
+# Prompts tokenized at once in threads, at most: the others wait their turn, so tokenizing never
+# takes every core
+TOKENIZE_THREADS = 2
 # The longest a gateway's request waits for its model's tokenizer while it is being loaded (the
 # tiny model's loads in about 1.5 s), before it goes without its ids
 LOAD_WAIT_S = 10.0
@@ -93,13 +98,22 @@ class PromptTokens:
     """Fills GenerateRequests' prompt_token_ids, tokenizer and prefix_hashes; safe to share."""
 
     def __init__(
-        self, mesh: FleetFiles, refresh_s: float, load_wait_s: float = LOAD_WAIT_S
+        self,
+        mesh: FleetFiles,
+        refresh_s: float,
+        load_wait_s: float = LOAD_WAIT_S,
+        thread_chars: int = THREAD_CHARS,
     ) -> None:
         """``refresh_s``: how often the fleet's digests are looked at again; ``load_wait_s``:
-        the longest a request waits for a load under way."""
+        the longest a request waits for a load under way; ``thread_chars``: prompts longer than
+        this are tokenized in one of TOKENIZE_THREADS threads (0: every prompt)."""
         self._mesh = mesh
         self._refresh_s = refresh_s
         self._load_wait_s = load_wait_s
+        self._thread_chars = thread_chars
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZE_THREADS, thread_name_prefix="tokenize"
+        )
         self._digests: dict[str, str] = {}  # served model -> its fleet's tokenizer digest
         self._loaded: dict[str, Renderer] = {SIM_TOKENIZER: SIM_RENDERER}  # by digest
         self._looked_at = -float("inf")  # monotonic time of the last ListWorkers
@@ -142,21 +156,14 @@ class PromptTokens:
         renderer = await self.loaded_renderer(request.model)
         if renderer is None or not (request.messages or request.prompt):
             return
-        if _prompt_chars(request) > THREAD_CHARS:
-            ids = await asyncio.to_thread(_token_ids, renderer, request)
+        if _prompt_chars(request) > self._thread_chars:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self._threads, _hashed_ids, renderer, request)
         else:
-            ids = _token_ids(renderer, request)
-        _set_tokens(request, renderer.digest, ids)
-
-    def fill_now(self, request: common_pb2.GenerateRequest) -> bool:
-        """``fill`` at once, without waiting, when the model's tokenizer is loaded and the prompt
-        is short enough to tokenize on the event loop; False: nothing done, ``fill`` it."""
-        renderer = self.renderer(request.model)
-        if renderer is None or _prompt_chars(request) > THREAD_CHARS:
-            return False
-        if request.messages or request.prompt:
-            _set_tokens(request, renderer.digest, _token_ids(renderer, request))
-        return True
+            tokens = _hashed_ids(renderer, request)
+        if tokens is not None:
+            request.prompt_token_ids[:], request.prefix_hashes[:] = tokens
+            request.tokenizer = renderer.digest
 
     async def fill_choices(
         self, requests: list[common_pb2.GenerateRequest], prompt_of: list[int]
@@ -177,6 +184,7 @@ class PromptTokens:
     async def close(self) -> None:
         if self._learning is not None:
             await cancel_and_wait(self._learning)
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _learn_soon(self) -> None:
         if self._learning is None or self._learning.done():
@@ -258,20 +266,17 @@ def _load(files: TextFiles) -> Tokenizer:
     return tokenizer
 
 
-def _token_ids(renderer: Renderer, request: common_pb2.GenerateRequest) -> list[int] | None:
-    """The prompt's ids; None when it does not render (the worker renders it and says why)."""
+def _hashed_ids(
+    renderer: Renderer, request: common_pb2.GenerateRequest
+) -> tuple[list[int], list[int]] | None:
+    """The prompt's ids and their block hashes; None when it does not render (the worker
+    renders it and says why)."""
     try:
-        return renderer.token_ids(request)
+        ids = renderer.token_ids(request)
     except Exception as e:
         logger.debug("request %s not tokenized here: %s", request.request_id, e)
         return None
-
-
-def _set_tokens(request: common_pb2.GenerateRequest, digest: str, ids: list[int] | None) -> None:
-    if ids is not None:
-        request.prompt_token_ids[:] = ids
-        request.tokenizer = digest
-        request.prefix_hashes[:] = chain(ids)
+    return ids, chain(ids)
 
 
 def _prompt_chars(request: common_pb2.GenerateRequest) -> int:

@@ -251,7 +251,7 @@ async def _address(turn: _Turn) -> None:
 
 
 async def _tokenize(turn: _Turn) -> None:
-    """The prompts' token ids and prefix hashes (``gateway.mesh.prompt_tokens``), which the
+    """The prompts' token ids and prefix hashes (``infermesh.prompt_tokens``), which the
     route ask takes."""
     prompt_tokens = turn.request.app.get(PROMPT_TOKENS)
     if prompt_tokens is not None:
