@@ -98,4 +98,4 @@ def exporting_in_process(port: int, service: str = "infermesh-in-process") -> It
         yield
     finally:
         _SWITCH.target = None
-        processor.shutdown()
+        processor.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it untyped
