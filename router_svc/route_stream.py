@@ -1,8 +1,9 @@
 """Router.RouteStream: route decisions and failure reports for many requests over one
 long-lived stream, so that a gateway's request costs the router a message, not a call.
 
-The asks of one message are decided in order and those decided at once are answered in one
-message; with fair queueing, an ask that waits for a free slot is answered by a later
+The asks of one message are decided in order (those that came without block hashes hashed
+first, within a short bound: ``Decider.hash_prompts``) and those decided at once are answered in
+one message; with fair queueing, an ask that waits for a free slot is answered by a later
 message, when its turn comes or its wait ends, unless its caller cancels it first. A decision
 is made as an internal caller's Router.Generate makes its own (the same ``Decider.ask``: the
 same chooser, fair queue and count, the same span attributes, the same answer, ``decision``),
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -41,6 +42,11 @@ _Decided = asyncio.Future[list[WorkerEntry]]
 
 class Decider(Protocol):
     """What a stream asks of the router (its servicer)."""
+
+    async def hash_prompts(self, requests: Sequence[common_pb2.GenerateRequest]) -> None:
+        """Adds their block hashes to the requests that came without, when it can in a short
+        bound; the others go on as they came."""
+        ...
 
     def ask(self, request: common_pb2.GenerateRequest, wait_s: float) -> _Decided:
         """The workers for ``request``, the first counted until ``released``: at once or once
@@ -133,6 +139,9 @@ class _Stream:
     async def read(self, requests: AsyncIterator[router_pb2.RouteStreamRequest]) -> None:
         try:
             async for message in requests:
+                # the asks of a message stay one batch, decided in order: the few without
+                # block hashes are hashed first (bounded), the next message waits meanwhile
+                await self._servicer.hash_prompts([ask.request for ask in message.asks])
                 self._take(message)
         finally:
             self._wake.set()

@@ -8,7 +8,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -320,9 +320,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> asyncio.Future[list[WorkerEntry]]:
         """The workers for a caller that reports the request's end (``released``): at once,
         or with fair queueing once a worker has a free slot; fails as ``decide`` raises, or
-        with QueueRefusedError. Cancelling it takes the ask out of the queue. A request that
-        comes without block hashes is tokenized and hashed here first (its ids and digest go on
-        to its worker with it), waiting _TOKENIZE_WAIT_S at most."""
+        with QueueRefusedError. Cancelling it takes the ask out of the queue. A request with a
+        prompt but no block hashes (``hash_prompts`` could not make them) is counted."""
         decided: asyncio.Future[list[WorkerEntry]]
         try:
             _check_standing(request)
@@ -330,25 +329,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decided = asyncio.get_running_loop().create_future()
             decided.set_exception(e)
             return decided
-        if request.prefix_hashes or not (request.messages or request.prompt):
-            return self._hashed_ask(request, wait_s)
-        return asyncio.ensure_future(self._tokenized_ask(request, wait_s))
-
-    async def _tokenized_ask(
-        self, request: common_pb2.GenerateRequest, wait_s: float
-    ) -> list[WorkerEntry]:
-        # bounded: an ask never waits long on a slow load or a huge prompt
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.tokens.fill(request), _TOKENIZE_WAIT_S)
-        return await self._hashed_ask(request, wait_s)
-
-    def _hashed_ask(
-        self, request: common_pb2.GenerateRequest, wait_s: float
-    ) -> asyncio.Future[list[WorkerEntry]]:
-        """``ask`` once the request has its block hashes, or could not have them (counted)."""
         if not request.prefix_hashes and (request.messages or request.prompt):
             metrics.ROUTER_UNHASHED_ASKS.inc()
-        decided: asyncio.Future[list[WorkerEntry]]
         if self._queue is None:
             decided = asyncio.get_running_loop().create_future()
             try:
@@ -361,6 +343,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             decided = self._queue.submit(request, request.tier, wait_s)
         return decided
+
+    async def hash_prompts(self, requests: Sequence[common_pb2.GenerateRequest]) -> None:
+        """Adds their prompts' ids, tokenizer digest and block hashes to those of ``requests``
+        that came without, as the gateway does (tokenized in threads, all at once), waiting
+        _TOKENIZE_WAIT_S at most: past it, or for a prompt that cannot be tokenized here, a
+        request goes on as it came (and ``ask`` decides it unhashed)."""
+        unhashed = [r for r in requests if not r.prefix_hashes and (r.messages or r.prompt)]
+        if not unhashed:
+            return
+        fills = [asyncio.ensure_future(self.tokens.fill(r)) for r in unhashed]
+        _, late = await asyncio.wait(fills, timeout=_TOKENIZE_WAIT_S)
+        for fill in late:
+            await cancel_and_wait(fill)
 
     def routes(self, attempts: list[WorkerEntry]) -> list[common_pb2.Route]:
         """The workers of a decision as a route stream answers them (the first with its
@@ -549,6 +544,7 @@ class _OwnDecisions:
     async def decision(
         self, request: common_pb2.GenerateRequest, asked: asyncio.Future[Any] | None
     ) -> router_pb2.RouteDecision:
+        await self._servicer.hash_prompts([request])
         decided = self._servicer.ask(request, self._wait_s)
         with contextlib.suppress(Exception):  # a refusal is answered as the route stream does
             await decided
