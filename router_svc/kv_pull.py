@@ -12,29 +12,30 @@ sending their KV cache over the link is estimated to take less time than computi
     <  tokens * prefill_s_per_token
 
 (the link between the two workers' zones: ``[routing] link_gbps`` within one, ``zone_link_gbps``
-across two; the holder copies the blocks out between two of its steps, so the pull first waits
-for one, a decode step of one of its sequences; the right-hand side uses the chosen
-worker's prefill speed, measured or estimated: a short prefix is computed sooner than a busy
-holder gets to it). The pull's deadline is that right-hand side: past it, computing would have
-been done. Both workers must send and take KV blocks
-(``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
-No link (``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
+across two, or, once the chosen worker has measured its pulls from the holder, that measured rate:
+``Fleet.link_gbps``, from the heartbeats' ``Load.links``; the holder copies the blocks out between
+two of its steps, so the pull first waits for one, a decode step of one of its sequences; the
+right-hand side uses the chosen worker's prefill speed, measured or estimated: a short prefix is
+computed sooner than a busy holder gets to it). The pull's deadline is that right-hand side: past
+it, computing would have been done. Both workers must send and take KV blocks
+(``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision. No link
+(``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
 
 Prefill on P, decode on D (``plan_prefill``): a request whose chosen worker D is of role "decode"
 (``[worker] role``; a "prefill" worker is never a request's worker), and which pulls no cached
 prefix from a busy peer, has a worker of role "prefill" P compute the prompt and send D its blocks
 (``KVPull.compute``: D sends P the request with the pull). P is the one estimated to deliver the
-prompt's blocks first (the prefill queued there, then the part of the prompt its own cache lacks,
-as the prefix index says, at its prefill speed, then the part D lacks sent over the link between
-their zones), among those of D's model, precision and KV block size, not ejected and linked to D:
-within one zone always (a ``link_gbps`` of 0 counts the transfer 0), across two only as
-``zone_link_gbps`` lists them. D computes the prompt itself when there is no such P, or when D's
-cache already holds at least as much of the prompt as it lacks and more than P's does: a
-session's next turn, whose history D holds, would otherwise be prefilled again in full on P (and
-sent back) to spare D a tail shorter than that history. The pull's deadline is twice the
-estimate, at least PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. Otherwise a
-"decode" worker hands its prefills to P whatever the load: that is what the role asks for; a
-"both" worker computes its own.
+prompt's blocks first (the prefill queued there, then the part of the prompt its own cache lacks, as
+the prefix index says, at its prefill speed, then the part D lacks sent over the link between their
+zones, or as D measured its pulls from P), among those of D's model, precision and KV block size,
+not ejected and linked to D: within one zone always (a ``link_gbps`` of 0 counts the transfer 0),
+across two only as ``zone_link_gbps`` lists them. D computes the prompt itself when there is no such
+P, or when D's cache already holds at least as much of the prompt as it lacks and more than P's
+does: a session's next turn, whose history D holds, would otherwise be prefilled again in full on P
+(and sent back) to spare D a tail shorter than that history. The pull's deadline is twice the
+estimate, at least PREFILL_MIN_TIMEOUT_S: past it D computes the prompt itself. Otherwise a "decode"
+worker hands its prefills to P whatever the load: that is what the role asks for; a "both" worker
+computes its own.
 """
 
 from __future__ import annotations
@@ -123,10 +124,11 @@ def plan_pull(
     if busy[holder] * group.inverse_capacity[holder] < 1:
         return None  # a holder with a free slot: the cost chose against it, no need to pull
     theirs, mine = group.slots[holder], group.slots[chosen]
-    link_gbps = float(links[fleet.zone_of[mine], fleet.zone_of[theirs]])
+    configured = links[fleet.zone_of[mine], fleet.zone_of[theirs]]
     bytes_per_token = int(fleet.kv_bytes[mine])
-    if link_gbps <= 0 or not _exchange_blocks(fleet, mine, np.array([theirs]))[0]:
+    if configured <= 0 or not _exchange_blocks(fleet, mine, np.array([theirs]))[0]:
         return None
+    link_gbps = float(fleet.link_gbps(np.array([theirs]), mine, np.array([configured]))[0])
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
     transfer_s = step_s + kv_transfer_s(tokens, bytes_per_token, link_gbps)
@@ -173,10 +175,10 @@ def plan_prefill(
     # linked, a link_gbps of 0 counting the transfer 0; across two only as listed)
     zone = fleet.zone_of[decoder.slot]
     gbps = links[zone, fleet.zone_of[slots]]
-    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below)
-    transfer_s = kv_transfer_s(
-        tokens, mine.kv_transfer_bytes_per_token, np.where(gbps > 0, gbps, np.inf)
-    )
+    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below);
+    # a measured one as measured
+    priced = fleet.link_gbps(slots, decoder.slot, np.where(gbps > 0, gbps, np.inf))
+    transfer_s = kv_transfer_s(tokens, mine.kv_transfer_bytes_per_token, priced)
     usable = (
         _exchange_blocks(fleet, decoder.slot, slots)
         & (fleet.ejected_until[slots] <= now)
