@@ -13,10 +13,12 @@ the request, which it prefills before sending the blocks: the same RPC, caller c
 its deadline covering the peer's prefill too. Each pull is a span (``infermesh.kv_pull``) and
 counted in ``infermesh_worker_kv_pull*``.
 
-Each pull of a cached prefix (not ``compute``: a peer's prefill is no part of its link) that
-brought at least _MIN_MEASURED_BYTES measures the link from its peer: the blocks' bytes (their
-tokens' ``kv_transfer_bytes_per_token``) over the seconds until the last of them came, a pull cut
-by its deadline included (what came, came at the link's pace). ``LinkRates`` smooths them per
+Each pull of a cached prefix (not ``compute``: a peer's prefill is no part of its link) measures
+the link from its peer: the bytes of the blocks after the first message (their tokens'
+``kv_transfer_bytes_per_token``) over the seconds from the first message to the last (the first
+waits for the peer's step under way and its copy out of the cache, no part of the link), a pull
+cut by its deadline included (what came, came at the link's pace), when at least
+_MIN_MEASURED_BYTES came so. ``LinkRates`` smooths them per
 peer, and the heartbeats tell the routers (``Load.links``), which price the next pull from that
 peer by it.
 """
@@ -153,7 +155,9 @@ class KVPuller:
         received = 0
         outcome = "OK"
         started = time.perf_counter()
-        last_came = started
+        # the link's measure: the blocks after the first message, and when they came
+        first_came = last_came = 0.0
+        measured_blocks = 0
         with _tracer.start_as_current_span(
             "infermesh.kv_pull",
             attributes={
@@ -180,6 +184,10 @@ class KVPuller:
                         received += sum(len(t.data) for t in tensors)
                         blocks.append(PeerBlock(block.prefix_hash, tensors))
                     last_came = time.perf_counter()
+                    if first_came:
+                        measured_blocks += len(message.blocks)
+                    else:
+                        first_came = last_came
             except grpc.aio.AioRpcError as e:
                 outcome = e.code().name
                 logger.warning(
@@ -203,8 +211,8 @@ class KVPuller:
         metrics.KV_PULL_BLOCKS.labels(*labels).inc(len(blocks))
         metrics.KV_PULL_SECONDS.labels(*labels).inc(seconds)
         if not pull.compute:
-            kv_bytes = len(blocks) * BLOCK_TOKENS * self._bytes_per_token
-            self.rates.measured(pull.worker_id, kv_bytes, last_came - started)
+            kv_bytes = measured_blocks * BLOCK_TOKENS * self._bytes_per_token
+            self.rates.measured(pull.worker_id, kv_bytes, last_came - first_came)
         return PeerPrefix(wanted.start, tuple(blocks)) if blocks else None
 
     async def close(self) -> None:
