@@ -89,6 +89,7 @@ _BULK_BYTES = 4 * 1024 * 1024  # the narrow link's transfer: 0.34 s at 100 Mb/s
 _PULL_TOKENS = 1600
 _PULL_TIME_SCALE = 125.0
 _PULL_LINK_GBPS = 100.0
+_PULL_MAX_TOKENS = 2
 _PULL_WAIT_S = 10.0  # for an index, a load or a heartbeat to reach the router
 _ENV = {
     "INFERMESH_GATEWAY_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
@@ -498,7 +499,8 @@ async def kv_pull_narrow_link(
     """A KV pull from a busy holder over its port narrowed to ``mbit_per_s``, on a router and two
     simulated workers of its own: the pull's outcome, the answer against the holder's, and the
     router's estimate of the link before and after the worker's next heartbeat."""
-    del fm, fault_s, concurrency  # two requests on a mesh of its own; no load, no fault length
+    # two requests of _PULL_MAX_TOKENS on a mesh of its own (a decode step is 0.24 s there)
+    del fm, fault_s, concurrency, max_tokens
     engines = [
         sim_engine(
             "A100",
@@ -518,7 +520,7 @@ async def kv_pull_narrow_link(
     ):
         fleet = router.resources.registry.fleet
         metrics.watch_links(fleet.measured_links)
-        seeded = await gateway_complete(router, _pull_request("kv", _PULL_TOKENS, max_tokens))
+        seeded = await gateway_complete(router, _pull_request("kv", _PULL_TOKENS, _PULL_MAX_TOKENS))
         holder = fleet.get(seeded.route.worker_id)
         assert holder is not None
         taker = "kv-b" if holder.worker_id == "kv-a" else "kv-a"
@@ -544,7 +546,7 @@ async def kv_pull_narrow_link(
                 await _until(_now(lambda: fleet.busy_now[holder.slot] >= 1), _PULL_WAIT_S)
                 sent = time.monotonic()
                 answer = await gateway_complete(
-                    router, _pull_request("kv", _PULL_TOKENS, max_tokens)
+                    router, _pull_request("kv", _PULL_TOKENS, _PULL_MAX_TOKENS)
                 )
                 answered_s = time.monotonic() - sent
                 learned_s = await _until(_now(lambda: estimate() is not None), _PULL_WAIT_S)
