@@ -1,16 +1,17 @@
 """The batch runner: every gateway process runs one, and together they run every batch's lines.
 
-A runner claims lines of the running batches in Redis (``BatchRecords.claim``), up to
-``[batches] concurrency`` at once, and sends each as a request to its own process's API
-(``gateway.http.loopback``), acting for the batch's key at the ``batch`` tier: the line crosses
-the same validation, limits, router path (its fair queue, at ``[batches] weight``) and settlement
-as live traffic, and its answer, success or error, is the line's result, kept once
-(``BatchRecords.settle``). Claims are renewed while their lines run; a runner that dies leaves
-claims that run out, and another runner takes the lines again, so no line is lost, and one
-that two runners ran is kept once. A line whose request could not be made (this process
-stopping) is given back at once; one answered 429 or 5xx (the router restarting, no worker, the
-key's limits) is given back after ``[batches] poll_s``, to be run again, never kept as its
-result (until the batch expires).
+A runner claims lines of the running batches in Redis (``BatchRecords.claim``), up to ``[batches]
+concurrency`` at once, and sends each as a request to its own process's API
+(``gateway.http.loopback``), acting for the batch's key at the ``batch`` tier: the line crosses the
+same validation, limits, router path (its fair queue, at ``[batches] weight``) and settlement as
+live traffic, and its answer, success or error, is the line's result, kept once
+(``BatchRecords.settle``), and billed to the key with it, in the same Redis script: the line's
+request settles the key's limits but bills nothing, so a line that ran twice is billed once. Claims
+are renewed while their lines run; a runner that dies leaves claims that run out, and another runner
+takes the lines again, so no line is lost, and one that two runners ran is kept once. A line whose
+request could not be made (this process stopping) is given back at once; one answered 429 or 5xx
+(the router restarting, no worker, the key's limits) is given back after ``[batches] poll_s``, to be
+run again, never kept as its result (until the batch expires).
 
 When a batch has every line settled, or is cancelled or expired with no line running, one runner
 (the first to take its ``:final`` lock) finalizes it: the batch's API writes its outputs from the
@@ -33,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.accounts.usage import TokenUsage
 from gateway.batches.files import Files
 from gateway.batches.records import BatchLine, BatchRecord, BatchRecords, LineResult, batch_key
 from gateway.config import BatchesSection
@@ -57,15 +59,28 @@ def _mesh_failed(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-def line_usage(body: Any) -> tuple[int, int]:
-    """(prompt, completion) tokens of a line's answer, in either API's usage shape."""
+def line_usage(body: Any) -> TokenUsage:
+    """The tokens of a line's answer, in any of its APIs' usage shapes (chat and completions',
+    Responses', Anthropic's)."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
-        return 0, 0
+        return TokenUsage()
     if "prompt_tokens" in usage:
-        return int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0)
-    prompt = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
-    return prompt, int(usage.get("output_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        return TokenUsage(
+            int(usage["prompt_tokens"]),
+            int(usage.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+        )
+    if "input_tokens_details" in usage:  # Responses: input_tokens counts the cached ones
+        cached = int((usage["input_tokens_details"] or {}).get("cached_tokens") or 0)
+        return TokenUsage(
+            int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), cached
+        )
+    cached = int(usage.get("cache_read_input_tokens") or 0)  # Anthropic's: input_tokens does not
+    return TokenUsage(
+        int(usage.get("input_tokens") or 0) + cached, int(usage.get("output_tokens") or 0), cached
+    )
 
 
 class BatchRunner:

@@ -1,5 +1,5 @@
 """The batch runner across gateway processes: a gateway killed mid-batch (SIGKILL, its claims left
-behind) loses and repeats no line; another gateway, sharing Redis and the file store, takes its
+behind) loses and repeats no line, and bills each line once; another gateway, sharing Redis and the file store, takes its
 lines over once their claims run out."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import openai
 from gateway.accounts.keys import key_id
 from gateway.batches.records import batch_key
 from infermesh.ports import free_port
+from infermesh.usage import usage_key
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
 from tests.helpers.batches import chat_line, submit
@@ -92,9 +93,15 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
                 output = (await client.files.content(ended.output_file_id)).content
         finally:
             await survivor.close()
-    custom_ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
+    outputs = [json.loads(line) for line in output.splitlines()]
+    custom_ids = [o["custom_id"] for o in outputs]
     assert sorted(custom_ids) == sorted(f"l{i}" for i in range(_LINES)), "a line lost or repeated"
     assert ended.request_counts.completed == _LINES and ended.request_counts.failed == 0
+    billed = await redis_client.hgetall(usage_key(key_id(api_key)))
+    for field in ("prompt_tokens", "completion_tokens"):
+        in_output = sum(o["response"]["body"]["usage"][field] for o in outputs)
+        assert int(billed[field.encode()]) == in_output, f"{field} billed twice for a line"
+    assert int(billed[b"requests"]) == _LINES
 
 
 async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, tmp_path, api_key):
