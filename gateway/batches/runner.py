@@ -51,6 +51,11 @@ Finalizer = Callable[
 ]
 
 _LINE_FAILURES = (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError)
+_LAG_SAMPLE_S = 0.01  # how often the event loop's lag is measured
+_LAG_WEIGHT = 0.2  # the newest sample's weight in the lag's moving average
+# Free slots are refilled this many at a time (a share of [batches] concurrency): each refill is
+# a few Redis round trips (the batches, their records, a claim), paid per chunk, not per line.
+_REFILL_SHARE = 4
 
 
 def _mesh_failed(status: int) -> bool:
@@ -83,8 +88,28 @@ def line_usage(body: Any) -> TokenUsage:
     )
 
 
+class LoopLag:
+    """How late this process's event loop runs a timer, as a moving average (s): the ready work
+    a live request's next chunk waits behind. ``run`` until cancelled."""
+
+    def __init__(self) -> None:
+        self.lag_s = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(_LAG_SAMPLE_S)
+            late = max(0.0, loop.time() - started - _LAG_SAMPLE_S)
+            self.lag_s += _LAG_WEIGHT * (late - self.lag_s)
+
+
 class BatchRunner:
-    """This process's share of the batch work; ``run`` until cancelled."""
+    """This process's share of the batch work; ``run`` until cancelled.
+
+    Live requests go first, here as in the router: while the event loop lags past ``[batches]
+    max_loop_lag_ms`` the runner starts no new line (those running finish), and it refills free
+    slots a chunk at a time, not one round of Redis calls per line."""
 
     def __init__(
         self,
@@ -104,6 +129,8 @@ class BatchRunner:
         self._lines: dict[str, list[BatchLine]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self._lag = LoopLag()
+        self._refill = max(1, config.concurrency // _REFILL_SHARE)
 
     @property
     def running(self) -> int:
@@ -113,8 +140,22 @@ class BatchRunner:
         """Looks for work now (a batch was created) rather than at the next poll."""
         self._wake.set()
 
+    def _free_slots(self) -> int:
+        """Lines to start now: none while the event loop lags past its bound, or while fewer
+        slots than a refill's chunk are free."""
+        if self._lagging():
+            return 0
+        free = self._config.concurrency - self.running
+        return free if free >= self._refill else 0
+
+    def _lagging(self) -> bool:
+        """Whether the event loop lags past ``[batches] max_loop_lag_ms`` (0: never)."""
+        bound_ms = self._config.max_loop_lag_ms
+        return bool(bound_ms) and self._lag.lag_s * 1000 > bound_ms
+
     async def run(self) -> None:
         renewals = asyncio.create_task(self._renew_forever())
+        lag = asyncio.create_task(self._lag.run())
         session: aiohttp.ClientSession | None = None
         try:
             while True:
@@ -131,10 +172,13 @@ class BatchRunner:
                 except Exception:  # the runner goes on: a batch it could not handle stays for later
                     logger.exception("batch runner: a round failed")
                 if not found:
+                    # lagging: looks again once the loop may have caught up, not a poll later
+                    timeout_s = _LAG_SAMPLE_S if self._lagging() else self._config.poll_s
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self._config.poll_s)
+                        await asyncio.wait_for(self._wake.wait(), timeout_s)
                 self._wake.clear()
         finally:
+            await cancel_and_wait(lag)
             await cancel_and_wait(renewals)
             for task in list(self._tasks):
                 await cancel_and_wait(task)
@@ -154,7 +198,7 @@ class BatchRunner:
             record = await self._records.get(kid, batch_id)
             if record is None or await self._finalize_if_due(record):
                 continue
-            free = self._config.concurrency - self.running
+            free = self._free_slots()
             if free <= 0 or session is None:
                 break
             lines = await self._records.claim(record, self._owner, free, self._config.lease_s)
@@ -174,7 +218,8 @@ class BatchRunner:
             held.discard(line)
             if not held:
                 self._held.pop(record.ref, None)
-            self._wake.set()
+            if not self._tasks or self._config.concurrency - self.running >= self._refill:
+                self._wake.set()
 
         task.add_done_callback(done)
 
