@@ -3,16 +3,16 @@ steady interactive load; batch lines per second, the interactive time to first t
 without the batch, and how much of the capacity the interactive load leaves idle the batch fills.
 
     nice -n 10 .venv/bin/python bench/batches.py [--lines 10000] [--workers 2] [--slots 8]
-        [--rate 8] [--seconds 20] [--max-tokens 16] [--concurrency 16]
+        [--rate 8] [--seconds 20] [--max-tokens 16] [--concurrency 16] [--max-loop-lag-ms 2]
 
 In this process: a Redis, a real router ([fair_queue] on) and ``--workers`` simulated H100 workers
-of ``--slots`` slots; beside it a gateway process whose batch runner runs ``--concurrency`` lines
-at once. An
-open-loop interactive load (``--rate`` streamed chat completions a second, Poisson arrivals, each
-``--max-tokens`` long) runs ``--seconds`` alone, then the same again while the batch runs
-(``--lines`` lines of the same shape). The time to first token is the time to the stream's first
-event (the gateway answers once the worker's first token is there). Utilisation is the busy
-slots' share, sampled every 10 ms from the workers' engines.
+of ``--slots`` slots; beside it a gateway process whose batch runner runs ``--concurrency`` lines at
+once, pausing while its event loop lags past ``--max-loop-lag-ms`` (0: never; ``[batches]
+max_loop_lag_ms``). An open-loop interactive load (``--rate`` streamed chat completions a second,
+Poisson arrivals, each ``--max-tokens`` long) runs ``--seconds`` alone, then the same again while
+the batch runs (``--lines`` lines of the same shape). The time to first token is the time to the
+stream's first event (the gateway answers once the worker's first token is there). Utilisation is
+the busy slots' share, sampled every 10 ms from the workers' engines.
 
 Printed: the interactive TTFT p50 and p99 alone and beside the batch (target: p99 within 1.2x),
 the batch's lines per second in the window, and the share of the slots the interactive load left
@@ -60,6 +60,7 @@ class Spec:
     seconds: float = 20.0  # each phase
     max_tokens: int = 16
     concurrency: int = 16  # batch lines one gateway runs at once
+    max_loop_lag_ms: float = 2.0  # the runner pauses while the gateway's loop lags past this
     zero_latency: bool = False
 
 
@@ -183,6 +184,7 @@ async def measure(redis_url: str, files_dir: str, spec: Spec) -> Figures:
                 "INFERMESH_GATEWAY_FILES_MAX_LINES": str(max(spec.lines, 1)),
                 "INFERMESH_GATEWAY_BATCHES_CONCURRENCY": str(spec.concurrency),
                 "INFERMESH_GATEWAY_BATCHES_POLL_S": "0.05",
+                "INFERMESH_GATEWAY_BATCHES_MAX_LOOP_LAG_MS": str(spec.max_loop_lag_ms),
             }
         )
         stack.callback(_stop, gateway)
@@ -223,7 +225,8 @@ def report(spec: Spec, figures: Figures) -> None:
     print(
         f"{spec.workers} simulated H100 workers x {spec.slots} slots; interactive {spec.rate:g}/s "
         f"open loop, {spec.max_tokens} tokens each; batch of {spec.lines} lines, "
-        f"{spec.concurrency} at once; {spec.seconds:g} s per phase"
+        f"{spec.concurrency} at once, paused past {spec.max_loop_lag_ms:g} ms of loop lag; "
+        f"{spec.seconds:g} s per phase"
     )
     for name, phase in (("alone", figures.alone), ("beside the batch", figures.beside)):
         print(

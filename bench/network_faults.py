@@ -21,7 +21,12 @@ official ``openai`` SDK through both gateways, every token counted. Scenarios:
   requests fail closed (503, ``Retry-After``) within ``[redis] timeout_s``, it answers
   ``/health`` meanwhile, the usage of the streams it served lands after the heal;
 - ``narrow-link``: a port narrowed to 100 Mb/s with htb: the rate a bulk transfer from it gets,
-  against the same transfer unnarrowed and after the heal.
+  against the same transfer unnarrowed and after the heal;
+- ``kv-pull-narrow-link``: a KV pull from a busy holder whose port is narrowed to 100 Mb/s, on a
+  router of its own (``[routing] link_gbps = 100``) with two simulated DeepSeek-V3 workers whose
+  blocks carry their bytes: the pull passes its deadline and the worker computes the rest (the
+  answer the holder gave), and the router's estimate of that link learns the narrower link from
+  the worker's heartbeat (``infermesh_router_link_gbps``).
 
 Every scenario: requests, failed, hung (no end by the client's deadline), the seconds to detect
 and to recover, usage recorded in Redis against the tokens the clients received (a cut stream's
@@ -50,6 +55,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import aiohttp
 import grpc
 import openai
+from prometheus_client import REGISTRY
 
 from bench.chaos import (
     MODEL,
@@ -61,8 +67,14 @@ from bench.chaos import (
     reset_usage,
     statuses,
 )
-from infermesh.pb import router_pb2, router_pb2_grpc
+from infermesh.pb import common_pb2, router_pb2, router_pb2_grpc
+from infermesh.prefix_hash import BLOCK_TOKENS, chain
+from infermesh.sim_tokens import BYTES_PER_TOKEN, prompt_text, sim_token_ids
+from router_svc.config import RoutingSection
+from telemetry import metrics
+from tests.helpers.inprocess import gateway_complete, running_router, running_worker, sim_engine
 from tests.helpers.netfault import NetFaults, Service, enter_private_network
+from tests.helpers.worker_client import worker_client
 
 REDIS_TIMEOUT_S = 1.0  # the gateways' [redis] timeout_s here
 # the routers' [routing] eject_cooldown_s here: a worker that failed calls and came back
@@ -71,6 +83,14 @@ EJECT_COOLDOWN_S = 2.0
 CLIENT_DEADLINE_S = 20.0  # a request not ended by then is hung
 _POLL_S = 0.05
 _BULK_BYTES = 4 * 1024 * 1024  # the narrow link's transfer: 0.34 s at 100 Mb/s
+# The KV pull's prompt: 100 blocks of DeepSeek-V3's KV cache, 112 MB (9 s at 100 Mb/s, 9 ms at
+# the configured 100 Gb/s); on an A100 profile slowed 125 times its prefill takes 2.5 s (the
+# pull's deadline) and a decode step 0.24 s, so that a few 8 MiB messages come before it.
+_PULL_TOKENS = 1600
+_PULL_TIME_SCALE = 125.0
+_PULL_LINK_GBPS = 100.0
+_PULL_MAX_TOKENS = 2
+_PULL_WAIT_S = 10.0  # for an index, a load or a heartbeat to reach the router
 _ENV = {
     "INFERMESH_GATEWAY_REDIS_TIMEOUT_S": str(REDIS_TIMEOUT_S),
     "INFERMESH_ROUTER_ROUTING_EJECT_COOLDOWN_S": str(EJECT_COOLDOWN_S),
@@ -461,6 +481,104 @@ async def narrow_link(
     }
 
 
+def _pull_request(tag: str, tokens: int, max_tokens: int) -> common_pb2.GenerateRequest:
+    """A prompt of ``tokens`` simulated tokens with its block hashes, as the gateway sends it."""
+    prompt = (f"{tag} " * tokens * BYTES_PER_TOKEN)[: tokens * BYTES_PER_TOKEN]
+    return common_pb2.GenerateRequest(
+        request_id=f"{tag}-{time.monotonic_ns()}",
+        model=MODEL,
+        prompt=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+        prefix_hashes=chain(sim_token_ids(prompt_text(None, prompt))),
+    )
+
+
+async def kv_pull_narrow_link(
+    fm: FaultMesh, *, fault_s: float, concurrency: int, max_tokens: int, mbit_per_s: float = 100.0
+) -> dict[str, Any]:
+    """A KV pull from a busy holder over its port narrowed to ``mbit_per_s``, on a router and two
+    simulated workers of its own: the pull's outcome, the answer against the holder's, and the
+    router's estimate of the link before and after the worker's next heartbeat."""
+    # two requests of _PULL_MAX_TOKENS on a mesh of its own (a decode step is 0.24 s there)
+    del fm, fault_s, concurrency, max_tokens
+    engines = [
+        sim_engine(
+            "A100",
+            max_parallel=1,
+            model="DeepSeek-V3",
+            time_scale=_PULL_TIME_SCALE,
+            kv_block_bytes=True,
+        )
+        for _ in range(2)
+    ]
+    async with (
+        # a busy holder's load outweighs the 2.5 s of prefill its cache saves: the other worker
+        # takes the request, and is to pull the prefix
+        running_router(routing=RoutingSection(link_gbps=_PULL_LINK_GBPS, load_weight=10)) as router,
+        running_worker(engines[0], router, "kv-a", max_parallel=1),
+        running_worker(engines[1], router, "kv-b", max_parallel=1),
+    ):
+        fleet = router.resources.registry.fleet
+        metrics.watch_links(fleet.measured_links)
+        seeded = await gateway_complete(router, _pull_request("kv", _PULL_TOKENS, _PULL_MAX_TOKENS))
+        holder = fleet.get(seeded.route.worker_id)
+        assert holder is not None
+        taker = "kv-b" if holder.worker_id == "kv-a" else "kv-a"
+        blocks = _PULL_TOKENS // BLOCK_TOKENS
+        index = router.resources.index
+        await _until(_now(lambda: index.blocks(holder.slot) >= blocks), _PULL_WAIT_S)
+        port = int(holder.info.address.rsplit(":", 1)[1])
+
+        def estimate() -> float | None:
+            labels = {"src": holder.worker_id, "dst": taker}
+            return REGISTRY.get_sample_value("infermesh_router_link_gbps", labels)
+
+        before = estimate()
+        timed_out = metrics.KV_PULLS.labels(holder.worker_id, taker, "DEADLINE_EXCEEDED")
+        pulled = metrics.KV_PULL_BLOCKS.labels(holder.worker_id, taker)
+        timed_out_before, pulled_before = timed_out._value.get(), pulled._value.get()
+        with NetFaults({"holder": Service(port)}, cgroup_name=f"infermesh-netfault-kv-{port}") as f:
+            f.narrow("holder", mbit_per_s, direction="out")
+            async with worker_client() as client:
+                # the holder at its max_parallel: the router has the other pull its prefix
+                busy = client.generate(holder.info.address, _pull_request("busy", 20, 30_000))
+                await anext(busy)
+                await _until(_now(lambda: fleet.busy_now[holder.slot] >= 1), _PULL_WAIT_S)
+                sent = time.monotonic()
+                answer = await gateway_complete(
+                    router, _pull_request("kv", _PULL_TOKENS, _PULL_MAX_TOKENS)
+                )
+                answered_s = time.monotonic() - sent
+                learned_s = await _until(_now(lambda: estimate() is not None), _PULL_WAIT_S)
+                await busy.aclose()
+    return {
+        "narrowed to Mb/s": mbit_per_s,
+        "configured link Gb/s": _PULL_LINK_GBPS,
+        "requests": 2,
+        "failed": 0,  # gateway_complete raised otherwise
+        "hung": 0,
+        "served by the other worker": answer.route.worker_id == taker,
+        "pulls past their deadline": timed_out._value.get() - timed_out_before,
+        "blocks pulled before the deadline": pulled._value.get() - pulled_before,
+        "of blocks": blocks,
+        "answer as the holder's": answer.text == seeded.text
+        and answer.usage.completion_tokens == seeded.usage.completion_tokens,
+        "answer s": round(answered_s, 2),
+        "router's estimate before, Gb/s": before,
+        "router's estimate after, Gb/s": round(estimate() or 0.0, 4),
+        "time to learn s (after the answer)": round(learned_s, 2),
+    }
+
+
+def _now(condition: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    """``condition`` as _until's awaitable check."""
+
+    async def check() -> bool:
+        return condition()
+
+    return check
+
+
 class Scenario(Protocol):
     """A scenario: its figures, on a mesh it leaves as it found it."""
 
@@ -475,6 +593,7 @@ SCENARIOS: dict[str, Scenario] = {
     "router-redis-partition": router_redis_partition,
     "gateway-redis-partition": gateway_redis_partition,
     "narrow-link": narrow_link,
+    "kv-pull-narrow-link": kv_pull_narrow_link,
 }
 
 

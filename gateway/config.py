@@ -323,8 +323,14 @@ class BatchesSection:
     lease_s: float = 30.0
     # How often an idle runner looks for work.
     poll_s: float = 1.0
+    # Live requests first: while this process's event loop runs its timers later than this on
+    # average (its live requests' chunks wait behind ready work), its runner starts no new line.
+    # 0: no bound.
+    max_loop_lag_ms: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.max_loop_lag_ms < 0:
+            raise ValueError(f"max_loop_lag_ms must be >= 0, got {self.max_loop_lag_ms}")
         if self.concurrency < 0 or self.weight < 1:
             raise ValueError("concurrency must be >= 0 and weight >= 1")
         if not 0 <= self.discount <= 1:

@@ -11,6 +11,10 @@ import numpy as np
 # one link's speed, or an array of candidates' (the router's choice of a prefill worker)
 Gbps = TypeVar("Gbps", float, np.ndarray)
 
+# The peers whose links a worker reports measuring (Load.links: its most recently measured): a
+# heartbeat's size, and what a router keeps per worker.
+MAX_MEASURED_PEERS = 32
+
 
 def kv_transfer_s(tokens: int, bytes_per_token: int, link_gbps: Gbps) -> Gbps:
     """Seconds to send ``tokens`` of KV cache of ``bytes_per_token`` over a ``link_gbps``

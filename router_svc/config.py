@@ -146,7 +146,8 @@ class RoutingSection:
     # The link between workers, Gb/s: a request's worker pulls a longer cached prefix of its
     # prompt from a full peer when sending it is estimated faster than computing it
     # (router_svc/kv_pull.py); 0: never. This is the link between two workers of one zone
-    # ([worker] zone), or of none.
+    # ([worker] zone), or of none. Once a worker has measured its pulls from a peer (reported on
+    # its heartbeats), that pair is priced by the measured rate instead.
     link_gbps: float = 0.0
     # The links across zones, Gb/s, by the two zones' names in either order:
     # {"rack-a/rack-b" = 25}. Two zones not listed have no link: no KV cache moves between them.

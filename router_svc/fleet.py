@@ -144,6 +144,9 @@ class Fleet:
         self.prefill_until = np.zeros(0)
         self.failures = np.zeros(0)  # consecutive failed calls
         self.ejected_until = np.zeros(0)  # monotonic seconds
+        # slot -> {peer worker id: Gb/s}: the links from its peers as the worker last reported
+        # measuring them (Load.links); gone with the worker
+        self._measured_links: dict[int, dict[str, float]] = {}
         self.watchers: list[FleetWatcher] = []
         self._grow(_INITIAL_SLOTS)
 
@@ -190,6 +193,10 @@ class Fleet:
         if load != entry.load:  # a new report: it counts what was routed before it
             self.known_at_report[entry.slot] = self.in_flight[entry.slot]
         entry.load = load
+        if load.links:
+            self._measured_links[entry.slot] = {link.worker_id: link.gbps for link in load.links}
+        else:
+            self._measured_links.pop(entry.slot, None)
         self.busy[entry.slot] = load.running + load.waiting
         self.kv_usage[entry.slot] = load.kv_cache_usage
         self._update_busy_now(entry.slot)
@@ -207,6 +214,7 @@ class Fleet:
         if entry is None:
             return
         self._by_slot[entry.slot] = None
+        self._measured_links.pop(entry.slot, None)
         self._free.append(entry.slot)
         self._groups.clear()
         for watcher in self.watchers:
@@ -250,6 +258,29 @@ class Fleet:
             )
             group = self._groups[key] = Group.of(self, slots)
         return group
+
+    # ------------------------------------------------------------------ links
+
+    def link_gbps(self, sources: np.ndarray, to: int, configured: np.ndarray) -> np.ndarray:
+        """The Gb/s of the links from the workers at slots ``sources`` to the one at slot ``to``:
+        as ``to`` measured its pulls from each (Load.links), else ``configured`` (each pair's
+        [routing] link)."""
+        measured = self._measured_links.get(to)
+        if not measured:
+            return configured
+        ids = (self.entry_at(int(slot)).worker_id for slot in sources)
+        found = np.array([measured.get(worker_id, 0.0) for worker_id in ids])
+        gbps: np.ndarray = np.where(found > 0, found, configured)
+        return gbps
+
+    def measured_links(self) -> list[tuple[str, str, float]]:
+        """Every measured link between two live workers: (from, to, Gb/s)."""
+        return [
+            (source, self.entry_at(slot).worker_id, gbps)
+            for slot, links in self._measured_links.items()
+            for source, gbps in links.items()
+            if source in self._entries
+        ]
 
     # ------------------------------------------------------------------ outcomes of calls
 

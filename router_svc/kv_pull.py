@@ -12,13 +12,14 @@ sending their KV cache over the link is estimated to take less time than computi
     <  tokens * prefill_s_per_token
 
 (the link between the two workers' zones: ``[routing] link_gbps`` within one, ``zone_link_gbps``
-across two; the holder copies the blocks out between two of its steps, so the pull first waits
-for one, a decode step of one of its sequences; the right-hand side uses the chosen
-worker's prefill speed, measured or estimated: a short prefix is computed sooner than a busy
-holder gets to it). The pull's deadline is that right-hand side: past it, computing would have
-been done. Both workers must send and take KV blocks
-(``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision.
-No link (``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
+across two, or, once the chosen worker has measured its pulls from the holder, that measured rate:
+``Fleet.link_gbps``, from the heartbeats' ``Load.links``; the holder copies the blocks out between
+two of its steps, so the pull first waits for one, a decode step of one of its sequences; the
+right-hand side uses the chosen worker's prefill speed, measured or estimated: a short prefix is
+computed sooner than a busy holder gets to it). The pull's deadline is that right-hand side: past
+it, computing would have been done. Both workers must send and take KV blocks
+(``Capabilities.kv_transfer_bytes_per_token``), of one size per token and in one precision. No link
+(``link_gbps = 0``, the default, or two zones ``zone_link_gbps`` does not list): no pull.
 
 Prefill on P, decode on D is a pull too (``KVPull.compute``: the holder computes the blocks
 first); whether a request's phases are split, and on which P, is router_svc/phases.py's rule.
@@ -110,10 +111,11 @@ def plan_pull(
     if busy[holder] * group.inverse_capacity[holder] < 1:
         return None  # a holder with a free slot: the cost chose against it, no need to pull
     theirs, mine = group.slots[holder], group.slots[chosen]
-    link_gbps = float(links[fleet.zone_of[mine], fleet.zone_of[theirs]])
+    configured = links[fleet.zone_of[mine], fleet.zone_of[theirs]]
     bytes_per_token = int(fleet.kv_bytes[mine])
-    if link_gbps <= 0 or not exchange_blocks(fleet, mine, np.array([theirs]))[0]:
+    if configured <= 0 or not exchange_blocks(fleet, mine, np.array([theirs]))[0]:
         return None
+    link_gbps = float(fleet.link_gbps(np.array([theirs]), mine, np.array([configured]))[0])
     decode_speed = float(fleet.speed[group.slots[holder]])
     step_s = 1 / decode_speed if decode_speed > 0 else 0.0
     transfer_s = step_s + kv_transfer_s(tokens, bytes_per_token, link_gbps)

@@ -201,10 +201,10 @@ def _prefill_worker(
     prefill_s = queued_s + (whole - theirs_cached) * s_per_token
     zone = fleet.zone_of[decoder.slot]
     gbps = links[zone, fleet.zone_of[slots]]
-    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below)
-    transfer_s = kv_transfer_s(
-        tokens, mine.kv_transfer_bytes_per_token, np.where(gbps > 0, gbps, np.inf)
-    )
+    # no link: an infinite one, the transfer counted 0 (and, across zones, refused below);
+    # a link D measured its pulls over, as measured
+    priced = fleet.link_gbps(slots, decoder.slot, np.where(gbps > 0, gbps, np.inf))
+    transfer_s = kv_transfer_s(tokens, mine.kv_transfer_bytes_per_token, priced)
     usable = (
         exchange_blocks(fleet, decoder.slot, slots)
         & (fleet.ejected_until[slots] <= now)

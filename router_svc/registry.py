@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+from infermesh.kv_link import MAX_MEASURED_PEERS
 from infermesh.pb import common_pb2
 from infermesh.redis_client import REDIS_ERRORS, parse_redis_url, redis_client
 from router_svc.config import RedisSection, RegistrySection
@@ -137,6 +138,17 @@ def check_load(load: common_pb2.Load) -> None:
             raise RegistrationError(f"load.{name} = {value} is not a finite non-negative number")
     if load.kv_cache_usage > 1:
         raise RegistrationError(f"load.kv_cache_usage = {load.kv_cache_usage} is above 1")
+    if len(load.links) > MAX_MEASURED_PEERS:
+        raise RegistrationError(
+            f"load.links: {len(load.links)} peers, more than the {MAX_MEASURED_PEERS} a worker "
+            "keeps"
+        )
+    for link in load.links:
+        if not link.worker_id or not math.isfinite(link.gbps) or link.gbps <= 0:
+            raise RegistrationError(
+                f"load.links: {link.worker_id!r} at {link.gbps} Gb/s is not a peer's id with a "
+                "finite positive rate"
+            )
 
 
 class Registry:

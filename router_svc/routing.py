@@ -223,7 +223,7 @@ class Chooser:
             cost *= config.load_weight
             if request.prefix_hashes:
                 # one lookup for the candidates and the prefill workers a decode worker among
-                # them would have compute the prompt (kv_pull.plan_prefill)
+                # them would have compute the prompt (phases.py)
                 prefillers = fleet.group(request.model, request.precision, prefill=True)
                 held = self._held(fleet, group.members | prefillers.members, request)
                 cached = _tokens_in(held, group)

@@ -709,6 +709,7 @@ async def serve(config: RouterConfig) -> None:
             for e in fleet.entries()
         )
     )
+    metrics.watch_links(fleet.measured_links)
     metrics.watch_event_loop(asyncio.get_running_loop())
     REGISTRY.register(router.scaling)
     metrics.serve_metrics(config.metrics)

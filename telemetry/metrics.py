@@ -339,6 +339,27 @@ def watch_fleet(workers: Callable[[], Iterable[tuple[str, str]]]) -> None:
     REGISTRY.register(_FleetCollector(workers))
 
 
+class _LinkCollector:
+    def __init__(self, links: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        self._links = links
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "infermesh_router_link_gbps",
+            "The link between two workers as the router prices a KV transfer over it, Gb/s: "
+            "measured by the receiving worker's pulls (only pairs measured are listed)",
+            labels=["src", "dst"],
+        )
+        for source, destination, gbps in self._links():
+            family.add_metric([source, destination], gbps)
+        yield family
+
+
+def watch_links(links: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+    """Exports the router's measured links, read at scrape time as (from, to, Gb/s)."""
+    REGISTRY.register(_LinkCollector(links))
+
+
 class WorkerLoad(Protocol):
     """What the load gauges read (a common_pb2.Load)."""
 

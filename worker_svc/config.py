@@ -307,6 +307,9 @@ class EngineSection:
     # sim only: the link its KV blocks cross to a peer (Worker.KVBlocks), gigabits a second (0:
     # instant), as the router's [routing] link_gbps
     link_gbps: float = 0.0
+    # sim only: its KV blocks carry their bytes to a peer (zeros, kv_transfer_bytes_per_token a
+    # token), so that a real network's speed counts; false: they carry none
+    kv_block_bytes: bool = False
     # sim only: wall seconds per simulated second (4: steps and transfers four times slower, its
     # reported speeds too, so that a busy machine's jitter weighs less in what it times)
     time_scale: float = 1.0

@@ -47,7 +47,10 @@ it was admitted and the mesh served it (the caller's own mistakes, a 400 or 404 
 the router, count too). A request the mesh failed before its first token (a 5xx: router
 unreachable, no worker, every worker failed; or a 429 because no worker has capacity) is
 settled as *not served*: its requests-per-minute unit, token reservation and concurrency
-slot are given back and nothing is added to its usage. A stream that fails after its
+slot are given back and nothing is added to its usage. A batch line's request is settled
+against the limits but not billed: a line can run twice (its runner died after the request and
+before the line's result was kept), so its usage is counted by the script that keeps its result,
+once (``gateway.batches.records``). A stream that fails after its
 first token counts, with the tokens it delivered.
 
 A settlement that fails (Redis unreachable) waits in this process's memory and is retried
@@ -130,6 +133,7 @@ class Admission:
     headers: dict[str, str]  # x-ratelimit-* for the response
     id: str  # unique per admission
     request_id: str  # the request's x-request-id, held by its settlement's done-mark
+    bills: bool = True  # False: a batch line's, whose usage its batch counts (with its result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +197,7 @@ def _settle_call(settlement: _Settlement) -> tuple[list[str], list[str | int | f
             int(settlement.served),
             _SETTLED_TTL_S,
             admission.request_id,
+            int(admission.bills),
         ],
     )
 
@@ -212,10 +217,14 @@ class Limiter:
         self._retry_max = settle_retry_max
         self._dropped = 0
 
-    async def admit(self, kid: str, reserve_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, kid: str, reserve_tokens: int, request_id: str = "", *, bills: bool = True
+    ) -> Admission:
         """Admits one request (``request_id``: its x-request-id) reserving ``reserve_tokens``;
-        raises ``RateLimitError`` (429) over a limit, ``AuthenticationError`` when the key stopped
-        being valid.
+        not ``bills`` (a batch line's request): its settlement counts against the key's limits
+        but adds nothing to its usage, which the line's batch counts once with the line's result
+        (``gateway.batches.records``). Raises ``RateLimitError`` (429) over a limit,
+        ``AuthenticationError`` when the key stopped being valid.
         Redis errors propagate: the caller answers 503 and admits nothing. Goes in the
         next round trip to Redis, with the other admissions and the settlements that wait
         for it (at once when none is out)."""
@@ -255,6 +264,7 @@ class Limiter:
             headers=headers,
             id=lease,
             request_id=request_id,
+            bills=bills,
         )
 
     async def settle(

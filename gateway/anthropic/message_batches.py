@@ -1,10 +1,12 @@
 """Serving Anthropic's Message Batches API (``/v1/messages/batches``): create, retrieve, list,
 cancel and results (JSONL), on the same runner as OpenAI's batches (``gateway.batches``).
 
-A batch's requests come in its body. They are checked when it is created (each ``custom_id``
-Anthropic's pattern and unique, each ``params`` an object not asking to stream and no larger than a
-request body may be): a batch with a bad request is refused whole (400), nothing stored. Each
-request's ``params`` are a ``POST /v1/messages`` body, checked when it runs: a refused one is an
+A batch's requests come in its body. They are checked when it is created, as OpenAI's batch lines
+are: each ``custom_id`` Anthropic's pattern and unique, each ``params`` a valid ``POST
+/v1/messages`` body (its fields, as ``gateway.anthropic.messages`` parses them) not asking to
+stream and no larger than a request body may be. A batch with a bad request is refused whole (400,
+the error's ``param`` naming the request: ``requests.<i>.params.<field>``), nothing stored. What
+only running a request can tell (a model not served, a prompt longer than its context) is an
 ``errored`` result with Anthropic's error.
 """
 
@@ -20,6 +22,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from gateway.accounts.state import API_KEY
+from gateway.anthropic import messages_protocol as wire
 from gateway.batches.files import Files, blob_name
 from gateway.batches.records import (
     ENDED,
@@ -111,6 +114,7 @@ async def create_message_batch(request: web.Request) -> web.Response:
                 param=f"requests.{i}.custom_id",
             )
         seen.add(item.custom_id)
+        _check_params(i, item.params)
         if item.params.get("stream"):
             raise InvalidRequestError(
                 "Batch requests cannot stream", param=f"requests.{i}.params.stream"
@@ -133,6 +137,15 @@ async def create_message_batch(request: web.Request) -> web.Response:
     await request.app[BATCH_RECORDS].create(record, lines)
     request.app[BATCH_RUNNER].wake()
     return json_response(batch_object(record, request))
+
+
+def _check_params(i: int, params: dict[str, Any]) -> None:
+    """A 400 naming request ``i``'s bad parameter when its ``params`` are no Messages body."""
+    try:
+        wire.parse_messages_request(params, wire.MessagesRequest).check_budget()
+    except InvalidRequestError as e:
+        param = f"requests.{i}.params" + (f".{e.param}" if e.param else "")
+        raise InvalidRequestError(f"requests.{i}.params: {e.message}", param=param) from None
 
 
 async def retrieve_message_batch(request: web.Request) -> web.Response:

@@ -220,8 +220,9 @@ def check_model(request: web.Request, model: str | None) -> None:
 async def admit(request: web.Request, model: str | None, reserve_tokens: int) -> Admission:
     """Admits the request against its key's model list and limits (403, 401, 429)."""
     check_model(request, model)
+    key = request[API_KEY]
     return await request.app[LIMITER].admit(
-        request[API_KEY].id, reserve_tokens, request[REQUEST_ID]
+        key.id, reserve_tokens, request[REQUEST_ID], bills=not key.batch
     )
 
 
@@ -266,11 +267,12 @@ async def _ask_route(turn: _Turn) -> None:
 
 async def _admit(turn: _Turn) -> None:
     """The key's limits in Redis (401, 429); refused, the router's decisions go back unused."""
-    request = turn.request
+    request, key = turn.request, turn.request[API_KEY]
     turn.admission = await request.app[LIMITER].admit(
-        request[API_KEY].id,
+        key.id,
         turn.plan.reserve(request.app[CONFIG].limits.default_completion_reserve),
         request[REQUEST_ID],
+        bills=not key.batch,
     )
 
 

@@ -10,7 +10,8 @@ one script touches them all, and a batch is found only under the key that owns i
   renew.lua). A runner that dies stops renewing; its lines are claimed again once their claims
   run out.
 - ``...:results``: line -> the line's result (JSON), written once (settle.lua): a line is settled
-  once whichever runner ran it, and counted once in ``completed`` or ``failed``.
+  once whichever runner ran it, counted once in ``completed`` or ``failed``, and its usage billed
+  once to the key's usage (``infermesh.usage``) by the same script.
 - ``infermesh:batches:{<key id>}``: the key's batch ids by creation (ms), for listing.
 - ``infermesh:batches:active``: ``<key id>/<batch id>`` of every batch not yet ended, what the
   runners look through (another slot: written beside, never in, a batch's scripts).
@@ -29,11 +30,12 @@ from typing import Any, cast
 import orjson
 
 from gateway.accounts.keys import key_tag
+from gateway.accounts.usage import TokenUsage
 from gateway.batches.files import blob_name
 from gateway.batches.store import BlobStore, one_chunk
 from gateway.config import BatchesSection
 from infermesh.redis_client import RedisClient, decoded
-from infermesh.usage import usage_key
+from infermesh.usage import USAGE_DAY_TTL_S, usage_day, usage_key
 
 ACTIVE = "infermesh:batches:active"
 _LUA = importlib.resources.files("gateway.batches") / "lua"
@@ -272,21 +274,25 @@ class BatchRecords:
         return sum(int(decoded(c).partition(":")[0]) >= now_ms for c in claims)
 
     async def settle(
-        self, record: BatchRecord, line: int, result: LineResult, usage: tuple[int, int]
+        self, record: BatchRecord, line: int, result: LineResult, usage: TokenUsage
     ) -> bool:
-        """Keeps ``result`` as the line's, unless it has one already (False)."""
+        """Keeps ``result`` as the line's and bills ``usage`` to the batch's key (its lifetime
+        and today's usage, one request, and ``batch_billed_tokens`` after the batch's discount),
+        in one script, unless the line has a result already (False: nothing kept or billed)."""
         key = batch_key(record.owner, record.id)
-        prompt, completion = usage
-        billed = round((prompt + completion) * (1 - record.discount))
+        lifetime = usage_key(record.owner)
+        tokens = usage.prompt_tokens + usage.completion_tokens
         settled = await self._settle(
-            keys=[key, f"{key}:results", f"{key}:claims", usage_key(record.owner)],
+            keys=[key, f"{key}:results", f"{key}:claims", lifetime, f"{lifetime}:d:{usage_day()}"],
             args=[
                 line,
                 orjson.dumps(dataclasses.asdict(result)),
                 "completed" if result.succeeded else "failed",
-                prompt,
-                completion,
-                billed,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.cached_prompt_tokens,
+                round(tokens * (1 - record.discount)),
+                USAGE_DAY_TTL_S,
             ],
         )
         return bool(settled)

@@ -1,16 +1,17 @@
 """The batch runner: every gateway process runs one, and together they run every batch's lines.
 
-A runner claims lines of the running batches in Redis (``BatchRecords.claim``), up to
-``[batches] concurrency`` at once, and sends each as a request to its own process's API
-(``gateway.http.loopback``), acting for the batch's key at the ``batch`` tier: the line crosses
-the same validation, limits, router path (its fair queue, at ``[batches] weight``) and settlement
-as live traffic, and its answer, success or error, is the line's result, kept once
-(``BatchRecords.settle``). Claims are renewed while their lines run; a runner that dies leaves
-claims that run out, and another runner takes the lines again, so no line is lost, and one
-that two runners ran is kept once. A line whose request could not be made (this process
-stopping) is given back at once; one answered 429 or 5xx (the router restarting, no worker, the
-key's limits) is given back after ``[batches] poll_s``, to be run again, never kept as its
-result (until the batch expires).
+A runner claims lines of the running batches in Redis (``BatchRecords.claim``), up to ``[batches]
+concurrency`` at once, and sends each as a request to its own process's API
+(``gateway.http.loopback``), acting for the batch's key at the ``batch`` tier: the line crosses the
+same validation, limits, router path (its fair queue, at ``[batches] weight``) and settlement as
+live traffic, and its answer, success or error, is the line's result, kept once
+(``BatchRecords.settle``), and billed to the key with it, in the same Redis script: the line's
+request settles the key's limits but bills nothing, so a line that ran twice is billed once. Claims
+are renewed while their lines run; a runner that dies leaves claims that run out, and another runner
+takes the lines again, so no line is lost, and one that two runners ran is kept once. A line whose
+request could not be made (this process stopping) is given back at once; one answered 429 or 5xx
+(the router restarting, no worker, the key's limits) is given back after ``[batches] poll_s``, to be
+run again, never kept as its result (until the batch expires).
 
 When a batch has every line settled, or is cancelled or expired with no line running, one runner
 (the first to take its ``:final`` lock) finalizes it: the batch's API writes its outputs from the
@@ -33,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.accounts.usage import TokenUsage
 from gateway.batches.files import Files
 from gateway.batches.records import BatchLine, BatchRecord, BatchRecords, LineResult, batch_key
 from gateway.config import BatchesSection
@@ -49,6 +51,11 @@ Finalizer = Callable[
 ]
 
 _LINE_FAILURES = (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError)
+_LAG_SAMPLE_S = 0.01  # how often the event loop's lag is measured
+_LAG_WEIGHT = 0.2  # the newest sample's weight in the lag's moving average
+# Free slots are refilled this many at a time (a share of [batches] concurrency): each refill is
+# a few Redis round trips (the batches, their records, a claim), paid per chunk, not per line.
+_REFILL_SHARE = 4
 
 
 def _mesh_failed(status: int) -> bool:
@@ -57,19 +64,52 @@ def _mesh_failed(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-def line_usage(body: Any) -> tuple[int, int]:
-    """(prompt, completion) tokens of a line's answer, in either API's usage shape."""
+def line_usage(body: Any) -> TokenUsage:
+    """The tokens of a line's answer, in any of its APIs' usage shapes (chat and completions',
+    Responses', Anthropic's)."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
-        return 0, 0
+        return TokenUsage()
     if "prompt_tokens" in usage:
-        return int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0)
-    prompt = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
-    return prompt, int(usage.get("output_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        return TokenUsage(
+            int(usage["prompt_tokens"]),
+            int(usage.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+        )
+    if "input_tokens_details" in usage:  # Responses: input_tokens counts the cached ones
+        cached = int((usage["input_tokens_details"] or {}).get("cached_tokens") or 0)
+        return TokenUsage(
+            int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0), cached
+        )
+    cached = int(usage.get("cache_read_input_tokens") or 0)  # Anthropic's: input_tokens does not
+    return TokenUsage(
+        int(usage.get("input_tokens") or 0) + cached, int(usage.get("output_tokens") or 0), cached
+    )
+
+
+class LoopLag:
+    """How late this process's event loop runs a timer, as a moving average (s): the ready work
+    a live request's next chunk waits behind. ``run`` until cancelled."""
+
+    def __init__(self) -> None:
+        self.lag_s = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(_LAG_SAMPLE_S)
+            late = max(0.0, loop.time() - started - _LAG_SAMPLE_S)
+            self.lag_s += _LAG_WEIGHT * (late - self.lag_s)
 
 
 class BatchRunner:
-    """This process's share of the batch work; ``run`` until cancelled."""
+    """This process's share of the batch work; ``run`` until cancelled.
+
+    Live requests go first, here as in the router: while the event loop lags past ``[batches]
+    max_loop_lag_ms`` the runner starts no new line (those running finish), and it refills free
+    slots a chunk at a time, not one round of Redis calls per line."""
 
     def __init__(
         self,
@@ -89,6 +129,8 @@ class BatchRunner:
         self._lines: dict[str, list[BatchLine]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self._lag = LoopLag()
+        self._refill = max(1, config.concurrency // _REFILL_SHARE)
 
     @property
     def running(self) -> int:
@@ -98,8 +140,22 @@ class BatchRunner:
         """Looks for work now (a batch was created) rather than at the next poll."""
         self._wake.set()
 
+    def _free_slots(self) -> int:
+        """Lines to start now: none while the event loop lags past its bound, or while fewer
+        slots than a refill's chunk are free."""
+        if self._lagging():
+            return 0
+        free = self._config.concurrency - self.running
+        return free if free >= self._refill else 0
+
+    def _lagging(self) -> bool:
+        """Whether the event loop lags past ``[batches] max_loop_lag_ms`` (0: never)."""
+        bound_ms = self._config.max_loop_lag_ms
+        return bool(bound_ms) and self._lag.lag_s * 1000 > bound_ms
+
     async def run(self) -> None:
         renewals = asyncio.create_task(self._renew_forever())
+        lag = asyncio.create_task(self._lag.run())
         session: aiohttp.ClientSession | None = None
         try:
             while True:
@@ -116,10 +172,13 @@ class BatchRunner:
                 except Exception:  # the runner goes on: a batch it could not handle stays for later
                     logger.exception("batch runner: a round failed")
                 if not found:
+                    # lagging: looks again once the loop may have caught up, not a poll later
+                    timeout_s = _LAG_SAMPLE_S if self._lagging() else self._config.poll_s
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self._config.poll_s)
+                        await asyncio.wait_for(self._wake.wait(), timeout_s)
                 self._wake.clear()
         finally:
+            await cancel_and_wait(lag)
             await cancel_and_wait(renewals)
             for task in list(self._tasks):
                 await cancel_and_wait(task)
@@ -139,7 +198,7 @@ class BatchRunner:
             record = await self._records.get(kid, batch_id)
             if record is None or await self._finalize_if_due(record):
                 continue
-            free = self._config.concurrency - self.running
+            free = self._free_slots()
             if free <= 0 or session is None:
                 break
             lines = await self._records.claim(record, self._owner, free, self._config.lease_s)
@@ -159,7 +218,8 @@ class BatchRunner:
             held.discard(line)
             if not held:
                 self._held.pop(record.ref, None)
-            self._wake.set()
+            if not self._tasks or self._config.concurrency - self.running >= self._refill:
+                self._wake.set()
 
         task.add_done_callback(done)
 

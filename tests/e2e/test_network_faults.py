@@ -1,7 +1,8 @@
 """Faults the network makes, briefly (bench/network_faults.py's scenarios, 2 s each): a mesh of
 real processes (Redis, two routers, three simulated workers, two gateways) in a private network
 namespace, the openai SDK's streaming clients, and packets dropped or a share of them lost
-between live processes; and a port's bandwidth narrowed. Needs root and iptables (``make test``
+between live processes; a port's bandwidth narrowed, and a KV pull over a narrowed port, whose
+measured rate the router learns. Needs root and iptables (``make test``
 installs it): a host that cannot make these faults fails here with the reason, never skips."""
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from tests.helpers.netfault import NetFaultError, NetFaults, Service, check_host
 FAULT_S = 2.0
 SLACK_S = 1.0  # a shared 2-core machine runs nine processes and 16 clients here
 KEEPALIVE_S = 3.0  # infermesh.channels: a ping every 1 s, unanswered for 2 s
+HEARTBEAT_S = 1.0  # [registry] heartbeat_interval_s
 _BENCH = Path(__file__).resolve().parents[2] / "bench" / "network_faults.py"
-_RUN_TIMEOUT_S = 180  # about 35 s on an idle machine, 65 s at a load average of 25
+_RUN_TIMEOUT_S = 180  # about 35 s idle and 65 s at a load average of 25 before the KV pull
+# scenario (8-9 s); 74 s with it at a load average of 8
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +112,22 @@ def test_a_port_narrowed_to_100_mbps_carries_about_that_until_healed(figures):
     assert 60 <= scenario["narrowed Mb/s"] <= 110, scenario  # htb's rate, TCP's overhead
     assert scenario["unnarrowed Mb/s"] > 3 * scenario["narrowed Mb/s"], scenario
     assert scenario["healed Mb/s"] > 3 * scenario["narrowed Mb/s"], scenario
+
+
+def test_a_kv_pull_over_a_narrowed_link_passes_its_deadline_and_the_router_learns_the_link(
+    figures,
+):
+    scenario = figures["kv-pull-narrow-link"]
+    assert scenario["served by the other worker"], scenario
+    # cut at its deadline with part of the prefix come; the rest computed, the answer exact
+    assert scenario["pulls past their deadline"] == 1, scenario
+    assert 0 < scenario["blocks pulled before the deadline"] < scenario["of blocks"], scenario
+    assert scenario["answer as the holder's"], scenario
+    # priced by [routing] link_gbps (100 Gb/s) until measured, then by htb's 100 Mb/s
+    assert scenario["router's estimate before, Gb/s"] is None, scenario
+    assert 0.05 <= scenario["router's estimate after, Gb/s"] <= 0.11, scenario
+    assert scenario["time to learn s (after the answer)"] <= HEARTBEAT_S + SLACK_S, scenario
+    assert scenario["failed"] == scenario["hung"] == 0, scenario
 
 
 def test_a_fault_names_only_known_services_and_sensible_arguments():

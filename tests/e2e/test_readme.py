@@ -244,7 +244,9 @@ def test_every_readme_command_runs_as_written(readme_mesh, e2e_redis):
                 ran.append(words)
         assert _WORKER_COMMAND in ran, f"README: no `{_WORKER_COMMAND}`"
         assert any(words.startswith("curl") for words in ran)
-        # the Python client example, with the variables the README exported above
-        (python_example,) = _blocks("python")
+        # the Python examples (the client, a batch), with the variables the README exported above
         env = {**base_env, **{name: ours for name, (_, ours) in provided.items()}}
-        _run(f"python - <<'EOF'\n{python_example}EOF", env, home)
+        examples = _blocks("python")
+        assert len(examples) == 2, "README: the client's and the batch's Python examples"
+        for example in examples:
+            _run(f"python - <<'EOF'\n{example}EOF", env, home)

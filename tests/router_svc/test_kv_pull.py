@@ -275,3 +275,52 @@ def test_a_zone_link_is_two_different_zones_and_a_speed(links: dict[str, float],
     section = RoutingSection(link_gbps=40, zone_link_gbps={"a/b": 10})
     assert section.link_between("b", "a") == section.link_between("a", "b") == 10
     assert section.link_between("a", "a") == 40 and section.link_between("a", "c") == 0
+
+
+def _measured(fleet: Fleet, worker: str, **links_gbps: float) -> None:
+    """``worker``'s heartbeat reporting the links from its peers as it measured them."""
+    entry = fleet.get(worker)
+    assert entry is not None
+    links = [common_pb2.PeerLink(worker_id=p, gbps=g) for p, g in links_gbps.items()]
+    fleet.set_load(entry, common_pb2.Load(running=entry.load.running, links=links))
+
+
+def test_a_pair_measured_slow_is_priced_as_measured_and_one_unmeasured_as_configured():
+    hashes = chain(list(range(16 * 500)))
+    fleet = _fleet()
+    # configured 100 Gb/s: 0.036 s to send what computing takes 0.64 s: pulled
+    assert _decide(fleet, 100, hashes, holder_running=2).pull is not None
+    # "other" measured its pulls from "holder" at 1 Gb/s: 3.6 s, more than computing
+    _measured(fleet, "other", holder=1.0)
+    assert fleet.measured_links() == [("holder", "other", 1.0)]
+    slow = _decide(fleet, 100, hashes, holder_running=2)
+    assert slow.workers[0].worker_id == "other" and slow.pull is None
+    # a measurement of another pair (from a worker not in the fleet) leaves this one configured
+    _measured(fleet, "other", elsewhere=1.0)
+    assert fleet.measured_links() == []
+    assert _decide(fleet, 100, hashes, holder_running=2).pull is not None
+    # measured faster than configured: pulled over a configured 1 Gb/s link
+    _measured(fleet, "other", holder=100.0)
+    assert _decide(fleet, 1, hashes, holder_running=2).pull is not None
+    # no configured link: no pull, whatever was measured
+    assert _decide(fleet, 0, hashes, holder_running=2).pull is None
+    # the measurements go with the worker that made them
+    fleet.remove("other")
+    assert fleet.measured_links() == []
+
+
+def test_a_prefill_worker_measured_slow_loses_to_one_priced_by_config():
+    fleet = _roles_fleet(("p1", "prefill"), ("p2", "prefill"), ("d", "decode"), slow="p2")
+    d = fleet.get("d")
+    assert d is not None
+    long = chain(list(range(16 * 500)))  # 8,000 tokens: 0.8 s on p1, 8 s on p2
+    # the split by the rule that always splits: which P is what this test is about
+    chooser = Chooser(RoutingSection(link_gbps=100, phase_split="always"))
+    first = chooser.choose(fleet, with_hashes(long)).pull
+    assert first is not None and first.holder.worker_id == "p1"
+    # p1 -> d measured at 0.5 Gb/s: 0.8 + 9 s, later than p2's 8 + 0.05 s
+    _measured(fleet, "d", p1=0.5)
+    measured = chooser.choose(fleet, with_hashes(long)).pull
+    assert measured is not None and measured.holder.worker_id == "p2"
+    transfer_s = 8000 * V3_BYTES_PER_TOKEN * 8 / 100e9
+    assert measured.timeout_s == pytest.approx(2 * (8 + transfer_s))

@@ -116,6 +116,10 @@ async def test_registering_twice_keeps_one_entry_and_the_first_time(redis_server
         await a.close()
 
 
+def _links(*links: tuple[str, float]) -> common_pb2.Load:
+    return common_pb2.Load(links=[common_pb2.PeerLink(worker_id=p, gbps=g) for p, g in links])
+
+
 @pytest.mark.parametrize(
     "worker, load, message",
     [
@@ -138,6 +142,9 @@ async def test_registering_twice_keeps_one_entry_and_the_first_time(redis_server
         (info("w"), common_pb2.Load(kv_cache_usage=3), "above 1"),
         (info("w"), common_pb2.Load(tokens_per_second=-1), "tokens_per_second"),
         (info("w", speed=math.inf), common_pb2.Load(), "decode_tokens_per_second"),
+        (info("w"), _links(("p", math.inf)), "not a peer's id with a finite positive rate"),
+        (info("w"), _links(("", 1.0)), "not a peer's id"),
+        (info("w"), _links(*[(f"p{i}", 1.0) for i in range(33)]), "33 peers, more than the 32"),
     ],
 )
 async def test_nonsense_registration_is_refused(redis_server, worker, load, message):

@@ -12,10 +12,20 @@ prompt, its dtype and shape). A pull with ``compute`` (prefill on P, decode on D
 the request, which it prefills before sending the blocks: the same RPC, caller check and fallback,
 its deadline covering the peer's prefill too. Each pull is a span (``infermesh.kv_pull``) and
 counted in ``infermesh_worker_kv_pull*``.
+
+Each pull of a cached prefix (not ``compute``: a peer's prefill is no part of its link) measures
+the link from its peer: the bytes of the blocks after the first message (their tokens'
+``kv_transfer_bytes_per_token``) over the seconds from the first message to the last (the first
+waits for the peer's step under way and its copy out of the cache, no part of the link), a pull
+cut by its deadline included (what came, came at the link's pace), when at least
+_MIN_MEASURED_BYTES came so. ``LinkRates`` smooths them per
+peer, and the heartbeats tell the routers (``Load.links``), which price the next pull from that
+peer by it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -24,6 +34,7 @@ import grpc
 from opentelemetry import trace
 
 from infermesh.channels import WorkerChannels
+from infermesh.kv_link import MAX_MEASURED_PEERS
 from infermesh.pb import common_pb2, worker_pb2
 from infermesh.prefix_hash import BLOCK_TOKENS
 from infermesh.tls import TlsSection
@@ -39,6 +50,11 @@ _tracer = trace.get_tracer(__name__)
 MESSAGE_BYTES = 8 * 2**20
 # The blocks copied out of the cache at once, between two of the engine's steps.
 EXPORT_BYTES = 256 * 2**20
+# A pull measures its link when at least this came: a smaller one's time is mostly the peer's
+# step it waits for, not the link.
+_MIN_MEASURED_BYTES = 2**20
+# A new measurement's weight in a peer's smoothed rate (the rest: the rate before it).
+_NEW_RATE_WEIGHT = 0.5
 
 
 class BlockNotHeldError(Exception):
@@ -85,14 +101,43 @@ def _messages(blocks: Iterable[PeerBlock]) -> Iterable[worker_pb2.KVBlocksRespon
         yield message
 
 
-class KVPuller:
-    """Pulls a prompt's blocks from peers for ``engine``, calling them with the worker's own
-    certificate (``tls``)."""
+class LinkRates:
+    """The links from the peers this worker pulled from, Gb/s, each smoothed over its pulls
+    (the latest weighing _NEW_RATE_WEIGHT); the MAX_MEASURED_PEERS most recently measured."""
 
-    def __init__(self, engine: object, worker_id: str, tls: TlsSection) -> None:
+    def __init__(self) -> None:
+        self._gbps: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def measured(self, peer: str, kv_bytes: int, seconds: float) -> None:
+        """A pull from ``peer`` brought ``kv_bytes`` in ``seconds``."""
+        if kv_bytes < _MIN_MEASURED_BYTES or seconds <= 0:
+            return
+        gbps = kv_bytes * 8 / seconds / 1e9
+        before = self._gbps.pop(peer, None)
+        if before is not None:
+            gbps = _NEW_RATE_WEIGHT * gbps + (1 - _NEW_RATE_WEIGHT) * before
+        self._gbps[peer] = gbps
+        if len(self._gbps) > MAX_MEASURED_PEERS:
+            self._gbps.popitem(last=False)
+
+    def links(self) -> list[common_pb2.PeerLink]:
+        """What the heartbeats report (``Load.links``)."""
+        return [common_pb2.PeerLink(worker_id=p, gbps=g) for p, g in self._gbps.items()]
+
+
+class KVPuller:
+    """Pulls a prompt's blocks from peers for ``engine`` (whose blocks hold ``bytes_per_token``
+    a token), calling them with the worker's own certificate (``tls``); measures the links it
+    pulled over in ``rates``."""
+
+    def __init__(
+        self, engine: object, worker_id: str, bytes_per_token: int, tls: TlsSection
+    ) -> None:
         self._engine = engine if isinstance(engine, KVBlockPeer) else None
         self._worker_id = worker_id
+        self._bytes_per_token = bytes_per_token
         self._channels = WorkerChannels(tls)
+        self.rates = LinkRates()
 
     async def pull(
         self, pull: common_pb2.KVPull, request: common_pb2.GenerateRequest
@@ -110,6 +155,9 @@ class KVPuller:
         received = 0
         outcome = "OK"
         started = time.perf_counter()
+        # the link's measure: the blocks after the first message, and when they came
+        first_came = last_came = 0.0
+        measured_blocks = 0
         with _tracer.start_as_current_span(
             "infermesh.kv_pull",
             attributes={
@@ -135,6 +183,11 @@ class KVPuller:
                         )
                         received += sum(len(t.data) for t in tensors)
                         blocks.append(PeerBlock(block.prefix_hash, tensors))
+                    last_came = time.perf_counter()
+                    if first_came:
+                        measured_blocks += len(message.blocks)
+                    else:
+                        first_came = last_came
             except grpc.aio.AioRpcError as e:
                 outcome = e.code().name
                 logger.warning(
@@ -157,6 +210,9 @@ class KVPuller:
         metrics.KV_PULL_BYTES.labels(*labels).inc(received)
         metrics.KV_PULL_BLOCKS.labels(*labels).inc(len(blocks))
         metrics.KV_PULL_SECONDS.labels(*labels).inc(seconds)
+        if not pull.compute:
+            kv_bytes = measured_blocks * BLOCK_TOKENS * self._bytes_per_token
+            self.rates.measured(pull.worker_id, kv_bytes, last_came - first_came)
         return PeerPrefix(wanted.start, tuple(blocks)) if blocks else None
 
     async def close(self) -> None:

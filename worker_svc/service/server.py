@@ -44,7 +44,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         self._engine = engine
         self.info = info
-        self._puller = KVPuller(engine, info.worker_id, tls)
+        self._puller = KVPuller(
+            engine, info.worker_id, info.capabilities.kv_transfer_bytes_per_token, tls
+        )
         self._reports = itertools.count(1)
         self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
 
@@ -64,6 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             memory_used_bytes=caps.weight_bytes
             + round(engine_load.kv_cache_usage * caps.kv_cache_bytes),
             report=next(self._reports),
+            links=self._puller.rates.links(),
         )
 
     async def Info(

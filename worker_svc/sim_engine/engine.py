@@ -27,7 +27,8 @@ over ``[engine] link_gbps``::
     tokens x kv_transfer_bytes_per_token x 8 / (link_gbps x 1e9)   (infermesh.kv_link)
 
 kv_transfer_bytes_per_token being the model's KV cache per token in the precision it runs
-(DeepSeek-V3: 61 layers x 576 latent values x 2 bytes). A simulated block carries no tensors; a
+(DeepSeek-V3: 61 layers x 576 latent values x 2 bytes). A simulated block carries no tensors, or
+with ``[engine] kv_block_bytes`` one of its bytes (zeros, so that a real network's speed counts); a
 peer's blocks named as the prompt's are put in the prefix cache, a prefix hit like any other
 (prefill on P, decode on D: P's prefill, then the transfer, then D's step). ``[engine]
 time_scale`` stretches every step and transfer, and the speeds it reports, by one factor.
@@ -63,6 +64,7 @@ from worker_svc.engine.api import (
     InvalidArgumentError,
     PeerBlock,
     PeerPrefix,
+    RawTensor,
     drain_chunks,
 )
 from worker_svc.engine.cache_events import CacheEvents
@@ -75,6 +77,8 @@ from worker_svc.sim_engine.roofline import Roofline
 logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 32768
+# the dtype a simulated block's bytes travel as ([engine] kv_block_bytes)
+_BLOCK_DTYPE = "uint8"
 _WORDS = (
     "the",
     "mesh",
@@ -154,9 +158,11 @@ class SimEngine:
         time_scale: float = 1.0,
         prefill_chunk_tokens: int = 0,
         idle_prefill_chunk_tokens: int = 0,
+        kv_block_bytes: bool = False,
     ) -> None:
         """``prefill_chunk_tokens``: prompt tokens prefilled a step while a sequence decodes,
-        ``idle_prefill_chunk_tokens`` while none does (0: whole prompts in one step)."""
+        ``idle_prefill_chunk_tokens`` while none does (0: whole prompts in one step);
+        ``kv_block_bytes``: the blocks sent to peers carry their size in bytes (else none)."""
         if roofline.kv_capacity_tokens < 1:
             raise ConfigError(
                 f"[engine] gpu_count: the model's {roofline.weight_bytes / 1e9:.0f} GB of weights "
@@ -188,6 +194,11 @@ class SimEngine:
             kv_transfer_bytes_per_token=kv_bytes_per_token if prefix_caching else 0,
             prefill_chunk_tokens=prefill_chunk_tokens,
         )
+        # what each block carries to a peer: none, or its bytes (one object for all of them)
+        self._block_tensors: tuple[RawTensor, ...] = ()
+        if kv_block_bytes and prefix_caching:
+            size = BLOCK_TOKENS * kv_bytes_per_token
+            self._block_tensors = (RawTensor(bytes(size), _BLOCK_DTYPE, (size,)),)
         # byte-counted prompts: no tokenizer files a caller could render with
         self.text_files = TextFiles(SIM_TOKENIZER, {})
         self.max_model_len = max_model_len
@@ -250,6 +261,7 @@ class SimEngine:
             time_scale=e.time_scale,
             prefill_chunk_tokens=parallel.prefill_chunk_size,
             idle_prefill_chunk_tokens=parallel.idle_prefill_chunk_size,
+            kv_block_bytes=e.kv_block_bytes,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
@@ -413,15 +425,19 @@ class SimEngine:
             await asyncio.sleep(
                 kv_transfer_s(tokens, bytes_per_token, self._link_gbps) * self.time_scale
             )
-        return [PeerBlock(block, ()) for block in held]
+        return [PeerBlock(block, self._block_tensors) for block in held]
 
     def _adopt(self, names: list[int], prefix: PeerPrefix) -> None:
         """Puts a peer's blocks of this prompt into the prefix cache, where a prefix hit finds
-        them: each a simulated block (no tensors) named as the prompt's block at its place; from
-        the first that is not, the prompt is computed."""
+        them: each a simulated block (no tensors, or its bytes) named as the prompt's block at
+        its place; from the first that is not, the prompt is computed."""
         taken: list[int] = []
         for number, block in enumerate(prefix.blocks, prefix.first):
-            if block.tensors or number >= len(names) or block.prefix_hash != names[number]:
+            if (
+                not self._simulated(block)
+                or number >= len(names)
+                or block.prefix_hash != names[number]
+            ):
                 refused = len(prefix.blocks) - len(taken)
                 metrics.KV_PULL_REFUSED_BLOCKS.inc(refused)
                 logger.warning(
@@ -433,6 +449,14 @@ class SimEngine:
                 break
             taken.append(block.prefix_hash)
         self._remember_prefix(taken)
+
+    def _simulated(self, block: PeerBlock) -> bool:
+        """Whether a peer's block is a simulated one: no tensors, or a block's bytes of zeros."""
+        if not block.tensors:
+            return True
+        size = BLOCK_TOKENS * self.capabilities.kv_transfer_bytes_per_token
+        (tensor, *others) = block.tensors
+        return not others and tensor.dtype == _BLOCK_DTYPE and tensor.shape == (size,)
 
     # ------------------------------------------------------------------ steps
 

@@ -3,7 +3,8 @@
 -- done-mark). KEYS: tpm, inflight, quota, usage, the day's usage, rpm, the done-mark, the
 -- admission's mark. ARGV: the admission's second, its reservation, whether it was windowed (1),
 -- its quota field, prompt, completion and cached tokens, its lease, the day's usage TTL,
--- served (1), the done-mark's TTL, the request's id (what the done-mark holds).
+-- served (1), the done-mark's TTL, the request's id (what the done-mark holds), billed (1; 0: a
+-- batch line's request, whose usage its batch's settle.lua counts with the line's result).
 if not redis.call('SET', KEYS[7], ARGV[12], 'NX', 'EX', ARGV[11]) then return 0 end
 -- its admission can no longer be run again: only admissions in flight keep their mark
 redis.call('DEL', KEYS[8])
@@ -26,6 +27,7 @@ if ARGV[10] == '0' then
   end
   return 1
 end
+if ARGV[13] == '0' then return 1 end
 for i = 4, 5 do
   redis.call('HINCRBY', KEYS[i], 'requests', 1)
   redis.call('HINCRBY', KEYS[i], 'prompt_tokens', prompt)

@@ -24,7 +24,8 @@ def _request(custom_id: str, **params: object) -> dict[str, object]:
 
 
 async def test_a_message_batch_ends_with_every_result(sim_served, redis_client, api_key):
-    requests = [_request(f"r{i}") for i in range(4)] + [_request("bad", temperature=7)]
+    # a model no worker serves: a valid request, refused only when it runs
+    requests = [_request(f"r{i}") for i in range(4)] + [_request("bad", model="no-such-model")]
     async with _client(sim_served, api_key) as client:
         created = await client.messages.batches.create(requests=requests)
         assert created.processing_status == "in_progress"
@@ -48,7 +49,7 @@ async def test_a_message_batch_ends_with_every_result(sim_served, redis_client, 
         assert message.type == "succeeded" and message.message.type == "message"
         assert message.message.usage.output_tokens >= 1
     assert by_id["bad"].type == "errored"
-    assert by_id["bad"].error.error.type == "invalid_request_error"
+    assert by_id["bad"].error.error.type == "not_found_error"
     assert listed == [created.id]
 
 
@@ -58,6 +59,11 @@ async def test_a_bad_request_refuses_the_whole_batch_and_stores_nothing(sim_serv
             ([_request("a"), _request("a")], "Duplicate custom_id 'a'"),
             ([_request("a", stream=True)], "cannot stream"),
             ([_request("not ok!")], "custom_id"),
+            # each request's params checked as POST /v1/messages checks its body
+            ([_request("a"), _request("b", temperature=7)], "requests.1.params: Invalid value"),
+            ([_request("a", messages=[])], "requests.0.params: Invalid value for 'messages'"),
+            ([{"custom_id": "a", "params": {"model": MODEL}}], "requests.0.params: Missing"),
+            ([_request("a", container="c")], "requests.0.params: 'container' is not supported"),
         ):
             with pytest.raises(anthropic.BadRequestError) as refused:
                 await client.messages.batches.create(requests=requests)

@@ -1,6 +1,6 @@
 """The batch runner across gateway processes: a gateway killed mid-batch (SIGKILL, its claims left
-behind) loses and repeats no line; another gateway, sharing Redis and the file store, takes its
-lines over once their claims run out."""
+behind) loses and repeats no line, and bills each line once; another gateway, sharing Redis and the
+file store, takes its lines over once their claims run out."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import openai
 from gateway.accounts.keys import key_id
 from gateway.batches.records import batch_key
 from infermesh.ports import free_port
+from infermesh.tasks import cancel_and_wait
+from infermesh.usage import usage_key
 from router_svc.config import FairQueueSection
 from tests.helpers import MODEL
-from tests.helpers.batches import chat_line, submit
+from tests.helpers.batches import batch_ended, chat_line, submit
 from tests.helpers.gateway import (
     batch_config,
     gateway_process,
@@ -92,9 +94,15 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
                 output = (await client.files.content(ended.output_file_id)).content
         finally:
             await survivor.close()
-    custom_ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
+    outputs = [json.loads(line) for line in output.splitlines()]
+    custom_ids = [o["custom_id"] for o in outputs]
     assert sorted(custom_ids) == sorted(f"l{i}" for i in range(_LINES)), "a line lost or repeated"
     assert ended.request_counts.completed == _LINES and ended.request_counts.failed == 0
+    billed = await redis_client.hgetall(usage_key(key_id(api_key)))
+    for field in ("prompt_tokens", "completion_tokens"):
+        in_output = sum(o["response"]["body"]["usage"][field] for o in outputs)
+        assert int(billed[field.encode()]) == in_output, f"{field} billed twice for a line"
+    assert int(billed[b"requests"]) == _LINES
 
 
 async def test_a_live_request_goes_before_a_batchs_waiting_lines(redis_server, tmp_path, api_key):
@@ -194,3 +202,40 @@ async def test_two_gateways_share_a_batch_and_run_each_line_once(
     assert len(owners) == 2, f"lines claimed by {owners}"
     custom_ids = sorted(json.loads(line)["custom_id"] for line in output.splitlines())
     assert custom_ids == sorted(f"l{i}" for i in range(16))
+
+
+async def test_a_runner_starts_no_line_while_its_event_loop_lags(
+    redis_server, redis_client, tmp_path, api_key
+):
+    """Live requests first: with the process's event loop held up (a callback that blocks it
+    4 ms at a time, past a 1 ms bound), the runner claims no line of a new batch; once the loop
+    runs freely, the batch runs to its end."""
+
+    async def hold_up_the_loop() -> None:
+        while True:
+            time.sleep(0.004)
+            await asyncio.sleep(0)
+
+    async with (
+        running_router(redis_url=redis_server.url) as router,
+        running_worker(sim_engine(zero_latency=True), router),
+    ):
+        config = batch_config(
+            redis_server.url, router.address, str(tmp_path), concurrency=4, max_loop_lag_ms=1.0
+        )
+        gateway = await start_gateway(config)
+        try:
+            async with sdk(gateway, api_key) as client:
+                holding = asyncio.create_task(hold_up_the_loop())
+                await asyncio.sleep(0.2)  # the lag's average climbs past the bound
+                batch = await submit(client, [chat_line(f"l{i}") for i in range(6)])
+                await asyncio.sleep(0.5)
+                claimed_while_lagging = await redis_client.hget(
+                    batch_key(key_id(api_key), batch.id), "next"
+                )
+                await cancel_and_wait(holding)
+                ended = await batch_ended(client, batch.id)
+        finally:
+            await gateway.close()
+    assert claimed_while_lagging in (None, b"0"), claimed_while_lagging
+    assert (ended.request_counts.completed, ended.request_counts.failed) == (6, 0)

@@ -2,7 +2,8 @@
 (Worker.KVBlocks, and an open's KVPull): a prompt's cached prefix pulled from the peer gives the
 tokens computing it gives; only a worker may fetch blocks; a block not held is NOT_FOUND; a
 block that is not the prompt's is refused and computed; a dead peer or a spent deadline falls
-back to computing, unseen by the caller. Prefill on P, decode on D: a decode worker takes the
+back to computing, unseen by the caller; a pull's rate is measured per peer for the heartbeats.
+Prefill on P, decode on D: a decode worker takes the
 blocks a prefill worker computes for it, and gives the tokens one worker doing both gives."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from worker_svc.config import CacheSection, EngineSection, WorkerConfig
 from worker_svc.config import load as load_worker_config
 from worker_svc.engine.api import GenerationRequest, PeerBlock, PeerPrefix, RawTensor
 from worker_svc.engine.prompt_ids import prompt_token_ids
+from worker_svc.service.kv_transfer import LinkRates
 from worker_svc.service.wire import to_engine
 from worker_svc.sim_engine.engine import SimEngine
 from worker_svc.torch_engine.engine import Engine
@@ -388,3 +390,17 @@ async def test_an_engine_without_kv_blocks_says_so():
                 pass
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "(SimEngine) sends no KV blocks" in (refused.value.details() or "")
+
+
+def test_pulls_measure_each_peers_link_smoothed_keeping_the_latest_peers():
+    rates = LinkRates()
+    rates.measured("a", 125_000_000, 1.0)  # 1 Gb/s
+    rates.measured("b", 2**19, 0.001)  # half a MiB: mostly the peer's step, not measured
+    rates.measured("b", 2**20, 0.0)  # no time: not measured
+    assert [(link.worker_id, link.gbps) for link in rates.links()] == [("a", 1.0)]
+    rates.measured("a", 12_500_000, 1.0)  # 0.1 Gb/s: halfway there
+    assert rates.links()[0].gbps == pytest.approx(0.55)
+    for i in range(40):
+        rates.measured(f"p{i}", 2**20, 0.01)
+    # the 32 latest peers: a heartbeat's bound
+    assert [link.worker_id for link in rates.links()] == [f"p{i}" for i in range(8, 40)]

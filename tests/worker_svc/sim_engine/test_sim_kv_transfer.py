@@ -25,7 +25,13 @@ from tests.helpers.inprocess import (
     sim_engine,
 )
 from tests.helpers.worker_client import worker_client
-from worker_svc.engine.api import GenerationRequest, PeerBlock, PeerPrefix, SamplingParams
+from worker_svc.engine.api import (
+    GenerationRequest,
+    PeerBlock,
+    PeerPrefix,
+    RawTensor,
+    SamplingParams,
+)
 
 # DeepSeek-V3 on 8 x H200: 37B active weights in FP8, 61 layers x 576 latent values in BF16
 V3: dict[str, Any] = {"model": "DeepSeek-V3", "gpu": "H200"}
@@ -186,3 +192,34 @@ async def test_the_prefill_speed_it_reports_is_what_its_steps_took():
     assert measured == pytest.approx(30_000 / (2 * engine.roofline.prefill_s(30_000)))
     assert measured < engine.capabilities.prefill_tokens_per_second / 3
     await engine.close()
+
+
+def _taking(prompt: str, blocks: list[PeerBlock]) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="r",
+        messages=None,
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=1),
+        peer_prefix=PeerPrefix(0, tuple(blocks)),
+    )
+
+
+async def test_blocks_carry_their_bytes_when_asked_and_are_taken_as_simulated_ones():
+    sender, taker = sim_engine(**V3, kv_block_bytes=True), sim_engine(**V3)
+    prompt = "word " * 400
+    names = chain(sim_token_ids(prompt))
+    [_ async for _ in sender.generate(_taking(prompt, []))]
+    blocks = await sender.export_blocks(names[:4])
+    size = BLOCK_TOKENS * V3_BYTES_PER_TOKEN
+    assert [[len(t.data) for t in b.tensors] for b in blocks] == [[size]] * 4
+    refused = metrics.KV_PULL_REFUSED_BLOCKS._value.get()
+    chunks = [c async for c in taker.generate(_taking(prompt, blocks))]
+    assert chunks[-1].cached_prompt_tokens == 4 * BLOCK_TOKENS
+    # a block of another size is no simulated block: refused, computed
+    wrong = PeerBlock(names[0], (RawTensor(bytes(8), "uint8", (8,)),))
+    other = sim_engine(**V3)
+    chunks = [c async for c in other.generate(_taking(prompt, [wrong]))]
+    assert chunks[-1].cached_prompt_tokens == 0
+    assert metrics.KV_PULL_REFUSED_BLOCKS._value.get() - refused == 1
+    for engine in (sender, taker, other):
+        await engine.close()
