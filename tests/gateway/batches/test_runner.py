@@ -61,11 +61,15 @@ async def test_a_gateway_killed_mid_batch_loses_and_repeats_no_line(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0
             )
             batch = await submit(client, [chat_line(f"l{i}", max_tokens=24) for i in range(_LINES)])
-            while (await client.batches.retrieve(batch.id)).request_counts.completed < 4:
-                await asyncio.sleep(0.02)
-            proc.send_signal(signal.SIGKILL)  # with lines in flight, their claims held
-            await asyncio.to_thread(proc.wait)
             record = batch_key(key_id(api_key), batch.id)
+            # killed once some lines are done and others in flight, their claims held (a loaded
+            # machine may find either at any moment: both are waited for)
+            while (
+                await client.batches.retrieve(batch.id)
+            ).request_counts.completed < 4 or not await redis_client.hlen(f"{record}:claims"):
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)
             held = await redis_client.hlen(f"{record}:claims")
             settled_at_kill = int(await redis_client.hget(record, "completed"))
             await client.close()
