@@ -5,8 +5,10 @@ message, not a call.
 An ask is answered by its id; the router still makes every decision. A request asks ahead of
 its admission check (``gateway.api.generation``), so that the two round trips overlap; when
 admission refuses it, its decision goes back to the router as unused. The stream is opened
-on first use and again after it broke; a break fails the asks waiting on it with its status,
-as a failed call would.
+on first use and again after it broke; a break fails the asks waiting on it with UNAVAILABLE
+(its own status in the details), whatever the status the stream ended with: no router decided
+them, so they may be asked again (a router ending its streams when it loses its registry can
+reach the gateway as gRPC's INTERNAL "Internal error from Core" under load).
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ class _Call(SharedCall[router_pb2.RouteStreamRequest, router_pb2.RouteStreamResp
 
     def _fail(self, waiter: _Decided, error: grpc.aio.AioRpcError) -> None:
         if not waiter.done():
-            waiter.set_exception(error)
+            waiter.set_exception(
+                call_error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the route stream broke ({error.code().name}: {error.details()})",
+                )
+            )
 
 
 def without_ids(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
