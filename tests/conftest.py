@@ -28,6 +28,8 @@ from worker_svc.config import load as load_worker_config
 from worker_svc.model.precision import detect_capabilities, resolve_device
 from worker_svc.torch_engine.engine import Engine
 
+_WORKER_TESTS = Path(__file__).resolve().parent / "worker_svc"
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the tests whose arithmetic depends on the worker's CPU dtype: the engine's own tests
@@ -36,7 +38,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if "served_precision" in names or (
-            "worker_dtype" in names and item.path.parent.name == "worker_svc"
+            "worker_dtype" in names and item.path.resolve().is_relative_to(_WORKER_TESTS)
         ):
             item.add_marker(pytest.mark.dtype_sensitive)
 
