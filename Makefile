@@ -19,8 +19,10 @@ VLLM_INSTALLED := $(VENV)/.vllm-installed
 BROWSER_INSTALLED := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
 IPTABLES := /usr/sbin/iptables
-# the router's compiled prefix lookup (router_svc/_prefix_probe.c), built with the C compiler
-NATIVE = router_svc/_prefix_probe$(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+# the router's compiled prefix lookup (router_svc/_prefix_probe.c), built with the C compiler; its
+# suffix asked of the interpreter that makes the venv (a rule's target is named when the Makefile is
+# read, before a clean checkout has a venv to ask)
+NATIVE = router_svc/_prefix_probe$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 
 .PHONY: all venv install vllm browser proto native model model-v2 model-v32 model-mla model-r1 model-v31 \
 	run lint test netfaults console-screenshots bench clean chat-model
